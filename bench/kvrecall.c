@@ -1,0 +1,138 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvrecall.c — the `kvrecall` command: the front door for users. Subcommands:
+ *   info      what this build and machine offer (the first thing to run)
+ *   version   the library version
+ * It uses only the public API (runtime/kvrecall.h), like any engine would.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvrecall.h"
+
+static void usage(FILE *f)
+{
+	fprintf(f, "usage: kvrecall <command> [options]\n"
+		   "\n"
+		   "commands:\n"
+		   "  info [--json]   build features, GPU, CPU, NUMA, memory and io_uring of this machine\n"
+		   "  version         print the library version\n"
+		   "  help            this text\n");
+}
+
+static void json_string(FILE *f, const char *key, const char *value, int last)
+{
+	fprintf(f, "  \"%s\": \"", key);
+	for (const char *s = value; *s; s++) {
+		if (*s == '"' || *s == '\\')
+			fprintf(f, "\\%c", *s);
+		else if ((unsigned char)*s < 0x20)
+			fprintf(f, "\\u%04x", *s);
+		else
+			fputc(*s, f);
+	}
+	fprintf(f, "\"%s\n", last ? "" : ",");
+}
+
+static int cmd_info(int argc, char **argv)
+{
+	int json = 0;
+	for (int i = 0; i < argc; i++) {
+		if (!strcmp(argv[i], "--json"))
+			json = 1;
+		else {
+			fprintf(stderr, "kvrecall info: unknown option '%s'\n", argv[i]);
+			return 2;
+		}
+	}
+	struct kvr_system_info s = { .size = sizeof(s) };
+	int err = kvr_system_query(&s);
+	if (err)
+		fprintf(stderr, "kvrecall info: %s (%s); continuing with what was found\n",
+			kvr_last_error(NULL), kvr_strerror(err));
+
+	char gpu_line[512];
+	if (!s.cuda_compiled)
+		snprintf(gpu_line, sizeof(gpu_line), "CUDA backend not compiled; no GPU: %s",
+			 s.gpu_reason);
+	else if (s.n_gpus == 0)
+		snprintf(gpu_line, sizeof(gpu_line), "CUDA backend compiled; no GPU: %s", s.gpu_reason);
+	else
+		snprintf(gpu_line, sizeof(gpu_line), "CUDA backend compiled; %u GPU%s: %s at %s",
+			 s.n_gpus, s.n_gpus > 1 ? "s" : "", s.gpu_name, s.gpu_pci_bus_id);
+
+	const double gib = 1024.0 * 1024.0 * 1024.0;
+	if (json) {
+		printf("{\n");
+		json_string(stdout, "version", kvr_version_string(), 0);
+		printf("  \"cuda_compiled\": %s,\n", s.cuda_compiled ? "true" : "false");
+		printf("  \"cuda_runtime_version\": %u,\n", s.cuda_runtime_version);
+		json_string(stdout, "gpu_archs", s.gpu_archs, 0);
+		printf("  \"n_gpus\": %u,\n", s.n_gpus);
+		json_string(stdout, "gpu_name", s.gpu_name, 0);
+		json_string(stdout, "gpu_pci_bus_id", s.gpu_pci_bus_id, 0);
+		json_string(stdout, "gpu_reason", s.gpu_reason, 0);
+		json_string(stdout, "cpu_model", s.cpu_model, 0);
+		printf("  \"avx2\": %s,\n  \"avx512\": %s,\n  \"f16c\": %s,\n",
+		       s.cpu_avx2 ? "true" : "false", s.cpu_avx512 ? "true" : "false",
+		       s.cpu_f16c ? "true" : "false");
+		printf("  \"numa_nodes\": %u,\n  \"cores\": %u,\n  \"hardware_threads\": %u,\n",
+		       s.n_numa_nodes, s.n_cores, s.n_pus);
+		printf("  \"memory_bytes\": %llu,\n  \"last_level_cache_bytes\": %llu,\n",
+		       (unsigned long long)s.memory_bytes, (unsigned long long)s.l3_bytes);
+		printf("  \"liburing_compiled\": %s,\n", s.liburing_compiled ? "true" : "false");
+		printf("  \"io_uring_available\": %s,\n", s.io_uring_available ? "true" : "false");
+		json_string(stdout, "io_uring_reason", s.io_uring_reason, 1);
+		printf("}\n");
+		return err ? 1 : 0;
+	}
+	printf("kvrecall %s\n", kvr_version_string());
+	printf("  build     CUDA backend %s", s.cuda_compiled ? "compiled" : "not compiled");
+	if (s.cuda_compiled) {
+		printf(" (CUDA runtime %u.%u, for", s.cuda_runtime_version / 1000,
+		       s.cuda_runtime_version % 1000 / 10);
+		char archs[sizeof(s.gpu_archs)];
+		snprintf(archs, sizeof(archs), "%s", s.gpu_archs);
+		const char *sep = " ";
+		for (char *save = NULL, *a = strtok_r(archs, ",", &save); a;
+		     a = strtok_r(NULL, ",", &save), sep = ", ")
+			printf("%ssm_%s", sep, a);
+		printf(")");
+	}
+	printf("; liburing %s\n", s.liburing_compiled ? "yes" : "no");
+	printf("  gpu       %s\n", gpu_line);
+	printf("  cpu       %s\n", s.cpu_model[0] ? s.cpu_model : "(unknown model)");
+	printf("  simd      AVX2 %s, AVX-512 %s, F16C %s\n", s.cpu_avx2 ? "yes" : "no",
+	       s.cpu_avx512 ? "yes" : "no", s.cpu_f16c ? "yes" : "no");
+	printf("  topology  %u NUMA node%s, %u cores, %u hardware threads, last-level cache %.0f MiB\n",
+	       s.n_numa_nodes, s.n_numa_nodes == 1 ? "" : "s", s.n_cores, s.n_pus,
+	       (double)s.l3_bytes / (1024.0 * 1024.0));
+	printf("  memory    %.1f GiB\n", (double)s.memory_bytes / gib);
+	printf("  io_uring  %s%s%s\n", s.io_uring_available ? "available" : "unavailable",
+	       s.io_uring_available ? "" : ": ", s.io_uring_reason);
+	printf("  backend   %s\n", s.n_gpus ? "cuda available; cpu is the default" : "cpu (default)");
+	return err ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2) {
+		usage(stderr);
+		return 2;
+	}
+	const char *cmd = argv[1];
+	if (!strcmp(cmd, "info"))
+		return cmd_info(argc - 2, argv + 2);
+	if (!strcmp(cmd, "version")) {
+		printf("kvrecall %s\n", kvr_version_string());
+		return 0;
+	}
+	if (!strcmp(cmd, "help") || !strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
+		usage(stdout);
+		return 0;
+	}
+	fprintf(stderr, "kvrecall: unknown command '%s'\n\n", cmd);
+	usage(stderr);
+	return 2;
+}

@@ -1,0 +1,22 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * cuda_absent.c — device discovery when the CUDA backend is not compiled in
+ * (no nvcc at build time, or -Dcuda=disabled): there is never a GPU, and the
+ * reason says so.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "gpu.h"
+
+void kvr_gpu_probe(struct kvr_gpu_probe *out)
+{
+	memset(out, 0, sizeof(*out));
+	snprintf(out->reason, sizeof(out->reason),
+		 "CUDA backend not compiled (nvcc not found at build time or -Dcuda=disabled)");
+}
+
+const char *kvr_gpu_compiled_archs(void)
+{
+	return "";
+}

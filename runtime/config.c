@@ -1,0 +1,305 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * config.c — the context configuration: documented defaults, import of configs
+ * from callers built against other header versions, and validation of every
+ * field with a message naming the field and its rule.
+ *
+ * Everything here is pure (no allocation, no machine probing) and thread-safe;
+ * facts that need the machine (does NUMA node 3 exist? is there a GPU?) are
+ * checked by kvr_context_create.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+uint32_t kvr_dtype_bytes(uint32_t dtype)
+{
+	switch (dtype) {
+	case KVR_DTYPE_F16:
+	case KVR_DTYPE_BF16:
+		return 2;
+	case KVR_DTYPE_F32:
+		return 4;
+	default:
+		return 0;
+	}
+}
+
+KVR_API int kvr_config_init(struct kvr_config *cfg)
+{
+	if (!cfg)
+		return -EINVAL;
+	memset(cfg, 0, sizeof(*cfg));
+	cfg->size = sizeof(*cfg);
+	cfg->head_dim = 128;
+	cfg->dtype = KVR_DTYPE_F16;
+	cfg->page_tokens = 32;
+	cfg->budget_tokens = 2048;
+	cfg->sink_tokens = 512;
+	cfg->window_tokens = 512;
+	cfg->tau = 0.9f;
+	cfg->mode = KVR_MODE_AUTO;
+	cfg->backend = KVR_BACKEND_AUTO;
+	cfg->recall_buffers = 2;
+	cfg->dense_layers[0] = 1; /* layer 0 */
+	cfg->max_sequences = 64;
+	cfg->max_batch = 16;
+	cfg->numa_node = KVR_NUMA_NODE_AUTO;
+	cfg->threads = KVR_THREADS_AUTO;
+	cfg->recall_chunk_pages = 8;
+	cfg->log_level = KVR_LOG_WARN;
+	return 0;
+}
+
+/* snprintf into an optional buffer; returns err so callers can `return say(...)`. */
+static int __attribute__((format(printf, 4, 5)))
+say(char *message, size_t message_bytes, int err, const char *fmt, ...)
+{
+	if (message && message_bytes) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(message, message_bytes, fmt, ap);
+		va_end(ap);
+	}
+	return err;
+}
+
+int kvr_config_import(const struct kvr_config *in, struct kvr_config *out, char *message,
+		      size_t message_bytes)
+{
+	/* The first version of the struct is also the smallest one accepted. */
+	const size_t min_size = sizeof(struct kvr_config);
+
+	if (!in)
+		return say(message, message_bytes, -EINVAL, "config: is NULL");
+	if (in->size < min_size)
+		return say(message, message_bytes, -EINVAL,
+			   "size: must be sizeof(struct kvr_config) = %zu as set by kvr_config_init() "
+			   "(got %u: config not initialised?)",
+			   min_size, in->size);
+	if (in->size > sizeof(struct kvr_config)) {
+		/* A newer caller: fine as long as it sets none of the fields we lack. */
+		const unsigned char *extra = (const unsigned char *)in + sizeof(struct kvr_config);
+		for (size_t i = 0; i < in->size - sizeof(struct kvr_config); i++)
+			if (extra[i])
+				return say(message, message_bytes, -EINVAL,
+					   "size: config of %u bytes is from a newer kvrecall and sets "
+					   "fields this library (%zu bytes) does not know",
+					   in->size, sizeof(struct kvr_config));
+	}
+	kvr_config_init(out);
+	memcpy(out, in, sizeof(*out));
+	out->size = sizeof(*out);
+	return 0;
+}
+
+static bool is_power_of_two(uint32_t x)
+{
+	return x && !(x & (x - 1));
+}
+
+/* a *= b, false on 64-bit overflow. */
+static bool mul_ok(uint64_t *a, uint64_t b)
+{
+	return !__builtin_mul_overflow(*a, b, a);
+}
+
+static int validate(const struct kvr_config *c, char *m, size_t mb)
+{
+	/* Shape. */
+	if (c->n_layers == 0)
+		return say(m, mb, -EINVAL, "n_layers: must be at least 1 (got 0)");
+	if (c->n_layers > KVR_MAX_LAYERS)
+		return say(m, mb, -EINVAL, "n_layers: must be at most %u (got %u)", KVR_MAX_LAYERS,
+			   c->n_layers);
+	if (c->n_kv_heads == 0)
+		return say(m, mb, -EINVAL, "n_kv_heads: must be at least 1 (got 0)");
+	if (c->n_kv_heads > KVR_MAX_KV_HEADS)
+		return say(m, mb, -EINVAL, "n_kv_heads: must be at most %u (got %u)",
+			   KVR_MAX_KV_HEADS, c->n_kv_heads);
+	if (c->n_qo_heads == 0)
+		return say(m, mb, -EINVAL, "n_qo_heads: must be at least 1 (got 0)");
+	if (c->n_qo_heads % c->n_kv_heads)
+		return say(m, mb, -EINVAL,
+			   "n_qo_heads: must be a multiple of n_kv_heads (got %u query heads for %u "
+			   "KV heads)",
+			   c->n_qo_heads, c->n_kv_heads);
+	if (c->n_qo_heads / c->n_kv_heads > KVR_MAX_GROUP)
+		return say(m, mb, -ENOTSUP,
+			   "n_qo_heads: group size n_qo_heads / n_kv_heads must be at most %u (got %u)",
+			   KVR_MAX_GROUP, c->n_qo_heads / c->n_kv_heads);
+	if (c->head_dim == 0)
+		return say(m, mb, -EINVAL, "head_dim: must be at least 1 (got 0)");
+	if (c->head_dim % 32 || c->head_dim > 256)
+		return say(m, mb, -ENOTSUP,
+			   "head_dim: unsupported (got %u); supported: multiples of 32 from 32 to 256",
+			   c->head_dim);
+	if (kvr_dtype_bytes(c->dtype) == 0)
+		return say(m, mb, -ENOTSUP,
+			   "dtype: unsupported (got %u); supported: f16 (%d), bf16 (%d), f32 (%d)",
+			   c->dtype, KVR_DTYPE_F16, KVR_DTYPE_BF16, KVR_DTYPE_F32);
+
+	/* Paging and selection. */
+	const uint32_t p = c->page_tokens;
+	if (!is_power_of_two(p) || p < 8 || p > 256)
+		return say(m, mb, -EINVAL,
+			   "page_tokens: must be a power of two from 8 to 256 (got %u)", p);
+	if (c->sink_tokens % p)
+		return say(m, mb, -EINVAL,
+			   "sink_tokens: must be a multiple of page_tokens %u (got %u)", p,
+			   c->sink_tokens);
+	if (c->window_tokens % p)
+		return say(m, mb, -EINVAL,
+			   "window_tokens: must be a multiple of page_tokens %u (got %u)", p,
+			   c->window_tokens);
+	if (c->budget_tokens == 0)
+		return say(m, mb, -EINVAL, "budget_tokens: must be at least page_tokens (got 0)");
+	if (c->budget_tokens % p)
+		return say(m, mb, -EINVAL,
+			   "budget_tokens: must be a multiple of page_tokens %u (got %u)", p,
+			   c->budget_tokens);
+	if ((uint64_t)c->budget_tokens < (uint64_t)c->sink_tokens + c->window_tokens)
+		return say(m, mb, -EINVAL,
+			   "budget_tokens: must be at least sink_tokens + window_tokens = %llu (got %u)",
+			   (unsigned long long)c->sink_tokens + c->window_tokens, c->budget_tokens);
+	if (!(c->tau >= -1.0f && c->tau <= 1.0f)) /* also rejects NaN */
+		return say(m, mb, -EINVAL, "tau: must be in [-1, 1] (got %g)", (double)c->tau);
+	if (c->mode > KVR_MODE_FREEKV)
+		return say(m, mb, -EINVAL,
+			   "mode: unknown (got %u); known: auto, dense, blocking, speculative, freekv",
+			   c->mode);
+	if (c->backend > KVR_BACKEND_CUDA)
+		return say(m, mb, -EINVAL, "backend: unknown (got %u); known: auto, cpu, cuda",
+			   c->backend);
+	if (c->recall_buffers < 1 || c->recall_buffers > 2)
+		return say(m, mb, -EINVAL,
+			   "recall_buffers: must be 1 (single buffer) or 2 (double buffer) (got %u)",
+			   c->recall_buffers);
+	for (uint32_t l = c->n_layers; l < KVR_MAX_LAYERS; l++)
+		if (c->dense_layers[l / 64] >> (l % 64) & 1)
+			return say(m, mb, -EINVAL,
+				   "dense_layers: layer %u is marked dense but n_layers is %u", l,
+				   c->n_layers);
+
+	/* Capacity. */
+	if (c->max_sequences == 0)
+		return say(m, mb, -EINVAL, "max_sequences: must be at least 1 (got 0)");
+	if (c->max_batch == 0)
+		return say(m, mb, -EINVAL, "max_batch: must be at least 1 (got 0)");
+	if (c->max_batch > c->max_sequences)
+		return say(m, mb, -EINVAL,
+			   "max_batch: must be at most max_sequences %u (got %u)", c->max_sequences,
+			   c->max_batch);
+	if (c->recall_chunk_pages == 0)
+		return say(m, mb, -EINVAL, "recall_chunk_pages: must be at least 1 (got 0)");
+	if (c->recall_chunk_pages > 4096)
+		return say(m, mb, -EINVAL, "recall_chunk_pages: must be at most 4096 (got %u)",
+			   c->recall_chunk_pages);
+	if (c->numa_node < KVR_NUMA_NODE_AUTO)
+		return say(m, mb, -EINVAL,
+			   "numa_node: must be a node id >= 0 or KVR_NUMA_NODE_AUTO (-1) (got %d)",
+			   c->numa_node);
+	if (c->threads != KVR_THREADS_AUTO && c->threads > 1024)
+		return say(m, mb, -EINVAL,
+			   "threads: must be at most 1024 or KVR_THREADS_AUTO (got %u)", c->threads);
+	if (c->log_level > KVR_LOG_DEBUG)
+		return say(m, mb, -EINVAL, "log_level: must be 0 (error) to 3 (debug) (got %u)",
+			   c->log_level);
+
+	/* Byte sizes: everything derived later from these fields must fit 64 bits. */
+	uint64_t page_bytes = 2;
+	if (!mul_ok(&page_bytes, p) || !mul_ok(&page_bytes, c->head_dim) ||
+	    !mul_ok(&page_bytes, kvr_dtype_bytes(c->dtype)) || !mul_ok(&page_bytes, c->n_kv_heads))
+		return say(m, mb, -EOVERFLOW, "page_tokens: page size overflows 64 bits");
+	uint64_t cache_bytes = page_bytes;
+	if (!mul_ok(&cache_bytes, c->budget_tokens / p) || !mul_ok(&cache_bytes, c->n_layers) ||
+	    !mul_ok(&cache_bytes, c->max_batch))
+		return say(m, mb, -EOVERFLOW,
+			   "budget_tokens: device cache size max_batch x n_layers x budget_tokens x "
+			   "n_kv_heads x head_dim x 2 x element bytes overflows 64 bits");
+	/* The pool is carved from 2 MiB chunks: rounding up must not wrap. */
+	if (c->pool_bytes > UINT64_MAX - (2u << 20))
+		return say(m, mb, -EOVERFLOW,
+			   "pool_bytes: %llu overflows when rounded up to whole 2 MiB chunks",
+			   (unsigned long long)c->pool_bytes);
+	if (c->pool_bytes && c->pool_bytes < page_bytes * c->n_layers)
+		return say(m, mb, -EINVAL,
+			   "pool_bytes: must be 0 (auto) or at least one page per layer = %llu bytes "
+			   "(got %llu)",
+			   (unsigned long long)(page_bytes * c->n_layers),
+			   (unsigned long long)c->pool_bytes);
+	if (c->device_bytes > UINT64_MAX - (2u << 20))
+		return say(m, mb, -EOVERFLOW,
+			   "device_bytes: %llu overflows when rounded up to whole 2 MiB chunks",
+			   (unsigned long long)c->device_bytes);
+	return 0;
+}
+
+KVR_API int kvr_config_validate(const struct kvr_config *cfg, char *message, size_t message_bytes)
+{
+	struct kvr_config c;
+	int err = kvr_config_import(cfg, &c, message, message_bytes);
+	if (err)
+		return err;
+	err = validate(&c, message, message_bytes);
+	if (!err && message && message_bytes)
+		message[0] = '\0';
+	return err;
+}
+
+static const char *const mode_names[] = {
+	[KVR_MODE_AUTO] = "auto",
+	[KVR_MODE_DENSE] = "dense",
+	[KVR_MODE_BLOCKING] = "blocking",
+	[KVR_MODE_SPECULATIVE] = "speculative",
+	[KVR_MODE_FREEKV] = "freekv",
+};
+
+KVR_API const char *kvr_mode_name(uint32_t mode)
+{
+	return mode < sizeof(mode_names) / sizeof(mode_names[0]) ? mode_names[mode] : "?";
+}
+
+KVR_API int kvr_mode_parse(const char *name, uint32_t *mode)
+{
+	if (!name || !mode)
+		return -EINVAL;
+	for (uint32_t i = 0; i < sizeof(mode_names) / sizeof(mode_names[0]); i++)
+		if (!strcmp(name, mode_names[i])) {
+			*mode = i;
+			return 0;
+		}
+	return -EINVAL;
+}
+
+KVR_API const char *kvr_dtype_name(uint32_t dtype)
+{
+	switch (dtype) {
+	case KVR_DTYPE_F16:
+		return "f16";
+	case KVR_DTYPE_BF16:
+		return "bf16";
+	case KVR_DTYPE_F32:
+		return "f32";
+	default:
+		return "?";
+	}
+}
+
+KVR_API const char *kvr_backend_name(uint32_t backend)
+{
+	switch (backend) {
+	case KVR_BACKEND_AUTO:
+		return "auto";
+	case KVR_BACKEND_CPU:
+		return "cpu";
+	case KVR_BACKEND_CUDA:
+		return "cuda";
+	default:
+		return "?";
+	}
+}

@@ -1,0 +1,126 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * error.c — error codes, last-error messages and the log callback.
+ *
+ * Messages of failed calls live in the context (guarded by its error_lock, since
+ * the engine's thread and the controller thread may both fail calls) or, for
+ * calls without a context, in a thread-local slot. Nothing here writes to
+ * stdout or stderr: the log callback is the only way out.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+static _Thread_local char thread_last_error[KVR_ERROR_MESSAGE_BYTES];
+
+KVR_API const char *kvr_strerror(int err)
+{
+	if (err < 0)
+		err = -err;
+	switch (err) {
+	case 0:
+		return "success";
+	case EINVAL:
+		return "invalid argument";
+	case ENOMEM:
+		return "out of memory (or a configured capacity is exhausted)";
+	case ENODEV:
+		return "no usable device";
+	case EOVERFLOW:
+		return "size overflows";
+	case ENOTSUP:
+		return "not supported by this build or backend";
+	case ENOENT:
+		return "no such object";
+	case EIO:
+		return "input/output error";
+	case EBUSY:
+		return "busy";
+	case EAGAIN:
+		return "try again";
+	case ENOTRECOVERABLE:
+		return "state not recoverable";
+	default: {
+		/* strerrordesc_np is thread-safe and returns static storage (glibc >= 2.32). */
+		const char *s = strerrordesc_np(err);
+		return s ? s : "unknown error";
+	}
+	}
+}
+
+static void deliver(kvr_log_fn fn, void *user, uint32_t max_level, enum kvr_log_level level,
+		    const char *fmt, va_list ap)
+{
+	if (!fn || (uint32_t)level > max_level)
+		return;
+	char line[KVR_ERROR_MESSAGE_BYTES];
+	vsnprintf(line, sizeof(line), fmt, ap);
+	fn(user, level, line);
+}
+
+void kvr_log(const struct kvr_context *ctx, enum kvr_log_level level, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	deliver(ctx->config.log_fn, ctx->config.log_user, ctx->config.log_level, level, fmt, ap);
+	va_end(ap);
+}
+
+void kvr_log_config(const struct kvr_config *cfg, enum kvr_log_level level, const char *fmt, ...)
+{
+	if (!cfg || cfg->size < sizeof(*cfg))
+		return; /* an uninitialised config has no trustworthy callback */
+	va_list ap;
+	va_start(ap, fmt);
+	deliver(cfg->log_fn, cfg->log_user, cfg->log_level, level, fmt, ap);
+	va_end(ap);
+}
+
+int kvr_fail(struct kvr_context *ctx, int err, const char *fmt, ...)
+{
+	char line[KVR_ERROR_MESSAGE_BYTES];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof(line), fmt, ap);
+	va_end(ap);
+	if (ctx) {
+		pthread_mutex_lock(&ctx->error_lock);
+		memcpy(ctx->last_error, line, sizeof(line));
+		pthread_mutex_unlock(&ctx->error_lock);
+		kvr_log(ctx, KVR_LOG_ERROR, "%s", line);
+	} else {
+		memcpy(thread_last_error, line, sizeof(line));
+	}
+	return err;
+}
+
+int kvr_fail_config(const struct kvr_config *cfg, int err, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(thread_last_error, sizeof(thread_last_error), fmt, ap);
+	va_end(ap);
+	kvr_log_config(cfg, KVR_LOG_ERROR, "%s", thread_last_error);
+	return err;
+}
+
+KVR_API const char *kvr_last_error(const struct kvr_context *ctx)
+{
+	return ctx ? ctx->last_error : thread_last_error;
+}
+
+KVR_API uint32_t kvr_version_number(void)
+{
+	return KVR_VERSION_NUMBER;
+}
+
+#define KVR_STR2(x) #x
+#define KVR_STR(x) KVR_STR2(x)
+
+KVR_API const char *kvr_version_string(void)
+{
+	return KVR_STR(KVR_VERSION_MAJOR) "." KVR_STR(KVR_VERSION_MINOR) "." KVR_STR(
+		KVR_VERSION_PATCH);
+}

@@ -1,0 +1,56 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * internal.h — what runtime/ files share and the rest of the library may use:
+ * the context object, error recording and logging.
+ *
+ * Errors: every failing internal path calls kvr_fail(ctx, -E..., fmt, ...), which
+ * records the message in the context (or, with ctx == NULL, in the calling
+ * thread's slot), logs it at ERROR level and returns the code, so a caller can
+ * write `return kvr_fail(...)`.
+ */
+#ifndef KVR_RUNTIME_INTERNAL_H
+#define KVR_RUNTIME_INTERNAL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+
+#include "kvrecall.h"
+
+#define KVR_ERROR_MESSAGE_BYTES 512
+
+struct kvr_context {
+	struct kvr_config config; /* resolved: no automatic values left */
+	char gpu_reason[256];     /* why the cuda backend was not chosen, for info/logs */
+
+	/* Last error. Written by whichever thread fails a call on this context, read
+	 * by kvr_last_error(); the mutex keeps a message from being torn. */
+	pthread_mutex_t error_lock;
+	char last_error[KVR_ERROR_MESSAGE_BYTES];
+};
+
+/* Record `err` with a formatted message against ctx (or the thread when ctx is
+ * NULL), log it, and return err. */
+int kvr_fail(struct kvr_context *ctx, int err, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* Same, for configs not yet owned by a context: the log goes to cfg's callback. */
+int kvr_fail_config(const struct kvr_config *cfg, int err, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* Log through ctx's callback when level is enabled. */
+void kvr_log(const struct kvr_context *ctx, enum kvr_log_level level, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* Log through a config's callback (before a context exists). */
+void kvr_log_config(const struct kvr_config *cfg, enum kvr_log_level level, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* Bytes of one element of a kvr_dtype, or 0 for an unknown dtype. */
+uint32_t kvr_dtype_bytes(uint32_t dtype);
+
+/* Copy a caller's config of any known size over defaults (older callers pass a
+ * smaller size). Returns 0 or -EINVAL with message. */
+int kvr_config_import(const struct kvr_config *in, struct kvr_config *out, char *message,
+		      size_t message_bytes);
+
+#endif /* KVR_RUNTIME_INTERNAL_H */

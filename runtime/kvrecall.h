@@ -1,0 +1,272 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvrecall.h — the public C API of kvrecall, a long-context KV-cache runtime.
+ *
+ * kvrecall keeps the full KV cache of LLM decoding in a page pool in pinned,
+ * NUMA-placed host memory and keeps on the device only a page cache of the pages
+ * each decode step attends to (FreeKV's speculative retrieval). This header is
+ * the only one an engine includes; it is plain C11, has no CUDA types, and every
+ * symbol it declares carries KVR_API.
+ *
+ * Conventions (docs/api.md has the long form):
+ *  - Fallible calls return 0 on success or a negative errno (-EINVAL, -ENOMEM,
+ *    -ENODEV, -EOVERFLOW, ...). kvr_strerror() names a code; kvr_last_error()
+ *    gives the message of the most recent failure, naming the field or id at
+ *    fault. Out-parameters are written only on success.
+ *  - The library never writes to stdout/stderr and never aborts on bad input:
+ *    messages go to the log callback of the config, if one is set.
+ *  - Configs start with their own size (`size`) and are filled with documented
+ *    defaults by kvr_config_init(); later versions only append fields.
+ *  - Handles are opaque; *_destroy(NULL) is a no-op.
+ */
+#ifndef KVRECALL_H
+#define KVRECALL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(KVR_BUILDING_LIBRARY) && defined(__GNUC__)
+#define KVR_API __attribute__((visibility("default")))
+#else
+#define KVR_API
+#endif
+
+/* ---------------------------------------------------------------------------
+ * Version
+ * ------------------------------------------------------------------------- */
+
+#define KVR_VERSION_MAJOR 0
+#define KVR_VERSION_MINOR 1
+#define KVR_VERSION_PATCH 0
+/* One integer, comparable: major * 10000 + minor * 100 + patch. */
+#define KVR_VERSION_NUMBER \
+	(KVR_VERSION_MAJOR * 10000 + KVR_VERSION_MINOR * 100 + KVR_VERSION_PATCH)
+
+/* The version of the library actually loaded (may differ from the header's). */
+KVR_API uint32_t kvr_version_number(void);
+/* "MAJOR.MINOR.PATCH"; static storage. */
+KVR_API const char *kvr_version_string(void);
+
+/* ---------------------------------------------------------------------------
+ * Errors and logging
+ * ------------------------------------------------------------------------- */
+
+/*
+ * A short description of a negative errno returned by kvrecall (e.g. -EINVAL ->
+ * "invalid argument"). Accepts positive values too. Never NULL; static storage.
+ * Thread-safe.
+ */
+KVR_API const char *kvr_strerror(int err);
+
+enum kvr_log_level {
+	KVR_LOG_ERROR = 0, /* a call failed; the message says why */
+	KVR_LOG_WARN = 1,  /* degraded but working (e.g. memory could not be locked) */
+	KVR_LOG_INFO = 2,  /* one-off facts: chosen backend, NUMA node, sizes */
+	KVR_LOG_DEBUG = 3, /* per-call detail; noisy */
+};
+
+/*
+ * Log callback. Called from whichever kvrecall thread has something to say (the
+ * caller's thread, the controller thread or a backend worker), so it must be
+ * thread-safe and should be quick. `message` has no trailing newline and is valid
+ * only during the call.
+ */
+typedef void (*kvr_log_fn)(void *user, enum kvr_log_level level, const char *message);
+
+/* ---------------------------------------------------------------------------
+ * Configuration
+ * ------------------------------------------------------------------------- */
+
+/* Element type of the q/k/v tensors handed in and of unquantised KV pages. */
+enum kvr_dtype {
+	KVR_DTYPE_F16 = 0,
+	KVR_DTYPE_BF16 = 1,
+	KVR_DTYPE_F32 = 2,
+};
+
+/* How each decode step chooses the pages it attends to (DESIGN.md, "Modes"). */
+enum kvr_mode {
+	KVR_MODE_AUTO = 0,        /* the backend's default, chosen by benchmark */
+	KVR_MODE_DENSE = 1,       /* attend to every token; the reference */
+	KVR_MODE_BLOCKING = 2,    /* select with q_i and recall on the critical path */
+	KVR_MODE_SPECULATIVE = 3, /* attend with the pages selected by q_{i-1}; no correction */
+	KVR_MODE_FREEKV = 4,      /* speculative plus per-head correction below tau */
+};
+
+/* Where attention runs. */
+enum kvr_backend {
+	KVR_BACKEND_AUTO = 0, /* cuda when compiled in and a GPU is present, else cpu */
+	KVR_BACKEND_CPU = 1,  /* vectorised C on the host; always available */
+	KVR_BACKEND_CUDA = 2, /* an NVIDIA GPU; -ENODEV when none is usable */
+};
+
+#define KVR_MAX_LAYERS 256u       /* bound on n_layers (size of the dense_layers set) */
+#define KVR_MAX_KV_HEADS 256u     /* bound on n_kv_heads */
+#define KVR_MAX_GROUP 64u         /* bound on n_qo_heads / n_kv_heads */
+#define KVR_THREADS_AUTO UINT32_MAX /* threads: one worker per core beyond the caller's */
+#define KVR_NUMA_NODE_AUTO (-1)   /* numa_node: nearest the GPU, else the caller's node */
+
+/*
+ * Context configuration. Always start from kvr_config_init(), then change the
+ * fields you need. Every field has a fixed width; units are in the comments.
+ * `size` lets a library built from a newer header accept a config from an older
+ * one (missing trailing fields take their defaults).
+ */
+struct kvr_config {
+	uint32_t size; /* bytes: sizeof(struct kvr_config) as the caller compiled it */
+
+	/* Model shape. */
+	uint32_t n_layers;    /* transformer layers, 1..KVR_MAX_LAYERS. No default (0). */
+	uint32_t n_qo_heads;  /* query heads per layer; a multiple of n_kv_heads. No default. */
+	uint32_t n_kv_heads;  /* KV heads per layer, 1..KVR_MAX_KV_HEADS. No default. */
+	uint32_t head_dim;    /* d, elements: a multiple of 32 in 32..256. Default 128. */
+	uint32_t dtype;       /* enum kvr_dtype of q/k/v and of KV pages. Default F16. */
+
+	/* Paging and selection (DESIGN.md vocabulary). */
+	uint32_t page_tokens;   /* p: tokens per page, a power of two in 8..256. Default 32. */
+	uint32_t budget_tokens; /* B: tokens attended per KV head per step. Default 2048. */
+	uint32_t sink_tokens;   /* S: first tokens always attended, a multiple of p. Default 512. */
+	uint32_t window_tokens; /* W: newest tokens always attended, a multiple of p. Default 512. */
+	float tau;              /* correction threshold on the group-mean cosine, [-1, 1]. Default 0.9. */
+	uint32_t mode;          /* enum kvr_mode. Default AUTO. */
+	uint32_t backend;       /* enum kvr_backend. Default AUTO. */
+	uint32_t recall_buffers; /* staging buffers of streamed recall: 2 overlaps copies with
+	                            the HND->NHD conversion; 1 is kept for ablation. Default 2. */
+	/* Layers never sparsified (their KV stays on the device): bit l of word l/64.
+	 * Default: layer 0 only. Bits at or above n_layers must be clear. */
+	uint64_t dense_layers[KVR_MAX_LAYERS / 64];
+
+	/* Capacity. */
+	uint32_t max_sequences; /* sequences alive at once, >= 1. Default 64. */
+	uint32_t max_batch;     /* sequences in one decode step, 1..max_sequences. Default 16. */
+	uint64_t pool_bytes;    /* hard capacity of the host page pool, bytes; 0 = half of
+	                           physical memory. Default 0. */
+	uint64_t device_bytes;  /* budget for the device page cache and its metadata, bytes;
+	                           0 = what max_batch sequences need. Default 0. */
+
+	/* Placement and threads. */
+	int32_t numa_node;  /* host pool's NUMA node, or KVR_NUMA_NODE_AUTO. Default AUTO. */
+	uint32_t threads;   /* cpu backend workers besides the caller's thread; 0 = the
+	                       caller's thread only; KVR_THREADS_AUTO = one per core - 1. */
+	uint32_t recall_chunk_pages; /* pages per staging buffer in streamed recall, >= 1. Default 8. */
+
+	/* Logging. */
+	uint32_t log_level; /* enum kvr_log_level: messages above it are dropped. Default WARN. */
+	kvr_log_fn log_fn;  /* NULL = discard messages. Default NULL. */
+	void *log_user;     /* passed back to log_fn untouched. */
+};
+
+/*
+ * Fill `cfg` with the defaults documented above and set cfg->size. The shape
+ * fields without a default (n_layers, n_qo_heads, n_kv_heads) are left 0 and must
+ * be set before use. Returns 0, or -EINVAL when cfg is NULL.
+ */
+KVR_API int kvr_config_init(struct kvr_config *cfg);
+
+/*
+ * Check every field of `cfg` without creating anything. On failure returns a
+ * negative errno (-EINVAL for a field outside its rule, -EOVERFLOW for sizes that
+ * overflow 64 bits, -ENOTSUP for a shape the kernels do not support) and, when
+ * `message` is not NULL, writes a NUL-terminated message naming the first field at
+ * fault and its rule, truncated to message_bytes. Thread-safe; does not block.
+ */
+KVR_API int kvr_config_validate(const struct kvr_config *cfg, char *message, size_t message_bytes);
+
+/* Name of a mode ("dense", "blocking", "speculative", "freekv", "auto"); "?" if unknown. */
+KVR_API const char *kvr_mode_name(uint32_t mode);
+/* Parse a mode name into *mode. Returns 0 or -EINVAL. */
+KVR_API int kvr_mode_parse(const char *name, uint32_t *mode);
+/* Name of a dtype ("f16", "bf16", "f32"); "?" if unknown. */
+KVR_API const char *kvr_dtype_name(uint32_t dtype);
+/* Name of a backend ("auto", "cpu", "cuda"); "?" if unknown. */
+KVR_API const char *kvr_backend_name(uint32_t backend);
+
+/* ---------------------------------------------------------------------------
+ * Contexts
+ * ------------------------------------------------------------------------- */
+
+struct kvr_context;
+
+/*
+ * Validate `cfg`, resolve its automatic fields (backend, mode, threads, pool and
+ * device sizes, NUMA node) and create a context. On success *out is set. On failure
+ * nothing is left allocated, *out is untouched, the message is sent to cfg->log_fn
+ * and is readable from the calling thread with kvr_last_error(NULL).
+ * Errors: -EINVAL / -EOVERFLOW / -ENOTSUP (config, see kvr_config_validate),
+ * -ENODEV (backend CUDA asked for but no usable GPU), -ENOMEM.
+ * Blocks while memory is set up; thread-safe (contexts are independent).
+ */
+KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context **out);
+
+/* Destroy a context and everything it owns. NULL is a no-op. Not concurrent with
+ * any other call on the same context. */
+KVR_API void kvr_context_destroy(struct kvr_context *ctx);
+
+/*
+ * Copy the context's resolved configuration (automatic fields replaced by what was
+ * chosen) into *cfg. cfg->size must be set by the caller (kvr_config_init does);
+ * at most that many bytes are written. Returns 0 or -EINVAL.
+ */
+KVR_API int kvr_context_get_config(const struct kvr_context *ctx, struct kvr_config *cfg);
+
+/*
+ * The message of the most recent failed call on `ctx`, or "" if none. With
+ * ctx == NULL: the most recent failure on the calling thread of a call that had no
+ * context (kvr_context_create, kvr_system_query). The pointer stays valid until
+ * the next failing call on the same context (or thread, for NULL).
+ */
+KVR_API const char *kvr_last_error(const struct kvr_context *ctx);
+
+/* ---------------------------------------------------------------------------
+ * System report (what `kvrecall info` prints)
+ * ------------------------------------------------------------------------- */
+
+struct kvr_system_info {
+	uint32_t size; /* bytes: set by the caller to sizeof(struct kvr_system_info) */
+
+	/* Build. */
+	uint32_t version_number;  /* as kvr_version_number() */
+	uint32_t cuda_compiled;   /* 1 when the CUDA backend was compiled in */
+	uint32_t cuda_runtime_version; /* CUDART_VERSION compiled against (e.g. 13000), or 0 */
+	uint32_t liburing_compiled; /* 1 when built with liburing */
+	char gpu_archs[64];       /* SM architectures compiled, e.g. "80,90"; "" without CUDA */
+
+	/* GPU. */
+	uint32_t n_gpus;          /* usable CUDA devices; 0 when none */
+	char gpu_name[128];       /* device 0's name, or "" */
+	char gpu_pci_bus_id[32];  /* device 0's PCI bus id ("0000:17:00.0"), or "" */
+	char gpu_reason[256];     /* why n_gpus is 0 (exact CUDA error or "not compiled"), or "" */
+
+	/* CPU. */
+	char cpu_model[128];      /* processor brand string */
+	uint32_t cpu_avx2;        /* 1 when AVX2 and FMA are usable (CPU and OS) */
+	uint32_t cpu_avx512;      /* 1 when AVX-512 F/BW/VL are usable */
+	uint32_t cpu_f16c;        /* 1 when F16C is usable */
+	uint32_t n_numa_nodes;    /* NUMA nodes with memory (hwloc) */
+	uint32_t n_cores;         /* physical cores (hwloc) */
+	uint32_t n_pus;           /* hardware threads (hwloc) */
+	uint64_t memory_bytes;    /* physical memory, bytes */
+	uint64_t l3_bytes;        /* largest last-level cache, bytes (hwloc), or 0 */
+
+	/* I/O. */
+	uint32_t io_uring_available; /* 1 when an io_uring instance could be created */
+	char io_uring_reason[128];   /* why not, or "" */
+};
+
+/*
+ * Fill *info with facts about this build and machine. info->size must be set.
+ * Probes the GPU (which may take a second on a machine with a driver) and the
+ * kernel's io_uring support. Returns 0, -EINVAL (info NULL or size too small), or
+ * -EIO when hwloc cannot read the topology (the other fields are still filled).
+ */
+KVR_API int kvr_system_query(struct kvr_system_info *info);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVRECALL_H */

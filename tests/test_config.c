@@ -1,0 +1,311 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_config.c — config defaults and validation: every invalid field is
+ * rejected with its own error code and a message naming the field and the rule;
+ * the boundary values just inside each rule are accepted.
+ */
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvrecall.h"
+
+/* A valid base: Llama-3.1-8B-like shapes with the documented defaults. */
+static struct kvr_config base(void)
+{
+	struct kvr_config c;
+	cr_assert_eq(kvr_config_init(&c), 0);
+	c.n_layers = 32;
+	c.n_qo_heads = 32;
+	c.n_kv_heads = 8;
+	return c;
+}
+
+Test(config, defaults_are_documented_values)
+{
+	struct kvr_config c;
+	memset(&c, 0xab, sizeof(c));
+	cr_assert_eq(kvr_config_init(&c), 0);
+	cr_expect_eq(c.size, sizeof(c));
+	cr_expect_eq(c.head_dim, 128);
+	cr_expect_eq(c.dtype, KVR_DTYPE_F16);
+	cr_expect_eq(c.page_tokens, 32);
+	cr_expect_eq(c.budget_tokens, 2048);
+	cr_expect_eq(c.sink_tokens, 512);
+	cr_expect_eq(c.window_tokens, 512);
+	cr_expect_float_eq(c.tau, 0.9f, 1e-7);
+	cr_expect_eq(c.mode, KVR_MODE_AUTO);
+	cr_expect_eq(c.backend, KVR_BACKEND_AUTO);
+	cr_expect_eq(c.recall_buffers, 2);
+	cr_expect_eq(c.dense_layers[0], 1u);
+	cr_expect_eq(c.dense_layers[1] | c.dense_layers[2] | c.dense_layers[3], 0u);
+	cr_expect_eq(c.max_sequences, 64);
+	cr_expect_eq(c.max_batch, 16);
+	cr_expect_eq(c.pool_bytes, 0);
+	cr_expect_eq(c.device_bytes, 0);
+	cr_expect_eq(c.numa_node, KVR_NUMA_NODE_AUTO);
+	cr_expect_eq(c.threads, KVR_THREADS_AUTO);
+	cr_expect_eq(c.recall_chunk_pages, 8);
+	cr_expect_eq(c.log_level, KVR_LOG_WARN);
+	cr_expect_null(c.log_fn);
+	/* Shape has no default: the initialised config alone is not valid. */
+	char msg[256];
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), -EINVAL);
+	cr_expect(strstr(msg, "n_layers") != NULL, "message: %s", msg);
+	cr_expect_eq(kvr_config_init(NULL), -EINVAL);
+}
+
+Test(config, base_is_valid_and_clears_message)
+{
+	struct kvr_config c = base();
+	char msg[64] = "stale";
+	cr_assert_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	cr_expect_str_empty(msg);
+	cr_expect_eq(kvr_config_validate(&c, NULL, 0), 0);
+}
+
+/* ---- one row per rule: mutate a valid config, expect code + words ---- */
+
+struct bad_case {
+	const char *name;
+	void (*mutate)(struct kvr_config *c);
+	int err;
+	const char *field; /* must appear in the message */
+	const char *rule;  /* must appear in the message too */
+};
+
+#define MUT(fn, body) \
+	static void fn(struct kvr_config *c) { body; }
+
+MUT(size_zero, c->size = 0)
+MUT(size_short, c->size = sizeof(*c) - 8)
+MUT(layers_zero, c->n_layers = 0)
+MUT(layers_many, c->n_layers = KVR_MAX_LAYERS + 1)
+MUT(kv_zero, c->n_kv_heads = 0)
+MUT(kv_many, c->n_kv_heads = KVR_MAX_KV_HEADS + 1; c->n_qo_heads = 2 * c->n_kv_heads)
+MUT(qo_zero, c->n_qo_heads = 0)
+MUT(qo_not_multiple, c->n_qo_heads = 10; c->n_kv_heads = 3)
+MUT(group_too_big, c->n_qo_heads = 65; c->n_kv_heads = 1)
+MUT(dim_zero, c->head_dim = 0)
+MUT(dim_odd, c->head_dim = 72)
+MUT(dim_big, c->head_dim = 288)
+MUT(dtype_bad, c->dtype = 9)
+MUT(page_not_pow2, c->page_tokens = 48)
+MUT(page_small, c->page_tokens = 4; c->sink_tokens = 0; c->window_tokens = 0;
+    c->budget_tokens = 64)
+MUT(page_big, c->page_tokens = 512; c->sink_tokens = 0; c->window_tokens = 0;
+    c->budget_tokens = 1024)
+MUT(page_zero, c->page_tokens = 0)
+MUT(sink_not_multiple, c->sink_tokens = 100)
+MUT(window_not_multiple, c->window_tokens = 33)
+MUT(budget_zero, c->budget_tokens = 0)
+MUT(budget_not_multiple, c->budget_tokens = 2050)
+MUT(budget_below_sink_window, c->budget_tokens = 1024; c->window_tokens = 1024)
+MUT(tau_high, c->tau = 1.5f)
+MUT(tau_low, c->tau = -1.01f)
+MUT(tau_nan, c->tau = NAN)
+MUT(mode_bad, c->mode = 9)
+MUT(backend_bad, c->backend = 7)
+MUT(buffers_zero, c->recall_buffers = 0)
+MUT(buffers_three, c->recall_buffers = 3)
+MUT(dense_beyond_layers, c->dense_layers[0] |= 1ull << 40)
+MUT(dense_far_beyond, c->n_layers = 100; c->dense_layers[3] = 1)
+MUT(seqs_zero, c->max_sequences = 0)
+MUT(batch_zero, c->max_batch = 0)
+MUT(batch_over_seqs, c->max_sequences = 4; c->max_batch = 5)
+MUT(chunk_zero, c->recall_chunk_pages = 0)
+MUT(chunk_many, c->recall_chunk_pages = 5000)
+MUT(numa_negative, c->numa_node = -2)
+MUT(threads_many, c->threads = 5000)
+MUT(log_level_bad, c->log_level = 4)
+MUT(cache_overflow, c->budget_tokens = 0x7fffffe0u; c->max_sequences = 1u << 20;
+    c->max_batch = 1u << 20; c->n_layers = 256; c->n_kv_heads = 256; c->n_qo_heads = 256;
+    c->head_dim = 256; c->dtype = KVR_DTYPE_F32)
+MUT(pool_overflow, c->pool_bytes = UINT64_MAX)
+MUT(pool_too_small, c->pool_bytes = 4096)
+MUT(device_overflow, c->device_bytes = UINT64_MAX - 1)
+
+static const struct bad_case bad_cases[] = {
+	{ "size_zero", size_zero, -EINVAL, "size", "kvr_config_init" },
+	{ "size_short", size_short, -EINVAL, "size", "sizeof(struct kvr_config)" },
+	{ "layers_zero", layers_zero, -EINVAL, "n_layers", "at least 1" },
+	{ "layers_many", layers_many, -EINVAL, "n_layers", "at most 256" },
+	{ "kv_zero", kv_zero, -EINVAL, "n_kv_heads", "at least 1" },
+	{ "kv_many", kv_many, -EINVAL, "n_kv_heads", "at most 256" },
+	{ "qo_zero", qo_zero, -EINVAL, "n_qo_heads", "at least 1" },
+	{ "qo_not_multiple", qo_not_multiple, -EINVAL, "n_qo_heads", "multiple of n_kv_heads" },
+	{ "group_too_big", group_too_big, -ENOTSUP, "n_qo_heads", "group size" },
+	{ "dim_zero", dim_zero, -EINVAL, "head_dim", "at least 1" },
+	{ "dim_odd", dim_odd, -ENOTSUP, "head_dim", "multiples of 32" },
+	{ "dim_big", dim_big, -ENOTSUP, "head_dim", "to 256" },
+	{ "dtype_bad", dtype_bad, -ENOTSUP, "dtype", "f16" },
+	{ "page_not_pow2", page_not_pow2, -EINVAL, "page_tokens", "power of two from 8 to 256" },
+	{ "page_small", page_small, -EINVAL, "page_tokens", "power of two from 8 to 256" },
+	{ "page_big", page_big, -EINVAL, "page_tokens", "power of two from 8 to 256" },
+	{ "page_zero", page_zero, -EINVAL, "page_tokens", "power of two" },
+	{ "sink_not_multiple", sink_not_multiple, -EINVAL, "sink_tokens", "multiple of page_tokens" },
+	{ "window_not_multiple", window_not_multiple, -EINVAL, "window_tokens",
+	  "multiple of page_tokens" },
+	{ "budget_zero", budget_zero, -EINVAL, "budget_tokens", "at least page_tokens" },
+	{ "budget_not_multiple", budget_not_multiple, -EINVAL, "budget_tokens",
+	  "multiple of page_tokens" },
+	{ "budget_below_sink_window", budget_below_sink_window, -EINVAL, "budget_tokens",
+	  "sink_tokens + window_tokens" },
+	{ "tau_high", tau_high, -EINVAL, "tau", "[-1, 1]" },
+	{ "tau_low", tau_low, -EINVAL, "tau", "[-1, 1]" },
+	{ "tau_nan", tau_nan, -EINVAL, "tau", "[-1, 1]" },
+	{ "mode_bad", mode_bad, -EINVAL, "mode", "freekv" },
+	{ "backend_bad", backend_bad, -EINVAL, "backend", "cuda" },
+	{ "buffers_zero", buffers_zero, -EINVAL, "recall_buffers", "1 (single buffer) or 2" },
+	{ "buffers_three", buffers_three, -EINVAL, "recall_buffers", "1 (single buffer) or 2" },
+	{ "dense_beyond_layers", dense_beyond_layers, -EINVAL, "dense_layers", "layer 40" },
+	{ "dense_far_beyond", dense_far_beyond, -EINVAL, "dense_layers", "layer 192" },
+	{ "seqs_zero", seqs_zero, -EINVAL, "max_sequences", "at least 1" },
+	{ "batch_zero", batch_zero, -EINVAL, "max_batch", "at least 1" },
+	{ "batch_over_seqs", batch_over_seqs, -EINVAL, "max_batch", "at most max_sequences" },
+	{ "chunk_zero", chunk_zero, -EINVAL, "recall_chunk_pages", "at least 1" },
+	{ "chunk_many", chunk_many, -EINVAL, "recall_chunk_pages", "at most 4096" },
+	{ "numa_negative", numa_negative, -EINVAL, "numa_node", "KVR_NUMA_NODE_AUTO" },
+	{ "threads_many", threads_many, -EINVAL, "threads", "at most 1024" },
+	{ "log_level_bad", log_level_bad, -EINVAL, "log_level", "debug" },
+	{ "cache_overflow", cache_overflow, -EOVERFLOW, "budget_tokens", "overflows 64 bits" },
+	{ "pool_overflow", pool_overflow, -EOVERFLOW, "pool_bytes", "overflows" },
+	{ "pool_too_small", pool_too_small, -EINVAL, "pool_bytes", "one page per layer" },
+	{ "device_overflow", device_overflow, -EOVERFLOW, "device_bytes", "overflows" },
+};
+
+#define N_BAD_CASES (sizeof(bad_cases) / sizeof(bad_cases[0]))
+
+/* Criterion re-executes the test binary for each test, so parameters must not
+ * hold pointers (the child's addresses differ): pass the row's index. */
+ParameterizedTestParameters(config, invalid_field_rejected)
+{
+	static size_t rows[N_BAD_CASES];
+	for (size_t i = 0; i < N_BAD_CASES; i++)
+		rows[i] = i;
+	return cr_make_param_array(size_t, rows, N_BAD_CASES);
+}
+
+ParameterizedTest(size_t *row, config, invalid_field_rejected)
+{
+	const struct bad_case *bc = &bad_cases[*row];
+	struct kvr_config c = base();
+	bc->mutate(&c);
+	char msg[512];
+	int err = kvr_config_validate(&c, msg, sizeof(msg));
+	cr_assert_eq(err, bc->err, "%s: got %d (%s), want %d; message: %s", bc->name, err,
+		     kvr_strerror(err), bc->err, msg);
+	/* The message starts with the field at fault and states the rule. */
+	cr_expect_eq(strncmp(msg, bc->field, strlen(bc->field)), 0, "%s: message '%s' should "
+		     "start with '%s'", bc->name, msg, bc->field);
+	cr_expect(strstr(msg, bc->rule) != NULL, "%s: message '%s' lacks '%s'", bc->name, msg,
+		  bc->rule);
+
+	/* Creating a context from it fails the same way and leaves nothing behind. */
+	struct kvr_context *ctx = (struct kvr_context *)0x1;
+	cr_expect_eq(kvr_context_create(&c, &ctx), bc->err, "%s", bc->name);
+	cr_expect_eq(ctx, (struct kvr_context *)0x1, "out-parameter written on failure");
+	cr_expect_str_eq(kvr_last_error(NULL), msg);
+}
+
+/* ---- the values just inside each rule are accepted ---- */
+
+Test(config, boundaries_accepted)
+{
+	struct kvr_config c = base();
+	char msg[256];
+
+	c.budget_tokens = c.sink_tokens + c.window_tokens; /* k = 0: sink and window only */
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	c = base();
+	c.sink_tokens = 0;
+	c.window_tokens = 0;
+	c.budget_tokens = 32;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+
+	c = base();
+	c.tau = -1.0f;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	c.tau = 1.0f;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+
+	static const uint32_t pages[] = { 8, 16, 32, 64, 128, 256 };
+	for (size_t i = 0; i < sizeof(pages) / sizeof(pages[0]); i++) {
+		c = base();
+		c.page_tokens = pages[i];
+		c.sink_tokens = c.window_tokens = 512;
+		c.budget_tokens = 2048;
+		cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "p=%u: %s", pages[i], msg);
+	}
+	for (uint32_t d = 32; d <= 256; d += 32) {
+		c = base();
+		c.head_dim = d;
+		cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "d=%u: %s", d, msg);
+	}
+	for (uint32_t t = KVR_DTYPE_F16; t <= KVR_DTYPE_F32; t++) {
+		c = base();
+		c.dtype = t;
+		cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	}
+	c = base();
+	c.n_layers = KVR_MAX_LAYERS;
+	c.dense_layers[3] = 1ull << 63; /* layer 255 */
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	c = base();
+	c.n_qo_heads = 9; /* SmolLM2: G = 3 */
+	c.n_kv_heads = 3;
+	c.head_dim = 64;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	c.n_qo_heads = 64; /* G = 64 */
+	c.n_kv_heads = 1;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+}
+
+/* A caller built against a newer header may pass a larger struct, as long as
+ * it sets none of the fields this library lacks. */
+Test(config, newer_larger_struct)
+{
+	struct {
+		struct kvr_config c;
+		uint64_t newer_field;
+	} big;
+	big.c = base();
+	big.newer_field = 0;
+	big.c.size = sizeof(big);
+	char msg[256];
+	cr_expect_eq(kvr_config_validate(&big.c, msg, sizeof(msg)), 0, "%s", msg);
+	big.newer_field = 7;
+	cr_expect_eq(kvr_config_validate(&big.c, msg, sizeof(msg)), -EINVAL);
+	cr_expect(strstr(msg, "newer kvrecall") != NULL, "%s", msg);
+}
+
+Test(config, null_and_truncated_message)
+{
+	char msg[8];
+	cr_expect_eq(kvr_config_validate(NULL, msg, sizeof(msg)), -EINVAL);
+	cr_expect_str_eq(msg, "config:"); /* truncated, still terminated */
+	struct kvr_config c = base();
+	c.n_layers = 0;
+	cr_expect_eq(kvr_config_validate(&c, msg, 1), -EINVAL);
+	cr_expect_str_empty(msg);
+}
+
+Test(config, names_round_trip)
+{
+	for (uint32_t m = KVR_MODE_AUTO; m <= KVR_MODE_FREEKV; m++) {
+		uint32_t back = 99;
+		cr_expect_eq(kvr_mode_parse(kvr_mode_name(m), &back), 0);
+		cr_expect_eq(back, m);
+	}
+	uint32_t m = 5;
+	cr_expect_eq(kvr_mode_parse("sparse", &m), -EINVAL);
+	cr_expect_eq(m, 5, "out-parameter written on failure");
+	cr_expect_str_eq(kvr_mode_name(99), "?");
+	cr_expect_str_eq(kvr_dtype_name(KVR_DTYPE_BF16), "bf16");
+	cr_expect_str_eq(kvr_dtype_name(17), "?");
+	cr_expect_str_eq(kvr_backend_name(KVR_BACKEND_CUDA), "cuda");
+	cr_expect_str_eq(kvr_backend_name(3), "?");
+}

@@ -1,0 +1,214 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_context.c — context lifecycle: a valid config round-trips through
+ * create/get_config, automatic fields are resolved, machine-dependent rules
+ * (NUMA node, backend, device budget) fail cleanly, errors reach the log
+ * callback and kvr_last_error, and kvr_strerror names codes.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvrecall.h"
+
+static struct kvr_config base(void)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = 30;
+	c.n_qo_heads = 9;
+	c.n_kv_heads = 3;
+	c.head_dim = 64;
+	return c;
+}
+
+Test(context, explicit_config_round_trips)
+{
+	struct kvr_config in = base();
+	in.backend = KVR_BACKEND_CPU;
+	in.mode = KVR_MODE_BLOCKING;
+	in.dtype = KVR_DTYPE_BF16;
+	in.page_tokens = 16;
+	in.budget_tokens = 1024;
+	in.sink_tokens = 128;
+	in.window_tokens = 256;
+	in.tau = 0.8f;
+	in.dense_layers[0] = 0x5;
+	in.max_sequences = 8;
+	in.max_batch = 4;
+	in.pool_bytes = 64ull << 20;
+	in.device_bytes = 512ull << 20;
+	in.numa_node = 0;
+	in.threads = 1;
+	in.recall_chunk_pages = 4;
+	in.recall_buffers = 1;
+	in.log_level = KVR_LOG_ERROR;
+
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&in, &ctx), 0, "%s", kvr_last_error(NULL));
+	cr_assert_not_null(ctx);
+	struct kvr_config out;
+	kvr_config_init(&out);
+	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
+	cr_expect_eq(memcmp(&in, &out, sizeof(in)), 0, "explicit config changed by create");
+	cr_expect_str_empty(kvr_last_error(ctx));
+	kvr_context_destroy(ctx);
+}
+
+Test(context, automatic_fields_resolved)
+{
+	struct kvr_config in = base();
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&in, &ctx), 0, "%s", kvr_last_error(NULL));
+	struct kvr_config out;
+	kvr_config_init(&out);
+	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
+	cr_expect_eq(out.backend, KVR_BACKEND_CPU);
+	cr_expect_neq(out.mode, KVR_MODE_AUTO);
+	long n = sysconf(_SC_NPROCESSORS_ONLN);
+	cr_expect_eq(out.threads, n > 1 ? (uint32_t)(n - 1) : 0);
+	cr_expect_geq(out.numa_node, 0);
+	cr_expect_gt(out.pool_bytes, 0);
+	/* 16 sequences x 30 layers x 2048/32 pages x 3 heads x 2·32·64·2 bytes */
+	cr_expect_eq(out.device_bytes, 16ull * 30 * 64 * 3 * 2 * 32 * 64 * 2);
+	kvr_context_destroy(ctx);
+}
+
+Test(context, get_config_respects_caller_size)
+{
+	struct kvr_config in = base();
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&in, &ctx), 0);
+	struct kvr_config out;
+	memset(&out, 0x5a, sizeof(out));
+	out.size = (uint32_t)offsetof(struct kvr_config, head_dim); /* an "older" caller */
+	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
+	cr_expect_eq(out.n_kv_heads, 3);
+	cr_expect_eq(out.head_dim, 0x5a5a5a5au, "wrote past the caller's size");
+	cr_expect_eq(kvr_context_get_config(ctx, NULL), -EINVAL);
+	cr_expect_eq(kvr_context_get_config(NULL, &out), -EINVAL);
+	kvr_context_destroy(ctx);
+}
+
+Test(context, destroy_null_is_noop)
+{
+	kvr_context_destroy(NULL);
+	cr_expect_eq(kvr_context_create(NULL, NULL), -EINVAL);
+	struct kvr_config c = base();
+	cr_expect_eq(kvr_context_create(&c, NULL), -EINVAL);
+	cr_expect(strstr(kvr_last_error(NULL), "out") != NULL);
+}
+
+Test(context, missing_numa_node_rejected)
+{
+	struct kvr_config c = base();
+	c.numa_node = 4095;
+	struct kvr_context *ctx = NULL;
+	cr_expect_eq(kvr_context_create(&c, &ctx), -EINVAL);
+	cr_expect_null(ctx);
+	cr_expect(strstr(kvr_last_error(NULL), "numa_node: node 4095 does not exist") != NULL,
+		  "%s", kvr_last_error(NULL));
+}
+
+Test(context, cuda_without_gpu_is_enodev)
+{
+	struct kvr_system_info s = { .size = sizeof(s) };
+	kvr_system_query(&s);
+	struct kvr_config c = base();
+	c.backend = KVR_BACKEND_CUDA;
+	struct kvr_context *ctx = NULL;
+	int err = kvr_context_create(&c, &ctx);
+	if (s.n_gpus == 0) {
+		cr_expect_eq(err, -ENODEV);
+		cr_expect(strstr(kvr_last_error(NULL), "backend: cuda requested but no GPU") != NULL,
+			  "%s", kvr_last_error(NULL));
+		cr_expect(strstr(kvr_last_error(NULL), s.gpu_reason) != NULL,
+			  "the reason is the probe's: %s", kvr_last_error(NULL));
+	} else {
+		cr_expect_eq(err, -ENOTSUP, "cuda runtime not wired in yet");
+	}
+	cr_expect_null(ctx);
+}
+
+Test(context, device_budget_too_small)
+{
+	struct kvr_config c = base();
+	c.device_bytes = 1 << 20;
+	struct kvr_context *ctx = NULL;
+	cr_expect_eq(kvr_context_create(&c, &ctx), -ENOMEM);
+	cr_expect(strstr(kvr_last_error(NULL), "device_bytes") == kvr_last_error(NULL), "%s",
+		  kvr_last_error(NULL));
+}
+
+/* ---- log callback ---- */
+
+static int n_logged;
+static enum kvr_log_level last_level;
+static char last_message[512];
+static void *last_user;
+
+static void capture(void *user, enum kvr_log_level level, const char *message)
+{
+	n_logged++;
+	last_level = level;
+	last_user = user;
+	strncpy(last_message, message, sizeof(last_message) - 1);
+}
+
+Test(context, errors_reach_log_callback)
+{
+	struct kvr_config c = base();
+	int token;
+	c.log_fn = capture;
+	c.log_user = &token;
+	c.log_level = KVR_LOG_ERROR;
+	c.tau = 2.0f;
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), -EINVAL);
+	cr_expect_eq(n_logged, 1);
+	cr_expect_eq(last_level, KVR_LOG_ERROR);
+	cr_expect_eq(last_user, &token);
+	cr_expect(strstr(last_message, "tau: must be in [-1, 1]") != NULL, "%s", last_message);
+	cr_expect_str_eq(last_message, kvr_last_error(NULL));
+}
+
+Test(context, log_level_filters)
+{
+	struct kvr_config c = base();
+	c.log_fn = capture;
+	c.log_level = KVR_LOG_WARN; /* the create's INFO line is dropped */
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0);
+	cr_expect_eq(n_logged, 0, "got: %s", last_message);
+	kvr_context_destroy(ctx);
+	c.log_level = KVR_LOG_INFO;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0);
+	cr_expect_eq(n_logged, 1);
+	cr_expect_eq(last_level, KVR_LOG_INFO);
+	cr_expect(strstr(last_message, "backend cpu") != NULL, "%s", last_message);
+	kvr_context_destroy(ctx);
+}
+
+Test(errors, strerror_names_codes)
+{
+	cr_expect_str_eq(kvr_strerror(0), "success");
+	cr_expect_str_eq(kvr_strerror(-EINVAL), "invalid argument");
+	cr_expect_str_eq(kvr_strerror(EINVAL), "invalid argument");
+	cr_expect(strstr(kvr_strerror(-ENOMEM), "out of memory") != NULL);
+	cr_expect_str_eq(kvr_strerror(-ENODEV), "no usable device");
+	cr_expect_str_eq(kvr_strerror(-EOVERFLOW), "size overflows");
+	cr_expect_not_null(kvr_strerror(-ETIMEDOUT));
+	cr_expect_str_neq(kvr_strerror(-ETIMEDOUT), "unknown error");
+	cr_expect_str_eq(kvr_strerror(-100000), "unknown error");
+}
+
+Test(version, header_matches_library)
+{
+	cr_expect_eq(kvr_version_number(), KVR_VERSION_NUMBER);
+	char want[32];
+	snprintf(want, sizeof(want), "%d.%d.%d", KVR_VERSION_MAJOR, KVR_VERSION_MINOR,
+		 KVR_VERSION_PATCH);
+	cr_expect_str_eq(kvr_version_string(), want);
+}
