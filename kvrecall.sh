@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# kvrecall.sh — set up, build and run kvrecall from a fresh clone in one step.
+#
+#   ./kvrecall.sh demo    install what is missing, build, run the main job
+#   ./kvrecall.sh test    install what is missing, build, run every test suite
+#   ./kvrecall.sh deps    install the Debian packages only
+#   ./kvrecall.sh build   configure and build only
+#
+# Environment: BUILD_DIR (default build), MESON_ARGS (extra `meson setup`
+# options, e.g. "-Dcuda=disabled" or "-Db_sanitize=address,undefined
+# -Db_lundef=false"), CI=true adds -Dwerror=true.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$here"
+BUILD_DIR=${BUILD_DIR:-build}
+MESON_ARGS=${MESON_ARGS:-}
+
+# nvcc lives outside PATH on a stock CUDA install; the CUDA backend is compiled
+# whenever it is found.
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+	export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+debian_packages=(gcc g++ meson ninja-build pkg-config libhwloc-dev hwloc-nox liburing-dev
+	libnuma-dev numactl libcriterion-dev)
+
+deps() {
+	local missing=()
+	for p in "${debian_packages[@]}"; do
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
+			missing+=("$p")
+	done
+	[ ${#missing[@]} -eq 0 ] && return 0
+	local sudo=()
+	[ "$(id -u)" -eq 0 ] || sudo=(sudo)
+	echo "kvrecall.sh: installing ${missing[*]}" >&2
+	"${sudo[@]}" apt-get update -q
+	DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q --no-install-recommends \
+		"${missing[@]}"
+}
+
+build() {
+	local args=()
+	[ "${CI:-}" = true ] && args+=(-Dwerror=true)
+	# shellcheck disable=SC2206 # MESON_ARGS is a list of options on purpose
+	args+=($MESON_ARGS)
+	if [ -f "$BUILD_DIR/build.ninja" ]; then
+		meson setup --reconfigure "$BUILD_DIR" "${args[@]}" >/dev/null
+	else
+		meson setup "$BUILD_DIR" "${args[@]}"
+	fi
+	ninja -C "$BUILD_DIR"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+deps) deps ;;
+build) deps && build ;;
+test)
+	deps
+	build
+	meson test -C "$BUILD_DIR" -v --print-errorlogs "$@"
+	;;
+demo)
+	deps
+	build
+	"$BUILD_DIR/bench/kvrecall" info "$@"
+	;;
+*)
+	sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+	exit 2
+	;;
+esac
