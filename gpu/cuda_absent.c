@@ -4,6 +4,7 @@
  * (no nvcc at build time, or -Dcuda=disabled): there is never a GPU, and the
  * reason says so.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -19,4 +20,18 @@ void kvr_gpu_probe(struct kvr_gpu_probe *out)
 const char *kvr_gpu_compiled_archs(void)
 {
 	return "";
+}
+
+int kvr_gpu_host_register(void *ptr, size_t bytes, char *reason, size_t reason_bytes)
+{
+	(void)ptr;
+	(void)bytes;
+	snprintf(reason, reason_bytes, "no GPU: CUDA backend not compiled");
+	return -ENODEV;
+}
+
+int kvr_gpu_host_unregister(void *ptr)
+{
+	(void)ptr;
+	return 0;
 }

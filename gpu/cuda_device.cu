@@ -9,6 +9,7 @@
  * reason. The probe runs once (the first CUDA call initialises the runtime).
  */
 #include <cuda_runtime.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -66,4 +67,31 @@ extern "C" void kvr_gpu_probe(struct kvr_gpu_probe *out)
 extern "C" const char *kvr_gpu_compiled_archs(void)
 {
 	return KVR_GPU_ARCHS;
+}
+
+extern "C" int kvr_gpu_host_register(void *ptr, size_t bytes, char *reason, size_t reason_bytes)
+{
+	struct kvr_gpu_probe probe;
+	kvr_gpu_probe(&probe);
+	if (probe.n_devices == 0) {
+		snprintf(reason, reason_bytes, "no GPU: %s", probe.reason);
+		return -ENODEV;
+	}
+	cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterDefault);
+	if (err != cudaSuccess) {
+		snprintf(reason, reason_bytes, "cudaHostRegister(%zu bytes): %s", bytes,
+			 cudaGetErrorName(err));
+		(void)cudaGetLastError();
+		return err == cudaErrorMemoryAllocation ? -ENOMEM : -EIO;
+	}
+	return 0;
+}
+
+extern "C" int kvr_gpu_host_unregister(void *ptr)
+{
+	if (cudaHostUnregister(ptr) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return -EIO;
+	}
+	return 0;
 }

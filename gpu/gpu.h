@@ -10,6 +10,7 @@
 #ifndef KVR_GPU_GPU_H
 #define KVR_GPU_GPU_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -29,6 +30,14 @@ struct kvr_gpu_probe {
 /* Probe CUDA devices. Never fails: a machine without a GPU or driver gives
  * n_devices = 0 and a reason. Threads: any; the result is computed once. */
 void kvr_gpu_probe(struct kvr_gpu_probe *out);
+
+/* Page-lock host memory for fast, asynchronous device copies (cudaHostRegister).
+ * Returns 0; -ENODEV when no GPU is usable (or CUDA is not compiled in), so the
+ * caller falls back to mlock; -ENOMEM or -EIO with the CUDA error in `reason`.
+ * Threads: any. */
+int kvr_gpu_host_register(void *ptr, size_t bytes, char *reason, size_t reason_bytes);
+/* Undo kvr_gpu_host_register. Returns 0 or -EIO. */
+int kvr_gpu_host_unregister(void *ptr);
 
 /* SM architectures the CUDA backend was compiled for ("80,90"), "" without CUDA. */
 const char *kvr_gpu_compiled_archs(void);

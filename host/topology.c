@@ -89,3 +89,76 @@ int kvr_io_uring_probe(char *reason, size_t reason_bytes)
 	return 0;
 #endif
 }
+
+static int topology_load(hwloc_topology_t *out, const char *xml, char *why, size_t why_bytes)
+{
+	hwloc_topology_t topo;
+	if (hwloc_topology_init(&topo) < 0) {
+		snprintf(why, why_bytes, "hwloc_topology_init: %s", strerror(errno));
+		return -EIO;
+	}
+	/* Keep PCI devices: the GPU's position decides the node. */
+	hwloc_topology_set_io_types_filter(topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+	if (xml && hwloc_topology_set_xml(topo, xml) < 0) {
+		snprintf(why, why_bytes, "hwloc: cannot use topology file %s: %s", xml, strerror(errno));
+		hwloc_topology_destroy(topo);
+		return -EINVAL;
+	}
+	if (hwloc_topology_load(topo) < 0) {
+		snprintf(why, why_bytes, "hwloc_topology_load%s%s: %s", xml ? " " : "", xml ? xml : "",
+			 strerror(errno));
+		hwloc_topology_destroy(topo);
+		return -EIO;
+	}
+	*out = topo;
+	return 0;
+}
+
+static int node_exists(hwloc_topology_t topo, int node)
+{
+	hwloc_obj_t o = NULL;
+	while ((o = hwloc_get_next_obj_by_type(topo, HWLOC_OBJ_NUMANODE, o)))
+		if ((int)o->os_index == node)
+			return 1;
+	return 0;
+}
+
+int kvr_topology_choose_node(const char *topo_xml, int override, const char *gpu_pci_bus_id,
+			     int current_node, char *why, size_t why_bytes)
+{
+	hwloc_topology_t topo;
+	int err = topology_load(&topo, topo_xml, why, why_bytes);
+	if (err)
+		return err;
+	int node = -1;
+	if (override >= 0) {
+		if (!node_exists(topo, override)) {
+			snprintf(why, why_bytes, "numa_node: node %d does not exist", override);
+			node = -EINVAL;
+		} else {
+			snprintf(why, why_bytes, "node %d as configured", override);
+			node = override;
+		}
+		goto out;
+	}
+	if (gpu_pci_bus_id && *gpu_pci_bus_id) {
+		hwloc_obj_t dev = hwloc_get_pcidev_by_busidstring(topo, gpu_pci_bus_id);
+		hwloc_obj_t anc = dev ? hwloc_get_non_io_ancestor_obj(topo, dev) : NULL;
+		int first = anc && anc->nodeset ? hwloc_bitmap_first(anc->nodeset) : -1;
+		if (first >= 0) {
+			snprintf(why, why_bytes, "node %d, nearest the GPU at %s", first, gpu_pci_bus_id);
+			node = first;
+			goto out;
+		}
+		snprintf(why, why_bytes, "GPU %s not found in the topology; ", gpu_pci_bus_id);
+	} else if (why_bytes) {
+		why[0] = '\0';
+	}
+	node = node_exists(topo, current_node) ? current_node : 0;
+	const size_t used = strlen(why);
+	snprintf(why + used, why_bytes > used ? why_bytes - used : 0, "node %d, the calling thread's",
+		 node);
+out:
+	hwloc_topology_destroy(topo);
+	return node;
+}

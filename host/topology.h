@@ -32,3 +32,16 @@ int kvr_numa_current_node(void);
 int kvr_io_uring_probe(char *reason, size_t reason_bytes);
 
 #endif /* KVR_HOST_TOPOLOGY_H */
+
+/*
+ * Choose the NUMA node for host page memory:
+ *  1. override >= 0: that node, if the topology has it (else -EINVAL);
+ *  2. a GPU PCI bus id ("0000:17:00.0") found in the topology: the first NUMA
+ *     node local to the GPU's nearest non-I/O ancestor (its PCIe root);
+ *  3. otherwise current_node (the calling thread's node).
+ * topo_xml: NULL for this machine, or an hwloc XML file (tests use synthetic
+ * multi-node topologies). Writes the reason for the choice into why. Returns
+ * the node (>= 0) or a negative errno.
+ */
+int kvr_topology_choose_node(const char *topo_xml, int override, const char *gpu_pci_bus_id,
+			     int current_node, char *why, size_t why_bytes);

@@ -61,7 +61,9 @@ static inline KVR_HD int kvr_page_geometry_init(struct kvr_page_geometry *g, uin
 						uint32_t head_dim, uint32_t n_kv_heads,
 						uint32_t elem_type)
 {
-	uint32_t eb = kvr_elem_bytes(elem_type);
+	const struct kvr_page_geometry zero = { 0, 0, 0, 0, 0, 0, 0, 0 };
+	const uint32_t eb = kvr_elem_bytes(elem_type);
+	*g = zero; /* fully written even on failure */
 	if (!eb || !page_tokens || !head_dim || !n_kv_heads)
 		return -1;
 	g->page_tokens = page_tokens;

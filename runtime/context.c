@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "../gpu/gpu.h"
+#include "../host/pool.h"
 #include "../host/topology.h"
 #include "../layouts/page.h"
 #include "internal.h"
@@ -32,6 +33,12 @@ static uint64_t device_slot_bytes(const struct kvr_config *c)
 	if (kvr_page_geometry_init(&g, c->page_tokens, c->head_dim, c->n_kv_heads, c->dtype))
 		return 0;
 	return g.page_bytes * (c->budget_tokens / c->page_tokens) * c->n_layers * c->max_batch;
+}
+
+/* The pool's warnings (memory not locked) go to the context's log. */
+static void pool_log(void *user, int level, const char *message)
+{
+	kvr_log((const struct kvr_context *)user, (enum kvr_log_level)level, "%s", message);
 }
 
 static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_bytes)
@@ -62,14 +69,17 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 		c->threads = n > 1 ? (uint32_t)(n - 1) : 0;
 	}
 
-	int max_node = kvr_numa_max_node();
-	if (c->numa_node > max_node)
-		return kvr_fail_config(c, -EINVAL,
-				       "numa_node: node %d does not exist (this machine has nodes "
-				       "0..%d)",
-				       c->numa_node, max_node);
-	if (c->numa_node == KVR_NUMA_NODE_AUTO)
-		c->numa_node = kvr_numa_current_node();
+	/* The pool's node: as configured, else nearest the GPU, else ours. */
+	char why[256];
+	int node = kvr_topology_choose_node(NULL, c->numa_node, probe.pci_bus_id,
+					    kvr_numa_current_node(), why, sizeof(why));
+	if (node < 0)
+		return kvr_fail_config(c, node, "%s (this machine has nodes 0..%d)", why,
+				       kvr_numa_max_node());
+	if (node > kvr_numa_max_node()) /* hwloc and libnuma disagree: trust libnuma */
+		node = 0;
+	c->numa_node = node;
+	kvr_log_config(c, KVR_LOG_INFO, "host pool on NUMA node %s", why);
 
 	if (c->pool_bytes == 0) {
 		long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
@@ -112,6 +122,24 @@ KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context 
 	}
 	ctx->config = c;
 	pthread_mutex_init(&ctx->error_lock, NULL);
+
+	struct kvr_pool_params pp = {
+		.n_layers = c.n_layers,
+		.max_sequences = c.max_sequences,
+		.layout = KVR_POOL_LAYOUT_HND,
+		.numa_node = c.numa_node,
+		.capacity_bytes = c.pool_bytes,
+		.keep_summaries = 1,
+		.log_fn = pool_log,
+		.log_user = ctx,
+	};
+	kvr_page_geometry_init(&pp.geometry, c.page_tokens, c.head_dim, c.n_kv_heads, c.dtype);
+	err = kvr_pool_create(&pp, &ctx->pool, message, sizeof(message));
+	if (err) {
+		kvr_fail_config(&c, err, "%s", message);
+		kvr_context_destroy(ctx);
+		return err;
+	}
 	kvr_log(ctx, KVR_LOG_INFO,
 		"context: backend %s, mode %s, %u layers, %u/%u heads, d=%u, %s, p=%u, B=%u "
 		"(S=%u, W=%u), tau=%.2f, %u worker threads, NUMA node %d",
@@ -126,6 +154,7 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx)
 {
 	if (!ctx)
 		return;
+	kvr_pool_destroy(ctx->pool);
 	pthread_mutex_destroy(&ctx->error_lock);
 	free(ctx);
 }

@@ -16,11 +16,14 @@
 
 #include "kvrecall.h"
 
+struct kvr_pool;
+
 #define KVR_ERROR_MESSAGE_BYTES 512
 
 struct kvr_context {
 	struct kvr_config config; /* resolved: no automatic values left */
 	char gpu_reason[256];     /* why the cuda backend was not chosen, for info/logs */
+	struct kvr_pool *pool;    /* the host page pool (host/pool.h) */
 
 	/* Last error. Written by whichever thread fails a call on this context, read
 	 * by kvr_last_error(); the mutex keeps a message from being torn. */

@@ -1,0 +1,180 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * pool.h — the host KV page pool: where the full KV cache lives.
+ *
+ * Pages are one layer's KV for p tokens, in HND layout ([n_kv][2][p][d], so one
+ * KV head's keys and values are one contiguous run) or, for the ablation, NHD
+ * ([2][p][n_kv][d]). They are carved from large chunks (2 MiB aligned,
+ * transparent huge pages through madvise) bound to one NUMA node (mbind) and
+ * locked (registered with the GPU when one is usable, else mlock; when locking
+ * fails the pool continues unlocked, counts it and warns once).
+ *
+ * Page ids are dense 32-bit indices; the allocator is a LIFO stack of freed ids
+ * over a high-water mark, so allocation and free are O(1). Pages carry
+ * reference counts so that forked sequences can share them. Per (sequence,
+ * layer) a page table maps logical pages to page ids, next to the pages' key
+ * summaries and the number of tokens ingested.
+ *
+ * A hard capacity (capacity_bytes) bounds the pages: reserving past it fails
+ * with -ENOMEM and changes nothing. Every call validates its ids (-EINVAL).
+ *
+ * Threads: calls that change the allocator or page tables take the pool's
+ * mutex, so the engine's thread and the controller may both call them. Reading
+ * a page's memory (kvr_pool_page_data, kvr_pool_gather_head) takes no lock:
+ * the caller must hold a page id it obtained from the pool (which happens-after
+ * the chunk holding it was mapped) and must not free it concurrently.
+ */
+#ifndef KVR_HOST_POOL_H
+#define KVR_HOST_POOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../layouts/page.h"
+
+enum kvr_pool_layout {
+	KVR_POOL_LAYOUT_HND = 0, /* one contiguous run per KV head: one copy per recall */
+	KVR_POOL_LAYOUT_NHD = 1, /* token-major rows: 2·p copies per KV head (ablation) */
+};
+
+enum kvr_pool_flags {
+	KVR_POOL_NO_HUGEPAGES = 1u << 0, /* skip madvise(MADV_HUGEPAGE) */
+	KVR_POOL_NO_LOCK = 1u << 1,      /* neither register nor mlock the chunks */
+};
+
+#define KVR_POOL_NO_PAGE UINT32_MAX
+#define KVR_POOL_DEFAULT_CHUNK_BYTES (32ull << 20)
+
+typedef void (*kvr_pool_log_fn)(void *user, int level, const char *message);
+
+struct kvr_pool_params {
+	struct kvr_page_geometry geometry; /* of one layer's page */
+	uint32_t n_layers;                 /* page tables per sequence */
+	uint32_t max_sequences;            /* sequence ids are 0..max_sequences-1 */
+	uint32_t layout;                   /* enum kvr_pool_layout */
+	int32_t numa_node;                 /* node to bind chunks to; -1: no binding */
+	uint64_t capacity_bytes;           /* hard limit on page memory, bytes */
+	uint64_t chunk_bytes;              /* bytes per mapping, multiple of 2 MiB; 0 = default */
+	uint32_t flags;                    /* enum kvr_pool_flags */
+	uint32_t keep_summaries;           /* 1: compute and keep key summaries on write */
+	kvr_pool_log_fn log_fn;            /* warnings (lock failures); NULL = silent */
+	void *log_user;
+};
+
+struct kvr_pool_stats {
+	uint64_t page_bytes;        /* bytes per page */
+	uint64_t capacity_pages;    /* pages the capacity allows */
+	uint64_t used_pages;        /* pages allocated now */
+	uint64_t reserved_bytes;    /* bytes of chunks mapped */
+	uint64_t used_bytes;        /* used_pages * page_bytes */
+	uint64_t summary_bytes;     /* bytes of key summaries held */
+	uint32_t n_chunks;          /* chunks mapped */
+	uint32_t locked_chunks;     /* chunks mlock()ed */
+	uint32_t registered_chunks; /* chunks registered with the GPU */
+	uint32_t lock_failures;     /* chunks left unlocked */
+	uint32_t hugepage_failures; /* chunks whose MADV_HUGEPAGE was refused */
+	int32_t numa_node;          /* node chunks are bound to, -1 if none */
+};
+
+struct kvr_pool;
+
+/* The NHD rows of a (sequence, layer)'s partial tail page, owned by the caller
+ * (device side): p rows of n_kv·d elements for keys and for values. */
+struct kvr_tail_tile {
+	void *keys;
+	void *values;
+};
+
+/* Create a pool. Maps no memory yet (chunks are mapped as pages are reserved).
+ * Returns 0, -EINVAL (message in err), -ENOMEM. */
+int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out, char *err,
+		    size_t err_bytes);
+/* Free everything. NULL is a no-op. */
+void kvr_pool_destroy(struct kvr_pool *pool);
+
+/* The message of the pool's most recent failed call ("" if none). */
+const char *kvr_pool_last_error(const struct kvr_pool *pool);
+
+/* ---- raw pages (refcounted) ---- */
+
+/* Allocate one page (refcount 1). -ENOMEM at capacity or when mapping fails. */
+int kvr_pool_page_alloc(struct kvr_pool *pool, uint32_t *page_id);
+/* Add a reference to a live page (fork). -EINVAL for a free or unknown id. */
+int kvr_pool_page_ref(struct kvr_pool *pool, uint32_t page_id);
+/* Drop a reference; the page is freed when it reaches 0. -EINVAL for a free or
+ * unknown id (a double free is caught, not obeyed). */
+int kvr_pool_page_unref(struct kvr_pool *pool, uint32_t page_id);
+/* Reference count of a page (0 = free), or -EINVAL. */
+int kvr_pool_page_refcount(const struct kvr_pool *pool, uint32_t page_id);
+/* Address of a live page's data (page_bytes), or NULL for a bad id. Lock-free. */
+void *kvr_pool_page_data(const struct kvr_pool *pool, uint32_t page_id);
+
+/* ---- sequences and page tables ---- */
+
+/* Open sequence `seq` with empty page tables. -EINVAL (id out of range),
+ * -EEXIST (already open), -ENOMEM. */
+int kvr_pool_seq_open(struct kvr_pool *pool, uint32_t seq);
+/* Close a sequence and drop its page references. -EINVAL if not open. */
+int kvr_pool_seq_close(struct kvr_pool *pool, uint32_t seq);
+
+/* Open sequence `dst` as a fork of `src`: same tokens, every page shared (one
+ * more reference each). A later write to a shared page copies it first
+ * (copy-on-write), so neither sequence sees the other's new tokens. The caller
+ * copies src's tail tiles. -EINVAL, -EEXIST, -ENOMEM (nothing changed). */
+int kvr_pool_seq_fork(struct kvr_pool *pool, uint32_t src, uint32_t dst);
+
+/* Append n_pages new pages to (seq, layer)'s table, all or nothing: -ENOMEM
+ * when the capacity (or memory) runs out, with the table and every stored page
+ * unchanged. */
+int kvr_pool_reserve(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t n_pages);
+/* Keep the first n_tokens tokens of (seq, layer): pages wholly beyond them are
+ * released. The caller's tail tile must be refilled by the caller if the new
+ * length ends inside a page that was already offloaded. -EINVAL. */
+int kvr_pool_truncate(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t n_tokens);
+
+/* Pages in (seq, layer)'s table, and tokens ingested. -EINVAL for bad ids. */
+int kvr_pool_n_pages(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t *n_pages);
+int kvr_pool_n_tokens(const struct kvr_pool *pool, uint32_t seq, uint32_t layer,
+		      uint64_t *n_tokens);
+/* Page id of a logical page. -EINVAL for bad ids or a logical page not reserved. */
+int kvr_pool_lookup(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t logical,
+		    uint32_t *page_id);
+
+/* Offload: write p NHD rows of keys and values (row t at +t·row_stride
+ * elements) into the page of (seq, layer, logical), converting to the pool's
+ * layout, and compute its key summaries when the pool keeps them. */
+int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t logical,
+			const void *k_rows, const void *v_rows, uint64_t row_stride);
+
+/* Key summary of (seq, layer, logical): [n_kv][2][d] elements (min then max).
+ * NULL for bad ids or when summaries are not kept. */
+const void *kvr_pool_summary(const struct kvr_pool *pool, uint32_t seq, uint32_t layer,
+			     uint32_t logical);
+
+/* Copy one KV head of a page into dst as an HND run (head_bytes): one memcpy
+ * for an HND pool, 2·p row copies for an NHD pool. Lock-free. */
+void kvr_pool_gather_head(const struct kvr_pool *pool, uint32_t page_id, uint32_t kv_head,
+			  void *dst);
+
+/*
+ * Prefill ingestion: append n_tokens tokens at positions first_position.. to
+ * (seq, layer). keys/values hold n_tokens NHD rows (n_kv·d elements each).
+ * first_position must equal the tokens already ingested (positions are
+ * explicit and in order). Pages are reserved up front for every page the new
+ * tokens start (all or nothing: -ENOMEM changes nothing); every page completed
+ * is offloaded to the pool; the partial tail is left in `tail` (rows
+ * n_tokens % p of it are valid afterwards).
+ */
+int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t first_position,
+		    uint32_t n_tokens, const void *keys, const void *values,
+		    struct kvr_tail_tile *tail);
+
+void kvr_pool_get_stats(const struct kvr_pool *pool, struct kvr_pool_stats *out);
+
+/* Walk every structure and check the invariants (each page's refcount equals
+ * its references from page tables plus external ones, the free stack holds
+ * each free page once, counts add up). Returns 0 or -EFAULT with the first
+ * violation in the pool's last error. external_refs[page] may be NULL. */
+int kvr_pool_validate(struct kvr_pool *pool, const uint32_t *external_refs);
+
+#endif /* KVR_HOST_POOL_H */

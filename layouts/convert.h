@@ -1,0 +1,43 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * convert.h — bulk element conversions and page summaries on the host, with
+ * the instruction set chosen at run time (AVX-512, F16C/AVX2, scalar). Results
+ * are bit-identical to the scalar reference in half.h and summary.h whatever
+ * path runs. Host-only; thread-safe (no state beyond the cached dispatch).
+ */
+#ifndef KVR_LAYOUTS_CONVERT_H
+#define KVR_LAYOUTS_CONVERT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "page.h"
+
+/* Which implementation the dispatch picked. */
+enum kvr_convert_isa {
+	KVR_CONVERT_SCALAR = 0,
+	KVR_CONVERT_AVX2 = 1,   /* F16C + AVX2 */
+	KVR_CONVERT_AVX512 = 2, /* AVX-512 F/BW/VL */
+};
+
+/* n elements of elem_type -> f32. */
+void kvr_convert_to_f32(float *dst, const void *src, uint32_t elem_type, size_t n);
+/* n f32 -> elem_type, round to nearest even. */
+void kvr_convert_from_f32(void *dst, const float *src, uint32_t elem_type, size_t n);
+
+/* The ISA the conversions use now. */
+enum kvr_convert_isa kvr_convert_isa_active(void);
+/* Force an ISA (tests compare every path); the request is clamped to what the
+ * CPU supports. Returns the ISA actually set. Not thread-safe w.r.t. running
+ * conversions: call it before starting work. */
+enum kvr_convert_isa kvr_convert_isa_force(enum kvr_convert_isa isa);
+const char *kvr_convert_isa_name(enum kvr_convert_isa isa);
+
+/* Summary of one KV head of one page: element-wise min and max over the page's
+ * p keys. keys: p rows of d elements, row i at keys + i * key_stride elements
+ * (stride d for an HND run, n_kv·d for an NHD tile). min_out/max_out: d elements
+ * each, same element type. NaN propagates. */
+void kvr_summarize_keys(const struct kvr_page_geometry *g, const void *keys, uint64_t key_stride,
+			void *min_out, void *max_out);
+
+#endif /* KVR_LAYOUTS_CONVERT_H */
