@@ -90,15 +90,18 @@ int kvr_io_uring_probe(char *reason, size_t reason_bytes)
 #endif
 }
 
-static int topology_load(hwloc_topology_t *out, const char *xml, char *why, size_t why_bytes)
+static int topology_load(hwloc_topology_t *out, const char *xml, int with_io, char *why,
+			 size_t why_bytes)
 {
 	hwloc_topology_t topo;
 	if (hwloc_topology_init(&topo) < 0) {
 		snprintf(why, why_bytes, "hwloc_topology_init: %s", strerror(errno));
 		return -EIO;
 	}
-	/* Keep PCI devices: the GPU's position decides the node. */
-	hwloc_topology_set_io_types_filter(topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+	/* Keep PCI devices when a GPU's position is to decide the node. Only then:
+	 * PCI discovery is slow, and its plugin leaks a little memory per load. */
+	if (with_io)
+		hwloc_topology_set_io_types_filter(topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
 	if (xml && hwloc_topology_set_xml(topo, xml) < 0) {
 		snprintf(why, why_bytes, "hwloc: cannot use topology file %s: %s", xml, strerror(errno));
 		hwloc_topology_destroy(topo);
@@ -127,7 +130,8 @@ int kvr_topology_choose_node(const char *topo_xml, int override, const char *gpu
 			     int current_node, char *why, size_t why_bytes)
 {
 	hwloc_topology_t topo;
-	int err = topology_load(&topo, topo_xml, why, why_bytes);
+	const int want_gpu = override < 0 && gpu_pci_bus_id && *gpu_pci_bus_id;
+	int err = topology_load(&topo, topo_xml, want_gpu, why, why_bytes);
 	if (err)
 		return err;
 	int node = -1;
