@@ -28,6 +28,7 @@
 
 #include "../gpu/gpu.h"
 #include "../layouts/convert.h"
+#include "../layouts/copy.h"
 #include "../layouts/summary.h"
 #include "../layouts/transpose.h"
 #include "pool.h"
@@ -707,9 +708,32 @@ void kvr_pool_gather_head(const struct kvr_pool *pool, uint32_t page_id, uint32_
 {
 	const unsigned char *page = page_address(pool, page_id);
 	if (pool->params.layout == KVR_POOL_LAYOUT_HND)
-		memcpy(dst, page + (uint64_t)kv_head * pool->g.head_bytes, pool->g.head_bytes);
+		kvr_copy_stream(dst, page + (uint64_t)kv_head * pool->g.head_bytes, pool->g.head_bytes,
+				NULL);
 	else
 		kvr_nhd_page_head_to_hnd_run(&pool->g, page, kv_head, dst);
+}
+
+void kvr_pool_gather_runs(const struct kvr_pool *pool, const uint32_t *pages,
+			  const uint32_t *heads, uint32_t n, void *dst)
+{
+	const uint64_t hb = pool->g.head_bytes;
+	unsigned char *out = dst;
+	if (pool->params.layout != KVR_POOL_LAYOUT_HND) {
+		for (uint32_t i = 0; i < n; i++)
+			kvr_nhd_page_head_to_hnd_run(&pool->g, page_address(pool, pages[i]), heads[i],
+						     out + i * hb);
+		return;
+	}
+	/* Resolve addresses in batches so each copy can prefetch its successor. */
+	enum { BATCH = 64 };
+	const void *srcs[BATCH + 1];
+	for (uint32_t first = 0; first < n; first += BATCH) {
+		const uint32_t m = n - first < BATCH ? n - first : BATCH;
+		for (uint32_t i = 0; i < m; i++)
+			srcs[i] = page_address(pool, pages[first + i]) + heads[first + i] * hb;
+		kvr_copy_stream_gather(out + (uint64_t)first * hb, srcs, m, hb);
+	}
 }
 
 /* ------------------------------------------------------------------ ingest */

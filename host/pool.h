@@ -156,6 +156,13 @@ const void *kvr_pool_summary(const struct kvr_pool *pool, uint32_t seq, uint32_t
 void kvr_pool_gather_head(const struct kvr_pool *pool, uint32_t page_id, uint32_t kv_head,
 			  void *dst);
 
+/* Gather n KV-head runs (pages[i], heads[i]) into dst + i·head_bytes, as
+ * recall's host side does: streaming stores, each run's successor prefetched
+ * while it is copied (HND); 2·p row copies per run for an NHD pool. dst should
+ * be 64-byte aligned. Lock-free, like kvr_pool_gather_head. */
+void kvr_pool_gather_runs(const struct kvr_pool *pool, const uint32_t *pages,
+			  const uint32_t *heads, uint32_t n, void *dst);
+
 /*
  * Prefill ingestion: append n_tokens tokens at positions first_position.. to
  * (seq, layer). keys/values hold n_tokens NHD rows (n_kv·d elements each).

@@ -256,3 +256,34 @@ Test(convert, summaries_propagate_nan)
 		cr_expect(!isnan(kvr_f16_to_f32(mn[4])) && !isnan(kvr_f16_to_f32(mx[6])));
 	}
 }
+
+/* ---- streaming copies ---- */
+
+#include "copy.h"
+
+Test(convert, streaming_copy_is_exact)
+{
+	static const size_t sizes[] = { 0, 64, 256, 1000, 1024, 4096, 8192, 16384, 16384 + 256, 65536 };
+	unsigned char *src = aligned_alloc(64, 70000), *dst = aligned_alloc(64, 70000);
+	for (size_t i = 0; i < 70000; i++)
+		src[i] = (unsigned char)rng();
+	for (size_t k = 0; k < 3; k++) {
+		if (kvr_convert_isa_force(all_isas[k]) != all_isas[k])
+			continue;
+		for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++)
+			for (size_t mis = 0; mis < 2; mis++) { /* aligned, and 1-byte misaligned */
+				memset(dst, 0xee, 70000);
+				kvr_copy_stream(dst + mis, src + mis, sizes[s], src + 4096);
+				cr_assert_eq(memcmp(dst + mis, src + mis, sizes[s]), 0, "%s size %zu +%zu",
+					     kvr_convert_isa_name(all_isas[k]), sizes[s], mis);
+				cr_assert_eq(dst[mis + sizes[s]], 0xee, "wrote past the end");
+				if (mis)
+					cr_assert_eq(dst[0], 0xee, "wrote before the start");
+			}
+		const void *srcs[5] = { src + 16384, src, src + 49152, src + 8192, src + 32768 };
+		kvr_copy_stream_gather(dst, srcs, 5, 8192);
+		for (size_t i = 0; i < 5; i++)
+			cr_assert_eq(memcmp(dst + i * 8192, srcs[i], 8192), 0, "run %zu", i);
+	}
+	free(src), free(dst);
+}

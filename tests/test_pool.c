@@ -99,6 +99,17 @@ Test(pool, round_trip_every_shape)
 								     0);
 							kvr_hnd_run_to_nhd_slot(&g, run, k2, v2, h);
 						}
+						/* the list form gives the same runs */
+						uint32_t ids[3] = { id, id, id }, heads[3] = { hs[c] - 1, 0, hs[c] / 2 };
+						unsigned char *runs = aligned_alloc(64, 3 * g.head_bytes);
+						unsigned char *one = aligned_alloc(64, g.head_bytes);
+						kvr_pool_gather_runs(pool, ids, heads, 3, runs);
+						for (int r = 0; r < 3; r++) {
+							kvr_pool_gather_head(pool, id, heads[r], one);
+							cr_assert_eq(memcmp(runs + r * g.head_bytes, one, g.head_bytes), 0,
+								     "gather_runs run %d", r);
+						}
+						free(runs), free(one);
 						cr_assert_eq(memcmp(k, k2, tile), 0,
 							     "K layout %u t=%u p=%u d=%u n_kv=%u", layout, t,
 							     ps[a], ds[b], hs[c]);
