@@ -739,3 +739,51 @@ Test(pool, chunks_locked_when_allowed)
 	cr_expect_geq(st.reserved_bytes, st.page_bytes);
 	kvr_pool_destroy(pool);
 }
+
+/* ---- concurrency: the engine's thread and the controller both use the pool ---- */
+
+#include <pthread.h>
+
+struct hammer {
+	struct kvr_pool *pool;
+	uint32_t seq_base;
+	int failures;
+};
+
+static void *hammer_main(void *arg)
+{
+	struct hammer *h = arg;
+	uint32_t state = 7 + h->seq_base;
+	for (int i = 0; i < 3000; i++) {
+		state = state * 1103515245u + 12345u;
+		const uint32_t seq = h->seq_base + (state >> 16) % 4;
+		if (kvr_pool_seq_open(h->pool, seq) == -EEXIST) {
+			if ((state >> 8) % 3 == 0)
+				h->failures += kvr_pool_seq_close(h->pool, seq) != 0;
+			else {
+				int err = kvr_pool_reserve(h->pool, seq, (state >> 4) % 2, 1 + (state >> 12) % 3);
+				h->failures += err != 0 && err != -ENOMEM;
+			}
+		}
+		uint32_t id;
+		if (kvr_pool_page_alloc(h->pool, &id) == 0) {
+			memset(kvr_pool_page_data(h->pool, id), (int)seq, 64);
+			h->failures += kvr_pool_page_unref(h->pool, id) != 0;
+		}
+	}
+	return NULL;
+}
+
+Test(pool, concurrent_callers_keep_invariants)
+{
+	struct kvr_pool *pool = make_pool(16, 64, 2, KVR_ELEM_F16, 200, KVR_POOL_LAYOUT_HND, 8, 2);
+	struct hammer h[2] = { { pool, 0, 0 }, { pool, 4, 0 } };
+	pthread_t t[2];
+	for (int i = 0; i < 2; i++)
+		pthread_create(&t[i], NULL, hammer_main, &h[i]);
+	for (int i = 0; i < 2; i++)
+		pthread_join(t[i], NULL);
+	cr_expect_eq(h[0].failures + h[1].failures, 0);
+	cr_assert_eq(kvr_pool_validate(pool, NULL), 0, "%s", kvr_pool_last_error(pool));
+	kvr_pool_destroy(pool);
+}
