@@ -264,7 +264,7 @@ Test(convert, summaries_propagate_nan)
 Test(convert, streaming_copy_is_exact)
 {
 	static const size_t sizes[] = { 0, 64, 256, 1000, 1024, 4096, 8192, 16384, 16384 + 256, 65536 };
-	unsigned char *src = aligned_alloc(64, 70000), *dst = aligned_alloc(64, 70000);
+	unsigned char *src = aligned_alloc(64, 70016), *dst = aligned_alloc(64, 70016);
 	for (size_t i = 0; i < 70000; i++)
 		src[i] = (unsigned char)rng();
 	for (size_t k = 0; k < 3; k++) {
