@@ -35,3 +35,15 @@ int kvr_gpu_host_unregister(void *ptr)
 	(void)ptr;
 	return 0;
 }
+
+/* Without CUDA compiled in, the cuda device kind does not exist. */
+#include "backend_impl.h"
+
+int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
+		      size_t err_bytes)
+{
+	(void)dev;
+	(void)params;
+	snprintf(err, err_bytes, "CUDA backend not compiled (nvcc not found at build time or -Dcuda=disabled)");
+	return -ENODEV;
+}

@@ -5,6 +5,7 @@
 #include <stdalign.h>
 
 #include "gpu.h"
+#include "kernels.h"
 #include "hd.h"
 #include "page.h"
 #include "layout_abi.h"

@@ -4,6 +4,7 @@
  * Including every layouts/ header here is also the check that they compile as
  * CUDA C++. */
 #include "gpu.h"
+#include "kernels.h"
 #include "hd.h"
 #include "page.h"
 #include "layout_abi.h"

@@ -3,8 +3,8 @@
  * layout_abi_fields.h — every struct shared between C and CUDA code, with every
  * field, as an X-macro list. Expanded once by the C compiler (layout_abi_c.c)
  * and once by nvcc or the C++ compiler (layout_abi_cxx.cu), the two tables must
- * be equal (test_layout_abi.c). A struct added to layouts/ or gpu/gpu.h is added
- * here too.
+ * be equal (test_layout_abi.c). A struct added to layouts/, gpu/gpu.h or
+ * gpu/kernels.h is added here too.
  */
 KVR_ABI_STRUCT(kvr_page_geometry)
 KVR_ABI_FIELD(kvr_page_geometry, page_tokens)
@@ -29,3 +29,66 @@ KVR_ABI_FIELD(kvr_gpu_probe, reserved)
 KVR_ABI_FIELD(kvr_gpu_probe, name)
 KVR_ABI_FIELD(kvr_gpu_probe, pci_bus_id)
 KVR_ABI_FIELD(kvr_gpu_probe, reason)
+
+KVR_ABI_STRUCT(kvr_scatter_item)
+KVR_ABI_FIELD(kvr_scatter_item, run)
+KVR_ABI_FIELD(kvr_scatter_item, k_tile)
+KVR_ABI_FIELD(kvr_scatter_item, v_tile)
+KVR_ABI_FIELD(kvr_scatter_item, kv_head)
+KVR_ABI_FIELD(kvr_scatter_item, reserved)
+
+KVR_ABI_STRUCT(kvr_page_item)
+KVR_ABI_FIELD(kvr_page_item, k_rows)
+KVR_ABI_FIELD(kvr_page_item, v_rows)
+KVR_ABI_FIELD(kvr_page_item, hnd_page)
+KVR_ABI_FIELD(kvr_page_item, summary)
+KVR_ABI_FIELD(kvr_page_item, row_stride)
+KVR_ABI_FIELD(kvr_page_item, reserved)
+
+KVR_ABI_STRUCT(kvr_score_item)
+KVR_ABI_FIELD(kvr_score_item, q)
+KVR_ABI_FIELD(kvr_score_item, summaries)
+KVR_ABI_FIELD(kvr_score_item, scores)
+KVR_ABI_FIELD(kvr_score_item, selected)
+KVR_ABI_FIELD(kvr_score_item, cand_begin)
+KVR_ABI_FIELD(kvr_score_item, cand_end)
+KVR_ABI_FIELD(kvr_score_item, k)
+KVR_ABI_FIELD(kvr_score_item, reserved)
+
+KVR_ABI_STRUCT(kvr_similarity_item)
+KVR_ABI_FIELD(kvr_similarity_item, q)
+KVR_ABI_FIELD(kvr_similarity_item, q_prev)
+KVR_ABI_FIELD(kvr_similarity_item, cosine)
+KVR_ABI_FIELD(kvr_similarity_item, corrected)
+
+KVR_ABI_STRUCT(kvr_kv_segment)
+KVR_ABI_FIELD(kvr_kv_segment, k)
+KVR_ABI_FIELD(kvr_kv_segment, v)
+KVR_ABI_FIELD(kvr_kv_segment, n_tokens)
+KVR_ABI_FIELD(kvr_kv_segment, row_stride)
+KVR_ABI_FIELD(kvr_kv_segment, head_stride)
+KVR_ABI_FIELD(kvr_kv_segment, reserved)
+
+KVR_ABI_STRUCT(kvr_attention_item)
+KVR_ABI_FIELD(kvr_attention_item, q)
+KVR_ABI_FIELD(kvr_attention_item, out)
+KVR_ABI_FIELD(kvr_attention_item, first_segment)
+KVR_ABI_FIELD(kvr_attention_item, n_segments)
+
+KVR_ABI_STRUCT(kvr_dense_item)
+KVR_ABI_FIELD(kvr_dense_item, q)
+KVR_ABI_FIELD(kvr_dense_item, k)
+KVR_ABI_FIELD(kvr_dense_item, v)
+KVR_ABI_FIELD(kvr_dense_item, out)
+KVR_ABI_FIELD(kvr_dense_item, n_tokens)
+KVR_ABI_FIELD(kvr_dense_item, row_stride)
+
+KVR_ABI_STRUCT(kvr_shape)
+KVR_ABI_FIELD(kvr_shape, n_qo_heads)
+KVR_ABI_FIELD(kvr_shape, n_kv_heads)
+KVR_ABI_FIELD(kvr_shape, head_dim)
+KVR_ABI_FIELD(kvr_shape, page_tokens)
+KVR_ABI_FIELD(kvr_shape, elem_type)
+KVR_ABI_FIELD(kvr_shape, scale)
+KVR_ABI_FIELD(kvr_shape, tau)
+KVR_ABI_FIELD(kvr_shape, reserved)

@@ -1,0 +1,335 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kernels_bench.c — the cpu backend's decode kernels against the memory system,
+ * as ratios measured in the same run:
+ *
+ *   attention  sparse decode attention over B tokens per KV head gathered from
+ *              HND pages scattered over a pool of at least 128 MiB (Llama-3.1-8B
+ *              shapes: 8 KV heads, 32 query heads, d = 128, f16, p = 32), a batch
+ *              of sequences per call; bytes of K and V read per second divided by
+ *              (a) a read-only pass over the same page list ("gather-read") and
+ *              (b) a read-only pass over one contiguous buffer of the same size
+ *              ("sequential read"), each with the same number of threads;
+ *   selection  score + top-k time per layer against the number of pages, for
+ *              contexts of 2K to 1M tokens, beside attention over the B tokens.
+ *
+ * Like pool_bench it drives internals (gpu/backend.h), so it links the static
+ * library. Output: a table on stderr and JSON (--json FILE or stdout).
+ *
+ * Threads: the calling thread plus the device's workers (--threads).
+ */
+#include <errno.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "kvrecall.h"
+#include "../gpu/backend.h"
+#include "../gpu/cpu_backend.h"
+#include "../layouts/convert.h"
+#include "../layouts/half.h"
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng_state = 0x853c49e6748fea9bull;
+static uint32_t rng(void)
+{
+	rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+	return (uint32_t)(rng_state >> 33);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	const double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+static double median(double *v, uint32_t n)
+{
+	qsort(v, n, sizeof(*v), cmp_double);
+	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void *huge_alloc(size_t bytes)
+{
+	const size_t align = 2u << 20;
+	void *p = aligned_alloc(align, (bytes + align - 1) & ~(align - 1));
+	if (!p) {
+		fprintf(stderr, "kernels_bench: out of memory for %zu bytes\n", bytes);
+		exit(1);
+	}
+	madvise(p, bytes, MADV_HUGEPAGE);
+	return p;
+}
+
+/* ------------------------------------------------------------------ read passes */
+
+struct read_job {
+	const unsigned char *const *runs; /* run addresses */
+	uint32_t n_runs;
+	uint64_t run_bytes;
+	uint32_t tasks;
+	float sink[64];
+};
+
+/* Read every byte once with wide loads, no stores: the bandwidth a kernel that
+ * reads the same bytes could at best have. */
+__attribute__((target("avx2"))) static float read_bytes(const unsigned char *p, uint64_t n)
+{
+	__m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+	for (uint64_t i = 0; i + 64 <= n; i += 64) {
+		a = _mm256_add_ps(a, _mm256_load_ps((const float *)(p + i)));
+		b = _mm256_add_ps(b, _mm256_load_ps((const float *)(p + i + 32)));
+	}
+	a = _mm256_add_ps(a, b);
+	float out[8];
+	_mm256_storeu_ps(out, a);
+	return out[0] + out[7];
+}
+
+static void read_task(void *arg, uint32_t t)
+{
+	struct read_job *job = arg;
+	const uint32_t per = (job->n_runs + job->tasks - 1) / job->tasks;
+	const uint32_t first = t * per, last = first + per < job->n_runs ? first + per : job->n_runs;
+	float s = 0.0f;
+	for (uint32_t i = first; i < last; i++) {
+		if (i + 1 < last)
+			for (uint64_t l = 0; l < 1024; l += 64)
+				__builtin_prefetch(job->runs[i + 1] + l, 0, 0);
+		s += read_bytes(job->runs[i], job->run_bytes);
+	}
+	job->sink[t % 64] = s;
+}
+
+/* ------------------------------------------------------------------ main */
+
+struct options {
+	uint32_t threads[4], n_threads;
+	uint32_t budget_tokens;
+	uint32_t batch;
+	uint64_t pool_bytes;
+	uint32_t reps;
+	const char *json_path;
+};
+
+static void usage(void)
+{
+	fprintf(stderr, "usage: kernels_bench [--threads 1,2] [--budget 2048] [--batch 8] "
+			"[--pool-mib 256] [--reps 9] [--json FILE]\n");
+}
+
+static int parse_list(const char *s, uint32_t *out, uint32_t max, uint32_t *n)
+{
+	*n = 0;
+	char buf[64];
+	snprintf(buf, sizeof(buf), "%s", s);
+	for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		if (*n == max || atoi(tok) < 0)
+			return -1;
+		out[(*n)++] = (uint32_t)atoi(tok);
+	}
+	return *n ? 0 : -1;
+}
+
+int main(int argc, char **argv)
+{
+	struct options opt = { .budget_tokens = 2048, .batch = 8, .pool_bytes = 256ull << 20, .reps = 9 };
+	opt.threads[0] = 1, opt.threads[1] = 2, opt.n_threads = 2;
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!strcmp(a, "--threads") && v) {
+			if (parse_list(v, opt.threads, 4, &opt.n_threads))
+				return usage(), 2;
+			i++;
+		} else if (!strcmp(a, "--budget") && v) {
+			opt.budget_tokens = (uint32_t)atoi(v), i++;
+		} else if (!strcmp(a, "--batch") && v) {
+			opt.batch = (uint32_t)atoi(v), i++;
+		} else if (!strcmp(a, "--pool-mib") && v) {
+			opt.pool_bytes = strtoull(v, NULL, 10) << 20, i++;
+		} else if (!strcmp(a, "--reps") && v) {
+			opt.reps = (uint32_t)atoi(v), i++;
+		} else if (!strcmp(a, "--json") && v) {
+			opt.json_path = v, i++;
+		} else {
+			return usage(), 2;
+		}
+	}
+	if (opt.reps < 3)
+		opt.reps = 3;
+	const uint32_t n_kv = 8, n_qo = 32, d = 128, p = 32;
+	const uint32_t t = KVR_ELEM_F16;
+	const uint64_t head_bytes = 2ull * p * d * 2, page_bytes = head_bytes * n_kv;
+	const uint32_t n_pages = (uint32_t)(opt.pool_bytes / page_bytes);
+	const uint32_t pages_per_seq = opt.budget_tokens / p;
+
+	struct kvr_system_info sys = { .size = sizeof(sys) };
+	kvr_system_query(&sys);
+	fprintf(stderr, "kernels_bench: %s, %u cores, pool %llu MiB (%u pages of %llu KiB), B=%u, batch %u, "
+			"kernels %s\n",
+		sys.cpu_model, sys.n_cores, (unsigned long long)(opt.pool_bytes >> 20), n_pages,
+		(unsigned long long)(page_bytes >> 10), opt.budget_tokens, opt.batch,
+		kvr_convert_isa_name(kvr_convert_isa_active()));
+
+	/* The pool: HND pages of random f16 values in [-1, 1). */
+	unsigned char *pool = huge_alloc((size_t)n_pages * page_bytes);
+	for (uint64_t i = 0; i < (uint64_t)n_pages * page_bytes / 2; i++)
+		((uint16_t *)pool)[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
+	unsigned char *seq_buf = huge_alloc((size_t)opt.batch * pages_per_seq * n_kv * head_bytes);
+	memset(seq_buf, 1, (size_t)opt.batch * pages_per_seq * n_kv * head_bytes);
+
+	/* Per sequence: B/p random pages, as segments (HND: row stride d, head stride 2pd). */
+	const uint32_t n_segs = opt.batch * pages_per_seq;
+	struct kvr_kv_segment *segs = calloc(n_segs, sizeof(*segs));
+	struct kvr_attention_item *items = calloc(opt.batch, sizeof(*items));
+	const unsigned char **runs = calloc((size_t)n_segs * n_kv, sizeof(*runs));
+	uint16_t *q = huge_alloc((size_t)opt.batch * n_qo * d * 2), *out = huge_alloc((size_t)opt.batch * n_qo * d * 2);
+	for (uint64_t i = 0; i < (uint64_t)opt.batch * n_qo * d; i++)
+		q[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
+	for (uint32_t s = 0; s < opt.batch; s++) {
+		items[s] = (struct kvr_attention_item){ q + (uint64_t)s * n_qo * d, out + (uint64_t)s * n_qo * d,
+							s * pages_per_seq, pages_per_seq };
+		for (uint32_t j = 0; j < pages_per_seq; j++) {
+			const unsigned char *page = pool + (uint64_t)(rng() % n_pages) * page_bytes;
+			segs[s * pages_per_seq + j] = (struct kvr_kv_segment){ page, page + (uint64_t)p * d * 2, p, d,
+									      2 * p * d, 0 };
+			for (uint32_t m = 0; m < n_kv; m++)
+				runs[((uint64_t)s * pages_per_seq + j) * n_kv + m] = page + m * head_bytes;
+		}
+	}
+	const uint64_t kv_bytes = (uint64_t)n_segs * n_kv * head_bytes;
+	const struct kvr_shape shape = { n_qo, n_kv, d, p, t, 1.0f / sqrtf((float)d), 0.9f, 0 };
+
+	FILE *json = opt.json_path ? fopen(opt.json_path, "w") : stdout;
+	if (!json) {
+		fprintf(stderr, "kernels_bench: cannot write %s: %s\n", opt.json_path, strerror(errno));
+		return 1;
+	}
+	fprintf(json, "{\n  \"benchmark\": \"kernels\",\n  \"kvrecall_version\": \"%s\",\n", kvr_version_string());
+	fprintf(json, "  \"machine\": {\"cpu\": \"%s\", \"cores\": %u, \"llc_bytes\": %llu, \"isa\": \"%s\"},\n",
+		sys.cpu_model, sys.n_cores, (unsigned long long)sys.l3_bytes,
+		kvr_convert_isa_name(kvr_convert_isa_active()));
+	fprintf(json, "  \"shape\": {\"n_kv_heads\": %u, \"n_qo_heads\": %u, \"head_dim\": %u, \"page_tokens\": %u, "
+		      "\"dtype\": \"f16\", \"budget_tokens\": %u, \"batch\": %u, \"pool_bytes\": %llu},\n",
+		n_kv, n_qo, d, p, opt.budget_tokens, opt.batch, (unsigned long long)opt.pool_bytes);
+	fprintf(json, "  \"attention\": [\n");
+
+	double attention_1t_s = 0;
+	for (uint32_t ti = 0; ti < opt.n_threads; ti++) {
+		const uint32_t threads = opt.threads[ti];
+		struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = threads ? threads - 1 : 0 };
+		struct kvr_dev *dev;
+		struct kvr_stream *stream;
+		char err[256];
+		if (kvr_dev_create(&dp, &dev, err, sizeof(err)) || kvr_dev_stream_create(dev, 0, &stream)) {
+			fprintf(stderr, "kernels_bench: %s\n", err);
+			return 1;
+		}
+		struct read_job gather = { runs, n_segs * n_kv, head_bytes, threads, { 0 } };
+		const unsigned char *seq_runs[1] = { seq_buf };
+		struct read_job seq = { seq_runs, 1, kv_bytes, 1, { 0 } };
+		/* sequential: split the one buffer into `threads` runs */
+		const unsigned char **seq_split = calloc(threads, sizeof(*seq_split));
+		for (uint32_t i = 0; i < threads; i++)
+			seq_split[i] = seq_buf + (uint64_t)i * (kv_bytes / threads);
+		seq = (struct read_job){ seq_split, threads, kv_bytes / threads, threads, { 0 } };
+
+		double *ta = calloc(opt.reps, sizeof(double)), *tg = calloc(opt.reps, sizeof(double));
+		double *ts = calloc(opt.reps, sizeof(double));
+		for (int warm = 0; warm < 2; warm++) {
+			kvr_dev_attention(dev, &shape, items, opt.batch, segs, n_segs, stream);
+			kvr_cpu_parallel_for(dev, read_task, &gather, threads);
+		}
+		for (uint32_t r = 0; r < opt.reps; r++) {
+			double t0 = now_s();
+			kvr_cpu_parallel_for(dev, read_task, &gather, threads);
+			tg[r] = now_s() - t0;
+			t0 = now_s();
+			kvr_dev_attention(dev, &shape, items, opt.batch, segs, n_segs, stream);
+			ta[r] = now_s() - t0;
+			t0 = now_s();
+			kvr_cpu_parallel_for(dev, read_task, &seq, threads);
+			ts[r] = now_s() - t0;
+		}
+		const double a = median(ta, opt.reps), g = median(tg, opt.reps), s = median(ts, opt.reps);
+		if (threads == 1)
+			attention_1t_s = a / opt.batch;
+		fprintf(stderr, "attention %u thread%s: %7.2f GB/s of K+V; gather-read %7.2f GB/s (ratio %.3f); "
+				"sequential read %7.2f GB/s (ratio %.3f); %.1f us per sequence-layer\n",
+			threads, threads > 1 ? "s" : " ", kv_bytes / a / 1e9, kv_bytes / g / 1e9, g / a,
+			kv_bytes / s / 1e9, s / a, a / opt.batch * 1e6);
+		fprintf(json, "    {\"threads\": %u, \"kv_bytes\": %llu, \"attention_gbps\": %.3f, \"gather_read_gbps\": %.3f, "
+			      "\"ratio_to_gather_read\": %.4f, \"sequential_read_gbps\": %.3f, \"ratio_to_sequential_read\": %.4f, "
+			      "\"us_per_sequence_layer\": %.2f}%s\n",
+			threads, (unsigned long long)kv_bytes, kv_bytes / a / 1e9, kv_bytes / g / 1e9, g / a,
+			kv_bytes / s / 1e9, s / a, a / opt.batch * 1e6, ti + 1 < opt.n_threads ? "," : "");
+		free(ta), free(tg), free(ts), free(seq_split);
+		kvr_dev_stream_destroy(dev, stream);
+		kvr_dev_destroy(dev);
+	}
+	fprintf(json, "  ],\n  \"selection\": [\n");
+
+	/* Selection: one sequence, all 8 KV heads, contexts 2K..1M tokens. */
+	struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = opt.threads[opt.n_threads - 1] - 1 };
+	struct kvr_dev *dev;
+	struct kvr_stream *stream;
+	char err[256];
+	if (kvr_dev_create(&dp, &dev, err, sizeof(err)) || kvr_dev_stream_create(dev, 0, &stream)) {
+		fprintf(stderr, "kernels_bench: %s\n", err);
+		return 1;
+	}
+	const uint32_t sink_pages = 512 / p, window_pages = 512 / p, k = (opt.budget_tokens - 1024) / p;
+	static const uint32_t contexts[] = { 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576 };
+	const uint32_t n_ctx = sizeof(contexts) / sizeof(contexts[0]);
+	const uint32_t max_pages = contexts[n_ctx - 1] / p;
+	uint16_t *summaries = huge_alloc((size_t)max_pages * n_kv * 2 * d * 2);
+	for (uint64_t i = 0; i < (uint64_t)max_pages * n_kv * 2 * d; i++)
+		summaries[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
+	float *scores = huge_alloc((size_t)n_kv * max_pages * sizeof(float));
+	int32_t *selected = calloc((size_t)n_kv * (k ? k : 1), sizeof(int32_t));
+	for (uint32_t c = 0; c < n_ctx; c++) {
+		const uint32_t pages = contexts[c] / p;
+		struct kvr_score_item it = { q, summaries, scores, selected, sink_pages,
+					     pages > window_pages ? pages - window_pages : sink_pages, k, 0 };
+		if (it.cand_end < it.cand_begin)
+			it.cand_end = it.cand_begin;
+		double *tsc = calloc(opt.reps, sizeof(double)), *tse = calloc(opt.reps, sizeof(double));
+		for (uint32_t r = 0; r < opt.reps; r++) {
+			double t0 = now_s();
+			kvr_dev_score(dev, &shape, &it, 1, stream);
+			tsc[r] = now_s() - t0;
+			t0 = now_s();
+			kvr_dev_select(dev, &shape, &it, 1, stream);
+			tse[r] = now_s() - t0;
+		}
+		const double sc = median(tsc, opt.reps), se = median(tse, opt.reps);
+		const uint32_t cand = it.cand_end - it.cand_begin;
+		fprintf(stderr, "selection L=%7u (%5u candidate pages): score %9.1f us, top-%u %8.1f us, %.1f ns/page; "
+				"x %.2f of 1-thread attention over B\n",
+			contexts[c], cand, sc * 1e6, k, se * 1e6, cand ? (sc + se) / cand / n_kv * 1e9 : 0.0,
+			attention_1t_s > 0 ? (sc + se) / attention_1t_s : 0.0);
+		fprintf(json, "    {\"context_tokens\": %u, \"candidate_pages\": %u, \"threads\": %u, \"score_us\": %.2f, "
+			      "\"select_us\": %.2f, \"ns_per_page_head\": %.2f}%s\n",
+			contexts[c], cand, dp.threads + 1, sc * 1e6, se * 1e6,
+			cand ? (sc + se) / cand / n_kv * 1e9 : 0.0, c + 1 < n_ctx ? "," : "");
+		free(tsc), free(tse);
+	}
+	fprintf(json, "  ]\n}\n");
+	if (json != stdout)
+		fclose(json);
+	kvr_dev_stream_destroy(dev, stream);
+	kvr_dev_destroy(dev);
+	free(segs), free(items), free(runs), free(selected);
+	free(pool), free(seq_buf), free(q), free(out), free(summaries), free(scores);
+	return 0;
+}

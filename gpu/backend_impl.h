@@ -1,0 +1,81 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * backend_impl.h — how a backend plugs into backend.h: a table of operations
+ * and the common part of a device. device.c validates arguments and
+ * dispatches; each backend fills the table. Internal to gpu/.
+ */
+#ifndef KVR_GPU_BACKEND_IMPL_H
+#define KVR_GPU_BACKEND_IMPL_H
+
+#include <stdarg.h>
+
+#include "backend.h"
+
+struct kvr_dev_ops {
+	const char *name;
+	void (*destroy)(struct kvr_dev *dev);
+
+	int (*alloc)(struct kvr_dev *dev, size_t bytes, void **ptr);
+	void (*free)(struct kvr_dev *dev, void *ptr);
+	int (*host_register)(struct kvr_dev *dev, void *ptr, size_t bytes);
+	int (*host_unregister)(struct kvr_dev *dev, void *ptr);
+
+	int (*stream_create)(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out);
+	void (*stream_destroy)(struct kvr_dev *dev, struct kvr_stream *stream);
+	int (*stream_synchronize)(struct kvr_dev *dev, struct kvr_stream *stream);
+	int (*event_create)(struct kvr_dev *dev, struct kvr_event **out);
+	void (*event_destroy)(struct kvr_dev *dev, struct kvr_event *event);
+	int (*event_record)(struct kvr_dev *dev, struct kvr_event *event, struct kvr_stream *stream);
+	int (*stream_wait_event)(struct kvr_dev *dev, struct kvr_stream *stream,
+				 struct kvr_event *event);
+	int (*event_query)(struct kvr_dev *dev, struct kvr_event *event);
+	int (*event_synchronize)(struct kvr_dev *dev, struct kvr_event *event);
+
+	int (*memcpy_async)(struct kvr_dev *dev, void *dst, const void *src, size_t bytes,
+			    uint32_t kind, struct kvr_stream *stream);
+	int (*memcpy_batch_async)(struct kvr_dev *dev, void *dst_base, const void *src_base,
+				  const struct kvr_copy_desc *descs, size_t n, uint32_t kind,
+				  struct kvr_stream *stream);
+
+	int (*scatter)(struct kvr_dev *dev, const struct kvr_shape *shape,
+		       const struct kvr_scatter_item *items, uint32_t n, struct kvr_stream *stream);
+	int (*offload)(struct kvr_dev *dev, const struct kvr_shape *shape,
+		       const struct kvr_page_item *items, uint32_t n, struct kvr_stream *stream);
+	int (*summarize)(struct kvr_dev *dev, const struct kvr_shape *shape,
+			 const struct kvr_page_item *items, uint32_t n, struct kvr_stream *stream);
+	int (*score)(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_score_item *items, uint32_t n, struct kvr_stream *stream);
+	int (*select)(struct kvr_dev *dev, const struct kvr_shape *shape,
+		      const struct kvr_score_item *items, uint32_t n, struct kvr_stream *stream);
+	int (*similarity)(struct kvr_dev *dev, const struct kvr_shape *shape,
+			  const struct kvr_similarity_item *items, uint32_t n,
+			  struct kvr_stream *stream);
+	int (*attention)(struct kvr_dev *dev, const struct kvr_shape *shape,
+			 const struct kvr_attention_item *items, uint32_t n,
+			 const struct kvr_kv_segment *segments, uint32_t n_segments,
+			 struct kvr_stream *stream);
+	int (*dense)(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream);
+};
+
+struct kvr_dev {
+	const struct kvr_dev_ops *ops;
+	uint32_t kind;          /* enum kvr_dev_kind */
+	int host_visible;       /* device memory is host-addressable */
+	void *impl;             /* the backend's own state */
+	char last_error[256];   /* written by the failing call's thread */
+};
+
+/* Record a message and return err (backends' error path). */
+int kvr_dev_fail(struct kvr_dev *dev, int err, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* Backend constructors: fill dev->ops/impl or return -ENODEV with a reason. */
+int kvr_cpu_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
+		     size_t err_bytes);
+int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
+		      size_t err_bytes);
+int kvr_cudaemu_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
+			 size_t err_bytes);
+
+#endif /* KVR_GPU_BACKEND_IMPL_H */

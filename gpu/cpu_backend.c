@@ -1,0 +1,521 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * cpu_backend.c — the cpu backend's device side: "device" memory is host
+ * memory, copies are memcpy (batched lists split across the workers), and
+ * streams are FIFOs of operations.
+ *
+ * Streams come in two kinds. An inline stream (the default) runs each
+ * operation on the thread that enqueues it, before the call returns: the
+ * critical path stays on the engine's thread with no handoff. A worker stream
+ * has its own thread draining a ring of operations, for work that should
+ * overlap the caller (the controller's recall copies). Either way the
+ * operations of one stream run in order.
+ *
+ * Events carry two counters: `recorded` counts records enqueued, `completed`
+ * the highest record that has run. A wait captures `recorded` at the time of
+ * the call (an event never recorded is complete, as in CUDA) and holds its
+ * stream until `completed` reaches it — spinning briefly, then sleeping.
+ *
+ * Threads: any thread may enqueue on an inline stream it owns; a worker
+ * stream's ring is guarded by its mutex. Kernels use the device's fork-join
+ * workers (cpu_threads.c) or the engine's parallel-for.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_backend.h"
+#include "cpu_threads.h"
+
+#define RING_OPS 256         /* operations a worker stream can hold */
+#define EVENT_SPINS 4000     /* pauses before an event wait sleeps */
+
+struct cpu_impl {
+	struct kvr_workers *workers;
+	kvr_parallel_for_fn parallel_for; /* the engine's, or NULL */
+	void *parallel_user;
+	uint32_t threads;
+};
+
+struct cpu_op {
+	kvr_cpu_op_fn run;
+	_Alignas(16) unsigned char ctx[KVR_CPU_OP_CTX_BYTES];
+};
+
+struct kvr_stream {
+	uint32_t flags;
+	struct kvr_dev *dev;
+	/* worker streams only */
+	pthread_t worker;
+	pthread_mutex_t lock; /* guards ring, head, tail, quit */
+	pthread_cond_t not_empty, not_full, drained;
+	struct cpu_op *ring;
+	uint64_t head, tail; /* ops [head, tail) are queued; head is running or next */
+	int running;         /* the worker is executing ring[head] */
+	int quit;
+};
+
+struct kvr_event {
+	_Atomic uint64_t recorded;  /* records enqueued; written by the recording thread */
+	_Atomic uint64_t completed; /* highest record run; release by the runner, acquire by waiters */
+	pthread_mutex_t lock;       /* guards the condvar wait */
+	pthread_cond_t cond;
+	_Atomic uint32_t sleepers;  /* seq_cst with completed: a completer wakes only when needed */
+};
+
+static struct cpu_impl *impl_of(const struct kvr_dev *dev)
+{
+	return (struct cpu_impl *)dev->impl;
+}
+
+/* ------------------------------------------------------------------ memory */
+
+static int cpu_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
+{
+	/* 64-byte alignment for the vector kernels and streaming copies. */
+	const size_t rounded = (bytes + 63) & ~(size_t)63;
+	void *p = aligned_alloc(64, rounded);
+	if (!p)
+		return kvr_dev_fail(dev, -ENOMEM, "alloc: %zu bytes: out of memory", bytes);
+	*ptr = p;
+	return 0;
+}
+
+static void cpu_free(struct kvr_dev *dev, void *ptr)
+{
+	(void)dev;
+	free(ptr);
+}
+
+static int cpu_host_register(struct kvr_dev *dev, void *ptr, size_t bytes)
+{
+	(void)dev, (void)ptr, (void)bytes;
+	return 0; /* host memory is already "device" memory */
+}
+
+static int cpu_host_unregister(struct kvr_dev *dev, void *ptr)
+{
+	(void)dev, (void)ptr;
+	return 0;
+}
+
+/* ------------------------------------------------------------------ workers */
+
+void kvr_cpu_parallel_for(struct kvr_dev *dev, kvr_task_fn task, void *arg, uint32_t n)
+{
+	struct cpu_impl *impl = impl_of(dev);
+	if (impl->parallel_for)
+		impl->parallel_for(impl->parallel_user, task, arg, n);
+	else
+		kvr_workers_parallel_for(impl->workers, task, arg, n);
+}
+
+uint32_t kvr_cpu_threads(const struct kvr_dev *dev)
+{
+	return impl_of(dev)->threads;
+}
+
+/* ------------------------------------------------------------------ streams */
+
+static void *stream_worker(void *arg)
+{
+	struct kvr_stream *s = arg;
+	pthread_mutex_lock(&s->lock);
+	for (;;) {
+		while (s->head == s->tail && !s->quit)
+			pthread_cond_wait(&s->not_empty, &s->lock);
+		if (s->head == s->tail && s->quit)
+			break;
+		struct cpu_op *op = &s->ring[s->head % RING_OPS];
+		s->running = 1;
+		pthread_mutex_unlock(&s->lock);
+		op->run(s->dev, op->ctx);
+		pthread_mutex_lock(&s->lock);
+		s->running = 0;
+		s->head++;
+		pthread_cond_signal(&s->not_full);
+		if (s->head == s->tail)
+			pthread_cond_broadcast(&s->drained);
+	}
+	pthread_mutex_unlock(&s->lock);
+	return NULL;
+}
+
+static int cpu_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out)
+{
+	struct kvr_stream *s = calloc(1, sizeof(*s));
+	if (!s)
+		return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of memory");
+	s->flags = flags;
+	s->dev = dev;
+	if (flags & KVR_STREAM_WORKER) {
+		s->ring = calloc(RING_OPS, sizeof(*s->ring));
+		if (!s->ring) {
+			free(s);
+			return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of memory");
+		}
+		pthread_mutex_init(&s->lock, NULL);
+		pthread_cond_init(&s->not_empty, NULL);
+		pthread_cond_init(&s->not_full, NULL);
+		pthread_cond_init(&s->drained, NULL);
+		int err = pthread_create(&s->worker, NULL, stream_worker, s);
+		if (err) {
+			free(s->ring);
+			free(s);
+			return kvr_dev_fail(dev, -err, "stream_create: pthread_create failed");
+		}
+	}
+	*out = s;
+	return 0;
+}
+
+static void cpu_stream_destroy(struct kvr_dev *dev, struct kvr_stream *s)
+{
+	(void)dev;
+	if (s->flags & KVR_STREAM_WORKER) {
+		pthread_mutex_lock(&s->lock);
+		s->quit = 1; /* the worker drains what is queued, then exits */
+		pthread_cond_signal(&s->not_empty);
+		pthread_mutex_unlock(&s->lock);
+		pthread_join(s->worker, NULL);
+		pthread_mutex_destroy(&s->lock);
+		pthread_cond_destroy(&s->not_empty);
+		pthread_cond_destroy(&s->not_full);
+		pthread_cond_destroy(&s->drained);
+		free(s->ring);
+	}
+	free(s);
+}
+
+int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *s, kvr_cpu_op_fn run, const void *ctx,
+		    size_t ctx_bytes)
+{
+	if (ctx_bytes > KVR_CPU_OP_CTX_BYTES)
+		return kvr_dev_fail(dev, -EINVAL, "enqueue: operation context of %zu bytes too big",
+				    ctx_bytes);
+	if (!(s->flags & KVR_STREAM_WORKER)) {
+		struct cpu_op op;
+		memcpy(op.ctx, ctx, ctx_bytes);
+		run(dev, op.ctx);
+		return 0;
+	}
+	pthread_mutex_lock(&s->lock);
+	while (s->tail - s->head >= RING_OPS)
+		pthread_cond_wait(&s->not_full, &s->lock);
+	struct cpu_op *op = &s->ring[s->tail % RING_OPS];
+	op->run = run;
+	memcpy(op->ctx, ctx, ctx_bytes);
+	s->tail++;
+	pthread_cond_signal(&s->not_empty);
+	pthread_mutex_unlock(&s->lock);
+	return 0;
+}
+
+static int cpu_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *s)
+{
+	(void)dev;
+	if (!(s->flags & KVR_STREAM_WORKER))
+		return 0; /* everything already ran */
+	pthread_mutex_lock(&s->lock);
+	const uint64_t target = s->tail;
+	while (s->head < target)
+		pthread_cond_wait(&s->drained, &s->lock);
+	pthread_mutex_unlock(&s->lock);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ events */
+
+static int cpu_event_create(struct kvr_dev *dev, struct kvr_event **out)
+{
+	struct kvr_event *e = calloc(1, sizeof(*e));
+	if (!e)
+		return kvr_dev_fail(dev, -ENOMEM, "event_create: out of memory");
+	pthread_mutex_init(&e->lock, NULL);
+	pthread_cond_init(&e->cond, NULL);
+	*out = e;
+	return 0;
+}
+
+static void cpu_event_destroy(struct kvr_dev *dev, struct kvr_event *e)
+{
+	(void)dev;
+	pthread_mutex_destroy(&e->lock);
+	pthread_cond_destroy(&e->cond);
+	free(e);
+}
+
+static void event_complete(struct kvr_event *e, uint64_t value)
+{
+	uint64_t cur = atomic_load_explicit(&e->completed, memory_order_relaxed);
+	while (cur < value && !atomic_compare_exchange_weak_explicit(
+				      &e->completed, &cur, value, memory_order_seq_cst,
+				      memory_order_relaxed))
+		;
+	/* seq_cst: either the waiter sees the new value or we see its sleeper count */
+	if (atomic_load(&e->sleepers)) {
+		pthread_mutex_lock(&e->lock);
+		pthread_cond_broadcast(&e->cond);
+		pthread_mutex_unlock(&e->lock);
+	}
+}
+
+static void event_wait(struct kvr_event *e, uint64_t target)
+{
+	for (int i = 0; i < EVENT_SPINS; i++) {
+		/* acquire pairs with event_complete's seq_cst (release) update */
+		if (atomic_load_explicit(&e->completed, memory_order_acquire) >= target)
+			return;
+#if defined(__x86_64__) || defined(__i386__)
+		__builtin_ia32_pause();
+#endif
+	}
+	pthread_mutex_lock(&e->lock);
+	atomic_fetch_add(&e->sleepers, 1);
+	while (atomic_load(&e->completed) < target)
+		pthread_cond_wait(&e->cond, &e->lock);
+	atomic_fetch_sub(&e->sleepers, 1);
+	pthread_mutex_unlock(&e->lock);
+}
+
+struct event_op {
+	struct kvr_event *event;
+	uint64_t value;
+};
+
+static void run_event_complete(struct kvr_dev *dev, void *ctx)
+{
+	(void)dev;
+	const struct event_op *op = ctx;
+	event_complete(op->event, op->value);
+}
+
+static void run_event_wait(struct kvr_dev *dev, void *ctx)
+{
+	(void)dev;
+	const struct event_op *op = ctx;
+	event_wait(op->event, op->value);
+}
+
+static int cpu_event_record(struct kvr_dev *dev, struct kvr_event *e, struct kvr_stream *s)
+{
+	/* relaxed: the recording thread is the only writer of `recorded` */
+	const uint64_t value = atomic_load_explicit(&e->recorded, memory_order_relaxed) + 1;
+	atomic_store_explicit(&e->recorded, value, memory_order_release);
+	const struct event_op op = { e, value };
+	return kvr_cpu_enqueue(dev, s, run_event_complete, &op, sizeof(op));
+}
+
+static int cpu_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *s, struct kvr_event *e)
+{
+	/* acquire pairs with the release store in cpu_event_record */
+	const struct event_op op = { e, atomic_load_explicit(&e->recorded, memory_order_acquire) };
+	if (!op.value)
+		return 0; /* never recorded: complete */
+	return kvr_cpu_enqueue(dev, s, run_event_wait, &op, sizeof(op));
+}
+
+static int cpu_event_query(struct kvr_dev *dev, struct kvr_event *e)
+{
+	(void)dev;
+	const uint64_t target = atomic_load_explicit(&e->recorded, memory_order_acquire);
+	return atomic_load_explicit(&e->completed, memory_order_acquire) >= target ? 0 : -EAGAIN;
+}
+
+static int cpu_event_synchronize(struct kvr_dev *dev, struct kvr_event *e)
+{
+	(void)dev;
+	event_wait(e, atomic_load_explicit(&e->recorded, memory_order_acquire));
+	return 0;
+}
+
+/* ------------------------------------------------------------------ copies */
+
+struct copy_op {
+	void *dst;
+	const void *src;
+	size_t bytes;
+};
+
+static void run_copy(struct kvr_dev *dev, void *ctx)
+{
+	(void)dev;
+	const struct copy_op *op = ctx;
+	memcpy(op->dst, op->src, op->bytes);
+}
+
+static int cpu_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size_t bytes,
+			    uint32_t kind, struct kvr_stream *s)
+{
+	(void)kind; /* all memory is host memory */
+	const struct copy_op op = { dst, src, bytes };
+	return kvr_cpu_enqueue(dev, s, run_copy, &op, sizeof(op));
+}
+
+struct batch_op {
+	unsigned char *dst_base;
+	const unsigned char *src_base;
+	struct kvr_copy_desc *descs; /* owned: freed when run */
+	size_t n;
+	size_t per_task;
+};
+
+static void batch_task(void *arg, uint32_t index)
+{
+	const struct batch_op *op = arg;
+	const size_t first = (size_t)index * op->per_task;
+	const size_t last = first + op->per_task < op->n ? first + op->per_task : op->n;
+	for (size_t i = first; i < last; i++)
+		memcpy(op->dst_base + op->descs[i].dst_offset, op->src_base + op->descs[i].src_offset,
+		       op->descs[i].bytes);
+}
+
+static void run_batch(struct kvr_dev *dev, void *ctx)
+{
+	struct batch_op *op = ctx;
+	const uint32_t tasks = (uint32_t)((op->n + op->per_task - 1) / op->per_task);
+	kvr_cpu_parallel_for(dev, batch_task, op, tasks);
+	free(op->descs);
+}
+
+static int cpu_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const void *src_base,
+				  const struct kvr_copy_desc *descs, size_t n, uint32_t kind,
+				  struct kvr_stream *s)
+{
+	(void)kind;
+	/* The list is read when the copy runs, which may be after the caller
+	 * reuses its array (as cudaMemcpyBatchAsync allows): keep a copy. */
+	struct batch_op op = { dst_base, src_base, malloc(n * sizeof(*descs)), n, 0 };
+	if (!op.descs)
+		return kvr_dev_fail(dev, -ENOMEM, "memcpy_batch_async: out of memory for %zu copies", n);
+	memcpy(op.descs, descs, n * sizeof(*descs));
+	const size_t parts = (size_t)kvr_cpu_threads(dev) + 1;
+	op.per_task = (n + parts - 1) / parts;
+	int err = kvr_cpu_enqueue(dev, s, run_batch, &op, sizeof(op));
+	if (err)
+		free(op.descs);
+	return err;
+}
+
+/* ------------------------------------------------------------------ kernels */
+
+struct kernel_op {
+	struct kvr_shape shape;
+	const void *items;
+	uint32_t n;
+	const struct kvr_kv_segment *segments;
+	uint32_t n_segments;
+};
+
+#define KERNEL_OP(name, item_type)                                                      \
+	static void run_##name(struct kvr_dev *dev, void *ctx)                         \
+	{                                                                              \
+		const struct kernel_op *op = ctx;                                      \
+		kvr_cpu_##name(dev, &op->shape, (const item_type *)op->items, op->n);  \
+	}                                                                              \
+	static int cpu_##name(struct kvr_dev *dev, const struct kvr_shape *shape,      \
+			      const item_type *items, uint32_t n, struct kvr_stream *s) \
+	{                                                                              \
+		const struct kernel_op op = { *shape, items, n, NULL, 0 };             \
+		return kvr_cpu_enqueue(dev, s, run_##name, &op, sizeof(op));           \
+	}
+
+KERNEL_OP(scatter, struct kvr_scatter_item)
+KERNEL_OP(offload, struct kvr_page_item)
+KERNEL_OP(summarize, struct kvr_page_item)
+KERNEL_OP(score, struct kvr_score_item)
+KERNEL_OP(select, struct kvr_score_item)
+KERNEL_OP(similarity, struct kvr_similarity_item)
+KERNEL_OP(dense, struct kvr_dense_item)
+
+static void run_attention(struct kvr_dev *dev, void *ctx)
+{
+	const struct kernel_op *op = ctx;
+	kvr_cpu_attention(dev, &op->shape, op->items, op->n, op->segments, op->n_segments);
+}
+
+static int cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
+			 const struct kvr_attention_item *items, uint32_t n,
+			 const struct kvr_kv_segment *segments, uint32_t n_segments,
+			 struct kvr_stream *s)
+{
+	for (uint32_t i = 0; i < n; i++) /* host-visible: check the segment ranges now */
+		if ((uint64_t)items[i].first_segment + items[i].n_segments > n_segments)
+			return kvr_dev_fail(dev, -EINVAL,
+					    "attention: item %u uses segments %u..%u of %u", i,
+					    items[i].first_segment,
+					    items[i].first_segment + items[i].n_segments, n_segments);
+	const struct kernel_op op = { *shape, items, n, segments, n_segments };
+	return kvr_cpu_enqueue(dev, s, run_attention, &op, sizeof(op));
+}
+
+/* ------------------------------------------------------------------ device */
+
+static void cpu_destroy(struct kvr_dev *dev)
+{
+	struct cpu_impl *impl = impl_of(dev);
+	kvr_workers_destroy(impl->workers);
+	free(impl);
+}
+
+static const struct kvr_dev_ops cpu_ops = {
+	.name = "cpu",
+	.destroy = cpu_destroy,
+	.alloc = cpu_alloc,
+	.free = cpu_free,
+	.host_register = cpu_host_register,
+	.host_unregister = cpu_host_unregister,
+	.stream_create = cpu_stream_create,
+	.stream_destroy = cpu_stream_destroy,
+	.stream_synchronize = cpu_stream_synchronize,
+	.event_create = cpu_event_create,
+	.event_destroy = cpu_event_destroy,
+	.event_record = cpu_event_record,
+	.stream_wait_event = cpu_stream_wait_event,
+	.event_query = cpu_event_query,
+	.event_synchronize = cpu_event_synchronize,
+	.memcpy_async = cpu_memcpy_async,
+	.memcpy_batch_async = cpu_memcpy_batch_async,
+	.scatter = cpu_scatter,
+	.offload = cpu_offload,
+	.summarize = cpu_summarize,
+	.score = cpu_score,
+	.select = cpu_select,
+	.similarity = cpu_similarity,
+	.attention = cpu_attention,
+	.dense = cpu_dense,
+};
+
+const struct kvr_dev_ops *kvr_cpu_ops(void)
+{
+	return &cpu_ops;
+}
+
+int kvr_cpu_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
+		     size_t err_bytes)
+{
+	struct cpu_impl *impl = calloc(1, sizeof(*impl));
+	if (!impl) {
+		snprintf(err, err_bytes, "cpu: out of memory");
+		return -ENOMEM;
+	}
+	impl->parallel_for = params->parallel_for;
+	impl->parallel_user = params->parallel_user;
+	impl->threads = params->threads;
+	if (!impl->parallel_for) {
+		int ret = kvr_workers_create(params->threads, &impl->workers);
+		if (ret) {
+			free(impl);
+			snprintf(err, err_bytes, "cpu: cannot start %u worker threads: %s",
+				 params->threads, strerror(-ret));
+			return ret;
+		}
+	}
+	dev->ops = &cpu_ops;
+	dev->impl = impl;
+	dev->host_visible = 1;
+	return 0;
+}

@@ -1,0 +1,51 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * cpu_backend.h — what the cpu backend shares with its kernels (cpu_kernels.c)
+ * and with cudaemu, which reuses its memory, streams, events and copies and
+ * replaces only the kernels.
+ */
+#ifndef KVR_GPU_CPU_BACKEND_H
+#define KVR_GPU_CPU_BACKEND_H
+
+#include <stddef.h>
+
+#include "backend_impl.h"
+
+/* The cpu ops table (cudaemu copies it and swaps the kernel entries). */
+const struct kvr_dev_ops *kvr_cpu_ops(void);
+
+/* Enqueue run(dev, ctx) on a stream: executed now on the caller for an inline
+ * stream, by the stream's worker otherwise. ctx (ctx_bytes, at most
+ * KVR_CPU_OP_CTX_BYTES) is copied. */
+#define KVR_CPU_OP_CTX_BYTES 192
+typedef void (*kvr_cpu_op_fn)(struct kvr_dev *dev, void *ctx);
+int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *stream, kvr_cpu_op_fn run,
+		    const void *ctx, size_t ctx_bytes);
+
+/* Run task over [0, n) with the device's workers (or the engine's
+ * parallel-for). Called from inside an op. */
+void kvr_cpu_parallel_for(struct kvr_dev *dev, kvr_task_fn task, void *arg, uint32_t n);
+/* Workers available besides the caller (to size task splits). */
+uint32_t kvr_cpu_threads(const struct kvr_dev *dev);
+
+/* The kernels (cpu_kernels.c): run synchronously, on the calling thread plus
+ * the device's workers. */
+void kvr_cpu_scatter(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_scatter_item *items, uint32_t n);
+void kvr_cpu_offload(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_page_item *items, uint32_t n);
+void kvr_cpu_summarize(struct kvr_dev *dev, const struct kvr_shape *shape,
+		       const struct kvr_page_item *items, uint32_t n);
+void kvr_cpu_score(struct kvr_dev *dev, const struct kvr_shape *shape,
+		   const struct kvr_score_item *items, uint32_t n);
+void kvr_cpu_select(struct kvr_dev *dev, const struct kvr_shape *shape,
+		    const struct kvr_score_item *items, uint32_t n);
+void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
+			const struct kvr_similarity_item *items, uint32_t n);
+void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
+		       const struct kvr_attention_item *items, uint32_t n,
+		       const struct kvr_kv_segment *segments, uint32_t n_segments);
+void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
+		   const struct kvr_dense_item *items, uint32_t n);
+
+#endif /* KVR_GPU_CPU_BACKEND_H */

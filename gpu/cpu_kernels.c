@@ -1,0 +1,463 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * cpu_kernels.c — the cpu backend's kernels (kernels.h has what each
+ * computes). They run synchronously inside a stream operation, split into
+ * tasks over the device's workers: per item for the page kernels, per
+ * (item, KV head) for score, select, similarity and attention.
+ *
+ * The hot kernels (score, attention) come from cpu_kernels_isa.h, compiled
+ * here for AVX-512, AVX2+FMA+F16C and baseline x86-64, and chosen at run time
+ * with the same choice as the conversions (layouts/convert.c). Selection
+ * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
+ * kernels agree bit for bit on which pages are selected.
+ *
+ * Threads: called on the thread running the stream operation; tasks run on
+ * it and on the workers, each writing only its own item's outputs.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../layouts/convert.h"
+#include "../layouts/kmath.h"
+#include "../layouts/summary.h"
+#include "../layouts/transpose.h"
+#include "cpu_backend.h"
+
+#define KVR_MAX_GROUP_CPU 64
+
+/* 64-byte vectors passed between static functions of this file only: the
+ * psABI note about how they would cross a real call boundary does not apply. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+/* mask ? a : b, lane by lane (mask lanes are 0 or -1) */
+static inline vf blend(vi mask, vf a, vf b)
+{
+	return (vf)((mask & (vi)a) | (~mask & (vi)b));
+}
+
+/* ------------------------------------------------------------------ AVX-512 */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+static inline vf load16_avx512(const void *row, uint32_t t, uint64_t i)
+{
+	if (t == KVR_ELEM_F16)
+		return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+	if (t == KVR_ELEM_BF16)
+		return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
+			_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))),
+			16));
+	return (vf)_mm512_loadu_ps((const float *)row + i);
+}
+static inline float fold16_avx512(vf v)
+{
+	const __m512 x = (__m512)v;
+	const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+	const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+	const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+	return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+#define ISA avx512
+#define LOAD16(row, t, i) load16_avx512(row, t, i)
+#define FMA16(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#define HSUM16(v) _mm512_reduce_add_ps((__m512)(v))
+#define SPLAT16(x) ((vf)_mm512_set1_ps(x))
+#define FOLD16(v) fold16_avx512(v)
+#include "cpu_kernels_isa.h"
+#undef ISA
+#undef LOAD16
+#undef FMA16
+#undef HSUM16
+#undef SPLAT16
+#undef FOLD16
+#pragma GCC pop_options
+
+/* ------------------------------------------------------------------ AVX2 */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+union v16_halves {
+	vf v;
+	__m256 h[2];
+};
+
+static inline __m256 load8_avx2(const void *row, uint32_t t, uint64_t i)
+{
+	if (t == KVR_ELEM_F16)
+		return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+	if (t == KVR_ELEM_BF16)
+		return _mm256_castsi256_ps(_mm256_slli_epi32(
+			_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))),
+			16));
+	return _mm256_loadu_ps((const float *)row + i);
+}
+
+static inline vf load16_avx2(const void *row, uint32_t t, uint64_t i)
+{
+	union v16_halves u;
+	u.h[0] = load8_avx2(row, t, i);
+	u.h[1] = load8_avx2(row, t, i + 8);
+	return u.v;
+}
+
+static inline vf fma16_avx2(vf a, vf b, vf c)
+{
+	union v16_halves x = { a }, y = { b }, z = { c }, r;
+	r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+	r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+	return r.v;
+}
+
+static inline vf splat16_avx2(float x)
+{
+	union v16_halves u;
+	u.h[0] = u.h[1] = _mm256_set1_ps(x);
+	return u.v;
+}
+
+/* kmath.h's canonical fold: each step adds the upper half to the lower. */
+static inline float fold16_avx2(vf v)
+{
+	union v16_halves u = { v };
+	const __m256 h8 = _mm256_add_ps(u.h[0], u.h[1]);
+	const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+	const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+	return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
+static inline float hsum16_avx2(vf v)
+{
+	union v16_halves u = { v };
+	__m256 s = _mm256_add_ps(u.h[0], u.h[1]);
+	__m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+	h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+	return _mm_cvtss_f32(h);
+}
+#define ISA avx2
+#define LOAD16(row, t, i) load16_avx2(row, t, i)
+#define FMA16(a, b, c) fma16_avx2(a, b, c)
+#define HSUM16(v) hsum16_avx2(v)
+#define SPLAT16(x) splat16_avx2(x)
+#define FOLD16(v) fold16_avx2(v)
+#include "cpu_kernels_isa.h"
+#undef ISA
+#undef LOAD16
+#undef FMA16
+#undef HSUM16
+#undef SPLAT16
+#undef FOLD16
+#pragma GCC pop_options
+
+/* ------------------------------------------------------------------ baseline */
+static inline vf load16_base(const void *row, uint32_t t, uint64_t i)
+{
+	vf v;
+	for (int l = 0; l < 16; l++)
+		v[l] = kvr_load_f32(row, t, i + (uint64_t)l);
+	return v;
+}
+
+static inline vf fma16_base(vf a, vf b, vf c)
+{
+	vf r;
+	for (int l = 0; l < 16; l++)
+		r[l] = fmaf(a[l], b[l], c[l]);
+	return r;
+}
+
+static inline float fold16_base(vf v)
+{
+	float lanes[16];
+	memcpy(lanes, &v, sizeof(lanes));
+	return kvr_fold_lanes(lanes, 16);
+}
+
+static inline float hsum16_base(vf v)
+{
+	float s = 0.0f;
+	for (int l = 0; l < 16; l++)
+		s += v[l];
+	return s;
+}
+#define ISA base
+#define LOAD16(row, t, i) load16_base(row, t, i)
+#define FMA16(a, b, c) fma16_base(a, b, c)
+#define HSUM16(v) hsum16_base(v)
+#define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
+#define FOLD16(v) fold16_base(v)
+#include "cpu_kernels_isa.h"
+#undef ISA
+#undef LOAD16
+#undef FMA16
+#undef HSUM16
+#undef SPLAT16
+#undef FOLD16
+
+/* ------------------------------------------------------------------ page kernels */
+
+struct page_job {
+	const struct kvr_shape *shape;
+	struct kvr_page_geometry g;
+	const void *items;
+};
+
+static void scatter_task(void *arg, uint32_t i)
+{
+	const struct page_job *job = arg;
+	const struct kvr_scatter_item *it = (const struct kvr_scatter_item *)job->items + i;
+	kvr_hnd_run_to_nhd_slot(&job->g, it->run, it->k_tile, it->v_tile, it->kv_head);
+}
+
+static void offload_task(void *arg, uint32_t i)
+{
+	const struct page_job *job = arg;
+	const struct kvr_page_item *it = (const struct kvr_page_item *)job->items + i;
+	kvr_nhd_rows_to_hnd_page(&job->g, it->k_rows, it->v_rows, it->row_stride, it->hnd_page);
+}
+
+static void summarize_task(void *arg, uint32_t i)
+{
+	const struct page_job *job = arg;
+	const struct kvr_page_item *it = (const struct kvr_page_item *)job->items + i;
+	const struct kvr_page_geometry *g = &job->g;
+	const uint64_t eb = g->elem_bytes;
+	for (uint32_t h = 0; h < g->n_kv_heads; h++)
+		kvr_summarize_keys(g, (const unsigned char *)it->k_rows + (uint64_t)h * g->head_dim * eb,
+				   it->row_stride, (unsigned char *)it->summary + kvr_summary_index(g, h, 0, 0) * eb,
+				   (unsigned char *)it->summary + kvr_summary_index(g, h, 1, 0) * eb);
+}
+
+static void run_page_job(struct kvr_dev *dev, const struct kvr_shape *shape, const void *items,
+			 uint32_t n, kvr_task_fn task)
+{
+	struct page_job job = { shape, { 0 }, items };
+	kvr_page_geometry_init(&job.g, shape->page_tokens, shape->head_dim, shape->n_kv_heads,
+			       shape->elem_type);
+	kvr_cpu_parallel_for(dev, task, &job, n);
+}
+
+void kvr_cpu_scatter(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_scatter_item *items, uint32_t n)
+{
+	run_page_job(dev, shape, items, n, scatter_task);
+}
+
+void kvr_cpu_offload(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_page_item *items, uint32_t n)
+{
+	run_page_job(dev, shape, items, n, offload_task);
+}
+
+void kvr_cpu_summarize(struct kvr_dev *dev, const struct kvr_shape *shape,
+		       const struct kvr_page_item *items, uint32_t n)
+{
+	run_page_job(dev, shape, items, n, summarize_task);
+}
+
+/* ------------------------------------------------------------------ per-head jobs */
+
+struct head_job {
+	const struct kvr_shape *shape;
+	const void *items;
+	const struct kvr_kv_segment *segments;
+	enum kvr_convert_isa isa;
+};
+
+static void score_task(void *arg, uint32_t index)
+{
+	const struct head_job *job = arg;
+	const struct kvr_shape *sh = job->shape;
+	const struct kvr_score_item *it = (const struct kvr_score_item *)job->items + index / sh->n_kv_heads;
+	const uint32_t m = index % sh->n_kv_heads, G = sh->n_qo_heads / sh->n_kv_heads;
+	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
+	if (!n_cand)
+		return;
+	float *tmp = malloc((size_t)G * n_cand * sizeof(float));
+	if (!tmp) { /* cannot score: rank every candidate equal (lowest pages win) */
+		for (uint32_t j = 0; j < n_cand; j++)
+			it->scores[(uint64_t)m * n_cand + j] = 0.0f;
+		return;
+	}
+	switch (job->isa) {
+	case KVR_CONVERT_AVX512:
+		score_head_avx512(sh, it, m, tmp);
+		break;
+	case KVR_CONVERT_AVX2:
+		score_head_avx2(sh, it, m, tmp);
+		break;
+	default:
+		score_head_base(sh, it, m, tmp);
+		break;
+	}
+	free(tmp);
+}
+
+void kvr_cpu_score(struct kvr_dev *dev, const struct kvr_shape *shape,
+		   const struct kvr_score_item *items, uint32_t n)
+{
+	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	kvr_cpu_parallel_for(dev, score_task, &job, n * shape->n_kv_heads);
+}
+
+/* Order-preserving map of a float's bits (kernels.h, "select"). */
+static inline uint32_t ordered_bits(float x)
+{
+	const uint32_t u = kvr_f32_to_bits(x);
+	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* The k largest of n unique keys, by radix select on bytes from the top:
+ * returns the smallest key that is among them. */
+static uint64_t kth_largest(const uint64_t *keys, uint32_t n, uint32_t k)
+{
+	uint64_t prefix = 0, mask = 0;
+	uint32_t want = k;
+	for (int shift = 56; shift >= 0; shift -= 8) {
+		uint32_t hist[256] = { 0 };
+		for (uint32_t i = 0; i < n; i++)
+			if ((keys[i] & mask) == prefix)
+				hist[(keys[i] >> shift) & 0xff]++;
+		uint32_t b = 256;
+		while (b-- > 0) {
+			if (hist[b] >= want)
+				break;
+			want -= hist[b];
+		}
+		prefix |= (uint64_t)b << shift;
+		mask |= (uint64_t)0xff << shift;
+	}
+	return prefix;
+}
+
+static void select_task(void *arg, uint32_t index)
+{
+	const struct head_job *job = arg;
+	const struct kvr_shape *sh = job->shape;
+	const struct kvr_score_item *it = (const struct kvr_score_item *)job->items + index / sh->n_kv_heads;
+	const uint32_t m = index % sh->n_kv_heads;
+	if (!it->k)
+		return;
+	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
+	const uint32_t take = it->k < n_cand ? it->k : n_cand;
+	int32_t *out = it->selected + (uint64_t)m * it->k;
+	const float *scores = it->scores + (uint64_t)m * n_cand;
+	uint32_t w = 0;
+	if (take == n_cand) {
+		for (uint32_t j = 0; j < n_cand; j++)
+			out[w++] = (int32_t)(it->cand_begin + j);
+	} else {
+		uint64_t *keys = malloc((size_t)n_cand * sizeof(*keys));
+		if (keys) {
+			for (uint32_t j = 0; j < n_cand; j++)
+				keys[j] = (uint64_t)ordered_bits(scores[j]) << 32 | (0xffffffffu - j);
+			const uint64_t threshold = kth_largest(keys, n_cand, take);
+			for (uint32_t j = 0; j < n_cand; j++)
+				if (keys[j] >= threshold)
+					out[w++] = (int32_t)(it->cand_begin + j);
+			free(keys);
+		} else { /* out of memory: the most recent candidates, a sane fallback */
+			for (uint32_t j = n_cand - take; j < n_cand; j++)
+				out[w++] = (int32_t)(it->cand_begin + j);
+		}
+	}
+	for (; w < it->k; w++)
+		out[w] = -1;
+}
+
+void kvr_cpu_select(struct kvr_dev *dev, const struct kvr_shape *shape,
+		    const struct kvr_score_item *items, uint32_t n)
+{
+	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	kvr_cpu_parallel_for(dev, select_task, &job, n * shape->n_kv_heads);
+}
+
+static void similarity_task(void *arg, uint32_t index)
+{
+	const struct head_job *job = arg;
+	const struct kvr_shape *sh = job->shape;
+	const struct kvr_similarity_item *it =
+		(const struct kvr_similarity_item *)job->items + index / sh->n_kv_heads;
+	const uint32_t m = index % sh->n_kv_heads, G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim;
+	float mean = 0.0f;
+	for (uint32_t g = 0; g < G; g++) {
+		const uint64_t base = (uint64_t)(m * G + g) * d;
+		float dot[KVR_DOT_LANES] = { 0 }, na[KVR_DOT_LANES] = { 0 }, nb[KVR_DOT_LANES] = { 0 };
+		for (uint32_t c = 0; c < d; c++) {
+			const float a = kvr_load_f32(it->q, sh->elem_type, base + c);
+			const float b = kvr_load_f32(it->q_prev, sh->elem_type, base + c);
+			const uint32_t l = c % KVR_DOT_LANES;
+			dot[l] = dot[l] + a * b;
+			na[l] = na[l] + a * a;
+			nb[l] = nb[l] + b * b;
+		}
+		const float sd = kvr_fold_lanes(dot, KVR_DOT_LANES);
+		const float sa = kvr_fold_lanes(na, KVR_DOT_LANES), sb = kvr_fold_lanes(nb, KVR_DOT_LANES);
+		const float cosine = (sa == 0.0f || sb == 0.0f) ? 0.0f : sd / sqrtf(sa * sb);
+		mean = mean + cosine;
+	}
+	mean = mean * (1.0f / (float)G);
+	it->cosine[m] = mean;
+	it->corrected[m] = !(mean >= sh->tau);
+}
+
+void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
+			const struct kvr_similarity_item *items, uint32_t n)
+{
+	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	kvr_cpu_parallel_for(dev, similarity_task, &job, n * shape->n_kv_heads);
+}
+
+static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh, const void *q,
+			   void *out, const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m)
+{
+	switch (isa) {
+	case KVR_CONVERT_AVX512:
+		attention_head_avx512(sh, q, out, segs, n_segs, m);
+		break;
+	case KVR_CONVERT_AVX2:
+		attention_head_avx2(sh, q, out, segs, n_segs, m);
+		break;
+	default:
+		attention_head_base(sh, q, out, segs, n_segs, m);
+		break;
+	}
+}
+
+static void attention_task(void *arg, uint32_t index)
+{
+	const struct head_job *job = arg;
+	const struct kvr_shape *sh = job->shape;
+	const struct kvr_attention_item *it =
+		(const struct kvr_attention_item *)job->items + index / sh->n_kv_heads;
+	attention_head(job->isa, sh, it->q, it->out, job->segments + it->first_segment, it->n_segments,
+		       index % sh->n_kv_heads);
+}
+
+void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
+		       const struct kvr_attention_item *items, uint32_t n,
+		       const struct kvr_kv_segment *segments, uint32_t n_segments)
+{
+	(void)n_segments; /* ranges were checked when the work was enqueued */
+	struct head_job job = { shape, items, segments, kvr_convert_isa_active() };
+	kvr_cpu_parallel_for(dev, attention_task, &job, n * shape->n_kv_heads);
+}
+
+static void dense_task(void *arg, uint32_t index)
+{
+	const struct head_job *job = arg;
+	const struct kvr_shape *sh = job->shape;
+	const struct kvr_dense_item *it = (const struct kvr_dense_item *)job->items + index / sh->n_kv_heads;
+	const struct kvr_kv_segment seg = { it->k, it->v, it->n_tokens, it->row_stride, sh->head_dim, 0 };
+	attention_head(job->isa, sh, it->q, it->out, &seg, 1, index % sh->n_kv_heads);
+}
+
+void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
+		   const struct kvr_dense_item *items, uint32_t n)
+{
+	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	kvr_cpu_parallel_for(dev, dense_task, &job, n * shape->n_kv_heads);
+}

@@ -1,0 +1,142 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kernels.h — what each device kernel computes, and its arguments. Shared by
+ * the cpu backend (C), the CUDA kernels (nvcc) and cudaemu (host C++): plain
+ * structs of fixed-width fields and pointers, checked equal under both
+ * compilers by tests/test_layout_abi.c.
+ *
+ * Every kernel is batched: it takes an array of items (one per sequence, or
+ * per page) that lives in device memory, as do all the pointers inside the
+ * items (on the cpu backend, device memory is host memory). Element types are
+ * enum kvr_elem_type; q, k, v, outputs and summaries share one type per call.
+ *
+ * Semantics (the conformance suite's reference implements exactly this):
+ *
+ * scatter      For each item, copy one KV head's HND run (2·p·d elements: p
+ *              key rows then p value rows) into column kv_head of an NHD tile
+ *              pair (p rows of n_kv·d elements each for K and for V).
+ * offload      For each item, NHD rows (row t of keys at k_rows + t·row_stride
+ *              elements, holding n_kv heads of d) -> one HND page.
+ * summarize    For each item, the key summary of those rows: [n_kv][2][d],
+ *              element-wise min then max over the p keys; NaN propagates.
+ * score        For each item (a sequence) and KV head m, for each candidate
+ *              page j in [cand_begin, cand_end): per query head h of m's
+ *              group, s_hj = scale · Σ_c max(q_hc·min_jc, q_hc·max_jc) (sum in
+ *              the canonical 16-lane order, kmath.h); softmax over j per h
+ *              (max, kvr_expf, sum in the canonical 256-lane order); then the
+ *              mean over the group: score_mj = (Σ_g e_hj·(1/sum_h)) · (1/G),
+ *              g in order. Written to scores[m·n_cand + (j - cand_begin)].
+ * select       For each item and KV head m: the min(k, n_cand) candidates
+ *              with the highest score, ties to the lower page index, written
+ *              in ascending page order to selected[m·k ...]; unused entries
+ *              are -1. k = 0 writes nothing. "Highest" is by the key
+ *              ordered(score): the float's bits as an unsigned integer with
+ *              the sign bit set for positives and all bits flipped for
+ *              negatives (monotonic; a NaN ranks by its bits, so +NaN above
+ *              +inf and -NaN below -inf), the lower page index winning ties.
+ * similarity   For each item and query head h: cosine of q[h] and q_prev[h]
+ *              (dot and norms in the canonical 16-lane order; 0 when either
+ *              norm is 0); cosine[m] = mean over the group (g in order);
+ *              corrected[m] = !(cosine[m] >= tau) (NaN is corrected).
+ * attention    For each item (a sequence) and query head h (KV head
+ *              m = h / G): softmax(scale · q_h · K^T) · V over the tokens of
+ *              the item's segments, in fp32 with one online softmax; out[h]
+ *              in the call's element type. A segment lists n_tokens tokens:
+ *              head m's key of token t at k + m·head_stride + t·row_stride
+ *              elements (same for v). An item with no tokens outputs zeros.
+ *              NaN or Inf in q, k or v propagates to that item's outputs of
+ *              the affected heads and nowhere else (kvrecall does not scan
+ *              inputs on the hot path; documented in docs/api.md).
+ * dense        Attention over one contiguous run per item: token t of KV head
+ *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
+ *              mode and dense layers use it; it is also the reference the
+ *              sparse path is compared with when B ≥ L.
+ */
+#ifndef KVR_GPU_KERNELS_H
+#define KVR_GPU_KERNELS_H
+
+#include <stdint.h>
+
+#include "../layouts/page.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct kvr_scatter_item {
+	const void *run; /* HND run: 2·p·d elements */
+	void *k_tile;    /* NHD tile, p rows of n_kv·d */
+	void *v_tile;
+	uint32_t kv_head;
+	uint32_t reserved;
+};
+
+struct kvr_page_item { /* offload and summarize */
+	const void *k_rows;  /* p NHD rows of keys */
+	const void *v_rows;  /* p NHD rows of values (offload only) */
+	void *hnd_page;      /* offload: output page, page_bytes */
+	void *summary;       /* summarize: output [n_kv][2][d] */
+	uint32_t row_stride; /* elements between rows, >= n_kv·d */
+	uint32_t reserved;
+};
+
+struct kvr_score_item {
+	const void *q;         /* [n_qo][d] */
+	const void *summaries; /* [n_pages][n_kv][2][d]; page j at j·n_kv·2·d elements */
+	float *scores;         /* [n_kv][cand_end - cand_begin] */
+	int32_t *selected;     /* [n_kv][k] */
+	uint32_t cand_begin;   /* first candidate page */
+	uint32_t cand_end;     /* one past the last */
+	uint32_t k;            /* pages to select per KV head */
+	uint32_t reserved;
+};
+
+struct kvr_similarity_item {
+	const void *q;      /* [n_qo][d], this step */
+	const void *q_prev; /* [n_qo][d], the previous step */
+	float *cosine;      /* [n_kv] group-mean cosine */
+	uint8_t *corrected; /* [n_kv] 1 when below tau */
+};
+
+struct kvr_kv_segment {
+	const void *k;
+	const void *v;
+	uint32_t n_tokens;
+	uint32_t row_stride;  /* elements between tokens of one head */
+	uint32_t head_stride; /* elements between KV heads */
+	uint32_t reserved;
+};
+
+struct kvr_attention_item {
+	const void *q; /* [n_qo][d] */
+	void *out;     /* [n_qo][d] */
+	uint32_t first_segment;
+	uint32_t n_segments;
+};
+
+struct kvr_dense_item {
+	const void *q;
+	const void *k; /* token t, KV head m at t·row_stride + m·d */
+	const void *v;
+	void *out;
+	uint32_t n_tokens;
+	uint32_t row_stride;
+};
+
+/* Shape of a call, common to the kernels. */
+struct kvr_shape {
+	uint32_t n_qo_heads;
+	uint32_t n_kv_heads;
+	uint32_t head_dim;
+	uint32_t page_tokens;
+	uint32_t elem_type;
+	float scale; /* attention and score scale, 1/sqrt(d) */
+	float tau;   /* similarity threshold */
+	uint32_t reserved;
+};
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVR_GPU_KERNELS_H */
