@@ -3,7 +3,7 @@
  * backend.h — the device interface the runtime drives: memory, streams,
  * events, copies and the kernels of kernels.h. Three implementations sit
  * behind it: `cpu` (gpu/cpu_*.c: device memory is host memory, kernels are
- * vectorised C), `cuda` (gpu/cuda_*.cu) and `cudaemu` (tests: the CUDA kernel
+ * vectorised C), `cuda` (the cuda_ .cu files) and `cudaemu` (tests: the CUDA kernel
  * bodies executed on the CPU). Valid C11; no CUDA types cross it.
  *
  * Conventions: every call returns 0 or a negative errno with a message in

@@ -40,6 +40,14 @@ static inline vf blend(vi mask, vf a, vf b)
 	return (vf)((mask & (vi)a) | (~mask & (vi)b));
 }
 
+#define hsum4_generic(a, b, c, d, out, hsum) \
+	do {                                      \
+		(out)[0] = hsum(a);               \
+		(out)[1] = hsum(b);               \
+		(out)[2] = hsum(c);               \
+		(out)[3] = hsum(d);               \
+	} while (0)
+
 /* ------------------------------------------------------------------ AVX-512 */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -61,12 +69,28 @@ static inline float fold16_avx512(vf v)
 	const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
 	return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
+/* Four horizontal sums at once: fold the four vectors together half by half so
+ * each shuffle serves all of them. */
+static inline void hsum4_avx512(vf a, vf b, vf c, vf d, float *out)
+{
+	const __m512 A = (__m512)a, B = (__m512)b, C = (__m512)c, D = (__m512)d;
+	/* 128-bit blocks: [a0+a2, a1+a3, b0+b2, b1+b3] (blocks of 4 lanes) */
+	const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(A, B, 0x44), _mm512_shuffle_f32x4(A, B, 0xee));
+	const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(C, D, 0x44), _mm512_shuffle_f32x4(C, D, 0xee));
+	/* blocks: [a, b, c, d], four partial sums each */
+	__m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+	x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4e));
+	x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xb1));
+	const __m128i idx = _mm_setr_epi32(0, 4, 8, 12);
+	_mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_castsi128_si512(idx), x)));
+}
 #define ISA avx512
 #define LOAD16(row, t, i) load16_avx512(row, t, i)
 #define FMA16(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
 #define HSUM16(v) _mm512_reduce_add_ps((__m512)(v))
 #define SPLAT16(x) ((vf)_mm512_set1_ps(x))
 #define FOLD16(v) fold16_avx512(v)
+#define HSUM4(a, b, c, d, out) hsum4_avx512(a, b, c, d, out)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef LOAD16
@@ -74,6 +98,7 @@ static inline float fold16_avx512(vf v)
 #undef HSUM16
 #undef SPLAT16
 #undef FOLD16
+#undef HSUM4
 #pragma GCC pop_options
 
 /* ------------------------------------------------------------------ AVX2 */
@@ -143,6 +168,7 @@ static inline float hsum16_avx2(vf v)
 #define HSUM16(v) hsum16_avx2(v)
 #define SPLAT16(x) splat16_avx2(x)
 #define FOLD16(v) fold16_avx2(v)
+#define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_avx2)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef LOAD16
@@ -150,6 +176,7 @@ static inline float hsum16_avx2(vf v)
 #undef HSUM16
 #undef SPLAT16
 #undef FOLD16
+#undef HSUM4
 #pragma GCC pop_options
 
 /* ------------------------------------------------------------------ baseline */
@@ -189,6 +216,7 @@ static inline float hsum16_base(vf v)
 #define HSUM16(v) hsum16_base(v)
 #define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
 #define FOLD16(v) fold16_base(v)
+#define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_base)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef LOAD16
@@ -196,6 +224,7 @@ static inline float hsum16_base(vf v)
 #undef HSUM16
 #undef SPLAT16
 #undef FOLD16
+#undef HSUM4
 
 /* ------------------------------------------------------------------ page kernels */
 

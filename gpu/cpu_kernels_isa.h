@@ -7,6 +7,7 @@
  *   LOAD16(row, type, i)  16 elements from element i of a row, as floats
  *   FMA16(a, b, c)        a*b + c with a single rounding per lane
  *   HSUM16(v)             the sum of the 16 lanes (any order: attention only)
+ *   HSUM4(a, b, c, d, out) the four lane sums into out[0..3] (attention only)
  *   FOLD16(v)             the sum of the 16 lanes in kmath.h's canonical order
  *                         (halves added lane-wise: 8, then 4, 2, 1)
  *   SPLAT16(x)            x in every lane (a broadcast: building the vector
@@ -163,6 +164,10 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
+			/* K: convert the block once (prefetching the next segment's rows),
+			 * then per query head score four tokens at a time: four
+			 * independent FMA chains, one combined horizontal sum. */
+			vf ks[BLOCK][16];
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *krow = kb + (t0 + b) * row;
 				if (t0 + b < n_next)
@@ -170,18 +175,24 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 						__builtin_prefetch(nkb + (t0 + b) * nrow + l, 0, 3);
 						__builtin_prefetch(nvb + (t0 + b) * nrow + l, 0, 3);
 					}
-				vf k[16];
 				for (uint32_t c = 0; c < chunks; c++)
-					k[c] = LOAD16(krow, t, c * 16);
-				for (uint32_t g = 0; g < G; g++) {
-					vf d0 = q[g][0] * k[0], d1 = q[g][1] * k[1];
-					for (uint32_t c = 2; c < chunks; c += 2) { /* chunks is even: d % 32 == 0 */
-						d0 = FMA16(q[g][c], k[c], d0);
-						d1 = FMA16(q[g][c + 1], k[c + 1], d1);
-					}
-					s[g][b] = HSUM16(d0 + d1);
-				}
+					ks[b][c] = LOAD16(krow, t, c * 16);
 			}
+			for (uint32_t b = nb; b < (nb + 3) / 4 * 4; b++)
+				for (uint32_t c = 0; c < chunks; c++)
+					ks[b][c] = SPLAT16(0.0f); /* pad to a multiple of 4; scores unused */
+			for (uint32_t g = 0; g < G; g++)
+				for (uint32_t b = 0; b < nb; b += 4) {
+					vf d0 = q[g][0] * ks[b][0], d1 = q[g][0] * ks[b + 1][0];
+					vf d2 = q[g][0] * ks[b + 2][0], d3 = q[g][0] * ks[b + 3][0];
+					for (uint32_t c = 1; c < chunks; c++) {
+						d0 = FMA16(q[g][c], ks[b][c], d0);
+						d1 = FMA16(q[g][c], ks[b + 1][c], d1);
+						d2 = FMA16(q[g][c], ks[b + 2][c], d2);
+						d3 = FMA16(q[g][c], ks[b + 3][c], d3);
+					}
+					HSUM4(d0, d1, d2, d3, &s[g][b]);
+				}
 			for (uint32_t g = 0; g < G; g++) {
 				float bmax = s[g][0];
 				for (uint32_t b = 1; b < nb; b++)

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * cuda_compat.h — the only way gpu/*.cu files reach the CUDA programming
+ * cuda_compat.h — the only way the .cu files of gpu/ reach the CUDA programming
  * model, so the same kernel bodies compile twice:
  *  - by nvcc for the cuda backend (this header includes cuda_runtime.h);
  *  - by the host C++ compiler for cudaemu (-DKVR_CUDAEMU): the SIMT shim in
