@@ -109,8 +109,8 @@ int kvr_dev_event_synchronize(struct kvr_dev *dev, struct kvr_event *event);
 /* ---- copies ---- */
 int kvr_dev_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size_t bytes,
 			 uint32_t kind, struct kvr_stream *stream);
-/* Many copies in one call: descs (a host array) give byte offsets from the
- * two bases. cuda uses cudaMemcpyBatchAsync where the toolkit has it; cpu
+/* Many copies in one call: descs (a host array, read before the call returns,
+ * so it may be reused at once) give byte offsets from the two bases. cuda uses cudaMemcpyBatchAsync where the toolkit has it; cpu
  * splits the list across its workers. */
 int kvr_dev_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const void *src_base,
 			       const struct kvr_copy_desc *descs, size_t n, uint32_t kind,

@@ -11,6 +11,10 @@
 
 #include "backend.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 struct kvr_dev_ops {
 	const char *name;
 	void (*destroy)(struct kvr_dev *dev);
@@ -77,5 +81,9 @@ int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, 
 		      size_t err_bytes);
 int kvr_cudaemu_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
 			 size_t err_bytes);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* KVR_GPU_BACKEND_IMPL_H */

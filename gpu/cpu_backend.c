@@ -442,12 +442,6 @@ static int cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			 const struct kvr_kv_segment *segments, uint32_t n_segments,
 			 struct kvr_stream *s)
 {
-	for (uint32_t i = 0; i < n; i++) /* host-visible: check the segment ranges now */
-		if ((uint64_t)items[i].first_segment + items[i].n_segments > n_segments)
-			return kvr_dev_fail(dev, -EINVAL,
-					    "attention: item %u uses segments %u..%u of %u", i,
-					    items[i].first_segment,
-					    items[i].first_segment + items[i].n_segments, n_segments);
 	const struct kernel_op op = { *shape, items, n, segments, n_segments };
 	return kvr_cpu_enqueue(dev, s, run_attention, &op, sizeof(op));
 }

@@ -293,6 +293,7 @@ struct head_job {
 	const struct kvr_shape *shape;
 	const void *items;
 	const struct kvr_kv_segment *segments;
+	uint32_t n_segments;
 	enum kvr_convert_isa isa;
 };
 
@@ -328,7 +329,7 @@ static void score_task(void *arg, uint32_t index)
 void kvr_cpu_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_score_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
 	kvr_cpu_parallel_for(dev, score_task, &job, n * shape->n_kv_heads);
 }
 
@@ -400,7 +401,7 @@ static void select_task(void *arg, uint32_t index)
 void kvr_cpu_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 		    const struct kvr_score_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
 	kvr_cpu_parallel_for(dev, select_task, &job, n * shape->n_kv_heads);
 }
 
@@ -436,7 +437,7 @@ static void similarity_task(void *arg, uint32_t index)
 void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_similarity_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
 	kvr_cpu_parallel_for(dev, similarity_task, &job, n * shape->n_kv_heads);
 }
 
@@ -462,16 +463,29 @@ static void attention_task(void *arg, uint32_t index)
 	const struct kvr_shape *sh = job->shape;
 	const struct kvr_attention_item *it =
 		(const struct kvr_attention_item *)job->items + index / sh->n_kv_heads;
-	attention_head(job->isa, sh, it->q, it->out, job->segments + it->first_segment, it->n_segments,
-		       index % sh->n_kv_heads);
+	const uint32_t m = index % sh->n_kv_heads;
+	/* Items are device memory, written by work queued before this kernel, so
+	 * their ranges can only be checked now. A bad range poisons the item's
+	 * outputs (NaN) rather than reading outside the segment list. */
+	if ((uint64_t)it->first_segment + it->n_segments > job->n_segments) {
+		const uint32_t G = sh->n_qo_heads / sh->n_kv_heads;
+		float nan_row[256];
+		for (uint32_t c = 0; c < sh->head_dim; c++)
+			nan_row[c] = NAN;
+		for (uint32_t g = 0; g < G; g++)
+			kvr_convert_from_f32((unsigned char *)it->out + (uint64_t)(m * G + g) * sh->head_dim *
+									   kvr_elem_bytes(sh->elem_type),
+					     nan_row, sh->elem_type, sh->head_dim);
+		return;
+	}
+	attention_head(job->isa, sh, it->q, it->out, job->segments + it->first_segment, it->n_segments, m);
 }
 
 void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_attention_item *items, uint32_t n,
 		       const struct kvr_kv_segment *segments, uint32_t n_segments)
 {
-	(void)n_segments; /* ranges were checked when the work was enqueued */
-	struct head_job job = { shape, items, segments, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, segments, n_segments, kvr_convert_isa_active() };
 	kvr_cpu_parallel_for(dev, attention_task, &job, n * shape->n_kv_heads);
 }
 
@@ -487,6 +501,6 @@ static void dense_task(void *arg, uint32_t index)
 void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_dense_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
 	kvr_cpu_parallel_for(dev, dense_task, &job, n * shape->n_kv_heads);
 }

@@ -35,16 +35,6 @@ __attribute__((weak)) int kvr_cudaemu_dev_init(struct kvr_dev *dev,
 	return -ENODEV;
 }
 
-/* TEMPORARY until gpu/cuda_backend.cu lands in the build. */
-__attribute__((weak)) int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params,
-					    char *err, size_t err_bytes)
-{
-	(void)dev;
-	(void)params;
-	snprintf(err, err_bytes, "cuda backend runtime not built");
-	return -ENODEV;
-}
-
 int kvr_dev_create(const struct kvr_dev_params *params, struct kvr_dev **out, char *err,
 		   size_t err_bytes)
 {

@@ -43,10 +43,13 @@
  *              the item's segments, in fp32 with one online softmax; out[h]
  *              in the call's element type. A segment lists n_tokens tokens:
  *              head m's key of token t at k + m·head_stride + t·row_stride
- *              elements (same for v). An item with no tokens outputs zeros.
- *              NaN or Inf in q, k or v propagates to that item's outputs of
- *              the affected heads and nowhere else (kvrecall does not scan
- *              inputs on the hot path; documented in docs/api.md).
+ *              elements (same for v). An item with no tokens outputs zeros;
+ *              an item whose segment range exceeds the call's segment list
+ *              outputs NaN on the cpu backends. NaN in q, k or v, or Inf in
+ *              q or v, propagates to the outputs of the affected heads of that
+ *              item and nowhere else (kvrecall does not scan inputs on the hot
+ *              path). An infinite key is ordinary arithmetic: it may give a
+ *              logit of -inf, i.e. weight 0, and a finite output.
  * dense        Attention over one contiguous run per item: token t of KV head
  *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
  *              mode and dense layers use it; it is also the reference the

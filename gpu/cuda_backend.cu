@@ -1,0 +1,753 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * cuda_backend.cu — the cuda backend: kvr_cuda_dev_init fills backend_impl.h's
+ * ops table with CUDA runtime calls. Memory is cudaMalloc'd; host memory is
+ * pinned with cudaHostRegister (mapped, so device-side planning and the
+ * zero-copy option can read it); streams are non-blocking (never the legacy
+ * default stream, which would serialise against the engine's work); events
+ * carry no timing; copies are cudaMemcpyAsync, and cudaMemcpyBatchAsync for
+ * descriptor lists where the toolkit and driver have it; kernel ops call the
+ * launchers of cuda_kernels.cu, and select goes through kvr_cuda_select_topk
+ * (cuda_topk.cu). Device discovery (kvr_gpu_probe) is cuda_device.cu's.
+ *
+ * Threads and streams: any thread may call any op (device.c has checked the
+ * arguments); each op makes the backend's device current for its duration and
+ * restores the caller's current device, so an engine thread working on another
+ * GPU is not disturbed. A stream is used by one thread at a time (backend.h),
+ * which is what makes its top-k scratch safe without a lock. Enqueueing ops
+ * return once the work is queued; only stream_synchronize and
+ * event_synchronize wait, and nothing here synchronises the whole device.
+ * Work queued while the stream is being captured into a CUDA graph is refused
+ * (v1 is not graph-safe).
+ *
+ * Errors: allocation failures are -ENOMEM; errors that leave the CUDA context
+ * unusable (an illegal address in a kernel, ECC, ...) are -ENOTRECOVERABLE;
+ * everything else is -EIO; the message names the call and the CUDA error.
+ */
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <atomic>
+#include <new>
+
+extern "C" {
+#include "backend_impl.h"
+#include "gpu.h"
+}
+#include "cuda_compat.h"
+
+#ifndef KVR_GPU_ARCHS
+#define KVR_GPU_ARCHS ""
+#endif
+
+/* cuda_kernels.cu */
+extern "C" {
+int KVR_KERNEL_SYMBOL(launch_scatter)(const struct kvr_shape *, const struct kvr_scatter_item *,
+				      uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_offload)(const struct kvr_shape *, const struct kvr_page_item *,
+				      uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_summarize)(const struct kvr_shape *, const struct kvr_page_item *,
+					uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_score)(const struct kvr_shape *, const struct kvr_score_item *,
+				    uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_similarity)(const struct kvr_shape *,
+					 const struct kvr_similarity_item *, uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_attention)(const struct kvr_shape *,
+					const struct kvr_attention_item *, uint32_t,
+					const struct kvr_kv_segment *, uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_dense)(const struct kvr_shape *, const struct kvr_dense_item *,
+				    uint32_t, void *);
+const char *KVR_KERNEL_SYMBOL(last_message)(void);
+}
+
+/* cuda_topk.cu */
+struct kvr_cuda_topk;
+extern "C" {
+struct kvr_cuda_topk *kvr_cuda_topk_create(void);
+void kvr_cuda_topk_destroy(struct kvr_cuda_topk *t, void *stream);
+int kvr_cuda_select_topk(const struct kvr_shape *shape, const struct kvr_score_item *items,
+			 const struct kvr_score_item *items_host, uint32_t n,
+			 struct kvr_cuda_topk *scratch, void *stream, char *msg, size_t msg_bytes);
+}
+
+struct cuda_dev {
+	int device = 0;
+	/* cleared once cudaMemcpyBatchAsync reports it unsupported (old driver) */
+	std::atomic<bool> batch_ok{ true };
+};
+
+struct cuda_stream {
+	cudaStream_t s;
+	cudaEvent_t done; /* stream_synchronize's blocking event */
+	struct kvr_cuda_topk *topk;
+};
+
+/* backend.h's handles are opaque: a kvr_stream is a cuda_stream, a kvr_event
+ * is the cudaEvent_t itself. */
+static struct cuda_stream *as_stream(struct kvr_stream *s)
+{
+	return reinterpret_cast<struct cuda_stream *>(s);
+}
+
+static cudaEvent_t as_event(struct kvr_event *e)
+{
+	return reinterpret_cast<cudaEvent_t>(e);
+}
+
+static struct cuda_dev *impl(struct kvr_dev *dev)
+{
+	return static_cast<struct cuda_dev *>(dev->impl);
+}
+
+/* Waits spin this long on a query before blocking: most waits on the decode
+ * path are for work about to finish, and a blocking wake-up costs tens of µs. */
+static const uint64_t SPIN_NS = 20000;
+
+/* ------------------------------------------------------------------ errors */
+
+static bool is_sticky(cudaError_t e)
+{
+	switch (e) {
+	case cudaErrorIllegalAddress:
+	case cudaErrorLaunchFailure:
+	case cudaErrorLaunchTimeout:
+	case cudaErrorHardwareStackError:
+	case cudaErrorIllegalInstruction:
+	case cudaErrorMisalignedAddress:
+	case cudaErrorInvalidAddressSpace:
+	case cudaErrorInvalidPc:
+	case cudaErrorAssert:
+	case cudaErrorECCUncorrectable:
+	case cudaErrorNvlinkUncorrectable:
+	case cudaErrorExternalDevice:
+	case cudaErrorMpsClientTerminated:
+	case cudaErrorContextIsDestroyed:
+#if CUDART_VERSION >= 12080
+	case cudaErrorContained:
+	case cudaErrorTensorMemoryLeak:
+#endif
+		return true;
+	default:
+		return false;
+	}
+}
+
+static int errno_of(cudaError_t e)
+{
+	if (e == cudaErrorMemoryAllocation)
+		return -ENOMEM;
+	return is_sticky(e) ? -ENOTRECOVERABLE : -EIO;
+}
+
+/* Record a failed CUDA call. A non-sticky error is also cleared from the
+ * thread's last-error state, so it cannot be reported again by a later,
+ * unrelated launch check. */
+static int cuda_fail(struct kvr_dev *dev, cudaError_t e, const char *call)
+{
+	(void)cudaGetLastError();
+	const int err = errno_of(e);
+	return kvr_dev_fail(dev, err, "%s: %s (%d)%s", call, cudaGetErrorName(e), (int)e,
+			    err == -ENOTRECOVERABLE
+				    ? ": the CUDA context is unusable; restart the process to "
+				      "use this GPU again"
+				    : "");
+}
+
+/* ------------------------------------------------------------ device scope */
+
+/*
+ * Makes the backend's device current for one op and, if that meant switching,
+ * restores the caller's device afterwards. (A thread that never chose a device
+ * reads as device 0; restoring it creates device 0's primary context if the
+ * process had none — the price of not leaving an engine's thread on the wrong
+ * GPU, paid only when kvrecall runs on another device.)
+ */
+class device_scope {
+public:
+	explicit device_scope(int device)
+	{
+		int current = -1;
+		if (cudaGetDevice(&current) == cudaSuccess && current == device)
+			return;
+		err_ = cudaSetDevice(device);
+		if (err_ == cudaSuccess)
+			restore_ = current;
+	}
+	~device_scope()
+	{
+		if (restore_ >= 0)
+			(void)cudaSetDevice(restore_);
+	}
+	cudaError_t error() const { return err_; }
+	device_scope(const device_scope &) = delete;
+	device_scope &operator=(const device_scope &) = delete;
+
+private:
+	int restore_ = -1;
+	cudaError_t err_ = cudaSuccess;
+};
+
+/* Enter the device; 0 or the failure. */
+static int enter(struct kvr_dev *dev, device_scope &scope)
+{
+	if (scope.error() != cudaSuccess)
+		return cuda_fail(dev, scope.error(), "cudaSetDevice");
+	return 0;
+}
+
+/* Every enqueueing op starts here: the device, then a refusal while the stream
+ * is being captured (a captured op would silently become part of someone's
+ * graph instead of running). A context broken by an earlier kernel shows up
+ * here too, as the capture query's error. */
+static int enqueue_begin(struct kvr_dev *dev, device_scope &scope, cudaStream_t s, const char *op)
+{
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+	const cudaError_t e = cudaStreamIsCapturing(s, &status);
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "cudaStreamIsCapturing");
+	if (status != cudaStreamCaptureStatusNone)
+		return kvr_dev_fail(dev, -ENOTSUP,
+				    "%s: CUDA graph capture is not supported in this version "
+				    "(the stream is being captured)",
+				    op);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ memory */
+
+static int op_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
+{
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	void *p = NULL;
+	const cudaError_t e = cudaMalloc(&p, bytes);
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "cudaMalloc");
+	*ptr = p;
+	return 0;
+}
+
+/* cudaFree waits for the device to be idle: frees belong to set-up and
+ * teardown, never to the decode path. */
+static void op_free(struct kvr_dev *dev, void *ptr)
+{
+	device_scope scope(impl(dev)->device);
+	if (scope.error() != cudaSuccess || cudaFree(ptr) != cudaSuccess)
+		(void)cudaGetLastError();
+}
+
+static int op_host_register(struct kvr_dev *dev, void *ptr, size_t bytes)
+{
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	/* Portable: usable by every device of the process; Mapped: device code
+	 * can read it (device-side recall planning, zero-copy attention). */
+	const cudaError_t e =
+		cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+	if (e == cudaErrorHostMemoryAlreadyRegistered) {
+		(void)cudaGetLastError();
+		return kvr_dev_fail(dev, -EEXIST, "cudaHostRegister(%p, %zu bytes): already registered",
+				    ptr, bytes);
+	}
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "cudaHostRegister");
+	return 0;
+}
+
+static int op_host_unregister(struct kvr_dev *dev, void *ptr)
+{
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	const cudaError_t e = cudaHostUnregister(ptr);
+	if (e == cudaErrorHostMemoryNotRegistered) {
+		(void)cudaGetLastError();
+		return kvr_dev_fail(dev, -EINVAL, "cudaHostUnregister(%p): not registered", ptr);
+	}
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "cudaHostUnregister");
+	return 0;
+}
+
+/* ------------------------------------------------------- streams and events */
+
+static int op_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out)
+{
+	(void)flags; /* KVR_STREAM_WORKER: CUDA streams are always asynchronous */
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	struct cuda_stream *cs =
+		static_cast<struct cuda_stream *>(calloc(1, sizeof(struct cuda_stream)));
+	if (!cs)
+		return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of host memory");
+	cs->topk = kvr_cuda_topk_create();
+	if (!cs->topk) {
+		free(cs);
+		return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of host memory");
+	}
+	cudaError_t e = cudaStreamCreateWithFlags(&cs->s, cudaStreamNonBlocking);
+	if (e != cudaSuccess) {
+		kvr_cuda_topk_destroy(cs->topk, NULL);
+		free(cs);
+		return cuda_fail(dev, e, "cudaStreamCreateWithFlags");
+	}
+	e = cudaEventCreateWithFlags(&cs->done, cudaEventDisableTiming | cudaEventBlockingSync);
+	if (e != cudaSuccess) {
+		rc = cuda_fail(dev, e, "cudaEventCreateWithFlags");
+		(void)cudaStreamDestroy(cs->s);
+		kvr_cuda_topk_destroy(cs->topk, NULL);
+		free(cs);
+		return rc;
+	}
+	*out = reinterpret_cast<struct kvr_stream *>(cs);
+	return 0;
+}
+
+/* Returns at once; CUDA releases the stream when its queued work is done. */
+static void op_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	kvr_cuda_topk_destroy(cs->topk, cs->s);
+	(void)cudaEventDestroy(cs->done);
+	(void)cudaStreamDestroy(cs->s);
+	(void)cudaGetLastError();
+	free(cs);
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Spin on the event for SPIN_NS, then block in cudaEventSynchronize (which
+ * sleeps for events created with cudaEventBlockingSync). */
+static cudaError_t wait_event(cudaEvent_t ev)
+{
+	const uint64_t start = now_ns();
+	for (;;) {
+		const cudaError_t e = cudaEventQuery(ev);
+		if (e != cudaErrorNotReady)
+			return e;
+		if (now_ns() - start >= SPIN_NS)
+			return cudaEventSynchronize(ev);
+	}
+}
+
+/* Mark the end of the queued work with the stream's blocking event and wait
+ * for it: unlike cudaStreamSynchronize, that sleeps whatever the process's
+ * device flags are. */
+static int op_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "stream_synchronize");
+	if (rc)
+		return rc;
+	cudaError_t e = cudaEventRecord(cs->done, cs->s);
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "cudaEventRecord");
+	e = wait_event(cs->done);
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "stream_synchronize");
+	return 0;
+}
+
+static int op_event_create(struct kvr_dev *dev, struct kvr_event **out)
+{
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	cudaEvent_t ev;
+	const cudaError_t e =
+		cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "cudaEventCreateWithFlags");
+	*out = reinterpret_cast<struct kvr_event *>(ev);
+	return 0;
+}
+
+static void op_event_destroy(struct kvr_dev *dev, struct kvr_event *event)
+{
+	device_scope scope(impl(dev)->device);
+	if (cudaEventDestroy(as_event(event)) != cudaSuccess)
+		(void)cudaGetLastError();
+}
+
+static int op_event_record(struct kvr_dev *dev, struct kvr_event *event, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "event_record");
+	if (rc)
+		return rc;
+	const cudaError_t e = cudaEventRecord(as_event(event), cs->s);
+	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaEventRecord");
+}
+
+static int op_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *stream,
+				struct kvr_event *event)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "stream_wait_event");
+	if (rc)
+		return rc;
+	const cudaError_t e = cudaStreamWaitEvent(cs->s, as_event(event), cudaEventWaitDefault);
+	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaStreamWaitEvent");
+}
+
+static int op_event_query(struct kvr_dev *dev, struct kvr_event *event)
+{
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	const cudaError_t e = cudaEventQuery(as_event(event));
+	if (e == cudaSuccess)
+		return 0;
+	if (e == cudaErrorNotReady) {
+		(void)cudaGetLastError();
+		return -EAGAIN; /* not a failure: no message */
+	}
+	return cuda_fail(dev, e, "cudaEventQuery");
+}
+
+static int op_event_synchronize(struct kvr_dev *dev, struct kvr_event *event)
+{
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	const cudaError_t e = wait_event(as_event(event));
+	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "event_synchronize");
+}
+
+/* ------------------------------------------------------------------ copies */
+
+static cudaMemcpyKind copy_kind(uint32_t kind)
+{
+	switch (kind) {
+	case KVR_COPY_H2D:
+		return cudaMemcpyHostToDevice;
+	case KVR_COPY_D2H:
+		return cudaMemcpyDeviceToHost;
+	default:
+		return cudaMemcpyDeviceToDevice;
+	}
+}
+
+static int op_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size_t bytes,
+			   uint32_t kind, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "memcpy_async");
+	if (rc)
+		return rc;
+	const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, copy_kind(kind), cs->s);
+	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaMemcpyAsync");
+}
+
+/* Descriptors [i, n) one cudaMemcpyAsync each. */
+static int copy_loop(struct kvr_dev *dev, unsigned char *dst, const unsigned char *src,
+		     const struct kvr_copy_desc *descs, size_t i, size_t n, uint32_t kind,
+		     cudaStream_t s)
+{
+	for (; i < n; i++) {
+		if (!descs[i].bytes)
+			continue;
+		const cudaError_t e = cudaMemcpyAsync(dst + descs[i].dst_offset,
+						      src + descs[i].src_offset, descs[i].bytes,
+						      copy_kind(kind), s);
+		if (e != cudaSuccess)
+			return cuda_fail(dev, e, "cudaMemcpyAsync (batch fallback)");
+	}
+	return 0;
+}
+
+#if CUDART_VERSION >= 12080
+/* Copies per cudaMemcpyBatchAsync call: the pointer lists live on the stack
+ * and are read by the call itself (the copies use them in stream order, so the
+ * source is read in stream order too). */
+static const size_t BATCH_CHUNK = 128;
+
+/*
+ * cudaMemcpyBatchAsync differs between toolkits:
+ *   12.8, 12.9: (void **dsts, void **srcs, size_t *sizes, size_t count,
+ *                cudaMemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs,
+ *                size_t *failIdx, cudaStream_t stream)
+ *   13.0+:      (void *const *dsts, const void *const *srcs, const size_t *sizes,
+ *                size_t count, cudaMemcpyAttributes *attrs, size_t *attrsIdxs,
+ *                size_t numAttrs, cudaStream_t stream)
+ * cudart is linked statically, so the toolkit we compile against is the one
+ * that runs: the signature is chosen at compile time. One attribute entry
+ * covers every copy (attrsIdxs = {0}).
+ */
+static cudaError_t batch_call(void **dsts, void **srcs, size_t *sizes, size_t count,
+			      cudaStream_t s, size_t *fail_idx)
+{
+	cudaMemcpyAttributes attr;
+	memset(&attr, 0, sizeof(attr));
+	attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+	attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+	size_t attr_idx = 0;
+	*fail_idx = SIZE_MAX;
+#if CUDART_VERSION >= 13000
+	return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &attr_idx, 1, s);
+#else
+	return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &attr_idx, 1, fail_idx, s);
+#endif
+}
+#endif
+
+static int op_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const void *src_base,
+				 const struct kvr_copy_desc *descs, size_t n, uint32_t kind,
+				 struct kvr_stream *stream)
+{
+	struct cuda_dev *cd = impl(dev);
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(cd->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "memcpy_batch_async");
+	if (rc)
+		return rc;
+	unsigned char *dst = static_cast<unsigned char *>(dst_base);
+	const unsigned char *src = static_cast<const unsigned char *>(src_base);
+	size_t i = 0;
+#if CUDART_VERSION >= 12080
+	/* The batch API infers each copy's direction from the pointers (unified
+	 * addressing), so `kind` only matters to the fallback. */
+	while (i < n && cd->batch_ok.load(std::memory_order_relaxed)) {
+		void *dsts[BATCH_CHUNK];
+		void *srcs[BATCH_CHUNK];
+		size_t sizes[BATCH_CHUNK];
+		size_t count = 0, next = i;
+		for (; next < n && count < BATCH_CHUNK; next++) {
+			if (!descs[next].bytes)
+				continue; /* zero-byte entries are not valid copies */
+			dsts[count] = dst + descs[next].dst_offset;
+			srcs[count] = const_cast<unsigned char *>(src + descs[next].src_offset);
+			sizes[count] = descs[next].bytes;
+			count++;
+		}
+		if (!count)
+			return 0;
+		size_t fail_idx;
+		const cudaError_t e = batch_call(dsts, srcs, sizes, count, cs->s, &fail_idx);
+		if (e == cudaErrorNotSupported || e == cudaErrorCallRequiresNewerDriver) {
+			/* an older driver: remember, and finish with single copies */
+			(void)cudaGetLastError();
+			cd->batch_ok.store(false, std::memory_order_relaxed);
+			break;
+		}
+		if (e != cudaSuccess) {
+			(void)cudaGetLastError();
+			if (fail_idx != SIZE_MAX)
+				return kvr_dev_fail(dev, errno_of(e),
+						    "cudaMemcpyBatchAsync: %s (copy %zu of the batch "
+						    "starting at descriptor %zu)",
+						    cudaGetErrorName(e), fail_idx, i);
+			return cuda_fail(dev, e, "cudaMemcpyBatchAsync");
+		}
+		i = next;
+	}
+#endif
+	return copy_loop(dev, dst, src, descs, i, n, kind, cs->s);
+}
+
+/* ------------------------------------------------------------------ kernels */
+
+/* A launcher's failure, with its message (it names the kernel and CUDA error). */
+static int kernel_result(struct kvr_dev *dev, int rc)
+{
+	return rc ? kvr_dev_fail(dev, rc, "%s", KVR_KERNEL_SYMBOL(last_message)()) : 0;
+}
+
+#define KERNEL_OP(op, item_type, launcher)                                                  \
+	static int op_##op(struct kvr_dev *dev, const struct kvr_shape *shape,               \
+			   const struct item_type *items, uint32_t n, struct kvr_stream *stream) \
+	{                                                                                   \
+		struct cuda_stream *cs = as_stream(stream);                                 \
+		device_scope scope(impl(dev)->device);                                      \
+		int rc = enqueue_begin(dev, scope, cs->s, #op);                             \
+		if (rc)                                                                     \
+			return rc;                                                          \
+		return kernel_result(dev, launcher(shape, items, n, cs->s));                \
+	}
+
+KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter))
+KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload))
+KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize))
+KERNEL_OP(score, kvr_score_item, KVR_KERNEL_SYMBOL(launch_score))
+KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity))
+KERNEL_OP(dense, kvr_dense_item, KVR_KERNEL_SYMBOL(launch_dense))
+
+/* The ops table passes device items only, so kvr_cuda_select_topk has no
+ * host-side sizes and runs the hand-written twin. */
+static int op_select(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_score_item *items, uint32_t n, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "select");
+	if (rc)
+		return rc;
+	char msg[sizeof(dev->last_error)];
+	rc = kvr_cuda_select_topk(shape, items, NULL, n, cs->topk, cs->s, msg, sizeof(msg));
+	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
+}
+
+static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
+			const struct kvr_attention_item *items, uint32_t n,
+			const struct kvr_kv_segment *segments, uint32_t n_segments,
+			struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "attention");
+	if (rc)
+		return rc;
+	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_attention)(shape, items, n, segments,
+								      n_segments, cs->s));
+}
+
+/* ------------------------------------------------------------------ device */
+
+static void op_destroy(struct kvr_dev *dev)
+{
+	delete impl(dev);
+	dev->impl = NULL;
+}
+
+static const struct kvr_dev_ops cuda_ops = {
+	"cuda",
+	op_destroy,
+	op_alloc,
+	op_free,
+	op_host_register,
+	op_host_unregister,
+	op_stream_create,
+	op_stream_destroy,
+	op_stream_synchronize,
+	op_event_create,
+	op_event_destroy,
+	op_event_record,
+	op_stream_wait_event,
+	op_event_query,
+	op_event_synchronize,
+	op_memcpy_async,
+	op_memcpy_batch_async,
+	op_scatter,
+	op_offload,
+	op_summarize,
+	op_score,
+	op_select,
+	op_similarity,
+	op_attention,
+	op_dense,
+};
+
+/*
+ * Whether the kernels compiled for KVR_GPU_ARCHS ("80,90": SASS for each, PTX
+ * of the last) can run on a device of compute capability major.minor: SASS
+ * for sm_XY runs on X.Y' with Y' >= Y, PTX is JIT-compiled for any newer
+ * device. An empty or unparsable list is not checked (the first launch would
+ * report a missing kernel image).
+ */
+static bool archs_cover(const char *archs, int major, int minor)
+{
+	const int cc = major * 10 + minor;
+	int last = -1;
+	bool sass = false;
+	for (const char *p = archs; *p;) {
+		char *end;
+		const long a = strtol(p, &end, 10);
+		if (end == p || a <= 0)
+			return true;
+		if (a / 10 == major && a % 10 <= minor)
+			sass = true;
+		last = (int)a;
+		p = *end == ',' ? end + 1 : end;
+		if (*end && *end != ',')
+			return true;
+	}
+	return last < 0 || sass || cc >= last;
+}
+
+extern "C" int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params,
+				 char *err, size_t err_bytes)
+{
+	struct kvr_gpu_probe probe;
+	kvr_gpu_probe(&probe);
+	if (probe.n_devices <= 0) {
+		snprintf(err, err_bytes, "no usable CUDA device: %s", probe.reason);
+		return -ENODEV;
+	}
+	const int device = params->device;
+	if (device < 0 || device >= probe.n_devices) {
+		snprintf(err, err_bytes, "CUDA device %d does not exist (%d present)", device,
+			 probe.n_devices);
+		return -ENODEV;
+	}
+	cudaDeviceProp prop;
+	cudaError_t e = cudaGetDeviceProperties(&prop, device);
+	if (e != cudaSuccess) {
+		(void)cudaGetLastError();
+		snprintf(err, err_bytes, "cudaGetDeviceProperties(%d): %s", device,
+			 cudaGetErrorName(e));
+		return -ENODEV;
+	}
+	if (!archs_cover(KVR_GPU_ARCHS, prop.major, prop.minor)) {
+		snprintf(err, err_bytes,
+			 "CUDA device %d (%.64s) is sm_%d%d; the kernels are built for sm_{%s} "
+			 "(reconfigure with -Dgpu_archs)",
+			 device, prop.name, prop.major, prop.minor, KVR_GPU_ARCHS);
+		return -ENODEV;
+	}
+	{
+		/* create the primary context now, so a device that cannot be used
+		 * (exclusive mode, out of memory) fails here and not mid-decode */
+		device_scope scope(device);
+		if (scope.error() != cudaSuccess) {
+			(void)cudaGetLastError();
+			snprintf(err, err_bytes, "cudaSetDevice(%d): %s", device,
+				 cudaGetErrorName(scope.error()));
+			return -ENODEV;
+		}
+		e = cudaFree(NULL);
+		if (e != cudaSuccess) {
+			(void)cudaGetLastError();
+			snprintf(err, err_bytes, "initialising CUDA device %d: %s", device,
+				 cudaGetErrorName(e));
+			return -ENODEV;
+		}
+	}
+	struct cuda_dev *cd = new (std::nothrow) cuda_dev;
+	if (!cd) {
+		snprintf(err, err_bytes, "cuda backend: out of host memory");
+		return -ENOMEM;
+	}
+	cd->device = device;
+	dev->ops = &cuda_ops;
+	dev->kind = KVR_DEV_CUDA;
+	dev->host_visible = 0;
+	dev->impl = cd;
+	return 0;
+}

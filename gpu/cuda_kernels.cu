@@ -1,0 +1,1205 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * cuda_kernels.cu — every kernel of kernels.h (scatter, offload, summarize,
+ * score, select, similarity, attention, dense) and one C-linkage launcher per
+ * kernel. The file is compiled twice: by nvcc for the cuda backend, and by the
+ * host C++ compiler against the cudaemu shim (-DKVR_CUDAEMU), so kernel bodies
+ * use only what cuda_compat.h lists; the per-element math comes from layouts/
+ * (half.h conversions, summary.h's min/max step, kmath.h's kvr_expf, Quest
+ * term and canonical reduction orders), which is what makes score, select and
+ * similarity bit-identical to the cpu backend. select here is the hand-written
+ * top-k; cuda_topk.cu holds its CUB twin behind kvr_cuda_select_topk.
+ *
+ * Threads and streams: a launcher validates the shape on the calling (host)
+ * thread, enqueues exactly one kernel on the stream it is given and returns;
+ * nothing here synchronises. Item arrays and every pointer in them are device
+ * memory, read only by the kernel. A failing launcher leaves its message in a
+ * thread-local buffer, read back with KVR_KERNEL_SYMBOL(last_message).
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "cuda_compat.h"
+#include "kernels.h"
+#include "../layouts/half.h"
+#include "../layouts/kmath.h"
+#include "../layouts/page.h"
+#include "../layouts/summary.h"
+
+/* Register budget hints exist only for nvcc; cudaemu has no registers. */
+#if defined(__CUDACC__)
+#define KVR_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
+#else
+#define KVR_LAUNCH_BOUNDS(threads, min_blocks)
+#endif
+
+#define KVR_DEV static __device__ __forceinline__
+
+/* Full unrolling keeps small fixed-size arrays in registers under nvcc. */
+#if defined(__CUDACC__)
+#define KVR_UNROLL _Pragma("unroll")
+#else
+#define KVR_UNROLL
+#endif
+
+static const unsigned FULL_MASK = 0xffffffffu;
+
+/* ------------------------------------------------------------------ messages */
+
+static thread_local char kernel_message[256];
+
+static int kernel_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int kernel_fail(int err, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(kernel_message, sizeof(kernel_message), fmt, ap);
+	va_end(ap);
+	return err;
+}
+
+extern "C" const char *KVR_KERNEL_SYMBOL(last_message)(void)
+{
+	return kernel_message;
+}
+
+/* A launch the runtime refused shows in the next cudaGetLastError (which also
+ * clears it); faults inside the kernel surface later, on the stream. A refused
+ * configuration is -EINVAL (a geometry validation should have caught), any
+ * other error -EIO. */
+static int launch_status(const char *kernel)
+{
+	const cudaError_t e = cudaGetLastError();
+	if (e == cudaSuccess)
+		return 0;
+	const int err = (e == cudaErrorInvalidConfiguration || e == cudaErrorInvalidValue) ? -EINVAL
+											     : -EIO;
+#if defined(KVR_CUDAEMU)
+	/* the emulator also says why (a deadlock, a divergent barrier, ...) */
+	return kernel_fail(err, "%s: launch failed: %s: %s", kernel, cudaGetErrorName(e),
+			   kvr_emu_last_launch_message());
+#else
+	return kernel_fail(err, "%s: launch failed: %s", kernel, cudaGetErrorName(e));
+#endif
+}
+
+/* ------------------------------------------------------------ shared helpers */
+
+/* 16 raw bytes: the unit of vector loads and copies (LDG.128/STG.128 under
+ * nvcc when aligned). */
+struct alignas(16) chunk16 {
+	uint32_t w[4];
+};
+
+template <uint32_t ET> struct elem_bytes {
+	static const uint32_t value = ET == KVR_ELEM_F32 ? 4u : 2u;
+};
+
+/* 16 bytes at p, aligned or not (p is always element-aligned). GPUs and the
+ * hosts cudaemu runs on are little-endian, so packing 16-bit elements into
+ * words low half first matches the aligned load. */
+template <uint32_t ET> KVR_DEV chunk16 load_chunk(const unsigned char *p, bool aligned)
+{
+	if (aligned)
+		return *reinterpret_cast<const chunk16 *>(p);
+	chunk16 c;
+	if constexpr (ET == KVR_ELEM_F32) {
+		const uint32_t *w = reinterpret_cast<const uint32_t *>(p);
+		for (int i = 0; i < 4; i++)
+			c.w[i] = w[i];
+	} else {
+		const uint16_t *h = reinterpret_cast<const uint16_t *>(p);
+		for (int i = 0; i < 4; i++)
+			c.w[i] = (uint32_t)h[2 * i] | (uint32_t)h[2 * i + 1] << 16;
+	}
+	return c;
+}
+
+/* The 16 / elem_bytes values of a chunk as f32, with half.h's conversions. */
+template <uint32_t ET> KVR_DEV void decode_chunk(const chunk16 &c, float *out)
+{
+	for (int i = 0; i < 4; i++) {
+		if constexpr (ET == KVR_ELEM_F32) {
+			out[i] = kvr_bits_to_f32(c.w[i]);
+		} else if constexpr (ET == KVR_ELEM_F16) {
+			out[2 * i] = kvr_f16_to_f32((uint16_t)(c.w[i] & 0xffffu));
+			out[2 * i + 1] = kvr_f16_to_f32((uint16_t)(c.w[i] >> 16));
+		} else {
+			out[2 * i] = kvr_bf16_to_f32((uint16_t)(c.w[i] & 0xffffu));
+			out[2 * i + 1] = kvr_bf16_to_f32((uint16_t)(c.w[i] >> 16));
+		}
+	}
+}
+
+/* Index of the highest set bit; x != 0. */
+KVR_DEV uint32_t top_bit(uint32_t x)
+{
+#if defined(__CUDA_ARCH__)
+	return 31u - (uint32_t)__clz((int)x);
+#else
+	return 31u - (uint32_t)__builtin_clz(x);
+#endif
+}
+
+KVR_DEV float warp_max(float v)
+{
+	for (unsigned o = 16; o >= 1; o /= 2)
+		v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, (int)o));
+	return v;
+}
+
+KVR_DEV float warp_sum(float v)
+{
+	for (unsigned o = 16; o >= 1; o /= 2)
+		v += __shfl_xor_sync(FULL_MASK, v, (int)o);
+	return v;
+}
+
+/*
+ * Copy `rows` rows of row_bytes bytes between strided places with the whole
+ * block, in the widest unit every address and stride allows (16, 4 or 2
+ * bytes; elements are at least 2-byte aligned). Byte copies: the element type
+ * does not matter.
+ */
+template <typename U>
+KVR_DEV void copy_rows_as(unsigned char *dst, uint64_t dst_stride, const unsigned char *src,
+			  uint64_t src_stride, uint32_t rows, uint32_t row_bytes)
+{
+	const uint32_t per_row = row_bytes / (uint32_t)sizeof(U), total = rows * per_row;
+	for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
+		const uint32_t r = i / per_row, c = i - r * per_row;
+		reinterpret_cast<U *>(dst + r * dst_stride)[c] =
+			reinterpret_cast<const U *>(src + r * src_stride)[c];
+	}
+}
+
+KVR_DEV void copy_rows(unsigned char *dst, uint64_t dst_stride, const unsigned char *src,
+		       uint64_t src_stride, uint32_t rows, uint32_t row_bytes)
+{
+	const uint64_t a = (uint64_t)(uintptr_t)dst | (uint64_t)(uintptr_t)src | dst_stride |
+			   src_stride | row_bytes;
+	if ((a & 15u) == 0)
+		copy_rows_as<chunk16>(dst, dst_stride, src, src_stride, rows, row_bytes);
+	else if ((a & 3u) == 0)
+		copy_rows_as<uint32_t>(dst, dst_stride, src, src_stride, rows, row_bytes);
+	else
+		copy_rows_as<uint16_t>(dst, dst_stride, src, src_stride, rows, row_bytes);
+}
+
+/* ------------------------------------------------------------------ scatter */
+
+/* One block per item: the run's p key rows and p value rows, each d elements,
+ * into column kv_head of the two NHD tiles. An out-of-range kv_head (the host
+ * validates items; the device cannot report) writes nothing. */
+static const uint32_t COPY_THREADS = 256;
+
+static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
+	scatter_kernel(struct kvr_shape shape, const struct kvr_scatter_item *items)
+{
+	const struct kvr_scatter_item it = items[blockIdx.x];
+	if (it.kv_head >= shape.n_kv_heads)
+		return;
+	struct kvr_page_geometry g;
+	kvr_page_geometry_init(&g, shape.page_tokens, shape.head_dim, shape.n_kv_heads,
+			       shape.elem_type);
+	const uint32_t row_bytes = g.head_dim * g.elem_bytes;
+	const uint64_t tile_row = (uint64_t)g.n_kv_heads * row_bytes;
+	const uint64_t col = kvr_nhd_index(&g, 0, it.kv_head, 0) * g.elem_bytes;
+	const unsigned char *run = static_cast<const unsigned char *>(it.run);
+	copy_rows(static_cast<unsigned char *>(it.k_tile) + col, tile_row,
+		  run + kvr_hnd_index(&g, 0, KVR_KEYS, 0, 0) * g.elem_bytes, row_bytes,
+		  g.page_tokens, row_bytes);
+	copy_rows(static_cast<unsigned char *>(it.v_tile) + col, tile_row,
+		  run + kvr_hnd_index(&g, 0, KVR_VALUES, 0, 0) * g.elem_bytes, row_bytes,
+		  g.page_tokens, row_bytes);
+}
+
+/* ------------------------------------------------------------------ offload */
+
+/* One block per (item, KV head): that head's p key rows and p value rows out of
+ * the NHD rows into its contiguous HND run. */
+static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
+	offload_kernel(struct kvr_shape shape, const struct kvr_page_item *items)
+{
+	const uint32_t item = blockIdx.x / shape.n_kv_heads, h = blockIdx.x % shape.n_kv_heads;
+	const struct kvr_page_item it = items[item];
+	struct kvr_page_geometry g;
+	kvr_page_geometry_init(&g, shape.page_tokens, shape.head_dim, shape.n_kv_heads,
+			       shape.elem_type);
+	const uint32_t row_bytes = g.head_dim * g.elem_bytes;
+	const uint64_t src_stride = (uint64_t)it.row_stride * g.elem_bytes;
+	const uint64_t col = (uint64_t)h * row_bytes;
+	unsigned char *page = static_cast<unsigned char *>(it.hnd_page);
+	copy_rows(page + kvr_hnd_index(&g, h, KVR_KEYS, 0, 0) * g.elem_bytes, row_bytes,
+		  static_cast<const unsigned char *>(it.k_rows) + col, src_stride, g.page_tokens,
+		  row_bytes);
+	copy_rows(page + kvr_hnd_index(&g, h, KVR_VALUES, 0, 0) * g.elem_bytes, row_bytes,
+		  static_cast<const unsigned char *>(it.v_rows) + col, src_stride, g.page_tokens,
+		  row_bytes);
+}
+
+/* ---------------------------------------------------------------- summarize */
+
+/* One thread per (KV head, dim) column of an item's p key rows; consecutive
+ * threads read consecutive elements of a row (coalesced). The fold is
+ * summary.h's, in the cpu backend's order: start from row 0, then rows 1..p-1,
+ * so signed zeros and NaN payloads come out identical. */
+static const uint32_t SUMMARY_THREADS = 256;
+
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(SUMMARY_THREADS, 4)
+	summarize_kernel(struct kvr_shape shape, uint32_t col_blocks,
+			 const struct kvr_page_item *items)
+{
+	const uint32_t item = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
+	const uint32_t d = shape.head_dim, cols = shape.n_kv_heads * d;
+	const uint32_t col = cb * SUMMARY_THREADS + threadIdx.x;
+	if (col >= cols)
+		return;
+	const struct kvr_page_item it = items[item];
+	struct kvr_page_geometry g;
+	kvr_page_geometry_init(&g, shape.page_tokens, d, shape.n_kv_heads, ET);
+	float mn = kvr_load_f32(it.k_rows, ET, col), mx = mn;
+	for (uint32_t t = 1; t < g.page_tokens; t++)
+		kvr_minmax_step(kvr_load_f32(it.k_rows, ET, (uint64_t)t * it.row_stride + col), &mn,
+				&mx);
+	const uint32_t h = col / d, c = col - h * d;
+	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, 0, c), mn);
+	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, 1, c), mx);
+}
+
+/* -------------------------------------------------------------------- score */
+
+/*
+ * One block of 256 threads per (item, KV head m). The threads form 16 groups
+ * of KVR_DOT_LANES = 16: a group scores one page at a time, lane l of the
+ * group taking dims l, l+16, ... — exactly the canonical 16-lane dot — and the
+ * butterfly over the group's lanes (xor 8, 4, 2, 1) is the canonical fold
+ * (each step adds the same two partial sums, and + commutes exactly). This
+ * mapping, rather than one thread per page, keeps the summary loads coalesced
+ * (a group reads 16 consecutive elements) and needs one accumulator per head
+ * instead of 16.
+ *
+ * The softmax needs every page's score three times (max; sum of exps; the
+ * weighted mean), and there is no room to keep G scores per page, so the
+ * Quest sums are recomputed per pass; the summaries (1/p of the KV bytes) are
+ * re-read from L2 for realistic contexts. The 256-lane sum: pass B writes the
+ * exps of 256 consecutive candidates to shared memory and thread L adds entry
+ * L to its lane sum, so lane L takes candidates L, L+256, ... in order
+ * (counted from cand_begin), then the lanes fold by halves. Query heads are
+ * processed SCORE_HEADS at a time (register accumulators); a later chunk
+ * continues the group sum in g order through the scores array itself.
+ */
+static const uint32_t SCORE_THREADS = 256;
+static const uint32_t SCORE_GROUPS = SCORE_THREADS / KVR_DOT_LANES; /* pages per step */
+static const uint32_t SCORE_HEADS = 16;
+static const uint32_t SCORE_MAX_DIM = 256;
+
+/* s[g] = scale · Σ_c max(q_gc·min_c, q_gc·max_c) for the page whose summary
+ * (min row then max row) starts at element `row` of `summaries`; all 32 lanes
+ * of the warp call it (the fold shuffles), `valid` says whether this lane's
+ * group has a page. */
+template <uint32_t ET>
+KVR_DEV void quest_scores(const void *summaries, uint64_t row, bool valid, uint32_t d,
+			  uint32_t lane16, const float *q_s, uint32_t gc, float scale, float *s)
+{
+	float acc[SCORE_HEADS];
+	for (uint32_t g = 0; g < SCORE_HEADS; g++)
+		acc[g] = 0.0f;
+	if (valid) {
+		for (uint32_t c = lane16; c < d; c += KVR_DOT_LANES) {
+			const float mn = kvr_load_f32(summaries, ET, row + c);
+			const float mx = kvr_load_f32(summaries, ET, row + d + c);
+			for (uint32_t g = 0; g < SCORE_HEADS; g++)
+				if (g < gc)
+					acc[g] = acc[g] + kvr_quest_term(q_s[g * d + c], mn, mx);
+		}
+	}
+	for (uint32_t g = 0; g < SCORE_HEADS; g++) {
+		if (g >= gc)
+			break; /* gc is uniform: every lane leaves together */
+		float a = acc[g];
+		for (unsigned w = KVR_DOT_LANES / 2; w >= 1; w /= 2)
+			a = a + __shfl_xor_sync(FULL_MASK, a, (int)w);
+		s[g] = scale * a;
+	}
+}
+
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
+	score_kernel(struct kvr_shape shape, const struct kvr_score_item *items)
+{
+	__shared__ float q_s[SCORE_HEADS * SCORE_MAX_DIM];
+	__shared__ float lane_s[SCORE_HEADS * KVR_SUM_LANES];
+	__shared__ float max_s[SCORE_HEADS];
+	__shared__ float inv_s[SCORE_HEADS];
+
+	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim;
+	const uint32_t G = shape.n_qo_heads / n_kv;
+	const uint32_t item = blockIdx.x / n_kv, m = blockIdx.x % n_kv;
+	const struct kvr_score_item it = items[item];
+	if (it.cand_end <= it.cand_begin)
+		return; /* no candidates: nothing to write (whole block) */
+	const uint32_t n_cand = it.cand_end - it.cand_begin;
+	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
+	const uint64_t page_elems = (uint64_t)n_kv * 2u * d;
+	const uint64_t head_off = (uint64_t)m * 2u * d;
+	float *scores = it.scores + (uint64_t)m * n_cand;
+	const float inv_group = 1.0f / (float)G;
+
+	for (uint32_t g0 = 0; g0 < G; g0 += SCORE_HEADS) {
+		const uint32_t gc = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
+		const bool last_chunk = g0 + gc == G;
+		__syncthreads(); /* the previous chunk is done with q_s and max_s/inv_s */
+		const uint64_t q_base = (uint64_t)(m * G + g0) * d;
+		for (uint32_t e = tid; e < gc * d; e += SCORE_THREADS)
+			q_s[e] = kvr_load_f32(it.q, ET, q_base + e);
+		__syncthreads();
+
+		/* pass A: per-head maximum (exact in any order; NaN scores are
+		 * skipped here and poison the sum below instead) */
+		float run_max[SCORE_HEADS];
+		for (uint32_t g = 0; g < SCORE_HEADS; g++)
+			run_max[g] = -INFINITY;
+		for (uint32_t r0 = 0; r0 < n_cand; r0 += SCORE_GROUPS) {
+			const uint32_t r = r0 + grp;
+			float s[SCORE_HEADS];
+			quest_scores<ET>(it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
+					 r < n_cand, d, lane16, q_s, gc, shape.scale, s);
+			if (r < n_cand)
+				for (uint32_t g = 0; g < SCORE_HEADS; g++)
+					if (g < gc && s[g] > run_max[g])
+						run_max[g] = s[g];
+		}
+		for (uint32_t g = 0; g < gc; g++)
+			lane_s[g * KVR_SUM_LANES + tid] = run_max[g];
+		__syncthreads();
+		for (uint32_t w = KVR_SUM_LANES / 2; w >= 1; w /= 2) {
+			if (tid < w)
+				for (uint32_t g = 0; g < gc; g++) {
+					float *l = lane_s + g * KVR_SUM_LANES;
+					if (l[tid + w] > l[tid])
+						l[tid] = l[tid + w];
+				}
+			__syncthreads();
+		}
+		if (tid < gc)
+			max_s[tid] = lane_s[tid * KVR_SUM_LANES];
+		__syncthreads();
+
+		/* pass B: Σ_j kvr_expf(s_hj - max_h) in the 256-lane order */
+		float lane_sum[SCORE_HEADS];
+		for (uint32_t g = 0; g < SCORE_HEADS; g++)
+			lane_sum[g] = 0.0f;
+		for (uint32_t b0 = 0; b0 < n_cand; b0 += KVR_SUM_LANES) {
+			for (uint32_t r1 = 0; r1 < KVR_SUM_LANES; r1 += SCORE_GROUPS) {
+				const uint32_t r = b0 + r1 + grp;
+				float s[SCORE_HEADS];
+				quest_scores<ET>(it.summaries,
+						 (it.cand_begin + (uint64_t)r) * page_elems + head_off,
+						 r < n_cand, d, lane16, q_s, gc, shape.scale, s);
+				if (lane16 == 0 && r < n_cand)
+					for (uint32_t g = 0; g < gc; g++)
+						lane_s[g * KVR_SUM_LANES + r1 + grp] =
+							kvr_expf(s[g] - max_s[g]);
+			}
+			__syncthreads();
+			if (b0 + tid < n_cand)
+				for (uint32_t g = 0; g < gc; g++)
+					lane_sum[g] = lane_sum[g] + lane_s[g * KVR_SUM_LANES + tid];
+			__syncthreads();
+		}
+		for (uint32_t g = 0; g < gc; g++)
+			lane_s[g * KVR_SUM_LANES + tid] = lane_sum[g];
+		__syncthreads();
+		for (uint32_t w = KVR_SUM_LANES / 2; w >= 1; w /= 2) {
+			if (tid < w)
+				for (uint32_t g = 0; g < gc; g++) {
+					float *l = lane_s + g * KVR_SUM_LANES;
+					l[tid] = l[tid] + l[tid + w];
+				}
+			__syncthreads();
+		}
+		if (tid < gc)
+			inv_s[tid] = 1.0f / lane_s[tid * KVR_SUM_LANES];
+		__syncthreads();
+
+		/* pass C: the group mean, g in order: (Σ_g e_hj·(1/sum_h))·(1/G) */
+		for (uint32_t r0 = 0; r0 < n_cand; r0 += SCORE_GROUPS) {
+			const uint32_t r = r0 + grp;
+			float s[SCORE_HEADS];
+			quest_scores<ET>(it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
+					 r < n_cand, d, lane16, q_s, gc, shape.scale, s);
+			if (lane16 == 0 && r < n_cand) {
+				float acc = g0 == 0 ? 0.0f : scores[r];
+				for (uint32_t g = 0; g < gc; g++)
+					acc = acc + kvr_expf(s[g] - max_s[g]) * inv_s[g];
+				scores[r] = last_chunk ? acc * inv_group : acc;
+			}
+		}
+	}
+}
+
+/* ------------------------------------------------------------------- select */
+
+/*
+ * The hand-written top-k: one block of 256 threads per (item, KV head).
+ *
+ * Order (kernels.h): a score ranks by ordered(score), its bits as an unsigned
+ * integer with the sign bit set for positives and all bits flipped for
+ * negatives, so a NaN ranks by its bits; equal keys go to the lower page
+ * index. cuda_topk.cu's CUB path and the cpu backend use the same key.
+ *
+ * Radix select on the key, 8 bits per pass from the highest bit where the
+ * candidates differ: each pass histograms the digit of the keys that match
+ * the prefix chosen so far (per-warp histograms in shared memory, to spread
+ * atomic contention), and a block scan from the top bin finds the digit that
+ * holds the k-th largest key. It ends when that bin's keys are all needed or
+ * the key is exhausted: then a page is selected when its key's known prefix is
+ * greater than the chosen one, or equal and among the first `remaining` such
+ * pages in index order. A final ordered pass (a block scan over consecutive
+ * runs of candidates) writes the selected pages in ascending order, so no sort
+ * is needed. Keys are cached in shared memory when they fit (n_cand <= 8192);
+ * otherwise each pass re-reads the scores (from L2).
+ */
+static const uint32_t SELECT_THREADS = 256;
+static const uint32_t SELECT_WARPS = SELECT_THREADS / 32;
+static const uint32_t SELECT_CACHE = 8192; /* keys kept in shared memory */
+static const uint32_t SELECT_PER_THREAD = 8; /* consecutive candidates per thread, final pass */
+static const uint32_t SELECT_BINS = 256;
+
+KVR_DEV uint32_t score_key(float x)
+{
+	const uint32_t u = __float_as_uint(x);
+	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* Inclusive prefix sum over the block's threads (in thread order); *total gets
+ * the block's sum. Every thread calls it; warp_s holds SELECT_WARPS words. */
+KVR_DEV uint32_t block_scan(uint32_t v, uint32_t *warp_s, uint32_t *total)
+{
+	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+	for (uint32_t o = 1; o < 32; o *= 2) {
+		const uint32_t y = __shfl_sync(FULL_MASK, v, (int)(lane >= o ? lane - o : lane));
+		if (lane >= o)
+			v += y;
+	}
+	if (lane == 31)
+		warp_s[warp] = v;
+	__syncthreads();
+	uint32_t before = 0, sum = 0;
+	for (uint32_t w = 0; w < SELECT_WARPS; w++) {
+		const uint32_t t = warp_s[w];
+		if (w < warp)
+			before += t;
+		sum += t;
+	}
+	*total = sum;
+	__syncthreads(); /* warp_s is free again */
+	return v + before;
+}
+
+KVR_DEV uint32_t block_or(uint32_t v, uint32_t *warp_s)
+{
+	for (unsigned o = 16; o >= 1; o /= 2)
+		v |= __shfl_xor_sync(FULL_MASK, v, (int)o);
+	if (threadIdx.x % 32 == 0)
+		warp_s[threadIdx.x / 32] = v;
+	__syncthreads();
+	uint32_t all = 0;
+	for (uint32_t w = 0; w < SELECT_WARPS; w++)
+		all |= warp_s[w];
+	__syncthreads();
+	return all;
+}
+
+static __global__ void KVR_LAUNCH_BOUNDS(SELECT_THREADS, 2)
+	select_kernel(struct kvr_shape shape, const struct kvr_score_item *items)
+{
+	__shared__ uint32_t key_s[SELECT_CACHE];
+	__shared__ uint32_t hist_s[SELECT_WARPS * SELECT_BINS];
+	__shared__ uint32_t warp_s[SELECT_WARPS];
+	__shared__ uint32_t pick_s[3]; /* chosen bin, keys still needed, bin count */
+
+	const uint32_t n_kv = shape.n_kv_heads;
+	const uint32_t item = blockIdx.x / n_kv, m = blockIdx.x % n_kv;
+	const struct kvr_score_item it = items[item];
+	const uint32_t k = it.k;
+	if (k == 0)
+		return;
+	const uint32_t tid = threadIdx.x, warp = tid / 32;
+	const uint32_t n_cand = it.cand_end > it.cand_begin ? it.cand_end - it.cand_begin : 0u;
+	const float *scores = it.scores + (uint64_t)m * n_cand;
+	int32_t *out = it.selected + (uint64_t)m * k;
+	const uint32_t take = k < n_cand ? k : n_cand;
+	const bool cached = n_cand <= SELECT_CACHE;
+	if (cached)
+		for (uint32_t r = tid; r < n_cand; r += SELECT_THREADS)
+			key_s[r] = score_key(scores[r]);
+	__syncthreads();
+
+	/* Selected: (key & known) > want, or == want and among the first
+	 * `remaining` such candidates. Taking every candidate is known = 0. */
+	uint32_t want = 0, known = 0, remaining = take;
+	if (take < n_cand) {
+		const uint32_t first = cached ? key_s[0] : score_key(scores[0]);
+		uint32_t diff = 0;
+		for (uint32_t r = tid; r < n_cand; r += SELECT_THREADS)
+			diff |= (cached ? key_s[r] : score_key(scores[r])) ^ first;
+		diff = block_or(diff, warp_s);
+		if (diff == 0) {
+			known = ~0u; /* all keys equal: the lowest indices win */
+			want = first;
+		} else {
+			uint32_t hi = top_bit(diff);
+			known = hi == 31 ? 0u : ~0u << (hi + 1);
+			want = first & known;
+			for (;;) {
+				const uint32_t lo = hi >= 7 ? hi - 7 : 0u;
+				const uint32_t bins = 1u << (hi - lo + 1), digit_mask = bins - 1;
+				for (uint32_t i = tid; i < SELECT_WARPS * SELECT_BINS; i += SELECT_THREADS)
+					hist_s[i] = 0;
+				__syncthreads();
+				uint32_t *hist = hist_s + warp * SELECT_BINS;
+				for (uint32_t r = tid; r < n_cand; r += SELECT_THREADS) {
+					const uint32_t key = cached ? key_s[r] : score_key(scores[r]);
+					if ((key & known) == want)
+						atomicAdd(&hist[(key >> lo) & digit_mask], 1u);
+				}
+				__syncthreads();
+				/* thread t holds bin bins-1-t: the scan counts from the top */
+				uint32_t cnt = 0;
+				if (tid < bins)
+					for (uint32_t w = 0; w < SELECT_WARPS; w++)
+						cnt += hist_s[w * SELECT_BINS + (bins - 1 - tid)];
+				uint32_t total;
+				const uint32_t incl = block_scan(cnt, warp_s, &total);
+				const uint32_t excl = incl - cnt;
+				if (tid < bins && excl < remaining && remaining <= incl) {
+					pick_s[0] = bins - 1 - tid;
+					pick_s[1] = remaining - excl;
+					pick_s[2] = cnt;
+				}
+				__syncthreads();
+				want |= pick_s[0] << lo;
+				known |= digit_mask << lo;
+				remaining = pick_s[1];
+				const bool done = remaining == pick_s[2] || lo == 0;
+				__syncthreads(); /* pick_s and hist_s are reused by the next pass */
+				if (done)
+					break;
+				hi = lo - 1;
+			}
+		}
+	}
+
+	/* Ordered pass: thread t takes SELECT_PER_THREAD consecutive candidates of
+	 * each run; one scan of packed (greater << 16 | tie) counts gives both
+	 * prefix counts (a run holds 2048 candidates, so neither field carries). */
+	uint32_t gt_done = 0, tie_done = 0;
+	for (uint32_t base = 0; base < n_cand; base += SELECT_THREADS * SELECT_PER_THREAD) {
+		const uint32_t r0 = base + tid * SELECT_PER_THREAD;
+		uint32_t keys[SELECT_PER_THREAD];
+		uint32_t gt = 0, tie = 0;
+		for (uint32_t e = 0; e < SELECT_PER_THREAD; e++) {
+			const uint32_t r = r0 + e;
+			keys[e] = 0;
+			if (r < n_cand) {
+				keys[e] = (cached ? key_s[r] : score_key(scores[r])) & known;
+				gt += keys[e] > want;
+				tie += keys[e] == want;
+			}
+		}
+		const uint32_t packed = gt << 16 | tie;
+		uint32_t total;
+		const uint32_t excl = block_scan(packed, warp_s, &total) - packed;
+		uint32_t tie_rank = tie_done + (excl & 0xffffu);
+		uint32_t pos = gt_done + (excl >> 16) + (tie_rank < remaining ? tie_rank : remaining);
+		for (uint32_t e = 0; e < SELECT_PER_THREAD; e++) {
+			const uint32_t r = r0 + e;
+			if (r >= n_cand)
+				break;
+			bool sel = keys[e] > want;
+			if (keys[e] == want)
+				sel = tie_rank++ < remaining;
+			if (sel)
+				out[pos++] = (int32_t)(it.cand_begin + r);
+		}
+		gt_done += total >> 16;
+		tie_done += total & 0xffffu;
+	}
+	for (uint32_t i = take + tid; i < k; i += SELECT_THREADS)
+		out[i] = -1;
+}
+
+/* --------------------------------------------------------------- similarity */
+
+/* One block per (item, KV head): 16 groups of 16 lanes, a group per query
+ * head (canonical 16-lane dot and norms, butterfly fold as in score); thread 0
+ * adds the cosines in g order. cos = dot / sqrt(|q|²·|q_prev|²), the cpu
+ * backend's rounding. */
+static const uint32_t SIM_THREADS = 256;
+static const uint32_t SIM_GROUPS = SIM_THREADS / KVR_DOT_LANES;
+
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(SIM_THREADS, 4)
+	similarity_kernel(struct kvr_shape shape, const struct kvr_similarity_item *items)
+{
+	__shared__ float cos_s[SIM_GROUPS];
+	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim;
+	const uint32_t G = shape.n_qo_heads / n_kv;
+	const uint32_t item = blockIdx.x / n_kv, m = blockIdx.x % n_kv;
+	const struct kvr_similarity_item it = items[item];
+	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
+	float total = 0.0f; /* thread 0's running sum over the group */
+	for (uint32_t gb = 0; gb < G; gb += SIM_GROUPS) {
+		const uint32_t g = gb + grp;
+		float dot = 0.0f, nq = 0.0f, np = 0.0f;
+		if (g < G) {
+			const uint64_t row = (uint64_t)(m * G + g) * d;
+			for (uint32_t c = lane16; c < d; c += KVR_DOT_LANES) {
+				const float a = kvr_load_f32(it.q, ET, row + c);
+				const float b = kvr_load_f32(it.q_prev, ET, row + c);
+				dot = dot + a * b;
+				nq = nq + a * a;
+				np = np + b * b;
+			}
+		}
+		for (unsigned w = KVR_DOT_LANES / 2; w >= 1; w /= 2) {
+			dot = dot + __shfl_xor_sync(FULL_MASK, dot, (int)w);
+			nq = nq + __shfl_xor_sync(FULL_MASK, nq, (int)w);
+			np = np + __shfl_xor_sync(FULL_MASK, np, (int)w);
+		}
+		if (lane16 == 0 && g < G)
+			cos_s[grp] = (nq == 0.0f || np == 0.0f) ? 0.0f : dot / sqrtf(nq * np);
+		__syncthreads();
+		if (tid == 0)
+			for (uint32_t s = 0; s < SIM_GROUPS && gb + s < G; s++)
+				total = total + cos_s[s];
+		__syncthreads();
+	}
+	if (tid == 0) {
+		const float c = total * (1.0f / (float)G);
+		it.cosine[m] = c;
+		it.corrected[m] = !(c >= shape.tau);
+	}
+}
+
+/* ---------------------------------------------------------------- attention */
+
+/*
+ * Decode attention, one block of 256 threads per (item, KV head, head chunk):
+ * the block holds `heads` query heads of KV head m's group (all G of them
+ * unless the group is very large, see att_plan_make), so every K and V row is
+ * read from memory once for all of them. Tokens stream through shared memory
+ * in tiles of 16 KiB of raw K+V (tile = 8192 / (d·elem_bytes) tokens, at most
+ * 64), converted to f32:
+ *  - loads are 16-byte vectors when the segment's pointers and strides allow,
+ *    consecutive threads reading consecutive chunks of a row (coalesced);
+ *  - the next tile's loads are issued into registers before the current tile
+ *    is computed, so memory latency overlaps the math;
+ *  - QK: warp w owns heads w, w+8, ...; lane l takes tokens l and l+32 and
+ *    reads K rows padded to d+1 floats (no bank conflicts), q broadcast. The
+ *    warp then does the online-softmax update of its heads (max and sum by
+ *    shuffles) and publishes p and the rescale factor;
+ *  - PV: with side = 256/d heads side by side, thread i owns column i % d of
+ *    heads i/d, i/d + side, ... (fp32 accumulators in registers), so one V
+ *    element read (conflict-free, consecutive lanes take consecutive columns)
+ *    serves all of its heads, and p is a broadcast.
+ * One online softmax per query head; an empty item gives zeros; NaN/Inf in q,
+ * k or v reaches the outputs of the heads that used them and no others
+ * (masked lanes never touch stale shared memory).
+ */
+static const uint32_t ATT_THREADS = 256;
+static const uint32_t ATT_WARPS = ATT_THREADS / 32;
+static const uint32_t ATT_TILE_BYTES = 8192; /* raw bytes of K (and of V) per tile */
+static const uint32_t ATT_MAX_TILE = 64;     /* tokens per tile: two per lane in QK */
+static const uint32_t ATT_MAX_ACC = 16;      /* output heads per thread */
+static const uint32_t ATT_MAX_HEADS = 64;    /* query heads per group */
+static const uint32_t ATT_CHUNKS = 2 * ATT_TILE_BYTES / 16 / ATT_THREADS; /* per thread */
+static const uint32_t ATT_SMEM_BYTES = 48 * 1024; /* no opt-in above the default limit */
+
+/* Launch geometry, computed on the host (att_plan_make). Offsets are floats
+ * into the dynamic shared buffer: q [heads][d], K [tile][d+1], V [tile][d],
+ * p [heads][tile], then per head the running max, running sum and the tile's
+ * rescale factor. */
+struct att_plan {
+	uint32_t tile;        /* tokens per tile */
+	uint32_t heads;       /* query heads per block */
+	uint32_t head_blocks; /* blocks per KV head */
+	uint32_t off_k, off_v, off_p, off_m, off_l, off_alpha;
+	uint32_t smem_bytes;
+};
+
+/* Issue the loads of one tile (rows tokens of segment s from token `off`) into
+ * this thread's registers. The tile's chunk space is [K rows | V rows], each
+ * row d·elem_bytes/16 chunks; chunk i of the thread is tid + 256·i. */
+template <uint32_t ET>
+KVR_DEV void att_fetch(const struct kvr_kv_segment &s, uint32_t off, uint32_t rows, uint32_t m,
+		       uint32_t d, uint32_t tile, chunk16 *pre)
+{
+	const uint32_t EB = elem_bytes<ET>::value, VEC = 16 / EB;
+	const uint32_t cpr = d / VEC, half = tile * cpr;
+	const bool aligned = (((uint64_t)(uintptr_t)s.k | (uint64_t)(uintptr_t)s.v |
+			       (uint64_t)s.row_stride * EB | (uint64_t)s.head_stride * EB) &
+			      15u) == 0;
+	const uint64_t head = (uint64_t)m * s.head_stride;
+	KVR_UNROLL
+	for (uint32_t i = 0; i < ATT_CHUNKS; i++) {
+		const uint32_t q = threadIdx.x + ATT_THREADS * i;
+		const uint32_t which = q >= half, qq = q - which * half;
+		const uint32_t r = qq / cpr, cc = qq - r * cpr;
+		if (q < 2 * half && r < rows) {
+			const unsigned char *base = static_cast<const unsigned char *>(which ? s.v : s.k);
+			const uint64_t elem = head + (uint64_t)(off + r) * s.row_stride + cc * VEC;
+			pre[i] = load_chunk<ET>(base + elem * EB, aligned);
+		}
+	}
+}
+
+/* Convert the fetched tile into shared memory (same chunk mapping). */
+template <uint32_t ET>
+KVR_DEV void att_store(const chunk16 *pre, uint32_t rows, uint32_t d, uint32_t tile, float *k_s,
+		       float *v_s)
+{
+	const uint32_t VEC = 16 / elem_bytes<ET>::value;
+	const uint32_t cpr = d / VEC, half = tile * cpr;
+	KVR_UNROLL
+	for (uint32_t i = 0; i < ATT_CHUNKS; i++) {
+		const uint32_t q = threadIdx.x + ATT_THREADS * i;
+		const uint32_t which = q >= half, qq = q - which * half;
+		const uint32_t r = qq / cpr, cc = qq - r * cpr;
+		if (q < 2 * half && r < rows) {
+			float f[8];
+			decode_chunk<ET>(pre[i], f);
+			float *dst = which ? v_s + r * d + cc * VEC : k_s + r * (d + 1) + cc * VEC;
+			for (uint32_t e = 0; e < VEC; e++)
+				dst[e] = f[e];
+		}
+	}
+}
+
+/* Move (seg, off) past `rows` tokens and any empty segments. */
+KVR_DEV void att_advance(const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t *seg,
+			 uint32_t *off, uint32_t rows)
+{
+	*off += rows;
+	if (*seg < n_segs && *off >= segs[*seg].n_tokens) {
+		*off = 0;
+		++*seg;
+	}
+	while (*seg < n_segs && segs[*seg].n_tokens == 0)
+		++*seg;
+}
+
+/* Tokens of the tile starting at (seg, off); 0 past the last segment. */
+KVR_DEV uint32_t att_rows(const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t seg,
+			  uint32_t off, uint32_t tile)
+{
+	if (seg >= n_segs)
+		return 0;
+	const uint32_t left = segs[seg].n_tokens - off;
+	return left < tile ? left : tile;
+}
+
+template <uint32_t ET>
+static __device__ void attend(const struct kvr_shape &shape, const struct att_plan &plan,
+			      const void *q, void *out, const struct kvr_kv_segment *segs,
+			      uint32_t n_segs, uint32_t m, uint32_t g0, uint32_t gc, float *smem)
+{
+	const uint32_t d = shape.head_dim, G = shape.n_qo_heads / shape.n_kv_heads;
+	const uint32_t tile = plan.tile, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+	float *q_s = smem, *k_s = smem + plan.off_k, *v_s = smem + plan.off_v;
+	float *p_s = smem + plan.off_p, *m_s = smem + plan.off_m, *l_s = smem + plan.off_l;
+	float *alpha_s = smem + plan.off_alpha;
+	const uint64_t qo_base = (uint64_t)(m * G + g0) * d;
+	const uint32_t n_out = gc * d;
+	/* PV ownership: `side` = 256/d heads side by side; this thread owns
+	 * column c_own of heads g_own, g_own + side, ... (n_mine of them) */
+	const uint32_t side = ATT_THREADS / d, c_own = tid % d, g_own = tid / d;
+	const uint32_t n_mine = g_own < side && g_own < gc ? (gc - g_own + side - 1) / side : 0u;
+
+	for (uint32_t e = tid; e < n_out; e += ATT_THREADS)
+		q_s[e] = kvr_load_f32(q, ET, qo_base + e);
+	for (uint32_t g = tid; g < gc; g += ATT_THREADS) {
+		m_s[g] = -INFINITY;
+		l_s[g] = 0.0f;
+	}
+	float acc[ATT_MAX_ACC];
+	KVR_UNROLL
+	for (uint32_t i = 0; i < ATT_MAX_ACC; i++)
+		acc[i] = 0.0f;
+
+	uint32_t seg = 0, off = 0;
+	att_advance(segs, n_segs, &seg, &off, 0);
+	chunk16 pre[ATT_CHUNKS];
+	uint32_t rows = att_rows(segs, n_segs, seg, off, tile);
+	if (rows)
+		att_fetch<ET>(segs[seg], off, rows, m, d, tile, pre);
+	while (rows > 0) {
+		att_store<ET>(pre, rows, d, tile, k_s, v_s);
+		__syncthreads(); /* K, V (and q and the softmax state, first time) are ready */
+
+		att_advance(segs, n_segs, &seg, &off, rows);
+		const uint32_t next = att_rows(segs, n_segs, seg, off, tile);
+		if (next)
+			att_fetch<ET>(segs[seg], off, next, m, d, tile, pre);
+
+		/* QK and the online-softmax update; the head loop is warp-uniform */
+		for (uint32_t g = warp; g < gc; g += ATT_WARPS) {
+			const float *qg = q_s + g * d;
+			float s0 = -INFINITY, s1 = -INFINITY;
+			if (lane < rows) {
+				const float *kr = k_s + lane * (d + 1);
+				float dot = 0.0f;
+				for (uint32_t c = 0; c < d; c++)
+					dot = dot + qg[c] * kr[c];
+				s0 = shape.scale * dot;
+			}
+			if (lane + 32 < rows) {
+				const float *kr = k_s + (lane + 32) * (d + 1);
+				float dot = 0.0f;
+				for (uint32_t c = 0; c < d; c++)
+					dot = dot + qg[c] * kr[c];
+				s1 = shape.scale * dot;
+			}
+			const float m_old = m_s[g];
+			const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+			float psum = 0.0f;
+			if (lane < rows) {
+				const float p = kvr_expf(s0 - m_new);
+				p_s[g * tile + lane] = p;
+				psum += p;
+			}
+			if (lane + 32 < rows) {
+				const float p = kvr_expf(s1 - m_new);
+				p_s[g * tile + lane + 32] = p;
+				psum += p;
+			}
+			psum = warp_sum(psum);
+			__syncwarp(); /* every lane has read m_s[g] before lane 0 updates it */
+			if (lane == 0) {
+				const float alpha = kvr_softmax_rescale(m_old, m_new);
+				alpha_s[g] = alpha;
+				l_s[g] = l_s[g] * alpha + psum;
+				m_s[g] = m_new;
+			}
+		}
+		__syncthreads(); /* p and alpha are published */
+
+		if (n_mine) {
+			const float *pg = p_s + g_own * tile;
+			KVR_UNROLL
+			for (uint32_t i = 0; i < ATT_MAX_ACC; i++)
+				if (i < n_mine)
+					acc[i] = acc[i] * alpha_s[g_own + side * i];
+			for (uint32_t t = 0; t < rows; t++) {
+				const float v = v_s[t * d + c_own];
+				KVR_UNROLL
+				for (uint32_t i = 0; i < ATT_MAX_ACC; i++)
+					if (i < n_mine)
+						acc[i] = acc[i] + pg[side * tile * i + t] * v;
+			}
+		}
+		__syncthreads(); /* the tile's shared memory may be overwritten */
+		rows = next;
+	}
+
+	__syncthreads(); /* l_s is final (also when there were no tokens) */
+	KVR_UNROLL
+	for (uint32_t i = 0; i < ATT_MAX_ACC; i++) {
+		if (i < n_mine) {
+			const uint32_t g = g_own + side * i;
+			const float l = l_s[g];
+			kvr_store_f32(out, ET, qo_base + (uint64_t)g * d + c_own,
+				      l == 0.0f ? 0.0f : acc[i] / l);
+		}
+	}
+}
+
+/* Block b = (item · n_kv + m) · head_blocks + chunk. */
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
+	attention_kernel(struct kvr_shape shape, struct att_plan plan,
+			 const struct kvr_attention_item *items, const struct kvr_kv_segment *segments)
+{
+	KVR_DYNAMIC_SHARED(float, att_smem);
+	const uint32_t G = shape.n_qo_heads / shape.n_kv_heads;
+	const uint32_t hb = blockIdx.x % plan.head_blocks, im = blockIdx.x / plan.head_blocks;
+	const uint32_t item = im / shape.n_kv_heads, m = im % shape.n_kv_heads;
+	const struct kvr_attention_item it = items[item];
+	const uint32_t g0 = hb * plan.heads;
+	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
+	attend<ET>(shape, plan, it.q, it.out, segments + it.first_segment, it.n_segments, m, g0, gc,
+		   att_smem);
+}
+
+/* dense: the item's one contiguous run is a segment with head_stride d. */
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
+	dense_kernel(struct kvr_shape shape, struct att_plan plan, const struct kvr_dense_item *items)
+{
+	KVR_DYNAMIC_SHARED(float, att_smem);
+	__shared__ struct kvr_kv_segment run;
+	const uint32_t G = shape.n_qo_heads / shape.n_kv_heads;
+	const uint32_t hb = blockIdx.x % plan.head_blocks, im = blockIdx.x / plan.head_blocks;
+	const uint32_t item = im / shape.n_kv_heads, m = im % shape.n_kv_heads;
+	const struct kvr_dense_item it = items[item];
+	if (threadIdx.x == 0) {
+		run.k = it.k;
+		run.v = it.v;
+		run.n_tokens = it.n_tokens;
+		run.row_stride = it.row_stride;
+		run.head_stride = shape.head_dim;
+		run.reserved = 0;
+	}
+	__syncthreads();
+	const uint32_t g0 = hb * plan.heads;
+	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
+	attend<ET>(shape, plan, it.q, it.out, &run, 1, m, g0, gc, att_smem);
+}
+
+/* ---------------------------------------------------------------- launchers */
+
+/* Common shape checks; `what` names the kernel in the message. */
+static int check_shape(const struct kvr_shape *s, const char *what)
+{
+	if (!s)
+		return kernel_fail(-EINVAL, "%s: no shape", what);
+	if (s->elem_type > KVR_ELEM_F32)
+		return kernel_fail(-EINVAL, "%s: unknown element type %u", what, s->elem_type);
+	if (s->n_kv_heads == 0 || s->n_qo_heads == 0 || s->n_qo_heads % s->n_kv_heads != 0)
+		return kernel_fail(-EINVAL, "%s: %u query heads do not form groups over %u KV heads",
+				   what, s->n_qo_heads, s->n_kv_heads);
+	if (s->head_dim == 0)
+		return kernel_fail(-EINVAL, "%s: head_dim is 0", what);
+	return 0;
+}
+
+/* Blocks = n · per_item, within a 1-D grid. */
+static int grid_size(uint32_t n, uint64_t per_item, const char *what, uint32_t *grid)
+{
+	const uint64_t g = (uint64_t)n * per_item;
+	if (g > 0x7fffffffull)
+		return kernel_fail(-EINVAL, "%s: %llu blocks exceed the grid limit", what,
+				   (unsigned long long)g);
+	*grid = (uint32_t)g;
+	return 0;
+}
+
+#define KVR_LAUNCH_TYPED(kernel, et, grid, block, smem, stream, ...)                       \
+	do {                                                                                 \
+		switch (et) {                                                                \
+		case KVR_ELEM_F16:                                                           \
+			KVR_LAUNCH(kernel<KVR_ELEM_F16>, grid, block, smem, stream, __VA_ARGS__);  \
+			break;                                                               \
+		case KVR_ELEM_BF16:                                                          \
+			KVR_LAUNCH(kernel<KVR_ELEM_BF16>, grid, block, smem, stream, __VA_ARGS__); \
+			break;                                                               \
+		default:                                                                     \
+			KVR_LAUNCH(kernel<KVR_ELEM_F32>, grid, block, smem, stream, __VA_ARGS__);  \
+			break;                                                               \
+		}                                                                            \
+	} while (0)
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_scatter)(const struct kvr_shape *shape,
+						 const struct kvr_scatter_item *items, uint32_t n,
+						 void *stream)
+{
+	int rc = check_shape(shape, "scatter");
+	if (rc)
+		return rc;
+	if (shape->page_tokens == 0)
+		return kernel_fail(-EINVAL, "scatter: page_tokens is 0");
+	if (n == 0)
+		return 0;
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, 1, "scatter", &grid)))
+		return rc;
+	KVR_LAUNCH(scatter_kernel, grid, COPY_THREADS, 0, stream, *shape, items);
+	return launch_status("scatter");
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_offload)(const struct kvr_shape *shape,
+						 const struct kvr_page_item *items, uint32_t n,
+						 void *stream)
+{
+	int rc = check_shape(shape, "offload");
+	if (rc)
+		return rc;
+	if (shape->page_tokens == 0)
+		return kernel_fail(-EINVAL, "offload: page_tokens is 0");
+	if (n == 0)
+		return 0;
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, shape->n_kv_heads, "offload", &grid)))
+		return rc;
+	KVR_LAUNCH(offload_kernel, grid, COPY_THREADS, 0, stream, *shape, items);
+	return launch_status("offload");
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_summarize)(const struct kvr_shape *shape,
+						   const struct kvr_page_item *items, uint32_t n,
+						   void *stream)
+{
+	int rc = check_shape(shape, "summarize");
+	if (rc)
+		return rc;
+	if (shape->page_tokens == 0)
+		return kernel_fail(-EINVAL, "summarize: page_tokens is 0");
+	if (n == 0)
+		return 0;
+	const uint64_t cols = (uint64_t)shape->n_kv_heads * shape->head_dim;
+	if (cols > 0xffffffffull)
+		return kernel_fail(-EINVAL, "summarize: n_kv·d = %llu is too large",
+				   (unsigned long long)cols);
+	const uint32_t col_blocks = (uint32_t)((cols + SUMMARY_THREADS - 1) / SUMMARY_THREADS);
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, col_blocks, "summarize", &grid)))
+		return rc;
+	KVR_LAUNCH_TYPED(summarize_kernel, shape->elem_type, grid, SUMMARY_THREADS, 0, stream,
+			 *shape, col_blocks, items);
+	return launch_status("summarize");
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_score)(const struct kvr_shape *shape,
+					       const struct kvr_score_item *items, uint32_t n,
+					       void *stream)
+{
+	int rc = check_shape(shape, "score");
+	if (rc)
+		return rc;
+	if (shape->head_dim > SCORE_MAX_DIM)
+		return kernel_fail(-EINVAL, "score: head_dim %u > %u", shape->head_dim,
+				   SCORE_MAX_DIM);
+	if (n == 0)
+		return 0;
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, shape->n_kv_heads, "score", &grid)))
+		return rc;
+	KVR_LAUNCH_TYPED(score_kernel, shape->elem_type, grid, SCORE_THREADS, 0, stream, *shape,
+			 items);
+	return launch_status("score");
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_select)(const struct kvr_shape *shape,
+						const struct kvr_score_item *items, uint32_t n,
+						void *stream)
+{
+	int rc = check_shape(shape, "select");
+	if (rc)
+		return rc;
+	if (n == 0)
+		return 0;
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, shape->n_kv_heads, "select", &grid)))
+		return rc;
+	KVR_LAUNCH(select_kernel, grid, SELECT_THREADS, 0, stream, *shape, items);
+	return launch_status("select");
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_similarity)(const struct kvr_shape *shape,
+						    const struct kvr_similarity_item *items,
+						    uint32_t n, void *stream)
+{
+	int rc = check_shape(shape, "similarity");
+	if (rc)
+		return rc;
+	if (n == 0)
+		return 0;
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, shape->n_kv_heads, "similarity", &grid)))
+		return rc;
+	KVR_LAUNCH_TYPED(similarity_kernel, shape->elem_type, grid, SIM_THREADS, 0, stream, *shape,
+			 items);
+	return launch_status("similarity");
+}
+
+/*
+ * Tile and head chunking for attention and dense: the tile holds 8 KiB of raw
+ * K (and of V), at most 64 tokens; then as many query heads per block as the
+ * accumulators (16 heads per thread, 256/d heads side by side) and 48 KiB of
+ * shared memory allow, spread evenly over the fewest blocks. Groups of up to
+ * 14 heads take one block at every head_dim (24 at d = 128 in 16-bit types).
+ */
+static int att_plan_make(const struct kvr_shape *s, const char *what, struct att_plan *p)
+{
+	int rc = check_shape(s, what);
+	if (rc)
+		return rc;
+	const uint32_t d = s->head_dim, G = s->n_qo_heads / s->n_kv_heads;
+	if (d % 32 != 0 || d > 256)
+		return kernel_fail(-EINVAL, "%s: head_dim %u is not a multiple of 32 up to 256",
+				   what, d);
+	if (G > ATT_MAX_HEADS)
+		return kernel_fail(-EINVAL, "%s: group of %u query heads per KV head > %u", what, G,
+				   ATT_MAX_HEADS);
+	const uint32_t eb = kvr_elem_bytes(s->elem_type);
+	uint32_t tile = ATT_TILE_BYTES / (d * eb);
+	if (tile > ATT_MAX_TILE)
+		tile = ATT_MAX_TILE;
+	const uint32_t fixed = tile * (d + 1) + tile * d; /* K and V, floats */
+	const uint32_t budget = ATT_SMEM_BYTES / 4;
+	uint32_t heads = G;
+	for (uint32_t blocks = 1; blocks <= G; blocks++) {
+		heads = (G + blocks - 1) / blocks;
+		if (heads <= ATT_THREADS / d * ATT_MAX_ACC && fixed + heads * (d + tile + 3) <= budget)
+			break;
+	}
+	/* one head always fits: K+V take at most 8256 of the 12288 floats */
+	p->tile = tile;
+	p->heads = heads;
+	p->head_blocks = (G + heads - 1) / heads;
+	p->off_k = heads * d;
+	p->off_v = p->off_k + tile * (d + 1);
+	p->off_p = p->off_v + tile * d;
+	p->off_m = p->off_p + heads * tile;
+	p->off_l = p->off_m + heads;
+	p->off_alpha = p->off_l + heads;
+	p->smem_bytes = (p->off_alpha + heads) * 4u;
+	return 0;
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_attention)(const struct kvr_shape *shape,
+						   const struct kvr_attention_item *items,
+						   uint32_t n, const struct kvr_kv_segment *segments,
+						   uint32_t n_segments, void *stream)
+{
+	struct att_plan plan;
+	int rc = att_plan_make(shape, "attention", &plan);
+	if (rc)
+		return rc;
+	if (n == 0)
+		return 0;
+	if (!segments && n_segments)
+		return kernel_fail(-EINVAL, "attention: %u segments but no segment array",
+				   n_segments);
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, (uint64_t)shape->n_kv_heads * plan.head_blocks, "attention",
+			    &grid)))
+		return rc;
+	KVR_LAUNCH_TYPED(attention_kernel, shape->elem_type, grid, ATT_THREADS, plan.smem_bytes,
+			 stream, *shape, plan, items, segments);
+	return launch_status("attention");
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_dense)(const struct kvr_shape *shape,
+					       const struct kvr_dense_item *items, uint32_t n,
+					       void *stream)
+{
+	struct att_plan plan;
+	int rc = att_plan_make(shape, "dense", &plan);
+	if (rc)
+		return rc;
+	if (n == 0)
+		return 0;
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, (uint64_t)shape->n_kv_heads * plan.head_blocks, "dense", &grid)))
+		return rc;
+	KVR_LAUNCH_TYPED(dense_kernel, shape->elem_type, grid, ATT_THREADS, plan.smem_bytes,
+			 stream, *shape, plan, items);
+	return launch_status("dense");
+}

@@ -1,0 +1,322 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * reference.c — the conformance suite's scalar reference (reference.h says
+ * what it is and why it is independent of the kernels). Plain loops in the
+ * order kernels.h states the semantics, one element at a time; numeric
+ * kernels in double with libm's exp and two-pass softmax (max first), which
+ * is the textbook definition rather than the kernels' one-pass online form.
+ */
+#include "reference.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "half.h"
+#include "page.h"
+
+double ref_attention_tol(uint32_t elem_type)
+{
+	switch (elem_type) {
+	case KVR_ELEM_F16:
+		return 1e-3;
+	case KVR_ELEM_BF16:
+		return 5e-3;
+	default:
+		return 2e-5;
+	}
+}
+
+double ref_attention_bound(uint32_t elem_type, const struct ref_head_scale *s)
+{
+	return (ref_attention_tol(elem_type) + REF_LOGIT_ERR * s->logit_mag) * s->v_mag;
+}
+
+double ref_load(const void *base, uint32_t elem_type, uint64_t i)
+{
+	return (double)kvr_load_f32(base, elem_type, i);
+}
+
+void ref_store(void *base, uint32_t elem_type, uint64_t i, double x)
+{
+	kvr_store_f32(base, elem_type, i, (float)x);
+}
+
+uint32_t ref_ordered(float x)
+{
+	uint32_t u;
+	memcpy(&u, &x, sizeof(u));
+	/* negatives: flipping every bit reverses their order and puts them below
+	 * all positives; positives: setting the sign bit lifts them above. */
+	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+static size_t ebytes(uint32_t elem_type)
+{
+	return elem_type == KVR_ELEM_F32 ? 4 : 2;
+}
+
+/* Copy element si of src to element di of dst, bits unchanged. */
+static void copy_elem(void *dst, uint64_t di, const void *src, uint64_t si, size_t eb)
+{
+	memcpy((unsigned char *)dst + di * eb, (const unsigned char *)src + si * eb, eb);
+}
+
+/* ------------------------------------------------------------------ copies */
+
+void ref_scatter(const struct kvr_shape *sh, const struct kvr_scatter_item *items, uint32_t n)
+{
+	const uint64_t p = sh->page_tokens, d = sh->head_dim, n_kv = sh->n_kv_heads;
+	const size_t eb = ebytes(sh->elem_type);
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_scatter_item *it = &items[i];
+		/* run: [2][p][d] (keys, then values); tile row t: n_kv heads of d */
+		for (uint64_t half = 0; half < 2; half++)
+			for (uint64_t t = 0; t < p; t++)
+				for (uint64_t c = 0; c < d; c++)
+					copy_elem(half ? it->v_tile : it->k_tile,
+						  (t * n_kv + it->kv_head) * d + c, it->run,
+						  (half * p + t) * d + c, eb);
+	}
+}
+
+void ref_offload(const struct kvr_shape *sh, const struct kvr_page_item *items, uint32_t n)
+{
+	const uint64_t p = sh->page_tokens, d = sh->head_dim, n_kv = sh->n_kv_heads;
+	const size_t eb = ebytes(sh->elem_type);
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_page_item *it = &items[i];
+		/* page: [n_kv][2][p][d]; row t of the source at t·row_stride */
+		for (uint64_t m = 0; m < n_kv; m++)
+			for (uint64_t half = 0; half < 2; half++)
+				for (uint64_t t = 0; t < p; t++)
+					for (uint64_t c = 0; c < d; c++)
+						copy_elem(it->hnd_page, ((m * 2 + half) * p + t) * d + c,
+							  half ? it->v_rows : it->k_rows,
+							  t * it->row_stride + m * d + c, eb);
+	}
+}
+
+void ref_summarize(const struct kvr_shape *sh, const struct kvr_page_item *items, uint32_t n)
+{
+	const uint64_t p = sh->page_tokens, d = sh->head_dim, n_kv = sh->n_kv_heads;
+	const uint32_t type = sh->elem_type;
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_page_item *it = &items[i];
+		for (uint64_t m = 0; m < n_kv; m++)
+			for (uint64_t c = 0; c < d; c++) {
+				/* A fold over the tokens in order: strict comparisons, so
+				 * of equal values (+0 and -0) the earlier token's is kept;
+				 * a NaN replaces both bounds and nothing replaces a NaN
+				 * but a later NaN (summary.h's rule). */
+				float mn = kvr_load_f32(it->k_rows, type, m * d + c), mx = mn;
+				for (uint64_t t = 1; t < p; t++) {
+					const float x = kvr_load_f32(it->k_rows, type,
+								     t * it->row_stride + m * d + c);
+					if (isnan(x)) {
+						mn = mx = x;
+					} else if (!isnan(mn)) {
+						mn = x < mn ? x : mn;
+						mx = x > mx ? x : mx;
+					}
+				}
+				kvr_store_f32(it->summary, type, (m * 2 + 0) * d + c, mn);
+				kvr_store_f32(it->summary, type, (m * 2 + 1) * d + c, mx);
+			}
+	}
+}
+
+/* ------------------------------------------------------------------ selection */
+
+struct ranked {
+	uint32_t key; /* ref_ordered(score) */
+	uint32_t j;   /* candidate index */
+};
+
+/* Highest key first; equal keys: lower page first. */
+static int by_rank(const void *a, const void *b)
+{
+	const struct ranked *x = a, *y = b;
+	if (x->key != y->key)
+		return x->key > y->key ? -1 : 1;
+	return x->j < y->j ? -1 : (x->j > y->j);
+}
+
+static int by_page(const void *a, const void *b)
+{
+	const struct ranked *x = a, *y = b;
+	return x->j < y->j ? -1 : (x->j > y->j);
+}
+
+void ref_select(const struct kvr_shape *sh, const struct kvr_score_item *items, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_score_item *it = &items[i];
+		if (!it->k)
+			continue; /* k = 0 writes nothing */
+		const uint32_t n_cand =
+			it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
+		const uint32_t take = it->k < n_cand ? it->k : n_cand;
+		struct ranked *r = malloc((n_cand ? n_cand : 1) * sizeof(*r));
+		if (!r)
+			abort(); /* a test program: nothing sensible to fall back to */
+		for (uint32_t m = 0; m < sh->n_kv_heads; m++) {
+			for (uint32_t j = 0; j < n_cand; j++) {
+				r[j].key = ref_ordered(it->scores[(uint64_t)m * n_cand + j]);
+				r[j].j = j;
+			}
+			qsort(r, n_cand, sizeof(*r), by_rank);
+			qsort(r, take, sizeof(*r), by_page);
+			int32_t *out = it->selected + (uint64_t)m * it->k;
+			for (uint32_t w = 0; w < it->k; w++)
+				out[w] = w < take ? (int32_t)(it->cand_begin + r[w].j) : -1;
+		}
+		free(r);
+	}
+}
+
+/* ------------------------------------------------------------------ score */
+
+void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *it, double *scores)
+{
+	const uint32_t n_kv = sh->n_kv_heads, G = sh->n_qo_heads / n_kv, d = sh->head_dim;
+	const uint32_t type = sh->elem_type;
+	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
+	if (!n_cand)
+		return;
+	double *s = malloc(n_cand * sizeof(*s));
+	if (!s)
+		abort();
+	for (uint32_t m = 0; m < n_kv; m++) {
+		double *out = scores + (uint64_t)m * n_cand;
+		for (uint32_t j = 0; j < n_cand; j++)
+			out[j] = 0.0;
+		for (uint32_t g = 0; g < G; g++) {
+			const uint64_t h = (uint64_t)m * G + g;
+			double smax = -INFINITY;
+			for (uint32_t j = 0; j < n_cand; j++) {
+				/* summary of page (cand_begin + j), KV head m: min row, max row */
+				const uint64_t base = ((uint64_t)(it->cand_begin + j) * n_kv + m) * 2 * d;
+				double acc = 0.0;
+				for (uint32_t c = 0; c < d; c++) {
+					const double q = ref_load(it->q, type, h * d + c);
+					const double lo = q * ref_load(it->summaries, type, base + c);
+					const double hi =
+						q * ref_load(it->summaries, type, base + d + c);
+					acc += lo > hi ? lo : hi;
+				}
+				s[j] = (double)sh->scale * acc;
+				smax = s[j] > smax ? s[j] : smax;
+			}
+			double sum = 0.0;
+			for (uint32_t j = 0; j < n_cand; j++)
+				sum += exp(s[j] - smax);
+			for (uint32_t j = 0; j < n_cand; j++)
+				out[j] += exp(s[j] - smax) / sum;
+		}
+		for (uint32_t j = 0; j < n_cand; j++)
+			out[j] /= G;
+	}
+	free(s);
+}
+
+/* ------------------------------------------------------------------ similarity */
+
+void ref_similarity(const struct kvr_shape *sh, const struct kvr_similarity_item *it,
+		    double *cosine)
+{
+	const uint32_t n_kv = sh->n_kv_heads, G = sh->n_qo_heads / n_kv, d = sh->head_dim;
+	for (uint32_t m = 0; m < n_kv; m++) {
+		double mean = 0.0;
+		for (uint32_t g = 0; g < G; g++) {
+			const uint64_t base = ((uint64_t)m * G + g) * d;
+			double dot = 0.0, na = 0.0, nb = 0.0;
+			for (uint32_t c = 0; c < d; c++) {
+				const double a = ref_load(it->q, sh->elem_type, base + c);
+				const double b = ref_load(it->q_prev, sh->elem_type, base + c);
+				dot += a * b;
+				na += a * a;
+				nb += b * b;
+			}
+			mean += (na == 0.0 || nb == 0.0) ? 0.0 : dot / sqrt(na * nb);
+		}
+		cosine[m] = mean / G;
+	}
+}
+
+/* ------------------------------------------------------------------ attention */
+
+/* Attention of every query head over a list of segments: the definition,
+ * softmax(scale · q·K^T)·V, with a max-subtracted two-pass softmax. */
+static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_kv_segment *segs,
+		   uint32_t n_segs, double *out, struct ref_head_scale *scale)
+{
+	const uint32_t n_qo = sh->n_qo_heads, G = n_qo / sh->n_kv_heads, d = sh->head_dim;
+	const uint32_t type = sh->elem_type;
+	uint64_t n_tok = 0;
+	for (uint32_t s = 0; s < n_segs; s++)
+		n_tok += segs[s].n_tokens;
+	double *logit = malloc((n_tok ? n_tok : 1) * sizeof(*logit));
+	if (!logit)
+		abort();
+	for (uint32_t h = 0; h < n_qo; h++) {
+		const uint64_t m = h / G;
+		double *o = out + (uint64_t)h * d;
+		struct ref_head_scale *hs = &scale[h];
+		for (uint32_t c = 0; c < d; c++)
+			o[c] = 0.0;
+		hs->v_mag = hs->logit_mag = 0.0;
+		if (!n_tok)
+			continue; /* no tokens: zeros */
+		double lmax = -INFINITY;
+		uint64_t i = 0;
+		for (uint32_t s = 0; s < n_segs; s++)
+			for (uint64_t t = 0; t < segs[s].n_tokens; t++, i++) {
+				const uint64_t kb = m * segs[s].head_stride + t * segs[s].row_stride;
+				double dot = 0.0, mag = 0.0;
+				for (uint32_t c = 0; c < d; c++) {
+					const double x = ref_load(q, type, (uint64_t)h * d + c) *
+							 ref_load(segs[s].k, type, kb + c);
+					dot += x;
+					mag += fabs(x);
+				}
+				logit[i] = (double)sh->scale * dot;
+				lmax = logit[i] > lmax ? logit[i] : lmax;
+				mag *= fabs((double)sh->scale);
+				if (isfinite(mag) && mag > hs->logit_mag)
+					hs->logit_mag = mag;
+			}
+		double sum = 0.0;
+		i = 0;
+		for (uint32_t s = 0; s < n_segs; s++)
+			for (uint64_t t = 0; t < segs[s].n_tokens; t++, i++) {
+				const uint64_t vb = m * segs[s].head_stride + t * segs[s].row_stride;
+				const double w = exp(logit[i] - lmax);
+				sum += w;
+				for (uint32_t c = 0; c < d; c++) {
+					const double v = ref_load(segs[s].v, type, vb + c);
+					o[c] += w * v;
+					if (isfinite(v) && fabs(v) > hs->v_mag)
+						hs->v_mag = fabs(v);
+				}
+			}
+		for (uint32_t c = 0; c < d; c++)
+			o[c] /= sum;
+	}
+	free(logit);
+}
+
+void ref_attention(const struct kvr_shape *sh, const struct kvr_attention_item *item,
+		   const struct kvr_kv_segment *segments, double *out, struct ref_head_scale *scale)
+{
+	attend(sh, item->q, segments + item->first_segment, item->n_segments, out, scale);
+}
+
+void ref_dense(const struct kvr_shape *sh, const struct kvr_dense_item *item, double *out,
+	       struct ref_head_scale *scale)
+{
+	/* dense is attention over one segment of NHD rows: head m at m·d */
+	const struct kvr_kv_segment seg = { item->k, item->v, item->n_tokens, item->row_stride,
+					    sh->head_dim, 0 };
+	attend(sh, item->q, &seg, 1, out, scale);
+}

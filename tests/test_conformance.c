@@ -1,0 +1,1862 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_conformance.c — the conformance suite: every operation of
+ * gpu/backend.h, on randomised inputs from fixed seeds, against the scalar
+ * reference of reference.c, on every backend: cpu, cuda and cudaemu (the
+ * latter under two thread orders). A backend whose kvr_dev_create returns
+ * -ENODEV is skipped with the reason, never passed.
+ *
+ * Each test runs through the device contract only: inputs are copied to
+ * kvr_dev_alloc memory with kvr_dev_memcpy_async, item arrays (and every
+ * pointer inside them) live in device memory, results come back D2H after a
+ * synchronise. So the same test body runs on a real GPU. Host buffers are
+ * "mirrored" into a device context, and items are built once with host
+ * pointers (which the reference uses as they are) and translated to device
+ * pointers for the kernel.
+ *
+ * Copies and selection are compared bit for bit; scores against the
+ * reference within a tiny tolerance and, bit for bit, against the cpu backend
+ * (and across the cpu backend's instruction sets), because which pages get
+ * selected depends on the exact bits; attention within the per-dtype
+ * tolerances stated in reference.h. Criterion runs each test in its own
+ * process, so test parameters are indices into static tables, never pointers.
+ *
+ * KVR_CONFORMANCE_VERBOSE=1 logs the largest attention error per dtype as a
+ * fraction of its bound (how the tolerances in reference.h were chosen).
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "convert.h" /* kvr_convert_isa_force: the cpu score must match across ISAs */
+#include "half.h"
+#include "reference.h"
+
+/* cudaemu's test hooks (gpu/cudaemu/cudaemu.h), weak so that the suite links
+ * without cudaemu: its thread-order knob, and its count of launches that
+ * failed inside the shim (a launch runs after its enqueue returned, so a
+ * deadlocked barrier cannot surface as an error code). */
+__attribute__((weak)) void kvr_emu_set_order_seed(uint64_t seed);
+__attribute__((weak)) unsigned kvr_cudaemu_failed_launches(void);
+__attribute__((weak)) void kvr_cudaemu_last_failure(char *buf, size_t bytes);
+
+/* ------------------------------------------------------------------ backends */
+
+struct backend_case {
+	const char *name;
+	uint32_t kind;       /* enum kvr_dev_kind */
+	uint64_t order_seed; /* cudaemu: the order of its emulated threads */
+};
+
+enum { CASE_CPU, CASE_CUDA, CASE_EMU_ORDER0, CASE_EMU_ORDER1 };
+
+static const struct backend_case backend_cases[] = {
+	[CASE_CPU] = { "cpu", KVR_DEV_CPU, 0 },
+	[CASE_CUDA] = { "cuda", KVR_DEV_CUDA, 0 },
+	[CASE_EMU_ORDER0] = { "cudaemu (order 0)", KVR_DEV_CUDAEMU, 0 },
+	/* a second order: races and order-dependent reductions show as a
+	 * difference between the two runs' results and the reference */
+	[CASE_EMU_ORDER1] = { "cudaemu (shuffled order)", KVR_DEV_CUDAEMU, 0x243f6a8885a308d3ull },
+};
+
+static const char *const type_names[] = { "f16", "bf16", "f32" };
+static const uint32_t all_types[] = { KVR_ELEM_F16, KVR_ELEM_BF16, KVR_ELEM_F32 };
+#define N_TYPES 3u
+
+#define ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+/* ------------------------------------------------------------------ random numbers */
+
+/* splitmix64: small, fast, and the same sequence everywhere for a seed. */
+struct rng {
+	uint64_t s;
+};
+
+static uint64_t rng_next(struct rng *r)
+{
+	uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static double rng_uniform(struct rng *r, double lo, double hi)
+{
+	return lo + (hi - lo) * (double)(rng_next(r) >> 11) * 0x1p-53;
+}
+
+static uint32_t rng_below(struct rng *r, uint32_t n)
+{
+	return (uint32_t)(rng_next(r) % n);
+}
+
+/* Each case of a test draws from its own seed, so a case's inputs do not
+ * depend on which cases ran before it (the *_on_worker_stream tests rerun
+ * single cases). */
+static struct rng case_rng(uint64_t seed, uint32_t config, uint32_t type_index)
+{
+	return (struct rng){ seed * 1000003u + config * 16u + type_index };
+}
+
+/* ------------------------------------------------------------------ device contexts */
+
+/* A device with an inline and a worker stream, and the host buffers mirrored
+ * into its memory (so items built with host pointers can be translated). */
+#define MAX_MIRRORS 96
+
+struct mirror {
+	const unsigned char *host;
+	unsigned char *dev;
+	size_t bytes;
+};
+
+struct dctx {
+	const char *name;
+	struct kvr_dev *dev;
+	struct kvr_stream *inline_s, *worker_s;
+	struct kvr_stream *s; /* the stream this test enqueues on now */
+	struct mirror mirrors[MAX_MIRRORS];
+	uint32_t n_mirrors;
+	void *stall[2]; /* scratch of stall_stream() */
+	int poison;     /* put() fills new device memory with 0xa5 first */
+};
+
+#define MAX_HOST 256
+
+struct env {
+	const struct backend_case *bc;
+	struct dctx main;
+	struct dctx cpu; /* the cpu backend beside another one: bit identity of scores */
+	int cpu_open;
+	void *host[MAX_HOST]; /* every host buffer, freed at the end */
+	uint32_t n_host;
+};
+
+static struct env g_env;
+
+/* Every device call must succeed; say which backend, which stream and why not. */
+#define DEV_OK(c, call)                                                                   \
+	do {                                                                              \
+		const int r_ = (call);                                                    \
+		cr_assert_eq(r_, 0, "%s (%s stream): %s returned %d: %s", (c)->name,      \
+			     (c)->s == (c)->worker_s ? "worker" : "inline", #call, r_,    \
+			     kvr_dev_last_error((c)->dev));                               \
+	} while (0)
+
+static int dctx_open(struct dctx *c, const char *name, uint32_t kind, char *err, size_t err_bytes)
+{
+	memset(c, 0, sizeof(*c));
+	c->name = name;
+	/* one worker besides the caller: kernels split across threads, as in use */
+	const struct kvr_dev_params params = { .kind = kind, .threads = 1 };
+	const int r = kvr_dev_create(&params, &c->dev, err, err_bytes);
+	if (r)
+		return r;
+	DEV_OK(c, kvr_dev_stream_create(c->dev, KVR_STREAM_INLINE, &c->inline_s));
+	DEV_OK(c, kvr_dev_stream_create(c->dev, KVR_STREAM_WORKER, &c->worker_s));
+	c->s = c->inline_s;
+	return 0;
+}
+
+static void dctx_close(struct dctx *c)
+{
+	if (!c->dev)
+		return;
+	kvr_dev_stream_synchronize(c->dev, c->inline_s);
+	kvr_dev_stream_synchronize(c->dev, c->worker_s);
+	for (uint32_t i = 0; i < c->n_mirrors; i++)
+		kvr_dev_free(c->dev, c->mirrors[i].dev);
+	kvr_dev_stream_destroy(c->dev, c->inline_s);
+	kvr_dev_stream_destroy(c->dev, c->worker_s);
+	kvr_dev_destroy(c->dev);
+	memset(c, 0, sizeof(*c));
+}
+
+/* Host memory that lives until the test ends, so a mirror's host address is
+ * never reused by another buffer (the translation relies on it). */
+static void *halloc(size_t bytes)
+{
+	cr_assert_lt(g_env.n_host, MAX_HOST, "too many host buffers");
+	void *p = calloc(1, bytes ? bytes : 1);
+	cr_assert_not_null(p, "out of host memory (%zu bytes)", bytes);
+	g_env.host[g_env.n_host++] = p;
+	return p;
+}
+
+/* Copy a host buffer to new device memory (on c->s) and remember the pair. */
+static void *put(struct dctx *c, const void *host, size_t bytes)
+{
+	if (!bytes)
+		return NULL;
+	cr_assert_lt(c->n_mirrors, MAX_MIRRORS, "too many device buffers");
+	void *dev = NULL;
+	DEV_OK(c, kvr_dev_alloc(c->dev, bytes, &dev));
+	if (c->poison) {
+		/* Make the memory's content before the queued upload recognisable
+		 * garbage, for certain: a copy on the inline stream, completed. */
+		void *junk = halloc(bytes);
+		memset(junk, 0xa5, bytes);
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, dev, junk, bytes, KVR_COPY_H2D, c->inline_s));
+		DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->inline_s));
+	}
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, dev, host, bytes, KVR_COPY_H2D, c->s));
+	c->mirrors[c->n_mirrors++] = (struct mirror){ host, dev, bytes };
+	return dev;
+}
+
+/* The device address of a host address inside a mirrored buffer (one past
+ * the end included: an empty segment may point there). */
+static void *dev_of(const struct dctx *c, const void *host)
+{
+	if (!host)
+		return NULL;
+	const unsigned char *h = host;
+	for (int end_ok = 0; end_ok <= 1; end_ok++) /* inside first, then one past */
+		for (uint32_t i = 0; i < c->n_mirrors; i++) {
+			const struct mirror *m = &c->mirrors[i];
+			const unsigned char *end = m->host + m->bytes;
+			if (h >= m->host && (h < end || (end_ok && h == end)))
+				return m->dev + (h - m->host);
+		}
+	cr_assert_fail("%s: host pointer %p is in no mirrored buffer (test bug)", c->name, host);
+	return NULL;
+}
+
+/* cudaemu: no launch may have failed in the shim so far. */
+static void expect_no_failed_launch(const struct dctx *c)
+{
+	if (kvr_dev_kind_of(c->dev) != KVR_DEV_CUDAEMU || !kvr_cudaemu_failed_launches)
+		return;
+	const unsigned failed = kvr_cudaemu_failed_launches();
+	if (!failed)
+		return;
+	char why[256] = "(no message)";
+	if (kvr_cudaemu_last_failure)
+		kvr_cudaemu_last_failure(why, sizeof(why));
+	cr_assert_fail("%s: %u kernel launch(es) failed in the emulator; last: %s", c->name, failed,
+		       why);
+}
+
+/* Copy the device side of a mirrored host range into dst, then synchronise. */
+static void get(struct dctx *c, void *dst, const void *host_range, size_t bytes)
+{
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, dst, dev_of(c, host_range), bytes, KVR_COPY_D2H,
+				       c->s));
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->s));
+	expect_no_failed_launch(c);
+}
+
+/* Free a context's device buffers (after its work is done). */
+static void dctx_release(struct dctx *c)
+{
+	if (!c->dev)
+		return;
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->inline_s));
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->worker_s));
+	for (uint32_t i = 0; i < c->n_mirrors; i++)
+		kvr_dev_free(c->dev, c->mirrors[i].dev);
+	c->n_mirrors = 0;
+	for (uint32_t i = 0; i < 2; i++) {
+		kvr_dev_free(c->dev, c->stall[i]);
+		c->stall[i] = NULL;
+	}
+}
+
+/* Keep c->s busy for a while (milliseconds on a CPU: 128 MiB of D2D copies),
+ * so that what is enqueued next is still queued, not run, when the enqueueing
+ * call returns — on a stream that is asynchronous at all. */
+#define STALL_BYTES ((size_t)32 << 20)
+static void stall_stream(struct dctx *c)
+{
+	for (uint32_t i = 0; i < 2; i++)
+		if (!c->stall[i])
+			DEV_OK(c, kvr_dev_alloc(c->dev, STALL_BYTES, &c->stall[i]));
+	for (uint32_t i = 0; i < 4; i++)
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, c->stall[i & 1], c->stall[!(i & 1)],
+					       STALL_BYTES, KVR_COPY_D2D, c->s));
+}
+
+/* Start a new case inside a test: every device and host buffer of the last
+ * one is released (together, so no host address is reused while mirrored). */
+static void fresh(struct env *e)
+{
+	dctx_release(&e->main);
+	dctx_release(&e->cpu);
+	for (uint32_t i = 0; i < e->n_host; i++)
+		free(e->host[i]);
+	e->n_host = 0;
+}
+
+/* Run `body` on backend case `idx`: open the device (skip on -ENODEV), set
+ * cudaemu's thread order, close everything afterwards. */
+static void run_case(unsigned idx, void (*body)(struct env *e))
+{
+	struct env *e = &g_env;
+	memset(e, 0, sizeof(*e));
+	e->bc = &backend_cases[idx];
+	char err[256] = "";
+	const int r = dctx_open(&e->main, e->bc->name, e->bc->kind, err, sizeof(err));
+	if (r == -ENODEV)
+		cr_skip_test("%s: backend not available: %s", e->bc->name, err);
+	cr_assert_eq(r, 0, "%s: kvr_dev_create returned %d: %s", e->bc->name, r, err);
+	if (e->bc->kind == KVR_DEV_CUDAEMU) {
+		if (kvr_emu_set_order_seed) {
+			kvr_emu_set_order_seed(e->bc->order_seed);
+		} else if (e->bc->order_seed) {
+			dctx_close(&e->main);
+			cr_skip_test("%s: kvr_emu_set_order_seed is not linked: only one thread order "
+				     "can run", e->bc->name);
+		}
+	}
+	body(e);
+	fresh(e);
+	dctx_close(&e->main);
+	dctx_close(&e->cpu);
+}
+
+/* The cpu backend beside a non-cpu one, opened on first use. */
+static struct dctx *cpu_ctx(struct env *e)
+{
+	if (!e->cpu_open) {
+		char err[256] = "";
+		const int r = dctx_open(&e->cpu, "cpu (bit-identity reference)", KVR_DEV_CPU, err,
+					sizeof(err));
+		cr_assert_eq(r, 0, "cannot open the cpu backend: %s", err);
+		e->cpu_open = 1;
+	}
+	return &e->cpu;
+}
+
+/* One Criterion test per backend case for each test body. */
+#define TEST_TIMEOUT_S 240
+#define CONFORMANCE_TEST(name)                                                              \
+	static void t_##name(struct env *e);                                               \
+	Test(cpu, name, .timeout = TEST_TIMEOUT_S) { run_case(CASE_CPU, t_##name); }       \
+	Test(cuda, name, .timeout = TEST_TIMEOUT_S) { run_case(CASE_CUDA, t_##name); }     \
+	Test(cudaemu_order0, name, .timeout = TEST_TIMEOUT_S)                               \
+	{                                                                                  \
+		run_case(CASE_EMU_ORDER0, t_##name);                                       \
+	}                                                                                  \
+	Test(cudaemu_order1, name, .timeout = TEST_TIMEOUT_S)                               \
+	{                                                                                  \
+		run_case(CASE_EMU_ORDER1, t_##name);                                       \
+	}                                                                                  \
+	static void t_##name(struct env *e)
+
+/* A test over cases: name##_case(e, config, type index) for every
+ * configuration and element type, each with fresh buffers, on the inline
+ * stream (the *_on_worker_stream tests rerun one case of each on a worker
+ * stream). */
+#define CONFORMANCE_CASES(name, n_configs)                                                  \
+	CONFORMANCE_TEST(name)                                                              \
+	{                                                                                  \
+		for (uint32_t ci = 0; ci < (n_configs); ci++)                              \
+			for (uint32_t ti = 0; ti < N_TYPES; ti++) {                        \
+				fresh(e);                                                  \
+				name##_case(e, ci, ti);                                    \
+			}                                                                  \
+		log_worst(e, #name);                                                       \
+	}
+
+/* ------------------------------------------------------------------ data helpers */
+
+static size_t ebytes(uint32_t type)
+{
+	return kvr_elem_bytes(type);
+}
+
+/* Element i of a typed buffer, as a byte pointer (for item fields). */
+static void *elem_ptr(void *base, uint32_t type, uint64_t i)
+{
+	return (unsigned char *)base + i * ebytes(type);
+}
+
+static void fill_uniform(struct rng *r, void *buf, uint32_t type, uint64_t n, double lo,
+			 double hi)
+{
+	for (uint64_t i = 0; i < n; i++)
+		ref_store(buf, type, i, rng_uniform(r, lo, hi));
+}
+
+static void fill_bytes(struct rng *r, void *buf, size_t bytes)
+{
+	unsigned char *p = buf;
+	for (size_t i = 0; i < bytes; i++)
+		p[i] = (unsigned char)rng_next(r);
+}
+
+/* A NaN of the element type, as a quiet NaN with a plain payload. */
+static void store_nan(void *buf, uint32_t type, uint64_t i)
+{
+	ref_store(buf, type, i, NAN);
+}
+
+struct shape_cfg {
+	uint32_t n_qo, n_kv, d, p;
+	float scale; /* 0: 1/sqrt(d) */
+};
+
+static struct kvr_shape make_shape(const struct shape_cfg *s, uint32_t type)
+{
+	const struct kvr_shape sh = {
+		.n_qo_heads = s->n_qo,
+		.n_kv_heads = s->n_kv,
+		.head_dim = s->d,
+		.page_tokens = s->p,
+		.elem_type = type,
+		.scale = s->scale != 0.0f ? s->scale : 1.0f / sqrtf((float)s->d),
+		.tau = 0.9f,
+	};
+	return sh;
+}
+
+/* Byte-for-byte equality of two buffers of elements, naming the first
+ * difference by element index. */
+static void expect_same_bits(const char *what, const void *got, const void *want, size_t bytes,
+			     size_t elem)
+{
+	if (!memcmp(got, want, bytes))
+		return;
+	const unsigned char *g = got, *w = want;
+	size_t i = 0;
+	while (i < bytes && g[i] == w[i])
+		i++;
+	const size_t e = i / elem;
+	uint32_t gb = 0, wb = 0;
+	memcpy(&gb, g + e * elem, elem);
+	memcpy(&wb, w + e * elem, elem);
+	cr_assert_fail("%s: element %zu differs: got bits 0x%0*x, want 0x%0*x", what, e,
+		       (int)(2 * elem), gb, (int)(2 * elem), wb);
+}
+
+/* ------------------------------------------------------------------ item translation */
+
+/* Copies of host item arrays with every pointer translated to device memory,
+ * themselves copied to the device: what the kernels take. */
+
+static const void *dev_scatter_items(struct dctx *c, const struct kvr_scatter_item *it, uint32_t n)
+{
+	struct kvr_scatter_item *d = halloc(n * sizeof(*d));
+	for (uint32_t i = 0; i < n; i++) {
+		d[i] = it[i];
+		d[i].run = dev_of(c, it[i].run);
+		d[i].k_tile = dev_of(c, it[i].k_tile);
+		d[i].v_tile = dev_of(c, it[i].v_tile);
+	}
+	return put(c, d, n * sizeof(*d));
+}
+
+static const void *dev_page_items(struct dctx *c, const struct kvr_page_item *it, uint32_t n)
+{
+	struct kvr_page_item *d = halloc(n * sizeof(*d));
+	for (uint32_t i = 0; i < n; i++) {
+		d[i] = it[i];
+		d[i].k_rows = dev_of(c, it[i].k_rows);
+		d[i].v_rows = dev_of(c, it[i].v_rows);
+		d[i].hnd_page = dev_of(c, it[i].hnd_page);
+		d[i].summary = dev_of(c, it[i].summary);
+	}
+	return put(c, d, n * sizeof(*d));
+}
+
+static const void *dev_score_items(struct dctx *c, const struct kvr_score_item *it, uint32_t n)
+{
+	struct kvr_score_item *d = halloc(n * sizeof(*d));
+	for (uint32_t i = 0; i < n; i++) {
+		d[i] = it[i];
+		d[i].q = dev_of(c, it[i].q);
+		d[i].summaries = dev_of(c, it[i].summaries);
+		d[i].scores = dev_of(c, it[i].scores);
+		d[i].selected = dev_of(c, it[i].selected);
+	}
+	return put(c, d, n * sizeof(*d));
+}
+
+static const void *dev_similarity_items(struct dctx *c, const struct kvr_similarity_item *it,
+					uint32_t n)
+{
+	struct kvr_similarity_item *d = halloc(n * sizeof(*d));
+	for (uint32_t i = 0; i < n; i++) {
+		d[i] = it[i];
+		d[i].q = dev_of(c, it[i].q);
+		d[i].q_prev = dev_of(c, it[i].q_prev);
+		d[i].cosine = dev_of(c, it[i].cosine);
+		d[i].corrected = dev_of(c, it[i].corrected);
+	}
+	return put(c, d, n * sizeof(*d));
+}
+
+static const void *dev_attention_items(struct dctx *c, const struct kvr_attention_item *it,
+				       uint32_t n)
+{
+	struct kvr_attention_item *d = halloc(n * sizeof(*d));
+	for (uint32_t i = 0; i < n; i++) {
+		d[i] = it[i];
+		d[i].q = dev_of(c, it[i].q);
+		d[i].out = dev_of(c, it[i].out);
+	}
+	return put(c, d, n * sizeof(*d));
+}
+
+static const void *dev_segments(struct dctx *c, const struct kvr_kv_segment *s, uint32_t n)
+{
+	struct kvr_kv_segment *d = halloc(n * sizeof(*d));
+	for (uint32_t i = 0; i < n; i++) {
+		d[i] = s[i];
+		d[i].k = dev_of(c, s[i].k);
+		d[i].v = dev_of(c, s[i].v);
+	}
+	return put(c, d, n * sizeof(*d));
+}
+
+static const void *dev_dense_items(struct dctx *c, const struct kvr_dense_item *it, uint32_t n)
+{
+	struct kvr_dense_item *d = halloc(n * sizeof(*d));
+	for (uint32_t i = 0; i < n; i++) {
+		d[i] = it[i];
+		d[i].q = dev_of(c, it[i].q);
+		d[i].k = dev_of(c, it[i].k);
+		d[i].v = dev_of(c, it[i].v);
+		d[i].out = dev_of(c, it[i].out);
+	}
+	return put(c, d, n * sizeof(*d));
+}
+
+/* ------------------------------------------------------------------ attention checks */
+
+/* Largest error seen per dtype, as a fraction of its bound (verbose mode). */
+static double g_worst[N_TYPES];
+
+static void note_worst(uint32_t type, double rel)
+{
+	if (rel > g_worst[type])
+		g_worst[type] = rel;
+}
+
+static void log_worst(const struct env *e, const char *what)
+{
+	if (!getenv("KVR_CONFORMANCE_VERBOSE") || !(g_worst[0] + g_worst[1] + g_worst[2] > 0.0))
+		return;
+	for (uint32_t t = 0; t < N_TYPES; t++)
+		cr_log_info("%s: %s %s: worst error %.3g of its bound", e->bc->name, what,
+			    type_names[t], g_worst[t]);
+}
+
+/*
+ * Outputs of one item ([n_qo][d] of the element type) against the reference:
+ * where the reference is non-finite (NaN or Inf in the inputs) the output
+ * must be non-finite too; elsewhere finite and within ref_attention_bound; a
+ * head that attends to nothing must output exact zeros.
+ */
+static void check_heads(const struct env *e, const char *what, const struct kvr_shape *sh,
+			const void *got, const double *ref, const struct ref_head_scale *scale)
+{
+	const uint32_t type = sh->elem_type, d = sh->head_dim;
+	for (uint32_t h = 0; h < sh->n_qo_heads; h++) {
+		const double bound = ref_attention_bound(type, &scale[h]);
+		for (uint32_t c = 0; c < d; c++) {
+			const double g = ref_load(got, type, (uint64_t)h * d + c);
+			const double r = ref[(uint64_t)h * d + c];
+			if (!isfinite(r)) {
+				cr_assert(!isfinite(g),
+					  "%s: %s %s: head %u dim %u: got %g, want non-finite "
+					  "(NaN/Inf must propagate)",
+					  e->bc->name, what, type_names[type], h, c, g);
+				continue;
+			}
+			cr_assert(isfinite(g), "%s: %s %s: head %u dim %u: got %g, want %.9g",
+				  e->bc->name, what, type_names[type], h, c, g, r);
+			if (scale[h].v_mag == 0.0) {
+				cr_assert(g == 0.0,
+					  "%s: %s %s: head %u attends to no token: dim %u is %g, "
+					  "want 0",
+					  e->bc->name, what, type_names[type], h, c, g);
+				continue;
+			}
+			const double err = fabs(g - r);
+			note_worst(type, err / bound);
+			cr_assert(err <= bound,
+				  "%s: %s %s: head %u dim %u: got %.9g, want %.9g: error %.3g > "
+				  "bound %.3g (V scale %.3g, logit scale %.3g)",
+				  e->bc->name, what, type_names[type], h, c, g, r, err, bound,
+				  scale[h].v_mag, scale[h].logit_mag);
+		}
+	}
+}
+
+/* ------------------------------------------------------------------ shapes */
+
+/* The shapes the numeric kernels run over: G = 1, 8 and an odd 3; d = 64 and
+ * 128, and 32 and 256 once; a scale that is not 1/sqrt(d) (the kernels must
+ * take it from the shape). Small, so cudaemu stays quick. */
+static const struct shape_cfg numeric_shapes[] = {
+	{ 2, 2, 64, 16, 0 },      /* G = 1 */
+	{ 8, 1, 128, 16, 0 },     /* G = 8 */
+	{ 6, 2, 64, 8, 0 },       /* G = 3 */
+	{ 4, 2, 32, 16, 0 },      /* d = 32 */
+	{ 2, 1, 256, 8, 0 },      /* d = 256 */
+	{ 4, 2, 128, 16, 0.21f }, /* explicit scale */
+};
+
+/* The shapes of the layout kernels: page sizes 4..32, one to three KV heads,
+ * d from 32 to 256; pad adds elements between NHD rows (row_stride > n_kv·d). */
+struct page_cfg {
+	uint32_t p, d, n_kv, pad;
+};
+
+static const struct page_cfg page_shapes[] = {
+	{ 16, 64, 3, 0 },
+	{ 8, 128, 2, 32 },
+	{ 32, 32, 1, 0 },
+	{ 4, 256, 2, 64 },
+};
+
+static struct kvr_shape page_shape(const struct page_cfg *pc, uint32_t type)
+{
+	const struct shape_cfg s = { pc->n_kv, pc->n_kv, pc->d, pc->p, 0 };
+	return make_shape(&s, type);
+}
+
+/* ================================================================== scatter */
+
+/* Several HND runs into two NHD tile pairs, heads in reverse item order:
+ * every column of tile 0, all but column 0 of tile 1 (which must keep its old
+ * bits); bit-exact, on random bit patterns (NaN payloads included). */
+static void scatter_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x5ca7, ci, ti);
+	const struct page_cfg *pc = &page_shapes[ci];
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = page_shape(pc, type);
+	const uint64_t run = 2ull * pc->p * pc->d, tile = (uint64_t)pc->p * pc->n_kv * pc->d;
+	const size_t eb = ebytes(type);
+	const uint32_t n = 2 * pc->n_kv - (pc->n_kv > 1 ? 1 : 0);
+
+	void *runs = halloc(n * run * eb), *kt = halloc(2 * tile * eb),
+	     *vt = halloc(2 * tile * eb);
+	fill_bytes(&r, runs, n * run * eb); /* any bits: a copy keeps them all */
+	fill_bytes(&r, kt, 2 * tile * eb);
+	fill_bytes(&r, vt, 2 * tile * eb);
+	struct kvr_scatter_item *items = halloc(n * sizeof(*items));
+	for (uint32_t i = 0; i < n; i++) {
+		const uint32_t t = i / pc->n_kv;
+		/* heads in reverse order, so the item index is not the head */
+		items[i] = (struct kvr_scatter_item){
+			.run = elem_ptr(runs, type, i * run),
+			.k_tile = elem_ptr(kt, type, t * tile),
+			.v_tile = elem_ptr(vt, type, t * tile),
+			.kv_head = pc->n_kv - 1 - i % pc->n_kv,
+		};
+	}
+	put(c, runs, n * run * eb);
+	put(c, kt, 2 * tile * eb);
+	put(c, vt, 2 * tile * eb);
+	DEV_OK(c, kvr_dev_scatter(c->dev, &sh, dev_scatter_items(c, items, n), n, c->s));
+	void *got_k = halloc(2 * tile * eb), *got_v = halloc(2 * tile * eb);
+	get(c, got_k, kt, 2 * tile * eb);
+	get(c, got_v, vt, 2 * tile * eb);
+
+	ref_scatter(&sh, items, n);
+	char what[96];
+	snprintf(what, sizeof(what), "%s: scatter %s config %u K tiles", c->name,
+		 type_names[ti], ci);
+	expect_same_bits(what, got_k, kt, 2 * tile * eb, eb);
+	snprintf(what, sizeof(what), "%s: scatter %s config %u V tiles", c->name,
+		 type_names[ti], ci);
+	expect_same_bits(what, got_v, vt, 2 * tile * eb, eb);
+}
+
+CONFORMANCE_CASES(scatter, ARRAY_LEN(page_shapes))
+
+/* ================================================================== offload */
+
+/* Three pages of NHD rows (keys and values from different buffers, padded
+ * rows in some shapes) into HND pages, bit-exact. */
+static void offload_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x0ff1, ci, ti);
+	enum { PAGES = 3 };
+	const struct page_cfg *pc = &page_shapes[ci];
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = page_shape(pc, type);
+	const uint32_t stride = pc->n_kv * pc->d + pc->pad;
+	const uint64_t rows = (uint64_t)PAGES * pc->p * stride;
+	const uint64_t page = 2ull * pc->n_kv * pc->p * pc->d;
+	const size_t eb = ebytes(type);
+
+	void *k = halloc(rows * eb), *v = halloc(rows * eb), *pages = halloc(PAGES * page * eb);
+	fill_bytes(&r, k, rows * eb);
+	fill_bytes(&r, v, rows * eb);
+	fill_bytes(&r, pages, PAGES * page * eb);
+	struct kvr_page_item items[PAGES];
+	for (uint32_t i = 0; i < PAGES; i++) {
+		/* page i from rows of page (i + 1) % PAGES: items need not be in order */
+		const uint64_t row0 = (uint64_t)((i + 1) % PAGES) * pc->p * stride;
+		items[i] = (struct kvr_page_item){
+			.k_rows = elem_ptr(k, type, row0),
+			.v_rows = elem_ptr(v, type, row0),
+			.hnd_page = elem_ptr(pages, type, i * page),
+			.summary = NULL, /* offload writes no summary */
+			.row_stride = stride,
+		};
+	}
+	put(c, k, rows * eb);
+	put(c, v, rows * eb);
+	put(c, pages, PAGES * page * eb);
+	DEV_OK(c, kvr_dev_offload(c->dev, &sh, dev_page_items(c, items, PAGES), PAGES, c->s));
+	void *got = halloc(PAGES * page * eb);
+	get(c, got, pages, PAGES * page * eb);
+
+	ref_offload(&sh, items, PAGES);
+	char what[96];
+	snprintf(what, sizeof(what), "%s: offload %s config %u", c->name, type_names[ti], ci);
+	expect_same_bits(what, got, pages, PAGES * page * eb, eb);
+}
+
+CONFORMANCE_CASES(offload, ARRAY_LEN(page_shapes))
+
+/* ================================================================== summarize */
+
+/*
+ * Key summaries of three pages. Besides random keys: a dimension of signed
+ * zeros only (the fold keeps the first of equal values, summary.h), one with
+ * +Inf and -Inf, and NaN in one dimension (both bounds must be NaN). Bit-exact
+ * except NaN payloads, which only need to stay NaN.
+ */
+static void summarize_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x5e33, ci, ti);
+	enum { PAGES = 3 };
+	const struct page_cfg *pc = &page_shapes[ci];
+	const uint32_t type = all_types[ti], d = pc->d, n_kv = pc->n_kv;
+	const struct kvr_shape sh = page_shape(pc, type);
+	const uint32_t stride = n_kv * d + pc->pad;
+	const uint64_t rows = (uint64_t)PAGES * pc->p * stride, sum = 2ull * n_kv * d;
+	const size_t eb = ebytes(type);
+
+	void *k = halloc(rows * eb), *summ = halloc(PAGES * sum * eb);
+	fill_uniform(&r, k, type, rows, -4.0, 4.0);
+	fill_bytes(&r, summ, PAGES * sum * eb);
+	/* page 1, last KV head: dims 1..4 get the special values */
+	const uint64_t base = (uint64_t)pc->p * stride + (uint64_t)(n_kv - 1) * d;
+	for (uint32_t t = 0; t < pc->p; t++) {
+		const uint64_t row = base + (uint64_t)t * stride;
+		ref_store(k, type, row + 1, rng_below(&r, 2) ? 0.0 : -0.0);
+		if (t == 1)
+			ref_store(k, type, row + 2, INFINITY);
+		if (t == pc->p - 1)
+			ref_store(k, type, row + 2, -INFINITY);
+		if (t == pc->p / 2)
+			store_nan(k, type, row + 3);
+	}
+	ref_store(k, type, base + 4, NAN); /* NaN as the very first key */
+	struct kvr_page_item items[PAGES];
+	for (uint32_t i = 0; i < PAGES; i++)
+		items[i] = (struct kvr_page_item){
+			.k_rows = elem_ptr(k, type, (uint64_t)i * pc->p * stride),
+			.v_rows = NULL, /* summarize reads keys only */
+			.hnd_page = NULL,
+			.summary = elem_ptr(summ, type, i * sum),
+			.row_stride = stride,
+		};
+	put(c, k, rows * eb);
+	put(c, summ, PAGES * sum * eb);
+	DEV_OK(c, kvr_dev_summarize(c->dev, &sh, dev_page_items(c, items, PAGES), PAGES,
+				    c->s));
+	void *got = halloc(PAGES * sum * eb);
+	get(c, got, summ, PAGES * sum * eb);
+
+	ref_summarize(&sh, items, PAGES);
+	for (uint64_t i = 0; i < PAGES * sum; i++) {
+		const double want = ref_load(summ, type, i), g = ref_load(got, type, i);
+		const uint64_t pg = i / sum, m = i % sum / (2 * d), w = i % (2 * d) / d,
+			       dim = i % d;
+		if (isnan(want)) {
+			cr_assert(isnan(g),
+				  "%s: summarize %s config %u: page %lu head %lu %s dim "
+				  "%lu: got %g, want NaN (NaN propagates)",
+				  c->name, type_names[ti], ci, (unsigned long)pg,
+				  (unsigned long)m, w ? "max" : "min", (unsigned long)dim, g);
+			continue;
+		}
+		cr_assert(!memcmp(elem_ptr(got, type, i), elem_ptr(summ, type, i), eb),
+			  "%s: summarize %s config %u: page %lu head %lu %s dim %lu: "
+			  "got %g, want %g (bit-exact, signed zeros included)",
+			  c->name, type_names[ti], ci, (unsigned long)pg, (unsigned long)m,
+			  w ? "max" : "min", (unsigned long)dim, g, want);
+	}
+}
+
+CONFORMANCE_CASES(summarize, ARRAY_LEN(page_shapes))
+
+/* ================================================================== score + select */
+
+/* One score test case: items over a q buffer, a summaries buffer per item
+ * (pages below cand_begin are NaN: reading them shows), one scores buffer and
+ * one selected buffer shared by all items at offsets. */
+#define SEL_GUARD 2 /* sentinel entries after each item's selection */
+#define SEL_SENTINEL 0x5a5a5a5a
+
+struct score_case {
+	struct kvr_score_item items[4];
+	uint32_t n;
+	void *q, *summ[4];
+	size_t q_bytes, summ_bytes[4];
+	float *scores;
+	size_t scores_len;
+	int32_t *selected;
+	size_t selected_len;
+};
+
+static void put_score_case(struct dctx *c, const struct score_case *sc)
+{
+	put(c, sc->q, sc->q_bytes);
+	for (uint32_t i = 0; i < sc->n; i++)
+		put(c, sc->summ[i], sc->summ_bytes[i]);
+	put(c, sc->scores, sc->scores_len * sizeof(float));
+	put(c, sc->selected, sc->selected_len * sizeof(int32_t));
+}
+
+/* Score every item on c, return the scores buffer (all items). */
+static float *device_scores(struct dctx *c, const struct kvr_shape *sh, const struct score_case *sc)
+{
+	DEV_OK(c, kvr_dev_score(c->dev, sh, dev_score_items(c, sc->items, sc->n), sc->n, c->s));
+	float *got = halloc(sc->scores_len * sizeof(float));
+	get(c, got, sc->scores, sc->scores_len * sizeof(float));
+	return got;
+}
+
+static void build_score_case(struct rng *r, const struct kvr_shape *sh, struct score_case *sc,
+			     int with_long)
+{
+	/* candidates [begin, end) and k: a range past the vector width with a
+	 * tail; a single candidate with k > 1; an empty range; and, once, more
+	 * candidates than the canonical 256 lanes of the page sum */
+	static const uint32_t spec[4][3] = { { 3, 43, 5 }, { 0, 1, 3 }, { 5, 5, 2 }, { 2, 302, 17 } };
+	const uint32_t type = sh->elem_type, d = sh->head_dim, n_kv = sh->n_kv_heads;
+	const size_t eb = ebytes(type);
+	memset(sc, 0, sizeof(*sc));
+	sc->n = with_long ? 4 : 3;
+	sc->q_bytes = (size_t)sh->n_qo_heads * d * eb;
+	sc->q = halloc(sc->q_bytes);
+	fill_uniform(r, sc->q, type, (uint64_t)sh->n_qo_heads * d, -2.0, 2.0);
+	size_t scores_at[4], sel_at[4];
+	for (uint32_t i = 0; i < sc->n; i++) {
+		const uint32_t begin = spec[i][0], end = spec[i][1], n_cand = end - begin;
+		const uint64_t page = 2ull * n_kv * d;
+		sc->summ_bytes[i] = (end ? end : 1) * page * eb;
+		sc->summ[i] = halloc(sc->summ_bytes[i]);
+		for (uint64_t x = 0; x < (uint64_t)begin * page; x++)
+			store_nan(sc->summ[i], type, x);
+		for (uint32_t j = begin; j < end; j++)
+			for (uint32_t m = 0; m < n_kv; m++)
+				for (uint32_t cc = 0; cc < d; cc++) {
+					/* min <= max, as a page's summary is */
+					const double a = rng_uniform(r, -1.5, 1.5);
+					const double b = rng_uniform(r, -1.5, 1.5);
+					const uint64_t at = (uint64_t)j * page + 2ull * m * d + cc;
+					ref_store(sc->summ[i], type, at, a < b ? a : b);
+					ref_store(sc->summ[i], type, at + d, a < b ? b : a);
+				}
+		scores_at[i] = sc->scores_len;
+		sc->scores_len += n_cand ? (size_t)n_kv * n_cand : 4; /* 4 sentinels if empty */
+		sel_at[i] = sc->selected_len;
+		sc->selected_len += (size_t)n_kv * spec[i][2] + SEL_GUARD;
+		sc->items[i] = (struct kvr_score_item){ .q = sc->q, .summaries = sc->summ[i],
+							.cand_begin = begin, .cand_end = end,
+							.k = spec[i][2] };
+	}
+	sc->scores = halloc(sc->scores_len * sizeof(float));
+	memset(sc->scores, 0xff, sc->scores_len * sizeof(float)); /* NaN: unwritten shows */
+	sc->selected = halloc(sc->selected_len * sizeof(int32_t));
+	for (size_t i = 0; i < sc->selected_len; i++)
+		sc->selected[i] = SEL_SENTINEL;
+	for (uint32_t i = 0; i < sc->n; i++) {
+		sc->items[i].scores = sc->scores + scores_at[i];
+		sc->items[i].selected = sc->selected + sel_at[i];
+	}
+}
+
+/* Force a cpu instruction set; returns 0 when the CPU lacks it. */
+static int force_isa(enum kvr_convert_isa isa)
+{
+	return kvr_convert_isa_force(isa) == isa;
+}
+
+/*
+ * score: against the reference within REF_SCORE_*; bit-identical to the cpu
+ * backend (other backends) or across the cpu backend's instruction sets
+ * (cpu); then select over the device's own scores, exactly as the reference
+ * selects from those same bits.
+ */
+static void score_select_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x5c03e, ci, ti);
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	const uint32_t n_kv = sh.n_kv_heads;
+	struct score_case sc;
+	build_score_case(&r, &sh, &sc, ci == 2);
+	put_score_case(c, &sc);
+	const float *got = device_scores(c, &sh, &sc);
+
+	/* against the reference */
+	for (uint32_t i = 0; i < sc.n; i++) {
+		const struct kvr_score_item *it = &sc.items[i];
+		const uint32_t n_cand = it->cand_end - it->cand_begin;
+		const size_t at = (size_t)(it->scores - sc.scores);
+		if (!n_cand) { /* nothing to write: the sentinels stay */
+			expect_same_bits("score: empty candidate range must write nothing",
+					 got + at, sc.scores + at, 4 * sizeof(float), 4);
+			continue;
+		}
+		double *want = halloc((size_t)n_kv * n_cand * sizeof(double));
+		ref_score(&sh, it, want);
+		for (uint32_t x = 0; x < n_kv * n_cand; x++) {
+			const double g = got[at + x], w = want[x];
+			cr_assert(fabs(g - w) <= REF_SCORE_REL_TOL * w + REF_SCORE_ABS_TOL,
+				  "%s: score %s config %u item %u: KV head %u page %u: "
+				  "got %.9g, want %.9g",
+				  c->name, type_names[ti], ci, i, x / n_cand,
+				  it->cand_begin + x % n_cand, g, w);
+		}
+	}
+
+	/* bit identity: selection must not depend on the backend or ISA */
+	if (e->bc->kind == KVR_DEV_CPU) {
+		const enum kvr_convert_isa active = kvr_convert_isa_active();
+		static const enum kvr_convert_isa isas[] = {
+			KVR_CONVERT_SCALAR, KVR_CONVERT_AVX2, KVR_CONVERT_AVX512 };
+		for (uint32_t k = 0; k < ARRAY_LEN(isas); k++) {
+			if (!force_isa(isas[k]))
+				continue;
+			const float *again = device_scores(c, &sh, &sc);
+			char what[128];
+			snprintf(what, sizeof(what),
+				 "cpu: score %s config %u: %s scores differ from %s",
+				 type_names[ti], ci, kvr_convert_isa_name(isas[k]),
+				 kvr_convert_isa_name(active));
+			expect_same_bits(what, again, got, sc.scores_len * sizeof(float), 4);
+		}
+		kvr_convert_isa_force(active);
+	} else {
+		struct dctx *cpu = cpu_ctx(e);
+		put_score_case(cpu, &sc);
+		const float *ref_bits = device_scores(cpu, &sh, &sc);
+		char what[128];
+		snprintf(what, sizeof(what),
+			 "%s: score %s config %u: scores differ from the cpu backend's",
+			 c->name, type_names[ti], ci);
+		expect_same_bits(what, got, ref_bits, sc.scores_len * sizeof(float), 4);
+	}
+
+	/* select over the scores the device wrote (still in its memory) */
+	DEV_OK(c, kvr_dev_select(c->dev, &sh, dev_score_items(c, sc.items, sc.n), sc.n,
+				 c->s));
+	int32_t *sel = halloc(sc.selected_len * sizeof(int32_t));
+	get(c, sel, sc.selected, sc.selected_len * sizeof(int32_t));
+	struct kvr_score_item host[4];
+	memcpy(host, sc.items, sizeof(host));
+	for (uint32_t i = 0; i < sc.n; i++) /* the reference reads the same bits */
+		host[i].scores = (float *)got + (sc.items[i].scores - sc.scores);
+	ref_select(&sh, host, sc.n);
+	char what[128];
+	snprintf(what, sizeof(what), "%s: select after score %s config %u", c->name,
+		 type_names[ti], ci);
+	expect_same_bits(what, sel, sc.selected, sc.selected_len * sizeof(int32_t), 4);
+}
+
+CONFORMANCE_CASES(score_select, ARRAY_LEN(numeric_shapes))
+
+/* ================================================================== select */
+
+/* Run select on c over host scores/selected buffers (mirrored here) and
+ * return what the device wrote into `selected`. */
+static int32_t *device_select(struct dctx *c, const struct kvr_shape *sh,
+			      const struct kvr_score_item *items, uint32_t n, const float *scores,
+			      size_t n_scores, const int32_t *selected, size_t n_selected)
+{
+	put(c, scores, n_scores * sizeof(float));
+	put(c, selected, n_selected * sizeof(int32_t));
+	DEV_OK(c, kvr_dev_select(c->dev, sh, dev_score_items(c, items, n), n, c->s));
+	int32_t *got = halloc(n_selected * sizeof(int32_t));
+	get(c, got, selected, n_selected * sizeof(int32_t));
+	return got;
+}
+
+/*
+ * Random scores full of ties (drawn from a few values, signed zeros
+ * included), all-equal scores, and distinct ones; k from 0 past n_cand, an
+ * empty candidate range, ranges that do not start at page 0, over 256
+ * candidates. Exact: ties to the lower page, ascending output, -1 padding,
+ * k = 0 writes nothing (the guard entries after every item must survive).
+ */
+CONFORMANCE_TEST(select_ties_and_k)
+{
+	struct dctx *c = &e->main;
+	struct rng r = { 0x5e1ec7 };
+	static const struct {
+		uint32_t begin, n_cand, k, mode; /* mode 0: few values; 1: all equal; 2: distinct */
+	} spec[] = {
+		{ 0, 1, 1, 0 },    { 2, 7, 3, 0 },   { 1, 40, 1, 0 },   { 4, 40, 39, 0 },
+		{ 0, 40, 40, 0 },  { 7, 40, 45, 0 }, { 0, 300, 17, 2 }, { 3, 300, 0, 0 },
+		{ 9, 0, 3, 0 },    { 0, 12, 5, 1 },  { 6, 33, 16, 0 },  { 0, 260, 250, 0 },
+	};
+	static const float few[] = { -1.5f, -0.0f, 0.0f, 0.25f, 1.0f, 3.0f, 1e-3f };
+	enum { N = ARRAY_LEN(spec) };
+	for (uint32_t n_kv = 1; n_kv <= 3; n_kv += 2) {
+		const struct shape_cfg cfg = { n_kv, n_kv, 64, 16, 0 };
+		const struct kvr_shape sh = make_shape(&cfg, KVR_ELEM_F32);
+		struct kvr_score_item items[N];
+		size_t n_scores = 0, n_sel = 0, s_at[N], k_at[N];
+		for (uint32_t i = 0; i < N; i++) {
+			s_at[i] = n_scores;
+			k_at[i] = n_sel;
+			n_scores += (size_t)n_kv * spec[i].n_cand;
+			n_sel += (size_t)n_kv * spec[i].k + SEL_GUARD;
+		}
+		float *scores = halloc((n_scores + 1) * sizeof(float));
+		int32_t *sel = halloc(n_sel * sizeof(int32_t));
+		for (size_t x = 0; x < n_sel; x++)
+			sel[x] = SEL_SENTINEL;
+		for (uint32_t i = 0; i < N; i++) {
+			for (size_t x = 0; x < (size_t)n_kv * spec[i].n_cand; x++) {
+				float v = few[rng_below(&r, ARRAY_LEN(few))];
+				if (spec[i].mode == 1)
+					v = 0.5f;
+				else if (spec[i].mode == 2)
+					v = (float)rng_uniform(&r, 0.0, 1.0);
+				scores[s_at[i] + x] = v;
+			}
+			items[i] = (struct kvr_score_item){
+				.scores = scores + s_at[i], .selected = sel + k_at[i],
+				.cand_begin = spec[i].begin, .cand_end = spec[i].begin + spec[i].n_cand,
+				.k = spec[i].k };
+		}
+		int32_t *got = device_select(c, &sh, items, N, scores, n_scores + 1, sel, n_sel);
+		ref_select(&sh, items, N);
+		for (uint32_t i = 0; i < N; i++) {
+			char what[160];
+			snprintf(what, sizeof(what),
+				 "%s: select n_kv %u item %u (pages %u..%u, k %u; then %u guard "
+				 "entries)",
+				 c->name, n_kv, i, spec[i].begin, spec[i].begin + spec[i].n_cand,
+				 spec[i].k, SEL_GUARD);
+			expect_same_bits(what, got + k_at[i], sel + k_at[i],
+					 ((size_t)n_kv * spec[i].k + SEL_GUARD) * sizeof(int32_t), 4);
+		}
+	}
+}
+
+/*
+ * The ordering rule on special values, against a ranking written out by hand
+ * (so the reference's reading of kernels.h is checked too): +NaN above +inf,
+ * -NaN below -inf, +0 above -0, a subnormal above +0, ties to the lower page.
+ */
+CONFORMANCE_TEST(select_special_values)
+{
+	struct dctx *c = &e->main;
+	const float pos_nan = kvr_bits_to_f32(0x7fc00000u), neg_nan = kvr_bits_to_f32(0xffc00000u);
+	const float scores[11] = { 1.0f,  pos_nan, -INFINITY, INFINITY, neg_nan, 0.5f,
+				   1.0f,  -0.0f,   0.0f,      -2.0f,    1e-45f };
+	/* candidate indices from highest to lowest */
+	static const uint32_t rank[11] = { 1, 3, 0, 6, 5, 10, 8, 7, 9, 2, 4 };
+	enum { BEGIN = 10, N_CAND = 11, N_K = 13 };
+	const struct shape_cfg cfg = { 1, 1, 64, 16, 0 };
+	const struct kvr_shape sh = make_shape(&cfg, KVR_ELEM_F32);
+	/* one item per k = 1..13, all over the same scores */
+	struct kvr_score_item items[N_K];
+	const size_t n_sel = (size_t)N_K * (N_K + 1) / 2;
+	int32_t *sel = halloc(n_sel * sizeof(int32_t));
+	float *s = halloc(sizeof(scores));
+	memcpy(s, scores, sizeof(scores));
+	size_t at = 0;
+	for (uint32_t k = 1; k <= N_K; k++, at += k - 1) {
+		items[k - 1] = (struct kvr_score_item){ .scores = s, .selected = sel + at,
+							.cand_begin = BEGIN,
+							.cand_end = BEGIN + N_CAND, .k = k };
+	}
+	int32_t *got = device_select(c, &sh, items, N_K, s, N_CAND, sel, n_sel);
+	int32_t *via_ref = halloc(n_sel * sizeof(int32_t));
+	for (uint32_t k = 1; k <= N_K; k++) {
+		const int32_t *g = got + (items[k - 1].selected - sel);
+		/* expected: the top k of the ranking, ascending, then -1 */
+		int32_t want[N_K];
+		uint32_t taken = 0;
+		for (uint32_t j = 0; j < N_CAND; j++)
+			for (uint32_t x = 0; x < k && x < N_CAND; x++)
+				if (rank[x] == j)
+					want[taken++] = (int32_t)(BEGIN + j);
+		for (uint32_t x = taken; x < k; x++)
+			want[x] = -1;
+		for (uint32_t x = 0; x < k; x++)
+			cr_assert_eq(g[x], want[x],
+				     "%s: select special values, k = %u: entry %u is %d, want %d",
+				     c->name, k, x, g[x], want[x]);
+		items[k - 1].selected = via_ref + (items[k - 1].selected - sel);
+	}
+	ref_select(&sh, items, N_K); /* the reference must agree with the hand ranking */
+	expect_same_bits("reference select vs hand ranking (test bug)", via_ref, got,
+			 n_sel * sizeof(int32_t), 4);
+}
+
+/* ================================================================== similarity */
+
+/*
+ * q_prev uniform in [-1, 1]^d, and q at cosine `target` to it (before the
+ * rounding to the element type): q = |q_prev|·(target·u + sqrt(1-target²)·w)
+ * with u = q_prev/|q_prev| and w a unit vector orthogonal to u, then scaled by
+ * a random factor (the cosine must not depend on the norms).
+ */
+static void query_pair(struct rng *r, uint32_t d, double target, double *q, double *q_prev)
+{
+	double nu = 0.0, dot = 0.0, nw = 0.0;
+	double *w = q; /* q's storage holds w until the end */
+	for (uint32_t c = 0; c < d; c++) {
+		q_prev[c] = rng_uniform(r, -1.0, 1.0);
+		w[c] = rng_uniform(r, -1.0, 1.0);
+		nu += q_prev[c] * q_prev[c];
+	}
+	nu = sqrt(nu);
+	for (uint32_t c = 0; c < d; c++)
+		dot += w[c] * q_prev[c] / nu;
+	for (uint32_t c = 0; c < d; c++) {
+		w[c] -= dot * q_prev[c] / nu;
+		nw += w[c] * w[c];
+	}
+	nw = sqrt(nw);
+	const double f = rng_uniform(r, 0.5, 2.0), sn = sqrt(1.0 - target * target);
+	for (uint32_t c = 0; c < d; c++)
+		q[c] = f * (target * q_prev[c] + sn * nu * w[c] / nw);
+}
+
+struct sim_case {
+	struct kvr_similarity_item items[3];
+	void *q, *q_prev;
+	size_t q_bytes;
+	float *cosine;
+	uint8_t *corrected;
+};
+
+/*
+ * Item 0: group cosines at 0.9 ± 2e-3 (either side of tau = 0.9), 0.99, 0.3
+ * and -0.5, the G heads of a group spread around the target. Item 1: the
+ * first query head of each group has a zero vector (its cosine is 0, the
+ * group's mean includes it). Item 2: a NaN in the last query head's q (that
+ * group's cosine is NaN and it is corrected).
+ */
+static void build_sim_case(struct rng *r, const struct kvr_shape *sh, struct sim_case *sc)
+{
+	static const double targets[] = { 0.902, 0.898, 0.99, 0.3, -0.5 };
+	const uint32_t type = sh->elem_type, d = sh->head_dim, n_qo = sh->n_qo_heads;
+	const uint32_t G = n_qo / sh->n_kv_heads, n_kv = sh->n_kv_heads;
+	const size_t eb = ebytes(type);
+	sc->q_bytes = 3ull * n_qo * d * eb;
+	sc->q = halloc(sc->q_bytes);
+	sc->q_prev = halloc(sc->q_bytes);
+	sc->cosine = halloc(3 * n_kv * sizeof(float));
+	memset(sc->cosine, 0xff, 3 * n_kv * sizeof(float));
+	sc->corrected = halloc(3 * n_kv);
+	memset(sc->corrected, 0x77, 3 * n_kv);
+	double *a = halloc(d * sizeof(double)), *b = halloc(d * sizeof(double));
+	for (uint32_t i = 0; i < 3; i++) {
+		for (uint32_t h = 0; h < n_qo; h++) {
+			const uint32_t m = h / G, g = h % G;
+			const double t = i == 0 ? targets[(m + 2 * i) % ARRAY_LEN(targets)] +
+							  (g - (G - 1) / 2.0) * 1e-3
+						: 0.95;
+			query_pair(r, d, t, a, b);
+			if (i == 1 && g == 0)
+				for (uint32_t c = 0; c < d; c++)
+					((h & 1) ? b : a)[c] = 0.0; /* q or q_prev zero */
+			const uint64_t at = ((uint64_t)i * n_qo + h) * d;
+			for (uint32_t c = 0; c < d; c++) {
+				ref_store(sc->q, type, at + c, a[c]);
+				ref_store(sc->q_prev, type, at + c, b[c]);
+			}
+			if (i == 2 && h == n_qo - 1)
+				store_nan(sc->q, type, at + 3);
+		}
+		sc->items[i] = (struct kvr_similarity_item){
+			.q = elem_ptr(sc->q, type, (uint64_t)i * n_qo * d),
+			.q_prev = elem_ptr(sc->q_prev, type, (uint64_t)i * n_qo * d),
+			.cosine = sc->cosine + i * n_kv,
+			.corrected = sc->corrected + i * n_kv,
+		};
+	}
+}
+
+/* Check one call's cosines and flags (items [0, n)) against the reference. */
+static void check_similarity(const struct env *e, const char *what, const struct kvr_shape *sh,
+			     const struct sim_case *sc, uint32_t n, const float *cos_got,
+			     const uint8_t *flag_got)
+{
+	const uint32_t n_kv = sh->n_kv_heads;
+	double want[64];
+	for (uint32_t i = 0; i < n; i++) {
+		ref_similarity(sh, &sc->items[i], want);
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const float g = cos_got[i * n_kv + m];
+			const uint8_t f = flag_got[i * n_kv + m];
+			if (isnan(want[m])) {
+				cr_assert(isnan(g) && f == 1,
+					  "%s: %s item %u KV head %u: got cosine %g corrected %u, "
+					  "want NaN and corrected",
+					  e->bc->name, what, i, m, g, f);
+				continue;
+			}
+			cr_assert(fabs(g - want[m]) <= REF_COSINE_TOL,
+				  "%s: %s item %u KV head %u: cosine %.9g, want %.9g", e->bc->name,
+				  what, i, m, g, want[m]);
+			cr_assert(f <= 1, "%s: %s item %u KV head %u: corrected is %u, not 0 or 1",
+				  e->bc->name, what, i, m, f);
+			if (fabs(want[m] - sh->tau) > REF_COSINE_TOL)
+				cr_assert_eq(f, !(want[m] >= sh->tau),
+					     "%s: %s item %u KV head %u: cosine %.9g vs tau %.9g: "
+					     "corrected %u",
+					     e->bc->name, what, i, m, want[m], sh->tau, f);
+		}
+	}
+}
+
+/*
+ * similarity: cosines within REF_COSINE_TOL and flags exact, first with
+ * tau = 0.9 (item 0's groups sit 2e-3 either side of it), then, for every
+ * group of item 0, with tau 1.5e-5 above and below its reference cosine (just
+ * outside the band where flags are not checked): the flag must flip there.
+ */
+static void similarity_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0xc051, ci, ti);
+	const uint32_t type = all_types[ti];
+	struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	const uint32_t n_kv = sh.n_kv_heads;
+	struct sim_case sc;
+	build_sim_case(&r, &sh, &sc);
+	put(c, sc.q, sc.q_bytes);
+	put(c, sc.q_prev, sc.q_bytes);
+	put(c, sc.cosine, 3 * n_kv * sizeof(float));
+	put(c, sc.corrected, 3 * n_kv);
+	const void *items = dev_similarity_items(c, sc.items, 3);
+	float *cos_got = halloc(3 * n_kv * sizeof(float));
+	uint8_t *flag_got = halloc(3 * n_kv);
+	char what[96];
+	snprintf(what, sizeof(what), "similarity %s config %u", type_names[ti], ci);
+	DEV_OK(c, kvr_dev_similarity(c->dev, &sh, items, 3, c->s));
+	get(c, cos_got, sc.cosine, 3 * n_kv * sizeof(float));
+	get(c, flag_got, sc.corrected, 3 * n_kv);
+	check_similarity(e, what, &sh, &sc, 3, cos_got, flag_got);
+
+	double want[64];
+	ref_similarity(&sh, &sc.items[0], want);
+	for (uint32_t m = 0; m < n_kv; m++)
+		for (int side = -1; side <= 1; side += 2) {
+			sh.tau = (float)(want[m] - side * 1.5 * REF_COSINE_TOL);
+			DEV_OK(c, kvr_dev_similarity(c->dev, &sh, items, 1, c->s));
+			get(c, cos_got, sc.cosine, n_kv * sizeof(float));
+			get(c, flag_got, sc.corrected, n_kv);
+			snprintf(what, sizeof(what),
+				 "similarity %s config %u, cosine just %s tau", type_names[ti],
+				 ci, side > 0 ? "above" : "below");
+			cr_assert_eq(flag_got[m], side < 0,
+				     "%s: %s: KV head %u: cosine %.9g, tau %.9g: corrected "
+				     "%u",
+				     c->name, what, m, want[m], sh.tau, flag_got[m]);
+			check_similarity(e, what, &sh, &sc, 1, cos_got, flag_got);
+		}
+}
+
+CONFORMANCE_CASES(similarity, ARRAY_LEN(numeric_shapes))
+
+/* ================================================================== attention */
+
+/* Segment builders: one HND page of a pool ([n_kv][2][p][d] per page: head m
+ * at m·2pd, values p·d after keys) and rows of an NHD tile pair ([p][n_kv][d]). */
+static struct kvr_kv_segment hnd_segment(const struct kvr_shape *sh, void *pool, uint32_t page,
+					 uint32_t n_tokens)
+{
+	const uint32_t type = sh->elem_type, p = sh->page_tokens, d = sh->head_dim;
+	const uint64_t at = (uint64_t)page * sh->n_kv_heads * 2 * p * d;
+	return (struct kvr_kv_segment){ .k = elem_ptr(pool, type, at),
+					.v = elem_ptr(pool, type, at + (uint64_t)p * d),
+					.n_tokens = n_tokens,
+					.row_stride = d,
+					.head_stride = 2 * p * d };
+}
+
+static struct kvr_kv_segment nhd_segment(const struct kvr_shape *sh, void *k_tiles, void *v_tiles,
+					 uint32_t tile, uint32_t row0, uint32_t n_tokens)
+{
+	const uint32_t type = sh->elem_type, row = sh->n_kv_heads * sh->head_dim;
+	const uint64_t at = ((uint64_t)tile * sh->page_tokens + row0) * row;
+	return (struct kvr_kv_segment){ .k = elem_ptr(k_tiles, type, at),
+					.v = elem_ptr(v_tiles, type, at),
+					.n_tokens = n_tokens,
+					.row_stride = row,
+					.head_stride = sh->head_dim };
+}
+
+/* A q buffer for n items and an output buffer prefilled with all-ones bytes
+ * (NaN in every type: an output the kernel forgets to write shows). */
+static void *new_queries(struct rng *r, const struct kvr_shape *sh, uint32_t n, double mag)
+{
+	const uint64_t len = (uint64_t)n * sh->n_qo_heads * sh->head_dim;
+	void *q = halloc(len * ebytes(sh->elem_type));
+	fill_uniform(r, q, sh->elem_type, len, -mag, mag);
+	return q;
+}
+
+static void *new_outputs(const struct kvr_shape *sh, uint32_t n)
+{
+	const size_t bytes = (size_t)n * sh->n_qo_heads * sh->head_dim * ebytes(sh->elem_type);
+	void *o = halloc(bytes);
+	memset(o, 0xff, bytes);
+	return o;
+}
+
+/* Run attention on c and compare every item with the reference. */
+static void attention_and_check(struct env *e, struct dctx *c, const char *what,
+				const struct kvr_shape *sh, const struct kvr_attention_item *items,
+				uint32_t n, const struct kvr_kv_segment *segs, uint32_t n_segs,
+				void *q, void *out)
+{
+	const size_t per = (size_t)sh->n_qo_heads * sh->head_dim, eb = ebytes(sh->elem_type);
+	put(c, q, n * per * eb);
+	put(c, out, n * per * eb);
+	DEV_OK(c, kvr_dev_attention(c->dev, sh, dev_attention_items(c, items, n), n,
+				    dev_segments(c, segs, n_segs), n_segs, c->s));
+	void *got = halloc(n * per * eb);
+	get(c, got, out, n * per * eb);
+	double *ref = halloc(per * sizeof(double));
+	struct ref_head_scale *scale = halloc(sh->n_qo_heads * sizeof(*scale));
+	for (uint32_t i = 0; i < n; i++) {
+		char w[128];
+		snprintf(w, sizeof(w), "%s item %u", what, i);
+		ref_attention(sh, &items[i], segs, ref, scale);
+		check_heads(e, w, sh, (unsigned char *)got + i * per * eb, ref, scale);
+	}
+}
+
+/*
+ * Items of different lengths in one call over HND pages and NHD tiles mixed
+ * in one item: no segments at all (zeros); exactly one page; pages and full
+ * and partial tiles with an empty segment among them; a tile read from its
+ * third row; a lone empty segment (zeros); item 2 again with queries 40x
+ * larger (logits in the hundreds: the softmax must subtract its running max);
+ * and one NHD segment of 2p + 3 rows running across three contiguous tiles
+ * (a window-like run longer than any kernel's token block) before a page.
+ */
+static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0xa77e, ci, ti);
+	enum { PAGES = 5, TILES = 3, ITEMS = 7 };
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	const uint32_t p = sh.page_tokens;
+	const uint64_t page = 2ull * sh.n_kv_heads * p * sh.head_dim,
+		       tile = (uint64_t)p * sh.n_kv_heads * sh.head_dim;
+	const size_t eb = ebytes(type);
+	void *pool = halloc(PAGES * page * eb), *kt = halloc(TILES * tile * eb),
+	     *vt = halloc(TILES * tile * eb);
+	fill_uniform(&r, pool, type, PAGES * page, -1.0, 1.0);
+	fill_uniform(&r, kt, type, TILES * tile, -1.0, 1.0);
+	fill_uniform(&r, vt, type, TILES * tile, -1.0, 1.0);
+	put(c, pool, PAGES * page * eb);
+	put(c, kt, TILES * tile * eb);
+	put(c, vt, TILES * tile * eb);
+
+	const struct kvr_kv_segment segs[] = {
+		/* item 1: one page */
+		hnd_segment(&sh, pool, 0, p),
+		/* item 2 (and 5) */
+		hnd_segment(&sh, pool, 1, p),
+		nhd_segment(&sh, kt, vt, 0, 0, p),
+		hnd_segment(&sh, pool, 2, p),
+		nhd_segment(&sh, kt, vt, 1, 0, 0),
+		nhd_segment(&sh, kt, vt, 1, 0, 5),
+		/* item 3 */
+		nhd_segment(&sh, kt, vt, 2, 2, p - 2),
+		hnd_segment(&sh, pool, 3, p),
+		hnd_segment(&sh, pool, 4, p - 1),
+		/* item 4 */
+		nhd_segment(&sh, kt, vt, 2, 0, 0),
+		/* item 6 */
+		nhd_segment(&sh, kt, vt, 0, 1, 2 * p + 3),
+		hnd_segment(&sh, pool, 0, p),
+	};
+	static const uint32_t first[ITEMS] = { 0, 0, 1, 6, 9, 1, 10 };
+	static const uint32_t count[ITEMS] = { 0, 1, 5, 3, 1, 5, 2 };
+	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
+	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
+	for (uint64_t x = 0; x < per; x++) /* item 5: 40x queries */
+		ref_store(q, type, 5 * per + x, 40.0 * ref_load(q, type, 2 * per + x));
+	struct kvr_attention_item items[ITEMS];
+	for (uint32_t i = 0; i < ITEMS; i++)
+		items[i] = (struct kvr_attention_item){
+			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
+			.first_segment = first[i], .n_segments = count[i] };
+	char what[96];
+	snprintf(what, sizeof(what), "attention config %u", ci);
+	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+}
+
+CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
+
+/* Dense items over NHD rows: 0, 1, p and 37 tokens, rows contiguous or padded. */
+static void dense_and_check(struct env *e, struct dctx *c, const char *what,
+			    const struct kvr_shape *sh, const struct kvr_dense_item *items,
+			    uint32_t n, void *q, void *out)
+{
+	const size_t per = (size_t)sh->n_qo_heads * sh->head_dim, eb = ebytes(sh->elem_type);
+	put(c, q, n * per * eb);
+	put(c, out, n * per * eb);
+	DEV_OK(c, kvr_dev_dense(c->dev, sh, dev_dense_items(c, items, n), n, c->s));
+	void *got = halloc(n * per * eb);
+	get(c, got, out, n * per * eb);
+	double *ref = halloc(per * sizeof(double));
+	struct ref_head_scale *scale = halloc(sh->n_qo_heads * sizeof(*scale));
+	for (uint32_t i = 0; i < n; i++) {
+		char w[128];
+		snprintf(w, sizeof(w), "%s item %u", what, i);
+		ref_dense(sh, &items[i], ref, scale);
+		check_heads(e, w, sh, (unsigned char *)got + i * per * eb, ref, scale);
+	}
+}
+
+static void dense_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0xde05e, ci, ti);
+	enum { ITEMS = 4 };
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	const uint32_t row = sh.n_kv_heads * sh.head_dim;
+	const uint32_t tokens[ITEMS] = { 0, 1, sh.page_tokens, 37 };
+	const uint32_t pad[ITEMS] = { 0, 16, 0, 48 };
+	const size_t eb = ebytes(type);
+	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
+	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
+	struct kvr_dense_item items[ITEMS];
+	for (uint32_t i = 0; i < ITEMS; i++) {
+		const uint64_t len = (uint64_t)(tokens[i] ? tokens[i] : 1) * (row + pad[i]);
+		void *k = halloc(len * eb), *v = halloc(len * eb);
+		fill_uniform(&r, k, type, len, -1.0, 1.0);
+		fill_uniform(&r, v, type, len, -1.0, 1.0);
+		put(c, k, len * eb);
+		put(c, v, len * eb);
+		items[i] = (struct kvr_dense_item){
+			.q = elem_ptr(q, type, i * per), .k = k, .v = v,
+			.out = elem_ptr(out, type, i * per), .n_tokens = tokens[i],
+			.row_stride = row + pad[i] };
+	}
+	char what[96];
+	snprintf(what, sizeof(what), "dense config %u", ci);
+	dense_and_check(e, c, what, &sh, items, ITEMS, q, out);
+}
+
+CONFORMANCE_CASES(dense, ARRAY_LEN(numeric_shapes))
+
+/*
+ * Sparse attention over all of a sequence's pages equals dense attention over
+ * the same tokens: L = 4 pages + 5 tokens as NHD rows; the pages offloaded to
+ * HND (by the reference) and listed once in order and once shuffled, the
+ * tail as an NHD segment. Each output is within its bound of the reference;
+ * sparse and dense within twice the bound of each other.
+ */
+static const struct shape_cfg sparse_shapes[] = { { 8, 2, 64, 16, 0 }, { 3, 1, 128, 8, 0 } };
+
+static void sparse_equals_dense_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x5a45e, ci, ti);
+	enum { FULL = 4, TAIL = 5 };
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = make_shape(&sparse_shapes[ci], type);
+	const uint32_t p = sh.page_tokens, row = sh.n_kv_heads * sh.head_dim;
+	const uint32_t L = FULL * p + TAIL;
+	const uint64_t page = 2ull * row * p, per = (uint64_t)sh.n_qo_heads * sh.head_dim;
+	const size_t eb = ebytes(type);
+	void *k = halloc((uint64_t)L * row * eb), *v = halloc((uint64_t)L * row * eb);
+	fill_uniform(&r, k, type, (uint64_t)L * row, -1.0, 1.0);
+	fill_uniform(&r, v, type, (uint64_t)L * row, -1.0, 1.0);
+	void *pool = halloc(FULL * page * eb);
+	struct kvr_page_item off[FULL];
+	for (uint32_t j = 0; j < FULL; j++)
+		off[j] = (struct kvr_page_item){
+			.k_rows = elem_ptr(k, type, (uint64_t)j * p * row),
+			.v_rows = elem_ptr(v, type, (uint64_t)j * p * row),
+			.hnd_page = elem_ptr(pool, type, j * page),
+			.row_stride = row };
+	ref_offload(&sh, off, FULL);
+	put(c, k, (uint64_t)L * row * eb);
+	put(c, v, (uint64_t)L * row * eb);
+	put(c, pool, FULL * page * eb);
+
+	static const uint32_t order[2][FULL] = { { 0, 1, 2, 3 }, { 2, 0, 3, 1 } };
+	struct kvr_kv_segment segs[2 * (FULL + 1)];
+	for (uint32_t o = 0; o < 2; o++) {
+		for (uint32_t j = 0; j < FULL; j++)
+			segs[o * (FULL + 1) + j] = hnd_segment(&sh, pool, order[o][j], p);
+		segs[o * (FULL + 1) + FULL] = (struct kvr_kv_segment){
+			.k = elem_ptr(k, type, (uint64_t)FULL * p * row),
+			.v = elem_ptr(v, type, (uint64_t)FULL * p * row),
+			.n_tokens = TAIL, .row_stride = row, .head_stride = sh.head_dim };
+	}
+	/* the same query for the two sparse items and the dense one */
+	void *q = new_queries(&r, &sh, 1, 2.0), *q2 = halloc(2 * per * eb);
+	for (uint32_t i = 0; i < 2; i++)
+		memcpy((unsigned char *)q2 + i * per * eb, q, per * eb);
+	void *sparse_out = new_outputs(&sh, 2), *dense_out = new_outputs(&sh, 1);
+	const struct kvr_attention_item items[2] = {
+		{ .q = q2, .out = sparse_out, .first_segment = 0, .n_segments = FULL + 1 },
+		{ .q = elem_ptr(q2, type, per), .out = elem_ptr(sparse_out, type, per),
+		  .first_segment = FULL + 1, .n_segments = FULL + 1 },
+	};
+	const struct kvr_dense_item dense = { .q = q, .k = k, .v = v, .out = dense_out,
+					      .n_tokens = L, .row_stride = row };
+	char what[96];
+	snprintf(what, sizeof(what), "sparse-vs-dense config %u: sparse", ci);
+	attention_and_check(e, c, what, &sh, items, 2, segs, ARRAY_LEN(segs), q2, sparse_out);
+	snprintf(what, sizeof(what), "sparse-vs-dense config %u: dense", ci);
+	put(c, q, per * eb);
+	put(c, dense_out, per * eb);
+	DEV_OK(c, kvr_dev_dense(c->dev, &sh, dev_dense_items(c, &dense, 1), 1, c->s));
+	void *gs = halloc(2 * per * eb), *gd = halloc(per * eb);
+	get(c, gs, sparse_out, 2 * per * eb);
+	get(c, gd, dense_out, per * eb);
+	double *ref = halloc(per * sizeof(double));
+	struct ref_head_scale *scale = halloc(sh.n_qo_heads * sizeof(*scale));
+	ref_dense(&sh, &dense, ref, scale);
+	check_heads(e, what, &sh, gd, ref, scale);
+	for (uint32_t o = 0; o < 2; o++)
+		for (uint64_t x = 0; x < per; x++) {
+			const double a = ref_load(gs, type, o * per + x), b = ref_load(gd, type, x);
+			const uint32_t h = (uint32_t)(x / sh.head_dim);
+			/* each is within one bound of the reference */
+			cr_assert(fabs(a - b) <= 2.0 * ref_attention_bound(type, &scale[h]),
+				  "%s: sparse (%s pages) vs dense %s config %u: head %u dim "
+				  "%lu: %.9g vs %.9g",
+				  c->name, o ? "shuffled" : "ordered", type_names[ti], ci, h,
+				  (unsigned long)(x % sh.head_dim), a, b);
+		}
+}
+
+CONFORMANCE_CASES(sparse_equals_dense, ARRAY_LEN(sparse_shapes))
+
+/*
+ * NaN and Inf propagate to the affected heads and nowhere else (kernels.h):
+ * item 0 has a NaN key in KV head m = 1 (an HND page), so all of m's query
+ * heads are non-finite, entirely; item 1 shares item 0's NHD tile and is
+ * clean; item 2 has +Inf in one query head's q (only that head); item 3 has
+ * +Inf in one value of KV head 0 (that dimension of its heads). Every other
+ * output must be finite and match the reference. Dense: the same with a NaN
+ * key in one item and a clean second item.
+ */
+static const struct shape_cfg nonfinite_shapes[] = { { 8, 2, 64, 16, 0 }, { 3, 3, 32, 8, 0 } };
+
+static void nonfinite_propagation_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x4a4e, ci, ti);
+	enum { PAGES = 4, ITEMS = 4 };
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = make_shape(&nonfinite_shapes[ci], type);
+	const uint32_t p = sh.page_tokens, d = sh.head_dim, G = sh.n_qo_heads / sh.n_kv_heads;
+	const uint64_t page = 2ull * sh.n_kv_heads * p * d, tile = (uint64_t)p * sh.n_kv_heads * d;
+	const uint64_t per = (uint64_t)sh.n_qo_heads * d;
+	const size_t eb = ebytes(type);
+	void *pool = halloc(PAGES * page * eb), *kt = halloc(2 * tile * eb),
+	     *vt = halloc(2 * tile * eb);
+	fill_uniform(&r, pool, type, PAGES * page, -1.0, 1.0);
+	fill_uniform(&r, kt, type, 2 * tile, -1.0, 1.0);
+	fill_uniform(&r, vt, type, 2 * tile, -1.0, 1.0);
+	/* NaN: page 0, KV head 1, key of token 3, dim 0 */
+	store_nan(pool, type, (1ull * 2 * p + 3) * d);
+	/* +Inf: tile 1, token 2, KV head 0, value dim 7 */
+	ref_store(vt, type, tile + 2ull * sh.n_kv_heads * d + 7, INFINITY);
+	put(c, pool, PAGES * page * eb);
+	put(c, kt, 2 * tile * eb);
+	put(c, vt, 2 * tile * eb);
+	const struct kvr_kv_segment segs[] = {
+		hnd_segment(&sh, pool, 0, p), nhd_segment(&sh, kt, vt, 0, 0, p), /* 0 */
+		hnd_segment(&sh, pool, 1, p), nhd_segment(&sh, kt, vt, 0, 0, p), /* 1 */
+		hnd_segment(&sh, pool, 2, p),                                      /* 2 */
+		hnd_segment(&sh, pool, 3, p), nhd_segment(&sh, kt, vt, 1, 0, 6),   /* 3 */
+	};
+	static const uint32_t first[ITEMS] = { 0, 2, 4, 5 }, count[ITEMS] = { 2, 2, 1, 2 };
+	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
+	const uint32_t inf_head = G > 1 ? 1 : 0;
+	ref_store(q, type, 2 * per + (uint64_t)inf_head * d + 5, INFINITY);
+	struct kvr_attention_item items[ITEMS];
+	for (uint32_t i = 0; i < ITEMS; i++)
+		items[i] = (struct kvr_attention_item){
+			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
+			.first_segment = first[i], .n_segments = count[i] };
+	char what[96];
+	snprintf(what, sizeof(what), "non-finite attention config %u", ci);
+	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+
+	/* what the reference comparison implies, stated independently of it */
+	void *got = halloc(ITEMS * per * eb);
+	get(c, got, out, ITEMS * per * eb);
+	for (uint32_t h = 0; h < sh.n_qo_heads; h++)
+		for (uint32_t x = 0; x < d; x++) {
+			const int nan_group = h / G == 1;
+			cr_assert(isfinite(ref_load(got, type, h * d + x)) == !nan_group,
+				  "%s: %s %s: item 0 head %u dim %u: NaN key in KV head 1 "
+				  "must make exactly its heads non-finite",
+				  c->name, what, type_names[ti], h, x);
+			cr_assert(isfinite(ref_load(got, type, 2 * per + h * d + x)) ==
+					  (h != inf_head),
+				  "%s: %s %s: item 2 head %u dim %u: +Inf in q of head %u "
+				  "must make exactly that head non-finite",
+				  c->name, what, type_names[ti], h, x, inf_head);
+			cr_assert(isfinite(ref_load(got, type, 3 * per + h * d + x)) ==
+					  !(h / G == 0 && x == 7),
+				  "%s: %s %s: item 3 head %u dim %u: +Inf in dim 7 of a value "
+				  "of KV head 0 must make exactly that dim of its heads "
+				  "non-finite",
+				  c->name, what, type_names[ti], h, x);
+		}
+
+	/* dense: a NaN key (token 4, KV head 1, dim 2) in item 0 only */
+	const uint32_t row = sh.n_kv_heads * d, n_tok = 2 * p;
+	void *dk = halloc(2ull * n_tok * row * eb), *dv = halloc(2ull * n_tok * row * eb);
+	fill_uniform(&r, dk, type, 2ull * n_tok * row, -1.0, 1.0);
+	fill_uniform(&r, dv, type, 2ull * n_tok * row, -1.0, 1.0);
+	store_nan(dk, type, 4ull * row + d + 2);
+	put(c, dk, 2ull * n_tok * row * eb);
+	put(c, dv, 2ull * n_tok * row * eb);
+	void *dq = new_queries(&r, &sh, 2, 2.0), *dout = new_outputs(&sh, 2);
+	const struct kvr_dense_item ditems[2] = {
+		{ .q = dq, .k = dk, .v = dv, .out = dout, .n_tokens = n_tok, .row_stride = row },
+		{ .q = elem_ptr(dq, type, per), .k = elem_ptr(dk, type, (uint64_t)n_tok * row),
+		  .v = elem_ptr(dv, type, (uint64_t)n_tok * row), .out = elem_ptr(dout, type, per),
+		  .n_tokens = n_tok, .row_stride = row },
+	};
+	snprintf(what, sizeof(what), "non-finite dense config %u", ci);
+	dense_and_check(e, c, what, &sh, ditems, 2, dq, dout);
+	void *dgot = halloc(2 * per * eb);
+	get(c, dgot, dout, 2 * per * eb);
+	for (uint32_t h = 0; h < sh.n_qo_heads; h++)
+		for (uint32_t x = 0; x < d; x++)
+			cr_assert(isfinite(ref_load(dgot, type, h * d + x)) == (h / G != 1),
+				  "%s: %s %s: head %u dim %u: NaN key in KV head 1 must make "
+				  "exactly its heads non-finite",
+				  c->name, what, type_names[ti], h, x);
+}
+
+CONFORMANCE_CASES(nonfinite_propagation, ARRAY_LEN(nonfinite_shapes))
+
+/* ================================================================== worker streams */
+
+/*
+ * Stream ordering: one case of every kernel with everything — the inputs'
+ * copies, the item arrays' copies, the kernel and the copies back — enqueued
+ * on a worker stream behind a long copy (stall_stream), synchronised only to
+ * read results, with every device buffer holding 0xa5 bytes until its queued
+ * upload runs. A backend that reads an item array (or any device memory) when
+ * a kernel is enqueued rather than when it runs sees that garbage.
+ */
+#define WORKER_STREAM_TEST(name, type_index)                                                \
+	CONFORMANCE_TEST(name##_on_worker_stream)                                          \
+	{                                                                                  \
+		e->main.s = e->main.worker_s;                                              \
+		e->main.poison = 1;                                                        \
+		stall_stream(&e->main);                                                    \
+		name##_case(e, 1, type_index);                                             \
+	}
+
+WORKER_STREAM_TEST(scatter, 0)
+WORKER_STREAM_TEST(offload, 1)
+WORKER_STREAM_TEST(summarize, 2)
+WORKER_STREAM_TEST(score_select, 0)
+WORKER_STREAM_TEST(similarity, 1)
+WORKER_STREAM_TEST(attention, 2)
+WORKER_STREAM_TEST(dense, 0)
+WORKER_STREAM_TEST(sparse_equals_dense, 1)
+WORKER_STREAM_TEST(nonfinite_propagation, 2)
+
+/* ================================================================== copies */
+
+/*
+ * Batched copies: H2D from a host base into non-overlapping device ranges
+ * of random sizes (odd ones included), D2D between device buffers, D2H back
+ * to a host base; the bytes outside the ranges must keep their old values.
+ * The descriptor array is overwritten as soon as each call returns: it is a
+ * host array, taken by the call (as cudaMemcpyBatchAsync takes its lists).
+ * Run on the inline and the worker stream; n = 0 is a no-op.
+ */
+static void batch_descs(struct rng *r, struct kvr_copy_desc *d, uint32_t n, size_t slot,
+			size_t src_bytes)
+{
+	/* destination slot i holds copy perm[i]; sizes 1..slot bytes */
+	uint32_t perm[64];
+	for (uint32_t i = 0; i < n; i++)
+		perm[i] = i;
+	for (uint32_t i = n - 1; i > 0; i--) {
+		const uint32_t j = rng_below(r, i + 1), t = perm[i];
+		perm[i] = perm[j];
+		perm[j] = t;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		const size_t bytes = 1 + rng_below(r, (uint32_t)slot);
+		d[i] = (struct kvr_copy_desc){
+			.src_offset = rng_below(r, (uint32_t)(src_bytes - bytes + 1)),
+			.dst_offset = perm[i] * slot + rng_below(r, (uint32_t)(slot - bytes + 1)),
+			.bytes = bytes };
+	}
+}
+
+static void apply_descs(unsigned char *dst, const unsigned char *src,
+			const struct kvr_copy_desc *d, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++)
+		memcpy(dst + d[i].dst_offset, src + d[i].src_offset, d[i].bytes);
+}
+
+CONFORMANCE_TEST(memcpy_batch)
+{
+	struct dctx *c = &e->main;
+	struct rng r = { 0xba7c4 };
+	enum { N = 48, SLOT = 1500, BYTES = N * SLOT };
+	for (uint32_t si = 0; si < 2; si++) {
+		c->s = si ? c->worker_s : c->inline_s;
+		unsigned char *src = halloc(BYTES), *a = halloc(BYTES), *b = halloc(BYTES),
+			      *back = halloc(BYTES);
+		fill_bytes(&r, src, BYTES);
+		fill_bytes(&r, a, BYTES);
+		fill_bytes(&r, b, BYTES);
+		fill_bytes(&r, back, BYTES);
+		void *da = put(c, a, BYTES), *db = put(c, b, BYTES);
+		unsigned char *want_a = halloc(BYTES), *want_b = halloc(BYTES);
+		unsigned char *want_back = halloc(BYTES);
+		memcpy(want_a, a, BYTES);
+		memcpy(want_b, b, BYTES);
+		memcpy(want_back, back, BYTES);
+
+		struct kvr_copy_desc d[N], scratch[N];
+		batch_descs(&r, d, N, SLOT, BYTES);
+		memcpy(scratch, d, sizeof(d));
+		DEV_OK(c, kvr_dev_memcpy_batch_async(c->dev, da, src, scratch, N, KVR_COPY_H2D, c->s));
+		memset(scratch, 0xee, sizeof(scratch)); /* the call took the list */
+		apply_descs(want_a, src, d, N);
+
+		batch_descs(&r, d, N, SLOT, BYTES);
+		memcpy(scratch, d, sizeof(d));
+		DEV_OK(c, kvr_dev_memcpy_batch_async(c->dev, db, da, scratch, N, KVR_COPY_D2D, c->s));
+		memset(scratch, 0xee, sizeof(scratch));
+		apply_descs(want_b, want_a, d, N);
+
+		batch_descs(&r, d, N, SLOT, BYTES);
+		memcpy(scratch, d, sizeof(d));
+		DEV_OK(c, kvr_dev_memcpy_batch_async(c->dev, back, db, scratch, N, KVR_COPY_D2H, c->s));
+		memset(scratch, 0xee, sizeof(scratch));
+		apply_descs(want_back, want_b, d, N);
+
+		DEV_OK(c, kvr_dev_memcpy_batch_async(c->dev, db, da, NULL, 0, KVR_COPY_D2D, c->s));
+		DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->s));
+		char what[96];
+		snprintf(what, sizeof(what), "%s: batched H2D, D2D, D2H (%s stream)", c->name,
+			 si ? "worker" : "inline");
+		expect_same_bits(what, back, want_back, BYTES, 1);
+		unsigned char *got = halloc(BYTES);
+		get(c, got, a, BYTES);
+		expect_same_bits(what, got, want_a, BYTES, 1);
+		get(c, got, b, BYTES);
+		expect_same_bits(what, got, want_b, BYTES, 1);
+	}
+}
+
+/* ================================================================== streams and events */
+
+/*
+ * An event never recorded is complete (query, synchronize, and a stream
+ * waiting for it runs on). An event recorded on a worker stream after a copy,
+ * waited for by an inline stream: the data is there for the inline stream's
+ * next copy; query gives -EAGAIN while the copy runs (asserted where a worker
+ * stream is asynchronous by contract: cpu) and 0 after synchronize. A
+ * re-recorded event waits for its latest record.
+ */
+CONFORMANCE_TEST(events_and_streams)
+{
+	struct dctx *c = &e->main;
+	struct rng r = { 0xe7e47 };
+	struct kvr_event *ev = NULL;
+	DEV_OK(c, kvr_dev_event_create(c->dev, &ev));
+	cr_assert_eq(kvr_dev_event_query(c->dev, ev), 0, "%s: a new event must be complete", c->name);
+	DEV_OK(c, kvr_dev_event_synchronize(c->dev, ev));
+	DEV_OK(c, kvr_dev_stream_wait_event(c->dev, c->inline_s, ev));
+	DEV_OK(c, kvr_dev_stream_wait_event(c->dev, c->worker_s, ev));
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->worker_s));
+
+	int saw_pending = 0;
+	for (uint32_t round = 0; round < 4; round++) {
+		const size_t bytes = (size_t)8 << 20 << round; /* 8..64 MiB */
+		unsigned char *host = calloc(1, bytes), *back = calloc(1, bytes);
+		cr_assert(host && back, "out of memory");
+		for (size_t i = 0; i < bytes; i += 4096)
+			host[i] = (unsigned char)rng_next(&r);
+		host[bytes - 1] = 0x42;
+		void *a = NULL, *b = NULL;
+		DEV_OK(c, kvr_dev_alloc(c->dev, bytes, &a));
+		DEV_OK(c, kvr_dev_alloc(c->dev, bytes, &b));
+		/* worker: H2D then a D2D twice over (a long tail of work), then record */
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, a, host, bytes, KVR_COPY_H2D, c->worker_s));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, b, a, bytes, KVR_COPY_D2D, c->worker_s));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, b, a, bytes, KVR_COPY_D2D, c->worker_s));
+		DEV_OK(c, kvr_dev_event_record(c->dev, ev, c->worker_s));
+		const int q0 = kvr_dev_event_query(c->dev, ev);
+		cr_assert(q0 == 0 || q0 == -EAGAIN, "%s: event_query returned %d", c->name, q0);
+		saw_pending |= q0 == -EAGAIN;
+		/* inline: wait, then read what the worker wrote */
+		DEV_OK(c, kvr_dev_stream_wait_event(c->dev, c->inline_s, ev));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, back, b, bytes, KVR_COPY_D2H, c->inline_s));
+		DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->inline_s));
+		cr_assert(!memcmp(back, host, bytes),
+			  "%s: round %u: the inline stream read data before the event it waited "
+			  "for completed",
+			  c->name, round);
+		DEV_OK(c, kvr_dev_event_synchronize(c->dev, ev));
+		cr_assert_eq(kvr_dev_event_query(c->dev, ev), 0,
+			     "%s: event not complete after event_synchronize", c->name);
+
+		/* re-record after a new copy: a wait now means the new record */
+		for (size_t i = 0; i < bytes; i += 4096)
+			host[i] ^= 0xff;
+		host[bytes - 1] = 0x24;
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, a, host, bytes, KVR_COPY_H2D, c->worker_s));
+		DEV_OK(c, kvr_dev_event_record(c->dev, ev, c->worker_s));
+		DEV_OK(c, kvr_dev_stream_wait_event(c->dev, c->inline_s, ev));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, back, a, bytes, KVR_COPY_D2H, c->inline_s));
+		DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->inline_s));
+		cr_assert(!memcmp(back, host, bytes),
+			  "%s: round %u: a wait did not cover the event's latest record", c->name,
+			  round);
+		DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->worker_s));
+		cr_assert_eq(kvr_dev_event_query(c->dev, ev), 0,
+			     "%s: event not complete after its stream was synchronised", c->name);
+		kvr_dev_free(c->dev, a);
+		kvr_dev_free(c->dev, b);
+		free(host);
+		free(back);
+		if (saw_pending)
+			break;
+	}
+	if (e->bc->kind == KVR_DEV_CPU)
+		cr_assert(saw_pending,
+			  "%s: event_query never returned -EAGAIN while a worker stream was still "
+			  "copying up to 64 MiB",
+			  c->name);
+	kvr_dev_event_destroy(c->dev, ev);
+}
