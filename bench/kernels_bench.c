@@ -111,6 +111,68 @@ static void read_task(void *arg, uint32_t t)
 	job->sink[t % 64] = s;
 }
 
+/* ------------------------------------------------------------------ FMA peak */
+
+/* The machine's fused multiply-add rate with 16-float vectors: attention does
+ * 2·G·d multiply-adds per token and KV head, so this bounds what any kernel
+ * can reach when compute, not memory, is the limit. 8 independent chains
+ * cover the FMA latency. */
+struct fma_job {
+	uint64_t iterations;
+	float sink[64];
+};
+
+__attribute__((target("avx512f"))) static float fma_chains_avx512(uint64_t n)
+{
+	__m512 a[8];
+	for (int i = 0; i < 8; i++)
+		a[i] = _mm512_set1_ps(1.0f + (float)i * 1e-7f);
+	const __m512 b = _mm512_set1_ps(0.9999999f), c = _mm512_set1_ps(1e-7f);
+	for (uint64_t i = 0; i < n; i++)
+		for (int j = 0; j < 8; j++)
+			a[j] = _mm512_fmadd_ps(a[j], b, c);
+	__m512 r = a[0];
+	for (int j = 1; j < 8; j++)
+		r = _mm512_add_ps(r, a[j]);
+	return _mm512_reduce_add_ps(r);
+}
+
+__attribute__((target("avx2,fma"))) static float fma_chains_avx2(uint64_t n)
+{
+	__m256 a[8];
+	for (int i = 0; i < 8; i++)
+		a[i] = _mm256_set1_ps(1.0f + (float)i * 1e-7f);
+	const __m256 b = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
+	for (uint64_t i = 0; i < n; i++)
+		for (int j = 0; j < 8; j++)
+			a[j] = _mm256_fmadd_ps(a[j], b, c);
+	__m256 r = a[0];
+	for (int j = 1; j < 8; j++)
+		r = _mm256_add_ps(r, a[j]);
+	float o[8];
+	_mm256_storeu_ps(o, r);
+	return o[0];
+}
+
+static void fma_task(void *arg, uint32_t t)
+{
+	struct fma_job *job = arg;
+	job->sink[t % 64] = kvr_convert_isa_active() == KVR_CONVERT_AVX512 ? fma_chains_avx512(job->iterations)
+									     : fma_chains_avx2(job->iterations);
+}
+
+/* Scalar multiply-adds per second across `threads` threads (16 per zmm FMA;
+ * the AVX2 path counts 8 per ymm FMA, i.e. the same 16 per pair). */
+static double fma_peak(struct kvr_dev *dev, uint32_t threads)
+{
+	struct fma_job job = { 20000000, { 0 } };
+	const double t0 = now_s();
+	kvr_cpu_parallel_for(dev, fma_task, &job, threads);
+	const double s = now_s() - t0;
+	const double per_iter = kvr_convert_isa_active() == KVR_CONVERT_AVX512 ? 8.0 * 16 : 8.0 * 8;
+	return (double)job.iterations * per_iter * threads / s;
+}
+
 /* ------------------------------------------------------------------ main */
 
 struct options {
@@ -264,15 +326,23 @@ int main(int argc, char **argv)
 		const double a = median(ta, opt.reps), g = median(tg, opt.reps), s = median(ts, opt.reps);
 		if (threads == 1)
 			attention_1t_s = a / opt.batch;
+		/* Compute bound: 2·G·d multiply-adds per token and KV head. */
+		const double peak = fma_peak(dev, threads);
+		const double fmas = 2.0 * (n_qo / n_kv) * d * ((double)kv_bytes / (2.0 * d * 2));
+		const double ceiling_gbps = kv_bytes / (fmas / peak) / 1e9;
 		fprintf(stderr, "attention %u thread%s: %7.2f GB/s of K+V; gather-read %7.2f GB/s (ratio %.3f); "
-				"sequential read %7.2f GB/s (ratio %.3f); %.1f us per sequence-layer\n",
+				"sequential read %7.2f GB/s (ratio %.3f); %.1f us per sequence-layer; "
+				"%.2f of the FMA peak (compute ceiling %.2f GB/s = %.2f of gather-read)\n",
 			threads, threads > 1 ? "s" : " ", kv_bytes / a / 1e9, kv_bytes / g / 1e9, g / a,
-			kv_bytes / s / 1e9, s / a, a / opt.batch * 1e6);
+			kv_bytes / s / 1e9, s / a, a / opt.batch * 1e6, (fmas / a) / peak, ceiling_gbps,
+			ceiling_gbps / (kv_bytes / g / 1e9));
 		fprintf(json, "    {\"threads\": %u, \"kv_bytes\": %llu, \"attention_gbps\": %.3f, \"gather_read_gbps\": %.3f, "
 			      "\"ratio_to_gather_read\": %.4f, \"sequential_read_gbps\": %.3f, \"ratio_to_sequential_read\": %.4f, "
-			      "\"us_per_sequence_layer\": %.2f}%s\n",
+			      "\"us_per_sequence_layer\": %.2f, \"fma_peak_per_s\": %.4g, \"fraction_of_fma_peak\": %.4f, "
+			      "\"compute_ceiling_gbps\": %.3f}%s\n",
 			threads, (unsigned long long)kv_bytes, kv_bytes / a / 1e9, kv_bytes / g / 1e9, g / a,
-			kv_bytes / s / 1e9, s / a, a / opt.batch * 1e6, ti + 1 < opt.n_threads ? "," : "");
+			kv_bytes / s / 1e9, s / a, a / opt.batch * 1e6, peak, (fmas / a) / peak, ceiling_gbps,
+			ti + 1 < opt.n_threads ? "," : "");
 		free(ta), free(tg), free(ts), free(seq_split);
 		kvr_dev_stream_destroy(dev, stream);
 		kvr_dev_destroy(dev);

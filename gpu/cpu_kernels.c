@@ -35,7 +35,7 @@ typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 
 /* mask ? a : b, lane by lane (mask lanes are 0 or -1) */
-static inline vf blend(vi mask, vf a, vf b)
+static inline __attribute__((always_inline)) vf blend(vi mask, vf a, vf b)
 {
 	return (vf)((mask & (vi)a) | (~mask & (vi)b));
 }
@@ -51,7 +51,7 @@ static inline vf blend(vi mask, vf a, vf b)
 /* ------------------------------------------------------------------ AVX-512 */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-static inline vf load16_avx512(const void *row, uint32_t t, uint64_t i)
+static inline __attribute__((always_inline)) vf load16_avx512(const void *row, uint32_t t, uint64_t i)
 {
 	if (t == KVR_ELEM_F16)
 		return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
@@ -100,6 +100,7 @@ static inline void hsum4_avx512(vf a, vf b, vf c, vf d, float *out)
 #undef FOLD16
 #undef HSUM4
 #pragma GCC pop_options
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 /* ------------------------------------------------------------------ AVX2 */
 #pragma GCC push_options
@@ -120,7 +121,7 @@ static inline __m256 load8_avx2(const void *row, uint32_t t, uint64_t i)
 	return _mm256_loadu_ps((const float *)row + i);
 }
 
-static inline vf load16_avx2(const void *row, uint32_t t, uint64_t i)
+static inline __attribute__((always_inline)) vf load16_avx2(const void *row, uint32_t t, uint64_t i)
 {
 	union v16_halves u;
 	u.h[0] = load8_avx2(row, t, i);
@@ -128,7 +129,7 @@ static inline vf load16_avx2(const void *row, uint32_t t, uint64_t i)
 	return u.v;
 }
 
-static inline vf fma16_avx2(vf a, vf b, vf c)
+static inline __attribute__((always_inline)) vf fma16_avx2(vf a, vf b, vf c)
 {
 	union v16_halves x = { a }, y = { b }, z = { c }, r;
 	r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
@@ -136,7 +137,7 @@ static inline vf fma16_avx2(vf a, vf b, vf c)
 	return r.v;
 }
 
-static inline vf splat16_avx2(float x)
+static inline __attribute__((always_inline)) vf splat16_avx2(float x)
 {
 	union v16_halves u;
 	u.h[0] = u.h[1] = _mm256_set1_ps(x);
@@ -178,9 +179,10 @@ static inline float hsum16_avx2(vf v)
 #undef FOLD16
 #undef HSUM4
 #pragma GCC pop_options
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 /* ------------------------------------------------------------------ baseline */
-static inline vf load16_base(const void *row, uint32_t t, uint64_t i)
+static inline __attribute__((always_inline)) vf load16_base(const void *row, uint32_t t, uint64_t i)
 {
 	vf v;
 	for (int l = 0; l < 16; l++)
@@ -188,7 +190,7 @@ static inline vf load16_base(const void *row, uint32_t t, uint64_t i)
 	return v;
 }
 
-static inline vf fma16_base(vf a, vf b, vf c)
+static inline __attribute__((always_inline)) vf fma16_base(vf a, vf b, vf c)
 {
 	vf r;
 	for (int l = 0; l < 16; l++)
@@ -196,14 +198,14 @@ static inline vf fma16_base(vf a, vf b, vf c)
 	return r;
 }
 
-static inline float fold16_base(vf v)
+static inline __attribute__((always_inline)) float fold16_base(vf v)
 {
 	float lanes[16];
 	memcpy(lanes, &v, sizeof(lanes));
 	return kvr_fold_lanes(lanes, 16);
 }
 
-static inline float hsum16_base(vf v)
+static inline __attribute__((always_inline)) float hsum16_base(vf v)
 {
 	float s = 0.0f;
 	for (int l = 0; l < 16; l++)

@@ -27,7 +27,7 @@
  * operations in the same order (rint by the 1.5·2^23 trick, which is exact
  * round-to-nearest-even for |t| < 2^22; out-of-range lanes are clamped for the
  * arithmetic and replaced at the end, as the scalar early returns do). */
-static inline vf ISA_FN(exp16)(vf x)
+static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 {
 	const vi is_nan = x != x;
 	const vi big = x > 88.7228317f;
@@ -128,13 +128,18 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 
 /* ------------------------------------------------------------------ attention */
 
-/* Attention of KV head m of one item over its segments (kernels.h). */
-static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
-				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m)
+/* Attention of KV head m of one item over its segments (kernels.h).
+ * `chunks` (d / 16) is a compile-time constant in every caller (see
+ * attention_head below), so the per-head vectors — q, the accumulators — stay
+ * in registers: with a run-time count they lived in memory and every FMA was
+ * a load and a store. */
+static inline __attribute__((always_inline)) void
+ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
+		       const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
+		       const uint32_t chunks)
 {
 	enum { BLOCK = 16 };
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
-	const uint32_t chunks = d / 16;
 	const uint64_t eb = kvr_elem_bytes(t);
 	vf q[KVR_MAX_GROUP_CPU][16], acc[KVR_MAX_GROUP_CPU][16];
 	float run_max[KVR_MAX_GROUP_CPU], run_sum[KVR_MAX_GROUP_CPU];
@@ -172,8 +177,8 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 				const unsigned char *krow = kb + (t0 + b) * row;
 				if (t0 + b < n_next)
 					for (uint64_t l = 0; l < row_bytes; l += 64) {
-						__builtin_prefetch(nkb + (t0 + b) * nrow + l, 0, 3);
-						__builtin_prefetch(nvb + (t0 + b) * nrow + l, 0, 3);
+						__builtin_prefetch(nkb + (t0 + b) * nrow + l, 0, 2);
+						__builtin_prefetch(nvb + (t0 + b) * nrow + l, 0, 2);
 					}
 				for (uint32_t c = 0; c < chunks; c++)
 					ks[b][c] = LOAD16(krow, t, c * 16);
@@ -220,18 +225,18 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 				for (uint32_t c = 0; c < chunks; c++)
 					vs[b][c] = LOAD16(vrow, t, c * 16);
 			}
-			for (uint32_t g = 0; g < G; g++)
-				for (uint32_t c = 0; c < chunks; c++) {
-					vf a0 = acc[g][c], a1 = SPLAT16(0.0f);
-					uint32_t b = 0;
-					for (; b + 2 <= nb; b += 2) {
-						a0 = FMA16(SPLAT16(s[g][b]), vs[b][c], a0);
-						a1 = FMA16(SPLAT16(s[g][b + 1]), vs[b + 1][c], a1);
-					}
-					if (b < nb)
-						a0 = FMA16(SPLAT16(s[g][b]), vs[b][c], a0);
-					acc[g][c] = a0 + a1;
+			for (uint32_t g = 0; g < G; g++) {
+				vf a[16];
+				for (uint32_t c = 0; c < chunks; c++)
+					a[c] = acc[g][c];
+				for (uint32_t b = 0; b < nb; b++) {
+					const vf p = SPLAT16(s[g][b]);
+					for (uint32_t c = 0; c < chunks; c++)
+						a[c] = FMA16(p, vs[b][c], a[c]);
 				}
+				for (uint32_t c = 0; c < chunks; c++)
+					acc[g][c] = a[c];
+			}
 		}
 	}
 
@@ -244,6 +249,21 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 			memcpy(row + c * 16, &o, sizeof(o));
 		}
 		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, row, t, d);
+	}
+}
+
+static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
+				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m)
+{
+	switch (sh->head_dim / 16) { /* d is a multiple of 32 up to 256 */
+	case 2: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 2); break;
+	case 4: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 4); break;
+	case 6: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 6); break;
+	case 8: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 8); break;
+	case 10: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 10); break;
+	case 12: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 12); break;
+	case 14: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 14); break;
+	default: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 16); break;
 	}
 }
 
