@@ -115,8 +115,10 @@ static void read_task(void *arg, uint32_t t)
 
 /* The machine's fused multiply-add rate with 16-float vectors: attention does
  * 2·G·d multiply-adds per token and KV head, so this bounds what any kernel
- * can reach when compute, not memory, is the limit. 8 independent chains
+ * can reach when compute, not memory, is the limit. 10 independent chains
  * cover the FMA latency. */
+#define FMA_CHAINS 10
+
 struct fma_job {
 	uint64_t iterations;
 	float sink[64];
@@ -124,30 +126,36 @@ struct fma_job {
 
 __attribute__((target("avx512f"))) static float fma_chains_avx512(uint64_t n)
 {
-	__m512 a[8];
-	for (int i = 0; i < 8; i++)
+	__m512 a[FMA_CHAINS];
+	for (int i = 0; i < FMA_CHAINS; i++)
 		a[i] = _mm512_set1_ps(1.0f + (float)i * 1e-7f);
 	const __m512 b = _mm512_set1_ps(0.9999999f), c = _mm512_set1_ps(1e-7f);
-	for (uint64_t i = 0; i < n; i++)
-		for (int j = 0; j < 8; j++)
+	for (uint64_t i = 0; i < n; i++) {
+		/* unrolled, so the chains live in registers: a loop over an array
+		 * would go through memory and measure store forwarding instead */
+		_Pragma("GCC unroll 16")
+		for (int j = 0; j < FMA_CHAINS; j++)
 			a[j] = _mm512_fmadd_ps(a[j], b, c);
+	}
 	__m512 r = a[0];
-	for (int j = 1; j < 8; j++)
+	for (int j = 1; j < FMA_CHAINS; j++)
 		r = _mm512_add_ps(r, a[j]);
 	return _mm512_reduce_add_ps(r);
 }
 
 __attribute__((target("avx2,fma"))) static float fma_chains_avx2(uint64_t n)
 {
-	__m256 a[8];
-	for (int i = 0; i < 8; i++)
+	__m256 a[FMA_CHAINS];
+	for (int i = 0; i < FMA_CHAINS; i++)
 		a[i] = _mm256_set1_ps(1.0f + (float)i * 1e-7f);
 	const __m256 b = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
-	for (uint64_t i = 0; i < n; i++)
-		for (int j = 0; j < 8; j++)
+	for (uint64_t i = 0; i < n; i++) {
+		_Pragma("GCC unroll 16")
+		for (int j = 0; j < FMA_CHAINS; j++)
 			a[j] = _mm256_fmadd_ps(a[j], b, c);
+	}
 	__m256 r = a[0];
-	for (int j = 1; j < 8; j++)
+	for (int j = 1; j < FMA_CHAINS; j++)
 		r = _mm256_add_ps(r, a[j]);
 	float o[8];
 	_mm256_storeu_ps(o, r);
@@ -169,7 +177,7 @@ static double fma_peak(struct kvr_dev *dev, uint32_t threads)
 	const double t0 = now_s();
 	kvr_cpu_parallel_for(dev, fma_task, &job, threads);
 	const double s = now_s() - t0;
-	const double per_iter = kvr_convert_isa_active() == KVR_CONVERT_AVX512 ? 8.0 * 16 : 8.0 * 8;
+	const double per_iter = FMA_CHAINS * (kvr_convert_isa_active() == KVR_CONVERT_AVX512 ? 16.0 : 8.0);
 	return (double)job.iterations * per_iter * threads / s;
 }
 

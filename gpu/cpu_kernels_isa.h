@@ -144,6 +144,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	vf q[KVR_MAX_GROUP_CPU][16], acc[KVR_MAX_GROUP_CPU][16];
 	float run_max[KVR_MAX_GROUP_CPU], run_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
+		_Pragma("GCC unroll 16")
 		for (uint32_t c = 0; c < chunks; c++) {
 			q[g][c] = LOAD16(q_rows, t, (uint64_t)(m * G + g) * d + c * 16) * sh->scale;
 			acc[g][c] = SPLAT16(0.0f);
@@ -169,10 +170,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
-			/* K: convert the block once (prefetching the next segment's rows),
-			 * then per query head score four tokens at a time: four
-			 * independent FMA chains, one combined horizontal sum. */
-			vf ks[BLOCK][16];
+			/* K: per token, convert the row once into registers and score it
+			 * against every query head of the group, four heads per combined
+			 * horizontal sum (prefetching the next segment's rows as we go). */
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *krow = kb + (t0 + b) * row;
 				if (t0 + b < n_next)
@@ -180,24 +180,36 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 						__builtin_prefetch(nkb + (t0 + b) * nrow + l, 0, 2);
 						__builtin_prefetch(nvb + (t0 + b) * nrow + l, 0, 2);
 					}
+				vf k[16];
+				_Pragma("GCC unroll 16")
 				for (uint32_t c = 0; c < chunks; c++)
-					ks[b][c] = LOAD16(krow, t, c * 16);
-			}
-			for (uint32_t b = nb; b < (nb + 3) / 4 * 4; b++)
-				for (uint32_t c = 0; c < chunks; c++)
-					ks[b][c] = SPLAT16(0.0f); /* pad to a multiple of 4; scores unused */
-			for (uint32_t g = 0; g < G; g++)
-				for (uint32_t b = 0; b < nb; b += 4) {
-					vf d0 = q[g][0] * ks[b][0], d1 = q[g][0] * ks[b + 1][0];
-					vf d2 = q[g][0] * ks[b + 2][0], d3 = q[g][0] * ks[b + 3][0];
+					k[c] = LOAD16(krow, t, c * 16);
+				uint32_t g = 0;
+				for (; g + 4 <= G; g += 4) {
+					vf d0 = q[g][0] * k[0], d1 = q[g + 1][0] * k[0];
+					vf d2 = q[g + 2][0] * k[0], d3 = q[g + 3][0] * k[0];
+					_Pragma("GCC unroll 16")
 					for (uint32_t c = 1; c < chunks; c++) {
-						d0 = FMA16(q[g][c], ks[b][c], d0);
-						d1 = FMA16(q[g][c], ks[b + 1][c], d1);
-						d2 = FMA16(q[g][c], ks[b + 2][c], d2);
-						d3 = FMA16(q[g][c], ks[b + 3][c], d3);
+						d0 = FMA16(q[g][c], k[c], d0);
+						d1 = FMA16(q[g + 1][c], k[c], d1);
+						d2 = FMA16(q[g + 2][c], k[c], d2);
+						d3 = FMA16(q[g + 3][c], k[c], d3);
 					}
-					HSUM4(d0, d1, d2, d3, &s[g][b]);
+					float four[4];
+					HSUM4(d0, d1, d2, d3, four);
+					s[g][b] = four[0];
+					s[g + 1][b] = four[1];
+					s[g + 2][b] = four[2];
+					s[g + 3][b] = four[3];
 				}
+				for (; g < G; g++) {
+					vf d0 = q[g][0] * k[0];
+					_Pragma("GCC unroll 16")
+					for (uint32_t c = 1; c < chunks; c++)
+						d0 = FMA16(q[g][c], k[c], d0);
+					s[g][b] = HSUM16(d0);
+				}
+			}
 			for (uint32_t g = 0; g < G; g++) {
 				float bmax = s[g][0];
 				for (uint32_t b = 1; b < nb; b++)
@@ -212,6 +224,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					psum += s[g][b];
 				const float alpha = kvr_softmax_rescale(run_max[g], new_max);
 				if (alpha != 1.0f)
+					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
 				run_sum[g] = run_sum[g] * alpha + psum;
@@ -222,18 +235,22 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			vf vs[BLOCK][16];
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *vrow = vb + (t0 + b) * row;
+				_Pragma("GCC unroll 16")
 				for (uint32_t c = 0; c < chunks; c++)
 					vs[b][c] = LOAD16(vrow, t, c * 16);
 			}
 			for (uint32_t g = 0; g < G; g++) {
 				vf a[16];
+				_Pragma("GCC unroll 16")
 				for (uint32_t c = 0; c < chunks; c++)
 					a[c] = acc[g][c];
 				for (uint32_t b = 0; b < nb; b++) {
 					const vf p = SPLAT16(s[g][b]);
+					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
 						a[c] = FMA16(p, vs[b][c], a[c]);
 				}
+				_Pragma("GCC unroll 16")
 				for (uint32_t c = 0; c < chunks; c++)
 					acc[g][c] = a[c];
 			}
@@ -244,6 +261,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
 		float row[256];
 		const float inv = run_sum[g] == 0.0f ? 0.0f : 1.0f / run_sum[g];
+		_Pragma("GCC unroll 16")
 		for (uint32_t c = 0; c < chunks; c++) {
 			const vf o = acc[g][c] * inv;
 			memcpy(row + c * 16, &o, sizeof(o));
