@@ -189,13 +189,14 @@ struct options {
 	uint32_t batch;
 	uint64_t pool_bytes;
 	uint32_t reps;
+	uint32_t skip_selection;
 	const char *json_path;
 };
 
 static void usage(void)
 {
 	fprintf(stderr, "usage: kernels_bench [--threads 1,2] [--budget 2048] [--batch 8] "
-			"[--pool-mib 256] [--reps 9] [--json FILE]\n");
+			"[--pool-mib 256] [--reps 9] [--skip-selection] [--json FILE]\n");
 }
 
 static int parse_list(const char *s, uint32_t *out, uint32_t max, uint32_t *n)
@@ -229,6 +230,8 @@ int main(int argc, char **argv)
 			opt.pool_bytes = strtoull(v, NULL, 10) << 20, i++;
 		} else if (!strcmp(a, "--reps") && v) {
 			opt.reps = (uint32_t)atoi(v), i++;
+		} else if (!strcmp(a, "--skip-selection")) {
+			opt.skip_selection = 1;
 		} else if (!strcmp(a, "--json") && v) {
 			opt.json_path = v, i++;
 		} else {
@@ -375,7 +378,7 @@ int main(int argc, char **argv)
 		summaries[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
 	float *scores = huge_alloc((size_t)n_kv * max_pages * sizeof(float));
 	int32_t *selected = calloc((size_t)n_kv * (k ? k : 1), sizeof(int32_t));
-	for (uint32_t c = 0; c < n_ctx; c++) {
+	for (uint32_t c = 0; c < (opt.skip_selection ? 0 : n_ctx); c++) {
 		const uint32_t pages = contexts[c] / p;
 		struct kvr_score_item it = { q, summaries, scores, selected, sink_pages,
 					     pages > window_pages ? pages - window_pages : sink_pages, k, 0 };
