@@ -48,6 +48,14 @@ static inline __attribute__((always_inline)) vf blend(vi mask, vf a, vf b)
 		(out)[3] = hsum(d);               \
 	} while (0)
 
+static inline __attribute__((always_inline)) float hmax16_generic(vf v)
+{
+	float m = v[0];
+	for (int l = 1; l < 16; l++)
+		m = v[l] > m ? v[l] : m;
+	return m;
+}
+
 /* ------------------------------------------------------------------ AVX-512 */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -91,6 +99,7 @@ static inline void hsum4_avx512(vf a, vf b, vf c, vf d, float *out)
 #define SPLAT16(x) ((vf)_mm512_set1_ps(x))
 #define FOLD16(v) fold16_avx512(v)
 #define HSUM4(a, b, c, d, out) hsum4_avx512(a, b, c, d, out)
+#define HMAX16(v) _mm512_reduce_max_ps((__m512)(v))
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef LOAD16
@@ -99,6 +108,7 @@ static inline void hsum4_avx512(vf a, vf b, vf c, vf d, float *out)
 #undef SPLAT16
 #undef FOLD16
 #undef HSUM4
+#undef HMAX16
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -170,6 +180,7 @@ static inline float hsum16_avx2(vf v)
 #define SPLAT16(x) splat16_avx2(x)
 #define FOLD16(v) fold16_avx2(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_avx2)
+#define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef LOAD16
@@ -178,6 +189,7 @@ static inline float hsum16_avx2(vf v)
 #undef SPLAT16
 #undef FOLD16
 #undef HSUM4
+#undef HMAX16
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -219,6 +231,7 @@ static inline __attribute__((always_inline)) float hsum16_base(vf v)
 #define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
 #define FOLD16(v) fold16_base(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_base)
+#define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef LOAD16
@@ -227,6 +240,7 @@ static inline __attribute__((always_inline)) float hsum16_base(vf v)
 #undef SPLAT16
 #undef FOLD16
 #undef HSUM4
+#undef HMAX16
 
 /* ------------------------------------------------------------------ page kernels */
 

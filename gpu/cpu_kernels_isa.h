@@ -8,6 +8,7 @@
  *   FMA16(a, b, c)        a*b + c with a single rounding per lane
  *   HSUM16(v)             the sum of the 16 lanes (any order: attention only)
  *   HSUM4(a, b, c, d, out) the four lane sums into out[0..3] (attention only)
+ *   HMAX16(v)             the largest lane (attention only; NaN lanes ignored)
  *   FOLD16(v)             the sum of the 16 lanes in kmath.h's canonical order
  *                         (halves added lane-wise: 8, then 4, 2, 1)
  *   SPLAT16(x)            x in every lane (a broadcast: building the vector
@@ -211,17 +212,14 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				}
 			}
 			for (uint32_t g = 0; g < G; g++) {
-				float bmax = s[g][0];
-				for (uint32_t b = 1; b < nb; b++)
-					bmax = s[g][b] > bmax ? s[g][b] : bmax;
-				const float new_max = bmax > run_max[g] ? bmax : run_max[g];
 				vf x = SPLAT16(-INFINITY);
 				memcpy(&x, s[g], nb * sizeof(float));
+				const float bmax = HMAX16(x); /* NaN: see below */
+				const float new_max = bmax > run_max[g] ? bmax : run_max[g];
 				x = ISA_FN(exp16)(x - new_max);
 				memcpy(s[g], &x, nb * sizeof(float));
-				float psum = 0.0f;
-				for (uint32_t b = 0; b < nb; b++)
-					psum += s[g][b];
+				/* padded lanes are exp(-inf) = 0; a NaN score stays NaN here */
+				const float psum = HSUM16(x);
 				const float alpha = kvr_softmax_rescale(run_max[g], new_max);
 				if (alpha != 1.0f)
 					_Pragma("GCC unroll 16")
