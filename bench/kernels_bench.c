@@ -28,17 +28,12 @@
 #include <time.h>
 
 #include "kvrecall.h"
+#include "bench_common.h"
 #include "../gpu/backend.h"
 #include "../gpu/cpu_backend.h"
 #include "../layouts/convert.h"
 #include "../layouts/half.h"
 
-static double now_s(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static uint64_t rng_state = 0x853c49e6748fea9bull;
 static uint32_t rng(void)
@@ -47,29 +42,8 @@ static uint32_t rng(void)
 	return (uint32_t)(rng_state >> 33);
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-	const double x = *(const double *)a, y = *(const double *)b;
-	return (x > y) - (x < y);
-}
 
-static double median(double *v, uint32_t n)
-{
-	qsort(v, n, sizeof(*v), cmp_double);
-	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
-static void *huge_alloc(size_t bytes)
-{
-	const size_t align = 2u << 20;
-	void *p = aligned_alloc(align, (bytes + align - 1) & ~(align - 1));
-	if (!p) {
-		fprintf(stderr, "kernels_bench: out of memory for %zu bytes\n", bytes);
-		exit(1);
-	}
-	madvise(p, bytes, MADV_HUGEPAGE);
-	return p;
-}
 
 /* ------------------------------------------------------------------ read passes */
 
@@ -174,9 +148,9 @@ static void fma_task(void *arg, uint32_t t)
 static double fma_peak(struct kvr_dev *dev, uint32_t threads)
 {
 	struct fma_job job = { 20000000, { 0 } };
-	const double t0 = now_s();
+	const double t0 = bench_now_s();
 	kvr_cpu_parallel_for(dev, fma_task, &job, threads);
-	const double s = now_s() - t0;
+	const double s = bench_now_s() - t0;
 	const double per_iter = FMA_CHAINS * (kvr_convert_isa_active() == KVR_CONVERT_AVX512 ? 16.0 : 8.0);
 	return (double)job.iterations * per_iter * threads / s;
 }
@@ -199,18 +173,6 @@ static void usage(void)
 			"[--pool-mib 256] [--reps 9] [--skip-selection] [--json FILE]\n");
 }
 
-static int parse_list(const char *s, uint32_t *out, uint32_t max, uint32_t *n)
-{
-	*n = 0;
-	char buf[64];
-	snprintf(buf, sizeof(buf), "%s", s);
-	for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-		if (*n == max || atoi(tok) < 0)
-			return -1;
-		out[(*n)++] = (uint32_t)atoi(tok);
-	}
-	return *n ? 0 : -1;
-}
 
 int main(int argc, char **argv)
 {
@@ -219,7 +181,7 @@ int main(int argc, char **argv)
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--threads") && v) {
-			if (parse_list(v, opt.threads, 4, &opt.n_threads))
+			if (bench_parse_list(v, opt.threads, 4, &opt.n_threads))
 				return usage(), 2;
 			i++;
 		} else if (!strcmp(a, "--budget") && v) {
@@ -255,10 +217,10 @@ int main(int argc, char **argv)
 		kvr_convert_isa_name(kvr_convert_isa_active()));
 
 	/* The pool: HND pages of random f16 values in [-1, 1). */
-	unsigned char *pool = huge_alloc((size_t)n_pages * page_bytes);
+	unsigned char *pool = bench_huge_alloc("kernels_bench", (size_t)n_pages * page_bytes);
 	for (uint64_t i = 0; i < (uint64_t)n_pages * page_bytes / 2; i++)
 		((uint16_t *)pool)[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
-	unsigned char *seq_buf = huge_alloc((size_t)opt.batch * pages_per_seq * n_kv * head_bytes);
+	unsigned char *seq_buf = bench_huge_alloc("kernels_bench", (size_t)opt.batch * pages_per_seq * n_kv * head_bytes);
 	memset(seq_buf, 1, (size_t)opt.batch * pages_per_seq * n_kv * head_bytes);
 
 	/* Per sequence: B/p random pages, as segments (HND: row stride d, head stride 2pd). */
@@ -266,7 +228,7 @@ int main(int argc, char **argv)
 	struct kvr_kv_segment *segs = calloc(n_segs, sizeof(*segs));
 	struct kvr_attention_item *items = calloc(opt.batch, sizeof(*items));
 	const unsigned char **runs = calloc((size_t)n_segs * n_kv, sizeof(*runs));
-	uint16_t *q = huge_alloc((size_t)opt.batch * n_qo * d * 2), *out = huge_alloc((size_t)opt.batch * n_qo * d * 2);
+	uint16_t *q = bench_huge_alloc("kernels_bench", (size_t)opt.batch * n_qo * d * 2), *out = bench_huge_alloc("kernels_bench", (size_t)opt.batch * n_qo * d * 2);
 	for (uint64_t i = 0; i < (uint64_t)opt.batch * n_qo * d; i++)
 		q[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
 	for (uint32_t s = 0; s < opt.batch; s++) {
@@ -324,17 +286,17 @@ int main(int argc, char **argv)
 			kvr_cpu_parallel_for(dev, read_task, &gather, threads);
 		}
 		for (uint32_t r = 0; r < opt.reps; r++) {
-			double t0 = now_s();
+			double t0 = bench_now_s();
 			kvr_cpu_parallel_for(dev, read_task, &gather, threads);
-			tg[r] = now_s() - t0;
-			t0 = now_s();
+			tg[r] = bench_now_s() - t0;
+			t0 = bench_now_s();
 			kvr_dev_attention(dev, &shape, items, opt.batch, segs, n_segs, stream);
-			ta[r] = now_s() - t0;
-			t0 = now_s();
+			ta[r] = bench_now_s() - t0;
+			t0 = bench_now_s();
 			kvr_cpu_parallel_for(dev, read_task, &seq, threads);
-			ts[r] = now_s() - t0;
+			ts[r] = bench_now_s() - t0;
 		}
-		const double a = median(ta, opt.reps), g = median(tg, opt.reps), s = median(ts, opt.reps);
+		const double a = bench_median(ta, opt.reps), g = bench_median(tg, opt.reps), s = bench_median(ts, opt.reps);
 		if (threads == 1)
 			attention_1t_s = a / opt.batch;
 		/* Compute bound: 2·G·d multiply-adds per token and KV head. */
@@ -373,10 +335,10 @@ int main(int argc, char **argv)
 	static const uint32_t contexts[] = { 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576 };
 	const uint32_t n_ctx = sizeof(contexts) / sizeof(contexts[0]);
 	const uint32_t max_pages = contexts[n_ctx - 1] / p;
-	uint16_t *summaries = huge_alloc((size_t)max_pages * n_kv * 2 * d * 2);
+	uint16_t *summaries = bench_huge_alloc("kernels_bench", (size_t)max_pages * n_kv * 2 * d * 2);
 	for (uint64_t i = 0; i < (uint64_t)max_pages * n_kv * 2 * d; i++)
 		summaries[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
-	float *scores = huge_alloc((size_t)n_kv * max_pages * sizeof(float));
+	float *scores = bench_huge_alloc("kernels_bench", (size_t)n_kv * max_pages * sizeof(float));
 	int32_t *selected = calloc((size_t)n_kv * (k ? k : 1), sizeof(int32_t));
 	for (uint32_t c = 0; c < (opt.skip_selection ? 0 : n_ctx); c++) {
 		const uint32_t pages = contexts[c] / p;
@@ -386,14 +348,14 @@ int main(int argc, char **argv)
 			it.cand_end = it.cand_begin;
 		double *tsc = calloc(opt.reps, sizeof(double)), *tse = calloc(opt.reps, sizeof(double));
 		for (uint32_t r = 0; r < opt.reps; r++) {
-			double t0 = now_s();
+			double t0 = bench_now_s();
 			kvr_dev_score(dev, &shape, &it, 1, stream);
-			tsc[r] = now_s() - t0;
-			t0 = now_s();
+			tsc[r] = bench_now_s() - t0;
+			t0 = bench_now_s();
 			kvr_dev_select(dev, &shape, &it, 1, stream);
-			tse[r] = now_s() - t0;
+			tse[r] = bench_now_s() - t0;
 		}
-		const double sc = median(tsc, opt.reps), se = median(tse, opt.reps);
+		const double sc = bench_median(tsc, opt.reps), se = bench_median(tse, opt.reps);
 		const uint32_t cand = it.cand_end - it.cand_begin;
 		fprintf(stderr, "selection L=%7u (%5u candidate pages): score %9.1f us, top-%u %8.1f us, %.1f ns/page; "
 				"x %.2f of 1-thread attention over B\n",

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "kvrecall.h"
+#include "bench_common.h"
 #include "../host/pool.h"
 #include "../host/topology.h"
 #include "../layouts/convert.h"
@@ -81,12 +82,6 @@ struct bench {
 	struct worker workers[MAX_THREADS];
 };
 
-static double now_s(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 static uint32_t rng(void)
@@ -154,23 +149,13 @@ static double timed_rep(struct bench *b, enum op op)
 {
 	b->op = op;
 	pthread_barrier_wait(&b->start);
-	const double t0 = now_s();
+	const double t0 = bench_now_s();
 	run_op(b, 0);
 	pthread_barrier_wait(&b->done);
-	return now_s() - t0;
+	return bench_now_s() - t0;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-	const double x = *(const double *)a, y = *(const double *)b;
-	return (x > y) - (x < y);
-}
 
-static double median(double *v, uint32_t n)
-{
-	qsort(v, n, sizeof(*v), cmp_double);
-	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct result {
 	const char *op;
@@ -192,31 +177,14 @@ static struct result measure(struct bench *b, enum op op, const char *name, uint
 		t_op[r] = timed_rep(b, op);
 	}
 	struct result res = { name, unit_bytes, b->n_threads, bytes, 0, 0, 0 };
-	res.op_gbps = (double)bytes / median(t_op, b->opt->reps) / 1e9;
-	res.memcpy_gbps = (double)bytes / median(t_mc, b->opt->reps) / 1e9;
+	res.op_gbps = (double)bytes / bench_median(t_op, b->opt->reps) / 1e9;
+	res.memcpy_gbps = (double)bytes / bench_median(t_mc, b->opt->reps) / 1e9;
 	res.ratio = res.op_gbps / res.memcpy_gbps;
 	free(t_op);
 	free(t_mc);
 	return res;
 }
 
-static int parse_list(const char *s, uint32_t *out, uint32_t max, uint32_t *n)
-{
-	*n = 0;
-	char buf[128];
-	snprintf(buf, sizeof(buf), "%s", s);
-	for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
-	     tok = strtok_r(NULL, ",", &save)) {
-		if (*n == max)
-			return -1;
-		char *end;
-		unsigned long v = strtoul(tok, &end, 10);
-		if (*end || v == 0)
-			return -1;
-		out[(*n)++] = (uint32_t)v;
-	}
-	return *n ? 0 : -1;
-}
 
 static void usage(void)
 {
@@ -341,14 +309,14 @@ int main(int argc, char **argv)
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--threads") && v) {
-			if (parse_list(v, opt.threads, 4, &opt.n_threads))
+			if (bench_parse_list(v, opt.threads, 4, &opt.n_threads))
 				return usage(), 2;
 			for (uint32_t t = 0; t < opt.n_threads; t++)
 				if (opt.threads[t] > MAX_THREADS)
 					return usage(), 2;
 			i++;
 		} else if (!strcmp(a, "--head-dims") && v) {
-			if (parse_list(v, opt.head_dims, 4, &opt.n_head_dims))
+			if (bench_parse_list(v, opt.head_dims, 4, &opt.n_head_dims))
 				return usage(), 2;
 			i++;
 		} else if (!strcmp(a, "--working-set-mib") && v) {

@@ -1,0 +1,68 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * bench_common.h — what the benchmark drivers share: a monotonic clock, the
+ * median of repeated timings, 2 MiB-aligned huge-page buffers, and parsing of
+ * comma-separated number lists from the command line. Header-only, host-only.
+ */
+#ifndef KVR_BENCH_COMMON_H
+#define KVR_BENCH_COMMON_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+static inline double bench_now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline int bench_cmp_double(const void *a, const void *b)
+{
+	const double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+/* Median of n timings (sorts v). Medians, not means: the hosts are shared. */
+static inline double bench_median(double *v, uint32_t n)
+{
+	qsort(v, n, sizeof(*v), bench_cmp_double);
+	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* A buffer backed by transparent huge pages (advised before first touch);
+ * exits with a message when memory runs out — drivers only, never the library. */
+static inline void *bench_huge_alloc(const char *who, size_t bytes)
+{
+	const size_t align = 2u << 20;
+	void *p = aligned_alloc(align, (bytes + align - 1) & ~(align - 1));
+	if (!p) {
+		fprintf(stderr, "%s: out of memory for %zu bytes\n", who, bytes);
+		exit(1);
+	}
+	madvise(p, bytes, MADV_HUGEPAGE);
+	return p;
+}
+
+/* "1,2,4" -> out[0..n); each value >= 1. Returns 0, or -1 when malformed. */
+static inline int bench_parse_list(const char *s, uint32_t *out, uint32_t max, uint32_t *n)
+{
+	char buf[128];
+	*n = 0;
+	snprintf(buf, sizeof(buf), "%s", s);
+	for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+	     tok = strtok_r(NULL, ",", &save)) {
+		char *end;
+		const unsigned long v = strtoul(tok, &end, 10);
+		if (*n == max || *end || v == 0 || v > UINT32_MAX)
+			return -1;
+		out[(*n)++] = (uint32_t)v;
+	}
+	return *n ? 0 : -1;
+}
+
+#endif /* KVR_BENCH_COMMON_H */
