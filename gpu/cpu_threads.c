@@ -2,12 +2,15 @@
 /*
  * cpu_threads.c — fork-join workers (see cpu_threads.h).
  *
- * A job is published by bumping `generation`; workers that see a new
- * generation register in `active`, recheck the generation (so a worker that
- * woke late never joins the next job with the previous job's view), then take
- * task indices from `next` until they run out. The caller takes tasks too and
- * returns once `done` reaches n and no worker is still registered, which is
- * what makes it safe to overwrite the job fields for the next call.
+ * A job is published under `lock`: the caller waits until no worker is still
+ * inside the previous job (`active` is 0), writes the job fields, resets the
+ * counters and bumps `generation`. Workers spin on `generation` without the
+ * lock, but join under it — copying the job fields and registering in
+ * `active` — so a worker that wakes late either joins the job it saw (whose
+ * fields are still intact: the next publisher waits for it) or the next one,
+ * never a mix. Tasks are taken from `next` until it runs out; the caller takes
+ * tasks too and returns once `done` reaches n and every joined worker has left,
+ * so the task's argument is never used after parallel_for returns.
  *
  * Threads: workers are owned by the pool; parallel_for may be called from any
  * thread, one job at a time (`busy` is a try-lock; a second caller runs its
@@ -28,7 +31,7 @@ struct kvr_workers {
 	uint32_t n_threads;
 	pthread_t *threads;
 
-	/* Job fields: written by the caller before publishing the generation. */
+	/* Job fields: written under `lock` by the publisher, copied under it by workers. */
 	kvr_task_fn task;
 	void *arg;
 	uint32_t n_tasks;
@@ -36,11 +39,11 @@ struct kvr_workers {
 	_Atomic uint64_t generation; /* release by the caller; acquire by workers */
 	_Atomic uint32_t next;       /* next task index; relaxed fetch_add */
 	_Atomic uint32_t done;       /* tasks finished; release by workers, acquire by caller */
-	_Atomic uint32_t active;     /* workers inside the current job; seq_cst with generation */
+	_Atomic uint32_t active;     /* workers inside a job; the publisher waits for 0 */
 	_Atomic int busy;            /* a job is running; acquire/release try-lock */
 	_Atomic int quit;            /* destroy; seq_cst, read with the generation */
 
-	pthread_mutex_t sleep_lock; /* guards sleepers and the condvar wait */
+	pthread_mutex_t lock;       /* guards the job fields, sleepers and the condvar wait */
 	pthread_cond_t wake;
 	uint32_t sleepers;
 };
@@ -52,12 +55,17 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static void run_tasks(struct kvr_workers *w)
+struct job {
+	kvr_task_fn task;
+	void *arg;
+	uint32_t n_tasks;
+};
+
+static void run_tasks(struct kvr_workers *w, const struct job *job)
 {
-	const uint32_t n = w->n_tasks;
 	uint32_t i;
-	while ((i = atomic_fetch_add_explicit(&w->next, 1, memory_order_relaxed)) < n) {
-		w->task(w->arg, i);
+	while ((i = atomic_fetch_add_explicit(&w->next, 1, memory_order_relaxed)) < job->n_tasks) {
+		job->task(job->arg, i);
 		/* pairs with the caller's acquire load of done */
 		atomic_fetch_add_explicit(&w->done, 1, memory_order_release);
 	}
@@ -68,29 +76,29 @@ static void *worker_main(void *arg)
 	struct kvr_workers *w = arg;
 	uint64_t seen = atomic_load(&w->generation);
 	for (;;) {
-		uint64_t gen;
 		int spins = 0;
-		/* pairs with the caller's seq_cst store of generation */
-		while ((gen = atomic_load(&w->generation)) == seen && !atomic_load(&w->quit)) {
+		/* pairs with the publisher's seq_cst increment of generation */
+		while (atomic_load(&w->generation) == seen && !atomic_load(&w->quit)) {
 			if (++spins < SPIN_ITERATIONS) {
 				cpu_relax();
 				continue;
 			}
-			pthread_mutex_lock(&w->sleep_lock);
+			pthread_mutex_lock(&w->lock);
 			w->sleepers++;
 			while (atomic_load(&w->generation) == seen && !atomic_load(&w->quit))
-				pthread_cond_wait(&w->wake, &w->sleep_lock);
+				pthread_cond_wait(&w->wake, &w->lock);
 			w->sleepers--;
-			pthread_mutex_unlock(&w->sleep_lock);
+			pthread_mutex_unlock(&w->lock);
 		}
 		if (atomic_load(&w->quit))
 			return NULL;
-		seen = gen;
-		atomic_fetch_add(&w->active, 1);
-		/* The caller may already have finished this job and published the
-		 * next one; only join the generation we registered under. */
-		if (atomic_load(&w->generation) == gen)
-			run_tasks(w);
+		/* Join under the lock: the fields and the generation belong together. */
+		pthread_mutex_lock(&w->lock);
+		seen = atomic_load(&w->generation);
+		const struct job job = { w->task, w->arg, w->n_tasks };
+		atomic_fetch_add(&w->active, 1); /* the next publisher waits for it to drop */
+		pthread_mutex_unlock(&w->lock);
+		run_tasks(w, &job);
 		atomic_fetch_sub(&w->active, 1);
 	}
 }
@@ -100,7 +108,7 @@ int kvr_workers_create(uint32_t threads, struct kvr_workers **out)
 	struct kvr_workers *w = calloc(1, sizeof(*w));
 	if (!w)
 		return -ENOMEM;
-	pthread_mutex_init(&w->sleep_lock, NULL);
+	pthread_mutex_init(&w->lock, NULL);
 	pthread_cond_init(&w->wake, NULL);
 	if (threads) {
 		w->threads = calloc(threads, sizeof(*w->threads));
@@ -126,12 +134,12 @@ void kvr_workers_destroy(struct kvr_workers *w)
 	if (!w)
 		return;
 	atomic_store(&w->quit, 1);
-	pthread_mutex_lock(&w->sleep_lock);
+	pthread_mutex_lock(&w->lock);
 	pthread_cond_broadcast(&w->wake);
-	pthread_mutex_unlock(&w->sleep_lock);
+	pthread_mutex_unlock(&w->lock);
 	for (uint32_t i = 0; i < w->n_threads; i++)
 		pthread_join(w->threads[i], NULL);
-	pthread_mutex_destroy(&w->sleep_lock);
+	pthread_mutex_destroy(&w->lock);
 	pthread_cond_destroy(&w->wake);
 	free(w->threads);
 	free(w);
@@ -155,18 +163,22 @@ void kvr_workers_parallel_for(struct kvr_workers *w, kvr_task_fn task, void *arg
 			task(arg, i);
 		return;
 	}
+	pthread_mutex_lock(&w->lock);
+	/* a worker that joined the previous job may still be leaving it */
+	while (atomic_load(&w->active))
+		cpu_relax();
 	w->task = task;
 	w->arg = arg;
 	w->n_tasks = n;
 	atomic_store_explicit(&w->next, 0, memory_order_relaxed);
 	atomic_store_explicit(&w->done, 0, memory_order_relaxed);
-	atomic_fetch_add(&w->generation, 1); /* publishes the fields above */
-	pthread_mutex_lock(&w->sleep_lock);
+	atomic_fetch_add(&w->generation, 1);
 	if (w->sleepers)
 		pthread_cond_broadcast(&w->wake);
-	pthread_mutex_unlock(&w->sleep_lock);
+	pthread_mutex_unlock(&w->lock);
 
-	run_tasks(w);
+	const struct job job = { task, arg, n };
+	run_tasks(w, &job);
 	while (atomic_load_explicit(&w->done, memory_order_acquire) < n || atomic_load(&w->active))
 		cpu_relax();
 	atomic_store_explicit(&w->busy, 0, memory_order_release);
