@@ -57,15 +57,19 @@ static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 
 /* ------------------------------------------------------------------ score */
 
-/* Scores of KV head m of one item (kernels.h, "score"). tmp: G x n_cand. */
-static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_score_item *it,
-			       uint32_t m, float *tmp)
+/* Scores of KV head m of one item (kernels.h, "score"). tmp: G x n_cand.
+ * `chunks` (d / 16) is a compile-time constant in every caller, as in
+ * attention, so the page's min/max rows stay in registers. */
+static inline __attribute__((always_inline)) void
+ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t m,
+		   float *tmp, const uint32_t chunks)
 {
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
-	const uint32_t n_cand = it->cand_end - it->cand_begin, chunks = d / 16;
+	const uint32_t n_cand = it->cand_end - it->cand_begin;
 	const uint64_t eb = kvr_elem_bytes(t), page_elems = (uint64_t)sh->n_kv_heads * 2 * d;
 	vf q[KVR_MAX_GROUP_CPU][16];
 	for (uint32_t g = 0; g < G; g++)
+		_Pragma("GCC unroll 16")
 		for (uint32_t c = 0; c < chunks; c++)
 			q[g][c] = LOAD16(it->q, t, (uint64_t)(m * G + g) * d + c * 16);
 
@@ -79,12 +83,14 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 			for (uint64_t l = 0; l < head_bytes; l += 64)
 				__builtin_prefetch(sum + 4 * page_elems * eb + l, 0, 3);
 		vf mn[16], mx[16];
+		_Pragma("GCC unroll 16")
 		for (uint32_t c = 0; c < chunks; c++) {
 			mn[c] = LOAD16(sum, t, c * 16);
 			mx[c] = LOAD16(sum, t, d + c * 16);
 		}
 		for (uint32_t g = 0; g < G; g++) {
 			vf acc = SPLAT16(0.0f);
+			_Pragma("GCC unroll 16")
 			for (uint32_t c = 0; c < chunks; c++) {
 				const vf a = q[g][c] * mn[c], b = q[g][c] * mx[c];
 				acc = acc + blend(a > b, a, b); /* kvr_quest_term per lane */
@@ -125,6 +131,21 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 	const float inv_g = 1.0f / (float)G;
 	for (uint32_t j = 0; j < n_cand; j++)
 		out[j] = out[j] * inv_g;
+}
+
+static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_score_item *it,
+			       uint32_t m, float *tmp)
+{
+	switch (sh->head_dim / 16) { /* d is a multiple of 32 up to 256 */
+	case 2: ISA_FN(score_impl)(sh, it, m, tmp, 2); break;
+	case 4: ISA_FN(score_impl)(sh, it, m, tmp, 4); break;
+	case 6: ISA_FN(score_impl)(sh, it, m, tmp, 6); break;
+	case 8: ISA_FN(score_impl)(sh, it, m, tmp, 8); break;
+	case 10: ISA_FN(score_impl)(sh, it, m, tmp, 10); break;
+	case 12: ISA_FN(score_impl)(sh, it, m, tmp, 12); break;
+	case 14: ISA_FN(score_impl)(sh, it, m, tmp, 14); break;
+	default: ISA_FN(score_impl)(sh, it, m, tmp, 16); break;
+	}
 }
 
 /* ------------------------------------------------------------------ attention */
