@@ -13,6 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../gpu/backend.h"
 #include "../gpu/gpu.h"
 #include "../host/pool.h"
 #include "../host/topology.h"
@@ -135,6 +136,22 @@ KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context 
 	};
 	kvr_page_geometry_init(&pp.geometry, c.page_tokens, c.head_dim, c.n_kv_heads, c.dtype);
 	err = kvr_pool_create(&pp, &ctx->pool, message, sizeof(message));
+	if (!err) {
+		/* the cuda backend was refused above: the device is the cpu */
+		const struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = c.threads };
+		err = kvr_dev_create(&dp, &ctx->dev, message, sizeof(message));
+	}
+	if (!err) {
+		ctx->tile_bytes = (uint64_t)c.page_tokens * c.n_kv_heads * c.head_dim *
+				  kvr_dtype_bytes(c.dtype);
+		pthread_mutex_init(&ctx->seq_lock, NULL);
+		ctx->seqs = calloc(c.max_sequences, sizeof(*ctx->seqs));
+		if (!ctx->seqs) {
+			err = -ENOMEM;
+			snprintf(message, sizeof(message), "context: out of memory for %u sequences",
+				 c.max_sequences);
+		}
+	}
 	if (err) {
 		kvr_fail_config(&c, err, "%s", message);
 		kvr_context_destroy(ctx);
@@ -154,6 +171,12 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx)
 {
 	if (!ctx)
 		return;
+	if (ctx->seqs) {
+		kvr_sequences_destroy(ctx);
+		pthread_mutex_destroy(&ctx->seq_lock);
+		free(ctx->seqs);
+	}
+	kvr_dev_destroy(ctx->dev);
 	kvr_pool_destroy(ctx->pool);
 	pthread_mutex_destroy(&ctx->error_lock);
 	free(ctx);

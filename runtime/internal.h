@@ -17,6 +17,15 @@
 #include "kvrecall.h"
 
 struct kvr_pool;
+struct kvr_dev;
+struct kvr_stream;
+
+/* One sequence's device-side state (sequence.c). */
+struct kvr_sequence {
+	int alive;
+	unsigned char *tails; /* per layer: the partial tail page's NHD K tile then V tile,
+	                         device memory (host-visible on the cpu backend) */
+};
 
 #define KVR_ERROR_MESSAGE_BYTES 512
 
@@ -24,6 +33,14 @@ struct kvr_context {
 	struct kvr_config config; /* resolved: no automatic values left */
 	char gpu_reason[256];     /* why the cuda backend was not chosen, for info/logs */
 	struct kvr_pool *pool;    /* the host page pool (host/pool.h) */
+	struct kvr_dev *dev;      /* the device (gpu/backend.h) */
+	uint64_t tile_bytes;      /* one NHD tile: page_tokens x n_kv_heads x head_dim elements */
+
+	/* Sequences. seq_lock guards the alive flags (create/free/fork may come
+	 * from different threads); a sequence's own data is used by one thread at
+	 * a time (kvrecall.h). */
+	pthread_mutex_t seq_lock;
+	struct kvr_sequence *seqs; /* max_sequences */
 
 	/* Last error. Written by whichever thread fails a call on this context, read
 	 * by kvr_last_error(); the mutex keeps a message from being torn. */
@@ -47,6 +64,9 @@ void kvr_log(const struct kvr_context *ctx, enum kvr_log_level level, const char
 /* Log through a config's callback (before a context exists). */
 void kvr_log_config(const struct kvr_config *cfg, enum kvr_log_level level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
+
+/* Free every sequence's device memory (context teardown). */
+void kvr_sequences_destroy(struct kvr_context *ctx);
 
 /* Bytes of one element of a kvr_dtype, or 0 for an unknown dtype. */
 uint32_t kvr_dtype_bytes(uint32_t dtype);

@@ -222,6 +222,58 @@ KVR_API int kvr_context_get_config(const struct kvr_context *ctx, struct kvr_con
 KVR_API const char *kvr_last_error(const struct kvr_context *ctx);
 
 /* ---------------------------------------------------------------------------
+ * Sequences and prefill
+ *
+ * A sequence is one request's KV cache: per layer, its tokens' keys and values
+ * in the host page pool plus the partial tail page on the device side. Ids are
+ * small integers below max_sequences. Calls on one sequence must not run
+ * concurrently; different sequences may be used from different threads.
+ * -------------------------------------------------------------------------
+ */
+
+/*
+ * Create an empty sequence and write its id to *seq. Errors: -EINVAL (NULL
+ * argument), -ENOSPC (max_sequences sequences are alive), -ENOMEM.
+ */
+KVR_API int kvr_seq_create(struct kvr_context *ctx, uint32_t *seq);
+
+/* Free a sequence and every page only it references. -EINVAL for an unknown id. */
+KVR_API int kvr_seq_free(struct kvr_context *ctx, uint32_t seq);
+
+/*
+ * Fork `src` into a new sequence *dst holding the same tokens: full pages are
+ * shared (copied on the first write), the partial tail is copied. Errors:
+ * -EINVAL, -ENOSPC, -ENOMEM; on failure nothing is created and src is intact.
+ */
+KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst);
+
+/*
+ * Keep the first n_tokens tokens of every layer of `seq`, dropping the rest
+ * (e.g. to roll back a speculative draft). Errors: -EINVAL (unknown id, or
+ * n_tokens beyond a layer's length).
+ */
+KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_tokens);
+
+/* Tokens stored for (seq, layer). -EINVAL for unknown ids. */
+KVR_API int kvr_seq_length(const struct kvr_context *ctx, uint32_t seq, uint32_t layer,
+			   uint64_t *n_tokens);
+
+/*
+ * Prefill ingestion: append n_tokens tokens of one layer at positions
+ * first_position, first_position+1, ... (which must continue the layer's
+ * tokens: first_position == kvr_seq_length). k and v are host arrays of
+ * n_tokens rows of n_kv_heads·head_dim elements of the config's dtype (the
+ * layout the QKV projection produces, keys already rotated). Any n_tokens
+ * works, in chunks of any size: full pages go to the host pool as they
+ * complete, the partial tail stays on the device side. A pool page is
+ * reserved when a tail page starts, all or nothing: -ENOMEM (pool capacity)
+ * leaves the sequence exactly as it was. Blocks until the data is stored.
+ * Errors: -EINVAL (unknown ids, positions out of order, NULL data), -ENOMEM.
+ */
+KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
+			uint64_t first_position, uint32_t n_tokens, const void *k, const void *v);
+
+/* ---------------------------------------------------------------------------
  * System report (what `kvrecall info` prints)
  * ------------------------------------------------------------------------- */
 

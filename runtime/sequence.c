@@ -1,0 +1,226 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * sequence.c — sequences and prefill ingestion behind kvrecall.h: the
+ * sequence table, each sequence's device-side tail tiles, and the glue to the
+ * host pool's page tables (host/pool.c), which own the pages themselves.
+ *
+ * A sequence's tail tiles hold, per layer, the rows of the page that is not
+ * full yet (NHD, as the QKV projection writes them); the pool holds every full
+ * page and has already reserved the one the tail will fill. On the cpu backend
+ * device memory is host memory, so ingestion writes the tiles directly.
+ *
+ * Threads: the caller's. seq_lock guards the alive flags only; a sequence's
+ * data is used by one thread at a time (kvrecall.h).
+ */
+#include <errno.h>
+#include <string.h>
+
+#include "../gpu/backend.h"
+#include "../host/pool.h"
+#include "../layouts/transpose.h"
+#include "internal.h"
+
+static unsigned char *tail_keys(const struct kvr_context *ctx, const struct kvr_sequence *s,
+				uint32_t layer)
+{
+	return s->tails + (uint64_t)layer * 2 * ctx->tile_bytes;
+}
+
+static unsigned char *tail_values(const struct kvr_context *ctx, const struct kvr_sequence *s,
+				  uint32_t layer)
+{
+	return tail_keys(ctx, s, layer) + ctx->tile_bytes;
+}
+
+/* The live sequence `seq`, or NULL with the context's error set. */
+static struct kvr_sequence *live(struct kvr_context *ctx, uint32_t seq, const char *op, int *err)
+{
+	if (seq >= ctx->config.max_sequences) {
+		*err = kvr_fail(ctx, -EINVAL, "%s: sequence id %u out of range (max_sequences %u)", op,
+				seq, ctx->config.max_sequences);
+		return NULL;
+	}
+	pthread_mutex_lock(&ctx->seq_lock);
+	struct kvr_sequence *s = ctx->seqs[seq].alive ? &ctx->seqs[seq] : NULL;
+	pthread_mutex_unlock(&ctx->seq_lock);
+	if (!s)
+		*err = kvr_fail(ctx, -EINVAL, "%s: sequence %u does not exist (freed or never created)",
+				op, seq);
+	return s;
+}
+
+/* Claim a free slot with its tiles allocated; open its (empty) pool tables
+ * unless the caller will (a fork opens them from the source). */
+static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, uint32_t *out)
+{
+	if (!kvr_dev_host_visible(ctx->dev))
+		return kvr_fail(ctx, -ENOTSUP, "%s: ingestion on the %s backend is not implemented",
+				op, kvr_dev_name(ctx->dev));
+	pthread_mutex_lock(&ctx->seq_lock);
+	uint32_t id = 0;
+	while (id < ctx->config.max_sequences && ctx->seqs[id].alive)
+		id++;
+	if (id == ctx->config.max_sequences) {
+		pthread_mutex_unlock(&ctx->seq_lock);
+		return kvr_fail(ctx, -ENOSPC, "%s: all %u sequences are in use (max_sequences)", op,
+				ctx->config.max_sequences);
+	}
+	ctx->seqs[id].alive = 1; /* reserved; undone below on failure */
+	pthread_mutex_unlock(&ctx->seq_lock);
+
+	void *tails = NULL;
+	int err = kvr_dev_alloc(ctx->dev, (size_t)ctx->config.n_layers * 2 * ctx->tile_bytes, &tails);
+	if (err)
+		kvr_fail(ctx, err, "%s: device memory for the tail pages: %s", op,
+			 kvr_dev_last_error(ctx->dev));
+	else if (open_tables && (err = kvr_pool_seq_open(ctx->pool, id)))
+		kvr_fail(ctx, err, "%s: %s", op, kvr_pool_last_error(ctx->pool));
+	if (err) {
+		kvr_dev_free(ctx->dev, tails);
+		pthread_mutex_lock(&ctx->seq_lock);
+		ctx->seqs[id].alive = 0;
+		pthread_mutex_unlock(&ctx->seq_lock);
+		return err;
+	}
+	ctx->seqs[id].tails = tails;
+	*out = id;
+	return 0;
+}
+
+static void seq_release(struct kvr_context *ctx, uint32_t id, int close_tables)
+{
+	if (close_tables)
+		kvr_pool_seq_close(ctx->pool, id);
+	kvr_dev_free(ctx->dev, ctx->seqs[id].tails);
+	pthread_mutex_lock(&ctx->seq_lock);
+	ctx->seqs[id].tails = NULL;
+	ctx->seqs[id].alive = 0;
+	pthread_mutex_unlock(&ctx->seq_lock);
+}
+
+KVR_API int kvr_seq_create(struct kvr_context *ctx, uint32_t *seq)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "seq_create: ctx is NULL");
+	if (!seq)
+		return kvr_fail(ctx, -EINVAL, "seq_create: seq is NULL");
+	return seq_claim(ctx, "seq_create", 1, seq);
+}
+
+KVR_API int kvr_seq_free(struct kvr_context *ctx, uint32_t seq)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "seq_free: ctx is NULL");
+	int err = 0;
+	if (!live(ctx, seq, "seq_free", &err))
+		return err;
+	seq_release(ctx, seq, 1);
+	return 0;
+}
+
+KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "seq_fork: ctx is NULL");
+	if (!dst)
+		return kvr_fail(ctx, -EINVAL, "seq_fork: dst is NULL");
+	int err = 0;
+	struct kvr_sequence *from = live(ctx, src, "seq_fork", &err);
+	if (!from)
+		return err;
+	uint32_t id;
+	if ((err = seq_claim(ctx, "seq_fork", 0, &id)))
+		return err;
+	if ((err = kvr_pool_seq_fork(ctx->pool, src, id))) { /* leaves id's tables closed */
+		kvr_fail(ctx, err, "seq_fork: %s", kvr_pool_last_error(ctx->pool));
+		seq_release(ctx, id, 0);
+		return err;
+	}
+	memcpy(ctx->seqs[id].tails, from->tails, (size_t)ctx->config.n_layers * 2 * ctx->tile_bytes);
+	*dst = id;
+	return 0;
+}
+
+KVR_API int kvr_seq_length(const struct kvr_context *ctx, uint32_t seq, uint32_t layer,
+			   uint64_t *n_tokens)
+{
+	struct kvr_context *mctx = (struct kvr_context *)ctx; /* error message only */
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "seq_length: ctx is NULL");
+	if (!n_tokens)
+		return kvr_fail(mctx, -EINVAL, "seq_length: n_tokens is NULL");
+	int err = 0;
+	if (!live(mctx, seq, "seq_length", &err))
+		return err;
+	if (layer >= ctx->config.n_layers)
+		return kvr_fail(mctx, -EINVAL, "seq_length: layer %u out of range (n_layers %u)", layer,
+				ctx->config.n_layers);
+	return kvr_pool_n_tokens(ctx->pool, seq, layer, n_tokens);
+}
+
+KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_tokens)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "seq_truncate: ctx is NULL");
+	int err = 0;
+	struct kvr_sequence *s = live(ctx, seq, "seq_truncate", &err);
+	if (!s)
+		return err;
+	const struct kvr_config *c = &ctx->config;
+	/* Check every layer first, so a refusal changes nothing. */
+	for (uint32_t l = 0; l < c->n_layers; l++) {
+		uint64_t have;
+		kvr_pool_n_tokens(ctx->pool, seq, l, &have);
+		if (n_tokens > have)
+			return kvr_fail(ctx, -EINVAL,
+					"seq_truncate: sequence %u layer %u has %llu tokens, cannot keep %llu",
+					seq, l, (unsigned long long)have, (unsigned long long)n_tokens);
+	}
+	struct kvr_page_geometry g;
+	kvr_page_geometry_init(&g, c->page_tokens, c->head_dim, c->n_kv_heads, c->dtype);
+	const uint64_t p = c->page_tokens;
+	for (uint32_t l = 0; l < c->n_layers; l++) {
+		uint64_t have;
+		kvr_pool_n_tokens(ctx->pool, seq, l, &have);
+		kvr_pool_truncate(ctx->pool, seq, l, n_tokens);
+		/* The new tail page was full and offloaded: bring its rows back to the
+		 * tail tiles, where the next tokens will join them. */
+		if (n_tokens % p && n_tokens / p != have / p) {
+			uint32_t id;
+			kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id);
+			const unsigned char *page = kvr_pool_page_data(ctx->pool, id);
+			for (uint32_t h = 0; h < c->n_kv_heads; h++)
+				kvr_hnd_run_to_nhd_slot(&g, page + h * g.head_bytes, tail_keys(ctx, s, l),
+							tail_values(ctx, s, l), h);
+		}
+	}
+	return 0;
+}
+
+KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
+			uint64_t first_position, uint32_t n_tokens, const void *k, const void *v)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "prefill: ctx is NULL");
+	int err = 0;
+	struct kvr_sequence *s = live(ctx, seq, "prefill", &err);
+	if (!s)
+		return err;
+	if (layer >= ctx->config.n_layers)
+		return kvr_fail(ctx, -EINVAL, "prefill: layer %u out of range (n_layers %u)", layer,
+				ctx->config.n_layers);
+	if (n_tokens && (!k || !v))
+		return kvr_fail(ctx, -EINVAL, "prefill: k or v is NULL");
+	struct kvr_tail_tile tail = { tail_keys(ctx, s, layer), tail_values(ctx, s, layer) };
+	err = kvr_pool_ingest(ctx->pool, seq, layer, first_position, n_tokens, k, v, &tail);
+	if (err)
+		return kvr_fail(ctx, err, "prefill: %s", kvr_pool_last_error(ctx->pool));
+	return 0;
+}
+
+void kvr_sequences_destroy(struct kvr_context *ctx)
+{
+	for (uint32_t id = 0; id < ctx->config.max_sequences; id++)
+		if (ctx->seqs[id].alive)
+			seq_release(ctx, id, 1);
+}
