@@ -171,6 +171,7 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx)
 {
 	if (!ctx)
 		return;
+	kvr_decode_teardown(ctx);
 	if (ctx->seqs) {
 		kvr_sequences_destroy(ctx);
 		pthread_mutex_destroy(&ctx->seq_lock);

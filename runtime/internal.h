@@ -20,11 +20,26 @@ struct kvr_pool;
 struct kvr_dev;
 struct kvr_stream;
 
-/* One sequence's device-side state (sequence.c). */
+/* One sequence's device-side state (sequence.c, decode.c). */
 struct kvr_sequence {
 	int alive;
 	unsigned char *tails; /* per layer: the partial tail page's NHD K tile then V tile,
 	                         device memory (host-visible on the cpu backend) */
+	/* Per layer, for the speculative modes: the previous step's query and the
+	 * pages selected for the next step ([n_kv][k], -1 = none). */
+	unsigned char *prev_q;   /* n_layers x n_qo x d elements */
+	int32_t *selected;       /* n_layers x n_kv x k */
+	unsigned char *has_prev; /* n_layers: prev_q and selected are valid */
+};
+
+/* The open decode step and the scratch its layers reuse (decode.c). */
+struct kvr_step_state {
+	int open;
+	uint32_t batch;
+	uint32_t *seqs;        /* max_batch */
+	uint64_t *positions;   /* max_batch */
+	void *scratch;         /* grown as needed */
+	size_t scratch_bytes;
 };
 
 #define KVR_ERROR_MESSAGE_BYTES 512
@@ -41,6 +56,8 @@ struct kvr_context {
 	 * a time (kvrecall.h). */
 	pthread_mutex_t seq_lock;
 	struct kvr_sequence *seqs; /* max_sequences */
+	struct kvr_step_state step;
+	struct kvr_stats stats;    /* the engine's thread writes; kvr_get_stats reads */
 
 	/* Last error. Written by whichever thread fails a call on this context, read
 	 * by kvr_last_error(); the mutex keeps a message from being torn. */
@@ -64,6 +81,12 @@ void kvr_log(const struct kvr_context *ctx, enum kvr_log_level level, const char
 /* Log through a config's callback (before a context exists). */
 void kvr_log_config(const struct kvr_config *cfg, enum kvr_log_level level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
+
+/* Allocate / free a sequence's decode state (decode.c). */
+int kvr_decode_state_alloc(struct kvr_context *ctx, struct kvr_sequence *s);
+void kvr_decode_state_free(struct kvr_sequence *s);
+/* Free the step scratch (context teardown). */
+void kvr_decode_teardown(struct kvr_context *ctx);
 
 /* Free every sequence's device memory (context teardown). */
 void kvr_sequences_destroy(struct kvr_context *ctx);

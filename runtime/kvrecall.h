@@ -274,6 +274,64 @@ KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
 			uint64_t first_position, uint32_t n_tokens, const void *k, const void *v);
 
 /* ---------------------------------------------------------------------------
+ * Decode
+ *
+ * One decode step for a batch: kvr_decode_begin names the sequences and the
+ * position of each one's new token; then, layer by layer, kvr_decode_layer
+ * takes that layer's q, k, v for the whole batch, stores k and v, and writes
+ * the attention output; kvr_decode_end closes the step. Which tokens each query
+ * attends to follows the context's mode (DESIGN.md, "Decode step"):
+ *   dense        every token;
+ *   blocking     sink + the k pages selected with this step's query + window;
+ *   speculative  the pages selected with the previous step's query (the first
+ *                step after prefill selects with its own query);
+ *   freekv       speculative, except KV heads whose group-mean cosine between
+ *                this and the previous query falls below tau: they use pages
+ *                selected with this step's query.
+ * A sequence whose layer holds at most budget_tokens tokens, and every layer in
+ * dense_layers, attends densely (identical results to `dense`).
+ *
+ * Layouts (host memory on the cpu backend): q and out are [batch][n_qo][d],
+ * k and v are [batch][n_kv][d], rows of the config's dtype, queries and keys
+ * already rotated. status[i] receives 0 or a negative errno for sequence i: a
+ * sequence that fails (e.g. its pool page cannot be reserved) gets zeros for
+ * its output and leaves the others' outputs and state intact.
+ * -------------------------------------------------------------------------
+ */
+
+/* Begin a step. positions[i] must equal sequence seqs[i]'s length in every layer
+ * when that layer is decoded. Errors: -EINVAL (unknown or repeated sequence,
+ * batch larger than max_batch), -EBUSY (a step is already open). */
+KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
+			     const uint64_t *positions, uint32_t batch);
+
+/* Decode one layer of the open step (see above). `stream` is the engine's
+ * stream handle, NULL on the cpu backend (work runs on the calling thread).
+ * Returns 0 when the call itself was valid (per-sequence failures are in
+ * status), or -EINVAL (no open step, layer out of range, NULL buffers). */
+KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
+			     const void *k, const void *v, void *out, int32_t *status, void *stream);
+
+/* Close the step. -EINVAL when none is open. */
+KVR_API int kvr_decode_end(struct kvr_context *ctx);
+
+/* Counters of a context since its creation. */
+struct kvr_stats {
+	uint32_t size;              /* bytes: set by the caller */
+	uint32_t reserved;
+	uint64_t steps;             /* kvr_decode_end calls */
+	uint64_t layer_decodes;     /* (sequence, layer) pairs decoded */
+	uint64_t dense_decodes;     /* of which attended densely (short or dense layer/mode) */
+	uint64_t selections;        /* (sequence, layer) page selections run */
+	uint64_t corrected_heads;   /* freekv: KV heads corrected */
+	uint64_t checked_heads;     /* freekv: KV heads checked for correction */
+	uint64_t failed_decodes;    /* (sequence, layer) pairs that got a non-zero status */
+};
+
+/* Copy the context's counters into *stats (stats->size must be set). */
+KVR_API int kvr_get_stats(const struct kvr_context *ctx, struct kvr_stats *stats);
+
+/* ---------------------------------------------------------------------------
  * System report (what `kvrecall info` prints)
  * ------------------------------------------------------------------------- */
 

@@ -49,6 +49,8 @@ static struct kvr_sequence *live(struct kvr_context *ctx, uint32_t seq, const ch
 	return s;
 }
 
+static void seq_release(struct kvr_context *ctx, uint32_t id, int close_tables);
+
 /* Claim a free slot with its tiles allocated; open its (empty) pool tables
  * unless the caller will (a fork opens them from the source). */
 static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, uint32_t *out)
@@ -83,6 +85,11 @@ static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, u
 		return err;
 	}
 	ctx->seqs[id].tails = tails;
+	if ((err = kvr_decode_state_alloc(ctx, &ctx->seqs[id]))) {
+		kvr_fail(ctx, err, "%s: out of memory for the decode state", op);
+		seq_release(ctx, id, open_tables);
+		return err;
+	}
 	*out = id;
 	return 0;
 }
@@ -91,6 +98,7 @@ static void seq_release(struct kvr_context *ctx, uint32_t id, int close_tables)
 {
 	if (close_tables)
 		kvr_pool_seq_close(ctx->pool, id);
+	kvr_decode_state_free(&ctx->seqs[id]);
 	kvr_dev_free(ctx->dev, ctx->seqs[id].tails);
 	pthread_mutex_lock(&ctx->seq_lock);
 	ctx->seqs[id].tails = NULL;
@@ -137,6 +145,7 @@ KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst)
 		return err;
 	}
 	memcpy(ctx->seqs[id].tails, from->tails, (size_t)ctx->config.n_layers * 2 * ctx->tile_bytes);
+	/* the fork has no previous query of its own yet: its first step selects afresh */
 	*dst = id;
 	return 0;
 }
@@ -183,6 +192,7 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 		uint64_t have;
 		kvr_pool_n_tokens(ctx->pool, seq, l, &have);
 		kvr_pool_truncate(ctx->pool, seq, l, n_tokens);
+		s->has_prev[l] = 0; /* the previous query belonged to a dropped token */
 		/* The new tail page was full and offloaded: bring its rows back to the
 		 * tail tiles, where the next tokens will join them. */
 		if (n_tokens % p && n_tokens / p != have / p) {

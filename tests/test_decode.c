@@ -1,0 +1,332 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_decode.c — the decode step through the public API on the cpu backend:
+ * dense decode against a double-precision reference over every token; with
+ * B ≥ L every mode's output is bit-identical to dense; the sparse modes attend
+ * exactly sink + k pages + window (checked against a reference over the pages
+ * the mode must have picked); freekv corrects exactly the KV heads whose query
+ * moved; bad input is refused and a failing sequence leaves the others intact.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrecall.h"
+
+#define P 16
+#define N_KV 2
+#define N_QO 4
+#define D 32
+#define KV_ROW (N_KV * D)
+#define Q_ROW (N_QO * D)
+
+static uint64_t rng_state = 0x1234567887654321ull;
+static float frand(void)
+{
+	rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+	return (float)((int32_t)(rng_state >> 33) % 2000 - 1000) / 1000.0f;
+}
+
+static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint32_t sink, uint32_t window,
+				    uint64_t pool_pages, float tau)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = 2;
+	c.n_qo_heads = N_QO;
+	c.n_kv_heads = N_KV;
+	c.head_dim = D;
+	c.dtype = KVR_DTYPE_F32;
+	c.page_tokens = P;
+	c.sink_tokens = sink;
+	c.window_tokens = window;
+	c.budget_tokens = budget;
+	c.mode = mode;
+	c.tau = tau;
+	c.dense_layers[0] = 0; /* both layers may be sparse */
+	c.max_sequences = 4;
+	c.max_batch = 4;
+	c.threads = 1;
+	c.pool_bytes = pool_pages * 2ull * P * D * N_KV * 4;
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0, "%s", kvr_last_error(NULL));
+	return ctx;
+}
+
+struct history {
+	uint64_t n;
+	float *k, *v; /* n x KV_ROW */
+};
+
+static void history_prefill(struct kvr_context *ctx, uint32_t seq, struct history *h, uint64_t n)
+{
+	h->n = n;
+	h->k = malloc(4096 * KV_ROW * sizeof(float));
+	h->v = malloc(4096 * KV_ROW * sizeof(float));
+	for (uint64_t i = 0; i < n * KV_ROW; i++) {
+		h->k[i] = frand();
+		h->v[i] = frand();
+	}
+	for (uint32_t l = 0; l < 2; l++)
+		cr_assert_eq(kvr_prefill(ctx, seq, l, 0, (uint32_t)n, h->k, h->v), 0, "%s",
+			     kvr_last_error(ctx));
+}
+
+/* Attention of query row q over the given tokens of h, in double. */
+static void reference(const struct history *h, const float *q, const uint8_t *use, float *out)
+{
+	for (uint32_t hq = 0; hq < N_QO; hq++) {
+		const uint32_t m = hq / (N_QO / N_KV);
+		double mx = -INFINITY, sum = 0, acc[D] = { 0 };
+		double *s = malloc(h->n * sizeof(double));
+		for (uint64_t t = 0; t < h->n; t++) {
+			if (use && !use[t])
+				continue;
+			double dot = 0;
+			for (uint32_t c = 0; c < D; c++)
+				dot += (double)q[hq * D + c] * h->k[t * KV_ROW + m * D + c];
+			s[t] = dot / sqrt((double)D);
+			mx = s[t] > mx ? s[t] : mx;
+		}
+		for (uint64_t t = 0; t < h->n; t++) {
+			if (use && !use[t])
+				continue;
+			const double w = exp(s[t] - mx);
+			sum += w;
+			for (uint32_t c = 0; c < D; c++)
+				acc[c] += w * h->v[t * KV_ROW + m * D + c];
+		}
+		for (uint32_t c = 0; c < D; c++)
+			out[hq * D + c] = (float)(acc[c] / sum);
+		free(s);
+	}
+}
+
+/* One decode step of one sequence on both layers; appends to h. */
+static void step(struct kvr_context *ctx, uint32_t seq, struct history *h, const float *q,
+		 float out[2][Q_ROW])
+{
+	float k[KV_ROW], v[KV_ROW];
+	for (uint32_t i = 0; i < KV_ROW; i++) {
+		k[i] = frand();
+		v[i] = frand();
+	}
+	memcpy(h->k + h->n * KV_ROW, k, sizeof(k));
+	memcpy(h->v + h->n * KV_ROW, v, sizeof(v));
+	const uint64_t pos = h->n++;
+	cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0, "%s", kvr_last_error(ctx));
+	for (uint32_t l = 0; l < 2; l++) {
+		int32_t status = 99;
+		cr_assert_eq(kvr_decode_layer(ctx, l, q, k, v, out[l], &status, NULL), 0, "%s",
+			     kvr_last_error(ctx));
+		cr_assert_eq(status, 0, "%s", kvr_last_error(ctx));
+	}
+	cr_assert_eq(kvr_decode_end(ctx), 0);
+}
+
+static void random_q(float *q)
+{
+	for (uint32_t i = 0; i < Q_ROW; i++)
+		q[i] = 3.0f * frand();
+}
+
+Test(decode, dense_matches_reference)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+	struct history h;
+	history_prefill(ctx, seq, &h, 100);
+	for (int i = 0; i < 20; i++) { /* crosses a page boundary */
+		float q[Q_ROW], out[2][Q_ROW], want[Q_ROW];
+		random_q(q);
+		step(ctx, seq, &h, q, out);
+		reference(&h, q, NULL, want);
+		for (uint32_t j = 0; j < Q_ROW; j++) {
+			cr_assert_float_eq(out[0][j], want[j], 2e-5, "step %d elem %u", i, j);
+			cr_assert_float_eq(out[1][j], want[j], 2e-5, "layer 1");
+		}
+	}
+	free(h.k), free(h.v);
+	kvr_context_destroy(ctx);
+}
+
+/* With B >= L every mode attends to everything: outputs identical to dense. */
+Test(decode, every_mode_equals_dense_when_budget_covers_context)
+{
+	static const uint32_t modes[] = { KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
+	float q[20][Q_ROW];
+	for (int i = 0; i < 20; i++)
+		random_q(q[i]);
+	float dense_out[20][2][Q_ROW];
+	for (int mode_i = -1; mode_i < 3; mode_i++) {
+		rng_state = 42; /* the same K/V history for every mode */
+		struct kvr_context *ctx = make_ctx(mode_i < 0 ? KVR_MODE_DENSE : modes[mode_i], 256, 32,
+						   32, 64, 0.9f);
+		uint32_t seq;
+		cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+		struct history h;
+		history_prefill(ctx, seq, &h, 200);
+		for (int i = 0; i < 20; i++) {
+			float out[2][Q_ROW];
+			step(ctx, seq, &h, q[i], out);
+			if (mode_i < 0)
+				memcpy(dense_out[i], out, sizeof(out));
+			else
+				cr_assert_eq(memcmp(out, dense_out[i], sizeof(out)), 0, "mode %u step %d",
+					     modes[mode_i], i);
+		}
+		free(h.k), free(h.v);
+		kvr_context_destroy(ctx);
+	}
+}
+
+/* A sparse mode attends to exactly sink + its k pages + window: its output
+ * equals the reference over some such set, and differs from dense. */
+Test(decode, sparse_modes_attend_sink_pages_and_window)
+{
+	static const uint32_t modes[] = { KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
+	for (int mode_i = 0; mode_i < 3; mode_i++) {
+		rng_state = 7;
+		/* B = 64: sink 16 + 2 pages + window 16; context ~400 */
+		struct kvr_context *ctx = make_ctx(modes[mode_i], 64, 16, 16, 64, 0.9f);
+		uint32_t seq;
+		cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+		struct history h;
+		history_prefill(ctx, seq, &h, 400);
+		float q[Q_ROW], out[2][Q_ROW], dense[Q_ROW];
+		random_q(q);
+		step(ctx, seq, &h, q, out);
+		reference(&h, q, NULL, dense);
+		double diff = 0;
+		for (uint32_t j = 0; j < Q_ROW; j++)
+			diff += fabs(out[0][j] - dense[j]);
+		cr_expect_gt(diff, 1e-3, "mode %u attended densely", modes[mode_i]);
+		for (uint32_t j = 0; j < Q_ROW; j++)
+			cr_assert(isfinite(out[0][j]) && isfinite(out[1][j]));
+		/* the first step after prefill selects with its own query: the output
+		 * is the reference over sink + the best-scoring pages + window for some
+		 * 2 pages per KV head; check the sink/window part by trying every pair
+		 * of candidate pages for KV head 0 (candidates: pages 1..23) */
+		const uint64_t n = h.n, n_full = n / P;
+		int matched = 0;
+		for (uint64_t a = 1; a + 1 < n_full && !matched; a++)
+			for (uint64_t b = a + 1; b + 1 < n_full && !matched; b++) {
+				uint8_t *use = calloc(n, 1);
+				for (uint64_t t = 0; t < n; t++) {
+					const uint64_t pg = t / P;
+					use[t] = pg == 0 || pg == a || pg == b || pg >= n_full - 1;
+				}
+				float want[Q_ROW];
+				reference(&h, q, use, want);
+				int ok = 1;
+				for (uint32_t j = 0; j < (N_QO / N_KV) * D && ok; j++) /* KV head 0's queries */
+					ok = fabsf(want[j] - out[0][j]) < 2e-5f;
+				matched = ok;
+				free(use);
+			}
+		cr_expect(matched, "mode %u: output matches no sink + 2 pages + window set", modes[mode_i]);
+		free(h.k), free(h.v);
+		kvr_context_destroy(ctx);
+	}
+}
+
+Test(decode, freekv_corrects_exactly_the_heads_that_moved)
+{
+	/* freekv and, beside it, blocking on the same history and queries: a
+	 * corrected head selects with this step's query, so its output equals
+	 * blocking's bit for bit. */
+	struct kvr_context *ctx[2];
+	uint32_t seq[2];
+	struct history h[2];
+	for (int c = 0; c < 2; c++) {
+		rng_state = 99;
+		ctx[c] = make_ctx(c ? KVR_MODE_BLOCKING : KVR_MODE_FREEKV, 64, 16, 16, 128, 0.9f);
+		cr_assert_eq(kvr_seq_create(ctx[c], &seq[c]), 0);
+		history_prefill(ctx[c], seq[c], &h[c], 300);
+	}
+	float q[Q_ROW], out[2][2][Q_ROW];
+	rng_state = 5;
+	random_q(q);
+	struct kvr_stats st[3];
+	for (int i = 0; i < 3; i++) {
+		if (i == 2) /* flip the queries of KV head 1's group only: cosine -1 */
+			for (uint32_t j = (N_QO / N_KV) * D; j < Q_ROW; j++)
+				q[j] = -q[j];
+		for (int c = 0; c < 2; c++) {
+			rng_state = 1000 + (uint64_t)i; /* the same new K/V in both */
+			step(ctx[c], seq[c], &h[c], q, out[c]);
+		}
+		st[i].size = sizeof(st[i]);
+		cr_assert_eq(kvr_get_stats(ctx[0], &st[i]), 0);
+	}
+	/* step 0: no previous query, nothing checked; step 1: same query, checked,
+	 * none corrected; step 2: head 1 corrected in both layers */
+	cr_expect_eq(st[0].checked_heads, 0);
+	cr_expect_eq(st[1].checked_heads, 2 * N_KV);
+	cr_expect_eq(st[1].corrected_heads, 0);
+	cr_expect_eq(st[2].corrected_heads, 2, "one head in each of 2 layers");
+	cr_expect_eq(st[2].steps, 3);
+	cr_expect_eq(st[2].layer_decodes, 6);
+	const size_t group = (N_QO / N_KV) * D;
+	for (int l = 0; l < 2; l++)
+		cr_expect_eq(memcmp(out[0][l] + group, out[1][l] + group, group * sizeof(float)), 0,
+			     "layer %d: the corrected head did not select with this step's query", l);
+	for (int c = 0; c < 2; c++) {
+		free(h[c].k), free(h[c].v);
+		kvr_context_destroy(ctx[c]);
+	}
+}
+
+Test(decode, bad_input_and_per_sequence_failure)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 4, 0.9f); /* 4 pages */
+	uint32_t a, b;
+	cr_assert_eq(kvr_seq_create(ctx, &a), 0);
+	cr_assert_eq(kvr_seq_create(ctx, &b), 0);
+	struct history ha, hb;
+	history_prefill(ctx, a, &ha, 16); /* 1 page per layer */
+	history_prefill(ctx, b, &hb, 15);  /* 1 page per layer, 15 in it */
+	const uint32_t both[2] = { a, b }, twice[2] = { a, a }, unknown = 3;
+	const uint64_t pos[2] = { 16, 15 };
+	float q[2][Q_ROW], k[2][KV_ROW], v[2][KV_ROW], out[2][Q_ROW];
+	int32_t status[2];
+	for (uint32_t i = 0; i < 2 * Q_ROW; i++)
+		((float *)q)[i] = frand();
+	for (uint32_t i = 0; i < 2 * KV_ROW; i++)
+		((float *)k)[i] = ((float *)v)[i] = frand();
+
+	cr_expect_eq(kvr_decode_layer(ctx, 0, q, k, v, out, status, NULL), -EINVAL, "no step open");
+	cr_expect_eq(kvr_decode_end(ctx), -EINVAL);
+	cr_expect_eq(kvr_decode_begin(ctx, twice, pos, 2), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "appears twice") != NULL);
+	cr_expect_eq(kvr_decode_begin(ctx, &unknown, pos, 1), -EINVAL);
+	cr_expect_eq(kvr_decode_begin(ctx, both, pos, 5), -EINVAL, "larger than max_batch");
+	cr_assert_eq(kvr_decode_begin(ctx, both, pos, 2), 0);
+	cr_expect_eq(kvr_decode_begin(ctx, both, pos, 2), -EBUSY);
+	cr_expect_eq(kvr_decode_layer(ctx, 2, q, k, v, out, status, NULL), -EINVAL);
+	cr_expect_eq(kvr_decode_layer(ctx, 0, q, NULL, v, out, status, NULL), -EINVAL);
+
+	/* pool: a has 2 pages, b has 2 pages: full. a's token starts a new page
+	 * (position 16) and cannot get one; b's fits in its partial page. */
+	cr_assert_eq(kvr_decode_layer(ctx, 0, q, k, v, out, status, NULL), 0);
+	cr_expect_eq(status[0], -ENOMEM);
+	cr_expect_eq(status[1], 0);
+	for (uint32_t j = 0; j < Q_ROW; j++)
+		cr_expect_eq(out[0][j], 0.0f, "a failed sequence outputs zeros");
+	memcpy(hb.k + 15 * KV_ROW, k[1], sizeof(k[1]));
+	memcpy(hb.v + 15 * KV_ROW, v[1], sizeof(v[1]));
+	hb.n = 16;
+	float want[Q_ROW];
+	reference(&hb, q[1], NULL, want);
+	for (uint32_t j = 0; j < Q_ROW; j++)
+		cr_expect_float_eq(out[1][j], want[j], 2e-5, "the other sequence is unaffected");
+	cr_assert_eq(kvr_decode_end(ctx), 0);
+	uint64_t len;
+	kvr_seq_length(ctx, a, 0, &len);
+	cr_expect_eq(len, 16, "the failed token was not stored");
+	free(ha.k), free(ha.v), free(hb.k), free(hb.v);
+	kvr_context_destroy(ctx);
+}
