@@ -1,0 +1,222 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * decode_bench.c — decode step time per mode through the public API, the way
+ * an engine drives kvrecall: Llama-3.1-8B attention shapes (8 KV heads, 32
+ * query heads, d = 128, f16, p = 32), a few layers, B = 2048, S = W = 512,
+ * contexts 8K to 128K tokens, queries with realistic dynamics (each step's
+ * query strongly correlated with the previous one, with occasional jumps).
+ *
+ * Reported per mode and context: step time per layer, its ratio to attention
+ * over the B tokens alone (the same kvrecall dense decode at L = B, measured in
+ * the same run) and to the issue's budget (1 + L/(p·B)) of it, selections and
+ * freekv's correction rate. Output: a table on stderr and JSON.
+ *
+ * Threads: the caller plus the context's workers (config threads = auto).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrecall.h"
+#include "bench_common.h"
+
+#define N_KV 8
+#define N_QO 32
+#define D 128
+#define LAYERS 2
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static float frand(void) /* uniform in [-1, 1) */
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return (float)(int32_t)(rng_state >> 32) / 2147483648.0f;
+}
+
+/* f32 -> f16 bits, round to nearest even (normal range only: inputs are small) */
+static uint16_t f16(float x)
+{
+	uint32_t u;
+	memcpy(&u, &x, 4);
+	const uint32_t sign = (u >> 16) & 0x8000u;
+	int32_t e = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+	uint32_t mant = u & 0x7fffffu;
+	if (e <= 0)
+		return (uint16_t)sign;
+	uint32_t r = (uint32_t)e << 10 | mant >> 13;
+	const uint32_t rem = mant & 0x1fffu;
+	if (rem > 0x1000u || (rem == 0x1000u && (r & 1u)))
+		r++;
+	return (uint16_t)(sign | r);
+}
+
+static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max_tokens)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = LAYERS;
+	c.n_qo_heads = N_QO;
+	c.n_kv_heads = N_KV;
+	c.head_dim = D;
+	c.dtype = KVR_DTYPE_F16;
+	c.budget_tokens = budget;
+	c.sink_tokens = budget >= 2048 ? 512 : 0;
+	c.window_tokens = budget >= 2048 ? 512 : 0;
+	c.mode = mode;
+	c.tau = 0.9f;
+	c.dense_layers[0] = 0;
+	c.max_sequences = 1;
+	c.max_batch = 1;
+	c.pool_bytes = (max_tokens / 32 + 64) * LAYERS * 2ull * 32 * D * N_KV * 2;
+	struct kvr_context *ctx;
+	if (kvr_context_create(&c, &ctx)) {
+		fprintf(stderr, "decode_bench: %s\n", kvr_last_error(NULL));
+		exit(1);
+	}
+	return ctx;
+}
+
+struct result {
+	double us_per_layer;
+	double corrected_rate;
+	uint64_t selections;
+};
+
+/* Prefill L tokens, then time `steps` decode steps. */
+static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t steps)
+{
+	struct kvr_context *ctx = make_ctx(mode, budget, L + steps);
+	uint32_t seq;
+	if (kvr_seq_create(ctx, &seq)) {
+		fprintf(stderr, "decode_bench: %s\n", kvr_last_error(ctx));
+		exit(1);
+	}
+	const uint32_t chunk = 4096;
+	uint16_t *k = malloc((size_t)chunk * N_KV * D * 2), *v = malloc((size_t)chunk * N_KV * D * 2);
+	for (uint64_t pos = 0; pos < L; pos += chunk) {
+		const uint32_t n = L - pos < chunk ? (uint32_t)(L - pos) : chunk;
+		for (size_t i = 0; i < (size_t)n * N_KV * D; i++) {
+			k[i] = f16(frand());
+			v[i] = f16(frand());
+		}
+		for (uint32_t l = 0; l < LAYERS; l++)
+			if (kvr_prefill(ctx, seq, l, pos, n, k, v)) {
+				fprintf(stderr, "decode_bench: %s\n", kvr_last_error(ctx));
+				exit(1);
+			}
+	}
+	/* queries: q_i = 0.97·q_{i-1} + 0.25·noise, renormalised; every 16th
+	 * step a jump to a fresh direction for a quarter of the heads */
+	float qf[N_QO * D];
+	uint16_t q[N_QO * D], out[N_QO * D];
+	for (int i = 0; i < N_QO * D; i++)
+		qf[i] = frand();
+	double *times = calloc(steps, sizeof(double));
+	struct kvr_stats st0 = { .size = sizeof(st0) }, st1 = { .size = sizeof(st1) };
+	kvr_get_stats(ctx, &st0);
+	for (uint32_t s = 0; s < steps; s++) {
+		for (int h = 0; h < N_QO; h++) {
+			const int jump = s % 16 == 15 && h % 4 == 0;
+			double norm = 0;
+			for (int c = 0; c < D; c++) {
+				float *x = &qf[h * D + c];
+				*x = jump ? frand() : 0.97f * *x + 0.25f * frand();
+				norm += (double)*x * *x;
+			}
+			const float scale = (float)(4.0 / sqrt(norm)); /* |q| = 4: peaked softmax */
+			for (int c = 0; c < D; c++)
+				q[h * D + c] = f16(qf[h * D + c] * scale);
+		}
+		for (size_t i = 0; i < N_KV * D; i++) {
+			k[i] = f16(frand());
+			v[i] = f16(frand());
+		}
+		const uint64_t pos = L + s;
+		const double t0 = bench_now_s();
+		kvr_decode_begin(ctx, &seq, &pos, 1);
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			int32_t status;
+			if (kvr_decode_layer(ctx, l, q, k, v, out, &status, NULL) || status) {
+				fprintf(stderr, "decode_bench: %s\n", kvr_last_error(ctx));
+				exit(1);
+			}
+		}
+		kvr_decode_end(ctx);
+		times[s] = bench_now_s() - t0;
+	}
+	kvr_get_stats(ctx, &st1);
+	struct result r = {
+		bench_median(times, steps) / LAYERS * 1e6,
+		st1.checked_heads > st0.checked_heads
+			? (double)(st1.corrected_heads - st0.corrected_heads) /
+				  (double)(st1.checked_heads - st0.checked_heads)
+			: 0.0,
+		st1.selections - st0.selections,
+	};
+	free(times), free(k), free(v);
+	kvr_context_destroy(ctx);
+	return r;
+}
+
+int main(int argc, char **argv)
+{
+	const char *json_path = NULL;
+	uint32_t steps = 24;
+	uint64_t max_context = 131072;
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--json") && i + 1 < argc)
+			json_path = argv[++i];
+		else if (!strcmp(argv[i], "--steps") && i + 1 < argc)
+			steps = (uint32_t)atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--max-context") && i + 1 < argc)
+			max_context = strtoull(argv[++i], NULL, 10);
+		else {
+			fprintf(stderr, "usage: decode_bench [--steps 24] [--max-context 131072] [--json FILE]\n");
+			return 2;
+		}
+	}
+	if (steps < 3)
+		steps = 3;
+	const uint32_t B = 2048, p = 32;
+	/* attention over the B tokens alone: a dense decode at L = B */
+	const struct result base = run(KVR_MODE_DENSE, B, B - 1, steps);
+	fprintf(stderr, "decode_bench: attention over B = %u tokens: %.1f us per layer (%d layers, %u steps)\n",
+		B, base.us_per_layer, LAYERS, steps);
+	FILE *json = json_path ? fopen(json_path, "w") : stdout;
+	if (!json) {
+		fprintf(stderr, "decode_bench: cannot write %s: %s\n", json_path, strerror(errno));
+		return 1;
+	}
+	fprintf(json, "{\n  \"benchmark\": \"decode\",\n  \"kvrecall_version\": \"%s\",\n", kvr_version_string());
+	fprintf(json, "  \"shape\": {\"n_kv_heads\": %d, \"n_qo_heads\": %d, \"head_dim\": %d, \"dtype\": \"f16\", "
+		      "\"page_tokens\": %u, \"budget_tokens\": %u, \"sink_tokens\": 512, \"window_tokens\": 512, "
+		      "\"layers\": %d},\n",
+		N_KV, N_QO, D, p, B, LAYERS);
+	fprintf(json, "  \"attention_over_budget_us\": %.2f,\n  \"results\": [\n", base.us_per_layer);
+	static const uint32_t modes[] = { KVR_MODE_DENSE, KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
+	int first = 1;
+	for (uint64_t L = 8192; L <= max_context; L *= 2)
+		for (size_t mi = 0; mi < 4; mi++) {
+			const struct result r = run(modes[mi], B, L, steps);
+			const double budget = (1.0 + (double)L / (p * B)) * base.us_per_layer;
+			fprintf(stderr, "L=%7llu %-11s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
+					"budget; corrected %.1f%% of heads; %llu selections\n",
+				(unsigned long long)L, kvr_mode_name(modes[mi]), r.us_per_layer,
+				r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, 100 * r.corrected_rate,
+				(unsigned long long)r.selections);
+			fprintf(json, "%s    {\"context_tokens\": %llu, \"mode\": \"%s\", \"us_per_layer\": %.2f, "
+				      "\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
+				      "\"corrected_head_rate\": %.4f, \"selections\": %llu}",
+				first ? "" : ",\n", (unsigned long long)L, kvr_mode_name(modes[mi]), r.us_per_layer,
+				r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.corrected_rate,
+				(unsigned long long)r.selections);
+			first = 0;
+		}
+	fprintf(json, "\n  ]\n}\n");
+	if (json != stdout)
+		fclose(json);
+	return 0;
+}
