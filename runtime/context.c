@@ -140,6 +140,8 @@ KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context 
 		/* the cuda backend was refused above: the device is the cpu */
 		const struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = c.threads };
 		err = kvr_dev_create(&dp, &ctx->dev, message, sizeof(message));
+		if (!err && (err = kvr_dev_stream_create(ctx->dev, 0, &ctx->inline_stream)))
+			snprintf(message, sizeof(message), "context: %s", kvr_dev_last_error(ctx->dev));
 	}
 	if (!err) {
 		ctx->tile_bytes = (uint64_t)c.page_tokens * c.n_kv_heads * c.head_dim *
@@ -177,6 +179,8 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx)
 		pthread_mutex_destroy(&ctx->seq_lock);
 		free(ctx->seqs);
 	}
+	if (ctx->dev)
+		kvr_dev_stream_destroy(ctx->dev, ctx->inline_stream);
 	kvr_dev_destroy(ctx->dev);
 	kvr_pool_destroy(ctx->pool);
 	pthread_mutex_destroy(&ctx->error_lock);

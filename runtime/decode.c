@@ -278,10 +278,7 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 	if (scratch_get(ctx, batch, max_pages, &ls))
 		return kvr_fail(ctx, -ENOMEM, "decode_layer: out of memory for the step's scratch");
 	const struct kvr_shape shape = { n_qo, n_kv, d, p, c->dtype, 1.0f / sqrtf((float)d), c->tau, 0 };
-	struct kvr_stream *s_inline = NULL;
-	int err = kvr_dev_stream_create(ctx->dev, 0, &s_inline);
-	if (err)
-		return kvr_fail(ctx, err, "decode_layer: %s", kvr_dev_last_error(ctx->dev));
+	struct kvr_stream *s_inline = ctx->inline_stream;
 
 	/* 2. Per sequence: dense or sparse, and for sparse, which selection. */
 	uint32_t n_items = 0, n_segs = 0;
@@ -372,6 +369,5 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 	const struct kvr_shape head_shape = { G, 1, d, p, c->dtype, shape.scale, c->tau, 0 };
 	if (n_items)
 		kvr_dev_attention(ctx->dev, &head_shape, ls.items, n_items, ls.segments, n_segs, s_inline);
-	kvr_dev_stream_destroy(ctx->dev, s_inline);
 	return 0;
 }

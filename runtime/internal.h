@@ -49,6 +49,8 @@ struct kvr_context {
 	char gpu_reason[256];     /* why the cuda backend was not chosen, for info/logs */
 	struct kvr_pool *pool;    /* the host page pool (host/pool.h) */
 	struct kvr_dev *dev;      /* the device (gpu/backend.h) */
+	struct kvr_stream *inline_stream; /* cpu: runs work on the calling thread; stateless,
+	                                     so any thread may use it */
 	uint64_t tile_bytes;      /* one NHD tile: page_tokens x n_kv_heads x head_dim elements */
 
 	/* Sequences. seq_lock guards the alive flags (create/free/fork may come
