@@ -138,6 +138,15 @@ int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		  const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream);
 
 /*
+ * Run fn(arg) on a host thread when the stream reaches this point; later work
+ * on the stream waits for it to return. fn must not call back into the
+ * device. Used for trace markers and for the scheduler's test hooks (injected
+ * delays). -ENOTSUP on a backend without host functions.
+ */
+int kvr_dev_host_fn(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
+		    void *arg);
+
+/*
  * The cpu backend's item arrays are read when the work runs; the host-side
  * arrays handed to a CUDA kernel must already be in device memory. A caller
  * that fills item arrays on the host copies them with kvr_dev_memcpy_async

@@ -446,6 +446,26 @@ static int cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return kvr_cpu_enqueue(dev, s, run_attention, &op, sizeof(op));
 }
 
+/* ------------------------------------------------------------------ host functions */
+
+struct host_fn_op {
+	void (*fn)(void *arg);
+	void *arg;
+};
+
+static void run_host_fn(struct kvr_dev *dev, void *ctx)
+{
+	(void)dev;
+	const struct host_fn_op *op = ctx;
+	op->fn(op->arg);
+}
+
+static int cpu_host_fn(struct kvr_dev *dev, struct kvr_stream *s, void (*fn)(void *arg), void *arg)
+{
+	const struct host_fn_op op = { fn, arg };
+	return kvr_cpu_enqueue(dev, s, run_host_fn, &op, sizeof(op));
+}
+
 /* ------------------------------------------------------------------ device */
 
 static void cpu_destroy(struct kvr_dev *dev)
@@ -481,6 +501,7 @@ static const struct kvr_dev_ops cpu_ops = {
 	.similarity = cpu_similarity,
 	.attention = cpu_attention,
 	.dense = cpu_dense,
+	.host_fn = cpu_host_fn,
 };
 
 const struct kvr_dev_ops *kvr_cpu_ops(void)

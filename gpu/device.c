@@ -316,3 +316,13 @@ int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 	KERNEL_PROLOGUE("dense", items, n, stream);
 	return dev->ops->dense(dev, shape, items, n, stream);
 }
+
+int kvr_dev_host_fn(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
+		    void *arg)
+{
+	NEED(stream && fn, "stream or fn is NULL");
+	if (!dev->ops->host_fn)
+		return kvr_dev_fail(dev, -ENOTSUP, "host_fn: the %s backend has no host functions",
+				    dev->ops->name);
+	return dev->ops->host_fn(dev, stream, fn, arg);
+}

@@ -9,6 +9,7 @@
  * checked by kvr_context_create.
  */
 #include <errno.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -71,8 +72,9 @@ say(char *message, size_t message_bytes, int err, const char *fmt, ...)
 int kvr_config_import(const struct kvr_config *in, struct kvr_config *out, char *message,
 		      size_t message_bytes)
 {
-	/* The first version of the struct is also the smallest one accepted. */
-	const size_t min_size = sizeof(struct kvr_config);
+	/* The first version of the struct (0.1, up to log_user) is the smallest
+	 * one accepted; later fields of an older caller take their defaults. */
+	const size_t min_size = offsetof(struct kvr_config, recall);
 
 	if (!in)
 		return say(message, message_bytes, -EINVAL, "config: is NULL");
@@ -80,7 +82,7 @@ int kvr_config_import(const struct kvr_config *in, struct kvr_config *out, char 
 		return say(message, message_bytes, -EINVAL,
 			   "size: must be sizeof(struct kvr_config) = %zu as set by kvr_config_init() "
 			   "(got %u: config not initialised?)",
-			   min_size, in->size);
+			   sizeof(struct kvr_config), in->size);
 	if (in->size > sizeof(struct kvr_config)) {
 		/* A newer caller: fine as long as it sets none of the fields we lack. */
 		const unsigned char *extra = (const unsigned char *)in + sizeof(struct kvr_config);
@@ -92,7 +94,7 @@ int kvr_config_import(const struct kvr_config *in, struct kvr_config *out, char 
 					   in->size, sizeof(struct kvr_config));
 	}
 	kvr_config_init(out);
-	memcpy(out, in, sizeof(*out));
+	memcpy(out, in, in->size < sizeof(*out) ? in->size : sizeof(*out));
 	out->size = sizeof(*out);
 	return 0;
 }
@@ -206,6 +208,12 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 	if (c->threads != KVR_THREADS_AUTO && c->threads > 1024)
 		return say(m, mb, -EINVAL,
 			   "threads: must be at most 1024 or KVR_THREADS_AUTO (got %u)", c->threads);
+	if (c->recall > KVR_RECALL_STREAMED)
+		return say(m, mb, -EINVAL,
+			   "recall: must be 0 (auto), 1 (zero-copy) or 2 (streamed) (got %u)", c->recall);
+	if (c->pool_layout > KVR_POOL_NHD)
+		return say(m, mb, -EINVAL, "pool_layout: must be 0 (HND) or 1 (NHD) (got %u)",
+			   c->pool_layout);
 	if (c->log_level > KVR_LOG_DEBUG)
 		return say(m, mb, -EINVAL, "log_level: must be 0 (error) to 3 (debug) (got %u)",
 			   c->log_level);
@@ -285,6 +293,20 @@ KVR_API const char *kvr_dtype_name(uint32_t dtype)
 		return "bf16";
 	case KVR_DTYPE_F32:
 		return "f32";
+	default:
+		return "?";
+	}
+}
+
+KVR_API const char *kvr_recall_name(uint32_t recall)
+{
+	switch (recall) {
+	case KVR_RECALL_AUTO:
+		return "auto";
+	case KVR_RECALL_ZERO_COPY:
+		return "zero-copy";
+	case KVR_RECALL_STREAMED:
+		return "streamed";
 	default:
 		return "?";
 	}

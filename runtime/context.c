@@ -18,6 +18,8 @@
 #include "../host/pool.h"
 #include "../host/topology.h"
 #include "../layouts/page.h"
+#include "../scheduler/scheduler.h"
+#include "../scheduler/trace.h"
 #include "internal.h"
 
 KVR_STATIC_ASSERT((int)KVR_ELEM_F16 == (int)KVR_DTYPE_F16 &&
@@ -25,19 +27,51 @@ KVR_STATIC_ASSERT((int)KVR_ELEM_F16 == (int)KVR_DTYPE_F16 &&
 			  (int)KVR_ELEM_F32 == (int)KVR_DTYPE_F32,
 		  "layouts/ element types mirror enum kvr_dtype");
 
-/* Bytes of device slots max_batch sequences need: budget pages for every sparse
- * layer, every token for dense layers is not bounded by config and is admitted
- * per sequence later. Validation has already ruled out overflow. */
-static uint64_t device_slot_bytes(const struct kvr_config *c)
+/* Device bytes of one admitted sequence (tail tiles of every layer plus its
+ * page cache) and the context's fixed share (staging). */
+static void device_bytes_of(const struct kvr_config *c, uint32_t recall, uint64_t *fixed,
+			    uint64_t *per_seq)
 {
-	struct kvr_page_geometry g;
-	if (kvr_page_geometry_init(&g, c->page_tokens, c->head_dim, c->n_kv_heads, c->dtype))
-		return 0;
-	return g.page_bytes * (c->budget_tokens / c->page_tokens) * c->n_layers * c->max_batch;
+	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
+			      kvr_dtype_bytes(c->dtype);
+	*fixed = kvr_sched_fixed_device_bytes(c, recall);
+	*per_seq = 2 * tile * c->n_layers + kvr_sched_seq_device_bytes(c, recall);
+}
+
+/* The recall kind a backend uses for AUTO: on the cpu backend attention reads
+ * the pool directly (docs/benchmarks.md compares it with streamed recall). */
+static uint32_t resolve_recall(const struct kvr_config *c)
+{
+	return c->recall != KVR_RECALL_AUTO ? c->recall : KVR_RECALL_ZERO_COPY;
+}
+
+KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixed_bytes,
+				    uint64_t *per_sequence_bytes)
+{
+	char message[KVR_ERROR_MESSAGE_BYTES];
+	struct kvr_config c;
+	int err = kvr_config_import(cfg, &c, message, sizeof(message));
+	if (!err)
+		err = kvr_config_validate(&c, message, sizeof(message));
+	if (err)
+		return kvr_fail_config(cfg, err, "%s", message);
+	uint64_t fixed, per_seq;
+	device_bytes_of(&c, resolve_recall(&c), &fixed, &per_seq);
+	if (fixed_bytes)
+		*fixed_bytes = fixed;
+	if (per_sequence_bytes)
+		*per_sequence_bytes = per_seq;
+	return 0;
 }
 
 /* The pool's warnings (memory not locked) go to the context's log. */
 static void pool_log(void *user, int level, const char *message)
+{
+	kvr_log((const struct kvr_context *)user, (enum kvr_log_level)level, "%s", message);
+}
+
+/* The scheduler's messages (asynchronous failures) go to the context's log. */
+static void sched_log(void *user, int level, const char *message)
 {
 	kvr_log((const struct kvr_context *)user, (enum kvr_log_level)level, "%s", message);
 }
@@ -87,19 +121,28 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 		c->pool_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2 : 0;
 	}
 
-	const uint64_t need = device_slot_bytes(c);
+	c->recall = resolve_recall(c);
+	uint64_t fixed, per_seq;
+	device_bytes_of(c, c->recall, &fixed, &per_seq);
 	if (c->device_bytes == 0)
-		c->device_bytes = need;
-	else if (c->device_bytes < need / c->max_batch)
+		c->device_bytes = fixed + per_seq * c->max_sequences;
+	else if (c->device_bytes < fixed + per_seq)
 		return kvr_fail_config(c, -ENOMEM,
-				       "device_bytes: %llu bytes cannot hold one sequence's page "
-				       "cache (%llu bytes for budget_tokens x n_layers)",
-				       (unsigned long long)c->device_bytes,
-				       (unsigned long long)(need / c->max_batch));
+				       "device_bytes: %llu bytes cannot hold one sequence: %llu bytes "
+				       "of staging plus %llu per sequence (tail pages and, streamed, "
+				       "the page cache of k slots per KV head and sparse layer)",
+				       (unsigned long long)c->device_bytes, (unsigned long long)fixed,
+				       (unsigned long long)per_seq);
 	return 0;
 }
 
 KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context **out)
+{
+	return kvr_context_create_internal(cfg, 0, NULL, out);
+}
+
+int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
+				const struct kvr_sched_hooks *hooks, struct kvr_context **out)
 {
 	char message[KVR_ERROR_MESSAGE_BYTES];
 	struct kvr_config c;
@@ -127,7 +170,7 @@ KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context 
 	struct kvr_pool_params pp = {
 		.n_layers = c.n_layers,
 		.max_sequences = c.max_sequences,
-		.layout = KVR_POOL_LAYOUT_HND,
+		.layout = c.pool_layout == KVR_POOL_NHD ? KVR_POOL_LAYOUT_NHD : KVR_POOL_LAYOUT_HND,
 		.numa_node = c.numa_node,
 		.capacity_bytes = c.pool_bytes,
 		.keep_summaries = 1,
@@ -137,11 +180,29 @@ KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context 
 	kvr_page_geometry_init(&pp.geometry, c.page_tokens, c.head_dim, c.n_kv_heads, c.dtype);
 	err = kvr_pool_create(&pp, &ctx->pool, message, sizeof(message));
 	if (!err) {
-		/* the cuda backend was refused above: the device is the cpu */
-		const struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = c.threads };
+		/* the cuda backend was refused above: the device is the cpu (or, for
+		 * tests, cudaemu: the CUDA kernel bodies on the cpu's streams) */
+		const struct kvr_dev_params dp = { .kind = dev_kind ? dev_kind : KVR_DEV_CPU,
+						   .threads = c.threads };
 		err = kvr_dev_create(&dp, &ctx->dev, message, sizeof(message));
-		if (!err && (err = kvr_dev_stream_create(ctx->dev, 0, &ctx->inline_stream)))
-			snprintf(message, sizeof(message), "context: %s", kvr_dev_last_error(ctx->dev));
+	}
+	if (!err) {
+		uint64_t fixed, per_seq;
+		device_bytes_of(&c, c.recall, &fixed, &per_seq);
+		ctx->device_fixed_bytes = fixed;
+		ctx->device_seq_bytes = per_seq;
+		ctx->device_used_bytes = fixed;
+		const struct kvr_sched_params sp = {
+			.config = &c,
+			.pool = ctx->pool,
+			.dev = ctx->dev,
+			.pool_layout = pp.layout,
+			.recall = c.recall,
+			.hooks = hooks,
+			.log_fn = sched_log,
+			.log_user = ctx,
+		};
+		err = kvr_sched_create(&sp, &ctx->sched, message, sizeof(message));
 	}
 	if (!err) {
 		ctx->tile_bytes = (uint64_t)c.page_tokens * c.n_kv_heads * c.head_dim *
@@ -160,9 +221,9 @@ KVR_API int kvr_context_create(const struct kvr_config *cfg, struct kvr_context 
 		return err;
 	}
 	kvr_log(ctx, KVR_LOG_INFO,
-		"context: backend %s, mode %s, %u layers, %u/%u heads, d=%u, %s, p=%u, B=%u "
+		"context: backend %s, mode %s, recall %s, %u layers, %u/%u heads, d=%u, %s, p=%u, B=%u "
 		"(S=%u, W=%u), tau=%.2f, %u worker threads, NUMA node %d",
-		kvr_backend_name(c.backend), kvr_mode_name(c.mode), c.n_layers, c.n_qo_heads,
+		kvr_backend_name(c.backend), kvr_mode_name(c.mode), kvr_recall_name(c.recall), c.n_layers, c.n_qo_heads,
 		c.n_kv_heads, c.head_dim, kvr_dtype_name(c.dtype), c.page_tokens, c.budget_tokens,
 		c.sink_tokens, c.window_tokens, (double)c.tau, c.threads, c.numa_node);
 	*out = ctx;
@@ -179,8 +240,8 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx)
 		pthread_mutex_destroy(&ctx->seq_lock);
 		free(ctx->seqs);
 	}
-	if (ctx->dev)
-		kvr_dev_stream_destroy(ctx->dev, ctx->inline_stream);
+	kvr_sched_destroy(ctx->sched);
+	kvr_trace_destroy(ctx->trace);
 	kvr_dev_destroy(ctx->dev);
 	kvr_pool_destroy(ctx->pool);
 	pthread_mutex_destroy(&ctx->error_lock);

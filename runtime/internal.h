@@ -20,26 +20,24 @@ struct kvr_pool;
 struct kvr_dev;
 struct kvr_stream;
 
-/* One sequence's device-side state (sequence.c, decode.c). */
+struct kvr_sched;
+struct kvr_trace;
+struct kvr_sched_hooks;
+
+/* One sequence's device-side state (sequence.c); its per-layer speculative
+ * state and page cache are the scheduler's lanes (scheduler/). */
 struct kvr_sequence {
 	int alive;
 	unsigned char *tails; /* per layer: the partial tail page's NHD K tile then V tile,
 	                         device memory (host-visible on the cpu backend) */
-	/* Per layer, for the speculative modes: the previous step's query and the
-	 * pages selected for the next step ([n_kv][k], -1 = none). */
-	unsigned char *prev_q;   /* n_layers x n_qo x d elements */
-	int32_t *selected;       /* n_layers x n_kv x k */
-	unsigned char *has_prev; /* n_layers: prev_q and selected are valid */
 };
 
-/* The open decode step and the scratch its layers reuse (decode.c). */
+/* The open decode step (decode.c). */
 struct kvr_step_state {
 	int open;
 	uint32_t batch;
 	uint32_t *seqs;        /* max_batch */
 	uint64_t *positions;   /* max_batch */
-	void *scratch;         /* grown as needed */
-	size_t scratch_bytes;
 };
 
 #define KVR_ERROR_MESSAGE_BYTES 512
@@ -49,9 +47,11 @@ struct kvr_context {
 	char gpu_reason[256];     /* why the cuda backend was not chosen, for info/logs */
 	struct kvr_pool *pool;    /* the host page pool (host/pool.h) */
 	struct kvr_dev *dev;      /* the device (gpu/backend.h) */
-	struct kvr_stream *inline_stream; /* cpu: runs work on the calling thread; stateless,
-	                                     so any thread may use it */
+	struct kvr_sched *sched;  /* decode-step scheduler and controller thread (scheduler/) */
+	struct kvr_trace *trace;  /* recording trace, or NULL */
 	uint64_t tile_bytes;      /* one NHD tile: page_tokens x n_kv_heads x head_dim elements */
+	/* Device budget: fixed bytes (staging) + per admitted sequence; guarded by seq_lock. */
+	uint64_t device_fixed_bytes, device_seq_bytes, device_used_bytes;
 
 	/* Sequences. seq_lock guards the alive flags (create/free/fork may come
 	 * from different threads); a sequence's own data is used by one thread at
@@ -59,7 +59,7 @@ struct kvr_context {
 	pthread_mutex_t seq_lock;
 	struct kvr_sequence *seqs; /* max_sequences */
 	struct kvr_step_state step;
-	struct kvr_stats stats;    /* the engine's thread writes; kvr_get_stats reads */
+	uint64_t steps;            /* kvr_decode_end calls; the engine's thread writes */
 
 	/* Last error. Written by whichever thread fails a call on this context, read
 	 * by kvr_last_error(); the mutex keeps a message from being torn. */
@@ -84,11 +84,13 @@ void kvr_log(const struct kvr_context *ctx, enum kvr_log_level level, const char
 void kvr_log_config(const struct kvr_config *cfg, enum kvr_log_level level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
-/* Allocate / free a sequence's decode state (decode.c). */
-int kvr_decode_state_alloc(struct kvr_context *ctx, struct kvr_sequence *s);
-void kvr_decode_state_free(struct kvr_sequence *s);
-/* Free the step scratch (context teardown). */
+/* Free the step state (context teardown). */
 void kvr_decode_teardown(struct kvr_context *ctx);
+
+/* Create a context with test hooks and an explicit device kind (tests:
+ * cudaemu, injected delays). Not exported from the shared library. */
+int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
+				const struct kvr_sched_hooks *hooks, struct kvr_context **out);
 
 /* Free every sequence's device memory (context teardown). */
 void kvr_sequences_destroy(struct kvr_context *ctx);

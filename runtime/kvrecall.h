@@ -97,6 +97,21 @@ enum kvr_mode {
 	KVR_MODE_FREEKV = 4,      /* speculative plus per-head correction below tau */
 };
 
+/* How the pages a step attends to reach attention (DESIGN.md, "Recall"). */
+enum kvr_recall {
+	KVR_RECALL_AUTO = 0,      /* the backend's default, chosen by benchmark (cpu: zero-copy) */
+	KVR_RECALL_ZERO_COPY = 1, /* attention reads the selected pages where they live in the
+	                             host pool (natural on the cpu backend) */
+	KVR_RECALL_STREAMED = 2,  /* a device page cache of k slots per KV head, filled by
+	                             double-buffered streamed recall of the misses */
+};
+
+/* Layout of the host pool's pages. */
+enum kvr_pool_layout_kind {
+	KVR_POOL_HND = 0, /* [n_kv][2][p][d]: one KV head's page is one contiguous run */
+	KVR_POOL_NHD = 1, /* [2][p][n_kv][d]: 2·p row copies per recalled page (ablation) */
+};
+
 /* Where attention runs. */
 enum kvr_backend {
 	KVR_BACKEND_AUTO = 0, /* cuda when compiled in and a GPU is present, else cpu */
@@ -146,7 +161,8 @@ struct kvr_config {
 	uint64_t pool_bytes;    /* hard capacity of the host page pool, bytes; 0 = half of
 	                           physical memory. Default 0. */
 	uint64_t device_bytes;  /* budget for the device page cache and its metadata, bytes;
-	                           0 = what max_batch sequences need. Default 0. */
+	                           0 = what max_sequences sequences need (kvr_device_bytes_needed).
+	                           Default 0. */
 
 	/* Placement and threads. */
 	int32_t numa_node;  /* host pool's NUMA node, or KVR_NUMA_NODE_AUTO. Default AUTO. */
@@ -158,6 +174,10 @@ struct kvr_config {
 	uint32_t log_level; /* enum kvr_log_level: messages above it are dropped. Default WARN. */
 	kvr_log_fn log_fn;  /* NULL = discard messages. Default NULL. */
 	void *log_user;     /* passed back to log_fn untouched. */
+
+	/* Added in 0.2 (a 0.1 config, without them, takes their defaults). */
+	uint32_t recall;      /* enum kvr_recall. Default AUTO. */
+	uint32_t pool_layout; /* enum kvr_pool_layout_kind. Default HND. */
 };
 
 /*
@@ -184,6 +204,19 @@ KVR_API int kvr_mode_parse(const char *name, uint32_t *mode);
 KVR_API const char *kvr_dtype_name(uint32_t dtype);
 /* Name of a backend ("auto", "cpu", "cuda"); "?" if unknown. */
 KVR_API const char *kvr_backend_name(uint32_t backend);
+/* Name of a recall kind ("auto", "zero-copy", "streamed"); "?" if unknown. */
+KVR_API const char *kvr_recall_name(uint32_t recall);
+
+/*
+ * Device bytes a context created from `cfg` needs before any sequence
+ * (staging buffers: *fixed_bytes) and per sequence admitted (its page cache:
+ * k slots per KV head in every sparse layer, plus the tail tiles:
+ * *per_sequence_bytes). A sequence is admitted while fixed + n x per-sequence
+ * fits device_bytes. Either pointer may be NULL. Returns 0 or the errors of
+ * kvr_config_validate. Thread-safe; does not block.
+ */
+KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixed_bytes,
+				    uint64_t *per_sequence_bytes);
 
 /* ---------------------------------------------------------------------------
  * Contexts
@@ -232,8 +265,10 @@ KVR_API const char *kvr_last_error(const struct kvr_context *ctx);
  */
 
 /*
- * Create an empty sequence and write its id to *seq. Errors: -EINVAL (NULL
- * argument), -ENOSPC (max_sequences sequences are alive), -ENOMEM.
+ * Create an empty sequence and write its id to *seq. Its device page cache is
+ * admitted against device_bytes (kvr_device_bytes_needed). Errors: -EINVAL
+ * (NULL argument), -ENOSPC (max_sequences sequences are alive, or the device
+ * budget cannot hold one more sequence), -ENOMEM.
  */
 KVR_API int kvr_seq_create(struct kvr_context *ctx, uint32_t *seq);
 
@@ -306,30 +341,100 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 			     const uint64_t *positions, uint32_t batch);
 
 /* Decode one layer of the open step (see above). `stream` is the engine's
- * stream handle, NULL on the cpu backend (work runs on the calling thread).
+ * stream handle, NULL on the cpu backend (work runs on the calling thread and
+ * `out` is complete when the call returns).
+ *
+ * What blocks: the calling thread runs the layer's critical path (append,
+ * correction check, attention). It waits for the context's controller thread
+ * only (a) when a sequence's heads are corrected (freekv), in blocking mode,
+ * and at a sequence's first sparse step: attention needs pages selected with
+ * this step's query (counted in kvr_stats.correction_waits), and (b) in the
+ * rare case the controller has not finished the previous step's selection for
+ * this (sequence, layer) (controller_waits). Sequences without corrected heads
+ * are attended before those with, so one sequence's correction does not hold
+ * back the others. After attention the layer's speculative selection for the
+ * next step (and, with streamed recall, the recall of its missing pages) is
+ * queued to the controller and overlaps the engine's next layers.
+ *
  * Returns 0 when the call itself was valid (per-sequence failures are in
- * status), or -EINVAL (no open step, layer out of range, NULL buffers). */
+ * status), or -EINVAL (no open step, layer out of range, NULL buffers, a
+ * stream on the cpu backend). */
 KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
 			     const void *k, const void *v, void *out, int32_t *status, void *stream);
 
 /* Close the step. -EINVAL when none is open. */
 KVR_API int kvr_decode_end(struct kvr_context *ctx);
 
-/* Counters of a context since its creation. */
+/*
+ * Counters since the context's creation (kvr_get_stats) or the sequence's
+ * (kvr_seq_get_stats). Times are nanoseconds of the monotonic clock.
+ * "Critical path" is the engine's time inside kvr_decode_layer; the
+ * controller's time runs beside it (overlapped), except where the engine
+ * waits for it, which the *_waits counters count.
+ */
 struct kvr_stats {
 	uint32_t size;              /* bytes: set by the caller */
 	uint32_t reserved;
-	uint64_t steps;             /* kvr_decode_end calls */
+	uint64_t steps;             /* kvr_decode_end calls (context only) */
 	uint64_t layer_decodes;     /* (sequence, layer) pairs decoded */
 	uint64_t dense_decodes;     /* of which attended densely (short or dense layer/mode) */
 	uint64_t selections;        /* (sequence, layer) page selections run */
 	uint64_t corrected_heads;   /* freekv: KV heads corrected */
 	uint64_t checked_heads;     /* freekv: KV heads checked for correction */
 	uint64_t failed_decodes;    /* (sequence, layer) pairs that got a non-zero status */
+	/* Added in 0.2. */
+	uint64_t correction_waits;   /* (sequence, layer) steps whose attention waited for a
+	                                selection (and, streamed, a recall) with this step's query:
+	                                corrections, blocking mode, the first sparse step */
+	uint64_t correction_wait_ns; /* time the engine spent in those waits */
+	uint64_t controller_waits;   /* times the engine found a lane's previous job unfinished */
+	uint64_t controller_wait_ns;
+	uint64_t recall_waits;       /* streamed: speculative recalls not complete when attention
+	                                needed them */
+	uint64_t recall_wait_ns;
+	uint64_t pages_recalled;     /* streamed: KV-head pages moved into slots (misses) */
+	uint64_t pages_hit;          /* streamed: selected pages already resident (hits) */
+	uint64_t bytes_recalled;     /* streamed: bytes copied host -> device for recall */
+	uint64_t critical_ns;        /* engine time inside kvr_decode_layer */
+	uint64_t controller_ns;      /* controller time on jobs (overlapped with the engine) */
+	uint64_t controller_jobs;    /* jobs the controller ran */
 };
 
-/* Copy the context's counters into *stats (stats->size must be set). */
+/* Copy the context's counters into *stats. stats->size must be set; at most
+ * that many bytes are written (older callers get the fields they know).
+ * Returns 0 or -EINVAL. Thread-safe with a running step (values are
+ * statistics, each read atomically). */
 KVR_API int kvr_get_stats(const struct kvr_context *ctx, struct kvr_stats *stats);
+/* The same counters for one sequence since its creation (steps is 0).
+ * -EINVAL for an unknown sequence. */
+KVR_API int kvr_seq_get_stats(const struct kvr_context *ctx, uint32_t seq, struct kvr_stats *stats);
+/* Corrections per KV head, summed over layers: counts[m] for m < n (n at most
+ * n_kv_heads), over every live sequence (seq == UINT32_MAX) or one. */
+KVR_API int kvr_get_head_corrections(const struct kvr_context *ctx, uint32_t seq, uint64_t *counts,
+				     uint32_t n);
+
+/*
+ * The first failure inside the context's controller thread or streams since
+ * the previous call (0 if none), as a negative errno; *message (optional)
+ * points at its description, valid until the next call. Work that failed
+ * asynchronously leaves the affected lane's pages to be selected again at
+ * its next correction. Thread-safe.
+ */
+KVR_API int kvr_async_error(struct kvr_context *ctx, const char **message);
+
+/* ---------------------------------------------------------------------------
+ * Tracing: spans of the engine's thread, the controller thread and the
+ * streams, exported as Chrome trace-event JSON (open it in Perfetto or
+ * chrome://tracing). Call between steps (no step open).
+ * ------------------------------------------------------------------------- */
+
+/* Start recording up to max_spans spans (older ones are kept, later ones
+ * dropped and counted). Replaces a trace in progress. -EBUSY during a step,
+ * -EINVAL for 0 spans, -ENOMEM. */
+KVR_API int kvr_trace_start(struct kvr_context *ctx, uint32_t max_spans);
+/* Stop recording, wait for the work in flight, and write the trace to `path`.
+ * -EINVAL (no trace started), -EBUSY (step open), or the file's -errno. */
+KVR_API int kvr_trace_write(struct kvr_context *ctx, const char *path);
 
 /* ---------------------------------------------------------------------------
  * System report (what `kvrecall info` prints)

@@ -18,6 +18,7 @@
 #include "../gpu/backend.h"
 #include "../host/pool.h"
 #include "../layouts/transpose.h"
+#include "../scheduler/scheduler.h"
 #include "internal.h"
 
 static unsigned char *tail_keys(const struct kvr_context *ctx, const struct kvr_sequence *s,
@@ -67,6 +68,17 @@ static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, u
 		return kvr_fail(ctx, -ENOSPC, "%s: all %u sequences are in use (max_sequences)", op,
 				ctx->config.max_sequences);
 	}
+	/* admission against the device budget */
+	if (ctx->device_used_bytes + ctx->device_seq_bytes > ctx->config.device_bytes) {
+		const uint64_t used = ctx->device_used_bytes;
+		pthread_mutex_unlock(&ctx->seq_lock);
+		return kvr_fail(ctx, -ENOSPC,
+				"%s: device_bytes %llu cannot hold another sequence (%llu used, %llu "
+				"per sequence)",
+				op, (unsigned long long)ctx->config.device_bytes,
+				(unsigned long long)used, (unsigned long long)ctx->device_seq_bytes);
+	}
+	ctx->device_used_bytes += ctx->device_seq_bytes;
 	ctx->seqs[id].alive = 1; /* reserved; undone below on failure */
 	pthread_mutex_unlock(&ctx->seq_lock);
 
@@ -77,32 +89,34 @@ static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, u
 			 kvr_dev_last_error(ctx->dev));
 	else if (open_tables && (err = kvr_pool_seq_open(ctx->pool, id)))
 		kvr_fail(ctx, err, "%s: %s", op, kvr_pool_last_error(ctx->pool));
+	else if ((err = kvr_sched_seq_open(ctx->sched, id, tails))) {
+		kvr_fail(ctx, err, "%s: %s", op, kvr_sched_last_error(ctx->sched));
+		if (open_tables)
+			kvr_pool_seq_close(ctx->pool, id);
+	}
 	if (err) {
 		kvr_dev_free(ctx->dev, tails);
 		pthread_mutex_lock(&ctx->seq_lock);
 		ctx->seqs[id].alive = 0;
+		ctx->device_used_bytes -= ctx->device_seq_bytes;
 		pthread_mutex_unlock(&ctx->seq_lock);
 		return err;
 	}
 	ctx->seqs[id].tails = tails;
-	if ((err = kvr_decode_state_alloc(ctx, &ctx->seqs[id]))) {
-		kvr_fail(ctx, err, "%s: out of memory for the decode state", op);
-		seq_release(ctx, id, open_tables);
-		return err;
-	}
 	*out = id;
 	return 0;
 }
 
 static void seq_release(struct kvr_context *ctx, uint32_t id, int close_tables)
 {
+	kvr_sched_seq_close(ctx->sched, id); /* waits for the sequence's controller jobs */
 	if (close_tables)
 		kvr_pool_seq_close(ctx->pool, id);
-	kvr_decode_state_free(&ctx->seqs[id]);
 	kvr_dev_free(ctx->dev, ctx->seqs[id].tails);
 	pthread_mutex_lock(&ctx->seq_lock);
 	ctx->seqs[id].tails = NULL;
 	ctx->seqs[id].alive = 0;
+	ctx->device_used_bytes -= ctx->device_seq_bytes;
 	pthread_mutex_unlock(&ctx->seq_lock);
 }
 
@@ -137,6 +151,7 @@ KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst)
 	if (!from)
 		return err;
 	uint32_t id;
+	kvr_sched_seq_quiesce(ctx->sched, src); /* no job reads src's tables meanwhile */
 	if ((err = seq_claim(ctx, "seq_fork", 0, &id)))
 		return err;
 	if ((err = kvr_pool_seq_fork(ctx->pool, src, id))) { /* leaves id's tables closed */
@@ -176,6 +191,7 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 	if (!s)
 		return err;
 	const struct kvr_config *c = &ctx->config;
+	kvr_sched_seq_quiesce(ctx->sched, seq);
 	/* Check every layer first, so a refusal changes nothing. */
 	for (uint32_t l = 0; l < c->n_layers; l++) {
 		uint64_t have;
@@ -192,7 +208,6 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 		uint64_t have;
 		kvr_pool_n_tokens(ctx->pool, seq, l, &have);
 		kvr_pool_truncate(ctx->pool, seq, l, n_tokens);
-		s->has_prev[l] = 0; /* the previous query belonged to a dropped token */
 		/* The new tail page was full and offloaded: bring its rows back to the
 		 * tail tiles, where the next tokens will join them. */
 		if (n_tokens % p && n_tokens / p != have / p) {
@@ -204,6 +219,9 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 							tail_values(ctx, s, l), h);
 		}
 	}
+	/* the previous queries belonged to dropped tokens, and selections and
+	 * resident pages may name dropped pages */
+	kvr_sched_seq_reset(ctx->sched, seq);
 	return 0;
 }
 
@@ -221,6 +239,7 @@ KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
 				ctx->config.n_layers);
 	if (n_tokens && (!k || !v))
 		return kvr_fail(ctx, -EINVAL, "prefill: k or v is NULL");
+	kvr_sched_seq_quiesce(ctx->sched, seq); /* the pool may grow this layer's tables */
 	struct kvr_tail_tile tail = { tail_keys(ctx, s, layer), tail_values(ctx, s, layer) };
 	err = kvr_pool_ingest(ctx->pool, seq, layer, first_position, n_tokens, k, v, &tail);
 	if (err)

@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <errno.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -81,7 +82,7 @@ struct bad_case {
 	static void fn(struct kvr_config *c) { body; }
 
 MUT(size_zero, c->size = 0)
-MUT(size_short, c->size = sizeof(*c) - 8)
+MUT(size_short, c->size = offsetof(struct kvr_config, recall) - 8) /* below 0.1 */
 MUT(layers_zero, c->n_layers = 0)
 MUT(layers_many, c->n_layers = KVR_MAX_LAYERS + 1)
 MUT(kv_zero, c->n_kv_heads = 0)
@@ -121,6 +122,8 @@ MUT(chunk_many, c->recall_chunk_pages = 5000)
 MUT(numa_negative, c->numa_node = -2)
 MUT(threads_many, c->threads = 5000)
 MUT(log_level_bad, c->log_level = 4)
+MUT(recall_bad, c->recall = 3)
+MUT(pool_layout_bad, c->pool_layout = 2)
 MUT(cache_overflow, c->budget_tokens = 0x7fffffe0u; c->max_sequences = 1u << 20;
     c->max_batch = 1u << 20; c->n_layers = 256; c->n_kv_heads = 256; c->n_qo_heads = 256;
     c->head_dim = 256; c->dtype = KVR_DTYPE_F32)
@@ -171,6 +174,8 @@ static const struct bad_case bad_cases[] = {
 	{ "numa_negative", numa_negative, -EINVAL, "numa_node", "KVR_NUMA_NODE_AUTO" },
 	{ "threads_many", threads_many, -EINVAL, "threads", "at most 1024" },
 	{ "log_level_bad", log_level_bad, -EINVAL, "log_level", "debug" },
+	{ "recall_bad", recall_bad, -EINVAL, "recall", "streamed" },
+	{ "pool_layout_bad", pool_layout_bad, -EINVAL, "pool_layout", "NHD" },
 	{ "cache_overflow", cache_overflow, -EOVERFLOW, "budget_tokens", "overflows 64 bits" },
 	{ "pool_overflow", pool_overflow, -EOVERFLOW, "pool_bytes", "overflows" },
 	{ "pool_too_small", pool_too_small, -EINVAL, "pool_bytes", "one page per layer" },

@@ -45,6 +45,8 @@ Test(context, explicit_config_round_trips)
 	in.recall_chunk_pages = 4;
 	in.recall_buffers = 1;
 	in.log_level = KVR_LOG_ERROR;
+	in.recall = KVR_RECALL_STREAMED;
+	in.pool_layout = KVR_POOL_HND;
 
 	struct kvr_context *ctx = NULL;
 	cr_assert_eq(kvr_context_create(&in, &ctx), 0, "%s", kvr_last_error(NULL));
@@ -71,8 +73,15 @@ Test(context, automatic_fields_resolved)
 	cr_expect_eq(out.threads, n > 1 ? (uint32_t)(n - 1) : 0);
 	cr_expect_geq(out.numa_node, 0);
 	cr_expect_gt(out.pool_bytes, 0);
-	/* 16 sequences x 30 layers x 2048/32 pages x 3 heads x 2·32·64·2 bytes */
-	cr_expect_eq(out.device_bytes, 16ull * 30 * 64 * 3 * 2 * 32 * 64 * 2);
+	cr_expect_neq(out.recall, KVR_RECALL_AUTO);
+	/* max_sequences (64) sequences of tail tiles: 30 layers x K and V x 32·3·64·2 bytes,
+	 * plus, streamed, the page cache of 29 sparse layers x (2048-1024)/32 pages */
+	uint64_t fixed = 0, per_seq = 0;
+	cr_assert_eq(kvr_device_bytes_needed(&in, &fixed, &per_seq), 0);
+	const uint64_t tails = 30ull * 2 * 32 * 3 * 64 * 2;
+	const uint64_t cache = out.recall == KVR_RECALL_STREAMED ? 29ull * 32 * 2 * 32 * 3 * 64 * 2 : 0;
+	cr_expect_eq(per_seq, tails + cache);
+	cr_expect_eq(out.device_bytes, fixed + 64 * per_seq);
 	kvr_context_destroy(ctx);
 }
 
@@ -135,7 +144,7 @@ Test(context, cuda_without_gpu_is_enodev)
 Test(context, device_budget_too_small)
 {
 	struct kvr_config c = base();
-	c.device_bytes = 1 << 20;
+	c.device_bytes = 4096;
 	struct kvr_context *ctx = NULL;
 	cr_expect_eq(kvr_context_create(&c, &ctx), -ENOMEM);
 	cr_expect(strstr(kvr_last_error(NULL), "device_bytes") == kvr_last_error(NULL), "%s",

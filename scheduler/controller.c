@@ -1,0 +1,172 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * controller.c — the controller thread: one per context, it takes lane jobs
+ * from two FIFO queues (urgent first: the recall of corrected heads that an
+ * engine's attention is waiting for; then normal: the speculative selection
+ * for the next step and the deferred recall of the other heads) and runs
+ * them: selection on its own inline stream, then, for streamed recall, the
+ * plan and the issue of copies and conversions on the recall streams.
+ *
+ * Handoff: the engine fills a lane's job fields, sets in_flight and queues
+ * the lane under `lock`; the controller clears in_flight with a release store
+ * when the job is issued, then wakes the engine if it sleeps on `done`. The
+ * engine spins briefly on in_flight before sleeping, because a condvar
+ * handoff costs tens of microseconds on a small machine.
+ *
+ * Threads: kvr_controller_post and kvr_lane_acquire on the engine's thread;
+ * controller_main on the controller thread.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "sched_impl.h"
+
+#define ACQUIRE_SPINS 2000 /* pauses before the engine sleeps on a lane */
+
+void kvr_sched_record_async_error(struct kvr_sched *s, int err, const char *what)
+{
+	pthread_mutex_lock(&s->error_lock);
+	if (!s->async_error) {
+		s->async_error = err;
+		snprintf(s->async_message, sizeof(s->async_message), "%s", what);
+	}
+	pthread_mutex_unlock(&s->error_lock);
+	if (s->log_fn)
+		s->log_fn(s->log_user, KVR_LOG_ERROR, what);
+}
+
+static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	if (s->hooks.delay)
+		s->hooks.delay(s->hooks.user, KVR_HOOK_CONTROLLER_JOB);
+	const uint64_t t0 = kvr_now_ns();
+	int err = 0;
+	if (lane->job == LANE_JOB_SELECT) {
+		err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
+				       s->ctl_inline, &s->ctl_scores, &s->ctl_scores_bytes);
+		if (err) {
+			char what[224];
+			snprintf(what, sizeof(what), "controller: selection of sequence %u layer %u: %s",
+				 lane->seq, lane->layer, kvr_dev_last_error(s->dev));
+			kvr_sched_record_async_error(s, err, what);
+		} else {
+			count(s, lane->seq, KVR_C_SELECTIONS, 1);
+		}
+		const uint64_t t1 = kvr_now_ns();
+		struct kvr_trace *tr = trace_of(s);
+		if (tr)
+			kvr_trace_span(tr, "select (next step)", KVR_TRACK_CONTROLLER, lane->seq,
+				       lane->layer, s->c.n_kv_heads, t0, t1);
+	}
+	if (!err && s->recall == KVR_RECALL_STREAMED) {
+		const uint64_t t1 = kvr_now_ns();
+		err = kvr_recall_issue(s, lane, lane->job_heads);
+		if (err) {
+			char what[224];
+			snprintf(what, sizeof(what), "controller: recall of sequence %u layer %u: %s",
+				 lane->seq, lane->layer, kvr_dev_last_error(s->dev));
+			kvr_sched_record_async_error(s, err, what);
+		}
+		struct kvr_trace *tr = trace_of(s);
+		if (tr)
+			kvr_trace_span(tr, lane->job_urgent ? "plan + issue recall (urgent)"
+							    : "plan + issue recall",
+				       KVR_TRACK_CONTROLLER, lane->seq, lane->layer, 0, t1, kvr_now_ns());
+	}
+	count(s, lane->seq, KVR_C_CONTROLLER_NS, kvr_now_ns() - t0);
+	count(s, lane->seq, KVR_C_CONTROLLER_JOBS, 1);
+}
+
+static void *controller_main(void *arg)
+{
+	struct kvr_sched *s = arg;
+	pthread_mutex_lock(&s->lock);
+	for (;;) {
+		while (!s->urgent_head && !s->normal_head && !s->quit)
+			pthread_cond_wait(&s->work, &s->lock);
+		struct kvr_lane *lane = s->urgent_head;
+		if (lane) {
+			s->urgent_head = lane->next;
+			if (!s->urgent_head)
+				s->urgent_tail = NULL;
+		} else if ((lane = s->normal_head)) {
+			s->normal_head = lane->next;
+			if (!s->normal_head)
+				s->normal_tail = NULL;
+		} else {
+			break; /* quit with empty queues */
+		}
+		pthread_mutex_unlock(&s->lock);
+		run_job(s, lane);
+		/* release pairs with the acquire loads in kvr_lane_acquire: the
+		 * engine sees the job's results (selected, slot_page, events) */
+		atomic_store_explicit(&lane->in_flight, 0, memory_order_release);
+		pthread_mutex_lock(&s->lock);
+		if (s->engine_waiting)
+			pthread_cond_broadcast(&s->done);
+	}
+	pthread_mutex_unlock(&s->lock);
+	return NULL;
+}
+
+int kvr_controller_start(struct kvr_sched *s)
+{
+	int err = pthread_create(&s->thread, NULL, controller_main, s);
+	if (err)
+		return -err;
+	s->thread_started = 1;
+	return 0;
+}
+
+void kvr_controller_stop(struct kvr_sched *s)
+{
+	if (!s->thread_started)
+		return;
+	pthread_mutex_lock(&s->lock);
+	s->quit = 1;
+	pthread_cond_signal(&s->work);
+	pthread_mutex_unlock(&s->lock);
+	pthread_join(s->thread, NULL);
+	s->thread_started = 0;
+}
+
+void kvr_controller_post(struct kvr_sched *s, struct kvr_lane *lane, int urgent)
+{
+	/* relaxed: the queue mutex below publishes the store with the job */
+	atomic_store_explicit(&lane->in_flight, 1, memory_order_relaxed);
+	lane->job_urgent = (uint32_t)urgent;
+	lane->next = NULL;
+	pthread_mutex_lock(&s->lock);
+	struct kvr_lane **head = urgent ? &s->urgent_head : &s->normal_head;
+	struct kvr_lane **tail = urgent ? &s->urgent_tail : &s->normal_tail;
+	if (*tail)
+		(*tail)->next = lane;
+	else
+		*head = lane;
+	*tail = lane;
+	pthread_cond_signal(&s->work);
+	pthread_mutex_unlock(&s->lock);
+}
+
+uint64_t kvr_lane_acquire(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	/* acquire pairs with the controller's release store of in_flight */
+	if (!atomic_load_explicit(&lane->in_flight, memory_order_acquire))
+		return 0;
+	const uint64_t t0 = kvr_now_ns();
+	for (int i = 0; i < ACQUIRE_SPINS; i++) {
+		if (!atomic_load_explicit(&lane->in_flight, memory_order_acquire))
+			return kvr_now_ns() - t0;
+#if defined(__x86_64__) || defined(__i386__)
+		__builtin_ia32_pause();
+#endif
+	}
+	pthread_mutex_lock(&s->lock);
+	s->engine_waiting++;
+	while (atomic_load_explicit(&lane->in_flight, memory_order_acquire))
+		pthread_cond_wait(&s->done, &s->lock);
+	s->engine_waiting--;
+	pthread_mutex_unlock(&s->lock);
+	return kvr_now_ns() - t0;
+}

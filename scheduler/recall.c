@@ -1,0 +1,335 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * recall.c — the device page cache and double-buffered streamed recall.
+ *
+ * Each sparse lane owns k slot tiles (NHD, p rows of n_kv·d for keys and for
+ * values): slot (m, j) is column m of tile j and holds one page of KV head m,
+ * as `slot_page[m][j]` records. A recall plan for head m keeps the slots whose
+ * page is still selected (hits) and puts each newly selected page (a miss)
+ * into a slot whose page is no longer wanted; only misses move.
+ *
+ * Misses move in chunks of `chunk_pages` HND runs through two staging
+ * buffers: the copy stream copies chunk c from the pool into staging buffer
+ * c % 2 while the convert stream scatters chunk c − 1 from the other buffer
+ * into its slots (HND → NHD). Each buffer has two events: `staged` (copy done,
+ * the scatter may read) and `drained` (scatter done, the next copy may
+ * overwrite). Before the first scatter of a lane the convert stream waits for
+ * the lane's `attn_done`: the attention that last read these slots must have
+ * finished, so a deferred recall never writes a slot an attention is reading.
+ * After the last scatter it records the lane's `recall_done`, which the next
+ * attention of the lane waits for, so no attention reads a partial recall.
+ * recall_buffers = 1 keeps one buffer (copy and scatter serialised) for the
+ * ablation.
+ *
+ * Threads: kvr_recall_issue runs on the controller thread (it is the only
+ * writer of the staging buffers' host-side item arrays, and waits for a
+ * buffer's `drained` before rewriting them); the streams run the work.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched_impl.h"
+
+struct miss {
+	uint32_t page_id; /* pool page */
+	uint32_t head;
+	uint32_t slot;
+};
+
+uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall)
+{
+	if (recall != KVR_RECALL_STREAMED)
+		return 0;
+	const uint64_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
+	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
+			      (c->dtype == KVR_DTYPE_F32 ? 4 : 2);
+	uint32_t sparse_layers = 0;
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		sparse_layers += !(c->dense_layers[l / 64] >> (l % 64) & 1);
+	return 2 * tile * k * sparse_layers;
+}
+
+uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recall)
+{
+	if (recall != KVR_RECALL_STREAMED)
+		return 0;
+	const uint64_t head = 2ull * c->page_tokens * c->head_dim * (c->dtype == KVR_DTYPE_F32 ? 4 : 2);
+	return (uint64_t)c->recall_buffers * c->recall_chunk_pages *
+	       (head + sizeof(struct kvr_scatter_item));
+}
+
+int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
+{
+	if (s->recall != KVR_RECALL_STREAMED)
+		return 0;
+	int ret = kvr_dev_stream_create(s->dev, KVR_STREAM_WORKER, &s->copy);
+	if (!ret)
+		ret = kvr_dev_stream_create(s->dev, KVR_STREAM_WORKER, &s->convert);
+	s->n_staging = s->c.recall_buffers;
+	s->chunk_pages = s->c.recall_chunk_pages;
+	for (uint32_t b = 0; !ret && b < s->n_staging; b++) {
+		struct staging *st = &s->staging[b];
+		ret = kvr_dev_alloc(s->dev, s->chunk_pages * s->head_bytes, (void **)&st->runs);
+		if (!ret)
+			ret = kvr_dev_alloc(s->dev, s->chunk_pages * sizeof(*st->items),
+					    (void **)&st->items);
+		if (!ret)
+			ret = kvr_dev_event_create(s->dev, &st->staged);
+		if (!ret && !s->recall_descs && !(s->recall_descs = malloc(s->chunk_pages * sizeof(struct kvr_copy_desc))))
+			ret = -ENOMEM;
+		if (!ret)
+			ret = kvr_dev_event_create(s->dev, &st->drained);
+	}
+	if (ret) {
+		snprintf(err, err_bytes, "recall: %s", kvr_dev_last_error(s->dev));
+		return ret;
+	}
+	s->recall_misses = malloc((s->k ? s->k : 1) * sizeof(struct miss));
+	s->recall_flags = malloc(2 * (s->k ? s->k : 1));
+	if (!s->recall_misses || !s->recall_flags) {
+		snprintf(err, err_bytes, "recall: out of memory");
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+void kvr_recall_teardown(struct kvr_sched *s)
+{
+	if (s->copy)
+		kvr_dev_stream_synchronize(s->dev, s->copy);
+	if (s->convert)
+		kvr_dev_stream_synchronize(s->dev, s->convert);
+	for (uint32_t b = 0; b < 2; b++) {
+		struct staging *st = &s->staging[b];
+		kvr_dev_free(s->dev, st->runs);
+		kvr_dev_free(s->dev, st->items);
+		kvr_dev_event_destroy(s->dev, st->staged);
+		kvr_dev_event_destroy(s->dev, st->drained);
+		memset(st, 0, sizeof(*st));
+	}
+	kvr_dev_stream_destroy(s->dev, s->copy);
+	kvr_dev_stream_destroy(s->dev, s->convert);
+	free(s->recall_misses);
+	free(s->recall_flags);
+	free(s->recall_descs);
+	s->recall_descs = NULL;
+	s->recall_misses = NULL;
+	s->recall_flags = NULL;
+	s->copy = s->convert = NULL;
+}
+
+int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	int ret = kvr_dev_event_create(s->dev, &lane->recall_done);
+	if (!ret)
+		ret = kvr_dev_event_create(s->dev, &lane->attn_done);
+	if (ret || s->recall != KVR_RECALL_STREAMED || !s->k)
+		return ret;
+	const size_t bytes = (size_t)s->k * s->tile_bytes;
+	ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_k);
+	if (!ret)
+		ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_v);
+	return ret;
+}
+
+void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	kvr_dev_free(s->dev, lane->slot_k);
+	kvr_dev_free(s->dev, lane->slot_v);
+	kvr_dev_event_destroy(s->dev, lane->recall_done);
+	kvr_dev_event_destroy(s->dev, lane->attn_done);
+	lane->slot_k = lane->slot_v = NULL;
+	lane->recall_done = lane->attn_done = NULL;
+}
+
+/* ------------------------------------------------------------------ hooks and spans */
+
+static void hook_delay(void *arg)
+{
+	struct hook_arg *h = arg;
+	h->s->hooks.delay(h->s->hooks.user, h->where);
+}
+
+void kvr_sched_hook_on_stream(struct kvr_sched *s, struct kvr_stream *stream, uint32_t where)
+{
+	/* one argument per site, owned by the scheduler: it outlives every call */
+	if (!s->hooks.delay || where >= 4)
+		return;
+	s->hook_args[where].where = where;
+	s->hook_args[where].s = s;
+	kvr_dev_host_fn(s->dev, stream, hook_delay, &s->hook_args[where]);
+}
+
+static void stamp_begin(void *arg)
+{
+	/* relaxed: read by the exporter after the stream is synchronised */
+	atomic_store_explicit(&((struct kvr_trace_span *)arg)->begin_ns, kvr_now_ns(),
+			      memory_order_relaxed);
+}
+
+static void stamp_end(void *arg)
+{
+	atomic_store_explicit(&((struct kvr_trace_span *)arg)->end_ns, kvr_now_ns(),
+			      memory_order_relaxed);
+}
+
+struct kvr_trace_span *kvr_stream_span_begin(struct kvr_sched *s, struct kvr_stream *stream,
+					     const char *name, uint32_t track, uint32_t seq,
+					     uint32_t layer, uint32_t count)
+{
+	struct kvr_trace *t = trace_of(s);
+	if (!t)
+		return NULL;
+	struct kvr_trace_span *sp = kvr_trace_reserve(t, name, track, seq, layer, count);
+	if (sp && kvr_dev_host_fn(s->dev, stream, stamp_begin, sp))
+		return NULL; /* no host functions on this backend: the span stays empty */
+	return sp;
+}
+
+void kvr_stream_span_end(struct kvr_sched *s, struct kvr_stream *stream, struct kvr_trace_span *sp)
+{
+	if (sp)
+		kvr_dev_host_fn(s->dev, stream, stamp_end, sp);
+}
+
+/* ------------------------------------------------------------------ plan and issue */
+
+/* Plan head m: keep the hits, place the misses in freed slots. Appends the
+ * misses to `out`; returns how many, and adds the hits to *hits. */
+static uint32_t plan_head(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m,
+			  struct miss *out, uint64_t *hits)
+{
+	const uint32_t k = s->k;
+	int32_t *slots = lane->slot_page + (uint64_t)m * k;
+	const int32_t *want = lane->selected + (uint64_t)m * k;
+	uint8_t *keep = s->recall_flags, *placed = s->recall_flags + k;
+	memset(keep, 0, k);
+	memset(placed, 0, k);
+	for (uint32_t j = 0; j < k; j++) {
+		if (slots[j] < 0)
+			continue;
+		for (uint32_t w = 0; w < k; w++)
+			if (want[w] == slots[j] && !placed[w]) {
+				keep[j] = 1;
+				placed[w] = 1;
+				(*hits)++;
+				break;
+			}
+	}
+	uint32_t n = 0, free_slot = 0;
+	for (uint32_t w = 0; w < k; w++) {
+		if (want[w] < 0 || placed[w])
+			continue;
+		while (keep[free_slot])
+			free_slot++; /* a free slot exists: at most k wanted pages */
+		uint32_t id;
+		if (kvr_pool_lookup(s->pool, lane->seq, lane->layer, (uint32_t)want[w], &id))
+			continue; /* cannot happen: candidates are full pages of the lane */
+		slots[free_slot] = want[w];
+		keep[free_slot] = 1;
+		out[n++] = (struct miss){ id, m, free_slot };
+	}
+	for (uint32_t j = 0; j < k; j++)
+		if (!keep[j])
+			slots[j] = -1; /* evicted: attention must not read it */
+	return n;
+}
+
+int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads)
+{
+	if (!s->k)
+		return 0;
+	struct miss *misses = s->recall_misses;
+	uint64_t hits = 0, n_miss_total = 0;
+	struct kvr_stream *copy = s->copy, *convert = s->convert;
+	int first_scatter = 1, err = 0;
+	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
+		if (!heads[m])
+			continue;
+		const uint32_t n_miss = plan_head(s, lane, m, misses, &hits);
+		n_miss_total += n_miss;
+		for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
+			const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
+			const uint32_t b = s->next_buffer++ % s->n_staging;
+			struct staging *st = &s->staging[b];
+			/* the host rewrites the buffer's items: its last scatter must be done */
+			kvr_dev_event_synchronize(s->dev, st->drained);
+			/* copies: one HND run per miss, from the pool into the staging buffer */
+			struct kvr_copy_desc *descs = s->recall_descs;
+			const unsigned char *base = NULL;
+			for (uint32_t i = 0; i < n; i++) {
+				const unsigned char *run =
+					(const unsigned char *)kvr_pool_page_data(s->pool, misses[at + i].page_id) +
+					(uint64_t)misses[at + i].head * s->head_bytes;
+				if (!base || run < base)
+					base = run;
+			}
+			for (uint32_t i = 0; i < n; i++) {
+				const unsigned char *run =
+					(const unsigned char *)kvr_pool_page_data(s->pool, misses[at + i].page_id) +
+					(uint64_t)misses[at + i].head * s->head_bytes;
+				descs[i] = (struct kvr_copy_desc){ (uint64_t)(run - base),
+								   (uint64_t)i * s->head_bytes, s->head_bytes };
+				st->items[i] = (struct kvr_scatter_item){
+					st->runs + (uint64_t)i * s->head_bytes,
+					lane->slot_k + (uint64_t)misses[at + i].slot * s->tile_bytes,
+					lane->slot_v + (uint64_t)misses[at + i].slot * s->tile_bytes,
+					misses[at + i].head, 0 };
+			}
+			if (s->pool_layout == KVR_POOL_LAYOUT_NHD) {
+				/* ablation: token-major pool pages, 2·p row copies per run */
+				err = 0;
+				for (uint32_t i = 0; i < n && !err; i++) {
+					const unsigned char *page =
+						kvr_pool_page_data(s->pool, misses[at + i].page_id);
+					const uint64_t row = (uint64_t)s->c.head_dim * s->eb;
+					for (uint32_t half = 0; half < 2 && !err; half++)
+						for (uint32_t t = 0; t < s->c.page_tokens && !err; t++)
+							err = kvr_dev_memcpy_async(
+								s->dev,
+								st->runs + (uint64_t)i * s->head_bytes +
+									((uint64_t)half * s->c.page_tokens + t) * row,
+								page + (((uint64_t)half * s->c.page_tokens + t) *
+										s->c.n_kv_heads +
+									misses[at + i].head) * row,
+								row, KVR_COPY_H2D, copy);
+				}
+			}
+			kvr_dev_stream_wait_event(s->dev, copy, st->drained);
+			kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
+			struct kvr_trace_span *sp =
+				kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY, lane->seq,
+						      lane->layer, n);
+			if (!err && s->pool_layout != KVR_POOL_LAYOUT_NHD)
+				err = kvr_dev_memcpy_batch_async(s->dev, st->runs, base, descs, n,
+								 KVR_COPY_H2D, copy);
+			kvr_stream_span_end(s, copy, sp);
+			if (!err)
+				err = kvr_dev_event_record(s->dev, st->staged, copy);
+			/* conversion into the slots, after the copy and after the lane's
+			 * last attention (deferred recall) */
+			if (!err)
+				err = kvr_dev_stream_wait_event(s->dev, convert, st->staged);
+			if (!err && first_scatter) {
+				err = kvr_dev_stream_wait_event(s->dev, convert, lane->attn_done);
+				first_scatter = 0;
+			}
+			kvr_sched_hook_on_stream(s, convert, KVR_HOOK_CONVERT);
+			sp = kvr_stream_span_begin(s, convert, "scatter chunk", KVR_TRACK_CONVERT,
+						   lane->seq, lane->layer, n);
+			if (!err)
+				err = kvr_dev_scatter(s->dev, &s->shape, st->items, n, convert);
+			kvr_stream_span_end(s, convert, sp);
+			if (!err)
+				err = kvr_dev_event_record(s->dev, st->drained, convert);
+		}
+	}
+	if (!err)
+		err = kvr_dev_event_record(s->dev, lane->recall_done, convert);
+	count(s, lane->seq, KVR_C_PAGES_RECALLED, n_miss_total);
+	count(s, lane->seq, KVR_C_PAGES_HIT, hits);
+	count(s, lane->seq, KVR_C_BYTES_RECALLED, n_miss_total * s->head_bytes);
+	return err;
+}

@@ -1,0 +1,184 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * sched_impl.h — what the scheduler's files share: the lane (one sequence's
+ * one layer: its speculative state, its device slots and its controller job),
+ * the scheduler object, and the functions step.c, controller.c and recall.c
+ * call across.
+ *
+ * Lane ownership (see scheduler.h): `in_flight` is 1 from the moment the
+ * engine posts a job until the controller has finished issuing it. While it
+ * is 1 the controller owns every other field of the lane; while it is 0 the
+ * engine does.
+ */
+#ifndef KVR_SCHEDULER_IMPL_H
+#define KVR_SCHEDULER_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "../gpu/backend.h"
+#include "../host/pool.h"
+#include "scheduler.h"
+#include "trace.h"
+
+enum lane_job {
+	LANE_JOB_SELECT = 1, /* select with prev_q for the next step, then recall (streamed) */
+	LANE_JOB_RECALL = 2, /* recall `job_heads` to `selected` (urgent: corrected heads;
+	                        deferred: the others after a correction) */
+};
+
+struct kvr_lane {
+	_Atomic uint32_t in_flight; /* release by the controller when done, acquire by the
+	                               engine in lane_acquire; the engine sets it before
+	                               queueing (the queue mutex publishes the job) */
+	uint32_t seq, layer;
+	uint32_t has_prev;        /* prev_q and selected are valid */
+	unsigned char *prev_q;    /* [n_qo][d]: the query of the lane's latest step */
+	int32_t *selected;        /* [n_kv][k]: pages the next step attends (ascending, -1 = none) */
+	/* streamed recall: the lane's device slots and what they hold */
+	unsigned char *slot_k;    /* k NHD tiles of keys (p rows of n_kv·d), device memory */
+	unsigned char *slot_v;    /* k NHD tiles of values */
+	int32_t *slot_page;       /* [n_kv][k]: logical page in slot (m, j), -1 = empty */
+	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
+	struct kvr_event *attn_done;   /* recorded on the compute stream after the lane's attention */
+	/* the posted job */
+	uint32_t job;             /* enum lane_job */
+	uint32_t job_urgent;
+	uint64_t job_n_tokens;    /* tokens after the step's append */
+	uint8_t *job_heads;       /* [n_kv]: heads the job recalls */
+	struct kvr_lane *next;    /* queue link, guarded by the queue mutex */
+};
+
+/* One recall chunk's staging buffer (streamed recall). */
+struct staging {
+	unsigned char *runs;                /* chunk_pages HND runs, device memory */
+	struct kvr_scatter_item *items;     /* chunk_pages scatter items (device-visible) */
+	struct kvr_event *staged;           /* copy stream: runs are in */
+	struct kvr_event *drained;          /* convert stream: runs were scattered */
+};
+
+/* The engine's scratch for one layer call, kept per layer so that an
+ * asynchronous attention may still read the previous layer's items. */
+struct layer_scratch {
+	void *mem;
+	size_t bytes;
+};
+
+struct kvr_sched {
+	struct kvr_config c;
+	struct kvr_pool *pool;
+	struct kvr_dev *dev;
+	uint32_t pool_layout, recall;
+	uint32_t k, G, eb;
+	uint64_t q_row, kv_row, tile_bytes, head_bytes;
+	struct kvr_shape shape;      /* the whole layer (similarity, score, select, scatter) */
+	struct kvr_shape head_shape; /* one KV head with its G query heads (attention) */
+	struct kvr_sched_hooks hooks;
+	kvr_sched_log_fn log_fn;
+	void *log_user;
+
+	struct kvr_stream *engine_inline; /* the engine's host-synchronous kernels */
+	struct kvr_stream *compute;       /* attention: inline, or a worker (test hook) */
+	struct kvr_stream *ctl_inline;    /* the controller's kernels */
+	struct kvr_stream *copy;          /* streamed recall: pool -> staging */
+	struct kvr_stream *convert;       /* streamed recall: staging -> slots */
+	struct staging staging[2];
+	uint32_t n_staging, chunk_pages;
+	uint32_t next_buffer;            /* controller: the staging buffer of the next chunk */
+	void *recall_misses;             /* controller: [k] misses of one head */
+	uint8_t *recall_flags;           /* controller: [2k] plan flags */
+	struct kvr_copy_desc *recall_descs; /* controller: [chunk_pages] */
+	struct hook_arg {
+		struct kvr_sched *s;
+		uint32_t where;
+	} hook_args[4];
+
+	struct kvr_lane *lanes;        /* [max_sequences][n_layers] */
+	unsigned char **tails;         /* [max_sequences]: the runtime's tail tiles */
+	struct layer_scratch *scratch; /* [n_layers] */
+	int32_t *now_sel;              /* [max_batch][n_kv][k]: the engine's selections */
+	float *engine_scores;          /* grown: the engine's score buffer */
+	size_t engine_scores_bytes;
+	float *ctl_scores;             /* grown: the controller's score buffer */
+	size_t ctl_scores_bytes;
+
+	/* the controller */
+	pthread_t thread;
+	int thread_started;
+	pthread_mutex_t lock;          /* guards the queues, quit, busy */
+	pthread_cond_t work;           /* controller waits for jobs */
+	pthread_cond_t done;           /* the engine waits for a lane */
+	struct kvr_lane *urgent_head, *urgent_tail;
+	struct kvr_lane *normal_head, *normal_tail;
+	uint32_t engine_waiting;       /* guarded by lock: someone sleeps on `done` */
+	int quit;
+
+	_Atomic(struct kvr_trace *) trace; /* acquire by recorders, release by the runtime */
+
+	/* counters: relaxed atomics, written by the engine and the controller,
+	 * read by kvr_get_stats (statistics, no ordering needed) */
+	_Atomic uint64_t counters[KVR_C_COUNT];
+	_Atomic uint64_t *seq_counters;    /* [max_sequences][KVR_C_COUNT] */
+	_Atomic uint64_t *head_corrections; /* [max_sequences][n_kv] */
+
+	/* the first asynchronous failure (controller, streams) */
+	pthread_mutex_t error_lock;
+	int async_error;
+	char async_message[256];
+	char last_error[256];
+};
+
+static inline struct kvr_lane *lane_of(struct kvr_sched *s, uint32_t seq, uint32_t layer)
+{
+	return &s->lanes[(uint64_t)seq * s->c.n_layers + layer];
+}
+
+static inline void count(struct kvr_sched *s, uint32_t seq, enum kvr_counter c, uint64_t v)
+{
+	atomic_fetch_add_explicit(&s->counters[c], v, memory_order_relaxed);
+	atomic_fetch_add_explicit(&s->seq_counters[(uint64_t)seq * KVR_C_COUNT + c], v,
+				  memory_order_relaxed);
+}
+
+static inline struct kvr_trace *trace_of(struct kvr_sched *s)
+{
+	/* acquire pairs with kvr_sched_set_trace's release store */
+	return atomic_load_explicit(&s->trace, memory_order_acquire);
+}
+
+/* controller.c */
+int kvr_controller_start(struct kvr_sched *s);
+void kvr_controller_stop(struct kvr_sched *s);
+/* Queue the lane's job (the engine has filled it; in_flight is set here). */
+void kvr_controller_post(struct kvr_sched *s, struct kvr_lane *lane, int urgent);
+/* Wait until the lane has no job in flight; returns the nanoseconds waited
+ * (0 when it had none). */
+uint64_t kvr_lane_acquire(struct kvr_sched *s, struct kvr_lane *lane);
+void kvr_sched_record_async_error(struct kvr_sched *s, int err, const char *what);
+
+/* recall.c */
+int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes);
+void kvr_recall_teardown(struct kvr_sched *s);
+int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane);
+void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane);
+/* Plan and issue the recall of heads[m] != 0 so that their slots hold
+ * lane->selected; controller thread. */
+int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads);
+/* Stream-order host function inserting a test delay (no-op without hooks). */
+void kvr_sched_hook_on_stream(struct kvr_sched *s, struct kvr_stream *stream, uint32_t where);
+/* Begin/end of a span that runs on a stream (host functions; no-op untraced). */
+struct kvr_trace_span *kvr_stream_span_begin(struct kvr_sched *s, struct kvr_stream *stream,
+					     const char *name, uint32_t track, uint32_t seq,
+					     uint32_t layer, uint32_t count);
+void kvr_stream_span_end(struct kvr_sched *s, struct kvr_stream *stream,
+			 struct kvr_trace_span *span);
+
+/* step.c: selection of one lane with query q against the window of a layer
+ * holding n_tokens tokens at the next step (next = 1) or now (next = 0).
+ * stream is the calling thread's inline stream; scores a buffer of the
+ * caller's (grown as needed). */
+int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
+		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
+		     float **scores, size_t *scores_bytes);
+
+#endif /* KVR_SCHEDULER_IMPL_H */

@@ -1,0 +1,742 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * step.c — the decode step of DESIGN.md per (sequence, layer), on the
+ * engine's thread, and the scheduler's lifecycle.
+ *
+ * One layer call, for a batch:
+ *  1. Acquire each sequence's lane (wait for its controller job, counted as a
+ *     controller wait) and append its token (a pool page is reserved when a
+ *     tail page starts; a full tail page is offloaded with its summary).
+ *  2. Decide which KV heads are corrected: none (speculative), all (blocking,
+ *     and the first sparse step of a lane), or those whose group-mean cosine
+ *     between q_i and q_{i−1} is below tau (freekv).
+ *  3. Attention for the sequences without corrected heads runs first, so a
+ *     correction in one sequence does not hold back the others.
+ *  4. Each sequence with corrected heads: select now with q_i (all heads),
+ *     recall the corrected heads' misses (streamed: an urgent controller job
+ *     the engine waits for), then attention. These waits are the correction
+ *     waits.
+ *  5. Post each sparse lane's job for the next step: a speculative selection
+ *     with q_i against the window as it will be at step i+1 (plus its
+ *     recall), or, after a correction, the deferred recall of the
+ *     non-corrected heads to the selection just made (no second selection).
+ *
+ * Which pages attention reads: with zero-copy recall (the cpu backend's
+ * default) the selected pages straight from the pool; with streamed recall
+ * the lane's device slots, in ascending page order, so both give identical
+ * results. Sink, window and tail are read where they live (pool pages and the
+ * tail tile); the dense path (L ≤ B, dense layers, mode dense) reads every
+ * page of the pool.
+ *
+ * Threads: the engine's thread (one step at a time per context).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched_impl.h"
+
+static int layer_dense(const struct kvr_sched *s, uint32_t layer)
+{
+	return s->c.mode == KVR_MODE_DENSE || (s->c.dense_layers[layer / 64] >> (layer % 64) & 1);
+}
+
+static int grow(void **buf, size_t *bytes, size_t need)
+{
+	if (need <= *bytes)
+		return 0;
+	void *p = NULL;
+	if (posix_memalign(&p, 64, need))
+		return -ENOMEM;
+	free(*buf);
+	*buf = p;
+	*bytes = need;
+	return 0;
+}
+
+/* ------------------------------------------------------------------ selection */
+
+int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
+		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
+		     float **scores, size_t *scores_bytes)
+{
+	const uint32_t p = s->c.page_tokens;
+	const uint32_t n_full = (uint32_t)(n_tokens / p);
+	const uint32_t sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
+	uint32_t win_first;
+	if (next) {
+		/* the window as it will be at step i+1 (one more token), so a page
+		 * leaving the window is a candidate the step it leaves */
+		const uint32_t next_full = (uint32_t)((n_tokens + 1) / p);
+		win_first = next_full > window ? next_full - window : 0;
+		if (win_first > n_full) /* W = 0: the page being filled has no summary yet */
+			win_first = n_full;
+	} else {
+		win_first = n_full > window ? n_full - window : 0;
+	}
+	const uint32_t cand_begin = sink, cand_end = win_first > sink ? win_first : sink;
+	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
+	if (grow((void **)scores, scores_bytes, need))
+		return -ENOMEM;
+	const void *summaries = kvr_pool_summary(s->pool, lane->seq, lane->layer, 0);
+	if (!summaries) {
+		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+			selected[i] = -1;
+		return 0;
+	}
+	const struct kvr_score_item it = { q, summaries, *scores, selected, cand_begin, cand_end, s->k, 0 };
+	int err = kvr_dev_score(s->dev, &s->shape, &it, 1, stream);
+	if (!err)
+		err = kvr_dev_select(s->dev, &s->shape, &it, 1, stream);
+	return err;
+}
+
+/* ------------------------------------------------------------------ segments */
+
+/* One KV head's run of pool page `logical` as an attention segment. */
+static struct kvr_kv_segment pool_segment(struct kvr_sched *s, uint32_t seq, uint32_t layer,
+					  uint32_t logical, uint32_t m)
+{
+	uint32_t id = 0;
+	kvr_pool_lookup(s->pool, seq, layer, logical, &id);
+	const unsigned char *page = kvr_pool_page_data(s->pool, id);
+	const uint32_t p = s->c.page_tokens, d = s->c.head_dim, eb = s->eb;
+	if (s->pool_layout == KVR_POOL_LAYOUT_NHD) {
+		/* [2][p][n_kv][d] */
+		const unsigned char *k = page + (uint64_t)m * d * eb;
+		return (struct kvr_kv_segment){ k, k + (uint64_t)p * s->c.n_kv_heads * d * eb, p,
+						s->c.n_kv_heads * d, 0, 0 };
+	}
+	const unsigned char *run = page + (uint64_t)m * s->head_bytes;
+	return (struct kvr_kv_segment){ run, run + (uint64_t)p * d * eb, p, d, 0, 0 };
+}
+
+/* Sorts (page, slot) pairs by page; k is small. */
+static void sort_pairs(int32_t *page, uint32_t *slot, uint32_t n)
+{
+	for (uint32_t i = 1; i < n; i++) {
+		const int32_t pg = page[i];
+		const uint32_t sl = slot[i];
+		uint32_t j = i;
+		for (; j > 0 && page[j - 1] > pg; j--) {
+			page[j] = page[j - 1];
+			slot[j] = slot[j - 1];
+		}
+		page[j] = pg;
+		slot[j] = sl;
+	}
+}
+
+/* Segments of KV head m of one sequence (n_tokens after the append): sink
+ * pages, the selected pages (`sel`: zero-copy; or the lane's slots), window
+ * pages, the tail. Dense: every full page, then the tail. */
+static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m,
+			       uint64_t n_tokens, int dense, const int32_t *sel, int from_slots,
+			       struct kvr_kv_segment *out)
+{
+	const uint32_t p = s->c.page_tokens, d = s->c.head_dim;
+	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = (uint32_t)(n_tokens % p);
+	const uint32_t seq = lane->seq, layer = lane->layer;
+	uint32_t n = 0;
+	if (dense) {
+		for (uint32_t j = 0; j < n_full; j++)
+			out[n++] = pool_segment(s, seq, layer, j, m);
+	} else {
+		const uint32_t sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
+		const uint32_t win_first = n_full > window ? n_full - window : 0;
+		for (uint32_t j = 0; j < sink && j < win_first; j++)
+			out[n++] = pool_segment(s, seq, layer, j, m);
+		if (from_slots) {
+			int32_t pages[512];
+			uint32_t slots[512], n_sel = 0;
+			const int32_t *sp = lane->slot_page + (uint64_t)m * s->k;
+			for (uint32_t j = 0; j < s->k && n_sel < 512; j++)
+				if (sp[j] >= 0 && (uint32_t)sp[j] >= sink && (uint32_t)sp[j] < win_first) {
+					pages[n_sel] = sp[j];
+					slots[n_sel++] = j;
+				}
+			sort_pairs(pages, slots, n_sel);
+			const uint64_t row = (uint64_t)s->c.n_kv_heads * d;
+			for (uint32_t i = 0; i < n_sel; i++) {
+				const uint64_t off = (uint64_t)slots[i] * s->tile_bytes + (uint64_t)m * d * s->eb;
+				out[n++] = (struct kvr_kv_segment){ lane->slot_k + off, lane->slot_v + off, p,
+								    (uint32_t)row, 0, 0 };
+			}
+		} else {
+			for (uint32_t i = 0; i < s->k; i++)
+				if (sel[i] >= 0 && (uint32_t)sel[i] >= sink && (uint32_t)sel[i] < win_first)
+					out[n++] = pool_segment(s, seq, layer, (uint32_t)sel[i], m);
+		}
+		for (uint32_t j = win_first > sink ? win_first : sink; j < n_full; j++)
+			out[n++] = pool_segment(s, seq, layer, j, m);
+	}
+	if (tail) {
+		const unsigned char *kt = s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes +
+					  (uint64_t)m * d * s->eb;
+		out[n++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, tail,
+						    s->c.n_kv_heads * d, 0, 0 };
+	}
+	return n;
+}
+
+/* ------------------------------------------------------------------ one layer */
+
+enum seq_kind {
+	SEQ_FAILED = 0,
+	SEQ_DENSE,     /* dense path */
+	SEQ_SPARSE,    /* sparse, nothing corrected */
+	SEQ_CORRECTED, /* sparse, some heads corrected */
+};
+
+/* The engine's view of one batch entry during a layer call. */
+struct entry {
+	uint32_t kind;
+	uint32_t any_corrected;
+	uint64_t n_tokens;
+};
+
+/* Wait (streamed recall) until the lane's latest recall is complete before
+ * attention reads its slots: a stream wait on the compute stream, which on a
+ * host-synchronous compute stream blocks the engine — counted. */
+static int wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correction)
+{
+	if (s->recall != KVR_RECALL_STREAMED)
+		return 0;
+	if (!s->hooks.async_compute && kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN) {
+		const uint64_t t0 = kvr_now_ns();
+		kvr_dev_event_synchronize(s->dev, lane->recall_done);
+		const uint64_t t1 = kvr_now_ns();
+		if (!correction) {
+			count(s, lane->seq, KVR_C_RECALL_WAITS, 1);
+			count(s, lane->seq, KVR_C_RECALL_WAIT_NS, t1 - t0);
+		}
+		struct kvr_trace *tr = trace_of(s);
+		if (tr)
+			kvr_trace_span(tr, "wait recall", KVR_TRACK_ENGINE, lane->seq, lane->layer, 0,
+				       t0, t1);
+	}
+	return kvr_dev_stream_wait_event(s->dev, s->compute, lane->recall_done);
+}
+
+/* Attention over `n_items` items, then record attn_done of each listed lane. */
+static int run_attention(struct kvr_sched *s, uint32_t layer, const struct kvr_attention_item *items,
+			 uint32_t n_items, const struct kvr_kv_segment *segs, uint32_t n_segs,
+			 struct kvr_lane **lanes, uint32_t n_lanes)
+{
+	if (!n_items)
+		return 0;
+	const uint64_t t0 = kvr_now_ns();
+	kvr_sched_hook_on_stream(s, s->compute, KVR_HOOK_COMPUTE);
+	struct kvr_trace_span *sp = NULL;
+	if (s->hooks.async_compute)
+		sp = kvr_stream_span_begin(s, s->compute, "attention", KVR_TRACK_COMPUTE, UINT32_MAX,
+					   layer, n_items);
+	int err = kvr_dev_attention(s->dev, &s->head_shape, items, n_items, segs, n_segs, s->compute);
+	kvr_stream_span_end(s, s->compute, sp);
+	for (uint32_t i = 0; !err && i < n_lanes; i++)
+		err = kvr_dev_event_record(s->dev, lanes[i]->attn_done, s->compute);
+	struct kvr_trace *tr = trace_of(s);
+	if (tr && !s->hooks.async_compute)
+		kvr_trace_span(tr, "attention", KVR_TRACK_ENGINE, n_lanes == 1 ? lanes[0]->seq : UINT32_MAX,
+			       layer, n_items, t0, kvr_now_ns());
+	return err;
+}
+
+int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
+			   const uint32_t *seqs, const uint64_t *positions, const void *q,
+			   const void *k, const void *v, void *out, int32_t *status)
+{
+	const uint64_t t_enter = kvr_now_ns();
+	const struct kvr_config *c = &s->c;
+	const uint32_t n_kv = c->n_kv_heads, p = c->page_tokens, kk = s->k;
+	const uint64_t q_row = s->q_row, kv_row = s->kv_row;
+	const uint64_t head_q_bytes = (uint64_t)s->G * c->head_dim * s->eb;
+	const int dense_layer = layer_dense(s, layer);
+	struct kvr_trace *tr = trace_of(s);
+
+	/* 1. Acquire the lanes, append the tokens. */
+	uint32_t max_pages = 0;
+	for (uint32_t i = 0; i < batch; i++) {
+		const uint32_t seq = seqs[i];
+		struct kvr_lane *lane = lane_of(s, seq, layer);
+		const uint64_t waited = kvr_lane_acquire(s, lane);
+		if (waited) {
+			count(s, seq, KVR_C_CONTROLLER_WAITS, 1);
+			count(s, seq, KVR_C_CONTROLLER_WAIT_NS, waited);
+			if (tr)
+				kvr_trace_span(tr, "wait controller", KVR_TRACK_ENGINE, seq, layer, 0,
+					       kvr_now_ns() - waited, kvr_now_ns());
+		}
+		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
+					      s->tails[seq] + ((uint64_t)layer * 2 + 1) * s->tile_bytes };
+		status[i] = kvr_pool_ingest(s->pool, seq, layer, positions[i], 1,
+					    (const unsigned char *)k + i * kv_row,
+					    (const unsigned char *)v + i * kv_row, &tail);
+		if (status[i]) {
+			snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u: %s", seq,
+				 layer, kvr_pool_last_error(s->pool));
+			if (s->log_fn)
+				s->log_fn(s->log_user, KVR_LOG_ERROR, s->last_error);
+			memset((unsigned char *)out + i * q_row, 0, q_row);
+			count(s, seq, KVR_C_FAILED_DECODES, 1);
+			continue;
+		}
+		const uint32_t pages = (uint32_t)((positions[i] + 1) / p);
+		max_pages = pages > max_pages ? pages : max_pages;
+	}
+
+	/* Scratch of this layer (kept per layer: an asynchronous attention may
+	 * still read the previous layer's items). */
+	const uint32_t max_segs = max_pages + 1;
+	size_t off[6], need = 0;
+	const size_t sizes[6] = {
+		(size_t)batch * n_kv * sizeof(struct kvr_attention_item),
+		(size_t)batch * n_kv * max_segs * sizeof(struct kvr_kv_segment),
+		(size_t)batch * sizeof(struct entry),
+		(size_t)batch * n_kv * sizeof(float),
+		(size_t)batch * n_kv,
+		(size_t)batch * sizeof(struct kvr_lane *),
+	};
+	for (int i = 0; i < 6; i++) {
+		off[i] = need;
+		need += (sizes[i] + 63) & ~(size_t)63;
+	}
+	struct layer_scratch *ls = &s->scratch[layer];
+	if (grow(&ls->mem, &ls->bytes, need)) {
+		snprintf(s->last_error, sizeof(s->last_error), "out of memory for the step's scratch");
+		return -ENOMEM;
+	}
+	unsigned char *mem = ls->mem;
+	struct kvr_attention_item *items = (void *)(mem + off[0]);
+	struct kvr_kv_segment *segs = (void *)(mem + off[1]);
+	struct entry *e = (void *)(mem + off[2]);
+	float *cosine = (void *)(mem + off[3]);
+	uint8_t *corrected = mem + off[4];
+	struct kvr_lane **att_lanes = (void *)(mem + off[5]);
+
+	/* 2. Dense or sparse; which heads are corrected. */
+	for (uint32_t i = 0; i < batch; i++) {
+		e[i] = (struct entry){ SEQ_FAILED, 0, positions[i] + 1 };
+		if (status[i])
+			continue;
+		const uint32_t seq = seqs[i];
+		struct kvr_lane *lane = lane_of(s, seq, layer);
+		uint8_t *corr = corrected + (uint64_t)i * n_kv;
+		memset(corr, 0, n_kv);
+		if (dense_layer || e[i].n_tokens <= c->budget_tokens) {
+			e[i].kind = SEQ_DENSE;
+			lane->has_prev = 0; /* the first sparse step selects afresh */
+			continue;
+		}
+		e[i].kind = SEQ_SPARSE;
+		if (!kk)
+			continue; /* sink + window only: nothing to select */
+		const unsigned char *qi = (const unsigned char *)q + i * q_row;
+		if (c->mode == KVR_MODE_BLOCKING || !lane->has_prev) {
+			memset(corr, 1, n_kv);
+		} else if (c->mode == KVR_MODE_FREEKV) {
+			const uint64_t t0 = kvr_now_ns();
+			const struct kvr_similarity_item si = { qi, lane->prev_q, cosine + (uint64_t)i * n_kv,
+								 corr };
+			int err = kvr_dev_similarity(s->dev, &s->shape, &si, 1, s->engine_inline);
+			if (err) {
+				snprintf(s->last_error, sizeof(s->last_error), "similarity: %s",
+					 kvr_dev_last_error(s->dev));
+				return err;
+			}
+			uint32_t n_corr = 0;
+			for (uint32_t m = 0; m < n_kv; m++) {
+				n_corr += corr[m];
+				if (corr[m])
+					atomic_fetch_add_explicit(
+						&s->head_corrections[(uint64_t)seq * n_kv + m], 1,
+						memory_order_relaxed);
+			}
+			count(s, seq, KVR_C_CHECKED_HEADS, n_kv);
+			count(s, seq, KVR_C_CORRECTED_HEADS, n_corr);
+			if (tr)
+				kvr_trace_span(tr, "correction check", KVR_TRACK_ENGINE, seq, layer, n_corr,
+					       t0, kvr_now_ns());
+		}
+		for (uint32_t m = 0; m < n_kv; m++)
+			e[i].any_corrected |= corr[m];
+		if (e[i].any_corrected)
+			e[i].kind = SEQ_CORRECTED;
+	}
+
+	/* 3. Attention for the sequences with nothing to correct, first. */
+	uint32_t n_items = 0, n_segs = 0, n_att = 0;
+	int err = 0;
+	for (uint32_t i = 0; i < batch && !err; i++) {
+		if (e[i].kind != SEQ_DENSE && e[i].kind != SEQ_SPARSE)
+			continue;
+		struct kvr_lane *lane = lane_of(s, seqs[i], layer);
+		const int dense = e[i].kind == SEQ_DENSE;
+		const int slots = !dense && kk && s->recall == KVR_RECALL_STREAMED;
+		if (slots)
+			err = wait_recall(s, lane, 0);
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const uint32_t n = build_segments(s, lane, m, e[i].n_tokens, dense,
+							  lane->selected + (uint64_t)m * kk, slots,
+							  segs + n_segs);
+			items[n_items++] = (struct kvr_attention_item){
+				(const unsigned char *)q + i * q_row + m * head_q_bytes,
+				(unsigned char *)out + i * q_row + m * head_q_bytes, n_segs, n };
+			n_segs += n;
+		}
+		att_lanes[n_att++] = lane;
+		count(s, seqs[i], KVR_C_LAYER_DECODES, 1);
+		count(s, seqs[i], KVR_C_DENSE_DECODES, (uint64_t)dense);
+	}
+	if (!err)
+		err = run_attention(s, layer, items, n_items, segs, n_segs, att_lanes, n_att);
+
+	/* 4. Sequences with corrected heads: select now, recall, attend. */
+	const uint32_t first_item = n_items, first_seg = n_segs, first_att = n_att;
+	for (uint32_t i = 0; i < batch && !err; i++) {
+		if (e[i].kind != SEQ_CORRECTED)
+			continue;
+		const uint32_t seq = seqs[i];
+		struct kvr_lane *lane = lane_of(s, seq, layer);
+		const unsigned char *qi = (const unsigned char *)q + i * q_row;
+		const uint8_t *corr = corrected + (uint64_t)i * n_kv;
+		int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
+		const uint64_t t0 = kvr_now_ns();
+		err = kvr_select_pages(s, lane, qi, e[i].n_tokens, 0, now_sel, s->engine_inline,
+				       &s->engine_scores, &s->engine_scores_bytes);
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error), "selection: %s",
+				 kvr_dev_last_error(s->dev));
+			break;
+		}
+		count(s, seq, KVR_C_SELECTIONS, 1);
+		const uint64_t t1 = kvr_now_ns();
+		if (tr)
+			kvr_trace_span(tr, "select now (correction)", KVR_TRACK_ENGINE, seq, layer, n_kv,
+				       t0, t1);
+		if (s->recall == KVR_RECALL_STREAMED) {
+			/* the corrected heads' misses, before attention: an urgent job */
+			memcpy(lane->selected, now_sel, (size_t)n_kv * kk * sizeof(int32_t));
+			memcpy(lane->job_heads, corr, n_kv);
+			lane->job = LANE_JOB_RECALL;
+			kvr_controller_post(s, lane, 1);
+			kvr_lane_acquire(s, lane);
+			err = wait_recall(s, lane, 1);
+			if (tr)
+				kvr_trace_span(tr, "wait urgent recall", KVR_TRACK_ENGINE, seq, layer, 0, t1,
+					       kvr_now_ns());
+		}
+		count(s, seq, KVR_C_CORRECTION_WAITS, 1);
+		count(s, seq, KVR_C_CORRECTION_WAIT_NS, kvr_now_ns() - t0);
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const int32_t *sel = corr[m] ? now_sel + (uint64_t)m * kk
+						     : lane->selected + (uint64_t)m * kk;
+			const uint32_t n = build_segments(s, lane, m, e[i].n_tokens, 0, sel,
+							  s->recall == KVR_RECALL_STREAMED, segs + n_segs);
+			items[n_items++] = (struct kvr_attention_item){
+				qi + m * head_q_bytes, (unsigned char *)out + i * q_row + m * head_q_bytes,
+				n_segs, n };
+			n_segs += n;
+		}
+		att_lanes[n_att++] = lane;
+		count(s, seq, KVR_C_LAYER_DECODES, 1);
+	}
+	if (!err)
+		err = run_attention(s, layer, items + first_item, n_items - first_item, segs, n_segs,
+				    att_lanes + first_att, n_att - first_att);
+	(void)first_seg;
+	if (err) {
+		if (!s->last_error[0])
+			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
+		return err;
+	}
+
+	/* 5. Keep q_i; post the next step's work. */
+	for (uint32_t i = 0; i < batch; i++) {
+		if ((e[i].kind != SEQ_SPARSE && e[i].kind != SEQ_CORRECTED) || !kk)
+			continue;
+		const uint32_t seq = seqs[i];
+		struct kvr_lane *lane = lane_of(s, seq, layer);
+		memcpy(lane->prev_q, (const unsigned char *)q + i * q_row, q_row);
+		lane->has_prev = 1;
+		if (c->mode == KVR_MODE_BLOCKING)
+			continue; /* selects again at the next step */
+		lane->job_n_tokens = e[i].n_tokens;
+		if (e[i].kind == SEQ_CORRECTED) {
+			/* one selection per step: the corrected one serves the next step */
+			const int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
+			memcpy(lane->selected, now_sel, (size_t)n_kv * kk * sizeof(int32_t));
+			if (s->recall != KVR_RECALL_STREAMED)
+				continue;
+			const uint8_t *corr = corrected + (uint64_t)i * n_kv;
+			uint32_t rest = 0;
+			for (uint32_t m = 0; m < n_kv; m++)
+				rest += (lane->job_heads[m] = !corr[m]);
+			if (!rest)
+				continue;
+			lane->job = LANE_JOB_RECALL; /* deferred: after this attention */
+		} else {
+			memset(lane->job_heads, 1, n_kv);
+			lane->job = LANE_JOB_SELECT;
+		}
+		kvr_controller_post(s, lane, 0);
+	}
+	const uint64_t t_leave = kvr_now_ns();
+	for (uint32_t i = 0; i < batch; i++)
+		atomic_fetch_add_explicit(&s->seq_counters[(uint64_t)seqs[i] * KVR_C_COUNT + KVR_C_CRITICAL_NS],
+					  (t_leave - t_enter) / batch, memory_order_relaxed);
+	atomic_fetch_add_explicit(&s->counters[KVR_C_CRITICAL_NS], t_leave - t_enter,
+				  memory_order_relaxed);
+	if (tr)
+		kvr_trace_span(tr, "decode layer", KVR_TRACK_ENGINE, batch == 1 ? seqs[0] : UINT32_MAX,
+			       layer, batch, t_enter, t_leave);
+	return 0;
+}
+
+int kvr_sched_step_end(struct kvr_sched *s)
+{
+	if (!s->hooks.async_compute)
+		return 0;
+	return kvr_dev_stream_synchronize(s->dev, s->compute);
+}
+
+/* ------------------------------------------------------------------ sequences */
+
+static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	lane->has_prev = 0;
+	for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+		lane->selected[i] = -1;
+	if (lane->slot_page)
+		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+			lane->slot_page[i] = -1;
+}
+
+static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	kvr_recall_lane_free(s, lane);
+	free(lane->prev_q);
+	free(lane->selected);
+	free(lane->slot_page);
+	free(lane->job_heads);
+	lane->prev_q = NULL;
+	lane->selected = NULL;
+	lane->slot_page = NULL;
+	lane->job_heads = NULL;
+}
+
+void kvr_sched_seq_quiesce(struct kvr_sched *s, uint32_t seq)
+{
+	for (uint32_t l = 0; l < s->c.n_layers; l++) {
+		struct kvr_lane *lane = lane_of(s, seq, l);
+		kvr_lane_acquire(s, lane);
+		/* the lane's recall may still be running on the streams */
+		if (lane->recall_done)
+			kvr_dev_event_synchronize(s->dev, lane->recall_done);
+	}
+}
+
+int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
+{
+	const size_t n_sel = (size_t)s->c.n_kv_heads * (s->k ? s->k : 1);
+	for (uint32_t l = 0; l < s->c.n_layers; l++) {
+		struct kvr_lane *lane = lane_of(s, seq, l);
+		memset(lane, 0, sizeof(*lane));
+		lane->seq = seq;
+		lane->layer = l;
+		lane->prev_q = malloc(s->q_row);
+		lane->selected = malloc(n_sel * sizeof(int32_t));
+		lane->job_heads = malloc(s->c.n_kv_heads);
+		int err = (!lane->prev_q || !lane->selected || !lane->job_heads) ? -ENOMEM : 0;
+		if (!err && s->recall == KVR_RECALL_STREAMED && !layer_dense(s, l)) {
+			lane->slot_page = malloc(n_sel * sizeof(int32_t));
+			err = lane->slot_page ? kvr_recall_lane_alloc(s, lane) : -ENOMEM;
+		} else if (!err) {
+			err = kvr_dev_event_create(s->dev, &lane->recall_done);
+			if (!err)
+				err = kvr_dev_event_create(s->dev, &lane->attn_done);
+		}
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error),
+				 "device memory for sequence %u's page cache (layer %u): %s", seq, l,
+				 err == -ENOMEM && !lane->slot_k ? "out of memory" : kvr_dev_last_error(s->dev));
+			for (uint32_t j = 0; j <= l; j++)
+				lane_release(s, lane_of(s, seq, j));
+			return err;
+		}
+		lane_forget(s, lane);
+	}
+	s->tails[seq] = tails;
+	for (uint32_t i = 0; i < KVR_C_COUNT; i++)
+		atomic_store_explicit(&s->seq_counters[(uint64_t)seq * KVR_C_COUNT + i], 0,
+				      memory_order_relaxed);
+	for (uint32_t m = 0; m < s->c.n_kv_heads; m++)
+		atomic_store_explicit(&s->head_corrections[(uint64_t)seq * s->c.n_kv_heads + m], 0,
+				      memory_order_relaxed);
+	return 0;
+}
+
+void kvr_sched_seq_close(struct kvr_sched *s, uint32_t seq)
+{
+	kvr_sched_seq_quiesce(s, seq);
+	for (uint32_t l = 0; l < s->c.n_layers; l++)
+		lane_release(s, lane_of(s, seq, l));
+	s->tails[seq] = NULL;
+}
+
+void kvr_sched_seq_reset(struct kvr_sched *s, uint32_t seq)
+{
+	kvr_sched_seq_quiesce(s, seq);
+	for (uint32_t l = 0; l < s->c.n_layers; l++)
+		lane_forget(s, lane_of(s, seq, l));
+}
+
+/* ------------------------------------------------------------------ lifecycle */
+
+int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **out, char *err,
+		     size_t err_bytes)
+{
+	struct kvr_sched *s = calloc(1, sizeof(*s));
+	if (!s) {
+		snprintf(err, err_bytes, "scheduler: out of memory");
+		return -ENOMEM;
+	}
+	const struct kvr_config *c = params->config;
+	s->c = *c;
+	s->pool = params->pool;
+	s->dev = params->dev;
+	s->pool_layout = params->pool_layout;
+	s->recall = params->recall;
+	if (params->hooks)
+		s->hooks = *params->hooks;
+	s->log_fn = params->log_fn;
+	s->log_user = params->log_user;
+	s->k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
+	s->G = c->n_qo_heads / c->n_kv_heads;
+	s->eb = c->dtype == KVR_DTYPE_F32 ? 4 : 2;
+	s->q_row = (uint64_t)c->n_qo_heads * c->head_dim * s->eb;
+	s->kv_row = (uint64_t)c->n_kv_heads * c->head_dim * s->eb;
+	s->tile_bytes = (uint64_t)c->page_tokens * s->kv_row;
+	s->head_bytes = 2ull * c->page_tokens * c->head_dim * s->eb;
+	const float scale = 1.0f / sqrtf((float)c->head_dim);
+	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
+				       c->dtype, scale, c->tau, 0 };
+	s->head_shape = (struct kvr_shape){ s->G, 1, c->head_dim, c->page_tokens, c->dtype, scale,
+					    c->tau, 0 };
+	pthread_mutex_init(&s->lock, NULL);
+	pthread_cond_init(&s->work, NULL);
+	pthread_cond_init(&s->done, NULL);
+	pthread_mutex_init(&s->error_lock, NULL);
+
+	int ret = 0;
+	const size_t n_lanes = (size_t)c->max_sequences * c->n_layers;
+	s->lanes = calloc(n_lanes, sizeof(*s->lanes));
+	s->tails = calloc(c->max_sequences, sizeof(*s->tails));
+	s->scratch = calloc(c->n_layers, sizeof(*s->scratch));
+	s->now_sel = malloc((size_t)c->max_batch * c->n_kv_heads * (s->k ? s->k : 1) * sizeof(int32_t));
+	s->seq_counters = calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
+	s->head_corrections = calloc((size_t)c->max_sequences * c->n_kv_heads,
+				     sizeof(*s->head_corrections));
+	if (!s->lanes || !s->tails || !s->scratch || !s->now_sel || !s->seq_counters ||
+	    !s->head_corrections) {
+		snprintf(err, err_bytes, "scheduler: out of memory");
+		ret = -ENOMEM;
+	}
+	if (!ret && (ret = kvr_dev_stream_create(s->dev, 0, &s->engine_inline)) == 0 &&
+	    (ret = kvr_dev_stream_create(s->dev, s->hooks.async_compute ? KVR_STREAM_WORKER : 0,
+					 &s->compute)) == 0)
+		ret = kvr_dev_stream_create(s->dev, 0, &s->ctl_inline);
+	if (ret && !err[0])
+		snprintf(err, err_bytes, "scheduler: %s", kvr_dev_last_error(s->dev));
+	if (!ret)
+		ret = kvr_recall_setup(s, err, err_bytes);
+	if (!ret && (ret = kvr_controller_start(s)))
+		snprintf(err, err_bytes, "scheduler: cannot start the controller thread: %s",
+			 strerror(-ret));
+	if (ret) {
+		kvr_sched_destroy(s);
+		return ret;
+	}
+	*out = s;
+	return 0;
+}
+
+void kvr_sched_destroy(struct kvr_sched *s)
+{
+	if (!s)
+		return;
+	kvr_controller_stop(s);
+	if (s->lanes)
+		for (uint32_t seq = 0; seq < s->c.max_sequences; seq++)
+			if (s->tails && s->tails[seq])
+				kvr_sched_seq_close(s, seq);
+	kvr_recall_teardown(s);
+	if (s->compute)
+		kvr_dev_stream_synchronize(s->dev, s->compute);
+	kvr_dev_stream_destroy(s->dev, s->engine_inline);
+	kvr_dev_stream_destroy(s->dev, s->compute);
+	kvr_dev_stream_destroy(s->dev, s->ctl_inline);
+	if (s->scratch)
+		for (uint32_t l = 0; l < s->c.n_layers; l++)
+			free(s->scratch[l].mem);
+	free(s->scratch);
+	free(s->lanes);
+	free(s->tails);
+	free(s->now_sel);
+	free(s->engine_scores);
+	free(s->ctl_scores);
+	free((void *)s->seq_counters);
+	free((void *)s->head_corrections);
+	pthread_mutex_destroy(&s->lock);
+	pthread_cond_destroy(&s->work);
+	pthread_cond_destroy(&s->done);
+	pthread_mutex_destroy(&s->error_lock);
+	free(s);
+}
+
+const char *kvr_sched_last_error(const struct kvr_sched *s)
+{
+	return s->last_error;
+}
+
+void kvr_sched_counters(const struct kvr_sched *s, uint32_t seq, uint64_t out[KVR_C_COUNT])
+{
+	struct kvr_sched *ms = (struct kvr_sched *)s;
+	for (uint32_t i = 0; i < KVR_C_COUNT; i++)
+		out[i] = seq == UINT32_MAX
+				 ? atomic_load_explicit(&ms->counters[i], memory_order_relaxed)
+				 : atomic_load_explicit(&ms->seq_counters[(uint64_t)seq * KVR_C_COUNT + i],
+							memory_order_relaxed);
+}
+
+void kvr_sched_head_corrections(const struct kvr_sched *s, uint32_t seq, uint64_t *out,
+				uint32_t n_kv)
+{
+	struct kvr_sched *ms = (struct kvr_sched *)s;
+	for (uint32_t m = 0; m < n_kv; m++) {
+		out[m] = 0;
+		for (uint32_t q = 0; q < s->c.max_sequences; q++)
+			if (seq == UINT32_MAX || q == seq)
+				out[m] += atomic_load_explicit(&ms->head_corrections[(uint64_t)q * n_kv + m],
+							       memory_order_relaxed);
+	}
+}
+
+int kvr_sched_async_error(struct kvr_sched *s, const char **message)
+{
+	pthread_mutex_lock(&s->error_lock);
+	const int err = s->async_error;
+	s->async_error = 0;
+	pthread_mutex_unlock(&s->error_lock);
+	if (message)
+		*message = s->async_message;
+	return err;
+}
+
+void kvr_sched_set_trace(struct kvr_sched *s, struct kvr_trace *trace)
+{
+	/* release pairs with trace_of's acquire in the recording threads */
+	atomic_store_explicit(&s->trace, trace, memory_order_release);
+}
