@@ -25,7 +25,7 @@
 #define N_KV 8
 #define N_QO 32
 #define D 128
-#define LAYERS 2
+#define LAYERS 4
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static float frand(void) /* uniform in [-1, 1) */
@@ -53,6 +53,8 @@ static uint16_t f16(float x)
 	return (uint16_t)(sign | r);
 }
 
+static uint32_t recall_kind = KVR_RECALL_ZERO_COPY;
+
 static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max_tokens)
 {
 	struct kvr_config c;
@@ -70,6 +72,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max
 	c.dense_layers[0] = 0;
 	c.max_sequences = 1;
 	c.max_batch = 1;
+	c.recall = recall_kind;
 	c.pool_bytes = (max_tokens / 32 + 64) * LAYERS * 2ull * 32 * D * N_KV * 2;
 	struct kvr_context *ctx;
 	if (kvr_context_create(&c, &ctx)) {
@@ -83,10 +86,20 @@ struct result {
 	double us_per_layer;
 	double corrected_rate;
 	uint64_t selections;
+	double correction_waits_per_layer; /* (sequence, layer) decodes that waited for q_i's pages */
+	double correction_wait_share;      /* of the engine's time inside decode_layer */
+	double controller_wait_share;
+	double recall_wait_share;
+	double critical_share;             /* engine time / (engine + controller time) */
+	double controller_us_per_layer;    /* controller time per layer (overlapped) */
+	double hit_rate;                   /* streamed: hits / (hits + misses) */
+	double recalled_kib_per_layer;
 };
 
-/* Prefill L tokens, then time `steps` decode steps. */
-static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t steps)
+/* Prefill L tokens, then time `steps` decode steps (tracing the last few into
+ * trace_path when it is set). */
+static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t steps,
+			 const char *trace_path)
 {
 	struct kvr_context *ctx = make_ctx(mode, budget, L + steps);
 	uint32_t seq;
@@ -135,6 +148,10 @@ static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t st
 			v[i] = f16(frand());
 		}
 		const uint64_t pos = L + s;
+		if (trace_path && s + 4 == steps && kvr_trace_start(ctx, 1u << 16)) {
+			fprintf(stderr, "decode_bench: %s\n", kvr_last_error(ctx));
+			exit(1);
+		}
 		const double t0 = bench_now_s();
 		kvr_decode_begin(ctx, &seq, &pos, 1);
 		for (uint32_t l = 0; l < LAYERS; l++) {
@@ -147,7 +164,15 @@ static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t st
 		kvr_decode_end(ctx);
 		times[s] = bench_now_s() - t0;
 	}
+	if (trace_path && kvr_trace_write(ctx, trace_path)) {
+		fprintf(stderr, "decode_bench: %s\n", kvr_last_error(ctx));
+		exit(1);
+	}
 	kvr_get_stats(ctx, &st1);
+	const double crit = (double)(st1.critical_ns - st0.critical_ns);
+	const double ctl = (double)(st1.controller_ns - st0.controller_ns);
+	const double layers = (double)steps * LAYERS;
+	const uint64_t hits = st1.pages_hit - st0.pages_hit, miss = st1.pages_recalled - st0.pages_recalled;
 	struct result r = {
 		bench_median(times, steps) / LAYERS * 1e6,
 		st1.checked_heads > st0.checked_heads
@@ -155,6 +180,14 @@ static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t st
 				  (double)(st1.checked_heads - st0.checked_heads)
 			: 0.0,
 		st1.selections - st0.selections,
+		(double)(st1.correction_waits - st0.correction_waits) / layers,
+		crit > 0 ? (double)(st1.correction_wait_ns - st0.correction_wait_ns) / crit : 0,
+		crit > 0 ? (double)(st1.controller_wait_ns - st0.controller_wait_ns) / crit : 0,
+		crit > 0 ? (double)(st1.recall_wait_ns - st0.recall_wait_ns) / crit : 0,
+		crit + ctl > 0 ? crit / (crit + ctl) : 1,
+		ctl / layers / 1e3,
+		hits + miss ? (double)hits / (double)(hits + miss) : 0,
+		(double)(st1.bytes_recalled - st0.bytes_recalled) / layers / 1024.0,
 	};
 	free(times), free(k), free(v);
 	kvr_context_destroy(ctx);
@@ -163,7 +196,8 @@ static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t st
 
 int main(int argc, char **argv)
 {
-	const char *json_path = NULL;
+	const char *json_path = NULL, *trace_path = NULL;
+	uint64_t trace_context = 32768;
 	uint32_t steps = 24;
 	uint64_t max_context = 131072;
 	for (int i = 1; i < argc; i++) {
@@ -173,16 +207,37 @@ int main(int argc, char **argv)
 			steps = (uint32_t)atoi(argv[++i]);
 		else if (!strcmp(argv[i], "--max-context") && i + 1 < argc)
 			max_context = strtoull(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--recall") && i + 1 < argc) {
+			const char *r = argv[++i];
+			recall_kind = !strcmp(r, "streamed") ? KVR_RECALL_STREAMED
+				    : !strcmp(r, "zero-copy") ? KVR_RECALL_ZERO_COPY : 0;
+			if (!recall_kind) {
+				fprintf(stderr, "decode_bench: --recall zero-copy|streamed\n");
+				return 2;
+			}
+		} else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
+			trace_path = argv[++i];
+		else if (!strcmp(argv[i], "--trace-context") && i + 1 < argc)
+			trace_context = strtoull(argv[++i], NULL, 10);
 		else {
-			fprintf(stderr, "usage: decode_bench [--steps 24] [--max-context 131072] [--json FILE]\n");
+			fprintf(stderr, "usage: decode_bench [--steps 24] [--max-context 131072] [--json FILE]\n"
+					"                    [--recall zero-copy|streamed] [--trace FILE "
+					"[--trace-context 32768]]\n"
+					"  --trace: only trace 4 freekv steps at --trace-context tokens and exit\n");
 			return 2;
 		}
 	}
 	if (steps < 3)
 		steps = 3;
 	const uint32_t B = 2048, p = 32;
+	if (trace_path) {
+		run(KVR_MODE_FREEKV, B, trace_context, steps, trace_path);
+		fprintf(stderr, "decode_bench: trace of freekv at %llu tokens (%s recall) in %s\n",
+			(unsigned long long)trace_context, kvr_recall_name(recall_kind), trace_path);
+		return 0;
+	}
 	/* attention over the B tokens alone: a dense decode at L = B */
-	const struct result base = run(KVR_MODE_DENSE, B, B - 1, steps);
+	const struct result base = run(KVR_MODE_DENSE, B, B - 1, steps, NULL);
 	fprintf(stderr, "decode_bench: attention over B = %u tokens: %.1f us per layer (%d layers, %u steps)\n",
 		B, base.us_per_layer, LAYERS, steps);
 	FILE *json = json_path ? fopen(json_path, "w") : stdout;
@@ -200,19 +255,30 @@ int main(int argc, char **argv)
 	int first = 1;
 	for (uint64_t L = 8192; L <= max_context; L *= 2)
 		for (size_t mi = 0; mi < 4; mi++) {
-			const struct result r = run(modes[mi], B, L, steps);
+			const struct result r = run(modes[mi], B, L, steps, NULL);
 			const double budget = (1.0 + (double)L / (p * B)) * base.us_per_layer;
 			fprintf(stderr, "L=%7llu %-11s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
-					"budget; corrected %.1f%% of heads; %llu selections\n",
+					"budget; corrected %.1f%% of heads; correction waits %.2f/layer (%.0f%% of "
+					"engine time); controller %.0f us/layer beside, critical share %.2f; "
+					"hit rate %.2f, %.0f KiB recalled/layer\n",
 				(unsigned long long)L, kvr_mode_name(modes[mi]), r.us_per_layer,
 				r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, 100 * r.corrected_rate,
-				(unsigned long long)r.selections);
-			fprintf(json, "%s    {\"context_tokens\": %llu, \"mode\": \"%s\", \"us_per_layer\": %.2f, "
+				r.correction_waits_per_layer, 100 * r.correction_wait_share,
+				r.controller_us_per_layer, r.critical_share, r.hit_rate, r.recalled_kib_per_layer);
+			fprintf(json, "%s    {\"context_tokens\": %llu, \"mode\": \"%s\", \"recall\": \"%s\", "
+				      "\"us_per_layer\": %.2f, "
 				      "\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
-				      "\"corrected_head_rate\": %.4f, \"selections\": %llu}",
-				first ? "" : ",\n", (unsigned long long)L, kvr_mode_name(modes[mi]), r.us_per_layer,
+				      "\"corrected_head_rate\": %.4f, \"selections\": %llu, "
+				      "\"correction_waits_per_layer\": %.4f, \"correction_wait_share\": %.4f, "
+				      "\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
+				      "\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
+				      "\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f}",
+				first ? "" : ",\n", (unsigned long long)L, kvr_mode_name(modes[mi]),
+				kvr_recall_name(recall_kind), r.us_per_layer,
 				r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.corrected_rate,
-				(unsigned long long)r.selections);
+				(unsigned long long)r.selections, r.correction_waits_per_layer,
+				r.correction_wait_share, r.controller_wait_share, r.recall_wait_share,
+				r.critical_share, r.controller_us_per_layer, r.hit_rate, r.recalled_kib_per_layer);
 			first = 0;
 		}
 	fprintf(json, "\n  ]\n}\n");

@@ -308,6 +308,22 @@ KVR_API int kvr_seq_length(const struct kvr_context *ctx, uint32_t seq, uint32_t
 KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
 			uint64_t first_position, uint32_t n_tokens, const void *k, const void *v);
 
+/*
+ * Prefill attention, for engines that want kvrecall to compute it: causal
+ * attention of n_tokens queries at positions first_position,
+ * first_position+1, ... of (seq, layer), query t attending to every token
+ * 0..first_position+t, dense, read where the tokens live (offloaded pool pages
+ * and the tail), so prompts larger than device memory work. Call it after
+ * kvr_prefill has stored those positions (first_position + n_tokens must not
+ * exceed kvr_seq_length). q and out are [n_tokens][n_qo][d] host arrays of the
+ * config's dtype, queries rotated. Blocks until out is written (cpu backend).
+ * Errors: -EINVAL (unknown ids, positions beyond the stored tokens, NULL
+ * buffers), -EBUSY (a decode step is open), -ENOMEM.
+ */
+KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
+				  uint64_t first_position, uint32_t n_tokens, const void *q,
+				  void *out);
+
 /* ---------------------------------------------------------------------------
  * Decode
  *

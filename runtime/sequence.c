@@ -247,6 +247,40 @@ KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
 	return 0;
 }
 
+KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
+				  uint64_t first_position, uint32_t n_tokens, const void *q,
+				  void *out)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "prefill_attention: ctx is NULL");
+	int err = 0;
+	if (!live(ctx, seq, "prefill_attention", &err))
+		return err;
+	if (layer >= ctx->config.n_layers)
+		return kvr_fail(ctx, -EINVAL, "prefill_attention: layer %u out of range (n_layers %u)",
+				layer, ctx->config.n_layers);
+	if (ctx->step.open)
+		return kvr_fail(ctx, -EBUSY, "prefill_attention: a decode step is open");
+	if (!n_tokens)
+		return 0;
+	if (!q || !out)
+		return kvr_fail(ctx, -EINVAL, "prefill_attention: q or out is NULL");
+	uint64_t have = 0;
+	kvr_pool_n_tokens(ctx->pool, seq, layer, &have);
+	if (first_position + n_tokens > have)
+		return kvr_fail(ctx, -EINVAL,
+				"prefill_attention: positions %llu..%llu of sequence %u layer %u are not "
+				"stored yet (%llu tokens: call kvr_prefill first)",
+				(unsigned long long)first_position,
+				(unsigned long long)(first_position + n_tokens - 1), seq, layer,
+				(unsigned long long)have);
+	kvr_sched_seq_quiesce(ctx->sched, seq);
+	err = kvr_sched_prefill_attention(ctx->sched, seq, layer, first_position, n_tokens, q, out);
+	if (err)
+		return kvr_fail(ctx, err, "prefill_attention: %s", kvr_sched_last_error(ctx->sched));
+	return 0;
+}
+
 void kvr_sequences_destroy(struct kvr_context *ctx)
 {
 	for (uint32_t id = 0; id < ctx->config.max_sequences; id++)

@@ -113,6 +113,12 @@ void kvr_sched_seq_reset(struct kvr_sched *s, uint32_t seq);
 int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			   const uint32_t *seqs, const uint64_t *positions, const void *q,
 			   const void *k, const void *v, void *out, int32_t *status);
+/* Causal attention of n_tokens queries at positions first_position.. over
+ * the layer's tokens 0..position each, reading pool pages and the tail tile;
+ * the tokens must be ingested already. Engine's thread, synchronous. */
+int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t layer,
+				uint64_t first_position, uint32_t n_tokens, const void *q, void *out);
+
 /* End of a step: wait for the step's attention (asynchronous compute). */
 int kvr_sched_step_end(struct kvr_sched *s);
 

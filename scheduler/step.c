@@ -740,3 +740,63 @@ void kvr_sched_set_trace(struct kvr_sched *s, struct kvr_trace *trace)
 	/* release pairs with trace_of's acquire in the recording threads */
 	atomic_store_explicit(&s->trace, trace, memory_order_release);
 }
+
+/* ------------------------------------------------------------------ prefill attention */
+
+int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t layer,
+				uint64_t first_position, uint32_t n_tokens, const void *q, void *out)
+{
+	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, d = s->c.head_dim;
+	uint64_t have = 0;
+	kvr_pool_n_tokens(s->pool, seq, layer, &have);
+	const uint32_t n_full = (uint32_t)(have / p);
+	const uint64_t head_q_bytes = (uint64_t)s->G * d * s->eb;
+	struct kvr_lane *lane = lane_of(s, seq, layer);
+	/* queries in groups, so the segment lists stay a few MiB at long contexts */
+	const uint32_t group = 32;
+	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
+	struct layer_scratch *ls = &s->scratch[layer];
+	const size_t items_bytes = ((size_t)group * n_kv * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
+	if (grow(&ls->mem, &ls->bytes, items_bytes + (size_t)group * n_kv * max_segs * sizeof(struct kvr_kv_segment))) {
+		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
+		return -ENOMEM;
+	}
+	struct kvr_attention_item *items = ls->mem;
+	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->mem + items_bytes);
+	for (uint32_t at = 0; at < n_tokens; at += group) {
+		const uint32_t n_q = n_tokens - at < group ? n_tokens - at : group;
+		uint32_t n_items = 0, n_segs = 0;
+		for (uint32_t t = 0; t < n_q; t++) {
+			const uint64_t pos = first_position + at + t; /* attends tokens 0..pos */
+			const uint32_t whole = (uint32_t)((pos + 1) / p), rest = (uint32_t)((pos + 1) % p);
+			for (uint32_t m = 0; m < n_kv; m++) {
+				const uint32_t first = n_segs;
+				for (uint32_t j = 0; j < whole; j++)
+					segs[n_segs++] = pool_segment(s, seq, layer, j, m);
+				if (rest && whole < n_full) {
+					/* the page holding pos is already in the pool: its first rows */
+					segs[n_segs] = pool_segment(s, seq, layer, whole, m);
+					segs[n_segs++].n_tokens = rest;
+				} else if (rest) {
+					const unsigned char *kt = s->tails[seq] +
+								  (uint64_t)layer * 2 * s->tile_bytes +
+								  (uint64_t)m * d * s->eb;
+					segs[n_segs++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, rest,
+										  n_kv * d, 0, 0 };
+				}
+				const uint64_t row = (uint64_t)(at + t) * s->q_row + m * head_q_bytes;
+				items[n_items++] = (struct kvr_attention_item){
+					(const unsigned char *)q + row, (unsigned char *)out + row, first,
+					n_segs - first };
+			}
+		}
+		int err = kvr_dev_attention(s->dev, &s->head_shape, items, n_items, segs, n_segs,
+					    s->engine_inline);
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
+			return err;
+		}
+	}
+	(void)lane;
+	return 0;
+}

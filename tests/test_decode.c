@@ -332,3 +332,45 @@ Test(decode, bad_input_and_per_sequence_failure)
 	free(ha.k), free(ha.v), free(hb.k), free(hb.v);
 	kvr_context_destroy(ctx);
 }
+
+/* Prefill attention: each query attends causally to tokens 0..its position,
+ * reading offloaded pages, pages partly needed (the query sits inside a page
+ * already in the pool) and the tail tile; chunks of any size. */
+Test(decode, prefill_attention_is_causal_dense_attention)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, 64, 16, 16, 256, 0.9f);
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+	struct history h;
+	const uint64_t n = 77; /* 4 full pages of 16 and a tail of 13 */
+	history_prefill(ctx, seq, &h, n);
+	float *q = malloc(n * Q_ROW * sizeof(float)), *out = malloc(n * Q_ROW * sizeof(float));
+	for (uint64_t i = 0; i < n * Q_ROW; i++)
+		q[i] = frand();
+	const uint32_t chunks[] = { 5, 16, 30, 26 }; /* 77 tokens */
+	uint64_t at = 0;
+	for (uint32_t c = 0; c < 4; c++) {
+		cr_assert_eq(kvr_prefill_attention(ctx, seq, 1, at, chunks[c], q + at * Q_ROW,
+						   out + at * Q_ROW),
+			     0, "%s", kvr_last_error(ctx));
+		at += chunks[c];
+	}
+	for (uint64_t t = 0; t < n; t++) {
+		struct history upto = h;
+		upto.n = t + 1;
+		float ref[Q_ROW];
+		reference(&upto, q + t * Q_ROW, NULL, ref);
+		for (uint32_t i = 0; i < Q_ROW; i++)
+			cr_assert_float_eq(out[t * Q_ROW + i], ref[i], 1e-4, "query %llu element %u",
+					   (unsigned long long)t, i);
+	}
+	/* positions not stored yet, and a step in progress, are refused */
+	cr_expect_eq(kvr_prefill_attention(ctx, seq, 1, 70, 8, q, out), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "kvr_prefill first") != NULL, "%s", kvr_last_error(ctx));
+	const uint64_t pos = n;
+	cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0);
+	cr_expect_eq(kvr_prefill_attention(ctx, seq, 1, 0, 4, q, out), -EBUSY);
+	kvr_decode_end(ctx);
+	free(q), free(out), free(h.k), free(h.v);
+	kvr_context_destroy(ctx);
+}
