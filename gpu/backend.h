@@ -64,6 +64,10 @@ struct kvr_dev_params {
 	void *parallel_user;
 	int32_t device;                   /* cuda: device ordinal */
 	uint32_t reserved;
+	/* An engine's allocator for kvr_dev_alloc/kvr_dev_free, or NULL. */
+	int (*alloc_fn)(void *user, size_t bytes, void **ptr);
+	void (*free_fn)(void *user, void *ptr);
+	void *alloc_user;
 };
 
 struct kvr_dev;

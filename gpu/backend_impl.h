@@ -71,6 +71,9 @@ struct kvr_dev {
 	int host_visible;       /* device memory is host-addressable */
 	void *impl;             /* the backend's own state */
 	char last_error[256];   /* written by the failing call's thread */
+	int (*alloc_fn)(void *user, size_t bytes, void **ptr); /* the engine's, or NULL */
+	void (*free_fn)(void *user, void *ptr);
+	void *alloc_user;
 };
 
 /* Record a message and return err (backends' error path). */

@@ -48,6 +48,9 @@ int kvr_dev_create(const struct kvr_dev_params *params, struct kvr_dev **out, ch
 		return -ENOMEM;
 	}
 	dev->kind = params->kind;
+	dev->alloc_fn = params->alloc_fn;
+	dev->free_fn = params->free_fn;
+	dev->alloc_user = params->alloc_user;
 	int ret;
 	switch (params->kind) {
 	case KVR_DEV_CPU:
@@ -106,12 +109,30 @@ int kvr_dev_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 		return kvr_dev_fail(dev, -EINVAL, "alloc: ptr is NULL");
 	if (!bytes)
 		return kvr_dev_fail(dev, -EINVAL, "alloc: zero bytes");
+	if (dev->alloc_fn) {
+		void *p = NULL;
+		int err = dev->alloc_fn(dev->alloc_user, bytes, &p);
+		if (err || !p)
+			return kvr_dev_fail(dev, err < 0 ? err : -ENOMEM,
+					    "alloc: the engine's allocator failed for %zu bytes (%d)", bytes,
+					    err);
+		if ((uintptr_t)p % 64) {
+			dev->free_fn(dev->alloc_user, p);
+			return kvr_dev_fail(dev, -EINVAL,
+					    "alloc: the engine's allocator returned %p, not 64-byte aligned",
+					    p);
+		}
+		*ptr = p;
+		return 0;
+	}
 	return dev->ops->alloc(dev, bytes, ptr);
 }
 
 void kvr_dev_free(struct kvr_dev *dev, void *ptr)
 {
-	if (ptr)
+	if (ptr && dev->free_fn)
+		dev->free_fn(dev->alloc_user, ptr);
+	else if (ptr)
 		dev->ops->free(dev, ptr);
 }
 

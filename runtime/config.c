@@ -214,6 +214,9 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 	if (c->pool_layout > KVR_POOL_NHD)
 		return say(m, mb, -EINVAL, "pool_layout: must be 0 (HND) or 1 (NHD) (got %u)",
 			   c->pool_layout);
+	if (!c->device_alloc != !c->device_free)
+		return say(m, mb, -EINVAL,
+			   "device_alloc: device_alloc and device_free must be set together");
 	if (c->log_level > KVR_LOG_DEBUG)
 		return say(m, mb, -EINVAL, "log_level: must be 0 (error) to 3 (debug) (got %u)",
 			   c->log_level);

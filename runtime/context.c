@@ -183,7 +183,10 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		/* the cuda backend was refused above: the device is the cpu (or, for
 		 * tests, cudaemu: the CUDA kernel bodies on the cpu's streams) */
 		const struct kvr_dev_params dp = { .kind = dev_kind ? dev_kind : KVR_DEV_CPU,
-						   .threads = c.threads };
+						   .threads = c.threads,
+						   .alloc_fn = c.device_alloc,
+						   .free_fn = c.device_free,
+						   .alloc_user = c.device_alloc_user };
 		err = kvr_dev_create(&dp, &ctx->dev, message, sizeof(message));
 	}
 	if (!err) {

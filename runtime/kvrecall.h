@@ -126,6 +126,17 @@ enum kvr_backend {
 #define KVR_NUMA_NODE_AUTO (-1)   /* numa_node: nearest the GPU, else the caller's node */
 
 /*
+ * An engine-supplied device allocator (optional): every device buffer of a
+ * context (tail tiles, page-cache slots, staging) comes from it. alloc returns
+ * 0 and a pointer aligned to at least 64 bytes, or a negative errno; on the
+ * cpu backend the memory must be ordinary host memory. Called from the
+ * engine's thread (sequence creation) and at context creation; free may also
+ * run at context destruction.
+ */
+typedef int (*kvr_device_alloc_fn)(void *user, size_t bytes, void **ptr);
+typedef void (*kvr_device_free_fn)(void *user, void *ptr);
+
+/*
  * Context configuration. Always start from kvr_config_init(), then change the
  * fields you need. Every field has a fixed width; units are in the comments.
  * `size` lets a library built from a newer header accept a config from an older
@@ -178,6 +189,9 @@ struct kvr_config {
 	/* Added in 0.2 (a 0.1 config, without them, takes their defaults). */
 	uint32_t recall;      /* enum kvr_recall. Default AUTO. */
 	uint32_t pool_layout; /* enum kvr_pool_layout_kind. Default HND. */
+	kvr_device_alloc_fn device_alloc; /* NULL = the backend's own. Set with device_free. */
+	kvr_device_free_fn device_free;
+	void *device_alloc_user;          /* passed back to both untouched */
 };
 
 /*

@@ -8,6 +8,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -220,4 +221,46 @@ Test(version, header_matches_library)
 	snprintf(want, sizeof(want), "%d.%d.%d", KVR_VERSION_MAJOR, KVR_VERSION_MINOR,
 		 KVR_VERSION_PATCH);
 	cr_expect_str_eq(kvr_version_string(), want);
+}
+
+/* ---- engine-supplied device allocator ---- */
+
+static int n_allocs, n_frees;
+static int counting_alloc(void *user, size_t bytes, void **ptr)
+{
+	cr_assert_eq(user, (void *)&n_allocs);
+	n_allocs++;
+	return posix_memalign(ptr, 64, (bytes + 63) & ~(size_t)63) ? -ENOMEM : 0;
+}
+static void counting_free(void *user, void *ptr)
+{
+	cr_assert_eq(user, (void *)&n_allocs);
+	n_frees++;
+	free(ptr);
+}
+
+Test(context, engine_allocator_gets_every_device_buffer)
+{
+	struct kvr_config c = base();
+	c.recall = KVR_RECALL_STREAMED;
+	c.max_sequences = 2;
+	c.max_batch = 2;
+	c.pool_bytes = 64ull << 20;
+	c.device_alloc = counting_alloc;
+	c.device_free = counting_free;
+	c.device_alloc_user = &n_allocs;
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0, "%s", kvr_last_error(NULL));
+	const int after_create = n_allocs; /* staging buffers */
+	cr_expect_gt(after_create, 0);
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0, "%s", kvr_last_error(ctx));
+	cr_expect_gt(n_allocs, after_create); /* tail tiles and slots */
+	kvr_context_destroy(ctx);
+	cr_expect_eq(n_allocs, n_frees);
+
+	/* one without the other is refused */
+	c.device_free = NULL;
+	cr_expect_eq(kvr_context_create(&c, &ctx), -EINVAL);
+	cr_expect(strstr(kvr_last_error(NULL), "device_alloc") != NULL, "%s", kvr_last_error(NULL));
 }
