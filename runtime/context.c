@@ -94,10 +94,13 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 				       "backend: the cuda backend's runtime is not implemented in "
 				       "this version; use backend cpu");
 
-	/* FreeKV on a GPU; on the cpu backend the same until the decode benchmark
-	 * (docs/benchmarks.md) says otherwise. */
+	/* FreeKV on a GPU. On the cpu backend the engine's attention and the
+	 * controller's selection share the same cores, so overlapping them gains
+	 * nothing on a small machine, and blocking — which also selects with the
+	 * current query, the most accurate choice — measured fastest
+	 * (docs/benchmarks.md, "Decode step per mode"). */
 	if (c->mode == KVR_MODE_AUTO)
-		c->mode = KVR_MODE_FREEKV;
+		c->mode = c->backend == KVR_BACKEND_CUDA ? KVR_MODE_FREEKV : KVR_MODE_BLOCKING;
 
 	if (c->threads == KVR_THREADS_AUTO) {
 		long n = sysconf(_SC_NPROCESSORS_ONLN);

@@ -21,9 +21,10 @@
  * recall_buffers = 1 keeps one buffer (copy and scatter serialised) for the
  * ablation.
  *
- * Threads: kvr_recall_issue runs on the controller thread (it is the only
- * writer of the staging buffers' host-side item arrays, and waits for a
- * buffer's `drained` before rewriting them); the streams run the work.
+ * Threads: kvr_recall_issue runs on the controller thread and never blocks:
+ * each lane has its own scatter-item array (consumed before the lane's next
+ * job can be posted), and buffer reuse is ordered on the streams by the
+ * `drained` events; the streams run the work.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -48,7 +49,8 @@ uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall)
 	uint32_t sparse_layers = 0;
 	for (uint32_t l = 0; l < c->n_layers; l++)
 		sparse_layers += !(c->dense_layers[l / 64] >> (l % 64) & 1);
-	return 2 * tile * k * sparse_layers;
+	return (2 * tile * k + (uint64_t)c->n_kv_heads * k * sizeof(struct kvr_scatter_item)) *
+	       sparse_layers;
 }
 
 uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recall)
@@ -56,8 +58,7 @@ uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recal
 	if (recall != KVR_RECALL_STREAMED)
 		return 0;
 	const uint64_t head = 2ull * c->page_tokens * c->head_dim * (c->dtype == KVR_DTYPE_F32 ? 4 : 2);
-	return (uint64_t)c->recall_buffers * c->recall_chunk_pages *
-	       (head + sizeof(struct kvr_scatter_item));
+	return (uint64_t)c->recall_buffers * c->recall_chunk_pages * head;
 }
 
 int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
@@ -72,9 +73,6 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	for (uint32_t b = 0; !ret && b < s->n_staging; b++) {
 		struct staging *st = &s->staging[b];
 		ret = kvr_dev_alloc(s->dev, s->chunk_pages * s->head_bytes, (void **)&st->runs);
-		if (!ret)
-			ret = kvr_dev_alloc(s->dev, s->chunk_pages * sizeof(*st->items),
-					    (void **)&st->items);
 		if (!ret)
 			ret = kvr_dev_event_create(s->dev, &st->staged);
 		if (!ret && !s->recall_descs && !(s->recall_descs = malloc(s->chunk_pages * sizeof(struct kvr_copy_desc))))
@@ -104,7 +102,6 @@ void kvr_recall_teardown(struct kvr_sched *s)
 	for (uint32_t b = 0; b < 2; b++) {
 		struct staging *st = &s->staging[b];
 		kvr_dev_free(s->dev, st->runs);
-		kvr_dev_free(s->dev, st->items);
 		kvr_dev_event_destroy(s->dev, st->staged);
 		kvr_dev_event_destroy(s->dev, st->drained);
 		memset(st, 0, sizeof(*st));
@@ -131,6 +128,9 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 	ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_k);
 	if (!ret)
 		ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_v);
+	if (!ret)
+		ret = kvr_dev_alloc(s->dev, (size_t)s->c.n_kv_heads * s->k * sizeof(struct kvr_scatter_item),
+				    (void **)&lane->recall_items);
 	return ret;
 }
 
@@ -138,6 +138,8 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	kvr_dev_free(s->dev, lane->slot_k);
 	kvr_dev_free(s->dev, lane->slot_v);
+	kvr_dev_free(s->dev, lane->recall_items);
+	lane->recall_items = NULL;
 	kvr_dev_event_destroy(s->dev, lane->recall_done);
 	kvr_dev_event_destroy(s->dev, lane->attn_done);
 	lane->slot_k = lane->slot_v = NULL;
@@ -245,6 +247,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 	uint64_t hits = 0, n_miss_total = 0;
 	struct kvr_stream *copy = s->copy, *convert = s->convert;
 	int first_scatter = 1, err = 0;
+	uint32_t n_items_used = 0;
 	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
 		if (!heads[m])
 			continue;
@@ -254,8 +257,12 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
 			const uint32_t b = s->next_buffer++ % s->n_staging;
 			struct staging *st = &s->staging[b];
-			/* the host rewrites the buffer's items: its last scatter must be done */
-			kvr_dev_event_synchronize(s->dev, st->drained);
+			/* this chunk's scatter items: the lane's own array, whose previous
+			 * contents were consumed by the lane's previous recall, which the
+			 * lane's attention (and so this job's posting) waited for — no host
+			 * wait here; only the copy stream waits for the buffer to drain */
+			struct kvr_scatter_item *items = lane->recall_items + n_items_used;
+			n_items_used += n;
 			/* copies: one HND run per miss, from the pool into the staging buffer */
 			struct kvr_copy_desc *descs = s->recall_descs;
 			const unsigned char *base = NULL;
@@ -272,7 +279,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 					(uint64_t)misses[at + i].head * s->head_bytes;
 				descs[i] = (struct kvr_copy_desc){ (uint64_t)(run - base),
 								   (uint64_t)i * s->head_bytes, s->head_bytes };
-				st->items[i] = (struct kvr_scatter_item){
+				items[i] = (struct kvr_scatter_item){
 					st->runs + (uint64_t)i * s->head_bytes,
 					lane->slot_k + (uint64_t)misses[at + i].slot * s->tile_bytes,
 					lane->slot_v + (uint64_t)misses[at + i].slot * s->tile_bytes,
@@ -320,7 +327,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			sp = kvr_stream_span_begin(s, convert, "scatter chunk", KVR_TRACK_CONVERT,
 						   lane->seq, lane->layer, n);
 			if (!err)
-				err = kvr_dev_scatter(s->dev, &s->shape, st->items, n, convert);
+				err = kvr_dev_scatter(s->dev, &s->shape, items, n, convert);
 			kvr_stream_span_end(s, convert, sp);
 			if (!err)
 				err = kvr_dev_event_record(s->dev, st->drained, convert);

@@ -39,6 +39,7 @@ struct kvr_lane {
 	unsigned char *slot_k;    /* k NHD tiles of keys (p rows of n_kv·d), device memory */
 	unsigned char *slot_v;    /* k NHD tiles of values */
 	int32_t *slot_page;       /* [n_kv][k]: logical page in slot (m, j), -1 = empty */
+	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall, device memory */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
 	struct kvr_event *attn_done;   /* recorded on the compute stream after the lane's attention */
 	/* the posted job */
@@ -52,7 +53,6 @@ struct kvr_lane {
 /* One recall chunk's staging buffer (streamed recall). */
 struct staging {
 	unsigned char *runs;                /* chunk_pages HND runs, device memory */
-	struct kvr_scatter_item *items;     /* chunk_pages scatter items (device-visible) */
 	struct kvr_event *staged;           /* copy stream: runs are in */
 	struct kvr_event *drained;          /* convert stream: runs were scattered */
 };
