@@ -8,15 +8,18 @@
  * carry no timing; copies are cudaMemcpyAsync, and cudaMemcpyBatchAsync for
  * descriptor lists where the toolkit and driver have it; kernel ops call the
  * launchers of cuda_kernels.cu, and select goes through kvr_cuda_select_topk
- * (cuda_topk.cu). Device discovery (kvr_gpu_probe) is cuda_device.cu's.
+ * (cuda_topk.cu); host functions are cudaLaunchHostFunc. Device discovery
+ * (kvr_gpu_probe) is cuda_device.cu's.
  *
  * Threads and streams: any thread may call any op (device.c has checked the
  * arguments); each op makes the backend's device current for its duration and
  * restores the caller's current device, so an engine thread working on another
  * GPU is not disturbed. A stream is used by one thread at a time (backend.h),
  * which is what makes its top-k scratch safe without a lock. Enqueueing ops
- * return once the work is queued; only stream_synchronize and
- * event_synchronize wait, and nothing here synchronises the whole device.
+ * return once the work is queued; only stream_synchronize, event_synchronize
+ * and host-to-device copies from pageable memory wait (the last for the
+ * stream to drain, see order_pageable_source), and nothing here synchronises
+ * the whole device.
  * Work queued while the stream is being captured into a CUDA graph is refused
  * (v1 is not graph-safe).
  *
@@ -454,6 +457,34 @@ static cudaMemcpyKind copy_kind(uint32_t kind)
 	}
 }
 
+/*
+ * CUDA reads a *pageable* (unregistered) source of a host-to-device
+ * cudaMemcpyAsync when the copy is enqueued — it stages it into a pinned
+ * buffer at once — not when the stream reaches the copy. backend.h promises
+ * stream order, so before such a copy the stream is drained: the caller's
+ * thread blocks until earlier work (a host function or a D2H copy that fills
+ * that buffer, say) is done. Pinned sources (the pool) take no such wait;
+ * pageable destinations of D2H copies need none (CUDA blocks the caller until
+ * the copy is done). Found by the conformance suite's host_fn_order test on
+ * an H100.
+ */
+static int order_pageable_source(struct kvr_dev *dev, struct cuda_stream *cs, const void *src,
+				 uint32_t kind)
+{
+	if (kind != KVR_COPY_H2D)
+		return 0;
+	cudaPointerAttributes attr;
+	cudaError_t e = cudaPointerGetAttributes(&attr, src);
+	if (e != cudaSuccess)
+		(void)cudaGetLastError(); /* treat as pageable */
+	else if (attr.type != cudaMemoryTypeUnregistered)
+		return 0;
+	e = cudaEventRecord(cs->done, cs->s);
+	if (e == cudaSuccess)
+		e = wait_event(cs->done);
+	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "memcpy (ordering a pageable source)");
+}
+
 static int op_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size_t bytes,
 			   uint32_t kind, struct kvr_stream *stream)
 {
@@ -461,6 +492,8 @@ static int op_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size
 	device_scope scope(impl(dev)->device);
 	int rc = enqueue_begin(dev, scope, cs->s, "memcpy_async");
 	if (rc)
+		return rc;
+	if ((rc = order_pageable_source(dev, cs, src, kind)))
 		return rc;
 	const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, copy_kind(kind), cs->s);
 	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaMemcpyAsync");
@@ -527,6 +560,9 @@ static int op_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const void
 	device_scope scope(cd->device);
 	int rc = enqueue_begin(dev, scope, cs->s, "memcpy_batch_async");
 	if (rc)
+		return rc;
+	/* the descriptors index one source allocation: its base decides */
+	if (n && (rc = order_pageable_source(dev, cs, src_base, kind)))
 		return rc;
 	unsigned char *dst = static_cast<unsigned char *>(dst_base);
 	const unsigned char *src = static_cast<const unsigned char *>(src_base);
@@ -614,6 +650,30 @@ static int op_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
 }
 
+/*
+ * Test hook (tests/test_conformance.c): select through cuda_topk.cu's CUB
+ * path, which the ops table never reaches (it has no host-side copy of the
+ * items, so op_select always runs the hand-written twin). items is the device
+ * array, items_host the same items in host memory (only their sizes are
+ * read). Not part of backend.h.
+ */
+extern "C" int kvr_cuda_dev_select_cub(struct kvr_dev *dev, const struct kvr_shape *shape,
+				       const struct kvr_score_item *items,
+				       const struct kvr_score_item *items_host, uint32_t n,
+				       struct kvr_stream *stream)
+{
+	if (!dev || dev->kind != KVR_DEV_CUDA || !shape || !items || !items_host || !stream)
+		return -EINVAL;
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "select (CUB)");
+	if (rc)
+		return rc;
+	char msg[sizeof(dev->last_error)];
+	rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg, sizeof(msg));
+	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
+}
+
 static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_attention_item *items, uint32_t n,
 			const struct kvr_kv_segment *segments, uint32_t n_segments,
@@ -628,6 +688,21 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 								      n_segments, cs->s));
 }
 
+/* The host function runs on a CUDA runtime thread in stream order; work
+ * enqueued after it waits for it to return (cudaLaunchHostFunc's contract is
+ * backend.h's: fn must not call CUDA). */
+static int op_host_fn(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
+		      void *arg)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "host_fn");
+	if (rc)
+		return rc;
+	const cudaError_t e = cudaLaunchHostFunc(cs->s, fn, arg);
+	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaLaunchHostFunc");
+}
+
 /* ------------------------------------------------------------------ device */
 
 static void op_destroy(struct kvr_dev *dev)
@@ -636,33 +711,42 @@ static void op_destroy(struct kvr_dev *dev)
 	dev->impl = NULL;
 }
 
-static const struct kvr_dev_ops cuda_ops = {
-	"cuda",
-	op_destroy,
-	op_alloc,
-	op_free,
-	op_host_register,
-	op_host_unregister,
-	op_stream_create,
-	op_stream_destroy,
-	op_stream_synchronize,
-	op_event_create,
-	op_event_destroy,
-	op_event_record,
-	op_stream_wait_event,
-	op_event_query,
-	op_event_synchronize,
-	op_memcpy_async,
-	op_memcpy_batch_async,
-	op_scatter,
-	op_offload,
-	op_summarize,
-	op_score,
-	op_select,
-	op_similarity,
-	op_attention,
-	op_dense,
-};
+/* Filled field by field, so an optional op added to kvr_dev_ops later stays
+ * NULL (device.c answers -ENOTSUP for it) until it is written here. */
+static struct kvr_dev_ops make_cuda_ops(void)
+{
+	struct kvr_dev_ops o;
+	memset(&o, 0, sizeof(o));
+	o.name = "cuda";
+	o.destroy = op_destroy;
+	o.alloc = op_alloc;
+	o.free = op_free;
+	o.host_register = op_host_register;
+	o.host_unregister = op_host_unregister;
+	o.stream_create = op_stream_create;
+	o.stream_destroy = op_stream_destroy;
+	o.stream_synchronize = op_stream_synchronize;
+	o.event_create = op_event_create;
+	o.event_destroy = op_event_destroy;
+	o.event_record = op_event_record;
+	o.stream_wait_event = op_stream_wait_event;
+	o.event_query = op_event_query;
+	o.event_synchronize = op_event_synchronize;
+	o.memcpy_async = op_memcpy_async;
+	o.memcpy_batch_async = op_memcpy_batch_async;
+	o.scatter = op_scatter;
+	o.offload = op_offload;
+	o.summarize = op_summarize;
+	o.score = op_score;
+	o.select = op_select;
+	o.similarity = op_similarity;
+	o.attention = op_attention;
+	o.dense = op_dense;
+	o.host_fn = op_host_fn;
+	return o;
+}
+
+static const struct kvr_dev_ops cuda_ops = make_cuda_ops();
 
 /*
  * Whether the kernels compiled for KVR_GPU_ARCHS ("80,90": SASS for each, PTX

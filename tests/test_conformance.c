@@ -43,6 +43,11 @@
 __attribute__((weak)) void kvr_emu_set_order_seed(uint64_t seed);
 __attribute__((weak)) unsigned kvr_cudaemu_failed_launches(void);
 __attribute__((weak)) void kvr_cudaemu_last_failure(char *buf, size_t bytes);
+/* cuda_backend.cu's hook into cuda_topk.cu's CUB path (absent without CUDA). */
+__attribute__((weak)) int kvr_cuda_dev_select_cub(struct kvr_dev *dev, const struct kvr_shape *shape,
+						  const struct kvr_score_item *items,
+						  const struct kvr_score_item *items_host, uint32_t n,
+						  struct kvr_stream *stream);
 
 /* ------------------------------------------------------------------ backends */
 
@@ -1057,6 +1062,102 @@ CONFORMANCE_TEST(select_ties_and_k)
 }
 
 /*
+ * The CUB twin of select (cuda_topk.cu), which the backend's select op never
+ * runs (it has no host-side item sizes): through cuda_backend.cu's test hook,
+ * on ties, k from 0 past n_cand, empty ranges, all-equal scores, and segments
+ * large enough for several radix passes and a multi-word bitmap (70000
+ * candidates: 17 index bits), against the reference; the same items through
+ * kvr_dev_select must agree. cuda only (it skips elsewhere).
+ */
+static void t_select_cub_path(struct env *e)
+{
+	struct dctx *c = &e->main;
+	if (!kvr_cuda_dev_select_cub)
+		cr_skip_test("%s: kvr_cuda_dev_select_cub is not linked (no CUDA backend)", c->name);
+	struct rng r = { 0xc0b5e1 };
+	static const struct {
+		uint32_t begin, n_cand, k, mode; /* mode 0: few values; 1: all equal; 2: distinct */
+	} spec[] = {
+		{ 0, 1, 1, 0 },     { 2, 7, 3, 0 },       { 1, 40, 1, 0 },    { 4, 40, 39, 0 },
+		{ 0, 40, 40, 0 },   { 7, 40, 45, 0 },     { 0, 300, 17, 2 },  { 3, 300, 0, 0 },
+		{ 9, 0, 3, 0 },     { 0, 12, 5, 1 },      { 6, 33, 16, 0 },   { 0, 260, 250, 0 },
+		{ 16, 4064, 32, 2 }, { 5, 5000, 700, 0 }, { 0, 70000, 33, 2 }, { 1, 9000, 64, 1 },
+	};
+	static const float few[] = { -1.5f, -0.0f, 0.0f, 0.25f, 1.0f, 3.0f, 1e-3f };
+	enum { N = ARRAY_LEN(spec) };
+	for (uint32_t n_kv = 1; n_kv <= 3; n_kv += 2) {
+		fresh(e);
+		const struct shape_cfg cfg = { n_kv, n_kv, 64, 16, 0 };
+		const struct kvr_shape sh = make_shape(&cfg, KVR_ELEM_F32);
+		struct kvr_score_item items[N];
+		size_t n_scores = 0, n_sel = 0, s_at[N], k_at[N];
+		for (uint32_t i = 0; i < N; i++) {
+			s_at[i] = n_scores;
+			k_at[i] = n_sel;
+			n_scores += (size_t)n_kv * spec[i].n_cand;
+			n_sel += (size_t)n_kv * spec[i].k + SEL_GUARD;
+		}
+		float *scores = halloc((n_scores + 1) * sizeof(float));
+		int32_t *sel = halloc(n_sel * sizeof(int32_t));
+		for (size_t x = 0; x < n_sel; x++)
+			sel[x] = SEL_SENTINEL;
+		for (uint32_t i = 0; i < N; i++) {
+			for (size_t x = 0; x < (size_t)n_kv * spec[i].n_cand; x++) {
+				float v = few[rng_below(&r, ARRAY_LEN(few))];
+				if (spec[i].mode == 1)
+					v = 0.5f;
+				else if (spec[i].mode == 2)
+					v = (float)rng_uniform(&r, -4.0, 4.0);
+				scores[s_at[i] + x] = v;
+			}
+			items[i] = (struct kvr_score_item){
+				.scores = scores + s_at[i], .selected = sel + k_at[i],
+				.cand_begin = spec[i].begin, .cand_end = spec[i].begin + spec[i].n_cand,
+				.k = spec[i].k };
+		}
+		put(c, scores, (n_scores + 1) * sizeof(float));
+		put(c, sel, n_sel * sizeof(int32_t));
+		const void *dev_items = dev_score_items(c, items, N);
+		DEV_OK(c, kvr_cuda_dev_select_cub(c->dev, &sh, dev_items, items, N, c->s));
+		int32_t *got = halloc(n_sel * sizeof(int32_t));
+		get(c, got, sel, n_sel * sizeof(int32_t));
+		/* the twin, into a second copy of the sentinels */
+		int32_t *sel2 = halloc(n_sel * sizeof(int32_t));
+		for (size_t x = 0; x < n_sel; x++)
+			sel2[x] = SEL_SENTINEL;
+		struct kvr_score_item items2[N];
+		for (uint32_t i = 0; i < N; i++) {
+			items2[i] = items[i];
+			items2[i].selected = sel2 + k_at[i];
+		}
+		put(c, sel2, n_sel * sizeof(int32_t));
+		DEV_OK(c, kvr_dev_select(c->dev, &sh, dev_score_items(c, items2, N), N, c->s));
+		int32_t *got2 = halloc(n_sel * sizeof(int32_t));
+		get(c, got2, sel2, n_sel * sizeof(int32_t));
+		ref_select(&sh, items, N);
+		for (uint32_t i = 0; i < N; i++) {
+			char what[160];
+			snprintf(what, sizeof(what),
+				 "%s: CUB select n_kv %u item %u (pages %u..%u, k %u; then %u guard "
+				 "entries)",
+				 c->name, n_kv, i, spec[i].begin, spec[i].begin + spec[i].n_cand,
+				 spec[i].k, SEL_GUARD);
+			expect_same_bits(what, got + k_at[i], sel + k_at[i],
+					 ((size_t)n_kv * spec[i].k + SEL_GUARD) * sizeof(int32_t), 4);
+			snprintf(what, sizeof(what), "%s: select (twin) n_kv %u item %u", c->name,
+				 n_kv, i);
+			expect_same_bits(what, got2 + k_at[i], sel + k_at[i],
+					 ((size_t)n_kv * spec[i].k + SEL_GUARD) * sizeof(int32_t), 4);
+		}
+	}
+}
+
+Test(cuda, select_cub_path, .timeout = TEST_TIMEOUT_S)
+{
+	run_case(CASE_CUDA, t_select_cub_path);
+}
+
+/*
  * The ordering rule on special values, against a ranking written out by hand
  * (so the reference's reading of kernels.h is checked too): +NaN above +inf,
  * -NaN below -inf, +0 above -0, a subnormal above +0, ties to the lower page.
@@ -1776,6 +1877,60 @@ CONFORMANCE_TEST(memcpy_batch)
 		get(c, got, b, BYTES);
 		expect_same_bits(what, got, want_b, BYTES, 1);
 	}
+}
+
+/* ================================================================== host functions */
+
+struct host_fn_state {
+	const unsigned char *landed; /* filled by the D2H copy queued before fn */
+	const unsigned char *expect;
+	unsigned char *mid;          /* fn writes it; the H2D copy queued after reads it */
+	size_t bytes;
+	int calls, saw_copy;
+};
+
+static void host_fn_probe(void *arg)
+{
+	struct host_fn_state *st = arg;
+	st->calls++;
+	st->saw_copy = !memcmp(st->landed, st->expect, st->bytes);
+	memset(st->mid, 0x3c, st->bytes);
+}
+
+/*
+ * kvr_dev_host_fn in stream order, on the worker stream behind a long copy:
+ * fn runs once, after the D2H copy queued before it has landed, and the H2D
+ * copy queued after it reads what fn wrote. A backend without host functions
+ * (-ENOTSUP) is skipped.
+ */
+CONFORMANCE_TEST(host_fn_order)
+{
+	struct dctx *c = &e->main;
+	struct rng r = { 0x4f57fe };
+	enum { BYTES = 1 << 20 };
+	c->s = c->worker_s;
+	stall_stream(c);
+	unsigned char *src = halloc(BYTES), *landed = halloc(BYTES), *mid = halloc(BYTES),
+		      *back = halloc(BYTES), *want = halloc(BYTES);
+	fill_bytes(&r, src, BYTES);
+	memset(want, 0x3c, BYTES);
+	void *x = put(c, src, BYTES);
+	struct host_fn_state st = { landed, src, mid, BYTES, 0, 0 };
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, landed, x, BYTES, KVR_COPY_D2H, c->s));
+	const int rc = kvr_dev_host_fn(c->dev, c->s, host_fn_probe, &st);
+	if (rc == -ENOTSUP) {
+		DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->s));
+		cr_skip_test("%s: no host functions: %s", c->name, kvr_dev_last_error(c->dev));
+	}
+	cr_assert_eq(rc, 0, "%s: kvr_dev_host_fn returned %d: %s", c->name, rc,
+		     kvr_dev_last_error(c->dev));
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, x, mid, BYTES, KVR_COPY_H2D, c->s));
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, back, x, BYTES, KVR_COPY_D2H, c->s));
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->s));
+	cr_assert_eq(st.calls, 1, "%s: the host function ran %d times", c->name, st.calls);
+	cr_assert(st.saw_copy, "%s: the host function ran before the copy queued ahead of it",
+		  c->name);
+	expect_same_bits("host_fn: the copy queued after the host function", back, want, BYTES, 1);
 }
 
 /* ================================================================== streams and events */
