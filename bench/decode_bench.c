@@ -198,6 +198,7 @@ int main(int argc, char **argv)
 {
 	const char *json_path = NULL, *trace_path = NULL;
 	uint64_t trace_context = 32768;
+	uint32_t trace_mode = KVR_MODE_FREEKV;
 	uint32_t steps = 24;
 	uint64_t max_context = 131072;
 	for (int i = 1; i < argc; i++) {
@@ -219,11 +220,17 @@ int main(int argc, char **argv)
 			trace_path = argv[++i];
 		else if (!strcmp(argv[i], "--trace-context") && i + 1 < argc)
 			trace_context = strtoull(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--trace-mode") && i + 1 < argc) {
+			if (kvr_mode_parse(argv[++i], &trace_mode)) {
+				fprintf(stderr, "decode_bench: unknown mode %s\n", argv[i]);
+				return 2;
+			}
+		}
 		else {
 			fprintf(stderr, "usage: decode_bench [--steps 24] [--max-context 131072] [--json FILE]\n"
 					"                    [--recall zero-copy|streamed] [--trace FILE "
-					"[--trace-context 32768]]\n"
-					"  --trace: only trace 4 freekv steps at --trace-context tokens and exit\n");
+					"[--trace-context 32768] [--trace-mode freekv]]\n"
+					"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
 			return 2;
 		}
 	}
@@ -231,9 +238,10 @@ int main(int argc, char **argv)
 		steps = 3;
 	const uint32_t B = 2048, p = 32;
 	if (trace_path) {
-		run(KVR_MODE_FREEKV, B, trace_context, steps, trace_path);
-		fprintf(stderr, "decode_bench: trace of freekv at %llu tokens (%s recall) in %s\n",
-			(unsigned long long)trace_context, kvr_recall_name(recall_kind), trace_path);
+		run(trace_mode, B, trace_context, steps, trace_path);
+		fprintf(stderr, "decode_bench: trace of %s at %llu tokens (%s recall) in %s\n",
+			kvr_mode_name(trace_mode), (unsigned long long)trace_context,
+			kvr_recall_name(recall_kind), trace_path);
 		return 0;
 	}
 	/* attention over the B tokens alone: a dense decode at L = B */

@@ -446,9 +446,11 @@ KVR_API int kvr_get_head_corrections(const struct kvr_context *ctx, uint32_t seq
 /*
  * The first failure inside the context's controller thread or streams since
  * the previous call (0 if none), as a negative errno; *message (optional)
- * points at its description, valid until the next call. Work that failed
- * asynchronously leaves the affected lane's pages to be selected again at
- * its next correction. Thread-safe.
+ * points at its description, valid until the next call. When the
+ * controller's selection or recall for a (sequence, layer) fails, that
+ * layer's next step of that sequence selects afresh with its own query and
+ * recalls every page it needs (as a correction), so outputs stay correct.
+ * Thread-safe.
  */
 KVR_API int kvr_async_error(struct kvr_context *ctx, const char **message);
 

@@ -74,6 +74,15 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 							    : "plan + issue recall",
 				       KVR_TRACK_CONTROLLER, lane->seq, lane->layer, 0, t1, kvr_now_ns());
 	}
+	if (err) {
+		/* the lane's selection or slots are not what its next attention would
+		 * expect: forget them, so the next step selects afresh with its own
+		 * query (a full correction) and recalls every page it needs */
+		lane->has_prev = 0;
+		if (lane->slot_page)
+			for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+				lane->slot_page[i] = -1;
+	}
 	count(s, lane->seq, KVR_C_CONTROLLER_NS, kvr_now_ns() - t0);
 	count(s, lane->seq, KVR_C_CONTROLLER_JOBS, 1);
 }
