@@ -54,6 +54,8 @@ static uint16_t f16(float x)
 }
 
 static uint32_t recall_kind = KVR_RECALL_ZERO_COPY;
+static uint32_t recall_buffers = 2, pool_layout = KVR_POOL_HND, chunk_pages = 8;
+static const uint32_t *only_mode; /* --mode: one mode instead of all four */
 
 static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max_tokens)
 {
@@ -73,6 +75,9 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max
 	c.max_sequences = 1;
 	c.max_batch = 1;
 	c.recall = recall_kind;
+	c.recall_buffers = recall_buffers;
+	c.pool_layout = pool_layout;
+	c.recall_chunk_pages = chunk_pages;
 	c.pool_bytes = (max_tokens / 32 + 64) * LAYERS * 2ull * 32 * D * N_KV * 2;
 	struct kvr_context *ctx;
 	if (kvr_context_create(&c, &ctx)) {
@@ -216,6 +221,19 @@ int main(int argc, char **argv)
 				fprintf(stderr, "decode_bench: --recall zero-copy|streamed\n");
 				return 2;
 			}
+		} else if (!strcmp(argv[i], "--buffers") && i + 1 < argc)
+			recall_buffers = (uint32_t)atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--chunk-pages") && i + 1 < argc)
+			chunk_pages = (uint32_t)atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--pool-layout") && i + 1 < argc)
+			pool_layout = !strcmp(argv[++i], "nhd") ? KVR_POOL_NHD : KVR_POOL_HND;
+		else if (!strcmp(argv[i], "--mode") && i + 1 < argc) {
+			static uint32_t m;
+			if (kvr_mode_parse(argv[++i], &m)) {
+				fprintf(stderr, "decode_bench: unknown mode %s\n", argv[i]);
+				return 2;
+			}
+			only_mode = &m;
 		} else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
 			trace_path = argv[++i];
 		else if (!strcmp(argv[i], "--trace-context") && i + 1 < argc)
@@ -225,11 +243,12 @@ int main(int argc, char **argv)
 				fprintf(stderr, "decode_bench: unknown mode %s\n", argv[i]);
 				return 2;
 			}
-		}
-		else {
+		} else {
 			fprintf(stderr, "usage: decode_bench [--steps 24] [--max-context 131072] [--json FILE]\n"
 					"                    [--recall zero-copy|streamed] [--trace FILE "
 					"[--trace-context 32768] [--trace-mode freekv]]\n"
+					"                    [--mode M] [--buffers 1|2] [--chunk-pages 8] "
+					"[--pool-layout hnd|nhd]\n"
 					"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
 			return 2;
 		}
@@ -263,6 +282,8 @@ int main(int argc, char **argv)
 	int first = 1;
 	for (uint64_t L = 8192; L <= max_context; L *= 2)
 		for (size_t mi = 0; mi < 4; mi++) {
+			if (only_mode && modes[mi] != *only_mode)
+				continue;
 			const struct result r = run(modes[mi], B, L, steps, NULL);
 			const double budget = (1.0 + (double)L / (p * B)) * base.us_per_layer;
 			fprintf(stderr, "L=%7llu %-11s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
