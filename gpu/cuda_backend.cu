@@ -11,6 +11,13 @@
  * (cuda_topk.cu); host functions are cudaLaunchHostFunc. Device discovery
  * (kvr_gpu_probe) is cuda_device.cu's.
  *
+ * score, attention and dense split their work over many blocks and keep
+ * partial results between their launches in a scratch buffer: one per stream,
+ * allocated on the stream's first such call and grown when a call needs more
+ * (stream-ordered allocations, so neither waits for the device), never per
+ * call. score's scratch includes a cache of SCORE_CACHE_PAGES page scores per
+ * (sequence, query head); longer candidate ranges take a slower path.
+ *
  * Threads and streams: any thread may call any op (device.c has checked the
  * arguments); each op makes the backend's device current for its duration and
  * restores the caller's current device, so an engine thread working on another
@@ -55,15 +62,21 @@ int KVR_KERNEL_SYMBOL(launch_offload)(const struct kvr_shape *, const struct kvr
 				      uint32_t, void *);
 int KVR_KERNEL_SYMBOL(launch_summarize)(const struct kvr_shape *, const struct kvr_page_item *,
 					uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_score)(const struct kvr_shape *, const struct kvr_score_item *,
-				    uint32_t, void *);
+size_t KVR_KERNEL_SYMBOL(score_scratch_bytes)(const struct kvr_shape *, uint32_t, uint32_t,
+					      uint32_t);
+int KVR_KERNEL_SYMBOL(launch_score_scratch)(const struct kvr_shape *,
+					    const struct kvr_score_item *, uint32_t, void *, size_t,
+					    uint32_t, void *);
 int KVR_KERNEL_SYMBOL(launch_similarity)(const struct kvr_shape *,
 					 const struct kvr_similarity_item *, uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_attention)(const struct kvr_shape *,
-					const struct kvr_attention_item *, uint32_t,
-					const struct kvr_kv_segment *, uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_dense)(const struct kvr_shape *, const struct kvr_dense_item *,
-				    uint32_t, void *);
+size_t KVR_KERNEL_SYMBOL(attention_scratch_bytes)(const struct kvr_shape *, uint32_t, uint32_t);
+int KVR_KERNEL_SYMBOL(launch_attention_scratch)(const struct kvr_shape *,
+						const struct kvr_attention_item *, uint32_t,
+						const struct kvr_kv_segment *, uint32_t, void *,
+						size_t, uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_dense_scratch)(const struct kvr_shape *,
+					    const struct kvr_dense_item *, uint32_t, void *, size_t,
+					    uint32_t, void *);
 const char *KVR_KERNEL_SYMBOL(last_message)(void);
 }
 
@@ -79,6 +92,8 @@ int kvr_cuda_select_topk(const struct kvr_shape *shape, const struct kvr_score_i
 
 struct cuda_dev {
 	int device = 0;
+	uint32_t sm_count = 0; /* multiprocessors: the kernels size their splits by it */
+	bool pools = false;    /* stream-ordered allocation (cudaMallocAsync) works */
 	/* cleared once cudaMemcpyBatchAsync reports it unsupported (old driver) */
 	std::atomic<bool> batch_ok{ true };
 };
@@ -87,7 +102,13 @@ struct cuda_stream {
 	cudaStream_t s;
 	cudaEvent_t done; /* stream_synchronize's blocking event */
 	struct kvr_cuda_topk *topk;
+	void *scratch; /* the split kernels' partial results (see the top) */
+	size_t scratch_bytes;
 };
+
+/* Page scores per (sequence, query head) that score's scratch caches: 128K
+ * tokens of 32-token pages, 16 KiB per query head of each sequence. */
+static const uint32_t SCORE_CACHE_PAGES = 4096;
 
 /* backend.h's handles are opaque: a kvr_stream is a cuda_stream, a kvr_event
  * is the cudaEvent_t itself. */
@@ -326,6 +347,8 @@ static void op_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream)
 	struct cuda_stream *cs = as_stream(stream);
 	device_scope scope(impl(dev)->device);
 	kvr_cuda_topk_destroy(cs->topk, cs->s);
+	if (cs->scratch)
+		(void)(impl(dev)->pools ? cudaFreeAsync(cs->scratch, cs->s) : cudaFree(cs->scratch));
 	(void)cudaEventDestroy(cs->done);
 	(void)cudaStreamDestroy(cs->s);
 	(void)cudaGetLastError();
@@ -631,9 +654,83 @@ static int kernel_result(struct kvr_dev *dev, int rc)
 KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter))
 KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload))
 KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize))
-KERNEL_OP(score, kvr_score_item, KVR_KERNEL_SYMBOL(launch_score))
 KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity))
-KERNEL_OP(dense, kvr_dense_item, KVR_KERNEL_SYMBOL(launch_dense))
+
+/*
+ * The stream's scratch, at least `need` bytes (the stream is the caller's
+ * alone, backend.h, so no lock). Growing frees the old buffer and allocates
+ * the new one in stream order: kernels queued earlier finish with the old one
+ * first, and the host does not wait. Without stream-ordered allocation
+ * (cudaDevAttrMemoryPoolsSupported = 0) cudaFree waits for the device: only
+ * ever on growth, which a steady decode loop does not do.
+ */
+static int stream_scratch(struct kvr_dev *dev, struct cuda_stream *cs, size_t need)
+{
+	if (need <= cs->scratch_bytes)
+		return 0;
+	const bool pools = impl(dev)->pools;
+	size_t bytes = cs->scratch_bytes + cs->scratch_bytes / 4;
+	bytes = bytes > need ? bytes : need;
+	bytes = (bytes + (1u << 20) - 1) & ~(size_t)((1u << 20) - 1);
+	if (cs->scratch) {
+		const cudaError_t e = pools ? cudaFreeAsync(cs->scratch, cs->s) : cudaFree(cs->scratch);
+		cs->scratch = NULL;
+		cs->scratch_bytes = 0;
+		if (e != cudaSuccess)
+			return cuda_fail(dev, e, pools ? "cudaFreeAsync (kernel scratch)"
+						       : "cudaFree (kernel scratch)");
+	}
+	void *p = NULL;
+	const cudaError_t e = pools ? cudaMallocAsync(&p, bytes, cs->s) : cudaMalloc(&p, bytes);
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, pools ? "cudaMallocAsync (kernel scratch)"
+					       : "cudaMalloc (kernel scratch)");
+	cs->scratch = p;
+	cs->scratch_bytes = bytes;
+	return 0;
+}
+
+static int op_score(struct kvr_dev *dev, const struct kvr_shape *shape,
+		    const struct kvr_score_item *items, uint32_t n, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	struct cuda_dev *cd = impl(dev);
+	device_scope scope(cd->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "score");
+	if (rc)
+		return rc;
+	/* the page-score cache if it can be had; the minimum (no cache) if not */
+	rc = stream_scratch(dev, cs,
+			    KVR_KERNEL_SYMBOL(score_scratch_bytes)(shape, n, cd->sm_count,
+								   SCORE_CACHE_PAGES));
+	if (rc == -ENOMEM)
+		rc = stream_scratch(dev, cs,
+				    KVR_KERNEL_SYMBOL(score_scratch_bytes)(shape, n, cd->sm_count, 0));
+	if (rc)
+		return rc;
+	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_score_scratch)(
+					  shape, items, n, cs->scratch, cs->scratch_bytes,
+					  cd->sm_count, cs->s));
+}
+
+static int op_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
+		    const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	struct cuda_dev *cd = impl(dev);
+	device_scope scope(cd->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "dense");
+	if (rc)
+		return rc;
+	/* without the scratch, the launcher runs one block per item and KV head */
+	if (stream_scratch(dev, cs,
+			   KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, cd->sm_count)) ==
+	    -ENOTRECOVERABLE)
+		return -ENOTRECOVERABLE;
+	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_dense_scratch)(
+					  shape, items, n, cs->scratch, cs->scratch_bytes,
+					  cd->sm_count, cs->s));
+}
 
 /* The ops table passes device items only, so kvr_cuda_select_topk has no
  * host-side sizes and runs the hand-written twin. */
@@ -680,12 +777,19 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			struct kvr_stream *stream)
 {
 	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
+	struct cuda_dev *cd = impl(dev);
+	device_scope scope(cd->device);
 	int rc = enqueue_begin(dev, scope, cs->s, "attention");
 	if (rc)
 		return rc;
-	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_attention)(shape, items, n, segments,
-								      n_segments, cs->s));
+	/* without the scratch, the launcher runs one block per item and KV head */
+	if (stream_scratch(dev, cs,
+			   KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, cd->sm_count)) ==
+	    -ENOTRECOVERABLE)
+		return -ENOTRECOVERABLE;
+	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_attention_scratch)(
+					  shape, items, n, segments, n_segments, cs->scratch,
+					  cs->scratch_bytes, cd->sm_count, cs->s));
 }
 
 /* The host function runs on a CUDA runtime thread in stream order; work
@@ -829,6 +933,11 @@ extern "C" int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_param
 		return -ENOMEM;
 	}
 	cd->device = device;
+	cd->sm_count = prop.multiProcessorCount > 0 ? (uint32_t)prop.multiProcessorCount : 0;
+	int pools = 0;
+	if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess)
+		(void)cudaGetLastError();
+	cd->pools = pools != 0;
 	dev->ops = &cuda_ops;
 	dev->kind = KVR_DEV_CUDA;
 	dev->host_visible = 0;

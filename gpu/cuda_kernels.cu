@@ -11,17 +11,25 @@
  * top-k; cuda_topk.cu holds its CUB twin behind kvr_cuda_select_topk.
  *
  * Threads and streams: a launcher validates the shape on the calling (host)
- * thread, enqueues exactly one kernel on the stream it is given and returns;
- * nothing here synchronises. Item arrays and every pointer in them are device
- * memory, read only by the kernel. A failing launcher leaves its message in a
- * thread-local buffer, read back with KVR_KERNEL_SYMBOL(last_message).
+ * thread, enqueues its kernels on the stream it is given (one; three for
+ * score; two for attention and dense when they split an item's tokens over
+ * several blocks) and returns; nothing here synchronises. Item arrays and
+ * every pointer in them are device memory, read only by the kernels. The
+ * split kernels' partial results go to a scratch buffer the caller owns (the
+ * cuda backend keeps one per stream; the launchers say how large), used in
+ * stream order. A failing launcher leaves its message in a thread-local
+ * buffer, read back with KVR_KERNEL_SYMBOL(last_message).
  */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "cuda_compat.h"
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
 #include "kernels.h"
 #include "../layouts/half.h"
 #include "../layouts/kmath.h"
@@ -118,6 +126,35 @@ template <uint32_t ET> KVR_DEV chunk16 load_chunk(const unsigned char *p, bool a
 	return c;
 }
 
+/*
+ * f16 bits (the low 16 of h) as f32: exactly half.h's kvr_f16_to_f32, NaN
+ * payloads included. Under nvcc the hardware conversion (exact, one
+ * instruction where half.h's takes a dozen and a loop for subnormals), with
+ * half.h's NaN, since the hardware returns a canonical one.
+ */
+KVR_DEV float f16_to_f32(uint32_t h)
+{
+#if defined(__CUDA_ARCH__)
+	const float f = __half2float(__ushort_as_half((unsigned short)h));
+	if ((h & 0x7fffu) > 0x7c00u)
+		return __uint_as_float((h & 0x8000u) << 16 | 0x7fc00000u | (h & 0x3ffu) << 13);
+	return f;
+#else
+	return kvr_f16_to_f32((uint16_t)h);
+#endif
+}
+
+/* Element i of an array of element type ET, as f32 (kvr_load_f32's values). */
+template <uint32_t ET> KVR_DEV float load_elem(const void *p, uint64_t i)
+{
+	if constexpr (ET == KVR_ELEM_F32)
+		return static_cast<const float *>(p)[i];
+	else if constexpr (ET == KVR_ELEM_F16)
+		return f16_to_f32(static_cast<const uint16_t *>(p)[i]);
+	else
+		return kvr_bf16_to_f32(static_cast<const uint16_t *>(p)[i]);
+}
+
 /* The 16 / elem_bytes values of a chunk as f32, with half.h's conversions. */
 template <uint32_t ET> KVR_DEV void decode_chunk(const chunk16 &c, float *out)
 {
@@ -125,8 +162,8 @@ template <uint32_t ET> KVR_DEV void decode_chunk(const chunk16 &c, float *out)
 		if constexpr (ET == KVR_ELEM_F32) {
 			out[i] = kvr_bits_to_f32(c.w[i]);
 		} else if constexpr (ET == KVR_ELEM_F16) {
-			out[2 * i] = kvr_f16_to_f32((uint16_t)(c.w[i] & 0xffffu));
-			out[2 * i + 1] = kvr_f16_to_f32((uint16_t)(c.w[i] >> 16));
+			out[2 * i] = f16_to_f32(c.w[i] & 0xffffu);
+			out[2 * i + 1] = f16_to_f32(c.w[i] >> 16);
 		} else {
 			out[2 * i] = kvr_bf16_to_f32((uint16_t)(c.w[i] & 0xffffu));
 			out[2 * i + 1] = kvr_bf16_to_f32((uint16_t)(c.w[i] >> 16));
@@ -274,171 +311,314 @@ static __global__ void KVR_LAUNCH_BOUNDS(SUMMARY_THREADS, 4)
 /* -------------------------------------------------------------------- score */
 
 /*
- * One block of 256 threads per (item, KV head m). The threads form 16 groups
- * of KVR_DOT_LANES = 16: a group scores one page at a time, lane l of the
- * group taking dims l, l+16, ... — exactly the canonical 16-lane dot — and the
- * butterfly over the group's lanes (xor 8, 4, 2, 1) is the canonical fold
- * (each step adds the same two partial sums, and + commutes exactly). This
- * mapping, rather than one thread per page, keeps the summary loads coalesced
- * (a group reads 16 consecutive elements) and needs one accumulator per head
- * instead of 16.
+ * Score, spread over the GPU in three launches (the split is what keeps 132
+ * SMs busy: one block per (item, KV head) left most of them idle and walked
+ * every candidate serially):
  *
- * The softmax needs every page's score three times (max; sum of exps; the
- * weighted mean), and there is no room to keep G scores per page, so the
- * Quest sums are recomputed per pass; the summaries (1/p of the KV bytes) are
- * re-read from L2 for realistic contexts. The 256-lane sum: pass B writes the
- * exps of 256 consecutive candidates to shared memory and thread L adds entry
- * L to its lane sum, so lane L takes candidates L, L+256, ... in order
- * (counted from cand_begin), then the lanes fold by halves. Query heads are
- * processed SCORE_HEADS at a time (register accumulators); a later chunk
- * continues the group sum in g order through the scores array itself.
+ *  1. score_pages — blocks (item, KV head m, split b), each over a contiguous
+ *     chunk of the candidates: the Quest score s_gj of every page j of the
+ *     chunk for every query head g of m's group, its per-head maximum
+ *     (written per split), and, when the item's candidates fit the cache
+ *     (n_cand <= plan.cache), s_gj itself;
+ *  2. score_sums — one block per (item, query head h): the maximum over the
+ *     splits, then Σ_j kvr_expf(s_hj - max_h) in the canonical 256-lane order
+ *     (thread L takes candidates L, L+256, ... in order, counted from
+ *     cand_begin; the lanes fold by halves), and 1/sum; cached scores are
+ *     replaced by their exps on the way;
+ *  3. score_final — blocks (item, m, split b) again: score_mj =
+ *     (Σ_g e_gj·(1/sum_g))·(1/G), g in order.
+ * Every value goes through the same float operations, in the same order, as
+ * in the cpu backend (and in the one-block kernel this replaces), so the
+ * scores stay bit-identical; only where they are computed changed. A page's
+ * Quest score is computed once when cached, three times (in passes 1, 2 and
+ * 3) when not: items longer than the cache take that path, correct but
+ * slower.
+ *
+ * Quest scores: the threads form 16 groups of KVR_DOT_LANES = 16; a group
+ * scores one page at a time, lane l of the group taking dims l, l+16, ... —
+ * exactly the canonical 16-lane dot — and the butterfly over the group's lanes
+ * (xor 8, 4, 2, 1) is the canonical fold (each step adds the same two partial
+ * sums, and + commutes exactly). This keeps the summary loads coalesced (a
+ * group reads 16 consecutive elements) and needs one accumulator per head.
+ * Query heads go SCORE_HEADS at a time (register accumulators).
+ *
+ * Scratch (floats, laid out by score_plan_make): the per-split maxima
+ * [n][n_kv][splits][G], per query head (max, 1/sum) [n][n_qo][2], and the
+ * cache [n][n_qo][cache].
  */
 static const uint32_t SCORE_THREADS = 256;
 static const uint32_t SCORE_GROUPS = SCORE_THREADS / KVR_DOT_LANES; /* pages per step */
 static const uint32_t SCORE_HEADS = 16;
 static const uint32_t SCORE_MAX_DIM = 256;
+static const uint32_t SCORE_MAX_SPLITS = 32;
 
-/* s[g] = scale · Σ_c max(q_gc·min_c, q_gc·max_c) for the page whose summary
- * (min row then max row) starts at element `row` of `summaries`; all 32 lanes
- * of the warp call it (the fold shuffles), `valid` says whether this lane's
- * group has a page. */
-template <uint32_t ET>
+struct score_plan {
+	uint32_t splits; /* blocks per (item, KV head) in passes 1 and 3 */
+	uint32_t cache;  /* pages per (item, query head) whose scores are kept */
+	uint64_t off_stat, off_cache; /* floats into the scratch */
+};
+
+/* each(g, s_g) for g = 0 .. gc-1 in order (gc <= NH), s_g = scale · Σ_c
+ * max(q_gc·min_c, q_gc·max_c) for the page whose summary (min row then max
+ * row) starts at element `row` of `summaries`; all 32 lanes of the warp call
+ * it (the fold shuffles), every lane of a group gets the same s_g, and `valid`
+ * says whether this lane's group has a page (each is called regardless).
+ * Handing each score to `each` as it is folded keeps one array of NH
+ * accumulators live, not two. */
+template <uint32_t ET, uint32_t NH, typename F>
 KVR_DEV void quest_scores(const void *summaries, uint64_t row, bool valid, uint32_t d,
-			  uint32_t lane16, const float *q_s, uint32_t gc, float scale, float *s)
+			  uint32_t lane16, const float *q_s, uint32_t gc, float scale, F &&each)
 {
-	float acc[SCORE_HEADS];
-	for (uint32_t g = 0; g < SCORE_HEADS; g++)
+	float acc[NH];
+	KVR_UNROLL
+	for (uint32_t g = 0; g < NH; g++)
 		acc[g] = 0.0f;
 	if (valid) {
 		for (uint32_t c = lane16; c < d; c += KVR_DOT_LANES) {
-			const float mn = kvr_load_f32(summaries, ET, row + c);
-			const float mx = kvr_load_f32(summaries, ET, row + d + c);
-			for (uint32_t g = 0; g < SCORE_HEADS; g++)
+			const float mn = load_elem<ET>(summaries, row + c);
+			const float mx = load_elem<ET>(summaries, row + d + c);
+			KVR_UNROLL
+			for (uint32_t g = 0; g < NH; g++)
 				if (g < gc)
 					acc[g] = acc[g] + kvr_quest_term(q_s[g * d + c], mn, mx);
 		}
 	}
-	for (uint32_t g = 0; g < SCORE_HEADS; g++) {
-		if (g >= gc)
-			break; /* gc is uniform: every lane leaves together */
-		float a = acc[g];
-		for (unsigned w = KVR_DOT_LANES / 2; w >= 1; w /= 2)
-			a = a + __shfl_xor_sync(FULL_MASK, a, (int)w);
-		s[g] = scale * a;
+	KVR_UNROLL
+	for (uint32_t g = 0; g < NH; g++) {
+		if (g < gc) { /* gc is uniform: every lane takes the same branches */
+			float a = acc[g];
+			for (unsigned w = KVR_DOT_LANES / 2; w >= 1; w /= 2)
+				a = a + __shfl_xor_sync(FULL_MASK, a, (int)w);
+			each(g, scale * a);
+		}
 	}
 }
 
+/* The candidates [*r_begin, *r_end) (counted from cand_begin) of split b of
+ * `splits`: contiguous chunks of a multiple of SCORE_GROUPS pages. */
+KVR_DEV void score_chunk(uint32_t n_cand, uint32_t splits, uint32_t b, uint32_t *r_begin,
+			 uint32_t *r_end)
+{
+	uint32_t chunk = (n_cand + splits - 1) / splits;
+	chunk = (chunk + SCORE_GROUPS - 1) / SCORE_GROUPS * SCORE_GROUPS;
+	const uint64_t lo = (uint64_t)b * chunk, hi = lo + chunk;
+	*r_begin = lo < n_cand ? (uint32_t)lo : n_cand;
+	*r_end = hi < n_cand ? (uint32_t)hi : n_cand;
+}
+
+/* Pass 1. Block (item·n_kv + m)·splits + b. */
 template <uint32_t ET>
 static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
-	score_kernel(struct kvr_shape shape, const struct kvr_score_item *items)
+	score_pages_kernel(struct kvr_shape shape, struct score_plan plan,
+			   const struct kvr_score_item *items, float *scratch)
 {
 	__shared__ float q_s[SCORE_HEADS * SCORE_MAX_DIM];
-	__shared__ float lane_s[SCORE_HEADS * KVR_SUM_LANES];
-	__shared__ float max_s[SCORE_HEADS];
-	__shared__ float inv_s[SCORE_HEADS];
+	__shared__ float red_s[SCORE_HEADS * SCORE_THREADS];
 
-	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim;
-	const uint32_t G = shape.n_qo_heads / n_kv;
-	const uint32_t item = blockIdx.x / n_kv, m = blockIdx.x % n_kv;
+	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads;
+	const uint32_t G = n_qo / n_kv;
+	const uint32_t b = blockIdx.x % plan.splits, im = blockIdx.x / plan.splits;
+	const uint32_t item = im / n_kv, m = im % n_kv;
 	const struct kvr_score_item it = items[item];
 	if (it.cand_end <= it.cand_begin)
 		return; /* no candidates: nothing to write (whole block) */
 	const uint32_t n_cand = it.cand_end - it.cand_begin;
+	uint32_t r_begin, r_end;
+	score_chunk(n_cand, plan.splits, b, &r_begin, &r_end);
 	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
 	const uint64_t page_elems = (uint64_t)n_kv * 2u * d;
 	const uint64_t head_off = (uint64_t)m * 2u * d;
-	float *scores = it.scores + (uint64_t)m * n_cand;
-	const float inv_group = 1.0f / (float)G;
+	const bool cached = n_cand <= plan.cache;
+	float *pmax = scratch + ((uint64_t)im * plan.splits + b) * G;
+	float *cache = scratch + plan.off_cache + ((uint64_t)item * n_qo + m * G) * plan.cache;
 
 	for (uint32_t g0 = 0; g0 < G; g0 += SCORE_HEADS) {
 		const uint32_t gc = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
-		const bool last_chunk = g0 + gc == G;
-		__syncthreads(); /* the previous chunk is done with q_s and max_s/inv_s */
+		__syncthreads(); /* the previous chunk is done with q_s and red_s */
 		const uint64_t q_base = (uint64_t)(m * G + g0) * d;
 		for (uint32_t e = tid; e < gc * d; e += SCORE_THREADS)
-			q_s[e] = kvr_load_f32(it.q, ET, q_base + e);
+			q_s[e] = load_elem<ET>(it.q, q_base + e);
 		__syncthreads();
 
-		/* pass A: per-head maximum (exact in any order; NaN scores are
-		 * skipped here and poison the sum below instead) */
+		/* per-head maximum (exact in any order; NaN scores are skipped here
+		 * and poison the sum in pass 2 instead) */
 		float run_max[SCORE_HEADS];
+		KVR_UNROLL
 		for (uint32_t g = 0; g < SCORE_HEADS; g++)
 			run_max[g] = -INFINITY;
-		for (uint32_t r0 = 0; r0 < n_cand; r0 += SCORE_GROUPS) {
+		for (uint32_t r0 = r_begin; r0 < r_end; r0 += SCORE_GROUPS) {
 			const uint32_t r = r0 + grp;
-			float s[SCORE_HEADS];
-			quest_scores<ET>(it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
-					 r < n_cand, d, lane16, q_s, gc, shape.scale, s);
-			if (r < n_cand)
-				for (uint32_t g = 0; g < SCORE_HEADS; g++)
-					if (g < gc && s[g] > run_max[g])
-						run_max[g] = s[g];
+			const bool valid = r < r_end;
+			quest_scores<ET, SCORE_HEADS>(
+				it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
+				valid, d, lane16, q_s, gc, shape.scale, [&](uint32_t g, float s) {
+					if (!valid)
+						return;
+					if (s > run_max[g])
+						run_max[g] = s;
+					if (cached && lane16 == 0)
+						cache[(uint64_t)(g0 + g) * plan.cache + r] = s;
+				});
 		}
-		for (uint32_t g = 0; g < gc; g++)
-			lane_s[g * KVR_SUM_LANES + tid] = run_max[g];
+		KVR_UNROLL
+		for (uint32_t g = 0; g < SCORE_HEADS; g++)
+			if (g < gc)
+				red_s[g * SCORE_THREADS + tid] = run_max[g];
 		__syncthreads();
-		for (uint32_t w = KVR_SUM_LANES / 2; w >= 1; w /= 2) {
+		for (uint32_t w = SCORE_THREADS / 2; w >= 1; w /= 2) {
 			if (tid < w)
 				for (uint32_t g = 0; g < gc; g++) {
-					float *l = lane_s + g * KVR_SUM_LANES;
+					float *l = red_s + g * SCORE_THREADS;
 					if (l[tid + w] > l[tid])
 						l[tid] = l[tid + w];
 				}
 			__syncthreads();
 		}
 		if (tid < gc)
-			max_s[tid] = lane_s[tid * KVR_SUM_LANES];
-		__syncthreads();
+			pmax[g0 + tid] = red_s[tid * SCORE_THREADS];
+	}
+}
 
-		/* pass B: Σ_j kvr_expf(s_hj - max_h) in the 256-lane order */
-		float lane_sum[SCORE_HEADS];
-		for (uint32_t g = 0; g < SCORE_HEADS; g++)
-			lane_sum[g] = 0.0f;
+/* Pass 2. Block item·n_qo + h. */
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
+	score_sums_kernel(struct kvr_shape shape, struct score_plan plan,
+			  const struct kvr_score_item *items, float *scratch)
+{
+	__shared__ float q_s[SCORE_MAX_DIM];
+	__shared__ float lane_s[KVR_SUM_LANES];
+	__shared__ float max_sh;
+
+	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads;
+	const uint32_t G = n_qo / n_kv;
+	const uint32_t item = blockIdx.x / n_qo, h = blockIdx.x % n_qo, m = h / G, g = h % G;
+	const struct kvr_score_item it = items[item];
+	if (it.cand_end <= it.cand_begin)
+		return;
+	const uint32_t n_cand = it.cand_end - it.cand_begin;
+	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
+	const bool cached = n_cand <= plan.cache;
+	const uint64_t hq = (uint64_t)item * n_qo + h;
+
+	if (tid == 0) { /* the maxima of the splits, in order (exact in any) */
+		const float *pmax = scratch + (uint64_t)(item * n_kv + m) * plan.splits * G + g;
+		float mx = -INFINITY;
+		for (uint32_t b = 0; b < plan.splits; b++)
+			if (pmax[(uint64_t)b * G] > mx)
+				mx = pmax[(uint64_t)b * G];
+		max_sh = mx;
+	}
+	if (!cached)
+		for (uint32_t e = tid; e < d; e += SCORE_THREADS)
+			q_s[e] = load_elem<ET>(it.q, (uint64_t)h * d + e);
+	__syncthreads();
+	const float mx = max_sh;
+
+	float lane_sum = 0.0f;
+	if (cached) {
+		float *row = scratch + plan.off_cache + hq * plan.cache;
+		for (uint32_t r = tid; r < n_cand; r += KVR_SUM_LANES) {
+			const float e = kvr_expf(row[r] - mx);
+			row[r] = e;
+			lane_sum = lane_sum + e;
+		}
+	} else {
+		const uint64_t page_elems = (uint64_t)n_kv * 2u * d, head_off = (uint64_t)m * 2u * d;
 		for (uint32_t b0 = 0; b0 < n_cand; b0 += KVR_SUM_LANES) {
 			for (uint32_t r1 = 0; r1 < KVR_SUM_LANES; r1 += SCORE_GROUPS) {
 				const uint32_t r = b0 + r1 + grp;
-				float s[SCORE_HEADS];
-				quest_scores<ET>(it.summaries,
-						 (it.cand_begin + (uint64_t)r) * page_elems + head_off,
-						 r < n_cand, d, lane16, q_s, gc, shape.scale, s);
-				if (lane16 == 0 && r < n_cand)
-					for (uint32_t g = 0; g < gc; g++)
-						lane_s[g * KVR_SUM_LANES + r1 + grp] =
-							kvr_expf(s[g] - max_s[g]);
+				quest_scores<ET, 1>(
+					it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
+					r < n_cand, d, lane16, q_s, 1, shape.scale, [&](uint32_t, float s) {
+						if (lane16 == 0 && r < n_cand)
+							lane_s[r1 + grp] = kvr_expf(s - mx);
+					});
 			}
 			__syncthreads();
 			if (b0 + tid < n_cand)
-				for (uint32_t g = 0; g < gc; g++)
-					lane_sum[g] = lane_sum[g] + lane_s[g * KVR_SUM_LANES + tid];
+				lane_sum = lane_sum + lane_s[tid];
 			__syncthreads();
 		}
-		for (uint32_t g = 0; g < gc; g++)
-			lane_s[g * KVR_SUM_LANES + tid] = lane_sum[g];
+	}
+	lane_s[tid] = lane_sum;
+	__syncthreads();
+	for (uint32_t w = KVR_SUM_LANES / 2; w >= 1; w /= 2) {
+		if (tid < w)
+			lane_s[tid] = lane_s[tid] + lane_s[tid + w];
 		__syncthreads();
-		for (uint32_t w = KVR_SUM_LANES / 2; w >= 1; w /= 2) {
-			if (tid < w)
-				for (uint32_t g = 0; g < gc; g++) {
-					float *l = lane_s + g * KVR_SUM_LANES;
-					l[tid] = l[tid] + l[tid + w];
-				}
-			__syncthreads();
-		}
-		if (tid < gc)
-			inv_s[tid] = 1.0f / lane_s[tid * KVR_SUM_LANES];
-		__syncthreads();
+	}
+	if (tid == 0) {
+		float *stat = scratch + plan.off_stat + 2 * hq;
+		stat[0] = mx;
+		stat[1] = 1.0f / lane_s[0];
+	}
+}
 
-		/* pass C: the group mean, g in order: (Σ_g e_hj·(1/sum_h))·(1/G) */
-		for (uint32_t r0 = 0; r0 < n_cand; r0 += SCORE_GROUPS) {
+/* Pass 3. Block (item·n_kv + m)·splits + b, the chunks of pass 1. */
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
+	score_final_kernel(struct kvr_shape shape, struct score_plan plan,
+			   const struct kvr_score_item *items, const float *scratch)
+{
+	__shared__ float q_s[SCORE_HEADS * SCORE_MAX_DIM];
+	__shared__ float max_s[SCORE_HEADS];
+	__shared__ float inv_s[SCORE_HEADS];
+
+	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads;
+	const uint32_t G = n_qo / n_kv;
+	const uint32_t b = blockIdx.x % plan.splits, im = blockIdx.x / plan.splits;
+	const uint32_t item = im / n_kv, m = im % n_kv;
+	const struct kvr_score_item it = items[item];
+	if (it.cand_end <= it.cand_begin)
+		return;
+	const uint32_t n_cand = it.cand_end - it.cand_begin;
+	uint32_t r_begin, r_end;
+	score_chunk(n_cand, plan.splits, b, &r_begin, &r_end);
+	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
+	float *scores = it.scores + (uint64_t)m * n_cand;
+	const float inv_group = 1.0f / (float)G;
+	const uint64_t hq0 = (uint64_t)item * n_qo + m * G;
+	const float *stat = scratch + plan.off_stat + 2 * hq0;
+
+	if (n_cand <= plan.cache) { /* the exps are cached: a thread per page */
+		const float *cache = scratch + plan.off_cache + hq0 * plan.cache;
+		for (uint32_t r = r_begin + tid; r < r_end; r += SCORE_THREADS) {
+			float acc = 0.0f;
+			for (uint32_t g = 0; g < G; g++)
+				acc = acc + cache[(uint64_t)g * plan.cache + r] * stat[2 * g + 1];
+			scores[r] = acc * inv_group;
+		}
+		return;
+	}
+
+	/* not cached: recompute the Quest scores; with more than SCORE_HEADS
+	 * heads, a later chunk continues the group sum in g order through the
+	 * scores array itself */
+	const uint64_t page_elems = (uint64_t)n_kv * 2u * d, head_off = (uint64_t)m * 2u * d;
+	for (uint32_t g0 = 0; g0 < G; g0 += SCORE_HEADS) {
+		const uint32_t gc = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
+		const bool last_chunk = g0 + gc == G;
+		__syncthreads(); /* the previous chunk is done with q_s, max_s and inv_s */
+		const uint64_t q_base = (uint64_t)(m * G + g0) * d;
+		for (uint32_t e = tid; e < gc * d; e += SCORE_THREADS)
+			q_s[e] = load_elem<ET>(it.q, q_base + e);
+		if (tid < gc) {
+			max_s[tid] = stat[2 * (g0 + tid)];
+			inv_s[tid] = stat[2 * (g0 + tid) + 1];
+		}
+		__syncthreads();
+		for (uint32_t r0 = r_begin; r0 < r_end; r0 += SCORE_GROUPS) {
 			const uint32_t r = r0 + grp;
-			float s[SCORE_HEADS];
-			quest_scores<ET>(it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
-					 r < n_cand, d, lane16, q_s, gc, shape.scale, s);
-			if (lane16 == 0 && r < n_cand) {
-				float acc = g0 == 0 ? 0.0f : scores[r];
-				for (uint32_t g = 0; g < gc; g++)
-					acc = acc + kvr_expf(s[g] - max_s[g]) * inv_s[g];
+			const bool mine = lane16 == 0 && r < r_end;
+			float acc = mine && g0 != 0 ? scores[r] : 0.0f;
+			quest_scores<ET, SCORE_HEADS>(
+				it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
+				r < r_end, d, lane16, q_s, gc, shape.scale, [&](uint32_t g, float s) {
+					if (mine)
+						acc = acc + kvr_expf(s - max_s[g]) * inv_s[g];
+				});
+			if (mine)
 				scores[r] = last_chunk ? acc * inv_group : acc;
-			}
 		}
 	}
 }
@@ -691,27 +871,45 @@ static __global__ void KVR_LAUNCH_BOUNDS(SIM_THREADS, 4)
 /* ---------------------------------------------------------------- attention */
 
 /*
- * Decode attention, one block of 256 threads per (item, KV head, head chunk):
- * the block holds `heads` query heads of KV head m's group (all G of them
- * unless the group is very large, see att_plan_make), so every K and V row is
- * read from memory once for all of them. Tokens stream through shared memory
- * in tiles of 16 KiB of raw K+V (tile = 8192 / (d·elem_bytes) tokens, at most
- * 64), converted to f32:
- *  - loads are 16-byte vectors when the segment's pointers and strides allow,
- *    consecutive threads reading consecutive chunks of a row (coalesced);
- *  - the next tile's loads are issued into registers before the current tile
- *    is computed, so memory latency overlaps the math;
- *  - QK: warp w owns heads w, w+8, ...; lane l takes tokens l and l+32 and
- *    reads K rows padded to d+1 floats (no bank conflicts), q broadcast. The
- *    warp then does the online-softmax update of its heads (max and sum by
- *    shuffles) and publishes p and the rescale factor;
- *  - PV: with side = 256/d heads side by side, thread i owns column i % d of
- *    heads i/d, i/d + side, ... (fp32 accumulators in registers), so one V
- *    element read (conflict-free, consecutive lanes take consecutive columns)
- *    serves all of its heads, and p is a broadcast.
- * One online softmax per query head; an empty item gives zeros; NaN/Inf in q,
- * k or v reaches the outputs of the heads that used them and no others
- * (masked lanes never touch stale shared memory).
+ * Decode attention, flash-decoding style, in two launches.
+ *
+ * 1. attention_kernel: one block of 256 threads per (item, KV head m, head
+ *    chunk, split s). The block holds `heads` query heads of m's group (all G
+ *    of them unless the group is very large, see att_plan_make), so every K
+ *    and V row is read from memory once for all of them, and it takes split
+ *    s of the item's tokens: the tokens of its segments, counted in order
+ *    across them, cut into `splits` chunks of a multiple of ATT_SPLIT_ALIGN
+ *    tokens (the block finds where its chunk starts with a scan of the
+ *    segments' lengths; a chunk past the end is empty). Without the split,
+ *    one block walked an item's whole context: 64 blocks for a GPU of 132
+ *    SMs. Tokens stream through shared memory in tiles of 16 KiB of raw K+V
+ *    (tile = 8192 / (d·elem_bytes) tokens, at most 64), converted to f32:
+ *    - loads are 16-byte vectors when the segment's pointers and strides
+ *      allow, consecutive threads reading consecutive chunks of a row
+ *      (coalesced); the next tile's loads are issued into registers before
+ *      the current tile is computed, so memory latency overlaps the math;
+ *    - QK: warp w owns heads w, w+8, ...; lane l takes tokens l and l+32 and
+ *      reads K rows padded to d+4 floats as 16-byte vectors (conflict-free
+ *      per quarter warp), q broadcast. The warp then does the online-softmax
+ *      update of its heads (max and sum by shuffles) and publishes p and the
+ *      rescale factor;
+ *    - PV: with side = 256/d heads side by side, thread i owns column i % d
+ *      of heads i/d, i/d + side, ... (fp32 accumulators in registers, NACC of
+ *      them, a compile-time count chosen per launch), so one V element read
+ *      (conflict-free, consecutive lanes take consecutive columns) serves all
+ *      of its heads, and p is a broadcast.
+ *    With one split the block writes the output; otherwise its online-softmax
+ *    state per head (running max m, running sum l, unnormalised Σ p·V) goes
+ *    to the scratch.
+ * 2. attention_combine_kernel (only with splits > 1): one block per (item,
+ *    m, head chunk) merges the splits' states in split order: M = max of the
+ *    m_s, w_s = kvr_softmax_rescale(m_s, M), L = Σ l_s·w_s, out = (Σ acc_s·w_s)
+ *    / L, 0 when L = 0. Deterministic; the rounding differs from one online
+ *    softmax over all tokens within the tolerances attention is held to.
+ * One online softmax per query head and split; an empty item gives zeros;
+ * NaN/Inf in q, k or v reaches the outputs of the heads that used them and
+ * no others (masked lanes never touch stale shared memory, and a split's
+ * weight multiplies a NaN state rather than skipping it).
  */
 static const uint32_t ATT_THREADS = 256;
 static const uint32_t ATT_WARPS = ATT_THREADS / 32;
@@ -721,49 +919,44 @@ static const uint32_t ATT_MAX_ACC = 16;      /* output heads per thread */
 static const uint32_t ATT_MAX_HEADS = 64;    /* query heads per group */
 static const uint32_t ATT_CHUNKS = 2 * ATT_TILE_BYTES / 16 / ATT_THREADS; /* per thread */
 static const uint32_t ATT_SMEM_BYTES = 48 * 1024; /* no opt-in above the default limit */
+static const uint32_t ATT_K_PAD = 4;         /* floats after each K row in shared memory */
+static const uint32_t ATT_MAX_SPLITS = 32;   /* blocks per (item, KV head, head chunk) */
+static const uint32_t ATT_SPLIT_ALIGN = 16;  /* tokens: a split's length is a multiple */
+static const uint32_t ATT_BLOCKS_PER_SM = 8; /* the split aims at this many blocks per SM */
+
+static_assert(ATT_THREADS == SELECT_THREADS, "attention's segment scan uses block_scan");
 
 /* Launch geometry, computed on the host (att_plan_make). Offsets are floats
- * into the dynamic shared buffer: q [heads][d], K [tile][d+1], V [tile][d],
+ * into the dynamic shared buffer: q [heads][d], K [tile][d+4], V [tile][d],
  * p [heads][tile], then per head the running max, running sum and the tile's
- * rescale factor. */
+ * rescale factor. A split's state in the scratch: acc [heads][d], then m
+ * [heads], then l [heads] (part_stride floats). */
 struct att_plan {
 	uint32_t tile;        /* tokens per tile */
 	uint32_t heads;       /* query heads per block */
 	uint32_t head_blocks; /* blocks per KV head */
 	uint32_t off_k, off_v, off_p, off_m, off_l, off_alpha;
 	uint32_t smem_bytes;
+	uint32_t acc;         /* accumulators a thread needs: ceil(heads / (256/d)) */
+	uint32_t splits;      /* blocks per (item, KV head, head chunk) */
+	uint32_t part_stride; /* floats of one split's state */
 };
 
-/* Issue the loads of one tile (rows tokens of segment s from token `off`) into
- * this thread's registers. The tile's chunk space is [K rows | V rows], each
- * row d·elem_bytes/16 chunks; chunk i of the thread is tid + 256·i. */
-template <uint32_t ET>
-KVR_DEV void att_fetch(const struct kvr_kv_segment &s, uint32_t off, uint32_t rows, uint32_t m,
-		       uint32_t d, uint32_t tile, chunk16 *pre)
-{
-	const uint32_t EB = elem_bytes<ET>::value, VEC = 16 / EB;
-	const uint32_t cpr = d / VEC, half = tile * cpr;
-	const bool aligned = (((uint64_t)(uintptr_t)s.k | (uint64_t)(uintptr_t)s.v |
-			       (uint64_t)s.row_stride * EB | (uint64_t)s.head_stride * EB) &
-			      15u) == 0;
-	const uint64_t head = (uint64_t)m * s.head_stride;
-	KVR_UNROLL
-	for (uint32_t i = 0; i < ATT_CHUNKS; i++) {
-		const uint32_t q = threadIdx.x + ATT_THREADS * i;
-		const uint32_t which = q >= half, qq = q - which * half;
-		const uint32_t r = qq / cpr, cc = qq - r * cpr;
-		if (q < 2 * half && r < rows) {
-			const unsigned char *base = static_cast<const unsigned char *>(which ? s.v : s.k);
-			const uint64_t elem = head + (uint64_t)(off + r) * s.row_stride + cc * VEC;
-			pre[i] = load_chunk<ET>(base + elem * EB, aligned);
-		}
-	}
-}
+/* 16 bytes of floats in shared memory (LDS.128/STS.128 under nvcc). */
+struct alignas(16) vec4f {
+	float v[4];
+};
 
-/* Convert the fetched tile into shared memory (same chunk mapping). */
-template <uint32_t ET>
-KVR_DEV void att_store(const chunk16 *pre, uint32_t rows, uint32_t d, uint32_t tile, float *k_s,
-		       float *v_s)
+/* Where a thread's ATT_CHUNKS 16-byte chunks of a tile go: the tile's chunk
+ * space is [K rows | V rows], each row d·elem_bytes/16 chunks, chunk i of the
+ * thread is tid + 256·i. Row (~0u: none) and column element, with bit 31 set
+ * for V; the same for every tile, so computed once per block. */
+struct att_map {
+	uint32_t row[ATT_CHUNKS];
+	uint32_t col[ATT_CHUNKS];
+};
+
+template <uint32_t ET> KVR_DEV void att_map_init(uint32_t d, uint32_t tile, struct att_map &map)
 {
 	const uint32_t VEC = 16 / elem_bytes<ET>::value;
 	const uint32_t cpr = d / VEC, half = tile * cpr;
@@ -772,12 +965,57 @@ KVR_DEV void att_store(const chunk16 *pre, uint32_t rows, uint32_t d, uint32_t t
 		const uint32_t q = threadIdx.x + ATT_THREADS * i;
 		const uint32_t which = q >= half, qq = q - which * half;
 		const uint32_t r = qq / cpr, cc = qq - r * cpr;
-		if (q < 2 * half && r < rows) {
+		map.row[i] = q < 2 * half ? r : ~0u;
+		map.col[i] = which << 31 | cc * VEC;
+	}
+}
+
+/* Issue the loads of one tile (rows tokens of segment s from token `off`) into
+ * this thread's registers. */
+template <uint32_t ET>
+KVR_DEV void att_fetch(const struct kvr_kv_segment &s, uint32_t off, uint32_t rows, uint32_t m,
+		       const struct att_map &map, chunk16 *pre)
+{
+	const uint32_t EB = elem_bytes<ET>::value;
+	const bool aligned = (((uint64_t)(uintptr_t)s.k | (uint64_t)(uintptr_t)s.v |
+			       (uint64_t)s.row_stride * EB | (uint64_t)s.head_stride * EB) &
+			      15u) == 0;
+	const uint64_t head = (uint64_t)m * s.head_stride;
+	KVR_UNROLL
+	for (uint32_t i = 0; i < ATT_CHUNKS; i++) {
+		const uint32_t r = map.row[i];
+		if (r < rows) {
+			const unsigned char *base =
+				static_cast<const unsigned char *>(map.col[i] >> 31 ? s.v : s.k);
+			const uint64_t elem = head + (uint64_t)(off + r) * s.row_stride +
+					      (map.col[i] & 0x7fffffffu);
+			pre[i] = load_chunk<ET>(base + elem * EB, aligned);
+		}
+	}
+}
+
+/* Convert the fetched tile into shared memory (same chunk mapping). */
+template <uint32_t ET>
+KVR_DEV void att_store(const chunk16 *pre, uint32_t rows, uint32_t d, const struct att_map &map,
+		       float *k_s, float *v_s)
+{
+	const uint32_t VEC = 16 / elem_bytes<ET>::value;
+	KVR_UNROLL
+	for (uint32_t i = 0; i < ATT_CHUNKS; i++) {
+		const uint32_t r = map.row[i];
+		if (r < rows) {
 			float f[8];
 			decode_chunk<ET>(pre[i], f);
-			float *dst = which ? v_s + r * d + cc * VEC : k_s + r * (d + 1) + cc * VEC;
-			for (uint32_t e = 0; e < VEC; e++)
-				dst[e] = f[e];
+			const uint32_t c = map.col[i] & 0x7fffffffu;
+			float *dst = map.col[i] >> 31 ? v_s + r * d + c : k_s + r * (d + ATT_K_PAD) + c;
+			KVR_UNROLL
+			for (uint32_t e = 0; e < VEC / 4; e++) {
+				vec4f w;
+				KVR_UNROLL
+				for (uint32_t j = 0; j < 4; j++)
+					w.v[j] = f[4 * e + j];
+				reinterpret_cast<vec4f *>(dst)[e] = w;
+			}
 		}
 	}
 }
@@ -795,89 +1033,158 @@ KVR_DEV void att_advance(const struct kvr_kv_segment *segs, uint32_t n_segs, uin
 		++*seg;
 }
 
-/* Tokens of the tile starting at (seg, off); 0 past the last segment. */
+/* Tokens of the tile starting at (seg, off), at most `left`; 0 past the last
+ * segment. */
 KVR_DEV uint32_t att_rows(const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t seg,
-			  uint32_t off, uint32_t tile)
+			  uint32_t off, uint32_t tile, uint32_t left)
 {
 	if (seg >= n_segs)
 		return 0;
-	const uint32_t left = segs[seg].n_tokens - off;
-	return left < tile ? left : tile;
+	uint32_t rows = segs[seg].n_tokens - off;
+	rows = rows < tile ? rows : tile;
+	return rows < left ? rows : left;
 }
 
-template <uint32_t ET>
-static __device__ void attend(const struct kvr_shape &shape, const struct att_plan &plan,
-			      const void *q, void *out, const struct kvr_kv_segment *segs,
-			      uint32_t n_segs, uint32_t m, uint32_t g0, uint32_t gc, float *smem)
+/*
+ * Split s of `splits`: the position (seg, off) of its first token and how
+ * many tokens it takes (*left; 0 for a chunk past the end, ~0u for the only
+ * split, which takes everything). Every thread calls it and gets the same
+ * answer; scan_s holds ATT_WARPS words, found_s two.
+ */
+KVR_DEV void att_split_range(const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t splits,
+			     uint32_t s, uint32_t *scan_s, uint32_t *found_s, uint32_t *seg,
+			     uint32_t *off, uint32_t *left)
 {
+	*seg = 0;
+	*off = 0;
+	if (splits == 1) {
+		att_advance(segs, n_segs, seg, off, 0);
+		*left = ~0u;
+		return;
+	}
+	const uint32_t tid = threadIdx.x;
+	uint32_t part = 0, total = 0;
+	for (uint32_t i = tid; i < n_segs; i += ATT_THREADS)
+		part += segs[i].n_tokens;
+	(void)block_scan(part, scan_s, &total);
+	uint32_t chunk = total / splits + (total % splits != 0);
+	chunk = (chunk + ATT_SPLIT_ALIGN - 1) / ATT_SPLIT_ALIGN * ATT_SPLIT_ALIGN;
+	const uint64_t start = (uint64_t)s * chunk;
+	if (start >= total) {
+		*seg = n_segs;
+		*left = 0;
+		return;
+	}
+	*left = total - start < chunk ? (uint32_t)(total - start) : chunk;
+	/* the segment holding token `start`: a scan of the lengths, 256 at a time */
+	uint32_t before = 0;
+	for (uint32_t base = 0; base < n_segs; base += ATT_THREADS) {
+		const uint32_t i = base + tid;
+		const uint32_t n = i < n_segs ? segs[i].n_tokens : 0u;
+		uint32_t sum = 0;
+		const uint32_t excl = before + block_scan(n, scan_s, &sum) - n;
+		if (n > 0 && excl <= start && start - excl < n) { /* exactly one thread */
+			found_s[0] = i;
+			found_s[1] = (uint32_t)(start - excl);
+		}
+		if (before + sum > start)
+			break; /* uniform: before and sum are the block's */
+		before += sum;
+	}
+	__syncthreads(); /* found_s is written */
+	*seg = found_s[0];
+	*off = found_s[1];
+}
+
+/*
+ * One block's work: heads g0 .. g0+gc-1 of KV head m over split `split` of
+ * the item's tokens. part = NULL (one split): write the outputs; otherwise
+ * this split's state.
+ */
+template <uint32_t ET, uint32_t NACC>
+static __device__ void attend(const struct kvr_shape &shape, const struct att_plan &plan,
+			      const void *q, void *out, float *part,
+			      const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
+			      uint32_t g0, uint32_t gc, uint32_t split, float *smem)
+{
+	__shared__ uint32_t scan_s[ATT_WARPS];
+	__shared__ uint32_t found_s[2];
 	const uint32_t d = shape.head_dim, G = shape.n_qo_heads / shape.n_kv_heads;
 	const uint32_t tile = plan.tile, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 	float *q_s = smem, *k_s = smem + plan.off_k, *v_s = smem + plan.off_v;
 	float *p_s = smem + plan.off_p, *m_s = smem + plan.off_m, *l_s = smem + plan.off_l;
 	float *alpha_s = smem + plan.off_alpha;
+	const uint32_t kstride = d + ATT_K_PAD;
 	const uint64_t qo_base = (uint64_t)(m * G + g0) * d;
 	const uint32_t n_out = gc * d;
 	/* PV ownership: `side` = 256/d heads side by side; this thread owns
-	 * column c_own of heads g_own, g_own + side, ... (n_mine of them) */
+	 * column c_own of heads g_own, g_own + side, ... (n_mine <= NACC of them) */
 	const uint32_t side = ATT_THREADS / d, c_own = tid % d, g_own = tid / d;
 	const uint32_t n_mine = g_own < side && g_own < gc ? (gc - g_own + side - 1) / side : 0u;
 
+	uint32_t seg, off, left;
+	att_split_range(segs, n_segs, plan.splits, split, scan_s, found_s, &seg, &off, &left);
+
 	for (uint32_t e = tid; e < n_out; e += ATT_THREADS)
-		q_s[e] = kvr_load_f32(q, ET, qo_base + e);
+		q_s[e] = load_elem<ET>(q, qo_base + e);
 	for (uint32_t g = tid; g < gc; g += ATT_THREADS) {
 		m_s[g] = -INFINITY;
 		l_s[g] = 0.0f;
 	}
-	float acc[ATT_MAX_ACC];
+	float acc[NACC];
 	KVR_UNROLL
-	for (uint32_t i = 0; i < ATT_MAX_ACC; i++)
+	for (uint32_t i = 0; i < NACC; i++)
 		acc[i] = 0.0f;
 
-	uint32_t seg = 0, off = 0;
-	att_advance(segs, n_segs, &seg, &off, 0);
+	struct att_map map;
+	att_map_init<ET>(d, tile, map);
 	chunk16 pre[ATT_CHUNKS];
-	uint32_t rows = att_rows(segs, n_segs, seg, off, tile);
+	uint32_t rows = att_rows(segs, n_segs, seg, off, tile, left);
 	if (rows)
-		att_fetch<ET>(segs[seg], off, rows, m, d, tile, pre);
+		att_fetch<ET>(segs[seg], off, rows, m, map, pre);
 	while (rows > 0) {
-		att_store<ET>(pre, rows, d, tile, k_s, v_s);
+		att_store<ET>(pre, rows, d, map, k_s, v_s);
 		__syncthreads(); /* K, V (and q and the softmax state, first time) are ready */
 
+		left -= rows;
 		att_advance(segs, n_segs, &seg, &off, rows);
-		const uint32_t next = att_rows(segs, n_segs, seg, off, tile);
+		const uint32_t next = att_rows(segs, n_segs, seg, off, tile, left);
 		if (next)
-			att_fetch<ET>(segs[seg], off, next, m, d, tile, pre);
+			att_fetch<ET>(segs[seg], off, next, m, map, pre);
 
 		/* QK and the online-softmax update; the head loop is warp-uniform */
 		for (uint32_t g = warp; g < gc; g += ATT_WARPS) {
 			const float *qg = q_s + g * d;
-			float s0 = -INFINITY, s1 = -INFINITY;
-			if (lane < rows) {
-				const float *kr = k_s + lane * (d + 1);
-				float dot = 0.0f;
-				for (uint32_t c = 0; c < d; c++)
-					dot = dot + qg[c] * kr[c];
-				s0 = shape.scale * dot;
-			}
-			if (lane + 32 < rows) {
-				const float *kr = k_s + (lane + 32) * (d + 1);
-				float dot = 0.0f;
-				for (uint32_t c = 0; c < d; c++)
-					dot = dot + qg[c] * kr[c];
-				s1 = shape.scale * dot;
+			float s[2];
+			KVR_UNROLL
+			for (uint32_t h = 0; h < 2; h++) {
+				s[h] = -INFINITY;
+				const uint32_t t = lane + 32 * h;
+				if (t < rows) {
+					const float *kr = k_s + t * kstride;
+					float a0 = 0.0f, a1 = 0.0f;
+					for (uint32_t c = 0; c < d; c += 4) {
+						const vec4f qv = *reinterpret_cast<const vec4f *>(qg + c);
+						const vec4f kv = *reinterpret_cast<const vec4f *>(kr + c);
+						a0 = fmaf(qv.v[0], kv.v[0], a0);
+						a1 = fmaf(qv.v[1], kv.v[1], a1);
+						a0 = fmaf(qv.v[2], kv.v[2], a0);
+						a1 = fmaf(qv.v[3], kv.v[3], a1);
+					}
+					s[h] = shape.scale * (a0 + a1);
+				}
 			}
 			const float m_old = m_s[g];
-			const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+			const float m_new = fmaxf(m_old, warp_max(fmaxf(s[0], s[1])));
 			float psum = 0.0f;
-			if (lane < rows) {
-				const float p = kvr_expf(s0 - m_new);
-				p_s[g * tile + lane] = p;
-				psum += p;
-			}
-			if (lane + 32 < rows) {
-				const float p = kvr_expf(s1 - m_new);
-				p_s[g * tile + lane + 32] = p;
-				psum += p;
+			KVR_UNROLL
+			for (uint32_t h = 0; h < 2; h++) {
+				const uint32_t t = lane + 32 * h;
+				if (t < rows) {
+					const float p = kvr_expf(s[h] - m_new);
+					p_s[g * tile + t] = p;
+					psum += p;
+				}
 			}
 			psum = warp_sum(psum);
 			__syncwarp(); /* every lane has read m_s[g] before lane 0 updates it */
@@ -893,24 +1200,35 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 		if (n_mine) {
 			const float *pg = p_s + g_own * tile;
 			KVR_UNROLL
-			for (uint32_t i = 0; i < ATT_MAX_ACC; i++)
+			for (uint32_t i = 0; i < NACC; i++)
 				if (i < n_mine)
 					acc[i] = acc[i] * alpha_s[g_own + side * i];
 			for (uint32_t t = 0; t < rows; t++) {
 				const float v = v_s[t * d + c_own];
 				KVR_UNROLL
-				for (uint32_t i = 0; i < ATT_MAX_ACC; i++)
+				for (uint32_t i = 0; i < NACC; i++)
 					if (i < n_mine)
-						acc[i] = acc[i] + pg[side * tile * i + t] * v;
+						acc[i] = fmaf(pg[side * tile * i + t], v, acc[i]);
 			}
 		}
 		__syncthreads(); /* the tile's shared memory may be overwritten */
 		rows = next;
 	}
 
-	__syncthreads(); /* l_s is final (also when there were no tokens) */
+	__syncthreads(); /* m_s and l_s are final (also when there were no tokens) */
+	if (part) {
+		KVR_UNROLL
+		for (uint32_t i = 0; i < NACC; i++)
+			if (i < n_mine)
+				part[(uint64_t)(g_own + side * i) * d + c_own] = acc[i];
+		for (uint32_t g = tid; g < gc; g += ATT_THREADS) {
+			part[(uint64_t)plan.heads * d + g] = m_s[g];
+			part[(uint64_t)plan.heads * (d + 1) + g] = l_s[g];
+		}
+		return;
+	}
 	KVR_UNROLL
-	for (uint32_t i = 0; i < ATT_MAX_ACC; i++) {
+	for (uint32_t i = 0; i < NACC; i++) {
 		if (i < n_mine) {
 			const uint32_t g = g_own + side * i;
 			const float l = l_s[g];
@@ -920,32 +1238,37 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	}
 }
 
-/* Block b = (item · n_kv + m) · head_blocks + chunk. */
-template <uint32_t ET>
+/* Block b = ((item · n_kv + m) · head_blocks + chunk) · splits + split. */
+template <uint32_t ET, uint32_t NACC>
 static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 	attention_kernel(struct kvr_shape shape, struct att_plan plan,
-			 const struct kvr_attention_item *items, const struct kvr_kv_segment *segments)
+			 const struct kvr_attention_item *items, const struct kvr_kv_segment *segments,
+			 float *part)
 {
 	KVR_DYNAMIC_SHARED(float, att_smem);
 	const uint32_t G = shape.n_qo_heads / shape.n_kv_heads;
-	const uint32_t hb = blockIdx.x % plan.head_blocks, im = blockIdx.x / plan.head_blocks;
+	const uint32_t split = blockIdx.x % plan.splits, u = blockIdx.x / plan.splits;
+	const uint32_t hb = u % plan.head_blocks, im = u / plan.head_blocks;
 	const uint32_t item = im / shape.n_kv_heads, m = im % shape.n_kv_heads;
 	const struct kvr_attention_item it = items[item];
 	const uint32_t g0 = hb * plan.heads;
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
-	attend<ET>(shape, plan, it.q, it.out, segments + it.first_segment, it.n_segments, m, g0, gc,
-		   att_smem);
+	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
+	attend<ET, NACC>(shape, plan, it.q, it.out, mine, segments + it.first_segment,
+			 it.n_segments, m, g0, gc, split, att_smem);
 }
 
 /* dense: the item's one contiguous run is a segment with head_stride d. */
-template <uint32_t ET>
+template <uint32_t ET, uint32_t NACC>
 static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
-	dense_kernel(struct kvr_shape shape, struct att_plan plan, const struct kvr_dense_item *items)
+	dense_kernel(struct kvr_shape shape, struct att_plan plan, const struct kvr_dense_item *items,
+		     float *part)
 {
 	KVR_DYNAMIC_SHARED(float, att_smem);
 	__shared__ struct kvr_kv_segment run;
 	const uint32_t G = shape.n_qo_heads / shape.n_kv_heads;
-	const uint32_t hb = blockIdx.x % plan.head_blocks, im = blockIdx.x / plan.head_blocks;
+	const uint32_t split = blockIdx.x % plan.splits, u = blockIdx.x / plan.splits;
+	const uint32_t hb = u % plan.head_blocks, im = u / plan.head_blocks;
 	const uint32_t item = im / shape.n_kv_heads, m = im % shape.n_kv_heads;
 	const struct kvr_dense_item it = items[item];
 	if (threadIdx.x == 0) {
@@ -959,7 +1282,52 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 	__syncthreads();
 	const uint32_t g0 = hb * plan.heads;
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
-	attend<ET>(shape, plan, it.q, it.out, &run, 1, m, g0, gc, att_smem);
+	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
+	attend<ET, NACC>(shape, plan, it.q, it.out, mine, &run, 1, m, g0, gc, split, att_smem);
+}
+
+/* Pass 2: block (item · n_kv + m) · head_blocks + chunk merges its splits'
+ * states, in split order, into the outputs. ITEM is the attention or the
+ * dense item (both have `out`). */
+template <uint32_t ET, typename ITEM>
+static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 4)
+	attention_combine_kernel(struct kvr_shape shape, struct att_plan plan, const ITEM *items,
+				 const float *part)
+{
+	__shared__ float w_s[ATT_MAX_HEADS * ATT_MAX_SPLITS];
+	__shared__ float l_s[ATT_MAX_HEADS];
+	const uint32_t d = shape.head_dim, G = shape.n_qo_heads / shape.n_kv_heads;
+	const uint32_t u = blockIdx.x, hb = u % plan.head_blocks, im = u / plan.head_blocks;
+	const uint32_t item = im / shape.n_kv_heads, m = im % shape.n_kv_heads;
+	const uint32_t g0 = hb * plan.heads;
+	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
+	const uint32_t S = plan.splits, stride = plan.part_stride, tid = threadIdx.x;
+	const float *base = part + (uint64_t)u * S * stride;
+	const uint64_t m_at = (uint64_t)plan.heads * d, l_at = m_at + plan.heads;
+	for (uint32_t g = tid; g < gc; g += ATT_THREADS) {
+		float mx = -INFINITY;
+		for (uint32_t s = 0; s < S; s++)
+			mx = fmaxf(mx, base[(uint64_t)s * stride + m_at + g]);
+		float l = 0.0f;
+		for (uint32_t s = 0; s < S; s++) {
+			/* 0 for an empty split (m = -inf); NaN states still poison l */
+			const float w = kvr_softmax_rescale(base[(uint64_t)s * stride + m_at + g], mx);
+			w_s[g * S + s] = w;
+			l = l + base[(uint64_t)s * stride + l_at + g] * w;
+		}
+		l_s[g] = l;
+	}
+	__syncthreads();
+	void *out = items[item].out;
+	const uint64_t qo_base = (uint64_t)(m * G + g0) * d;
+	for (uint32_t e = tid; e < gc * d; e += ATT_THREADS) {
+		const uint32_t g = e / d;
+		float a = 0.0f;
+		for (uint32_t s = 0; s < S; s++)
+			a = a + base[(uint64_t)s * stride + e] * w_s[g * S + s];
+		const float l = l_s[g];
+		kvr_store_f32(out, ET, qo_base + e, l == 0.0f ? 0.0f : a / l);
+	}
 }
 
 /* ---------------------------------------------------------------- launchers */
@@ -1065,9 +1433,42 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_summarize)(const struct kvr_shape *shape
 	return launch_status("summarize");
 }
 
-extern "C" int KVR_KERNEL_SYMBOL(launch_score)(const struct kvr_shape *shape,
-					       const struct kvr_score_item *items, uint32_t n,
-					       void *stream)
+/*
+ * Score: splits per (item, KV head) aimed at SCORE_BLOCKS_PER_SM blocks per
+ * SM for the page passes (sm_count = 0: one split), and the scratch's layout.
+ * The cache holds as many pages per (item, query head) as the scratch has
+ * room for.
+ */
+static const uint32_t SCORE_BLOCKS_PER_SM = 8;
+
+static void score_plan_layout(const struct kvr_shape *s, uint32_t n, uint32_t sm_count,
+			      struct score_plan *p)
+{
+	const uint64_t base = (uint64_t)n * s->n_kv_heads;
+	uint64_t splits = (uint64_t)sm_count * SCORE_BLOCKS_PER_SM / base;
+	splits = splits < 1 ? 1 : (splits > SCORE_MAX_SPLITS ? SCORE_MAX_SPLITS : splits);
+	p->splits = (uint32_t)splits;
+	p->cache = 0;
+	p->off_stat = base * splits * (s->n_qo_heads / s->n_kv_heads);
+	p->off_cache = p->off_stat + 2ull * n * s->n_qo_heads;
+}
+
+extern "C" size_t KVR_KERNEL_SYMBOL(score_scratch_bytes)(const struct kvr_shape *shape, uint32_t n,
+							 uint32_t sm_count, uint32_t cache_pages)
+{
+	if (n == 0 || check_shape(shape, "score"))
+		return 0;
+	struct score_plan p;
+	score_plan_layout(shape, n, sm_count, &p);
+	return (size_t)((p.off_cache + (uint64_t)n * shape->n_qo_heads * cache_pages) *
+			sizeof(float));
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_score_scratch)(const struct kvr_shape *shape,
+						       const struct kvr_score_item *items,
+						       uint32_t n, void *scratch,
+						       size_t scratch_bytes, uint32_t sm_count,
+						       void *stream)
 {
 	int rc = check_shape(shape, "score");
 	if (rc)
@@ -1077,12 +1478,31 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_score)(const struct kvr_shape *shape,
 				   SCORE_MAX_DIM);
 	if (n == 0)
 		return 0;
-	uint32_t grid = 0;
-	if ((rc = grid_size(n, shape->n_kv_heads, "score", &grid)))
+	struct score_plan plan;
+	score_plan_layout(shape, n, sm_count, &plan);
+	const uint64_t have = scratch ? scratch_bytes / sizeof(float) : 0;
+	if (have < plan.off_cache)
+		return kernel_fail(-EINVAL, "score: %zu bytes of scratch, at least %llu needed",
+				   scratch ? scratch_bytes : 0,
+				   (unsigned long long)(plan.off_cache * sizeof(float)));
+	const uint64_t cache = (have - plan.off_cache) / ((uint64_t)n * shape->n_qo_heads);
+	plan.cache = cache > 0xffffffffull ? 0xffffffffu : (uint32_t)cache;
+	uint32_t pages_grid = 0, heads_grid = 0;
+	if ((rc = grid_size(n, (uint64_t)shape->n_kv_heads * plan.splits, "score", &pages_grid)) ||
+	    (rc = grid_size(n, shape->n_qo_heads, "score", &heads_grid)))
 		return rc;
-	KVR_LAUNCH_TYPED(score_kernel, shape->elem_type, grid, SCORE_THREADS, 0, stream, *shape,
-			 items);
-	return launch_status("score");
+	float *f = static_cast<float *>(scratch);
+	KVR_LAUNCH_TYPED(score_pages_kernel, shape->elem_type, pages_grid, SCORE_THREADS, 0,
+			 stream, *shape, plan, items, f);
+	if ((rc = launch_status("score (pages)")))
+		return rc;
+	KVR_LAUNCH_TYPED(score_sums_kernel, shape->elem_type, heads_grid, SCORE_THREADS, 0, stream,
+			 *shape, plan, items, f);
+	if ((rc = launch_status("score (sums)")))
+		return rc;
+	KVR_LAUNCH_TYPED(score_final_kernel, shape->elem_type, pages_grid, SCORE_THREADS, 0,
+			 stream, *shape, plan, items, static_cast<const float *>(f));
+	return launch_status("score (final)");
 }
 
 extern "C" int KVR_KERNEL_SYMBOL(launch_select)(const struct kvr_shape *shape,
@@ -1124,8 +1544,12 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_similarity)(const struct kvr_shape *shap
  * accumulators (16 heads per thread, 256/d heads side by side) and 48 KiB of
  * shared memory allow, spread evenly over the fewest blocks. Groups of up to
  * 14 heads take one block at every head_dim (24 at d = 128 in 16-bit types).
+ * Then the splits: as many per (item, KV head, head chunk) as bring the grid
+ * to ATT_BLOCKS_PER_SM blocks per SM, at most ATT_MAX_SPLITS (sm_count = 0:
+ * one split, no scratch).
  */
-static int att_plan_make(const struct kvr_shape *s, const char *what, struct att_plan *p)
+static int att_plan_make(const struct kvr_shape *s, const char *what, uint32_t n,
+			 uint32_t sm_count, struct att_plan *p)
 {
 	int rc = check_shape(s, what);
 	if (rc)
@@ -1141,35 +1565,132 @@ static int att_plan_make(const struct kvr_shape *s, const char *what, struct att
 	uint32_t tile = ATT_TILE_BYTES / (d * eb);
 	if (tile > ATT_MAX_TILE)
 		tile = ATT_MAX_TILE;
-	const uint32_t fixed = tile * (d + 1) + tile * d; /* K and V, floats */
+	const uint32_t fixed = tile * (d + ATT_K_PAD) + tile * d; /* K and V, floats */
 	const uint32_t budget = ATT_SMEM_BYTES / 4;
+	const uint32_t side = ATT_THREADS / d;
 	uint32_t heads = G;
 	for (uint32_t blocks = 1; blocks <= G; blocks++) {
 		heads = (G + blocks - 1) / blocks;
-		if (heads <= ATT_THREADS / d * ATT_MAX_ACC && fixed + heads * (d + tile + 3) <= budget)
+		if (heads <= side * ATT_MAX_ACC && fixed + heads * (d + tile + 3) <= budget)
 			break;
 	}
-	/* one head always fits: K+V take at most 8256 of the 12288 floats */
+	/* one head always fits: K+V take at most 8448 of the 12288 floats */
 	p->tile = tile;
 	p->heads = heads;
 	p->head_blocks = (G + heads - 1) / heads;
 	p->off_k = heads * d;
-	p->off_v = p->off_k + tile * (d + 1);
+	p->off_v = p->off_k + tile * (d + ATT_K_PAD);
 	p->off_p = p->off_v + tile * d;
 	p->off_m = p->off_p + heads * tile;
 	p->off_l = p->off_m + heads;
 	p->off_alpha = p->off_l + heads;
 	p->smem_bytes = (p->off_alpha + heads) * 4u;
+	p->acc = (heads + side - 1) / side;
+	p->part_stride = heads * (d + 2);
+	const uint64_t base = (uint64_t)n * s->n_kv_heads * p->head_blocks;
+	uint64_t splits = base ? (uint64_t)sm_count * ATT_BLOCKS_PER_SM / base : 1;
+	p->splits = (uint32_t)(splits < 1 ? 1 : (splits > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : splits));
 	return 0;
 }
 
-extern "C" int KVR_KERNEL_SYMBOL(launch_attention)(const struct kvr_shape *shape,
-						   const struct kvr_attention_item *items,
-						   uint32_t n, const struct kvr_kv_segment *segments,
-						   uint32_t n_segments, void *stream)
+/* Scratch bytes the plan's split states take (0 with one split). */
+static uint64_t att_scratch_need(const struct att_plan *p, uint32_t n, uint32_t n_kv)
+{
+	if (p->splits == 1)
+		return 0;
+	return (uint64_t)n * n_kv * p->head_blocks * p->splits * p->part_stride * sizeof(float);
+}
+
+/* A plan whose states do not fit the scratch runs as one split. */
+static void att_fit_scratch(struct att_plan *p, uint32_t n, uint32_t n_kv, const void *scratch,
+			    size_t scratch_bytes)
+{
+	if (p->splits > 1 && (!scratch || scratch_bytes < att_scratch_need(p, n, n_kv)))
+		p->splits = 1;
+}
+
+extern "C" size_t KVR_KERNEL_SYMBOL(attention_scratch_bytes)(const struct kvr_shape *shape,
+							     uint32_t n, uint32_t sm_count)
 {
 	struct att_plan plan;
-	int rc = att_plan_make(shape, "attention", &plan);
+	if (n == 0 || att_plan_make(shape, "attention", n, sm_count, &plan))
+		return 0;
+	return (size_t)att_scratch_need(&plan, n, shape->n_kv_heads);
+}
+
+/* The accumulator counts attend is compiled for: the fewest that hold plan.acc. */
+static uint32_t att_nacc(uint32_t acc)
+{
+	return acc <= 2 ? 2u : (acc <= 4 ? 4u : ATT_MAX_ACC);
+}
+
+/* Two template arguments through one macro argument. */
+#define KVR_TARGS(a, b) a, b
+
+template <uint32_t ET>
+static void launch_attention_et(uint32_t grid, const struct kvr_shape &shape,
+				const struct att_plan &plan, const struct kvr_attention_item *items,
+				const struct kvr_kv_segment *segments, float *part, void *stream)
+{
+	const uint32_t nacc = att_nacc(plan.acc);
+	if (nacc == 2)
+		KVR_LAUNCH(attention_kernel<KVR_TARGS(ET, 2)>, grid, ATT_THREADS, plan.smem_bytes,
+			   stream, shape, plan, items, segments, part);
+	else if (nacc == 4)
+		KVR_LAUNCH(attention_kernel<KVR_TARGS(ET, 4)>, grid, ATT_THREADS, plan.smem_bytes,
+			   stream, shape, plan, items, segments, part);
+	else
+		KVR_LAUNCH(attention_kernel<KVR_TARGS(ET, ATT_MAX_ACC)>, grid, ATT_THREADS,
+			   plan.smem_bytes, stream, shape, plan, items, segments, part);
+}
+
+template <uint32_t ET>
+static void launch_dense_et(uint32_t grid, const struct kvr_shape &shape,
+			    const struct att_plan &plan, const struct kvr_dense_item *items,
+			    float *part, void *stream)
+{
+	const uint32_t nacc = att_nacc(plan.acc);
+	if (nacc == 2)
+		KVR_LAUNCH(dense_kernel<KVR_TARGS(ET, 2)>, grid, ATT_THREADS, plan.smem_bytes,
+			   stream, shape, plan, items, part);
+	else if (nacc == 4)
+		KVR_LAUNCH(dense_kernel<KVR_TARGS(ET, 4)>, grid, ATT_THREADS, plan.smem_bytes,
+			   stream, shape, plan, items, part);
+	else
+		KVR_LAUNCH(dense_kernel<KVR_TARGS(ET, ATT_MAX_ACC)>, grid, ATT_THREADS,
+			   plan.smem_bytes, stream, shape, plan, items, part);
+}
+
+/* Pass 2 of a split attention or dense call: grid = blocks of pass 1 / splits. */
+template <typename ITEM>
+static int launch_combine(const char *what, uint32_t grid, const struct kvr_shape &shape,
+			  const struct att_plan &plan, const ITEM *items, const float *part,
+			  void *stream)
+{
+	switch (shape.elem_type) {
+	case KVR_ELEM_F16:
+		KVR_LAUNCH(attention_combine_kernel<KVR_TARGS(KVR_ELEM_F16, ITEM)>, grid,
+			   ATT_THREADS, 0, stream, shape, plan, items, part);
+		break;
+	case KVR_ELEM_BF16:
+		KVR_LAUNCH(attention_combine_kernel<KVR_TARGS(KVR_ELEM_BF16, ITEM)>, grid,
+			   ATT_THREADS, 0, stream, shape, plan, items, part);
+		break;
+	default:
+		KVR_LAUNCH(attention_combine_kernel<KVR_TARGS(KVR_ELEM_F32, ITEM)>, grid,
+			   ATT_THREADS, 0, stream, shape, plan, items, part);
+		break;
+	}
+	return launch_status(what);
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_attention_scratch)(
+	const struct kvr_shape *shape, const struct kvr_attention_item *items, uint32_t n,
+	const struct kvr_kv_segment *segments, uint32_t n_segments, void *scratch,
+	size_t scratch_bytes, uint32_t sm_count, void *stream)
+{
+	struct att_plan plan;
+	int rc = att_plan_make(shape, "attention", n, sm_count, &plan);
 	if (rc)
 		return rc;
 	if (n == 0)
@@ -1177,29 +1698,125 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_attention)(const struct kvr_shape *shape
 	if (!segments && n_segments)
 		return kernel_fail(-EINVAL, "attention: %u segments but no segment array",
 				   n_segments);
+	att_fit_scratch(&plan, n, shape->n_kv_heads, scratch, scratch_bytes);
 	uint32_t grid = 0;
-	if ((rc = grid_size(n, (uint64_t)shape->n_kv_heads * plan.head_blocks, "attention",
-			    &grid)))
+	if ((rc = grid_size(n, (uint64_t)shape->n_kv_heads * plan.head_blocks * plan.splits,
+			    "attention", &grid)))
 		return rc;
-	KVR_LAUNCH_TYPED(attention_kernel, shape->elem_type, grid, ATT_THREADS, plan.smem_bytes,
-			 stream, *shape, plan, items, segments);
-	return launch_status("attention");
+	float *part = static_cast<float *>(scratch);
+	switch (shape->elem_type) {
+	case KVR_ELEM_F16:
+		launch_attention_et<KVR_ELEM_F16>(grid, *shape, plan, items, segments, part, stream);
+		break;
+	case KVR_ELEM_BF16:
+		launch_attention_et<KVR_ELEM_BF16>(grid, *shape, plan, items, segments, part, stream);
+		break;
+	default:
+		launch_attention_et<KVR_ELEM_F32>(grid, *shape, plan, items, segments, part, stream);
+		break;
+	}
+	if ((rc = launch_status("attention")) || plan.splits == 1)
+		return rc;
+	return launch_combine("attention (combine)", grid / plan.splits, *shape, plan, items, part,
+			      stream);
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_dense_scratch)(const struct kvr_shape *shape,
+						       const struct kvr_dense_item *items,
+						       uint32_t n, void *scratch,
+						       size_t scratch_bytes, uint32_t sm_count,
+						       void *stream)
+{
+	struct att_plan plan;
+	int rc = att_plan_make(shape, "dense", n, sm_count, &plan);
+	if (rc)
+		return rc;
+	if (n == 0)
+		return 0;
+	att_fit_scratch(&plan, n, shape->n_kv_heads, scratch, scratch_bytes);
+	uint32_t grid = 0;
+	if ((rc = grid_size(n, (uint64_t)shape->n_kv_heads * plan.head_blocks * plan.splits,
+			    "dense", &grid)))
+		return rc;
+	float *part = static_cast<float *>(scratch);
+	switch (shape->elem_type) {
+	case KVR_ELEM_F16:
+		launch_dense_et<KVR_ELEM_F16>(grid, *shape, plan, items, part, stream);
+		break;
+	case KVR_ELEM_BF16:
+		launch_dense_et<KVR_ELEM_BF16>(grid, *shape, plan, items, part, stream);
+		break;
+	default:
+		launch_dense_et<KVR_ELEM_F32>(grid, *shape, plan, items, part, stream);
+		break;
+	}
+	if ((rc = launch_status("dense")) || plan.splits == 1)
+		return rc;
+	return launch_combine("dense (combine)", grid / plan.splits, *shape, plan, items, part,
+			      stream);
+}
+
+#if defined(KVR_CUDAEMU)
+/*
+ * cudaemu's launchers (gpu/cudaemu/backend.c): device memory is host memory
+ * and a launch runs to completion before its launcher returns, so the
+ * scratch is a buffer of the calling thread. The emulated device plans for
+ * EMU_SM_COUNT SMs, which cuts even the conformance suite's short items into
+ * several splits, and caches EMU_SCORE_CACHE pages per query head, fewer than
+ * the suite's longest candidate range, so both score paths run.
+ */
+static const uint32_t EMU_SM_COUNT = 16;
+static const uint32_t EMU_SCORE_CACHE = KVR_SUM_LANES;
+
+static void *emu_scratch(size_t bytes, size_t *have)
+{
+	struct buffer {
+		void *p = nullptr;
+		size_t bytes = 0;
+		~buffer() { free(p); }
+	};
+	static thread_local buffer buf;
+	if (bytes > buf.bytes) {
+		free(buf.p);
+		buf.p = malloc(bytes);
+		buf.bytes = buf.p ? bytes : 0;
+	}
+	*have = buf.bytes;
+	return buf.p;
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_score)(const struct kvr_shape *shape,
+					       const struct kvr_score_item *items, uint32_t n,
+					       void *stream)
+{
+	size_t have = 0;
+	void *scratch = emu_scratch(
+		KVR_KERNEL_SYMBOL(score_scratch_bytes)(shape, n, EMU_SM_COUNT, EMU_SCORE_CACHE),
+		&have);
+	return KVR_KERNEL_SYMBOL(launch_score_scratch)(shape, items, n, scratch, have,
+						       EMU_SM_COUNT, stream);
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_attention)(const struct kvr_shape *shape,
+						   const struct kvr_attention_item *items,
+						   uint32_t n, const struct kvr_kv_segment *segments,
+						   uint32_t n_segments, void *stream)
+{
+	size_t have = 0;
+	void *scratch = emu_scratch(
+		KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, EMU_SM_COUNT), &have);
+	return KVR_KERNEL_SYMBOL(launch_attention_scratch)(shape, items, n, segments, n_segments,
+							   scratch, have, EMU_SM_COUNT, stream);
 }
 
 extern "C" int KVR_KERNEL_SYMBOL(launch_dense)(const struct kvr_shape *shape,
 					       const struct kvr_dense_item *items, uint32_t n,
 					       void *stream)
 {
-	struct att_plan plan;
-	int rc = att_plan_make(shape, "dense", &plan);
-	if (rc)
-		return rc;
-	if (n == 0)
-		return 0;
-	uint32_t grid = 0;
-	if ((rc = grid_size(n, (uint64_t)shape->n_kv_heads * plan.head_blocks, "dense", &grid)))
-		return rc;
-	KVR_LAUNCH_TYPED(dense_kernel, shape->elem_type, grid, ATT_THREADS, plan.smem_bytes,
-			 stream, *shape, plan, items);
-	return launch_status("dense");
+	size_t have = 0;
+	void *scratch = emu_scratch(
+		KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, EMU_SM_COUNT), &have);
+	return KVR_KERNEL_SYMBOL(launch_dense_scratch)(shape, items, n, scratch, have,
+						       EMU_SM_COUNT, stream);
 }
+#endif
