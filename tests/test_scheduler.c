@@ -1,0 +1,1646 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_scheduler.c — the decode-step scheduler (scheduler/) through the public
+ * API plus the internal context constructor, on the cpu backend and on
+ * cudaemu (the CUDA kernel bodies run on the CPU):
+ *  - ordering: random delays injected at every hook site (controller jobs, copy
+ *    and convert streams, an asynchronous compute stream) change no output bit,
+ *    so no slot write races an attention and no attention reads a partial
+ *    recall; streamed recall equals zero-copy bit for bit;
+ *  - each mode attends to what DESIGN.md ("Decode step") says, checked against
+ *    an independent model of the state machine with a scalar Quest score,
+ *    softmax-mean and top-k and a double-precision attention: speculative uses
+ *    exactly step i−1's page sets (selected against step i's window), blocking
+ *    selects with q_i, freekv corrects exactly the KV heads whose group-mean
+ *    cosine is below tau, and a page leaving the window is a candidate the
+ *    step it leaves;
+ *  - streamed recall moves only misses (hits + misses = selected pages);
+ *  - batches: each sequence's output equals the sequence decoded alone, a
+ *    failing sequence leaves the others intact, fork and truncate mid-run;
+ *  - the device budget admits sequences, traces export valid JSON, and no
+ *    asynchronous error is left after a normal run.
+ *
+ * Shapes are small (n_kv 2, n_qo 4, d 32, p 16, 2 layers, S = W = 32,
+ * B = 128 so k = 4) so that everything runs in seconds, also under cudaemu.
+ * Keys and values lie on a grid of 1/256 in [-1, 1] (exact in f32, f16 and
+ * bf16), so the reference sees exactly what the kernels see.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../scheduler/scheduler.h"
+#include "backend.h"
+#include "cudaemu.h"
+#include "half.h"
+#include "internal.h"
+#include "kvrecall.h"
+
+#define P 16
+#define N_KV 2
+#define N_QO 4
+#define G (N_QO / N_KV)
+#define D 32
+#define NL 2 /* layers */
+#define SINK 32
+#define WIN 32
+#define BUDGET 128
+#define K_SEL ((BUDGET - SINK - WIN) / P) /* 4 pages per KV head */
+#define KV_ROW (N_KV * D)
+#define Q_ROW (N_QO * D)
+#define CAP 1200 /* tokens of history a test sequence may hold */
+#define MAXB 6   /* sequences in one test batch */
+#define MAX_PAGES (CAP / P)
+
+/* ------------------------------------------------------------------ randomness */
+
+static uint64_t mix(uint64_t x)
+{
+	x += 0x9e3779b97f4a7c15ull;
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
+/* A value in [-1, 1] on a grid of 1/256, a pure function of its arguments. */
+static float gval(uint64_t seed, uint64_t a, uint64_t b)
+{
+	const uint64_t x = mix(seed ^ mix(a * 0x100000001b3ull ^ mix(b)));
+	return (float)((int64_t)(x % 513) - 256) / 256.0f;
+}
+
+struct rng {
+	uint64_t s;
+};
+
+/* Uniform in [-1, 1). */
+static float rnd(struct rng *r)
+{
+	return (float)(mix(r->s++) >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+/* ------------------------------------------------------------------ hooks */
+
+/* Random delays (0–300 µs, seeded, thread-safe) at every hook site. */
+static _Atomic uint64_t hook_calls[4];
+static _Atomic uint64_t hook_counter;
+static uint64_t hook_seed = 0x5eed;
+
+static void hook_delay(void *user, uint32_t where)
+{
+	(void)user;
+	if (where < 4)
+		atomic_fetch_add_explicit(&hook_calls[where], 1, memory_order_relaxed);
+	const uint64_t x =
+		mix(hook_seed ^ atomic_fetch_add_explicit(&hook_counter, 1, memory_order_relaxed));
+	usleep((useconds_t)(x % 301));
+}
+
+static void hooks_reset(uint64_t seed)
+{
+	for (int i = 0; i < 4; i++)
+		atomic_store(&hook_calls[i], 0);
+	atomic_store(&hook_counter, 0);
+	hook_seed = seed;
+}
+
+/* ------------------------------------------------------------------ contexts */
+
+struct opts {
+	uint32_t dev_kind; /* KVR_DEV_CPU or KVR_DEV_CUDAEMU */
+	uint32_t mode, recall, dtype;
+	int hooks; /* random delays at every site and asynchronous compute */
+	uint32_t chunk_pages, buffers, pool_layout;
+	float tau;
+	uint64_t pool_pages;   /* 0: plenty */
+	uint64_t device_bytes; /* 0: the default */
+	uint32_t max_seqs;
+};
+
+static struct opts opts_default(uint32_t dev_kind, uint32_t mode, uint32_t recall, uint32_t dtype)
+{
+	return (struct opts){ .dev_kind = dev_kind, .mode = mode, .recall = recall, .dtype = dtype,
+			      .chunk_pages = 8, .buffers = 2, .pool_layout = KVR_POOL_HND,
+			      .tau = 0.9f, .max_seqs = 8 };
+}
+
+static uint32_t ebytes(uint32_t dtype)
+{
+	return dtype == KVR_DTYPE_F32 ? 4 : 2;
+}
+
+static uint64_t page_bytes(uint32_t dtype)
+{
+	return 2ull * P * N_KV * D * ebytes(dtype);
+}
+
+static const char *dev_name(uint32_t kind)
+{
+	return kind == KVR_DEV_CUDAEMU ? "cudaemu" : "cpu";
+}
+
+static void config_of(const struct opts *o, struct kvr_config *c)
+{
+	kvr_config_init(c);
+	c->n_layers = NL;
+	c->n_qo_heads = N_QO;
+	c->n_kv_heads = N_KV;
+	c->head_dim = D;
+	c->dtype = o->dtype;
+	c->page_tokens = P;
+	c->sink_tokens = SINK;
+	c->window_tokens = WIN;
+	c->budget_tokens = BUDGET;
+	c->mode = o->mode;
+	c->recall = o->recall;
+	c->tau = o->tau;
+	c->dense_layers[0] = 0; /* both layers may be sparse */
+	c->max_sequences = o->max_seqs;
+	c->max_batch = MAXB;
+	c->threads = 1;
+	c->recall_chunk_pages = o->chunk_pages;
+	c->recall_buffers = o->buffers;
+	c->pool_layout = o->pool_layout;
+	c->pool_bytes = (o->pool_pages ? o->pool_pages : 2048) * page_bytes(o->dtype);
+	c->device_bytes = o->device_bytes;
+}
+
+static struct kvr_context *ctx_open(const struct opts *o)
+{
+	struct kvr_config c;
+	config_of(o, &c);
+	const struct kvr_sched_hooks h = { hook_delay, NULL, 1, 0 };
+	struct kvr_context *ctx = NULL;
+	const int r = kvr_context_create_internal(&c, o->dev_kind, o->hooks ? &h : NULL, &ctx);
+	cr_assert_eq(r, 0, "context (%s): %d: %s", dev_name(o->dev_kind), r, kvr_last_error(NULL));
+	return ctx;
+}
+
+/* Every context ends without an asynchronous error and, on cudaemu, without a
+ * failed kernel launch. */
+static void ctx_close(struct kvr_context *ctx, const struct opts *o)
+{
+	const char *msg = NULL;
+	const int e = kvr_async_error(ctx, &msg);
+	cr_expect_eq(e, 0, "asynchronous error %d: %s", e, msg ? msg : "");
+	if (o->dev_kind == KVR_DEV_CUDAEMU)
+		cr_expect_eq(kvr_cudaemu_failed_launches(), 0, "a cudaemu kernel launch failed");
+	kvr_context_destroy(ctx);
+}
+
+/* ------------------------------------------------------------------ test sequences */
+
+/* One sequence as the test sees it: its history (every layer's keys and
+ * values, as floats exact in the dtype) and the reference model of the
+ * scheduler's per-layer speculative state. */
+struct tseq {
+	uint32_t id;
+	uint64_t n;   /* tokens in every layer */
+	uint64_t gen; /* seed of its new tokens */
+	/* tokens at positions >= anti_from get keys opposite to anti_q's group
+	 * (lowest scores for that query) */
+	uint64_t anti_from;
+	const float *anti_q; /* [NL][Q_ROW] or NULL */
+	float *k[NL], *v[NL];
+	/* model */
+	int has_prev[NL];
+	float prev_q[NL][Q_ROW];
+	uint64_t prev_n[NL];
+	int prev_next[NL];
+};
+
+static void tseq_init(struct tseq *t, uint64_t gen)
+{
+	memset(t, 0, sizeof(*t));
+	t->gen = gen;
+	t->anti_from = UINT64_MAX;
+	for (int l = 0; l < NL; l++) {
+		t->k[l] = calloc((size_t)CAP * KV_ROW, sizeof(float));
+		t->v[l] = calloc((size_t)CAP * KV_ROW, sizeof(float));
+		cr_assert(t->k[l] && t->v[l]);
+	}
+}
+
+static void tseq_fini(struct tseq *t)
+{
+	for (int l = 0; l < NL; l++)
+		free(t->k[l]), free(t->v[l]);
+}
+
+/* The sequence's token at `pos` of layer l (a pure function of gen). */
+static void token_kv(const struct tseq *t, uint32_t l, uint64_t pos, float *k, float *v)
+{
+	for (uint32_t c = 0; c < KV_ROW; c++) {
+		k[c] = gval(t->gen, 2 * l, pos * KV_ROW + c);
+		v[c] = gval(t->gen, 2 * l + 1, pos * KV_ROW + c);
+	}
+	if (t->anti_q && pos >= t->anti_from)
+		for (uint32_t m = 0; m < N_KV; m++)
+			for (uint32_t c = 0; c < D; c++) {
+				const float qc = t->anti_q[l * Q_ROW + m * G * D + c];
+				const float mag = 0.5f + 0.5f * fabsf(k[m * D + c]);
+				k[m * D + c] = qc >= 0 ? -mag : mag; /* on the 1/512 grid: exact in f16 */
+			}
+}
+
+/* A copy of src's first n tokens with a fresh model (for replays). */
+static void tseq_copy(struct tseq *dst, const struct tseq *src, uint64_t n, uint64_t gen)
+{
+	tseq_init(dst, gen);
+	for (int l = 0; l < NL; l++) {
+		memcpy(dst->k[l], src->k[l], n * KV_ROW * sizeof(float));
+		memcpy(dst->v[l], src->v[l], n * KV_ROW * sizeof(float));
+	}
+	dst->n = n;
+}
+
+static void to_dtype(void *dst, const float *src, size_t n, uint32_t dtype)
+{
+	for (size_t i = 0; i < n; i++)
+		kvr_store_f32(dst, dtype, i, src[i]);
+}
+
+static void from_dtype(float *dst, const void *src, size_t n, uint32_t dtype)
+{
+	for (size_t i = 0; i < n; i++)
+		dst[i] = kvr_load_f32(src, dtype, i);
+}
+
+/* Round through the dtype, so the model sees what the kernels see. */
+static void round_dtype(float *x, size_t n, uint32_t dtype)
+{
+	unsigned char tmp[4 * 2 * Q_ROW];
+	cr_assert(n <= 2 * Q_ROW);
+	to_dtype(tmp, x, n, dtype);
+	from_dtype(x, tmp, n, dtype);
+}
+
+/* Create the sequence in ctx and prefill its history's first t->n tokens
+ * (in two chunks). */
+static void tseq_ingest(struct kvr_context *ctx, uint32_t dtype, struct tseq *t)
+{
+	cr_assert_eq(kvr_seq_create(ctx, &t->id), 0, "%s", kvr_last_error(ctx));
+	const uint64_t n = t->n, half = n / 2 + 3 > n ? n : n / 2 + 3;
+	unsigned char *kb = malloc(n * KV_ROW * 4 + 4), *vb = malloc(n * KV_ROW * 4 + 4);
+	cr_assert(kb && vb);
+	for (uint32_t l = 0; l < NL; l++) {
+		to_dtype(kb, t->k[l], n * KV_ROW, dtype);
+		to_dtype(vb, t->v[l], n * KV_ROW, dtype);
+		const uint64_t eb = ebytes(dtype);
+		cr_assert_eq(kvr_prefill(ctx, t->id, l, 0, (uint32_t)half, kb, vb), 0, "%s",
+			     kvr_last_error(ctx));
+		cr_assert_eq(kvr_prefill(ctx, t->id, l, half, (uint32_t)(n - half),
+					 kb + half * KV_ROW * eb, vb + half * KV_ROW * eb),
+			     0, "%s", kvr_last_error(ctx));
+	}
+	free(kb), free(vb);
+}
+
+/* Generate n0 tokens and prefill them into a new sequence of ctx. */
+static void tseq_prefill(struct kvr_context *ctx, uint32_t dtype, struct tseq *t, uint64_t n0)
+{
+	cr_assert(n0 < CAP);
+	for (uint32_t l = 0; l < NL; l++)
+		for (uint64_t pos = 0; pos < n0; pos++)
+			token_kv(t, l, pos, t->k[l] + pos * KV_ROW, t->v[l] + pos * KV_ROW);
+	t->n = n0;
+	tseq_ingest(ctx, dtype, t);
+}
+
+/* One decode step of a batch: q[i][l] per entry; writes out[i][l] and
+ * status[i][l]. Each entry's new token comes from its generator; it joins the
+ * history when every layer succeeded (a failure must fail every layer here). */
+static void step_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **ts, uint32_t nb,
+		       const float (*q)[NL][Q_ROW], float (*out)[NL][Q_ROW], int32_t (*status)[NL])
+{
+	uint32_t ids[MAXB];
+	uint64_t pos[MAXB];
+	cr_assert(nb <= MAXB);
+	for (uint32_t i = 0; i < nb; i++) {
+		ids[i] = ts[i]->id;
+		pos[i] = ts[i]->n;
+		cr_assert(pos[i] < CAP);
+		for (uint32_t l = 0; l < NL; l++)
+			token_kv(ts[i], l, pos[i], ts[i]->k[l] + pos[i] * KV_ROW,
+				 ts[i]->v[l] + pos[i] * KV_ROW);
+	}
+	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, nb), 0, "%s", kvr_last_error(ctx));
+	const uint32_t eb = ebytes(dtype);
+	/* per layer: with asynchronous compute the inputs and outputs of every
+	 * layer stay in use until kvr_decode_end */
+	static unsigned char qb[NL][MAXB * Q_ROW * 4], kb[NL][MAXB * KV_ROW * 4],
+		vb[NL][MAXB * KV_ROW * 4], ob[NL][MAXB * Q_ROW * 4];
+	for (uint32_t l = 0; l < NL; l++) {
+		for (uint32_t i = 0; i < nb; i++) {
+			to_dtype(qb[l] + (size_t)i * Q_ROW * eb, q[i][l], Q_ROW, dtype);
+			to_dtype(kb[l] + (size_t)i * KV_ROW * eb, ts[i]->k[l] + pos[i] * KV_ROW, KV_ROW, dtype);
+			to_dtype(vb[l] + (size_t)i * KV_ROW * eb, ts[i]->v[l] + pos[i] * KV_ROW, KV_ROW, dtype);
+		}
+		memset(ob[l], 0xa5, sizeof(ob[l])); /* a failed entry's zeros must be written */
+		int32_t st[MAXB];
+		for (uint32_t i = 0; i < nb; i++)
+			st[i] = 12345;
+		cr_assert_eq(kvr_decode_layer(ctx, l, qb[l], kb[l], vb[l], ob[l], st, NULL), 0, "%s",
+			     kvr_last_error(ctx));
+		for (uint32_t i = 0; i < nb; i++)
+			status[i][l] = st[i];
+	}
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	for (uint32_t l = 0; l < NL; l++)
+		for (uint32_t i = 0; i < nb; i++)
+			from_dtype(out[i][l], ob[l] + (size_t)i * Q_ROW * eb, Q_ROW, dtype);
+	for (uint32_t i = 0; i < nb; i++) {
+		cr_assert_eq(status[i][0] == 0, status[i][1] == 0,
+			     "sequence %u failed in one layer only (%d, %d)", ids[i], status[i][0],
+			     status[i][1]);
+		if (!status[i][0])
+			ts[i]->n++;
+	}
+}
+
+/* Single-sequence convenience. */
+static void step_one(struct kvr_context *ctx, uint32_t dtype, struct tseq *t,
+		     const float q[NL][Q_ROW], float out[NL][Q_ROW])
+{
+	int32_t status[1][NL];
+	step_batch(ctx, dtype, &t, 1, (const float(*)[NL][Q_ROW])q, (float(*)[NL][Q_ROW])out, status);
+	cr_assert_eq(status[0][0], 0, "%s", kvr_last_error(ctx));
+}
+
+/* ------------------------------------------------------------------ queries */
+
+/* Queries that drift step to step, with an occasional jump of one KV head's
+ * group (so that selections change, and freekv corrects now and then). */
+struct qgen {
+	struct rng r;
+	uint32_t step;
+	float q[NL][Q_ROW];
+};
+
+static void qgen_init(struct qgen *g, uint64_t seed)
+{
+	g->r.s = seed;
+	g->step = 0;
+}
+
+static void qgen_next(struct qgen *g, uint32_t dtype, float q[NL][Q_ROW])
+{
+	const uint32_t s = g->step++;
+	for (uint32_t l = 0; l < NL; l++)
+		for (uint32_t m = 0; m < N_KV; m++) {
+			const int jump = s == 0 || (s % 6 == 5 && (s / 6 + l) % N_KV == m);
+			for (uint32_t i = m * G * D; i < (m + 1) * G * D; i++)
+				g->q[l][i] = jump ? 3.0f * rnd(&g->r) : g->q[l][i] + 1.0f * rnd(&g->r);
+		}
+	for (uint32_t l = 0; l < NL; l++)
+		round_dtype(g->q[l], Q_ROW, dtype);
+	memcpy(q, g->q, sizeof(g->q));
+}
+
+/* ------------------------------------------------------------------ reference */
+
+static void page_summary(const struct tseq *t, uint32_t l, uint32_t pg, uint32_t m, double *mn,
+			 double *mx)
+{
+	for (uint32_t c = 0; c < D; c++) {
+		mn[c] = INFINITY;
+		mx[c] = -INFINITY;
+		for (uint32_t r = 0; r < P; r++) {
+			const double x = t->k[l][((uint64_t)pg * P + r) * KV_ROW + m * D + c];
+			mn[c] = x < mn[c] ? x : mn[c];
+			mx[c] = x > mx[c] ? x : mx[c];
+		}
+	}
+}
+
+/* The first page of the window of a layer holding n tokens, now (next = 0)
+ * or as it will be with one more token (next = 1), and the candidates
+ * [SINK/P, *cand_end) of a selection made then. */
+static uint32_t cand_end_of(uint64_t n, int next)
+{
+	const uint32_t n_full = (uint32_t)(n / P), window = WIN / P, sink = SINK / P;
+	uint32_t win_first;
+	if (next) {
+		const uint32_t nf = (uint32_t)((n + 1) / P);
+		win_first = nf > window ? nf - window : 0;
+		if (win_first > n_full)
+			win_first = n_full;
+	} else {
+		win_first = n_full > window ? n_full - window : 0;
+	}
+	return win_first > sink ? win_first : sink;
+}
+
+/*
+ * DESIGN.md step 5, independently: for KV head m, the Quest bound of every
+ * candidate page per query head, softmax over the candidates per query head,
+ * mean over the group, top-k with ties to the lower page. Writes the pages
+ * in ascending order (-1 after the last), returns how many; *ambiguous is set
+ * when the k-th and (k+1)-th scores are too close for float to call.
+ */
+static uint32_t ref_select(const struct tseq *t, uint32_t l, const float *q, uint64_t n, int next,
+			   uint32_t m, int32_t sel[K_SEL], int *ambiguous, double *scores_out)
+{
+	const uint32_t cb = SINK / P, ce = cand_end_of(n, next), nc = ce - cb;
+	double score[MAX_PAGES] = { 0 }, s[MAX_PAGES], mn[D], mx[D];
+	double bound[MAX_PAGES][G];
+	for (uint32_t j = 0; j < nc; j++) {
+		page_summary(t, l, cb + j, m, mn, mx);
+		for (uint32_t g = 0; g < G; g++) {
+			const float *qh = q + (m * G + g) * D;
+			double acc = 0;
+			for (uint32_t c = 0; c < D; c++) {
+				const double lo = qh[c] * mn[c], hi = qh[c] * mx[c];
+				acc += lo > hi ? lo : hi;
+			}
+			bound[j][g] = acc / sqrt((double)D);
+		}
+	}
+	for (uint32_t g = 0; g < G; g++) {
+		double smax = -INFINITY, sum = 0;
+		for (uint32_t j = 0; j < nc; j++)
+			smax = bound[j][g] > smax ? bound[j][g] : smax;
+		for (uint32_t j = 0; j < nc; j++)
+			sum += (s[j] = exp(bound[j][g] - smax));
+		for (uint32_t j = 0; j < nc; j++)
+			score[j] += s[j] / sum / G;
+	}
+	if (scores_out)
+		memcpy(scores_out, score, nc * sizeof(double));
+	uint8_t taken[MAX_PAGES] = { 0 };
+	const uint32_t take = nc < K_SEL ? nc : K_SEL;
+	double kth = 0;
+	for (uint32_t w = 0; w < take; w++) {
+		int32_t best = -1;
+		for (uint32_t j = 0; j < nc; j++)
+			if (!taken[j] && (best < 0 || score[j] > score[best]))
+				best = (int32_t)j;
+		taken[best] = 1;
+		kth = score[best];
+	}
+	*ambiguous = 0;
+	for (uint32_t j = 0; j < nc; j++)
+		if (!taken[j] && kth - score[j] <= 1e-5 * kth)
+			*ambiguous = 1;
+	uint32_t w = 0;
+	for (uint32_t j = 0; j < nc; j++)
+		if (taken[j])
+			sel[w++] = (int32_t)(cb + j);
+	for (uint32_t i = w; i < K_SEL; i++)
+		sel[i] = -1;
+	return w;
+}
+
+/* Attention of KV head m's G query heads over the tokens a layer of n tokens
+ * attends: every token (dense), or sink + the selected pages + window + tail;
+ * in double. */
+static void ref_attend(const struct tseq *t, uint32_t l, uint64_t n, const float *q, uint32_t m,
+		       int dense, const int32_t *sel, double out[G * D])
+{
+	const uint32_t n_full = (uint32_t)(n / P), window = WIN / P, sink = SINK / P;
+	const uint32_t win_first = n_full > window ? n_full - window : 0;
+	static uint8_t use[CAP];
+	for (uint64_t tok = 0; tok < n; tok++) {
+		const uint32_t pg = (uint32_t)(tok / P);
+		int u = dense || pg >= n_full || pg < sink || pg >= win_first;
+		for (uint32_t i = 0; !u && sel && i < K_SEL; i++)
+			u = sel[i] == (int32_t)pg;
+		use[tok] = (uint8_t)u;
+	}
+	static double logit[CAP];
+	for (uint32_t g = 0; g < G; g++) {
+		const float *qh = q + (m * G + g) * D;
+		double mxl = -INFINITY, sum = 0, acc[D] = { 0 };
+		for (uint64_t tok = 0; tok < n; tok++) {
+			if (!use[tok])
+				continue;
+			double dot = 0;
+			for (uint32_t c = 0; c < D; c++)
+				dot += (double)qh[c] * t->k[l][tok * KV_ROW + m * D + c];
+			logit[tok] = dot / sqrt((double)D);
+			mxl = logit[tok] > mxl ? logit[tok] : mxl;
+		}
+		for (uint64_t tok = 0; tok < n; tok++) {
+			if (!use[tok])
+				continue;
+			const double w = exp(logit[tok] - mxl);
+			sum += w;
+			for (uint32_t c = 0; c < D; c++)
+				acc[c] += w * t->v[l][tok * KV_ROW + m * D + c];
+		}
+		for (uint32_t c = 0; c < D; c++)
+			out[g * D + c] = acc[c] / sum;
+	}
+}
+
+/* Group-mean cosine of KV head m between two queries, in double. */
+static double ref_cosine(const float *a, const float *b, uint32_t m)
+{
+	double mean = 0;
+	for (uint32_t g = 0; g < G; g++) {
+		const float *x = a + (m * G + g) * D, *y = b + (m * G + g) * D;
+		double dot = 0, nx = 0, ny = 0;
+		for (uint32_t c = 0; c < D; c++) {
+			dot += (double)x[c] * y[c];
+			nx += (double)x[c] * x[c];
+			ny += (double)y[c] * y[c];
+		}
+		mean += (nx == 0 || ny == 0) ? 0 : dot / sqrt(nx * ny);
+	}
+	return mean / G;
+}
+
+static double max_diff(const float *got, const double *want, uint32_t n)
+{
+	double d = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		const double e = fabs((double)got[i] - want[i]);
+		d = e > d || isnan(e) ? e : d;
+	}
+	return d;
+}
+
+/* What the model saw over a run. */
+struct check {
+	uint32_t compared, ambiguous, dense;
+	uint32_t checked_heads, corrected_heads; /* freekv checks (not the first step) */
+	uint32_t correction_waits;               /* (sequence, layer) steps with a head corrected */
+	uint64_t head_corr[N_KV];
+	double max_err;  /* against the model */
+	double alt_diff; /* against the other choice (now vs previous selection) */
+	uint8_t last_corr[NL][N_KV];
+	int32_t last_sel[NL][N_KV][K_SEL];
+};
+
+/*
+ * The model of one (sequence, layer) decode step (DESIGN.md "Decode step"),
+ * t->n already counting the new token: which heads are corrected, which
+ * pages each head attends; compares `out` with the reference attention over
+ * them within tol, then updates the model's speculative state.
+ */
+static void model_step(struct tseq *t, uint32_t l, const float *q, const float *out, uint32_t mode,
+		       float tau, double tol, struct check *ck, const char *what, uint32_t step)
+{
+	const uint64_t n = t->n;
+	double want[G * D];
+	if (n <= BUDGET) {
+		for (uint32_t m = 0; m < N_KV; m++) {
+			ref_attend(t, l, n, q, m, 1, NULL, want);
+			const double e = max_diff(out + m * G * D, want, G * D);
+			cr_assert(e <= tol, "%s step %u layer %u head %u (dense, n %llu): error %g", what,
+				  step, l, m, (unsigned long long)n, e);
+			ck->max_err = e > ck->max_err ? e : ck->max_err;
+		}
+		ck->dense++;
+		t->has_prev[l] = 0;
+		return;
+	}
+	uint8_t corr[N_KV] = { 0 };
+	int cos_amb[N_KV] = { 0 };
+	if (mode == KVR_MODE_BLOCKING || !t->has_prev[l]) {
+		memset(corr, 1, sizeof(corr));
+	} else if (mode == KVR_MODE_FREEKV) {
+		for (uint32_t m = 0; m < N_KV; m++) {
+			const double cs = ref_cosine(q, t->prev_q[l], m);
+			corr[m] = !(cs >= tau);
+			cos_amb[m] = fabs(cs - tau) < 1e-4;
+			ck->corrected_heads += corr[m];
+			ck->head_corr[m] += corr[m];
+		}
+		ck->checked_heads += N_KV;
+	}
+	int any = 0;
+	for (uint32_t m = 0; m < N_KV; m++)
+		any |= corr[m];
+	ck->correction_waits += (uint32_t)any;
+	for (uint32_t m = 0; m < N_KV; m++) {
+		int32_t now[K_SEL], prev[K_SEL];
+		int amb_now = 0, amb_prev = 0;
+		ref_select(t, l, q, n, 0, m, now, &amb_now, NULL);
+		if (t->has_prev[l])
+			ref_select(t, l, t->prev_q[l], t->prev_n[l], t->prev_next[l], m, prev, &amb_prev,
+				   NULL);
+		const int32_t *sel = corr[m] ? now : prev;
+		const int amb = cos_amb[m] || (corr[m] ? amb_now : amb_prev);
+		memcpy(ck->last_sel[l][m], sel, sizeof(now));
+		ck->last_corr[l][m] = corr[m];
+		ref_attend(t, l, n, q, m, 0, sel, want);
+		const double e = max_diff(out + m * G * D, want, G * D);
+		if (amb) {
+			ck->ambiguous++;
+		} else {
+			cr_assert(e <= tol,
+				  "%s step %u sequence %u layer %u KV head %u (n %llu, %s): error %g "
+				  "against the reference over pages %d %d %d %d",
+				  what, step, t->id, l, m, (unsigned long long)n,
+				  corr[m] ? "selected now" : "previous selection", e, sel[0], sel[1],
+				  sel[2], sel[3]);
+			ck->compared++;
+			ck->max_err = e > ck->max_err ? e : ck->max_err;
+		}
+		if (t->has_prev[l]) {
+			ref_attend(t, l, n, q, m, 0, corr[m] ? prev : now, want);
+			const double a = max_diff(out + m * G * D, want, G * D);
+			ck->alt_diff = a > ck->alt_diff ? a : ck->alt_diff;
+		}
+	}
+	memcpy(t->prev_q[l], q, Q_ROW * sizeof(float));
+	t->prev_n[l] = n;
+	t->prev_next[l] = any ? 0 : 1; /* a correction's selection serves the next step */
+	t->has_prev[l] = 1;
+}
+
+static double tol_of(uint32_t dtype)
+{
+	return dtype == KVR_DTYPE_F32 ? 1e-4 : 2e-3;
+}
+
+/* ------------------------------------------------------------------ drift runs */
+
+#define DRIFT_MAX_SEQS 2
+static const uint64_t drift_n0[DRIFT_MAX_SEQS] = { 300, 419 };
+
+/* A drift run: n_seqs sequences (300 and 419 tokens) decoded together for
+ * n_steps with drifting queries. */
+struct drift {
+	uint32_t n_seqs, n_steps;
+	float *outs; /* [step][seq][layer][Q_ROW] */
+};
+
+static size_t drift_floats(const struct drift *r)
+{
+	return (size_t)r->n_steps * r->n_seqs * NL * Q_ROW;
+}
+
+static void drift_alloc(struct drift *r, uint32_t n_seqs, uint32_t n_steps)
+{
+	r->n_seqs = n_seqs;
+	r->n_steps = n_steps;
+	r->outs = malloc(drift_floats(r) * sizeof(float));
+	cr_assert(r->outs);
+}
+
+/* Run it in a context of `o`; every output is checked against the model as
+ * well (ck). */
+static void run_drift(const struct opts *o, struct drift *r, struct check *ck)
+{
+	hooks_reset(0x5eed + o->mode * 7 + o->recall);
+	struct kvr_context *ctx = ctx_open(o);
+	struct tseq t[DRIFT_MAX_SEQS], *tp[DRIFT_MAX_SEQS];
+	struct qgen qg[DRIFT_MAX_SEQS];
+	const uint32_t ns = r->n_seqs;
+	cr_assert(ns <= DRIFT_MAX_SEQS);
+	memset(ck, 0, sizeof(*ck));
+	for (uint32_t s = 0; s < ns; s++) {
+		tseq_init(&t[s], 100 + (uint64_t)s);
+		tseq_prefill(ctx, o->dtype, &t[s], drift_n0[s]);
+		qgen_init(&qg[s], 1000 + (uint64_t)s);
+		tp[s] = &t[s];
+	}
+	char what[128];
+	snprintf(what, sizeof(what), "%s %s %s %s%s%s, %u buffer(s), %u-page chunks", dev_name(o->dev_kind),
+		 kvr_mode_name(o->mode), kvr_recall_name(o->recall), kvr_dtype_name(o->dtype),
+		 o->pool_layout == KVR_POOL_NHD ? " NHD pool" : "", o->hooks ? " delayed" : "",
+		 o->buffers, o->chunk_pages);
+	for (uint32_t i = 0; i < r->n_steps; i++) {
+		float q[DRIFT_MAX_SEQS][NL][Q_ROW], out[DRIFT_MAX_SEQS][NL][Q_ROW];
+		int32_t status[DRIFT_MAX_SEQS][NL];
+		for (uint32_t s = 0; s < ns; s++)
+			qgen_next(&qg[s], o->dtype, q[s]);
+		step_batch(ctx, o->dtype, tp, ns, (const float(*)[NL][Q_ROW])q, out, status);
+		for (uint32_t s = 0; s < ns; s++)
+			for (uint32_t l = 0; l < NL; l++) {
+				cr_assert_eq(status[s][l], 0, "%s step %u: %s", what, i, kvr_last_error(ctx));
+				model_step(&t[s], l, q[s][l], out[s][l], o->mode, o->tau, tol_of(o->dtype), ck,
+					   what, i);
+			}
+		memcpy(r->outs + (size_t)i * ns * NL * Q_ROW, out, (size_t)ns * NL * Q_ROW * sizeof(float));
+	}
+	if (o->hooks) {
+		/* the delays really ran where they should (blocking with zero-copy
+		 * posts no controller job: it selects on the engine's thread) */
+		if (o->mode != KVR_MODE_BLOCKING || o->recall == KVR_RECALL_STREAMED)
+			cr_assert_gt(atomic_load(&hook_calls[KVR_HOOK_CONTROLLER_JOB]), 0, "%s", what);
+		cr_assert_gt(atomic_load(&hook_calls[KVR_HOOK_COMPUTE]), 0, "%s", what);
+		if (o->recall == KVR_RECALL_STREAMED) {
+			cr_assert_gt(atomic_load(&hook_calls[KVR_HOOK_COPY]), 0, "%s", what);
+			cr_assert_gt(atomic_load(&hook_calls[KVR_HOOK_CONVERT]), 0, "%s", what);
+		}
+	}
+	ctx_close(ctx, o);
+	for (uint32_t s = 0; s < ns; s++)
+		tseq_fini(&t[s]);
+}
+
+/* The first output that differs between two runs of the same shape. */
+static void first_difference(const struct drift *a, const struct drift *b, const char *what)
+{
+	const size_t n = drift_floats(a), per_step = (size_t)a->n_seqs * NL * Q_ROW;
+	for (size_t i = 0; i < n; i++)
+		if (memcmp(&a->outs[i], &b->outs[i], sizeof(float))) {
+			const size_t r = i % per_step;
+			cr_assert_fail("%s: step %zu sequence %zu layer %zu element %zu: %a vs %a", what,
+				       i / per_step, r / (NL * Q_ROW), r / Q_ROW % NL, r % Q_ROW,
+				       (double)a->outs[i], (double)b->outs[i]);
+		}
+}
+
+/*
+ * Tests 1 and 2 on one device: per mode (speculative, freekv, blocking) and
+ * recall kind (zero-copy, streamed), a run without hooks and one with random
+ * delays at every hook site plus asynchronous compute give the same output
+ * bits; streamed gives the same bits as zero-copy. Every run is also checked
+ * against the model. cudaemu runs its CUDA kernel bodies in fibers, ~100x
+ * slower than the cpu kernels: one sequence and a few steps there.
+ */
+static void ordering_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
+{
+	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
+	static const uint32_t recalls[] = { KVR_RECALL_ZERO_COPY, KVR_RECALL_STREAMED };
+	struct drift plain, delayed, zc;
+	drift_alloc(&plain, n_seqs, n_steps);
+	drift_alloc(&delayed, n_seqs, n_steps);
+	drift_alloc(&zc, n_seqs, n_steps);
+	uint32_t corrections = 0;
+	for (int mi = 0; mi < 3; mi++) {
+		/* f32 and f16 alternate over the modes */
+		const uint32_t dtype = (mi + (dev_kind == KVR_DEV_CUDAEMU)) % 2 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+		for (int ri = 0; ri < 2; ri++) {
+			struct opts o = opts_default(dev_kind, modes[mi], recalls[ri], dtype);
+			o.chunk_pages = 3; /* heads' misses split into chunks: both buffers in use */
+			struct check ck;
+			run_drift(&o, &plain, &ck);
+			cr_assert_geq(ck.compared, n_steps, "the model compared too few outputs");
+			if (modes[mi] == KVR_MODE_FREEKV)
+				corrections += ck.corrected_heads;
+			o.hooks = 1;
+			run_drift(&o, &delayed, &ck);
+			char what[128];
+			snprintf(what, sizeof(what), "%s %s %s: the delayed run differs", dev_name(dev_kind),
+				 kvr_mode_name(o.mode), kvr_recall_name(o.recall));
+			first_difference(&plain, &delayed, what);
+			if (ri == 0) {
+				memcpy(zc.outs, plain.outs, drift_floats(&zc) * sizeof(float));
+			} else {
+				snprintf(what, sizeof(what), "%s %s: streamed differs from zero-copy",
+					 dev_name(dev_kind), kvr_mode_name(o.mode));
+				first_difference(&zc, &plain, what);
+			}
+		}
+	}
+	cr_expect_gt(corrections, 0, "the drifting queries never made freekv correct a head");
+	free(plain.outs), free(delayed.outs), free(zc.outs);
+}
+
+Test(scheduler, ordering_under_random_delays_cpu, .timeout = 120)
+{
+	ordering_on(KVR_DEV_CPU, 2, 40);
+}
+
+Test(scheduler, ordering_under_random_delays_cudaemu, .timeout = 240)
+{
+	ordering_on(KVR_DEV_CUDAEMU, 1, 6);
+}
+
+/* Test 2 beyond the default settings: one staging buffer, one page per chunk,
+ * and the NHD pool layout (row-by-row copies): streamed still equals zero-copy
+ * bit for bit. */
+Test(scheduler, streamed_equals_zero_copy_variants, .timeout = 120)
+{
+	struct drift zc, st;
+	drift_alloc(&zc, 2, 24);
+	drift_alloc(&st, 2, 24);
+	struct check ck;
+	for (uint32_t layout = KVR_POOL_HND; layout <= KVR_POOL_NHD; layout++) {
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY,
+					     KVR_DTYPE_F16);
+		o.pool_layout = layout;
+		run_drift(&o, &zc, &ck);
+		o.recall = KVR_RECALL_STREAMED;
+		o.chunk_pages = 1;
+		o.buffers = layout == KVR_POOL_HND ? 1 : 2;
+		run_drift(&o, &st, &ck);
+		first_difference(&zc, &st,
+				 layout == KVR_POOL_HND ? "streamed (1 buffer, 1-page chunks)"
+							: "streamed (NHD pool)");
+	}
+	free(zc.outs), free(st.outs);
+}
+
+/* ------------------------------------------------------------------ model checks */
+
+/* Tests 4 and 5: the output of every step equals the model's prediction,
+ * and the model's alternative (the other selection) is measurably different,
+ * so that the comparison could fail. */
+static void model_run(uint32_t dev_kind, uint32_t mode, uint32_t recall, uint32_t n_seqs,
+		      uint32_t n_steps, struct check *ck)
+{
+	struct opts o = opts_default(dev_kind, mode, recall, KVR_DTYPE_F32);
+	struct drift r;
+	drift_alloc(&r, n_seqs, n_steps);
+	run_drift(&o, &r, ck);
+	free(r.outs);
+	cr_assert_gt(ck->compared, n_seqs * NL * n_steps * N_KV * 3 / 4, "%u compared, %u ambiguous",
+		     ck->compared, ck->ambiguous);
+	cr_assert_lt(ck->max_err, 1e-4);
+	cr_assert_gt(ck->alt_diff, 1e-2,
+		     "%s: selecting with the other query would have given the same outputs: the "
+		     "test cannot tell them apart",
+		     kvr_mode_name(mode));
+}
+
+Test(scheduler, speculative_uses_previous_steps_pages, .timeout = 120)
+{
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct check ck;
+		model_run(KVR_DEV_CPU, KVR_MODE_SPECULATIVE, recall, 2, 40, &ck);
+		cr_expect_eq(ck.correction_waits, 2 * NL, "only the first step selects with its own query");
+	}
+	struct check ck;
+	model_run(KVR_DEV_CUDAEMU, KVR_MODE_SPECULATIVE, KVR_RECALL_STREAMED, 1, 8, &ck);
+}
+
+Test(scheduler, blocking_selects_with_current_query, .timeout = 120)
+{
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct check ck;
+		model_run(KVR_DEV_CPU, KVR_MODE_BLOCKING, recall, 2, 40, &ck);
+		cr_expect_eq(ck.correction_waits, 2 * NL * 40);
+	}
+}
+
+/* Per-step counter snapshot of one sequence after its controller jobs ran. */
+static struct kvr_stats seq_stats(struct kvr_context *ctx, uint32_t seq)
+{
+	kvr_sched_seq_quiesce(ctx->sched, seq);
+	struct kvr_stats st;
+	memset(&st, 0, sizeof(st));
+	st.size = sizeof(st);
+	cr_assert_eq(kvr_seq_get_stats(ctx, seq, &st), 0, "%s", kvr_last_error(ctx));
+	return st;
+}
+
+static struct kvr_stats ctx_stats(struct kvr_context *ctx)
+{
+	struct kvr_stats st;
+	memset(&st, 0, sizeof(st));
+	st.size = sizeof(st);
+	cr_assert_eq(kvr_get_stats(ctx, &st), 0);
+	return st;
+}
+
+/*
+ * Test 6: queries built so that each KV head's group-mean cosine with the
+ * previous query is a chosen value on either side of tau — including groups
+ * where one query head is unchanged and the other moved enough to pull the
+ * mean below tau, and the reverse — so corrections must follow the group
+ * mean, not a single head.
+ */
+Test(scheduler, freekv_corrects_exactly_heads_below_tau, .timeout = 120)
+{
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
+		struct kvr_context *ctx = ctx_open(&o);
+		struct tseq t;
+		tseq_init(&t, 7);
+		tseq_prefill(ctx, o.dtype, &t, 333);
+		struct rng r = { 99 };
+		float q[NL][Q_ROW], out[NL][Q_ROW];
+		for (uint32_t i = 0; i < NL * Q_ROW; i++)
+			q[i / Q_ROW][i % Q_ROW] = 3.0f * rnd(&r);
+		/* per query head: the cosine with its previous query (pairs per group) */
+		static const double plans[][N_KV][G] = {
+			{ { 1.0, 1.0 }, { -1.0, -1.0 } },  /* head 1 flips */
+			{ { 1.0, 0.75 }, { 1.0, 1.0 } },   /* head 0: mean 0.875 < tau */
+			{ { 1.0, 0.86 }, { 0.95, 0.95 } }, /* head 0: mean 0.93 > tau though one is below */
+			{ { 0.2, 0.3 }, { 0.5, 0.1 } },    /* both */
+			{ { 0.92, 0.94 }, { 0.86, 0.88 } }, /* near tau on either side */
+			{ { 0.91, 0.90 }, { 0.89, 0.90 } }, /* means 0.905 and 0.895: tau itself */
+			{ { 1.0, 1.0 }, { 1.0, 1.0 } },    /* none */
+		};
+		const uint32_t n_plans = sizeof(plans) / sizeof(plans[0]);
+		struct check ck;
+		memset(&ck, 0, sizeof(ck));
+		uint64_t hc_prev[N_KV] = { 0 };
+		struct kvr_stats prev = seq_stats(ctx, t.id);
+		for (uint32_t i = 0; i < 3 * n_plans + 1; i++) {
+			const double(*plan)[G] = plans[(i + n_plans - 1) % n_plans];
+			if (i > 0)
+				for (uint32_t l = 0; l < NL; l++)
+					for (uint32_t h = 0; h < N_QO; h++) {
+						/* q' = cos·q + sin·u, u ⟂ q with |u| = |q| */
+						float *x = q[l] + h * D, u[D];
+						double dot = 0, nq = 0, nu = 0;
+						for (uint32_t c = 0; c < D; c++)
+							u[c] = 3.0f * rnd(&r), nq += (double)x[c] * x[c];
+						for (uint32_t c = 0; c < D; c++)
+							dot += (double)u[c] * x[c];
+						for (uint32_t c = 0; c < D; c++)
+							u[c] -= (float)(dot / nq) * x[c], nu += (double)u[c] * u[c];
+						const double cs = plan[h / G][h % G], sn = sqrt(1 - cs * cs);
+						const double su = sqrt(nq / nu);
+						for (uint32_t c = 0; c < D; c++)
+							x[c] = (float)(cs * x[c] + sn * su * u[c]);
+					}
+			step_one(ctx, o.dtype, &t, (const float(*)[Q_ROW])q, out);
+			struct check before = ck;
+			for (uint32_t l = 0; l < NL; l++)
+				model_step(&t, l, q[l], out[l], o.mode, o.tau, 1e-4, &ck, "freekv", i);
+			struct kvr_stats st = seq_stats(ctx, t.id);
+			uint64_t hc[N_KV];
+			cr_assert_eq(kvr_get_head_corrections(ctx, t.id, hc, N_KV), 0);
+			for (uint32_t m = 0; m < N_KV; m++) {
+				const uint64_t want = ck.head_corr[m] - before.head_corr[m];
+				cr_assert_eq(hc[m] - hc_prev[m], want,
+					     "%s step %u KV head %u: %llu corrections, the group-mean cosine "
+					     "says %llu",
+					     kvr_recall_name(recall), i, m,
+					     (unsigned long long)(hc[m] - hc_prev[m]),
+					     (unsigned long long)want);
+				hc_prev[m] = hc[m];
+			}
+			cr_assert_eq(st.corrected_heads - prev.corrected_heads,
+				     ck.corrected_heads - before.corrected_heads, "step %u", i);
+			cr_assert_eq(st.checked_heads - prev.checked_heads, ck.checked_heads - before.checked_heads,
+				     "step %u", i);
+			cr_assert_eq(st.correction_waits - prev.correction_waits,
+				     ck.correction_waits - before.correction_waits, "step %u", i);
+			prev = st;
+		}
+		/* the plans really did both: corrected and left alone, per head */
+		cr_assert_gt(ck.corrected_heads, 0);
+		cr_assert_lt(ck.corrected_heads, ck.checked_heads);
+		cr_assert_eq(ck.ambiguous, 0, "cosines too close to tau for a clean test");
+		struct kvr_stats all = ctx_stats(ctx);
+		cr_expect_eq(all.corrected_heads, ck.corrected_heads);
+		cr_expect_eq(all.correction_waits, ck.correction_waits);
+		uint64_t hc_all[N_KV];
+		cr_assert_eq(kvr_get_head_corrections(ctx, UINT32_MAX, hc_all, N_KV), 0);
+		for (uint32_t m = 0; m < N_KV; m++)
+			cr_expect_eq(hc_all[m], ck.head_corr[m]);
+		ctx_close(ctx, &o);
+		tseq_fini(&t);
+	}
+}
+
+/*
+ * Test 3: streamed recall, speculative (and freekv): after each step (and its
+ * controller job), hits + misses = the selected pages of the step's
+ * selection, k per KV head per sparse layer; bytes = misses × one head's run.
+ * Then a constant query over tokens whose keys oppose it (so no page leaving
+ * the window ever beats a selected one): every page is a hit.
+ */
+Test(scheduler, recall_moves_only_misses, .timeout = 120)
+{
+	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
+	for (int mi = 0; mi < 2; mi++) {
+		struct opts o = opts_default(KVR_DEV_CPU, modes[mi], KVR_RECALL_STREAMED, KVR_DTYPE_F16);
+		struct kvr_context *ctx = ctx_open(&o);
+		struct qgen qg;
+		qgen_init(&qg, 31);
+		float qc[NL][Q_ROW]; /* the constant query: equal heads within a group */
+		struct rng r = { 5 };
+		for (uint32_t l = 0; l < NL; l++)
+			for (uint32_t m = 0; m < N_KV; m++)
+				for (uint32_t c = 0; c < D; c++) {
+					const float x = 3.0f * rnd(&r);
+					for (uint32_t g = 0; g < G; g++)
+						qc[l][(m * G + g) * D + c] = x;
+				}
+		for (uint32_t l = 0; l < NL; l++)
+			round_dtype(qc[l], Q_ROW, o.dtype);
+		struct tseq t;
+		tseq_init(&t, 11);
+		t.anti_q = &qc[0][0];
+		t.anti_from = 256; /* pages 16.. (those that leave the window in this run) */
+		tseq_prefill(ctx, o.dtype, &t, 300);
+		struct kvr_stats prev = seq_stats(ctx, t.id);
+		uint64_t recalled_drift = 0;
+		const uint64_t per_step = (uint64_t)K_SEL * N_KV * NL;
+		const uint64_t run_bytes = 2ull * P * D * ebytes(o.dtype);
+		struct check ck;
+		memset(&ck, 0, sizeof(ck));
+		for (uint32_t i = 0; i < 44; i++) {
+			float q[NL][Q_ROW], out[NL][Q_ROW];
+			const int constant = i >= 16;
+			if (constant)
+				memcpy(q, qc, sizeof(q));
+			else
+				qgen_next(&qg, o.dtype, q);
+			step_one(ctx, o.dtype, &t, (const float(*)[Q_ROW])q, out);
+			for (uint32_t l = 0; l < NL; l++)
+				model_step(&t, l, q[l], out[l], o.mode, o.tau, tol_of(o.dtype), &ck, "recall", i);
+			const struct kvr_stats st = seq_stats(ctx, t.id);
+			const uint64_t rec = st.pages_recalled - prev.pages_recalled;
+			const uint64_t hit = st.pages_hit - prev.pages_hit;
+			cr_assert_eq(rec + hit, per_step,
+				     "%s step %u: %llu recalled + %llu hits, %llu pages selected",
+				     kvr_mode_name(o.mode), i, (unsigned long long)rec,
+				     (unsigned long long)hit, (unsigned long long)per_step);
+			cr_assert_eq(st.bytes_recalled - prev.bytes_recalled, rec * run_bytes, "step %u", i);
+			if (i == 0)
+				cr_assert_eq(rec, per_step, "the first step recalls every selected page");
+			if (!constant)
+				recalled_drift += rec;
+			if (i >= 18)
+				cr_assert_eq(rec, 0, "%s step %u: the query did not change, yet %llu pages moved",
+					     kvr_mode_name(o.mode), i, (unsigned long long)rec);
+			prev = st;
+		}
+		cr_assert_gt(recalled_drift, per_step, "the drifting queries recalled nothing after step 0");
+		cr_assert_lt(recalled_drift, 16 * per_step, "hits were recalled again");
+		const struct kvr_stats all = ctx_stats(ctx);
+		cr_expect_eq(all.pages_recalled, prev.pages_recalled);
+		cr_expect_eq(all.pages_hit, prev.pages_hit);
+		cr_expect_eq(all.bytes_recalled, prev.bytes_recalled);
+		ctx_close(ctx, &o);
+		tseq_fini(&t);
+	}
+}
+
+/*
+ * Test 7: the page that leaves the window at step i is a candidate of the
+ * selection made at step i−1 for step i. Page 16 (tokens 256..271) gets keys
+ * aligned with the queries, far above every other page; with 300 tokens
+ * prefilled it leaves the window at step 3 (the token at position 303
+ * completes page 18). Speculative mode must attend to it at step 3.
+ */
+Test(scheduler, page_leaving_window_is_candidate, .timeout = 60)
+{
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_SPECULATIVE, recall, KVR_DTYPE_F32);
+		struct kvr_context *ctx = ctx_open(&o);
+		float q[NL][Q_ROW], out[NL][Q_ROW];
+		struct rng r = { 17 };
+		for (uint32_t l = 0; l < NL; l++)
+			for (uint32_t i = 0; i < Q_ROW; i++)
+				q[l][i] = 2.0f * rnd(&r);
+		struct tseq t;
+		tseq_init(&t, 23);
+		for (uint32_t l = 0; l < NL; l++)
+			for (uint64_t pos = 0; pos < 300; pos++) {
+				float *k = t.k[l] + pos * KV_ROW, *v = t.v[l] + pos * KV_ROW;
+				token_kv(&t, l, pos, k, v);
+				if (pos / P == 16) /* keys along the group's first query, large */
+					for (uint32_t m = 0; m < N_KV; m++)
+						for (uint32_t c = 0; c < D; c++)
+							k[m * D + c] = q[l][m * G * D + c] >= 0 ? 4.0f : -4.0f;
+			}
+		t.n = 300;
+		tseq_ingest(ctx, o.dtype, &t);
+		struct check ck;
+		memset(&ck, 0, sizeof(ck));
+		for (uint32_t i = 0; i < 5; i++) {
+			step_one(ctx, o.dtype, &t, (const float(*)[Q_ROW])q, out);
+			for (uint32_t l = 0; l < NL; l++) {
+				model_step(&t, l, q[l], out[l], o.mode, o.tau, 1e-4, &ck, "leaving", i);
+				for (uint32_t m = 0; m < N_KV; m++) {
+					int has16 = 0;
+					for (uint32_t j = 0; j < K_SEL; j++)
+						has16 |= ck.last_sel[l][m][j] == 16;
+					if (i == 3)
+						cr_assert(has16, "the model does not pick page 16 at step 3 (test bug)");
+					if (i < 3)
+						cr_assert(t.n / P < 19, "test bug: page 16 left too early");
+				}
+				if (i == 3) {
+					/* without page 16 the output would be far off */
+					double want[G * D];
+					const int32_t none[K_SEL] = { -1, -1, -1, -1 };
+					ref_attend(&t, l, t.n, q[l], 0, 0, none, want);
+					cr_assert_gt(max_diff(out[l], want, G * D), 0.05,
+						     "page 16 barely matters (test bug)");
+				}
+			}
+		}
+		cr_assert_eq(ck.ambiguous, 0);
+		ctx_close(ctx, &o);
+		tseq_fini(&t);
+	}
+}
+
+/* ------------------------------------------------------------------ batches */
+
+/* Decode `nb` sequences (given initial lengths and generators) together for
+ * n_steps in ctx; outputs to outs[step][i][layer]. Queries from qgen seeded
+ * by the generator, so a sequence gets the same queries alone or batched. */
+static void batch_run(const struct opts *o, const uint64_t *n0, const uint64_t *gens, uint32_t nb,
+		      uint32_t n_steps, float (*outs)[MAXB][NL][Q_ROW])
+{
+	struct kvr_context *ctx = ctx_open(o);
+	struct tseq t[MAXB], *tp[MAXB];
+	struct qgen qg[MAXB];
+	struct check ck;
+	memset(&ck, 0, sizeof(ck));
+	for (uint32_t i = 0; i < nb; i++) {
+		tseq_init(&t[i], gens[i]);
+		tseq_prefill(ctx, o->dtype, &t[i], n0[i]);
+		qgen_init(&qg[i], gens[i] * 31);
+		tp[i] = &t[i];
+	}
+	for (uint32_t s = 0; s < n_steps; s++) {
+		float q[MAXB][NL][Q_ROW];
+		int32_t status[MAXB][NL];
+		for (uint32_t i = 0; i < nb; i++)
+			qgen_next(&qg[i], o->dtype, q[i]);
+		step_batch(ctx, o->dtype, tp, nb, (const float(*)[NL][Q_ROW])q, outs[s], status);
+		for (uint32_t i = 0; i < nb; i++)
+			for (uint32_t l = 0; l < NL; l++) {
+				cr_assert_eq(status[i][l], 0, "%s", kvr_last_error(ctx));
+				model_step(&t[i], l, q[i][l], outs[s][i][l], o->mode, o->tau, tol_of(o->dtype),
+					   &ck, "batch", s);
+			}
+	}
+	ctx_close(ctx, o);
+	for (uint32_t i = 0; i < nb; i++)
+		tseq_fini(&t[i]);
+}
+
+/* Test 8a: sequences of different lengths — one dense throughout, one that
+ * crosses B during the run, two long ones — in one call; each output equals
+ * the sequence decoded alone. */
+Test(scheduler, batch_equals_each_sequence_alone, .timeout = 120)
+{
+	static const uint64_t n0[4] = { 40, 120, 300, 517 }, gens[4] = { 1, 2, 3, 4 };
+	enum { STEPS = 24 };
+	static float together[STEPS][MAXB][NL][Q_ROW], alone[STEPS][MAXB][NL][Q_ROW];
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
+		batch_run(&o, n0, gens, 4, STEPS, together);
+		for (uint32_t i = 0; i < 4; i++) {
+			batch_run(&o, &n0[i], &gens[i], 1, STEPS, alone);
+			for (uint32_t s = 0; s < STEPS; s++)
+				cr_assert_eq(memcmp(together[s][i], alone[s][0], sizeof(alone[s][0])), 0,
+					     "%s: sequence %u (%llu tokens) step %u differs from its "
+					     "decode alone",
+					     kvr_recall_name(recall), i, (unsigned long long)n0[i], s);
+		}
+	}
+}
+
+/*
+ * Test 8b: the pool holds exactly the prefilled pages. Sequence F (288
+ * tokens: its next token starts a page) cannot reserve one and fails with a
+ * negative status and zeros; A (dense), B and C (sparse) have room in their
+ * tail pages and decode as if F were not there. After C is freed, F decodes
+ * like a fresh sequence.
+ */
+Test(scheduler, failing_sequence_leaves_others_intact, .timeout = 120)
+{
+	static const uint64_t n0[4] = { 97, 305, 288, 401 }, gens[4] = { 10, 11, 12, 13 };
+	enum { STEPS = 12, F = 2 };
+	static float with[STEPS][MAXB][NL][Q_ROW], without[STEPS][MAXB][NL][Q_ROW];
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		uint64_t pages = 0;
+		for (int i = 0; i < 4; i++)
+			pages += NL * ((n0[i] + P - 1) / P);
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
+		o.pool_pages = pages;
+		struct kvr_context *ctx = ctx_open(&o);
+		struct tseq t[4], *tp[4];
+		struct qgen qg[4];
+		struct check ck;
+		memset(&ck, 0, sizeof(ck));
+		for (uint32_t i = 0; i < 4; i++) {
+			tseq_init(&t[i], gens[i]);
+			tseq_prefill(ctx, o.dtype, &t[i], n0[i]);
+			qgen_init(&qg[i], gens[i] * 31);
+			tp[i] = &t[i];
+		}
+		for (uint32_t s = 0; s < STEPS; s++) {
+			float q[4][NL][Q_ROW];
+			int32_t status[4][NL];
+			for (uint32_t i = 0; i < 4; i++)
+				qgen_next(&qg[i], o.dtype, q[i]);
+			step_batch(ctx, o.dtype, tp, 4, (const float(*)[NL][Q_ROW])q, with[s], status);
+			for (uint32_t i = 0; i < 4; i++)
+				for (uint32_t l = 0; l < NL; l++) {
+					if (i == F) {
+						cr_assert_eq(status[i][l], -ENOMEM, "step %u layer %u: %d", s, l,
+							     status[i][l]);
+						for (uint32_t j = 0; j < Q_ROW; j++)
+							cr_assert_eq(with[s][i][l][j], 0.0f, "failed output not zero");
+						continue;
+					}
+					cr_assert_eq(status[i][l], 0, "%s", kvr_last_error(ctx));
+					model_step(&t[i], l, q[i][l], with[s][i][l], o.mode, o.tau, 1e-4, &ck,
+						   "with F", s);
+				}
+		}
+		uint64_t len;
+		cr_assert_eq(kvr_seq_length(ctx, t[F].id, 0, &len), 0);
+		cr_assert_eq(len, n0[F], "the failed tokens were stored");
+		struct kvr_stats sf = seq_stats(ctx, t[F].id);
+		cr_expect_eq(sf.failed_decodes, STEPS * NL);
+
+		/* the same batch without F, in a context with room */
+		o.pool_pages = 0;
+		static const uint64_t n3[3] = { 97, 305, 401 }, g3[3] = { 10, 11, 13 };
+		batch_run(&o, n3, g3, 3, STEPS, without);
+		for (uint32_t s = 0; s < STEPS; s++)
+			for (uint32_t i = 0, j = 0; i < 4; i++) {
+				if (i == F)
+					continue;
+				cr_assert_eq(memcmp(with[s][i], without[s][j], sizeof(without[s][j])), 0,
+					     "%s: sequence %u step %u changed by the failing one",
+					     kvr_recall_name(recall), i, s);
+				j++;
+			}
+
+		/* free C: F gets pages and decodes like a fresh sequence */
+		cr_assert_eq(kvr_seq_free(ctx, t[3].id), 0);
+		struct qgen fresh;
+		qgen_init(&fresh, gens[F] * 31 + 1000);
+		for (uint32_t s = 0; s < 4; s++) {
+			float q[1][NL][Q_ROW], out[1][NL][Q_ROW];
+			int32_t status[1][NL];
+			qgen_next(&fresh, o.dtype, q[0]);
+			step_batch(ctx, o.dtype, &tp[F], 1, (const float(*)[NL][Q_ROW])q, out, status);
+			cr_assert_eq(status[0][0], 0, "%s", kvr_last_error(ctx));
+			for (uint32_t l = 0; l < NL; l++)
+				model_step(&t[F], l, q[0][l], out[0][l], o.mode, o.tau, 1e-4, &ck, "F after free",
+					   s);
+		}
+		ctx_close(ctx, &o);
+		for (int i = 0; i < 4; i++)
+			tseq_fini(&t[i]);
+	}
+}
+
+/*
+ * Test 8c: fork and truncate in the middle of a run. B is forked at step 8
+ * into B2 (which then gets its own tokens and queries) and C is truncated at
+ * step 16. Expected: B's outputs are those of B decoded without the fork; B2's
+ * equal a fresh sequence prefilled with B's tokens at the fork; C's after the
+ * truncate equal a fresh sequence prefilled with the kept tokens; and the
+ * step after the truncate waits for a full correction in every sparse layer.
+ */
+Test(scheduler, fork_and_truncate_mid_run, .timeout = 120)
+{
+	enum { STEPS = 26, FORK_AT = 8, TRUNC_AT = 16 };
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_SPECULATIVE, recall, KVR_DTYPE_F32);
+		struct kvr_context *ctx = ctx_open(&o);
+		struct tseq b, b2, c, b_at_fork, c_at_trunc;
+		struct qgen qb, qb2, qc;
+		tseq_init(&b, 21);
+		tseq_init(&c, 22);
+		tseq_prefill(ctx, o.dtype, &b, 310);
+		tseq_prefill(ctx, o.dtype, &c, 450);
+		qgen_init(&qb, 1), qgen_init(&qb2, 2), qgen_init(&qc, 3);
+		static float outs_b[STEPS][NL][Q_ROW], outs_b2[STEPS][NL][Q_ROW], outs_c[STEPS][NL][Q_ROW];
+		static float qs_b2[STEPS][NL][Q_ROW], qs_c[STEPS][NL][Q_ROW];
+		uint64_t trunc_to = 0;
+		struct kvr_stats before_trunc = { 0 };
+		struct check ck;
+		memset(&ck, 0, sizeof(ck));
+		for (uint32_t s = 0; s < STEPS; s++) {
+			if (s == FORK_AT) {
+				tseq_copy(&b2, &b, b.n, 77); /* B2's own new tokens */
+				tseq_copy(&b_at_fork, &b, b.n, 77);
+				cr_assert_eq(kvr_seq_fork(ctx, b.id, &b2.id), 0, "%s", kvr_last_error(ctx));
+			}
+			if (s == TRUNC_AT) {
+				trunc_to = c.n - 37;
+				cr_assert_eq(kvr_seq_truncate(ctx, c.id, trunc_to), 0, "%s", kvr_last_error(ctx));
+				c.n = trunc_to;
+				c.has_prev[0] = c.has_prev[1] = 0;
+				c.gen = 99; /* new tokens unlike the dropped ones */
+				tseq_copy(&c_at_trunc, &c, trunc_to, c.gen);
+				before_trunc = seq_stats(ctx, c.id);
+			}
+			struct tseq *tp[3] = { &b, &c, &b2 };
+			const uint32_t nb = s >= FORK_AT ? 3 : 2;
+			float q[3][NL][Q_ROW], out[3][NL][Q_ROW];
+			int32_t status[3][NL];
+			qgen_next(&qb, o.dtype, q[0]);
+			qgen_next(&qc, o.dtype, q[1]);
+			if (nb == 3)
+				qgen_next(&qb2, o.dtype, q[2]);
+			step_batch(ctx, o.dtype, tp, nb, (const float(*)[NL][Q_ROW])q, out, status);
+			for (uint32_t i = 0; i < nb; i++)
+				for (uint32_t l = 0; l < NL; l++) {
+					cr_assert_eq(status[i][l], 0, "%s", kvr_last_error(ctx));
+					model_step(tp[i], l, q[i][l], out[i][l], o.mode, o.tau, 1e-4, &ck, "fork/trunc",
+						   s);
+				}
+			memcpy(outs_b[s], out[0], sizeof(out[0]));
+			memcpy(outs_c[s], out[1], sizeof(out[1]));
+			memcpy(qs_c[s], q[1], sizeof(q[1]));
+			if (nb == 3) {
+				memcpy(outs_b2[s], out[2], sizeof(out[2]));
+				memcpy(qs_b2[s], q[2], sizeof(q[2]));
+			}
+			if (s == TRUNC_AT) {
+				const struct kvr_stats st = seq_stats(ctx, c.id);
+				cr_assert_eq(st.correction_waits - before_trunc.correction_waits, NL,
+					     "the step after truncate is not fully corrected");
+			}
+		}
+		ctx_close(ctx, &o);
+
+		/* replays, each in a fresh context */
+		struct kvr_context *r = ctx_open(&o);
+		struct tseq rb;
+		tseq_init(&rb, 21);
+		tseq_prefill(r, o.dtype, &rb, 310);
+		struct qgen q1;
+		qgen_init(&q1, 1);
+		for (uint32_t s = 0; s < STEPS; s++) {
+			float q[NL][Q_ROW], out[NL][Q_ROW];
+			qgen_next(&q1, o.dtype, q);
+			step_one(r, o.dtype, &rb, (const float(*)[Q_ROW])q, out);
+			cr_assert_eq(memcmp(out, outs_b[s], sizeof(out)), 0,
+				     "%s: the fork source changed at step %u", kvr_recall_name(recall), s);
+		}
+		tseq_ingest(r, o.dtype, &b_at_fork);
+		for (uint32_t s = FORK_AT; s < STEPS; s++) {
+			float out[NL][Q_ROW];
+			step_one(r, o.dtype, &b_at_fork, (const float(*)[Q_ROW])qs_b2[s], out);
+			cr_assert_eq(memcmp(out, outs_b2[s], sizeof(out)), 0,
+				     "%s: the fork differs from a fresh copy at step %u", kvr_recall_name(recall),
+				     s);
+		}
+		tseq_ingest(r, o.dtype, &c_at_trunc);
+		for (uint32_t s = TRUNC_AT; s < STEPS; s++) {
+			float out[NL][Q_ROW];
+			step_one(r, o.dtype, &c_at_trunc, (const float(*)[Q_ROW])qs_c[s], out);
+			cr_assert_eq(memcmp(out, outs_c[s], sizeof(out)), 0,
+				     "%s: the truncated sequence differs from a fresh one at step %u",
+				     kvr_recall_name(recall), s);
+		}
+		ctx_close(r, &o);
+		tseq_fini(&b), tseq_fini(&b2), tseq_fini(&c), tseq_fini(&b_at_fork);
+		tseq_fini(&c_at_trunc), tseq_fini(&rb);
+	}
+}
+
+/* ------------------------------------------------------------------ budget, trace, errors */
+
+/* Test 9: device_bytes for exactly two sequences. */
+Test(scheduler, device_budget_admits_exactly, .timeout = 60)
+{
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
+		struct kvr_config c;
+		config_of(&o, &c);
+		uint64_t fixed = 0, per = 0;
+		cr_assert_eq(kvr_device_bytes_needed(&c, &fixed, &per), 0);
+		cr_assert_gt(per, 0);
+		if (recall == KVR_RECALL_STREAMED) {
+			/* k slots per KV head in both sparse layers, keys and values */
+			cr_expect_geq(per, 2ull * NL * K_SEL * P * KV_ROW * 4);
+			cr_expect_gt(fixed, 0, "staging buffers");
+		}
+		o.device_bytes = fixed + 2 * per;
+		struct kvr_context *ctx = ctx_open(&o);
+		uint32_t a, b, x;
+		cr_assert_eq(kvr_seq_create(ctx, &a), 0, "%s", kvr_last_error(ctx));
+		cr_assert_eq(kvr_seq_create(ctx, &b), 0, "%s", kvr_last_error(ctx));
+		cr_assert_eq(kvr_seq_create(ctx, &x), -ENOSPC);
+		cr_assert(strstr(kvr_last_error(ctx), "device_bytes") != NULL, "message: %s",
+			  kvr_last_error(ctx));
+		cr_assert_eq(kvr_seq_fork(ctx, a, &x), -ENOSPC);
+		cr_assert_eq(kvr_seq_free(ctx, a), 0);
+		struct tseq t;
+		tseq_init(&t, 5);
+		tseq_prefill(ctx, o.dtype, &t, 200); /* the freed share admits another */
+		cr_assert_eq(kvr_seq_create(ctx, &x), -ENOSPC);
+		float q[NL][Q_ROW], out[NL][Q_ROW];
+		struct qgen qg;
+		qgen_init(&qg, 3);
+		for (int s = 0; s < 3; s++) {
+			qgen_next(&qg, o.dtype, q);
+			step_one(ctx, o.dtype, &t, (const float(*)[Q_ROW])q, out);
+		}
+		ctx_close(ctx, &o);
+		tseq_fini(&t);
+	}
+}
+
+/* A minimal JSON validator (RFC 8259 grammar, no semantics). */
+struct json {
+	const char *p;
+	int depth;
+};
+
+static void jws(struct json *j)
+{
+	while (*j->p == ' ' || *j->p == '\n' || *j->p == '\r' || *j->p == '\t')
+		j->p++;
+}
+
+static int jvalue(struct json *j);
+
+static int jstring(struct json *j)
+{
+	if (*j->p != '"')
+		return 0;
+	j->p++;
+	while (*j->p && *j->p != '"') {
+		if ((unsigned char)*j->p < 0x20)
+			return 0;
+		if (*j->p == '\\') {
+			j->p++;
+			if (!*j->p || !strchr("\"\\/bfnrtu", *j->p))
+				return 0;
+		}
+		j->p++;
+	}
+	if (*j->p != '"')
+		return 0;
+	j->p++;
+	return 1;
+}
+
+static int jdigits(struct json *j)
+{
+	const char *s = j->p;
+	while (*j->p >= '0' && *j->p <= '9')
+		j->p++;
+	return j->p > s;
+}
+
+static int jnumber(struct json *j)
+{
+	if (*j->p == '-')
+		j->p++;
+	if (!jdigits(j))
+		return 0;
+	if (*j->p == '.') {
+		j->p++;
+		if (!jdigits(j))
+			return 0;
+	}
+	if (*j->p == 'e' || *j->p == 'E') {
+		j->p++;
+		if (*j->p == '+' || *j->p == '-')
+			j->p++;
+		if (!jdigits(j))
+			return 0;
+	}
+	return 1;
+}
+
+static int jseq(struct json *j, char close, int members)
+{
+	if (++j->depth > 64)
+		return 0;
+	j->p++;
+	jws(j);
+	if (*j->p == close) {
+		j->p++;
+		j->depth--;
+		return 1;
+	}
+	for (;;) {
+		jws(j);
+		if (members) {
+			if (!jstring(j))
+				return 0;
+			jws(j);
+			if (*j->p++ != ':')
+				return 0;
+			jws(j);
+		}
+		if (!jvalue(j))
+			return 0;
+		jws(j);
+		if (*j->p == ',') {
+			j->p++;
+			continue;
+		}
+		if (*j->p != close)
+			return 0;
+		j->p++;
+		j->depth--;
+		return 1;
+	}
+}
+
+static int jvalue(struct json *j)
+{
+	switch (*j->p) {
+	case '{':
+		return jseq(j, '}', 1);
+	case '[':
+		return jseq(j, ']', 0);
+	case '"':
+		return jstring(j);
+	case 't':
+		return strncmp(j->p, "true", 4) ? 0 : (j->p += 4, 1);
+	case 'f':
+		return strncmp(j->p, "false", 5) ? 0 : (j->p += 5, 1);
+	case 'n':
+		return strncmp(j->p, "null", 4) ? 0 : (j->p += 4, 1);
+	default:
+		return jnumber(j);
+	}
+}
+
+static int json_valid(const char *text)
+{
+	struct json j = { text, 0 };
+	jws(&j);
+	if (!jvalue(&j))
+		return 0;
+	jws(&j);
+	return *j.p == 0;
+}
+
+Test(scheduler, json_validator_rejects_bad_json)
+{
+	cr_assert(json_valid("{\"a\": [1, 2.5e-3, \"x\\\"y\", true, null, {}]}"));
+	cr_assert(!json_valid("{\"a\": [1, 2,]}"));
+	cr_assert(!json_valid("{\"a\": 1"));
+	cr_assert(!json_valid("{\"a\": 1}}"));
+	cr_assert(!json_valid("{a: 1}"));
+}
+
+/* Test 10: a trace of a few streamed steps is valid JSON with the spans of
+ * every track; writes are refused without a trace and during a step. */
+Test(scheduler, trace_export, .timeout = 60)
+{
+	struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, KVR_RECALL_STREAMED, KVR_DTYPE_F32);
+	struct kvr_context *ctx = ctx_open(&o);
+	char path[] = "/tmp/kvr_trace_XXXXXX";
+	const int fd = mkstemp(path);
+	cr_assert_geq(fd, 0);
+	close(fd);
+	cr_assert_eq(kvr_trace_write(ctx, path), -EINVAL, "no trace was started");
+	struct tseq t;
+	tseq_init(&t, 9);
+	tseq_prefill(ctx, o.dtype, &t, 300);
+	cr_assert_eq(kvr_trace_start(ctx, 0), -EINVAL);
+	cr_assert_eq(kvr_trace_start(ctx, 100000), 0, "%s", kvr_last_error(ctx));
+	struct qgen qg;
+	qgen_init(&qg, 8);
+	float q[NL][Q_ROW], out[NL][Q_ROW];
+	for (int s = 0; s < 8; s++) {
+		qgen_next(&qg, o.dtype, q);
+		step_one(ctx, o.dtype, &t, (const float(*)[Q_ROW])q, out);
+	}
+	/* a step open: refused, and the trace survives */
+	const uint64_t pos = t.n;
+	cr_assert_eq(kvr_decode_begin(ctx, &t.id, &pos, 1), 0);
+	cr_assert_eq(kvr_trace_write(ctx, path), -EBUSY);
+	cr_assert_eq(kvr_trace_start(ctx, 10), -EBUSY);
+	cr_assert_eq(kvr_decode_end(ctx), 0);
+	cr_assert_eq(kvr_trace_write(ctx, path), 0, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_trace_write(ctx, path), -EINVAL, "the trace was written already");
+
+	FILE *f = fopen(path, "rb");
+	cr_assert(f);
+	fseek(f, 0, SEEK_END);
+	const long size = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	char *text = malloc((size_t)size + 1);
+	cr_assert_eq(fread(text, 1, (size_t)size, f), (size_t)size);
+	text[size] = 0;
+	fclose(f);
+	unlink(path);
+	cr_assert_eq(strncmp(text, "{\"displayTimeUnit\"", 18), 0, "starts with: %.40s", text);
+	cr_assert(strstr(text, "\"traceEvents\"") != NULL);
+	cr_assert(json_valid(text), "the trace is not valid JSON");
+	static const char *const spans[] = { "select (next step)", "copy chunk", "scatter chunk",
+					     "attention" };
+	for (int i = 0; i < 4; i++) {
+		char needle[64];
+		snprintf(needle, sizeof(needle), "\"name\": \"%s\"", spans[i]);
+		cr_assert(strstr(text, needle) != NULL, "no span named %s", spans[i]);
+	}
+	free(text);
+	ctx_close(ctx, &o);
+	tseq_fini(&t);
+}
+
+/* Test 11: a normal run leaves no asynchronous error (ctx_close checks it
+ * after every test; here on its own, streamed, and the query is idempotent). */
+Test(scheduler, async_error_clear_after_run, .timeout = 60)
+{
+	struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, KVR_RECALL_STREAMED, KVR_DTYPE_F16);
+	struct kvr_context *ctx = ctx_open(&o);
+	cr_assert_eq(kvr_async_error(ctx, NULL), 0);
+	struct tseq t;
+	tseq_init(&t, 3);
+	tseq_prefill(ctx, o.dtype, &t, 260);
+	struct qgen qg;
+	qgen_init(&qg, 4);
+	float q[NL][Q_ROW], out[NL][Q_ROW];
+	for (int s = 0; s < 10; s++) {
+		qgen_next(&qg, o.dtype, q);
+		step_one(ctx, o.dtype, &t, (const float(*)[Q_ROW])q, out);
+	}
+	kvr_sched_seq_quiesce(ctx->sched, t.id);
+	const char *msg = "unset";
+	cr_assert_eq(kvr_async_error(ctx, &msg), 0, "%s", msg);
+	cr_assert_eq(kvr_async_error(ctx, NULL), 0);
+	cr_assert_eq(kvr_async_error(NULL, NULL), -EINVAL);
+	ctx_close(ctx, &o);
+	tseq_fini(&t);
+}
