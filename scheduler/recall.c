@@ -21,10 +21,12 @@
  * recall_buffers = 1 keeps one buffer (copy and scatter serialised) for the
  * ablation.
  *
- * Threads: kvr_recall_issue runs on the controller thread and never blocks:
- * each lane has its own scatter-item array (consumed before the lane's next
- * job can be posted), and buffer reuse is ordered on the streams by the
- * `drained` events; the streams run the work.
+ * Threads: kvr_recall_issue runs on the controller thread. Staging-buffer
+ * reuse is ordered on the streams by the `drained` events, so the controller
+ * does not wait for buffers; it waits only, before rewriting a lane's own
+ * scatter items and slot table, for that lane's previous recall when it is
+ * still running (rare: an urgent recall right after a deferred one). The
+ * streams run the work.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -156,11 +158,9 @@ static void hook_delay(void *arg)
 
 void kvr_sched_hook_on_stream(struct kvr_sched *s, struct kvr_stream *stream, uint32_t where)
 {
-	/* one argument per site, owned by the scheduler: it outlives every call */
+	/* one argument per site, filled once at creation (stream workers read it) */
 	if (!s->hooks.delay || where >= 4)
 		return;
-	s->hook_args[where].where = where;
-	s->hook_args[where].s = s;
 	kvr_dev_host_fn(s->dev, stream, hook_delay, &s->hook_args[where]);
 }
 
@@ -248,6 +248,13 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 	struct kvr_stream *copy = s->copy, *convert = s->convert;
 	int first_scatter = 1, err = 0;
 	uint32_t n_items_used = 0;
+	/* The lane's scatter items (and slot table) are rewritten below: its
+	 * previous recall must have run. Usually it has — the lane's attention
+	 * waited for it — but an urgent recall can follow a deferred one still in
+	 * flight (freekv: a correction at the next step), and with asynchronous
+	 * compute the engine waits only on the stream. */
+	if (kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN)
+		kvr_dev_event_synchronize(s->dev, lane->recall_done);
 	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
 		if (!heads[m])
 			continue;
@@ -257,10 +264,9 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
 			const uint32_t b = s->next_buffer++ % s->n_staging;
 			struct staging *st = &s->staging[b];
-			/* this chunk's scatter items: the lane's own array, whose previous
-			 * contents were consumed by the lane's previous recall, which the
-			 * lane's attention (and so this job's posting) waited for — no host
-			 * wait here; only the copy stream waits for the buffer to drain */
+			/* this chunk's scatter items: the lane's own array (its previous
+			 * recall has run, above); staging-buffer reuse is ordered on the
+			 * copy stream by the buffer's `drained` event, not on the host */
 			struct kvr_scatter_item *items = lane->recall_items + n_items_used;
 			n_items_used += n;
 			/* copies: one HND run per miss, from the pool into the staging buffer */
@@ -285,6 +291,11 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 					lane->slot_v + (uint64_t)misses[at + i].slot * s->tile_bytes,
 					misses[at + i].head, 0 };
 			}
+			kvr_dev_stream_wait_event(s->dev, copy, st->drained);
+			kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
+			struct kvr_trace_span *sp =
+				kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY, lane->seq,
+						      lane->layer, n);
 			if (s->pool_layout == KVR_POOL_LAYOUT_NHD) {
 				/* ablation: token-major pool pages, 2·p row copies per run */
 				err = 0;
@@ -304,11 +315,6 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 								row, KVR_COPY_H2D, copy);
 				}
 			}
-			kvr_dev_stream_wait_event(s->dev, copy, st->drained);
-			kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
-			struct kvr_trace_span *sp =
-				kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY, lane->seq,
-						      lane->layer, n);
 			if (!err && s->pool_layout != KVR_POOL_LAYOUT_NHD)
 				err = kvr_dev_memcpy_batch_async(s->dev, st->runs, base, descs, n,
 								 KVR_COPY_H2D, copy);

@@ -581,6 +581,14 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 void kvr_sched_seq_close(struct kvr_sched *s, uint32_t seq)
 {
 	kvr_sched_seq_quiesce(s, seq);
+	/* A stream may still be inside the operation that completed one of the
+	 * lane's events (waking waiters after publishing completion): drain the
+	 * streams that record them before the events are destroyed. */
+	if (s->copy)
+		kvr_dev_stream_synchronize(s->dev, s->copy);
+	if (s->convert)
+		kvr_dev_stream_synchronize(s->dev, s->convert);
+	kvr_dev_stream_synchronize(s->dev, s->compute);
 	for (uint32_t l = 0; l < s->c.n_layers; l++)
 		lane_release(s, lane_of(s, seq, l));
 	s->tails[seq] = NULL;
@@ -625,6 +633,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 				       c->dtype, scale, c->tau, 0 };
 	s->head_shape = (struct kvr_shape){ s->G, 1, c->head_dim, c->page_tokens, c->dtype, scale,
 					    c->tau, 0 };
+	for (uint32_t w = 0; w < 4; w++)
+		s->hook_args[w] = (struct hook_arg){ s, w };
 	pthread_mutex_init(&s->lock, NULL);
 	pthread_cond_init(&s->work, NULL);
 	pthread_cond_init(&s->done, NULL);
