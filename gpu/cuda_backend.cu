@@ -16,7 +16,10 @@
  * allocated on the stream's first such call and grown when a call needs more
  * (stream-ordered allocations, so neither waits for the device), never per
  * call. score's scratch includes a cache of SCORE_CACHE_PAGES page scores per
- * (sequence, query head); longer candidate ranges take a slower path.
+ * (sequence, query head); longer candidate ranges take a slower path. The
+ * splits are sized for the device's SM count; KVR_CUDA_SPLIT_SMS=N in the
+ * environment plans for N instead (0: no splits, one block per sequence and
+ * KV head), for tuning and A/B measurements.
  *
  * Threads and streams: any thread may call any op (device.c has checked the
  * arguments); each op makes the backend's device current for its duration and
@@ -934,6 +937,13 @@ extern "C" int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_param
 	}
 	cd->device = device;
 	cd->sm_count = prop.multiProcessorCount > 0 ? (uint32_t)prop.multiProcessorCount : 0;
+	const char *split_sms = getenv("KVR_CUDA_SPLIT_SMS");
+	if (split_sms && *split_sms) {
+		char *end;
+		const long v = strtol(split_sms, &end, 10);
+		if (*end == '\0' && v >= 0 && v <= 1 << 16)
+			cd->sm_count = (uint32_t)v;
+	}
 	int pools = 0;
 	if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess)
 		(void)cudaGetLastError();

@@ -45,11 +45,14 @@
 
 #define KVR_DEV static __device__ __forceinline__
 
-/* Full unrolling keeps small fixed-size arrays in registers under nvcc. */
+/* Full unrolling keeps small fixed-size arrays in registers under nvcc;
+ * unrolling a loop of run-time length by 4 lets its loads be issued together. */
 #if defined(__CUDACC__)
 #define KVR_UNROLL _Pragma("unroll")
+#define KVR_UNROLL4 _Pragma("unroll 4")
 #else
 #define KVR_UNROLL
+#define KVR_UNROLL4
 #endif
 
 static const unsigned FULL_MASK = 0xffffffffu;
@@ -135,24 +138,40 @@ template <uint32_t ET> KVR_DEV chunk16 load_chunk(const unsigned char *p, bool a
 KVR_DEV float f16_to_f32(uint32_t h)
 {
 #if defined(__CUDA_ARCH__)
-	const float f = __half2float(__ushort_as_half((unsigned short)h));
-	if ((h & 0x7fffu) > 0x7c00u)
-		return __uint_as_float((h & 0x8000u) << 16 | 0x7fc00000u | (h & 0x3ffu) << 13);
-	return f;
+	/* a select, not a branch: a branch on loaded bits makes the warp wait
+	 * for that load before it can issue the next one */
+	const uint32_t hw = __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
+	const uint32_t nan = (h & 0x8000u) << 16 | 0x7fc00000u | (h & 0x3ffu) << 13;
+	return __uint_as_float((h & 0x7fffu) > 0x7c00u ? nan : hw);
 #else
 	return kvr_f16_to_f32((uint16_t)h);
 #endif
 }
 
-/* Element i of an array of element type ET, as f32 (kvr_load_f32's values). */
-template <uint32_t ET> KVR_DEV float load_elem(const void *p, uint64_t i)
+/* Element i of an array of element type ET as raw bits, and bits as f32
+ * (kvr_load_f32's values): loading a batch of raw elements before converting
+ * any keeps all the loads in flight together. */
+template <uint32_t ET> KVR_DEV uint32_t load_bits(const void *p, uint64_t i)
 {
 	if constexpr (ET == KVR_ELEM_F32)
-		return static_cast<const float *>(p)[i];
-	else if constexpr (ET == KVR_ELEM_F16)
-		return f16_to_f32(static_cast<const uint16_t *>(p)[i]);
+		return static_cast<const uint32_t *>(p)[i];
 	else
-		return kvr_bf16_to_f32(static_cast<const uint16_t *>(p)[i]);
+		return static_cast<const uint16_t *>(p)[i];
+}
+
+template <uint32_t ET> KVR_DEV float bits_to_f32(uint32_t b)
+{
+	if constexpr (ET == KVR_ELEM_F32)
+		return kvr_bits_to_f32(b);
+	else if constexpr (ET == KVR_ELEM_F16)
+		return f16_to_f32(b);
+	else
+		return kvr_bf16_to_f32((uint16_t)b);
+}
+
+template <uint32_t ET> KVR_DEV float load_elem(const void *p, uint64_t i)
+{
+	return bits_to_f32<ET>(load_bits<ET>(p, i));
 }
 
 /* The 16 / elem_bytes values of a chunk as f32, with half.h's conversions. */
@@ -340,9 +359,14 @@ static __global__ void KVR_LAUNCH_BOUNDS(SUMMARY_THREADS, 4)
  * (xor 8, 4, 2, 1) is the canonical fold (each step adds the same two partial
  * sums, and + commutes exactly). This keeps the summary loads coalesced (a
  * group reads 16 consecutive elements) and needs one accumulator per head.
- * Query heads go SCORE_HEADS at a time (register accumulators).
+ * A lane loads all its elements of the page (raw bits) before it converts
+ * any, so a page costs one memory latency, not one per element: the f16
+ * conversion used to branch on the loaded bits, which serialised the loads and
+ * held the kernel to ~350 GB/s of summaries on an H100. Query heads go 4 at a
+ * time in pass 1 when the group has at most 4, SCORE_HEADS otherwise
+ * (register accumulators).
  *
- * Scratch (floats, laid out by score_plan_make): the per-split maxima
+ * Scratch (floats, laid out by score_plan_layout): the per-split maxima
  * [n][n_kv][splits][G], per query head (max, 1/sum) [n][n_qo][2], and the
  * cache [n][n_qo][cache].
  */
@@ -350,7 +374,8 @@ static const uint32_t SCORE_THREADS = 256;
 static const uint32_t SCORE_GROUPS = SCORE_THREADS / KVR_DOT_LANES; /* pages per step */
 static const uint32_t SCORE_HEADS = 16;
 static const uint32_t SCORE_MAX_DIM = 256;
-static const uint32_t SCORE_MAX_SPLITS = 32;
+static const uint32_t SCORE_MAX_SPLITS = 32; /* pass 2 merges the maxima in one warp */
+static_assert(SCORE_MAX_SPLITS <= 32, "score_sums_kernel takes the splits' maxima in a warp");
 
 struct score_plan {
 	uint32_t splits; /* blocks per (item, KV head) in passes 1 and 3 */
@@ -369,18 +394,36 @@ template <uint32_t ET, uint32_t NH, typename F>
 KVR_DEV void quest_scores(const void *summaries, uint64_t row, bool valid, uint32_t d,
 			  uint32_t lane16, const float *q_s, uint32_t gc, float scale, F &&each)
 {
+	/* dims a lane loads per round: 8 (all of them up to d = 128) when there
+	 * are few heads, so that the page's loads are all in flight at once (one
+	 * memory latency per page rather than one per dim); 4 when registers are
+	 * scarcer */
+	constexpr uint32_t PF = NH <= 4 ? 8 : 4;
 	float acc[NH];
 	KVR_UNROLL
 	for (uint32_t g = 0; g < NH; g++)
 		acc[g] = 0.0f;
 	if (valid) {
-		for (uint32_t c = lane16; c < d; c += KVR_DOT_LANES) {
-			const float mn = load_elem<ET>(summaries, row + c);
-			const float mx = load_elem<ET>(summaries, row + d + c);
+		for (uint32_t c0 = lane16; c0 < d; c0 += PF * KVR_DOT_LANES) {
+			uint32_t mn[PF], mx[PF]; /* raw: every load issued before any is used */
 			KVR_UNROLL
-			for (uint32_t g = 0; g < NH; g++)
-				if (g < gc)
-					acc[g] = acc[g] + kvr_quest_term(q_s[g * d + c], mn, mx);
+			for (uint32_t i = 0; i < PF; i++) {
+				const uint32_t c = c0 + i * KVR_DOT_LANES;
+				mn[i] = c < d ? load_bits<ET>(summaries, row + c) : 0u;
+				mx[i] = c < d ? load_bits<ET>(summaries, row + d + c) : 0u;
+			}
+			/* each accumulator still takes its dims in ascending order */
+			KVR_UNROLL
+			for (uint32_t i = 0; i < PF; i++) {
+				const uint32_t c = c0 + i * KVR_DOT_LANES;
+				if (c < d) {
+					const float lo = bits_to_f32<ET>(mn[i]), hi = bits_to_f32<ET>(mx[i]);
+					KVR_UNROLL
+					for (uint32_t g = 0; g < NH; g++)
+						if (g < gc)
+							acc[g] = acc[g] + kvr_quest_term(q_s[g * d + c], lo, hi);
+				}
+			}
 		}
 	}
 	KVR_UNROLL
@@ -406,14 +449,15 @@ KVR_DEV void score_chunk(uint32_t n_cand, uint32_t splits, uint32_t b, uint32_t 
 	*r_end = hi < n_cand ? (uint32_t)hi : n_cand;
 }
 
-/* Pass 1. Block (item·n_kv + m)·splits + b. */
-template <uint32_t ET>
-static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
+/* Pass 1. Block (item·n_kv + m)·splits + b; NH query heads at a time (4 when
+ * the group has at most 4, for registers and occupancy; SCORE_HEADS else). */
+template <uint32_t ET, uint32_t NH>
+static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	score_pages_kernel(struct kvr_shape shape, struct score_plan plan,
 			   const struct kvr_score_item *items, float *scratch)
 {
-	__shared__ float q_s[SCORE_HEADS * SCORE_MAX_DIM];
-	__shared__ float red_s[SCORE_HEADS * SCORE_THREADS];
+	__shared__ float q_s[NH * SCORE_MAX_DIM];
+	__shared__ float red_s[NH * SCORE_THREADS];
 
 	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads;
 	const uint32_t G = n_qo / n_kv;
@@ -432,8 +476,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 	float *pmax = scratch + ((uint64_t)im * plan.splits + b) * G;
 	float *cache = scratch + plan.off_cache + ((uint64_t)item * n_qo + m * G) * plan.cache;
 
-	for (uint32_t g0 = 0; g0 < G; g0 += SCORE_HEADS) {
-		const uint32_t gc = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
+	for (uint32_t g0 = 0; g0 < G; g0 += NH) {
+		const uint32_t gc = G - g0 < NH ? G - g0 : NH;
 		__syncthreads(); /* the previous chunk is done with q_s and red_s */
 		const uint64_t q_base = (uint64_t)(m * G + g0) * d;
 		for (uint32_t e = tid; e < gc * d; e += SCORE_THREADS)
@@ -442,14 +486,14 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 
 		/* per-head maximum (exact in any order; NaN scores are skipped here
 		 * and poison the sum in pass 2 instead) */
-		float run_max[SCORE_HEADS];
+		float run_max[NH];
 		KVR_UNROLL
-		for (uint32_t g = 0; g < SCORE_HEADS; g++)
+		for (uint32_t g = 0; g < NH; g++)
 			run_max[g] = -INFINITY;
 		for (uint32_t r0 = r_begin; r0 < r_end; r0 += SCORE_GROUPS) {
 			const uint32_t r = r0 + grp;
 			const bool valid = r < r_end;
-			quest_scores<ET, SCORE_HEADS>(
+			quest_scores<ET, NH>(
 				it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
 				valid, d, lane16, q_s, gc, shape.scale, [&](uint32_t g, float s) {
 					if (!valid)
@@ -461,7 +505,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 				});
 		}
 		KVR_UNROLL
-		for (uint32_t g = 0; g < SCORE_HEADS; g++)
+		for (uint32_t g = 0; g < NH; g++)
 			if (g < gc)
 				red_s[g * SCORE_THREADS + tid] = run_max[g];
 		__syncthreads();
@@ -500,13 +544,16 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 	const bool cached = n_cand <= plan.cache;
 	const uint64_t hq = (uint64_t)item * n_qo + h;
 
-	if (tid == 0) { /* the maxima of the splits, in order (exact in any) */
+	if (tid < 32) { /* the maximum of the splits' (at most 32; exact in any order) */
 		const float *pmax = scratch + (uint64_t)(item * n_kv + m) * plan.splits * G + g;
-		float mx = -INFINITY;
-		for (uint32_t b = 0; b < plan.splits; b++)
-			if (pmax[(uint64_t)b * G] > mx)
-				mx = pmax[(uint64_t)b * G];
-		max_sh = mx;
+		float mx = tid < plan.splits ? pmax[(uint64_t)tid * G] : -INFINITY;
+		for (unsigned o = 16; o >= 1; o /= 2) {
+			const float other = __shfl_xor_sync(FULL_MASK, mx, (int)o);
+			if (other > mx)
+				mx = other;
+		}
+		if (tid == 0)
+			max_sh = mx;
 	}
 	if (!cached)
 		for (uint32_t e = tid; e < d; e += SCORE_THREADS)
@@ -517,6 +564,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 	float lane_sum = 0.0f;
 	if (cached) {
 		float *row = scratch + plan.off_cache + hq * plan.cache;
+		KVR_UNROLL4
 		for (uint32_t r = tid; r < n_cand; r += KVR_SUM_LANES) {
 			const float e = kvr_expf(row[r] - mx);
 			row[r] = e;
@@ -584,6 +632,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 		const float *cache = scratch + plan.off_cache + hq0 * plan.cache;
 		for (uint32_t r = r_begin + tid; r < r_end; r += SCORE_THREADS) {
 			float acc = 0.0f;
+			KVR_UNROLL4
 			for (uint32_t g = 0; g < G; g++)
 				acc = acc + cache[(uint64_t)g * plan.cache + r] * stat[2 * g + 1];
 			scores[r] = acc * inv_group;
@@ -1163,6 +1212,7 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 				if (t < rows) {
 					const float *kr = k_s + t * kstride;
 					float a0 = 0.0f, a1 = 0.0f;
+					KVR_UNROLL4
 					for (uint32_t c = 0; c < d; c += 4) {
 						const vec4f qv = *reinterpret_cast<const vec4f *>(qg + c);
 						const vec4f kv = *reinterpret_cast<const vec4f *>(kr + c);
@@ -1203,12 +1253,20 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 			for (uint32_t i = 0; i < NACC; i++)
 				if (i < n_mine)
 					acc[i] = acc[i] * alpha_s[g_own + side * i];
-			for (uint32_t t = 0; t < rows; t++) {
+			const auto pv = [&](uint32_t t) {
 				const float v = v_s[t * d + c_own];
 				KVR_UNROLL
 				for (uint32_t i = 0; i < NACC; i++)
 					if (i < n_mine)
 						acc[i] = fmaf(pg[side * tile * i + t], v, acc[i]);
+			};
+			if constexpr (NACC <= 4) { /* unrolled: the loads go out together */
+				KVR_UNROLL4
+				for (uint32_t t = 0; t < rows; t++)
+					pv(t);
+			} else { /* 16 accumulators leave no registers for that */
+				for (uint32_t t = 0; t < rows; t++)
+					pv(t);
 			}
 		}
 		__syncthreads(); /* the tile's shared memory may be overwritten */
@@ -1373,6 +1431,26 @@ static int grid_size(uint32_t n, uint64_t per_item, const char *what, uint32_t *
 		}                                                                            \
 	} while (0)
 
+/* The same with a second template argument (a compile-time count). */
+#define KVR_TARGS(a, b) a, b
+#define KVR_LAUNCH_TYPED2(kernel, et, n, grid, block, smem, stream, ...)                     \
+	do {                                                                                 \
+		switch (et) {                                                                \
+		case KVR_ELEM_F16:                                                           \
+			KVR_LAUNCH(kernel<KVR_TARGS(KVR_ELEM_F16, n)>, grid, block, smem, stream,  \
+				   __VA_ARGS__);                                             \
+			break;                                                               \
+		case KVR_ELEM_BF16:                                                          \
+			KVR_LAUNCH(kernel<KVR_TARGS(KVR_ELEM_BF16, n)>, grid, block, smem, stream, \
+				   __VA_ARGS__);                                             \
+			break;                                                               \
+		default:                                                                     \
+			KVR_LAUNCH(kernel<KVR_TARGS(KVR_ELEM_F32, n)>, grid, block, smem, stream,  \
+				   __VA_ARGS__);                                             \
+			break;                                                               \
+		}                                                                            \
+	} while (0)
+
 extern "C" int KVR_KERNEL_SYMBOL(launch_scatter)(const struct kvr_shape *shape,
 						 const struct kvr_scatter_item *items, uint32_t n,
 						 void *stream)
@@ -1492,8 +1570,12 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_score_scratch)(const struct kvr_shape *s
 	    (rc = grid_size(n, shape->n_qo_heads, "score", &heads_grid)))
 		return rc;
 	float *f = static_cast<float *>(scratch);
-	KVR_LAUNCH_TYPED(score_pages_kernel, shape->elem_type, pages_grid, SCORE_THREADS, 0,
-			 stream, *shape, plan, items, f);
+	if (shape->n_qo_heads / shape->n_kv_heads <= 4)
+		KVR_LAUNCH_TYPED2(score_pages_kernel, shape->elem_type, 4, pages_grid, SCORE_THREADS,
+				  0, stream, *shape, plan, items, f);
+	else
+		KVR_LAUNCH_TYPED2(score_pages_kernel, shape->elem_type, SCORE_HEADS, pages_grid,
+				  SCORE_THREADS, 0, stream, *shape, plan, items, f);
 	if ((rc = launch_status("score (pages)")))
 		return rc;
 	KVR_LAUNCH_TYPED(score_sums_kernel, shape->elem_type, heads_grid, SCORE_THREADS, 0, stream,
@@ -1623,9 +1705,6 @@ static uint32_t att_nacc(uint32_t acc)
 {
 	return acc <= 2 ? 2u : (acc <= 4 ? 4u : ATT_MAX_ACC);
 }
-
-/* Two template arguments through one macro argument. */
-#define KVR_TARGS(a, b) a, b
 
 template <uint32_t ET>
 static void launch_attention_et(uint32_t grid, const struct kvr_shape &shape,
