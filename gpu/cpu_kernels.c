@@ -92,8 +92,38 @@ static inline void hsum4_avx512(vf a, vf b, vf c, vf d, float *out)
 	const __m128i idx = _mm_setr_epi32(0, 4, 8, 12);
 	_mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_castsi128_si512(idx), x)));
 }
+/* Sixteen canonical folds at once (the score kernel's 16 pages per batch):
+ * each step w = 8, 4, 2, 1 adds lane l + w to lane l of every vector's
+ * remaining lanes (kmath.h's order), two vectors' halves per add, so the 16
+ * folds take 15 adds and 31 shuffles instead of 64 adds and 64 shuffles. The
+ * pairings leave page 4i + b in lane 4b + i; one permute puts page p in lane p. */
+static inline __attribute__((always_inline)) vf fold16x16_avx512(const vf *v)
+{
+	__m512 h[8];
+	_Pragma("GCC unroll 8")
+	for (int k = 0; k < 8; k++) { /* w = 8: [v0 lanes 0-7 | v1 lanes 0-7] */
+		const __m512 a = (__m512)v[2 * k], b = (__m512)v[2 * k + 1];
+		h[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+	}
+	_Pragma("GCC unroll 4")
+	for (int k = 0; k < 4; k++) { /* w = 4: one 128-bit block per page */
+		const __m512 a = h[2 * k], b = h[2 * k + 1];
+		h[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+	}
+	_Pragma("GCC unroll 2")
+	for (int k = 0; k < 2; k++) { /* w = 2: two lanes per page */
+		const __m512 a = h[2 * k], b = h[2 * k + 1];
+		h[k] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+	}
+	/* w = 1 */
+	const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(h[0], h[1], 0x88), _mm512_shuffle_ps(h[0], h[1], 0xdd));
+	const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+	return (vf)_mm512_permutexvar_ps(idx, r);
+}
 #define ISA avx512
 #define LOAD16(row, t, i) load16_avx512(row, t, i)
+#define MAX16(a, b) ((vf)_mm512_max_ps((__m512)(a), (__m512)(b)))
+#define FOLD16X16(v) fold16x16_avx512(v)
 #define FMA16(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
 #define HSUM16(v) _mm512_reduce_add_ps((__m512)(v))
 #define SPLAT16(x) ((vf)_mm512_set1_ps(x))
@@ -109,6 +139,8 @@ static inline void hsum4_avx512(vf a, vf b, vf c, vf d, float *out)
 #undef FOLD16
 #undef HSUM4
 #undef HMAX16
+#undef MAX16
+#undef FOLD16X16
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -173,8 +205,27 @@ static inline float hsum16_avx2(vf v)
 	h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
 	return _mm_cvtss_f32(h);
 }
+static inline __attribute__((always_inline)) vf max16_avx2(vf a, vf b)
+{
+	union v16_halves x = { a }, y = { b }, r;
+	r.h[0] = _mm256_max_ps(x.h[0], y.h[0]);
+	r.h[1] = _mm256_max_ps(x.h[1], y.h[1]);
+	return r.v;
+}
+
+static inline __attribute__((always_inline)) vf fold16x16_avx2(const vf *v)
+{
+	float f[16];
+	for (int p = 0; p < 16; p++)
+		f[p] = fold16_avx2(v[p]);
+	vf r;
+	memcpy(&r, f, sizeof(r));
+	return r;
+}
 #define ISA avx2
 #define LOAD16(row, t, i) load16_avx2(row, t, i)
+#define MAX16(a, b) max16_avx2(a, b)
+#define FOLD16X16(v) fold16x16_avx2(v)
 #define FMA16(a, b, c) fma16_avx2(a, b, c)
 #define HSUM16(v) hsum16_avx2(v)
 #define SPLAT16(x) splat16_avx2(x)
@@ -190,6 +241,8 @@ static inline float hsum16_avx2(vf v)
 #undef FOLD16
 #undef HSUM4
 #undef HMAX16
+#undef MAX16
+#undef FOLD16X16
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -224,8 +277,22 @@ static inline __attribute__((always_inline)) float hsum16_base(vf v)
 		s += v[l];
 	return s;
 }
+static inline __attribute__((always_inline)) vf max16_base(vf a, vf b)
+{
+	return blend(a > b, a, b);
+}
+
+static inline __attribute__((always_inline)) vf fold16x16_base(const vf *v)
+{
+	vf r;
+	for (int p = 0; p < 16; p++)
+		r[p] = fold16_base(v[p]);
+	return r;
+}
 #define ISA base
 #define LOAD16(row, t, i) load16_base(row, t, i)
+#define MAX16(a, b) max16_base(a, b)
+#define FOLD16X16(v) fold16x16_base(v)
 #define FMA16(a, b, c) fma16_base(a, b, c)
 #define HSUM16(v) hsum16_base(v)
 #define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
@@ -241,6 +308,8 @@ static inline __attribute__((always_inline)) float hsum16_base(vf v)
 #undef FOLD16
 #undef HSUM4
 #undef HMAX16
+#undef MAX16
+#undef FOLD16X16
 
 /* ------------------------------------------------------------------ page kernels */
 
@@ -322,21 +391,27 @@ static void score_task(void *arg, uint32_t index)
 	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
 	if (!n_cand)
 		return;
-	float *tmp = malloc((size_t)G * n_cand * sizeof(float));
+	/* scratch: G x 16 parked accumulators (vectors), then G rows of raw
+	 * scores padded to whole vectors */
+	const size_t park_bytes = (size_t)G * 16 * sizeof(vf);
+	const size_t raw_bytes = (size_t)G * ((n_cand + 15u) & ~15u) * sizeof(float);
+	unsigned char *tmp = aligned_alloc(64, (park_bytes + raw_bytes + 63) & ~(size_t)63);
 	if (!tmp) { /* cannot score: rank every candidate equal (lowest pages win) */
 		for (uint32_t j = 0; j < n_cand; j++)
 			it->scores[(uint64_t)m * n_cand + j] = 0.0f;
 		return;
 	}
+	vf *park = (vf *)(void *)tmp;
+	float *raw = (float *)(void *)(tmp + park_bytes);
 	switch (job->isa) {
 	case KVR_CONVERT_AVX512:
-		score_head_avx512(sh, it, m, tmp);
+		score_head_avx512(sh, it, m, raw, park);
 		break;
 	case KVR_CONVERT_AVX2:
-		score_head_avx2(sh, it, m, tmp);
+		score_head_avx2(sh, it, m, raw, park);
 		break;
 	default:
-		score_head_base(sh, it, m, tmp);
+		score_head_base(sh, it, m, raw, park);
 		break;
 	}
 	free(tmp);
@@ -356,27 +431,91 @@ static inline uint32_t ordered_bits(float x)
 	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-/* The k largest of n unique keys, by radix select on bytes from the top:
- * returns the smallest key that is among them. */
-static uint64_t kth_largest(const uint64_t *keys, uint32_t n, uint32_t k)
+static int cmp_u32(const void *a, const void *b)
 {
-	uint64_t prefix = 0, mask = 0;
-	uint32_t want = k;
-	for (int shift = 56; shift >= 0; shift -= 8) {
-		uint32_t hist[256] = { 0 };
-		for (uint32_t i = 0; i < n; i++)
-			if ((keys[i] & mask) == prefix)
-				hist[(keys[i] >> shift) & 0xff]++;
-		uint32_t b = 256;
-		while (b-- > 0) {
-			if (hist[b] >= want)
-				break;
-			want -= hist[b];
+	const uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+static int cmp_u64_desc(const void *a, const void *b)
+{
+	const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x > y ? -1 : x < y;
+}
+
+/*
+ * Reorder the n unique keys of a so that a[0..k) are the k largest (in no
+ * particular order): quickselect with a median-of-three pivot and a
+ * branch-free partition (which side a key falls on is a coin toss, so a
+ * branch would mispredict every other key). After 64 rounds, which only
+ * contrived inputs reach, what is left is sorted instead.
+ */
+static void largest_first(uint64_t *a, uint32_t n, uint32_t k)
+{
+	uint32_t lo = 0, hi = n;
+	for (int round = 0; lo < k && k < hi; round++) {
+		if (hi - lo <= 16 || round == 64) {
+			qsort(a + lo, hi - lo, sizeof(*a), cmp_u64_desc);
+			return;
 		}
-		prefix |= (uint64_t)b << shift;
-		mask |= (uint64_t)0xff << shift;
+		const uint64_t x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi - 1];
+		const uint64_t mn = x < y ? x : y, mx = x < y ? y : x;
+		const uint64_t pivot = z < mn ? mn : (z > mx ? mx : z);
+		uint32_t w = lo; /* [lo, w): keys above the pivot */
+		for (uint32_t i = lo; i < hi; i++) {
+			const uint64_t v = a[i], u = a[w];
+			const int above = v > pivot;
+			a[i] = above ? u : v;
+			a[w] = above ? v : u;
+			w += (uint32_t)above;
+		}
+		if (w >= k) {
+			hi = w;
+		} else { /* [lo, w) are all in; the pivot, the largest of the rest, next */
+			uint32_t at = w;
+			while (a[at] != pivot)
+				at++;
+			a[at] = a[w];
+			a[w] = pivot;
+			lo = w + 1;
+		}
 	}
-	return prefix;
+}
+
+/*
+ * The `take` largest of n scores, ties to the lower index (kernels.h,
+ * "select"), written ascending to idx. Each candidate's key is its ordered
+ * score above its inverted index, so keys are unique and the take largest
+ * keys are the answer. One pass keeps only the keys above a threshold in buf
+ * (cap > take entries); when buf fills, a quickselect raises the threshold
+ * to its take-th largest key and drops the rest. With scores in no
+ * particular order almost every key soon falls below the threshold, a
+ * compare per candidate; scores rising page after page make every key an
+ * entry, and the quickselects then cost a few steps per candidate, still
+ * less than the radix select before it, which read all n keys eight times.
+ */
+static void top_scores(const float *scores, uint32_t n, uint32_t take, uint64_t *buf, uint32_t cap,
+		       uint32_t *idx)
+{
+	uint64_t threshold = 0; /* every key is above it: its low half is 0xffffffff - j > 0 */
+	uint32_t held = 0;
+	for (uint32_t j = 0; j < n; j++) {
+		const uint64_t key = (uint64_t)ordered_bits(scores[j]) << 32 | (0xffffffffu - j);
+		if (key > threshold) {
+			buf[held++] = key;
+			if (held == cap) {
+				largest_first(buf, held, take);
+				held = take;
+				threshold = buf[0];
+				for (uint32_t i = 1; i < take; i++)
+					threshold = buf[i] < threshold ? buf[i] : threshold;
+			}
+		}
+	}
+	largest_first(buf, held, take);
+	for (uint32_t i = 0; i < take; i++)
+		idx[i] = 0xffffffffu - (uint32_t)buf[i];
+	qsort(idx, take, sizeof(*idx), cmp_u32);
 }
 
 static void select_task(void *arg, uint32_t index)
@@ -396,15 +535,14 @@ static void select_task(void *arg, uint32_t index)
 		for (uint32_t j = 0; j < n_cand; j++)
 			out[w++] = (int32_t)(it->cand_begin + j);
 	} else {
-		uint64_t *keys = malloc((size_t)n_cand * sizeof(*keys));
-		if (keys) {
-			for (uint32_t j = 0; j < n_cand; j++)
-				keys[j] = (uint64_t)ordered_bits(scores[j]) << 32 | (0xffffffffu - j);
-			const uint64_t threshold = kth_largest(keys, n_cand, take);
-			for (uint32_t j = 0; j < n_cand; j++)
-				if (keys[j] >= threshold)
-					out[w++] = (int32_t)(it->cand_begin + j);
-			free(keys);
+		const uint32_t cap = 4 * take + 64;
+		uint64_t *buf = malloc((size_t)cap * sizeof(*buf) + (size_t)take * sizeof(uint32_t));
+		if (buf) {
+			uint32_t *idx = (uint32_t *)(void *)(buf + cap);
+			top_scores(scores, n_cand, take, buf, cap, idx);
+			for (uint32_t i = 0; i < take; i++)
+				out[w++] = (int32_t)(it->cand_begin + idx[i]);
+			free(buf);
 		} else { /* out of memory: the most recent candidates, a sane fallback */
 			for (uint32_t j = n_cand - take; j < n_cand; j++)
 				out[w++] = (int32_t)(it->cand_begin + j);

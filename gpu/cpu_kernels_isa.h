@@ -13,6 +13,10 @@
  *                         (halves added lane-wise: 8, then 4, 2, 1)
  *   SPLAT16(x)            x in every lane (a broadcast: building the vector
  *                         from scalars goes through memory and stalls)
+ *   MAX16(a, b)           a > b ? a : b per lane (x86 max: b when either is
+ *                         NaN or both are zeros): kvr_quest_term's choice
+ *   FOLD16X16(v)          of 16 vectors v[0..15], the vector whose lane p is
+ *                         FOLD16(v[p]), each in the canonical order
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -55,17 +59,47 @@ static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 	return blend(is_nan, x, p);
 }
 
+static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
+{
+	return (vi){ 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 };
+}
+
 /* ------------------------------------------------------------------ score */
 
-/* Scores of KV head m of one item (kernels.h, "score"). tmp: G x n_cand.
- * `chunks` (d / 16) is a compile-time constant in every caller, as in
- * attention, so the page's min/max rows stay in registers. */
+/* Pages ahead of the one being scored whose summary rows are prefetched (into
+ * L2: into L1 they evict the rows in use): one head's rows of consecutive
+ * pages are n_kv·2·d elements apart, too far for the hardware prefetcher. */
+#define KVR_SCORE_PREFETCH_PAGES 12u
+
+/*
+ * Scores of KV head m of one item (kernels.h, "score"), bit for bit as
+ * kmath.h's canonical orders give them, in three passes:
+ *  1. raw scores: each page's min and max rows are converted once into
+ *     registers and scored against every query head of the group; each
+ *     head's 16-lane accumulator is parked, and 16 pages' accumulators are
+ *     folded together (FOLD16X16: lane-wise adds of shuffled halves, each
+ *     page's canonical order, a fifth of the work of 16 single folds), keeping
+ *     a lane-wise running max for the softmax;
+ *  2. per query head: kvr_expf of (score - max) in place, summed in the
+ *     canonical 256 lanes (16 vectors) and folded;
+ *  3. one pass writing the group mean.
+ *
+ * The quest term is MAX16(q·min, q·max): x86 max is `a > b ? a : b`, which is
+ * kvr_quest_term itself, NaN and signed zeros included. (One multiply by the
+ * bound that q's sign selects is exact for finite q and min <= max, but on
+ * Zen 4 the select, the per-page check of min <= max and the extra load of
+ * the sign masks cost as much as the multiply they save.)
+ *
+ * raw: G rows of n_pad (n_cand rounded up to 16) floats; park: G x 16
+ * vectors. `chunks` (d / 16) is a compile-time constant in every caller, so
+ * the page's rows stay in registers.
+ */
 static inline __attribute__((always_inline)) void
 ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t m,
-		   float *tmp, const uint32_t chunks)
+		   float *raw, vf *park, const uint32_t chunks)
 {
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
-	const uint32_t n_cand = it->cand_end - it->cand_begin;
+	const uint32_t n_cand = it->cand_end - it->cand_begin, n_pad = (n_cand + 15u) & ~15u;
 	const uint64_t eb = kvr_elem_bytes(t), page_elems = (uint64_t)sh->n_kv_heads * 2 * d;
 	vf q[KVR_MAX_GROUP_CPU][16];
 	for (uint32_t g = 0; g < G; g++)
@@ -73,78 +107,108 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 		for (uint32_t c = 0; c < chunks; c++)
 			q[g][c] = LOAD16(it->q, t, (uint64_t)(m * G + g) * d + c * 16);
 
-	const uint64_t head_bytes = 2ull * d * eb; /* this head's min and max rows */
-	for (uint32_t j = 0; j < n_cand; j++) {
-		const unsigned char *sum = (const unsigned char *)it->summaries +
-					   ((it->cand_begin + j) * page_elems + (uint64_t)m * 2 * d) * eb;
-		/* One head's rows of consecutive pages are page_elems apart: too far
-		 * for the hardware prefetcher. Fetch a few pages ahead. */
-		if (j + 4 < n_cand)
-			for (uint64_t l = 0; l < head_bytes; l += 64)
-				__builtin_prefetch(sum + 4 * page_elems * eb + l, 0, 3);
-		vf mn[16], mx[16];
-		_Pragma("GCC unroll 16")
-		for (uint32_t c = 0; c < chunks; c++) {
-			mn[c] = LOAD16(sum, t, c * 16);
-			mx[c] = LOAD16(sum, t, d + c * 16);
-		}
-		for (uint32_t g = 0; g < G; g++) {
-			vf acc = SPLAT16(0.0f);
+	vf vmax[KVR_MAX_GROUP_CPU];
+	for (uint32_t g = 0; g < G; g++)
+		vmax[g] = SPLAT16(-INFINITY);
+	const vf scale = SPLAT16(sh->scale);
+	const unsigned char *base = (const unsigned char *)it->summaries +
+				    ((uint64_t)it->cand_begin * page_elems + (uint64_t)m * 2 * d) * eb;
+	const uint64_t page_bytes = page_elems * eb, head_bytes = 2ull * d * eb;
+	for (uint32_t j0 = 0; j0 < n_cand; j0 += 16) {
+		const uint32_t nb = n_cand - j0 < 16 ? n_cand - j0 : 16;
+		for (uint32_t b = 0; b < nb; b++) {
+			const uint32_t j = j0 + b;
+			const unsigned char *sum = base + (uint64_t)j * page_bytes;
+			if (j + KVR_SCORE_PREFETCH_PAGES < n_cand)
+				for (uint64_t l = 0; l < head_bytes; l += 64)
+					__builtin_prefetch(sum + KVR_SCORE_PREFETCH_PAGES * page_bytes + l, 0, 2);
+			vf mn[16], mx[16];
 			_Pragma("GCC unroll 16")
 			for (uint32_t c = 0; c < chunks; c++) {
-				const vf a = q[g][c] * mn[c], b = q[g][c] * mx[c];
-				acc = acc + blend(a > b, a, b); /* kvr_quest_term per lane */
+				mn[c] = LOAD16(sum, t, c * 16);
+				mx[c] = LOAD16(sum, t, d + c * 16);
 			}
-			tmp[(uint64_t)g * n_cand + j] = sh->scale * FOLD16(acc);
+			for (uint32_t g = 0; g < G; g++) {
+				vf acc = SPLAT16(0.0f);
+				_Pragma("GCC unroll 16")
+				for (uint32_t c = 0; c < chunks; c++)
+					acc = acc + MAX16(q[g][c] * mn[c], q[g][c] * mx[c]);
+				park[g * 16 + b] = acc;
+			}
+		}
+		for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past n_cand */
+			for (uint32_t g = 0; g < G; g++)
+				park[g * 16 + b] = SPLAT16(0.0f);
+		const vi valid = ISA_FN(lane_index)() < (int32_t)nb;
+		for (uint32_t g = 0; g < G; g++) {
+			vf s = scale * FOLD16X16(park + g * 16);
+			memcpy(raw + (uint64_t)g * n_pad + j0, &s, sizeof(s));
+			s = blend(valid, s, SPLAT16(-INFINITY));
+			vmax[g] = MAX16(s, vmax[g]); /* a NaN score is passed over, as in the scalar max */
 		}
 	}
 
-	float *out = it->scores + (uint64_t)m * n_cand;
-	for (uint32_t j = 0; j < n_cand; j++)
-		out[j] = 0.0f;
+	float inv[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
-		float *s = tmp + (uint64_t)g * n_cand;
+		float *s = raw + (uint64_t)g * n_pad;
+		/* The max over the candidates (NaN passed over). Only a zero's sign
+		 * can depend on the order, and x - (±0) is the same for x != 0 while
+		 * kvr_expf(±0) = 1: it does not matter. */
 		float mxs = -INFINITY;
-		for (uint32_t j = 0; j < n_cand; j++)
-			if (s[j] > mxs)
-				mxs = s[j];
-		float lanes[KVR_SUM_LANES] = { 0 };
-		uint32_t j = 0;
-		for (; j + 16 <= n_cand; j += 16) {
+		for (int l = 0; l < 16; l++)
+			mxs = vmax[g][l] > mxs ? vmax[g][l] : mxs;
+		vf lanes[KVR_SUM_LANES / 16];
+		for (uint32_t l = 0; l < KVR_SUM_LANES / 16; l++)
+			lanes[l] = SPLAT16(0.0f);
+		for (uint32_t j = 0; j < n_pad; j += 16) {
 			vf x;
 			memcpy(&x, s + j, sizeof(x));
 			x = ISA_FN(exp16)(x - mxs);
+			if (j + 16 > n_cand) /* lanes past n_cand add +0: no change */
+				x = blend(ISA_FN(lane_index)() < (int32_t)(n_cand - j), x, SPLAT16(0.0f));
 			memcpy(s + j, &x, sizeof(x));
-			vf l;
-			memcpy(&l, lanes + j % KVR_SUM_LANES, sizeof(l));
-			l = l + x;
-			memcpy(lanes + j % KVR_SUM_LANES, &l, sizeof(l));
+			lanes[(j / 16) % (KVR_SUM_LANES / 16)] = lanes[(j / 16) % (KVR_SUM_LANES / 16)] + x;
 		}
-		for (; j < n_cand; j++) {
-			s[j] = kvr_expf(s[j] - mxs);
-			lanes[j % KVR_SUM_LANES] = lanes[j % KVR_SUM_LANES] + s[j];
-		}
-		const float inv = 1.0f / kvr_fold_lanes(lanes, KVR_SUM_LANES);
-		for (j = 0; j < n_cand; j++)
-			out[j] = out[j] + s[j] * inv;
+		/* kvr_fold_lanes over 256: halves 128, 64, 32, 16 lane-wise, then 16 */
+		for (uint32_t w = KVR_SUM_LANES / 32; w >= 1; w /= 2)
+			for (uint32_t l = 0; l < w; l++)
+				lanes[l] = lanes[l] + lanes[l + w];
+		inv[g] = 1.0f / FOLD16(lanes[0]);
 	}
+
+	float *out = it->scores + (uint64_t)m * n_cand;
 	const float inv_g = 1.0f / (float)G;
-	for (uint32_t j = 0; j < n_cand; j++)
-		out[j] = out[j] * inv_g;
+	uint32_t j = 0;
+	for (; j + 16 <= n_cand; j += 16) {
+		vf o = SPLAT16(0.0f);
+		for (uint32_t g = 0; g < G; g++) {
+			vf e;
+			memcpy(&e, raw + (uint64_t)g * n_pad + j, sizeof(e));
+			o = o + e * inv[g];
+		}
+		o = o * inv_g;
+		memcpy(out + j, &o, sizeof(o));
+	}
+	for (; j < n_cand; j++) {
+		float o = 0.0f;
+		for (uint32_t g = 0; g < G; g++)
+			o = o + raw[(uint64_t)g * n_pad + j] * inv[g];
+		out[j] = o * inv_g;
+	}
 }
 
 static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_score_item *it,
-			       uint32_t m, float *tmp)
+			       uint32_t m, float *raw, vf *park)
 {
 	switch (sh->head_dim / 16) { /* d is a multiple of 32 up to 256 */
-	case 2: ISA_FN(score_impl)(sh, it, m, tmp, 2); break;
-	case 4: ISA_FN(score_impl)(sh, it, m, tmp, 4); break;
-	case 6: ISA_FN(score_impl)(sh, it, m, tmp, 6); break;
-	case 8: ISA_FN(score_impl)(sh, it, m, tmp, 8); break;
-	case 10: ISA_FN(score_impl)(sh, it, m, tmp, 10); break;
-	case 12: ISA_FN(score_impl)(sh, it, m, tmp, 12); break;
-	case 14: ISA_FN(score_impl)(sh, it, m, tmp, 14); break;
-	default: ISA_FN(score_impl)(sh, it, m, tmp, 16); break;
+	case 2: ISA_FN(score_impl)(sh, it, m, raw, park, 2); break;
+	case 4: ISA_FN(score_impl)(sh, it, m, raw, park, 4); break;
+	case 6: ISA_FN(score_impl)(sh, it, m, raw, park, 6); break;
+	case 8: ISA_FN(score_impl)(sh, it, m, raw, park, 8); break;
+	case 10: ISA_FN(score_impl)(sh, it, m, raw, park, 10); break;
+	case 12: ISA_FN(score_impl)(sh, it, m, raw, park, 12); break;
+	case 14: ISA_FN(score_impl)(sh, it, m, raw, park, 14); break;
+	default: ISA_FN(score_impl)(sh, it, m, raw, park, 16); break;
 	}
 }
 
