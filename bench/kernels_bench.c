@@ -11,7 +11,9 @@
  *              (b) a read-only pass over one contiguous buffer of the same size
  *              ("sequential read"), each with the same number of threads;
  *   selection  score + top-k time per layer against the number of pages, for
- *              contexts of 2K to 1M tokens, beside attention over the B tokens.
+ *              contexts of 2K to 1M tokens, beside attention over the B tokens,
+ *              and per byte: summary bytes read per second divided by
+ *              attention's K+V bytes per second with the same threads.
  *
  * Like pool_bench it drives internals (gpu/backend.h), so it links the static
  * library. Output: a table on stderr and JSON (--json FILE or stdout).
@@ -260,6 +262,7 @@ int main(int argc, char **argv)
 	fprintf(json, "  \"attention\": [\n");
 
 	double attention_1t_s = 0;
+	double attention_last_gbps = 0; /* with the thread count selection runs with */
 	for (uint32_t ti = 0; ti < opt.n_threads; ti++) {
 		const uint32_t threads = opt.threads[ti];
 		struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = threads ? threads - 1 : 0 };
@@ -299,6 +302,7 @@ int main(int argc, char **argv)
 		const double a = bench_median(ta, opt.reps), g = bench_median(tg, opt.reps), s = bench_median(ts, opt.reps);
 		if (threads == 1)
 			attention_1t_s = a / opt.batch;
+		attention_last_gbps = kv_bytes / a / 1e9;
 		/* Compute bound: 2·G·d multiply-adds per token and KV head. */
 		const double peak = fma_peak(dev, threads);
 		const double fmas = 2.0 * (n_qo / n_kv) * d * ((double)kv_bytes / (2.0 * d * 2));
@@ -357,14 +361,19 @@ int main(int argc, char **argv)
 		}
 		const double sc = bench_median(tsc, opt.reps), se = bench_median(tse, opt.reps);
 		const uint32_t cand = it.cand_end - it.cand_begin;
+		/* Per byte against attention (same run, same threads): selection
+		 * reads every candidate's summary, 2·d f16 elements per KV head. */
+		const double sel_gbps = (double)cand * n_kv * 2 * d * 2 / (sc + se) / 1e9;
+		const double per_byte = attention_last_gbps > 0 ? sel_gbps / attention_last_gbps : 0.0;
 		fprintf(stderr, "selection L=%7u (%5u candidate pages): score %9.1f us, top-%u %8.1f us, %.1f ns/page; "
-				"x %.2f of 1-thread attention over B\n",
+				"%.2f GB/s of summaries = %.2f x attention's; x %.2f of 1-thread attention over B\n",
 			contexts[c], cand, sc * 1e6, k, se * 1e6, cand ? (sc + se) / cand / n_kv * 1e9 : 0.0,
-			attention_1t_s > 0 ? (sc + se) / attention_1t_s : 0.0);
+			sel_gbps, per_byte, attention_1t_s > 0 ? (sc + se) / attention_1t_s : 0.0);
 		fprintf(json, "    {\"context_tokens\": %u, \"candidate_pages\": %u, \"threads\": %u, \"score_us\": %.2f, "
-			      "\"select_us\": %.2f, \"ns_per_page_head\": %.2f}%s\n",
+			      "\"select_us\": %.2f, \"ns_per_page_head\": %.2f, \"summary_gbps\": %.3f, "
+			      "\"per_byte_vs_attention\": %.4f}%s\n",
 			contexts[c], cand, dp.threads + 1, sc * 1e6, se * 1e6,
-			cand ? (sc + se) / cand / n_kv * 1e9 : 0.0, c + 1 < n_ctx ? "," : "");
+			cand ? (sc + se) / cand / n_kv * 1e9 : 0.0, sel_gbps, per_byte, c + 1 < n_ctx ? "," : "");
 		free(tsc), free(tse);
 	}
 	fprintf(json, "  ]\n}\n");
