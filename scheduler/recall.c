@@ -47,7 +47,7 @@ uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall)
 		return 0;
 	const uint64_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
 	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
-			      (c->dtype == KVR_DTYPE_F32 ? 4 : 2);
+			      kvr_elem_bytes(c->dtype);
 	uint32_t sparse_layers = 0;
 	for (uint32_t l = 0; l < c->n_layers; l++)
 		sparse_layers += !(c->dense_layers[l / 64] >> (l % 64) & 1);
@@ -59,7 +59,7 @@ uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recal
 {
 	if (recall != KVR_RECALL_STREAMED)
 		return 0;
-	const uint64_t head = 2ull * c->page_tokens * c->head_dim * (c->dtype == KVR_DTYPE_F32 ? 4 : 2);
+	const uint64_t head = 2ull * c->page_tokens * c->head_dim * kvr_elem_bytes(c->dtype);
 	return (uint64_t)c->recall_buffers * c->recall_chunk_pages * head;
 }
 
@@ -124,8 +124,8 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 	int ret = kvr_dev_event_create(s->dev, &lane->recall_done);
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &lane->attn_done);
-	if (ret || s->recall != KVR_RECALL_STREAMED || !s->k)
-		return ret;
+	if (ret || !lane->slot_page || !s->k)
+		return ret; /* zero-copy or a dense layer: events only */
 	const size_t bytes = (size_t)s->k * s->tile_bytes;
 	ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_k);
 	if (!ret)

@@ -394,7 +394,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		err = run_attention(s, layer, items, n_items, segs, n_segs, att_lanes, n_att);
 
 	/* 4. Sequences with corrected heads: select now, recall, attend. */
-	const uint32_t first_item = n_items, first_seg = n_segs, first_att = n_att;
+	const uint32_t first_item = n_items, first_att = n_att;
 	for (uint32_t i = 0; i < batch && !err; i++) {
 		if (e[i].kind != SEQ_CORRECTED)
 			continue;
@@ -446,7 +446,6 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	if (!err)
 		err = run_attention(s, layer, items + first_item, n_items - first_item, segs, n_segs,
 				    att_lanes + first_att, n_att - first_att);
-	(void)first_seg;
 	if (err) {
 		if (!s->last_error[0])
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
@@ -550,14 +549,11 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		lane->selected = malloc(n_sel * sizeof(int32_t));
 		lane->job_heads = malloc(s->c.n_kv_heads);
 		int err = (!lane->prev_q || !lane->selected || !lane->job_heads) ? -ENOMEM : 0;
-		if (!err && s->recall == KVR_RECALL_STREAMED && !layer_dense(s, l)) {
-			lane->slot_page = malloc(n_sel * sizeof(int32_t));
-			err = lane->slot_page ? kvr_recall_lane_alloc(s, lane) : -ENOMEM;
-		} else if (!err) {
-			err = kvr_dev_event_create(s->dev, &lane->recall_done);
-			if (!err)
-				err = kvr_dev_event_create(s->dev, &lane->attn_done);
-		}
+		if (!err && s->recall == KVR_RECALL_STREAMED && !layer_dense(s, l) &&
+		    !(lane->slot_page = malloc(n_sel * sizeof(int32_t))))
+			err = -ENOMEM;
+		if (!err)
+			err = kvr_recall_lane_alloc(s, lane); /* events; slots when it has a slot table */
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error),
 				 "device memory for sequence %u's page cache (layer %u): %s", seq, l,
@@ -623,7 +619,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->log_user = params->log_user;
 	s->k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
 	s->G = c->n_qo_heads / c->n_kv_heads;
-	s->eb = c->dtype == KVR_DTYPE_F32 ? 4 : 2;
+	s->eb = kvr_elem_bytes(c->dtype);
 	s->q_row = (uint64_t)c->n_qo_heads * c->head_dim * s->eb;
 	s->kv_row = (uint64_t)c->n_kv_heads * c->head_dim * s->eb;
 	s->tile_bytes = (uint64_t)c->page_tokens * s->kv_row;
@@ -761,7 +757,6 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 	kvr_pool_n_tokens(s->pool, seq, layer, &have);
 	const uint32_t n_full = (uint32_t)(have / p);
 	const uint64_t head_q_bytes = (uint64_t)s->G * d * s->eb;
-	struct kvr_lane *lane = lane_of(s, seq, layer);
 	/* queries in groups, so the segment lists stay a few MiB at long contexts */
 	const uint32_t group = 32;
 	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
@@ -807,6 +802,5 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 			return err;
 		}
 	}
-	(void)lane;
 	return 0;
 }
