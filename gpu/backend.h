@@ -4,7 +4,8 @@
  * events, copies and the kernels of kernels.h. Three implementations sit
  * behind it: `cpu` (gpu/cpu_*.c: device memory is host memory, kernels are
  * vectorised C), `cuda` (the cuda_ .cu files) and `cudaemu` (tests: the CUDA kernel
- * bodies executed on the CPU). Valid C11; no CUDA types cross it.
+ * bodies executed on the CPU, also as the checking `cudaemu-strict` device).
+ * Valid C11; no CUDA types cross it.
  *
  * Conventions: every call returns 0 or a negative errno with a message in
  * kvr_dev_last_error(); enqueueing calls (copies, kernels, event record and
@@ -34,6 +35,15 @@ enum kvr_dev_kind {
 	KVR_DEV_CPU = 1,
 	KVR_DEV_CUDA = 2,
 	KVR_DEV_CUDAEMU = 3,
+	/* Tests only (gpu/cudaemu/backend.c): cudaemu whose device memory counts
+	 * as not host-visible (kvr_dev_host_visible() is 0), so runtime code takes
+	 * its GPU paths, and which checks, when work is enqueued, that every
+	 * kernel's item arrays lie in device memory and every pointer in them in
+	 * device memory or kvr_dev_host_register'ed host memory for the whole
+	 * extent the kernel touches, and that copies go in the direction their
+	 * kind says. A violation fails the call with -EFAULT and runs nothing
+	 * (gpu/cudaemu/cudaemu.h counts them), where a GPU would fault. */
+	KVR_DEV_CUDAEMU_STRICT = 4,
 };
 
 enum kvr_copy_kind {
@@ -74,15 +84,16 @@ struct kvr_dev;
 struct kvr_stream;
 struct kvr_event;
 
-/* -ENODEV when the kind is not available (cuda without GPU, cudaemu in a
- * build without it), with the reason in err. */
+/* -ENODEV when the kind is not available (cuda without GPU, cudaemu or
+ * cudaemu-strict in a build without it), with the reason in err. */
 int kvr_dev_create(const struct kvr_dev_params *params, struct kvr_dev **out, char *err,
 		   size_t err_bytes);
 void kvr_dev_destroy(struct kvr_dev *dev);
 const char *kvr_dev_name(const struct kvr_dev *dev);
 uint32_t kvr_dev_kind_of(const struct kvr_dev *dev);
 const char *kvr_dev_last_error(const struct kvr_dev *dev);
-/* 1 when device memory is host-addressable (cpu, cudaemu). */
+/* 1 when device memory is host-addressable (cpu, cudaemu); 0 for cuda and
+ * cudaemu-strict. */
 int kvr_dev_host_visible(const struct kvr_dev *dev);
 
 /* ---- memory ---- */

@@ -63,6 +63,14 @@ struct kvr_dev_ops {
 	/* Optional (NULL: -ENOTSUP): run fn(arg) on the host in stream order. */
 	int (*host_fn)(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
 		       void *arg);
+	/* Optional (NULL on every device but cudaemu-strict, which keeps a map of
+	 * device memory): kvr_dev_alloc and kvr_dev_free call these for memory
+	 * the engine's allocator (alloc_fn/free_fn) hands out and takes back,
+	 * which never passes through alloc/free above. track_free runs before
+	 * free_fn, so the address cannot be handed out again while still mapped.
+	 * A failing track_alloc fails the allocation. Any thread. */
+	int (*track_alloc)(struct kvr_dev *dev, void *ptr, size_t bytes);
+	void (*track_free)(struct kvr_dev *dev, void *ptr);
 };
 
 struct kvr_dev {
@@ -70,6 +78,7 @@ struct kvr_dev {
 	uint32_t kind;          /* enum kvr_dev_kind */
 	int host_visible;       /* device memory is host-addressable */
 	void *impl;             /* the backend's own state */
+	void *strict;           /* cudaemu-strict's map of device memory; NULL otherwise */
 	char last_error[256];   /* written by the failing call's thread */
 	int (*alloc_fn)(void *user, size_t bytes, void **ptr); /* the engine's, or NULL */
 	void (*free_fn)(void *user, void *ptr);

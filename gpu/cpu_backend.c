@@ -214,6 +214,11 @@ int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *s, kvr_cpu_op_fn run
 	return 0;
 }
 
+int kvr_cpu_stream_is_worker(const struct kvr_stream *s)
+{
+	return (s->flags & KVR_STREAM_WORKER) != 0;
+}
+
 static int cpu_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *s)
 {
 	(void)dev;

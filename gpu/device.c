@@ -23,8 +23,9 @@ int kvr_dev_fail(struct kvr_dev *dev, int err, const char *fmt, ...)
 	return err;
 }
 
-/* cudaemu lives in the test build (it executes the .cu kernels through a
- * shim); the library itself only knows that it may be linked in. */
+/* cudaemu (and cudaemu-strict, the same backend) lives in the test build (it
+ * executes the .cu kernels through a shim); the library itself only knows
+ * that it may be linked in. */
 __attribute__((weak)) int kvr_cudaemu_dev_init(struct kvr_dev *dev,
 					       const struct kvr_dev_params *params, char *err,
 					       size_t err_bytes)
@@ -60,6 +61,7 @@ int kvr_dev_create(const struct kvr_dev_params *params, struct kvr_dev **out, ch
 		ret = kvr_cuda_dev_init(dev, params, err, err_bytes);
 		break;
 	case KVR_DEV_CUDAEMU:
+	case KVR_DEV_CUDAEMU_STRICT: /* the same backend; it reads params->kind */
 		ret = kvr_cudaemu_dev_init(dev, params, err, err_bytes);
 		break;
 	default:
@@ -122,6 +124,11 @@ int kvr_dev_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 					    "alloc: the engine's allocator returned %p, not 64-byte aligned",
 					    p);
 		}
+		/* a checking device must know this memory is device memory */
+		if (dev->ops->track_alloc && (err = dev->ops->track_alloc(dev, p, bytes))) {
+			dev->free_fn(dev->alloc_user, p);
+			return err;
+		}
 		*ptr = p;
 		return 0;
 	}
@@ -130,10 +137,13 @@ int kvr_dev_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 
 void kvr_dev_free(struct kvr_dev *dev, void *ptr)
 {
-	if (ptr && dev->free_fn)
+	if (ptr && dev->free_fn) {
+		if (dev->ops->track_free)
+			dev->ops->track_free(dev, ptr);
 		dev->free_fn(dev->alloc_user, ptr);
-	else if (ptr)
+	} else if (ptr) {
 		dev->ops->free(dev, ptr);
+	}
 }
 
 int kvr_dev_host_register(struct kvr_dev *dev, void *ptr, size_t bytes)
