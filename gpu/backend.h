@@ -106,6 +106,15 @@ int kvr_dev_host_unregister(struct kvr_dev *dev, void *ptr);
 /* ---- streams and events ---- */
 int kvr_dev_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out);
 void kvr_dev_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream);
+/* An engine's native stream (cuda: a cudaStream_t; NULL = the legacy default
+ * stream) as a kvr_stream the runtime may record events on and make wait;
+ * destroying it releases the wrapper only. On backends without native streams
+ * (cpu, cudaemu) a NULL handle wraps to *out = NULL and anything else is
+ * -EINVAL. */
+int kvr_dev_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream **out);
+/* 1 while the stream is being captured into a CUDA graph, 0 otherwise, or a
+ * negative errno. */
+int kvr_dev_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream);
 /* Block until everything enqueued on the stream has run. */
 int kvr_dev_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *stream);
 int kvr_dev_event_create(struct kvr_dev *dev, struct kvr_event **out);

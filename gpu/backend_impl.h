@@ -26,6 +26,10 @@ struct kvr_dev_ops {
 
 	int (*stream_create)(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out);
 	void (*stream_destroy)(struct kvr_dev *dev, struct kvr_stream *stream);
+	/* Optional (NULL: only a NULL native handle, wrapped as NULL): an
+	 * engine's stream as a kvr_stream; capture status of a stream. */
+	int (*stream_wrap)(struct kvr_dev *dev, void *native, struct kvr_stream **out);
+	int (*stream_capturing)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*stream_synchronize)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*event_create)(struct kvr_dev *dev, struct kvr_event **out);
 	void (*event_destroy)(struct kvr_dev *dev, struct kvr_event *event);

@@ -103,6 +103,7 @@ struct cuda_dev {
 
 struct cuda_stream {
 	cudaStream_t s;
+	bool borrowed;    /* the engine's stream (op_stream_wrap): not ours to destroy */
 	cudaEvent_t done; /* stream_synchronize's blocking event */
 	struct kvr_cuda_topk *topk;
 	void *scratch; /* the split kernels' partial results (see the top) */
@@ -353,9 +354,53 @@ static void op_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream)
 	if (cs->scratch)
 		(void)(impl(dev)->pools ? cudaFreeAsync(cs->scratch, cs->s) : cudaFree(cs->scratch));
 	(void)cudaEventDestroy(cs->done);
-	(void)cudaStreamDestroy(cs->s);
+	if (!cs->borrowed)
+		(void)cudaStreamDestroy(cs->s);
 	(void)cudaGetLastError();
 	free(cs);
+}
+
+/* The engine's stream as a kvr_stream: the runtime records and waits events
+ * on it; the stream stays the engine's (destroy frees the wrapper only).
+ * NULL is the legacy default stream. */
+static int op_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream **out)
+{
+	device_scope scope(impl(dev)->device);
+	int rc = enter(dev, scope);
+	if (rc)
+		return rc;
+	struct cuda_stream *cs =
+		static_cast<struct cuda_stream *>(calloc(1, sizeof(struct cuda_stream)));
+	if (!cs)
+		return kvr_dev_fail(dev, -ENOMEM, "stream_wrap: out of host memory");
+	cs->topk = kvr_cuda_topk_create();
+	if (!cs->topk) {
+		free(cs);
+		return kvr_dev_fail(dev, -ENOMEM, "stream_wrap: out of host memory");
+	}
+	cs->s = static_cast<cudaStream_t>(native);
+	cs->borrowed = true;
+	cudaError_t e =
+		cudaEventCreateWithFlags(&cs->done, cudaEventDisableTiming | cudaEventBlockingSync);
+	if (e != cudaSuccess) {
+		kvr_cuda_topk_destroy(cs->topk, NULL);
+		free(cs);
+		return cuda_fail(dev, e, "cudaEventCreateWithFlags");
+	}
+	*out = reinterpret_cast<struct kvr_stream *>(cs);
+	return 0;
+}
+
+/* 1 while the stream is being captured into a graph, 0 when not. */
+static int op_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+	const cudaError_t e = cudaStreamIsCapturing(cs->s, &status);
+	if (e != cudaSuccess)
+		return cuda_fail(dev, e, "cudaStreamIsCapturing");
+	return status != cudaStreamCaptureStatusNone;
 }
 
 static uint64_t now_ns(void)
@@ -832,6 +877,8 @@ static struct kvr_dev_ops make_cuda_ops(void)
 	o.host_unregister = op_host_unregister;
 	o.stream_create = op_stream_create;
 	o.stream_destroy = op_stream_destroy;
+	o.stream_wrap = op_stream_wrap;
+	o.stream_capturing = op_stream_capturing;
 	o.stream_synchronize = op_stream_synchronize;
 	o.event_create = op_event_create;
 	o.event_destroy = op_event_destroy;

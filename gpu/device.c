@@ -175,6 +175,27 @@ void kvr_dev_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream)
 		dev->ops->stream_destroy(dev, stream);
 }
 
+int kvr_dev_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream **out)
+{
+	if (!out)
+		return kvr_dev_fail(dev, -EINVAL, "stream_wrap: out is NULL");
+	*out = NULL;
+	if (dev->ops->stream_wrap)
+		return dev->ops->stream_wrap(dev, native, out);
+	if (native)
+		return kvr_dev_fail(dev, -EINVAL,
+				    "stream_wrap: the %s backend has no native streams (pass NULL)",
+				    dev->ops->name);
+	return 0;
+}
+
+int kvr_dev_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream)
+{
+	if (!stream)
+		return kvr_dev_fail(dev, -EINVAL, "stream_capturing: stream is NULL");
+	return dev->ops->stream_capturing ? dev->ops->stream_capturing(dev, stream) : 0;
+}
+
 #define NEED(cond, what)                                                 \
 	do {                                                             \
 		if (!(cond))                                             \

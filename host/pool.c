@@ -152,8 +152,10 @@ static int chunk_map(struct kvr_pool *pool, uint32_t c)
 
 	pool->chunk_state[c] = CHUNK_UNLOCKED;
 	if (!(pool->params.flags & KVR_POOL_NO_LOCK)) {
-		char reason[160];
-		int err = kvr_gpu_host_register(p, bytes, reason, sizeof(reason));
+		char reason[160] = "";
+		int err = pool->params.register_fn
+				  ? pool->params.register_fn(pool->params.register_user, p, bytes)
+				  : kvr_gpu_host_register(p, bytes, reason, sizeof(reason));
 		if (!err) {
 			pool->chunk_state[c] = CHUNK_REGISTERED;
 		} else if (!mlock(p, bytes)) {
@@ -181,7 +183,9 @@ static void chunk_unmap(struct kvr_pool *pool, uint32_t c)
 	unsigned char *p = pool->chunks[c];
 	if (!p)
 		return;
-	if (pool->chunk_state[c] == CHUNK_REGISTERED)
+	if (pool->chunk_state[c] == CHUNK_REGISTERED && pool->params.unregister_fn)
+		pool->params.unregister_fn(pool->params.register_user, p);
+	else if (pool->chunk_state[c] == CHUNK_REGISTERED)
 		kvr_gpu_host_unregister(p);
 	else if (pool->chunk_state[c] == CHUNK_MLOCKED)
 		munlock(p, pool->chunk_bytes);
@@ -261,10 +265,17 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 	return 0;
 }
 
-static void table_free(struct layer_table *t)
+static void summaries_free(struct kvr_pool *pool, unsigned char *summaries)
+{
+	if (summaries && pool->params.unregister_fn)
+		pool->params.unregister_fn(pool->params.register_user, summaries);
+	free(summaries);
+}
+
+static void table_free(struct kvr_pool *pool, struct layer_table *t)
 {
 	free(t->pages);
-	free(t->summaries);
+	summaries_free(pool, t->summaries);
 	memset(t, 0, sizeof(*t));
 }
 
@@ -277,7 +288,7 @@ void kvr_pool_destroy(struct kvr_pool *pool)
 			if (!pool->seqs[s].layers)
 				continue;
 			for (uint32_t l = 0; l < pool->params.n_layers; l++)
-				table_free(&pool->seqs[s].layers[l]);
+				table_free(pool, &pool->seqs[s].layers[l]);
 			free(pool->seqs[s].layers);
 		}
 	if (pool->chunks)
@@ -452,7 +463,7 @@ int kvr_pool_seq_close(struct kvr_pool *pool, uint32_t seq)
 			struct layer_table *t = &pool->seqs[seq].layers[l];
 			table_shrink(pool, t, 0);
 			pool->summary_bytes_held -= (uint64_t)t->cap * pool->summary_bytes;
-			table_free(t);
+			table_free(pool, t);
 		}
 		free(pool->seqs[seq].layers);
 		pool->seqs[seq].layers = NULL;
@@ -523,11 +534,32 @@ static int table_grow(struct kvr_pool *pool, struct layer_table *t, uint64_t nee
 	if (!pages)
 		return fail(pool, -ENOMEM, "pool: out of memory for a page table");
 	t->pages = pages;
-	if (pool->summary_bytes) {
+	if (pool->summary_bytes && !pool->params.register_fn) {
 		unsigned char *s = realloc(t->summaries, cap * pool->summary_bytes);
 		if (!s)
 			return fail(pool, -ENOMEM, "pool: out of memory for page summaries");
 		memset(s + t->cap * pool->summary_bytes, 0, (cap - t->cap) * pool->summary_bytes);
+		t->summaries = s;
+		pool->summary_bytes_held += (cap - t->cap) * pool->summary_bytes;
+	} else if (pool->summary_bytes) {
+		/* registered memory cannot be realloc()ed: a new array, registered,
+		 * then the old one released (no kernel reads it: the scheduler's
+		 * readers finish before the engine appends) */
+		const size_t bytes = ((size_t)cap * pool->summary_bytes + 4095) & ~(size_t)4095;
+		unsigned char *s = NULL;
+		if (posix_memalign((void **)&s, 4096, bytes))
+			return fail(pool, -ENOMEM, "pool: out of memory for page summaries");
+		memset(s, 0, bytes);
+		int err = pool->params.register_fn(pool->params.register_user, s, bytes);
+		if (err) {
+			free(s);
+			return fail(pool, err, "pool: cannot register %zu bytes of page summaries "
+					       "with the device (%d)",
+				    bytes, err);
+		}
+		if (t->summaries)
+			memcpy(s, t->summaries, (size_t)t->cap * pool->summary_bytes);
+		summaries_free(pool, t->summaries);
 		t->summaries = s;
 		pool->summary_bytes_held += (cap - t->cap) * pool->summary_bytes;
 	}

@@ -59,6 +59,16 @@ struct kvr_pool_params {
 	uint32_t keep_summaries;           /* 1: compute and keep key summaries on write */
 	kvr_pool_log_fn log_fn;            /* warnings (lock failures); NULL = silent */
 	void *log_user;
+	/* Registration of host memory with the context's device (pinned and
+	 * mapped: a GPU reads the pages and summaries through unified
+	 * addressing). NULL: chunks are registered with any usable GPU
+	 * (kvr_gpu_host_register) or locked, and summaries are plain memory.
+	 * Set: chunks and summary arrays are registered through it (a chunk it
+	 * refuses is locked instead; a summary array it refuses fails the
+	 * reservation with its error). */
+	int (*register_fn)(void *user, void *ptr, size_t bytes);
+	void (*unregister_fn)(void *user, void *ptr);
+	void *register_user;
 };
 
 struct kvr_pool_stats {

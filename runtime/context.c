@@ -35,14 +35,20 @@ static void device_bytes_of(const struct kvr_config *c, uint32_t recall, uint64_
 	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
 			      kvr_dtype_bytes(c->dtype);
 	*fixed = kvr_sched_fixed_device_bytes(c, recall);
-	*per_seq = 2 * tile * c->n_layers + kvr_sched_seq_device_bytes(c, recall);
+	/* on cuda the tail tiles are pinned host memory (scheduler/memory.c) */
+	*per_seq = (c->backend == KVR_BACKEND_CUDA ? 0 : 2 * tile * c->n_layers) +
+		   kvr_sched_seq_device_bytes(c, recall);
 }
 
 /* The recall kind a backend uses for AUTO: on the cpu backend attention reads
- * the pool directly (docs/benchmarks.md compares it with streamed recall). */
+ * the pool directly (docs/benchmarks.md compares it with streamed recall); on
+ * a GPU the selected pages are recalled into device slots, since reading
+ * them over the bus at every step would move them again and again. */
 static uint32_t resolve_recall(const struct kvr_config *c)
 {
-	return c->recall != KVR_RECALL_AUTO ? c->recall : KVR_RECALL_ZERO_COPY;
+	if (c->recall != KVR_RECALL_AUTO)
+		return c->recall;
+	return c->backend == KVR_BACKEND_CUDA ? KVR_RECALL_STREAMED : KVR_RECALL_ZERO_COPY;
 }
 
 KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixed_bytes,
@@ -70,6 +76,17 @@ static void pool_log(void *user, int level, const char *message)
 	kvr_log((const struct kvr_context *)user, (enum kvr_log_level)level, "%s", message);
 }
 
+/* Pool memory registered with a separate-memory device. */
+static int pool_register(void *user, void *ptr, size_t bytes)
+{
+	return kvr_dev_host_register(user, ptr, bytes);
+}
+
+static void pool_unregister(void *user, void *ptr)
+{
+	kvr_dev_host_unregister(user, ptr);
+}
+
 /* The scheduler's messages (asynchronous failures) go to the context's log. */
 static void sched_log(void *user, int level, const char *message)
 {
@@ -85,14 +102,11 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	if (c->backend == KVR_BACKEND_CUDA && probe.n_devices == 0)
 		return kvr_fail_config(c, -ENODEV, "backend: cuda requested but no GPU is usable: %s",
 				       probe.reason);
-	/* The cuda backend's decode runtime is not wired in yet (docs/architecture.md,
-	 * "Status"), so auto means cpu even with a GPU present. */
+	/* The cuda backend's decode runtime has been checked only under
+	 * cudaemu-strict so far, never on a GPU (docs/architecture.md, "Status"):
+	 * it is opt-in, and auto means cpu even with a GPU present. */
 	if (c->backend == KVR_BACKEND_AUTO)
 		c->backend = KVR_BACKEND_CPU;
-	if (c->backend == KVR_BACKEND_CUDA)
-		return kvr_fail_config(c, -ENOTSUP,
-				       "backend: the cuda backend's runtime is not implemented in "
-				       "this version; use backend cpu");
 
 	/* FreeKV on a GPU. On the cpu backend the engine's attention and the
 	 * controller's selection share the same cores, so overlapping them gains
@@ -170,6 +184,16 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 	ctx->config = c;
 	pthread_mutex_init(&ctx->error_lock, NULL);
 
+	/* The device first: on a separate-memory device (cuda) the pool registers
+	 * its pages and summaries with it, so kernels read them in place. */
+	const uint32_t kind = dev_kind ? dev_kind
+			      : c.backend == KVR_BACKEND_CUDA ? KVR_DEV_CUDA : KVR_DEV_CPU;
+	const struct kvr_dev_params dp = { .kind = kind,
+					   .threads = c.threads,
+					   .alloc_fn = c.device_alloc,
+					   .free_fn = c.device_free,
+					   .alloc_user = c.device_alloc_user };
+	err = kvr_dev_create(&dp, &ctx->dev, message, sizeof(message));
 	struct kvr_pool_params pp = {
 		.n_layers = c.n_layers,
 		.max_sequences = c.max_sequences,
@@ -180,18 +204,14 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		.log_fn = pool_log,
 		.log_user = ctx,
 	};
-	kvr_page_geometry_init(&pp.geometry, c.page_tokens, c.head_dim, c.n_kv_heads, c.dtype);
-	err = kvr_pool_create(&pp, &ctx->pool, message, sizeof(message));
-	if (!err) {
-		/* the cuda backend was refused above: the device is the cpu (or, for
-		 * tests, cudaemu: the CUDA kernel bodies on the cpu's streams) */
-		const struct kvr_dev_params dp = { .kind = dev_kind ? dev_kind : KVR_DEV_CPU,
-						   .threads = c.threads,
-						   .alloc_fn = c.device_alloc,
-						   .free_fn = c.device_free,
-						   .alloc_user = c.device_alloc_user };
-		err = kvr_dev_create(&dp, &ctx->dev, message, sizeof(message));
+	if (!err && !kvr_dev_host_visible(ctx->dev)) {
+		pp.register_fn = pool_register;
+		pp.unregister_fn = pool_unregister;
+		pp.register_user = ctx->dev;
 	}
+	kvr_page_geometry_init(&pp.geometry, c.page_tokens, c.head_dim, c.n_kv_heads, c.dtype);
+	if (!err)
+		err = kvr_pool_create(&pp, &ctx->pool, message, sizeof(message));
 	if (!err) {
 		uint64_t fixed, per_seq;
 		device_bytes_of(&c, c.recall, &fixed, &per_seq);
@@ -248,8 +268,8 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx)
 	}
 	kvr_sched_destroy(ctx->sched);
 	kvr_trace_destroy(ctx->trace);
+	kvr_pool_destroy(ctx->pool); /* it may unregister memory with the device */
 	kvr_dev_destroy(ctx->dev);
-	kvr_pool_destroy(ctx->pool);
 	pthread_mutex_destroy(&ctx->error_lock);
 	free(ctx);
 }

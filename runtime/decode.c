@@ -21,6 +21,9 @@
 
 void kvr_decode_teardown(struct kvr_context *ctx)
 {
+	if (ctx->dev)
+		kvr_dev_stream_destroy(ctx->dev, ctx->engine_stream);
+	ctx->engine_stream = NULL;
 	free(ctx->step.seqs);
 	free(ctx->step.positions);
 	memset(&ctx->step, 0, sizeof(ctx->step));
@@ -75,6 +78,35 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx)
 	return 0;
 }
 
+/* The engine's stream wrapped for the device (kept while the engine passes the
+ * same handle), refused while it is being captured into a CUDA graph: this
+ * version's step synchronises with the host, which a graph cannot record. */
+static int engine_stream_of(struct kvr_context *ctx, void *native, struct kvr_stream **out)
+{
+	if (!ctx->engine_stream || ctx->engine_stream_native != native) {
+		kvr_dev_stream_destroy(ctx->dev, ctx->engine_stream);
+		ctx->engine_stream = NULL;
+		int err = kvr_dev_stream_wrap(ctx->dev, native, &ctx->engine_stream);
+		if (err)
+			return kvr_fail(ctx, err, "decode_layer: the engine's stream: %s",
+					kvr_dev_last_error(ctx->dev));
+		ctx->engine_stream_native = native;
+	}
+	if (ctx->engine_stream) {
+		const int capturing = kvr_dev_stream_capturing(ctx->dev, ctx->engine_stream);
+		if (capturing < 0)
+			return kvr_fail(ctx, capturing, "decode_layer: the engine's stream: %s",
+					kvr_dev_last_error(ctx->dev));
+		if (capturing)
+			return kvr_fail(ctx, -ENOTSUP,
+					"decode_layer: the engine's stream is being captured (CUDA "
+					"graph); kvrecall's decode step waits on the host, which a "
+					"graph cannot hold: call it outside the capture");
+	}
+	*out = ctx->engine_stream;
+	return 0;
+}
+
 KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
 			     const void *k, const void *v, void *out, int32_t *status, void *stream)
 {
@@ -88,11 +120,20 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 				c->n_layers);
 	if (!q || !k || !v || !out || !status)
 		return kvr_fail(ctx, -EINVAL, "decode_layer: q, k, v, out or status is NULL");
-	if (stream)
-		return kvr_fail(ctx, -EINVAL, "decode_layer: the cpu backend takes no stream (pass NULL)");
+	struct kvr_stream *engine_stream = NULL;
+	if (!kvr_sched_separate_memory(ctx->sched)) {
+		if (stream)
+			return kvr_fail(ctx, -EINVAL,
+					"decode_layer: the %s backend takes no stream (pass NULL)",
+					kvr_dev_name(ctx->dev));
+	} else {
+		int err = engine_stream_of(ctx, stream, &engine_stream);
+		if (err)
+			return err;
+	}
 	const uint32_t batch = ctx->step.batch;
 	int err = kvr_sched_decode_layer(ctx->sched, layer, batch, ctx->step.seqs, ctx->step.positions,
-					 q, k, v, out, status);
+					 q, k, v, out, status, engine_stream);
 	if (err)
 		return kvr_fail(ctx, err, "decode_layer: layer %u: %s", layer,
 				kvr_sched_last_error(ctx->sched));

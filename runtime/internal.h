@@ -29,7 +29,7 @@ struct kvr_sched_hooks;
 struct kvr_sequence {
 	int alive;
 	unsigned char *tails; /* per layer: the partial tail page's NHD K tile then V tile,
-	                         device memory (host-visible on the cpu backend) */
+	                         host-addressable (kvr_sched_tile_alloc) */
 };
 
 /* The open decode step (decode.c). */
@@ -60,6 +60,10 @@ struct kvr_context {
 	struct kvr_sequence *seqs; /* max_sequences */
 	struct kvr_step_state step;
 	uint64_t steps;            /* kvr_decode_end calls; the engine's thread writes */
+	/* cuda: the engine's stream as the device sees it, wrapped on first use
+	 * and kept while the engine passes the same handle (engine's thread) */
+	struct kvr_stream *engine_stream;
+	void *engine_stream_native;
 
 	/* Last error. Written by whichever thread fails a call on this context, read
 	 * by kvr_last_error(); the mutex keeps a message from being torn. */

@@ -6,8 +6,10 @@
  *
  * A sequence's tail tiles hold, per layer, the rows of the page that is not
  * full yet (NHD, as the QKV projection writes them); the pool holds every full
- * page and has already reserved the one the tail will fill. On the cpu backend
- * device memory is host memory, so ingestion writes the tiles directly.
+ * page and has already reserved the one the tail will fill. The host writes
+ * the tiles directly: on the cpu backend they are device memory, which is host
+ * memory; on a separate-memory device (cuda) they are pinned host memory the
+ * device reads through unified addressing (scheduler/memory.c).
  *
  * Threads: the caller's. seq_lock guards the alive flags only; a sequence's
  * data is used by one thread at a time (kvrecall.h).
@@ -56,9 +58,6 @@ static void seq_release(struct kvr_context *ctx, uint32_t id, int close_tables);
  * unless the caller will (a fork opens them from the source). */
 static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, uint32_t *out)
 {
-	if (!kvr_dev_host_visible(ctx->dev))
-		return kvr_fail(ctx, -ENOTSUP, "%s: ingestion on the %s backend is not implemented",
-				op, kvr_dev_name(ctx->dev));
 	pthread_mutex_lock(&ctx->seq_lock);
 	uint32_t id = 0;
 	while (id < ctx->config.max_sequences && ctx->seqs[id].alive)
@@ -83,7 +82,8 @@ static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, u
 	pthread_mutex_unlock(&ctx->seq_lock);
 
 	void *tails = NULL;
-	int err = kvr_dev_alloc(ctx->dev, (size_t)ctx->config.n_layers * 2 * ctx->tile_bytes, &tails);
+	int err = kvr_sched_tile_alloc(ctx->sched, (size_t)ctx->config.n_layers * 2 * ctx->tile_bytes,
+				       &tails);
 	if (err)
 		kvr_fail(ctx, err, "%s: device memory for the tail pages: %s", op,
 			 kvr_dev_last_error(ctx->dev));
@@ -95,7 +95,7 @@ static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, u
 			kvr_pool_seq_close(ctx->pool, id);
 	}
 	if (err) {
-		kvr_dev_free(ctx->dev, tails);
+		kvr_sched_tile_free(ctx->sched, tails);
 		pthread_mutex_lock(&ctx->seq_lock);
 		ctx->seqs[id].alive = 0;
 		ctx->device_used_bytes -= ctx->device_seq_bytes;
@@ -112,7 +112,7 @@ static void seq_release(struct kvr_context *ctx, uint32_t id, int close_tables)
 	kvr_sched_seq_close(ctx->sched, id); /* waits for the sequence's controller jobs */
 	if (close_tables)
 		kvr_pool_seq_close(ctx->pool, id);
-	kvr_dev_free(ctx->dev, ctx->seqs[id].tails);
+	kvr_sched_tile_free(ctx->sched, ctx->seqs[id].tails);
 	pthread_mutex_lock(&ctx->seq_lock);
 	ctx->seqs[id].tails = NULL;
 	ctx->seqs[id].alive = 0;

@@ -44,7 +44,8 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	int err = 0;
 	if (lane->job == LANE_JOB_SELECT) {
 		err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
-				       s->ctl_inline, &s->ctl_scores, &s->ctl_scores_bytes);
+				       s->ctl_inline, s->ctl_items, s->ctl_items_dev, &s->ctl_scores,
+				       &s->ctl_scores_bytes);
 		if (err) {
 			char what[224];
 			snprintf(what, sizeof(what), "controller: selection of sequence %u layer %u: %s",

@@ -131,8 +131,15 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 	if (!ret)
 		ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_v);
 	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, (size_t)s->c.n_kv_heads * s->k *
+							sizeof(struct kvr_scatter_item),
+					     (void **)&lane->recall_items);
+	lane->recall_items_dev = lane->recall_items;
+	if (!ret && s->separate) {
+		lane->recall_items_dev = NULL;
 		ret = kvr_dev_alloc(s->dev, (size_t)s->c.n_kv_heads * s->k * sizeof(struct kvr_scatter_item),
-				    (void **)&lane->recall_items);
+				    (void **)&lane->recall_items_dev);
+	}
 	return ret;
 }
 
@@ -140,8 +147,10 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	kvr_dev_free(s->dev, lane->slot_k);
 	kvr_dev_free(s->dev, lane->slot_v);
-	kvr_dev_free(s->dev, lane->recall_items);
-	lane->recall_items = NULL;
+	if (s->separate)
+		kvr_dev_free(s->dev, lane->recall_items_dev);
+	kvr_sched_mapped_free(s, lane->recall_items);
+	lane->recall_items = lane->recall_items_dev = NULL;
 	kvr_dev_event_destroy(s->dev, lane->recall_done);
 	kvr_dev_event_destroy(s->dev, lane->attn_done);
 	lane->slot_k = lane->slot_v = NULL;
@@ -332,8 +341,11 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			kvr_sched_hook_on_stream(s, convert, KVR_HOOK_CONVERT);
 			sp = kvr_stream_span_begin(s, convert, "scatter chunk", KVR_TRACK_CONVERT,
 						   lane->seq, lane->layer, n);
+			struct kvr_scatter_item *items_dev = lane->recall_items_dev + (items - lane->recall_items);
 			if (!err)
-				err = kvr_dev_scatter(s->dev, &s->shape, items, n, convert);
+				err = kvr_sched_items_to_device(s, convert, items_dev, items, n * sizeof(*items));
+			if (!err)
+				err = kvr_dev_scatter(s->dev, &s->shape, items_dev, n, convert);
 			kvr_stream_span_end(s, convert, sp);
 			if (!err)
 				err = kvr_dev_event_record(s->dev, st->drained, convert);

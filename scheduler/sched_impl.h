@@ -33,13 +33,15 @@ struct kvr_lane {
 	                               queueing (the queue mutex publishes the job) */
 	uint32_t seq, layer;
 	uint32_t has_prev;        /* prev_q and selected are valid */
-	unsigned char *prev_q;    /* [n_qo][d]: the query of the lane's latest step */
-	int32_t *selected;        /* [n_kv][k]: pages the next step attends (ascending, -1 = none) */
+	unsigned char *prev_q;    /* [n_qo][d]: the query of the lane's latest step (mapped) */
+	int32_t *selected;        /* [n_kv][k]: pages the next step attends (ascending, -1 =
+	                             none; mapped: the select kernel writes it) */
 	/* streamed recall: the lane's device slots and what they hold */
 	unsigned char *slot_k;    /* k NHD tiles of keys (p rows of n_kv·d), device memory */
 	unsigned char *slot_v;    /* k NHD tiles of values */
 	int32_t *slot_page;       /* [n_kv][k]: logical page in slot (m, j), -1 = empty */
-	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall, device memory */
+	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall (mapped) */
+	struct kvr_scatter_item *recall_items_dev; /* their device copy (separate memory) */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
 	struct kvr_event *attn_done;   /* recorded on the compute stream after the lane's attention */
 	/* the posted job */
@@ -57,11 +59,14 @@ struct staging {
 	struct kvr_event *drained;          /* convert stream: runs were scattered */
 };
 
-/* The engine's scratch for one layer call, kept per layer so that an
- * asynchronous attention may still read the previous layer's items. */
+/* The engine's scratch for one layer call (mapped: attention reads its items),
+ * kept per layer so that an asynchronous attention may still read the
+ * previous layer's items. */
 struct layer_scratch {
 	void *mem;
 	size_t bytes;
+	void *dev; /* separate memory: the items' device copy, same offsets */
+	size_t dev_bytes;
 };
 
 struct kvr_sched {
@@ -69,6 +74,7 @@ struct kvr_sched {
 	struct kvr_pool *pool;
 	struct kvr_dev *dev;
 	uint32_t pool_layout, recall;
+	int separate;                /* device memory is not host-addressable (memory.c) */
 	uint32_t k, G, eb;
 	uint64_t q_row, kv_row, tile_bytes, head_bytes;
 	struct kvr_shape shape;      /* the whole layer (similarity, score, select, scatter) */
@@ -96,11 +102,31 @@ struct kvr_sched {
 	struct kvr_lane *lanes;        /* [max_sequences][n_layers] */
 	unsigned char **tails;         /* [max_sequences]: the runtime's tail tiles */
 	struct layer_scratch *scratch; /* [n_layers] */
-	int32_t *now_sel;              /* [max_batch][n_kv][k]: the engine's selections */
-	float *engine_scores;          /* grown: the engine's score buffer */
+	int32_t *now_sel;              /* [max_batch][n_kv][k]: the engine's selections (mapped) */
+	float *engine_scores;          /* grown: the engine's score buffer (device) */
 	size_t engine_scores_bytes;
-	float *ctl_scores;             /* grown: the controller's score buffer */
+	float *ctl_scores;             /* grown: the controller's score buffer (device) */
 	size_t ctl_scores_bytes;
+	/* single items of the engine's and the controller's kernels (mapped) */
+	struct engine_items {
+		struct kvr_similarity_item similarity;
+		struct kvr_score_item score;
+	} *engine_items;
+	struct kvr_score_item *ctl_items;
+	/* their device copies (separate memory; else the same pointers) */
+	struct engine_items *engine_items_dev;
+	struct kvr_score_item *ctl_items_dev;
+	/* separate memory: the layer's q, k, v copied to the host ([batch] rows
+	 * each; mapped), the events ordering a layer against the engine's stream,
+	 * a row of zeros for failed sequences' outputs, prefill attention's device
+	 * buffers */
+	unsigned char *mirror;
+	size_t mirror_bytes;
+	struct kvr_event *engine_ready;  /* recorded on the engine's stream at a layer's start */
+	struct kvr_event *layer_done;    /* recorded on compute at a layer's end */
+	void *zero_row;
+	void *prefill_q, *prefill_out;
+	size_t prefill_q_bytes, prefill_out_bytes;
 
 	/* the controller */
 	pthread_t thread;
@@ -173,12 +199,26 @@ struct kvr_trace_span *kvr_stream_span_begin(struct kvr_sched *s, struct kvr_str
 void kvr_stream_span_end(struct kvr_sched *s, struct kvr_stream *stream,
 			 struct kvr_trace_span *span);
 
-/* step.c: selection of one lane with query q against the window of a layer
- * holding n_tokens tokens at the next step (next = 1) or now (next = 0).
- * stream is the calling thread's inline stream; scores a buffer of the
- * caller's (grown as needed). */
+/* memory.c */
+int kvr_sched_mapped_alloc(struct kvr_sched *s, size_t bytes, void **out);
+void kvr_sched_mapped_free(struct kvr_sched *s, void *p);
+int kvr_sched_mapped_grow(struct kvr_sched *s, void **buf, size_t *bytes, size_t need);
+int kvr_sched_device_grow(struct kvr_sched *s, void **buf, size_t *bytes, size_t need);
+void kvr_sched_device_free(struct kvr_sched *s, void *p);
+/* Kernels read item arrays from device memory: on a separate-memory device
+ * copy `bytes` of host items to their device copy on `stream` (ordered before
+ * the kernel that follows); elsewhere nothing. */
+int kvr_sched_items_to_device(struct kvr_sched *s, struct kvr_stream *stream, void *dev,
+			      const void *host, size_t bytes);
+
+/* step.c: selection of one lane with query q (device-readable) against the
+ * window of a layer holding n_tokens tokens at the next step (next = 1) or now
+ * (next = 0), into `selected` (mapped). stream is the calling thread's inline
+ * stream, item its mapped score item and item_dev the item's device copy, scores a device buffer of the caller's
+ * (grown as needed). `selected` is readable by the host on return. */
 int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
-		     float **scores, size_t *scores_bytes);
+		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
+		     size_t *scores_bytes);
 
 #endif /* KVR_SCHEDULER_IMPL_H */

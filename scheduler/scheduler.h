@@ -57,6 +57,8 @@ enum kvr_counter {
 /* Test hooks (tests/test_scheduler.c): delays injected into the controller
  * and the recall streams, and an asynchronous compute stream, so that a slot
  * write racing an attention would change outputs. */
+struct kvr_stream;
+
 struct kvr_sched_hooks {
 	void (*delay)(void *user, uint32_t where); /* where: enum kvr_hook_site */
 	void *user;
@@ -109,10 +111,20 @@ void kvr_sched_seq_quiesce(struct kvr_sched *s, uint32_t seq);
 void kvr_sched_seq_reset(struct kvr_sched *s, uint32_t seq);
 
 /* One layer of a decode step (kvr_decode_layer's work after its argument
- * checks). status[i] gets 0 or a negative errno per sequence. */
+ * checks). status[i] gets 0 or a negative errno per sequence. q, k, v and out
+ * are device memory; engine_stream is the engine's stream wrapped
+ * (kvr_dev_stream_wrap), NULL when it has none: the layer's work starts after
+ * what the engine queued there and the engine's later work waits for `out`. */
 int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			   const uint32_t *seqs, const uint64_t *positions, const void *q,
-			   const void *k, const void *v, void *out, int32_t *status);
+			   const void *k, const void *v, void *out, int32_t *status,
+			   struct kvr_stream *engine_stream);
+/* Tail tiles: device memory where the host can address it, mapped host
+ * memory on a separate-memory device (the host appends and offloads them). */
+int kvr_sched_tile_alloc(struct kvr_sched *s, size_t bytes, void **out);
+void kvr_sched_tile_free(struct kvr_sched *s, void *p);
+/* 1 when the device's memory is not host-addressable (cuda). */
+int kvr_sched_separate_memory(const struct kvr_sched *s);
 /* Causal attention of n_tokens queries at positions first_position.. over
  * the layer's tokens 0..position each, reading pool pages and the tail tile;
  * the tokens must be ingested already. Engine's thread, synchronous. */

@@ -43,24 +43,12 @@ static int layer_dense(const struct kvr_sched *s, uint32_t layer)
 	return s->c.mode == KVR_MODE_DENSE || (s->c.dense_layers[layer / 64] >> (layer % 64) & 1);
 }
 
-static int grow(void **buf, size_t *bytes, size_t need)
-{
-	if (need <= *bytes)
-		return 0;
-	void *p = NULL;
-	if (posix_memalign(&p, 64, need))
-		return -ENOMEM;
-	free(*buf);
-	*buf = p;
-	*bytes = need;
-	return 0;
-}
-
 /* ------------------------------------------------------------------ selection */
 
 int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
-		     float **scores, size_t *scores_bytes)
+		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
+		     size_t *scores_bytes)
 {
 	const uint32_t p = s->c.page_tokens;
 	const uint32_t n_full = (uint32_t)(n_tokens / p);
@@ -78,7 +66,7 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 	}
 	const uint32_t cand_begin = sink, cand_end = win_first > sink ? win_first : sink;
 	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
-	if (grow((void **)scores, scores_bytes, need))
+	if (kvr_sched_device_grow(s, (void **)scores, scores_bytes, need))
 		return -ENOMEM;
 	const void *summaries = kvr_pool_summary(s->pool, lane->seq, lane->layer, 0);
 	if (!summaries) {
@@ -86,10 +74,15 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 			selected[i] = -1;
 		return 0;
 	}
-	const struct kvr_score_item it = { q, summaries, *scores, selected, cand_begin, cand_end, s->k, 0 };
-	int err = kvr_dev_score(s->dev, &s->shape, &it, 1, stream);
+	*item = (struct kvr_score_item){ q, summaries, *scores, selected, cand_begin, cand_end, s->k, 0 };
+	int err = kvr_sched_items_to_device(s, stream, item_dev, item, sizeof(*item));
 	if (!err)
-		err = kvr_dev_select(s->dev, &s->shape, &it, 1, stream);
+		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
+	if (!err)
+		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
+	/* the host plans with `selected` (and reuses the item and the scores) */
+	if (!err && s->separate)
+		err = kvr_dev_stream_synchronize(s->dev, stream);
 	return err;
 }
 
@@ -220,20 +213,39 @@ static int wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correctio
 	return kvr_dev_stream_wait_event(s->dev, s->compute, lane->recall_done);
 }
 
-/* Attention over `n_items` items, then record attn_done of each listed lane. */
-static int run_attention(struct kvr_sched *s, uint32_t layer, const struct kvr_attention_item *items,
-			 uint32_t n_items, const struct kvr_kv_segment *segs, uint32_t n_segs,
+/* Attention over `n_items` items, then record attn_done of each listed lane.
+ * The items and segments sit in the layer's scratch `ls`; segments from
+ * seg_begin on are this call's (on a separate-memory device they are copied to
+ * the scratch's device twin first). */
+static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scratch *ls,
+			 const struct kvr_attention_item *items, uint32_t n_items,
+			 const struct kvr_kv_segment *segs, uint32_t seg_begin, uint32_t n_segs,
 			 struct kvr_lane **lanes, uint32_t n_lanes)
 {
 	if (!n_items)
 		return 0;
 	const uint64_t t0 = kvr_now_ns();
+	int err = 0;
+	if (s->separate) {
+		unsigned char *dev = ls->dev;
+		const size_t item_off = (size_t)((const unsigned char *)items - (unsigned char *)ls->mem);
+		const size_t seg_off = (size_t)((const unsigned char *)segs - (unsigned char *)ls->mem);
+		err = kvr_sched_items_to_device(s, s->compute, dev + item_off, items,
+						n_items * sizeof(*items));
+		if (!err)
+			err = kvr_sched_items_to_device(s, s->compute, dev + seg_off + seg_begin * sizeof(*segs),
+							segs + seg_begin,
+							(n_segs - seg_begin) * sizeof(*segs));
+		items = (const void *)(dev + item_off);
+		segs = (const void *)(dev + seg_off);
+	}
 	kvr_sched_hook_on_stream(s, s->compute, KVR_HOOK_COMPUTE);
 	struct kvr_trace_span *sp = NULL;
 	if (s->hooks.async_compute)
 		sp = kvr_stream_span_begin(s, s->compute, "attention", KVR_TRACK_COMPUTE, UINT32_MAX,
 					   layer, n_items);
-	int err = kvr_dev_attention(s->dev, &s->head_shape, items, n_items, segs, n_segs, s->compute);
+	if (!err)
+		err = kvr_dev_attention(s->dev, &s->head_shape, items, n_items, segs, n_segs, s->compute);
 	kvr_stream_span_end(s, s->compute, sp);
 	for (uint32_t i = 0; !err && i < n_lanes; i++)
 		err = kvr_dev_event_record(s->dev, lanes[i]->attn_done, s->compute);
@@ -244,9 +256,50 @@ static int run_attention(struct kvr_sched *s, uint32_t layer, const struct kvr_a
 	return err;
 }
 
+/* Separate memory: order the layer's work after the engine's stream and bring
+ * q, k, v to the host (the append and the previous query are host work). */
+static int fetch_inputs(struct kvr_sched *s, uint32_t batch, const void *q, const void *k,
+			const void *v, struct kvr_stream *engine_stream)
+{
+	const size_t q_bytes = (size_t)batch * s->q_row, kv_bytes = (size_t)batch * s->kv_row;
+	int err = kvr_sched_mapped_grow(s, (void **)&s->mirror, &s->mirror_bytes,
+					(size_t)s->c.max_batch * (s->q_row + 2 * s->kv_row));
+	if (err)
+		return err;
+	if (engine_stream) {
+		err = kvr_dev_event_record(s->dev, s->engine_ready, engine_stream);
+		if (!err)
+			err = kvr_dev_stream_wait_event(s->dev, s->engine_inline, s->engine_ready);
+		if (!err)
+			err = kvr_dev_stream_wait_event(s->dev, s->compute, s->engine_ready);
+		if (err)
+			return err;
+	}
+	err = kvr_dev_memcpy_async(s->dev, s->mirror, q, q_bytes, KVR_COPY_D2H, s->engine_inline);
+	if (!err)
+		err = kvr_dev_memcpy_async(s->dev, s->mirror + q_bytes, k, kv_bytes, KVR_COPY_D2H,
+					   s->engine_inline);
+	if (!err)
+		err = kvr_dev_memcpy_async(s->dev, s->mirror + q_bytes + kv_bytes, v, kv_bytes,
+					   KVR_COPY_D2H, s->engine_inline);
+	if (!err)
+		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
+	return err;
+}
+
+/* A failed sequence's output rows: zeros. */
+static void zero_output(struct kvr_sched *s, void *out_row)
+{
+	if (!s->separate)
+		memset(out_row, 0, s->q_row);
+	else
+		kvr_dev_memcpy_async(s->dev, out_row, s->zero_row, s->q_row, KVR_COPY_H2D, s->compute);
+}
+
 int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			   const uint32_t *seqs, const uint64_t *positions, const void *q,
-			   const void *k, const void *v, void *out, int32_t *status)
+			   const void *k, const void *v, void *out, int32_t *status,
+			   struct kvr_stream *engine_stream)
 {
 	const uint64_t t_enter = kvr_now_ns();
 	const struct kvr_config *c = &s->c;
@@ -255,6 +308,19 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	const uint64_t head_q_bytes = (uint64_t)s->G * c->head_dim * s->eb;
 	const int dense_layer = layer_dense(s, layer);
 	struct kvr_trace *tr = trace_of(s);
+	/* q_dev feeds kernels; q_host, k_host, v_host the host's own work */
+	const unsigned char *q_dev = q, *q_host = q, *k_host = k, *v_host = v;
+	if (s->separate) {
+		int err = fetch_inputs(s, batch, q, k, v, engine_stream);
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: %s",
+				 kvr_dev_last_error(s->dev));
+			return err;
+		}
+		q_host = s->mirror;
+		k_host = s->mirror + (size_t)batch * q_row;
+		v_host = k_host + (size_t)batch * kv_row;
+	}
 
 	/* 1. Acquire the lanes, append the tokens. */
 	uint32_t max_pages = 0;
@@ -271,15 +337,14 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
 					      s->tails[seq] + ((uint64_t)layer * 2 + 1) * s->tile_bytes };
-		status[i] = kvr_pool_ingest(s->pool, seq, layer, positions[i], 1,
-					    (const unsigned char *)k + i * kv_row,
-					    (const unsigned char *)v + i * kv_row, &tail);
+		status[i] = kvr_pool_ingest(s->pool, seq, layer, positions[i], 1, k_host + i * kv_row,
+					    v_host + i * kv_row, &tail);
 		if (status[i]) {
 			snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u: %s", seq,
 				 layer, kvr_pool_last_error(s->pool));
 			if (s->log_fn)
 				s->log_fn(s->log_user, KVR_LOG_ERROR, s->last_error);
-			memset((unsigned char *)out + i * q_row, 0, q_row);
+			zero_output(s, (unsigned char *)out + i * q_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
 			continue;
 		}
@@ -304,7 +369,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		need += (sizes[i] + 63) & ~(size_t)63;
 	}
 	struct layer_scratch *ls = &s->scratch[layer];
-	if (grow(&ls->mem, &ls->bytes, need)) {
+	if (kvr_sched_mapped_grow(s, &ls->mem, &ls->bytes, need) ||
+	    (s->separate && kvr_sched_device_grow(s, &ls->dev, &ls->dev_bytes, need))) {
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for the step's scratch");
 		return -ENOMEM;
 	}
@@ -333,14 +399,22 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		e[i].kind = SEQ_SPARSE;
 		if (!kk)
 			continue; /* sink + window only: nothing to select */
-		const unsigned char *qi = (const unsigned char *)q + i * q_row;
 		if (c->mode == KVR_MODE_BLOCKING || !lane->has_prev) {
 			memset(corr, 1, n_kv);
 		} else if (c->mode == KVR_MODE_FREEKV) {
 			const uint64_t t0 = kvr_now_ns();
-			const struct kvr_similarity_item si = { qi, lane->prev_q, cosine + (uint64_t)i * n_kv,
-								 corr };
-			int err = kvr_dev_similarity(s->dev, &s->shape, &si, 1, s->engine_inline);
+			struct kvr_similarity_item *si = &s->engine_items->similarity;
+			*si = (struct kvr_similarity_item){ q_dev + i * q_row, lane->prev_q,
+							    cosine + (uint64_t)i * n_kv, corr };
+			int err = kvr_sched_items_to_device(s, s->engine_inline,
+							    &s->engine_items_dev->similarity, si,
+							    sizeof(*si));
+			if (!err)
+				err = kvr_dev_similarity(s->dev, &s->shape,
+							 &s->engine_items_dev->similarity, 1,
+							 s->engine_inline);
+			if (!err && s->separate) /* the host reads corr */
+				err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
 			if (err) {
 				snprintf(s->last_error, sizeof(s->last_error), "similarity: %s",
 					 kvr_dev_last_error(s->dev));
@@ -382,7 +456,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 							  lane->selected + (uint64_t)m * kk, slots,
 							  segs + n_segs);
 			items[n_items++] = (struct kvr_attention_item){
-				(const unsigned char *)q + i * q_row + m * head_q_bytes,
+				q_dev + i * q_row + m * head_q_bytes,
 				(unsigned char *)out + i * q_row + m * head_q_bytes, n_segs, n };
 			n_segs += n;
 		}
@@ -391,21 +465,23 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		count(s, seqs[i], KVR_C_DENSE_DECODES, (uint64_t)dense);
 	}
 	if (!err)
-		err = run_attention(s, layer, items, n_items, segs, n_segs, att_lanes, n_att);
+		err = run_attention(s, layer, ls, items, n_items, segs, 0, n_segs, att_lanes, n_att);
 
 	/* 4. Sequences with corrected heads: select now, recall, attend. */
-	const uint32_t first_item = n_items, first_att = n_att;
+	const uint32_t first_item = n_items, first_att = n_att, first_seg = n_segs;
 	for (uint32_t i = 0; i < batch && !err; i++) {
 		if (e[i].kind != SEQ_CORRECTED)
 			continue;
 		const uint32_t seq = seqs[i];
 		struct kvr_lane *lane = lane_of(s, seq, layer);
-		const unsigned char *qi = (const unsigned char *)q + i * q_row;
+		const unsigned char *qi = q_dev + i * q_row;
 		const uint8_t *corr = corrected + (uint64_t)i * n_kv;
 		int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
 		const uint64_t t0 = kvr_now_ns();
-		err = kvr_select_pages(s, lane, qi, e[i].n_tokens, 0, now_sel, s->engine_inline,
-				       &s->engine_scores, &s->engine_scores_bytes);
+		err = kvr_select_pages(s, lane, q_dev + i * q_row, e[i].n_tokens, 0, now_sel,
+				       s->engine_inline, &s->engine_items->score,
+				       &s->engine_items_dev->score, &s->engine_scores,
+				       &s->engine_scores_bytes);
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error), "selection: %s",
 				 kvr_dev_last_error(s->dev));
@@ -444,8 +520,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		count(s, seq, KVR_C_LAYER_DECODES, 1);
 	}
 	if (!err)
-		err = run_attention(s, layer, items + first_item, n_items - first_item, segs, n_segs,
-				    att_lanes + first_att, n_att - first_att);
+		err = run_attention(s, layer, ls, items + first_item, n_items - first_item, segs,
+				    first_seg, n_segs, att_lanes + first_att, n_att - first_att);
 	if (err) {
 		if (!s->last_error[0])
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
@@ -458,7 +534,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			continue;
 		const uint32_t seq = seqs[i];
 		struct kvr_lane *lane = lane_of(s, seq, layer);
-		memcpy(lane->prev_q, (const unsigned char *)q + i * q_row, q_row);
+		memcpy(lane->prev_q, q_host + i * q_row, q_row);
 		lane->has_prev = 1;
 		if (c->mode == KVR_MODE_BLOCKING)
 			continue; /* selects again at the next step */
@@ -482,6 +558,17 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		kvr_controller_post(s, lane, 0);
 	}
+	if (engine_stream) {
+		/* the engine's next kernels read `out` */
+		int err2 = kvr_dev_event_record(s->dev, s->layer_done, s->compute);
+		if (!err2)
+			err2 = kvr_dev_stream_wait_event(s->dev, engine_stream, s->layer_done);
+		if (err2) {
+			snprintf(s->last_error, sizeof(s->last_error), "ordering the engine's stream: %s",
+				 kvr_dev_last_error(s->dev));
+			return err2;
+		}
+	}
 	const uint64_t t_leave = kvr_now_ns();
 	for (uint32_t i = 0; i < batch; i++)
 		atomic_fetch_add_explicit(&s->seq_counters[(uint64_t)seqs[i] * KVR_C_COUNT + KVR_C_CRITICAL_NS],
@@ -496,7 +583,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 
 int kvr_sched_step_end(struct kvr_sched *s)
 {
-	if (!s->hooks.async_compute)
+	/* the next step rewrites the layers' mapped scratch the attention reads */
+	if (!s->hooks.async_compute && !s->separate)
 		return 0;
 	return kvr_dev_stream_synchronize(s->dev, s->compute);
 }
@@ -516,8 +604,8 @@ static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
 static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	kvr_recall_lane_free(s, lane);
-	free(lane->prev_q);
-	free(lane->selected);
+	kvr_sched_mapped_free(s, lane->prev_q);
+	kvr_sched_mapped_free(s, lane->selected);
 	free(lane->slot_page);
 	free(lane->job_heads);
 	lane->prev_q = NULL;
@@ -545,10 +633,12 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		memset(lane, 0, sizeof(*lane));
 		lane->seq = seq;
 		lane->layer = l;
-		lane->prev_q = malloc(s->q_row);
-		lane->selected = malloc(n_sel * sizeof(int32_t));
+		int err = kvr_sched_mapped_alloc(s, s->q_row, (void **)&lane->prev_q);
+		if (!err)
+			err = kvr_sched_mapped_alloc(s, n_sel * sizeof(int32_t), (void **)&lane->selected);
 		lane->job_heads = malloc(s->c.n_kv_heads);
-		int err = (!lane->prev_q || !lane->selected || !lane->job_heads) ? -ENOMEM : 0;
+		if (!err && !lane->job_heads)
+			err = -ENOMEM;
 		if (!err && s->recall == KVR_RECALL_STREAMED && !layer_dense(s, l) &&
 		    !(lane->slot_page = malloc(n_sel * sizeof(int32_t))))
 			err = -ENOMEM;
@@ -613,6 +703,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->dev = params->dev;
 	s->pool_layout = params->pool_layout;
 	s->recall = params->recall;
+	s->separate = !kvr_dev_host_visible(s->dev);
 	if (params->hooks)
 		s->hooks = *params->hooks;
 	s->log_fn = params->log_fn;
@@ -641,15 +732,40 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->lanes = calloc(n_lanes, sizeof(*s->lanes));
 	s->tails = calloc(c->max_sequences, sizeof(*s->tails));
 	s->scratch = calloc(c->n_layers, sizeof(*s->scratch));
-	s->now_sel = malloc((size_t)c->max_batch * c->n_kv_heads * (s->k ? s->k : 1) * sizeof(int32_t));
 	s->seq_counters = calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
 	s->head_corrections = calloc((size_t)c->max_sequences * c->n_kv_heads,
 				     sizeof(*s->head_corrections));
-	if (!s->lanes || !s->tails || !s->scratch || !s->now_sel || !s->seq_counters ||
-	    !s->head_corrections) {
+	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, (size_t)c->max_batch * c->n_kv_heads * (s->k ? s->k : 1) *
+							sizeof(int32_t), (void **)&s->now_sel);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, sizeof(*s->engine_items), (void **)&s->engine_items);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, sizeof(*s->ctl_items), (void **)&s->ctl_items);
+	s->engine_items_dev = s->engine_items;
+	s->ctl_items_dev = s->ctl_items;
+	if (!ret && s->separate) {
+		s->engine_items_dev = NULL;
+		s->ctl_items_dev = NULL;
+		ret = kvr_dev_alloc(s->dev, sizeof(*s->engine_items_dev), (void **)&s->engine_items_dev);
+		if (!ret)
+			ret = kvr_dev_alloc(s->dev, sizeof(*s->ctl_items_dev), (void **)&s->ctl_items_dev);
+	}
+	if (!ret && s->separate) {
+		if (!(s->zero_row = calloc(1, s->q_row)))
+			ret = -ENOMEM;
+		if (!ret)
+			ret = kvr_dev_event_create(s->dev, &s->engine_ready);
+		if (!ret)
+			ret = kvr_dev_event_create(s->dev, &s->layer_done);
+	}
+	if (ret && !err[0])
+		snprintf(err, err_bytes, "scheduler: %s",
+			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
 	if (!ret && (ret = kvr_dev_stream_create(s->dev, 0, &s->engine_inline)) == 0 &&
 	    (ret = kvr_dev_stream_create(s->dev, s->hooks.async_compute ? KVR_STREAM_WORKER : 0,
 					 &s->compute)) == 0)
@@ -685,14 +801,28 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	kvr_dev_stream_destroy(s->dev, s->compute);
 	kvr_dev_stream_destroy(s->dev, s->ctl_inline);
 	if (s->scratch)
-		for (uint32_t l = 0; l < s->c.n_layers; l++)
-			free(s->scratch[l].mem);
+		for (uint32_t l = 0; l < s->c.n_layers; l++) {
+			kvr_sched_mapped_free(s, s->scratch[l].mem);
+			kvr_sched_device_free(s, s->scratch[l].dev);
+		}
+	if (s->separate) {
+		kvr_dev_free(s->dev, s->engine_items_dev);
+		kvr_dev_free(s->dev, s->ctl_items_dev);
+	}
 	free(s->scratch);
 	free(s->lanes);
 	free(s->tails);
-	free(s->now_sel);
-	free(s->engine_scores);
-	free(s->ctl_scores);
+	kvr_sched_mapped_free(s, s->now_sel);
+	kvr_sched_mapped_free(s, s->engine_items);
+	kvr_sched_mapped_free(s, s->ctl_items);
+	kvr_sched_mapped_free(s, s->mirror);
+	kvr_sched_device_free(s, s->engine_scores);
+	kvr_sched_device_free(s, s->ctl_scores);
+	kvr_sched_device_free(s, s->prefill_q);
+	kvr_sched_device_free(s, s->prefill_out);
+	free(s->zero_row);
+	kvr_dev_event_destroy(s->dev, s->engine_ready);
+	kvr_dev_event_destroy(s->dev, s->layer_done);
 	free((void *)s->seq_counters);
 	free((void *)s->head_corrections);
 	pthread_mutex_destroy(&s->lock);
@@ -762,14 +892,31 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
 	struct layer_scratch *ls = &s->scratch[layer];
 	const size_t items_bytes = ((size_t)group * n_kv * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
-	if (grow(&ls->mem, &ls->bytes, items_bytes + (size_t)group * n_kv * max_segs * sizeof(struct kvr_kv_segment))) {
+	const size_t rows_bytes = (size_t)group * s->q_row;
+	const size_t scratch_bytes = items_bytes + (size_t)group * n_kv * max_segs * sizeof(struct kvr_kv_segment);
+	if (kvr_sched_mapped_grow(s, &ls->mem, &ls->bytes, scratch_bytes) ||
+	    (s->separate && kvr_sched_device_grow(s, &ls->dev, &ls->dev_bytes, scratch_bytes)) ||
+	    (s->separate && (kvr_sched_device_grow(s, &s->prefill_q, &s->prefill_q_bytes, rows_bytes) ||
+			     kvr_sched_device_grow(s, &s->prefill_out, &s->prefill_out_bytes, rows_bytes)))) {
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
 		return -ENOMEM;
 	}
 	struct kvr_attention_item *items = ls->mem;
 	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->mem + items_bytes);
+	struct kvr_stream *st = s->engine_inline;
 	for (uint32_t at = 0; at < n_tokens; at += group) {
 		const uint32_t n_q = n_tokens - at < group ? n_tokens - at : group;
+		/* q and out are host arrays: on a separate-memory device the group's
+		 * rows go through device buffers */
+		const unsigned char *q_rows = (const unsigned char *)q + (uint64_t)at * s->q_row;
+		unsigned char *out_rows = (unsigned char *)out + (uint64_t)at * s->q_row;
+		int err = 0;
+		if (s->separate) {
+			err = kvr_dev_memcpy_async(s->dev, s->prefill_q, q_rows, n_q * s->q_row,
+						   KVR_COPY_H2D, st);
+			q_rows = s->prefill_q;
+			out_rows = s->prefill_out;
+		}
 		uint32_t n_items = 0, n_segs = 0;
 		for (uint32_t t = 0; t < n_q; t++) {
 			const uint64_t pos = first_position + at + t; /* attends tokens 0..pos */
@@ -789,14 +936,29 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 					segs[n_segs++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, rest,
 										  n_kv * d, 0, 0 };
 				}
-				const uint64_t row = (uint64_t)(at + t) * s->q_row + m * head_q_bytes;
-				items[n_items++] = (struct kvr_attention_item){
-					(const unsigned char *)q + row, (unsigned char *)out + row, first,
-					n_segs - first };
+				const uint64_t row = (uint64_t)t * s->q_row + m * head_q_bytes;
+				items[n_items++] = (struct kvr_attention_item){ q_rows + row, out_rows + row,
+										first, n_segs - first };
 			}
 		}
-		int err = kvr_dev_attention(s->dev, &s->head_shape, items, n_items, segs, n_segs,
-					    s->engine_inline);
+		const struct kvr_attention_item *items_k = items;
+		const struct kvr_kv_segment *segs_k = segs;
+		if (!err && s->separate) {
+			err = kvr_sched_items_to_device(s, st, ls->dev, items, n_items * sizeof(*items));
+			if (!err)
+				err = kvr_sched_items_to_device(s, st, (unsigned char *)ls->dev + items_bytes,
+								segs, n_segs * sizeof(*segs));
+			items_k = ls->dev;
+			segs_k = (const void *)((unsigned char *)ls->dev + items_bytes);
+		}
+		if (!err)
+			err = kvr_dev_attention(s->dev, &s->head_shape, items_k, n_items, segs_k, n_segs, st);
+		if (!err && s->separate)
+			err = kvr_dev_memcpy_async(s->dev, (unsigned char *)out + (uint64_t)at * s->q_row,
+						   s->prefill_out, n_q * s->q_row, KVR_COPY_D2H, st);
+		/* the next group rewrites the items (and, separate, the rows) */
+		if (!err && s->separate)
+			err = kvr_dev_stream_synchronize(s->dev, st);
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
 			return err;

@@ -112,7 +112,7 @@ static void hooks_reset(uint64_t seed)
 /* ------------------------------------------------------------------ contexts */
 
 struct opts {
-	uint32_t dev_kind; /* KVR_DEV_CPU or KVR_DEV_CUDAEMU */
+	uint32_t dev_kind; /* KVR_DEV_CPU, KVR_DEV_CUDAEMU or KVR_DEV_CUDAEMU_STRICT */
 	uint32_t mode, recall, dtype;
 	int hooks; /* random delays at every site and asynchronous compute */
 	uint32_t chunk_pages, buffers, pool_layout;
@@ -141,7 +141,7 @@ static uint64_t page_bytes(uint32_t dtype)
 
 static const char *dev_name(uint32_t kind)
 {
-	return kind == KVR_DEV_CUDAEMU ? "cudaemu" : "cpu";
+	return kind == KVR_DEV_CUDAEMU ? "cudaemu" : kind == KVR_DEV_CUDAEMU_STRICT ? "cudaemu-strict" : "cpu";
 }
 
 static void config_of(const struct opts *o, struct kvr_config *c)
@@ -170,6 +170,57 @@ static void config_of(const struct opts *o, struct kvr_config *c)
 	c->device_bytes = o->device_bytes;
 }
 
+/* Device buffers for the decode calls of a context on a separate-memory
+ * device (cudaemu-strict), where q, k, v and out must be device memory. */
+static struct {
+	struct kvr_dev *dev; /* NULL: host-addressable device, no staging */
+	struct kvr_stream *stream;
+	void *q[NL], *k[NL], *v[NL], *o[NL];
+} dstage;
+
+static void dstage_put(void *dst, const void *src, size_t bytes)
+{
+	cr_assert_eq(kvr_dev_memcpy_async(dstage.dev, dst, src, bytes, KVR_COPY_H2D, dstage.stream), 0,
+		     "%s", kvr_dev_last_error(dstage.dev));
+	cr_assert_eq(kvr_dev_stream_synchronize(dstage.dev, dstage.stream), 0);
+}
+
+static void dstage_get(void *dst, const void *src, size_t bytes)
+{
+	cr_assert_eq(kvr_dev_memcpy_async(dstage.dev, dst, src, bytes, KVR_COPY_D2H, dstage.stream), 0,
+		     "%s", kvr_dev_last_error(dstage.dev));
+	cr_assert_eq(kvr_dev_stream_synchronize(dstage.dev, dstage.stream), 0);
+}
+
+static void dstage_open(struct kvr_context *ctx)
+{
+	memset(&dstage, 0, sizeof(dstage));
+	if (kvr_dev_host_visible(ctx->dev))
+		return;
+	dstage.dev = ctx->dev;
+	cr_assert_eq(kvr_dev_stream_create(dstage.dev, 0, &dstage.stream), 0);
+	for (int l = 0; l < NL; l++) {
+		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * Q_ROW * 4, &dstage.q[l]), 0);
+		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * KV_ROW * 4, &dstage.k[l]), 0);
+		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * KV_ROW * 4, &dstage.v[l]), 0);
+		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * Q_ROW * 4, &dstage.o[l]), 0);
+	}
+}
+
+static void dstage_close(void)
+{
+	if (!dstage.dev)
+		return;
+	for (int l = 0; l < NL; l++) {
+		kvr_dev_free(dstage.dev, dstage.q[l]);
+		kvr_dev_free(dstage.dev, dstage.k[l]);
+		kvr_dev_free(dstage.dev, dstage.v[l]);
+		kvr_dev_free(dstage.dev, dstage.o[l]);
+	}
+	kvr_dev_stream_destroy(dstage.dev, dstage.stream);
+	memset(&dstage, 0, sizeof(dstage));
+}
+
 static struct kvr_context *ctx_open(const struct opts *o)
 {
 	struct kvr_config c;
@@ -178,6 +229,7 @@ static struct kvr_context *ctx_open(const struct opts *o)
 	struct kvr_context *ctx = NULL;
 	const int r = kvr_context_create_internal(&c, o->dev_kind, o->hooks ? &h : NULL, &ctx);
 	cr_assert_eq(r, 0, "context (%s): %d: %s", dev_name(o->dev_kind), r, kvr_last_error(NULL));
+	dstage_open(ctx);
 	return ctx;
 }
 
@@ -188,8 +240,14 @@ static void ctx_close(struct kvr_context *ctx, const struct opts *o)
 	const char *msg = NULL;
 	const int e = kvr_async_error(ctx, &msg);
 	cr_expect_eq(e, 0, "asynchronous error %d: %s", e, msg ? msg : "");
-	if (o->dev_kind == KVR_DEV_CUDAEMU)
+	if (o->dev_kind == KVR_DEV_CUDAEMU || o->dev_kind == KVR_DEV_CUDAEMU_STRICT)
 		cr_expect_eq(kvr_cudaemu_failed_launches(), 0, "a cudaemu kernel launch failed");
+	if (o->dev_kind == KVR_DEV_CUDAEMU_STRICT) {
+		char why[256] = "";
+		kvr_cudaemu_strict_last_violation(why, sizeof(why));
+		cr_expect_eq(kvr_cudaemu_strict_violations(), 0, "cudaemu-strict: %s", why);
+	}
+	dstage_close();
 	kvr_context_destroy(ctx);
 }
 
@@ -345,12 +403,24 @@ static void step_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **ts
 		int32_t st[MAXB];
 		for (uint32_t i = 0; i < nb; i++)
 			st[i] = 12345;
-		cr_assert_eq(kvr_decode_layer(ctx, l, qb[l], kb[l], vb[l], ob[l], st, NULL), 0, "%s",
+		void *in_q = qb[l], *in_k = kb[l], *in_v = vb[l], *out_o = ob[l];
+		if (dstage.dev) {
+			/* a separate-memory device: q, k, v and out are device memory */
+			dstage_put(dstage.q[l], qb[l], sizeof(qb[l]));
+			dstage_put(dstage.k[l], kb[l], sizeof(kb[l]));
+			dstage_put(dstage.v[l], vb[l], sizeof(vb[l]));
+			dstage_put(dstage.o[l], ob[l], sizeof(ob[l]));
+			in_q = dstage.q[l], in_k = dstage.k[l], in_v = dstage.v[l], out_o = dstage.o[l];
+		}
+		cr_assert_eq(kvr_decode_layer(ctx, l, in_q, in_k, in_v, out_o, st, NULL), 0, "%s",
 			     kvr_last_error(ctx));
 		for (uint32_t i = 0; i < nb; i++)
 			status[i][l] = st[i];
 	}
 	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	if (dstage.dev)
+		for (uint32_t l = 0; l < NL; l++)
+			dstage_get(ob[l], dstage.o[l], sizeof(ob[l]));
 	for (uint32_t l = 0; l < NL; l++)
 		for (uint32_t i = 0; i < nb; i++)
 			from_dtype(out[i][l], ob[l] + (size_t)i * Q_ROW * eb, Q_ROW, dtype);
@@ -769,7 +839,7 @@ static void ordering_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 	uint32_t corrections = 0;
 	for (int mi = 0; mi < 3; mi++) {
 		/* f32 and f16 alternate over the modes */
-		const uint32_t dtype = (mi + (dev_kind == KVR_DEV_CUDAEMU)) % 2 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+		const uint32_t dtype = (mi + (dev_kind != KVR_DEV_CPU)) % 2 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
 		for (int ri = 0; ri < 2; ri++) {
 			struct opts o = opts_default(dev_kind, modes[mi], recalls[ri], dtype);
 			o.chunk_pages = 3; /* heads' misses split into chunks: both buffers in use */
@@ -805,6 +875,15 @@ Test(scheduler, ordering_under_random_delays_cpu, .timeout = 120)
 Test(scheduler, ordering_under_random_delays_cudaemu, .timeout = 240)
 {
 	ordering_on(KVR_DEV_CUDAEMU, 1, 6);
+}
+
+/* The same on a device whose memory the host cannot address (the cuda
+ * backend's situation): every kernel's items and buffers, and every copy's
+ * direction, are checked by cudaemu-strict; any host pointer handed to a
+ * kernel fails the launch. */
+Test(scheduler, ordering_under_random_delays_cudaemu_strict, .timeout = 240)
+{
+	ordering_on(KVR_DEV_CUDAEMU_STRICT, 1, 6);
 }
 
 /* Test 2 beyond the default settings: one staging buffer, one page per chunk,
@@ -863,6 +942,8 @@ Test(scheduler, speculative_uses_previous_steps_pages, .timeout = 120)
 	}
 	struct check ck;
 	model_run(KVR_DEV_CUDAEMU, KVR_MODE_SPECULATIVE, KVR_RECALL_STREAMED, 1, 8, &ck);
+	model_run(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_SPECULATIVE, KVR_RECALL_STREAMED, 1, 8, &ck);
+	model_run(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_SPECULATIVE, KVR_RECALL_ZERO_COPY, 1, 8, &ck);
 }
 
 Test(scheduler, blocking_selects_with_current_query, .timeout = 120)
