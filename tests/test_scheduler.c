@@ -171,54 +171,69 @@ static void config_of(const struct opts *o, struct kvr_config *c)
 }
 
 /* Device buffers for the decode calls of a context on a separate-memory
- * device (cudaemu-strict), where q, k, v and out must be device memory. */
-static struct {
-	struct kvr_dev *dev; /* NULL: host-addressable device, no staging */
+ * device (cudaemu-strict), where q, k, v and out must be device memory; one
+ * record per open context (tests open a second context beside the first). */
+struct dstage {
+	struct kvr_context *ctx;
+	struct kvr_dev *dev;
 	struct kvr_stream *stream;
 	void *q[NL], *k[NL], *v[NL], *o[NL];
-} dstage;
+};
+static struct dstage dstages[4];
 
-static void dstage_put(void *dst, const void *src, size_t bytes)
+static void dstage_put(struct dstage *d, void *dst, const void *src, size_t bytes)
 {
-	cr_assert_eq(kvr_dev_memcpy_async(dstage.dev, dst, src, bytes, KVR_COPY_H2D, dstage.stream), 0,
-		     "%s", kvr_dev_last_error(dstage.dev));
-	cr_assert_eq(kvr_dev_stream_synchronize(dstage.dev, dstage.stream), 0);
+	cr_assert_eq(kvr_dev_memcpy_async(d->dev, dst, src, bytes, KVR_COPY_H2D, d->stream), 0, "%s",
+		     kvr_dev_last_error(d->dev));
+	cr_assert_eq(kvr_dev_stream_synchronize(d->dev, d->stream), 0);
 }
 
-static void dstage_get(void *dst, const void *src, size_t bytes)
+static void dstage_get(struct dstage *d, void *dst, const void *src, size_t bytes)
 {
-	cr_assert_eq(kvr_dev_memcpy_async(dstage.dev, dst, src, bytes, KVR_COPY_D2H, dstage.stream), 0,
-		     "%s", kvr_dev_last_error(dstage.dev));
-	cr_assert_eq(kvr_dev_stream_synchronize(dstage.dev, dstage.stream), 0);
+	cr_assert_eq(kvr_dev_memcpy_async(d->dev, dst, src, bytes, KVR_COPY_D2H, d->stream), 0, "%s",
+		     kvr_dev_last_error(d->dev));
+	cr_assert_eq(kvr_dev_stream_synchronize(d->dev, d->stream), 0);
+}
+
+/* The context's record, or NULL when its device is host-addressable. */
+static struct dstage *dstage_of(const struct kvr_context *ctx)
+{
+	for (int i = 0; i < 4; i++)
+		if (dstages[i].ctx == ctx)
+			return &dstages[i];
+	return NULL;
 }
 
 static void dstage_open(struct kvr_context *ctx)
 {
-	memset(&dstage, 0, sizeof(dstage));
 	if (kvr_dev_host_visible(ctx->dev))
 		return;
-	dstage.dev = ctx->dev;
-	cr_assert_eq(kvr_dev_stream_create(dstage.dev, 0, &dstage.stream), 0);
+	struct dstage *d = dstage_of(NULL);
+	cr_assert(d, "too many contexts open");
+	d->ctx = ctx;
+	d->dev = ctx->dev;
+	cr_assert_eq(kvr_dev_stream_create(d->dev, 0, &d->stream), 0);
 	for (int l = 0; l < NL; l++) {
-		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * Q_ROW * 4, &dstage.q[l]), 0);
-		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * KV_ROW * 4, &dstage.k[l]), 0);
-		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * KV_ROW * 4, &dstage.v[l]), 0);
-		cr_assert_eq(kvr_dev_alloc(dstage.dev, MAXB * Q_ROW * 4, &dstage.o[l]), 0);
+		cr_assert_eq(kvr_dev_alloc(d->dev, MAXB * Q_ROW * 4, &d->q[l]), 0);
+		cr_assert_eq(kvr_dev_alloc(d->dev, MAXB * KV_ROW * 4, &d->k[l]), 0);
+		cr_assert_eq(kvr_dev_alloc(d->dev, MAXB * KV_ROW * 4, &d->v[l]), 0);
+		cr_assert_eq(kvr_dev_alloc(d->dev, MAXB * Q_ROW * 4, &d->o[l]), 0);
 	}
 }
 
-static void dstage_close(void)
+static void dstage_close(struct kvr_context *ctx)
 {
-	if (!dstage.dev)
+	struct dstage *d = dstage_of(ctx);
+	if (!d)
 		return;
 	for (int l = 0; l < NL; l++) {
-		kvr_dev_free(dstage.dev, dstage.q[l]);
-		kvr_dev_free(dstage.dev, dstage.k[l]);
-		kvr_dev_free(dstage.dev, dstage.v[l]);
-		kvr_dev_free(dstage.dev, dstage.o[l]);
+		kvr_dev_free(d->dev, d->q[l]);
+		kvr_dev_free(d->dev, d->k[l]);
+		kvr_dev_free(d->dev, d->v[l]);
+		kvr_dev_free(d->dev, d->o[l]);
 	}
-	kvr_dev_stream_destroy(dstage.dev, dstage.stream);
-	memset(&dstage, 0, sizeof(dstage));
+	kvr_dev_stream_destroy(d->dev, d->stream);
+	memset(d, 0, sizeof(*d));
 }
 
 static struct kvr_context *ctx_open(const struct opts *o)
@@ -247,7 +262,7 @@ static void ctx_close(struct kvr_context *ctx, const struct opts *o)
 		kvr_cudaemu_strict_last_violation(why, sizeof(why));
 		cr_expect_eq(kvr_cudaemu_strict_violations(), 0, "cudaemu-strict: %s", why);
 	}
-	dstage_close();
+	dstage_close(ctx);
 	kvr_context_destroy(ctx);
 }
 
@@ -389,6 +404,7 @@ static void step_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **ts
 	}
 	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, nb), 0, "%s", kvr_last_error(ctx));
 	const uint32_t eb = ebytes(dtype);
+	struct dstage *ds = dstage_of(ctx);
 	/* per layer: with asynchronous compute the inputs and outputs of every
 	 * layer stay in use until kvr_decode_end */
 	static unsigned char qb[NL][MAXB * Q_ROW * 4], kb[NL][MAXB * KV_ROW * 4],
@@ -404,13 +420,13 @@ static void step_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **ts
 		for (uint32_t i = 0; i < nb; i++)
 			st[i] = 12345;
 		void *in_q = qb[l], *in_k = kb[l], *in_v = vb[l], *out_o = ob[l];
-		if (dstage.dev) {
+		if (ds) {
 			/* a separate-memory device: q, k, v and out are device memory */
-			dstage_put(dstage.q[l], qb[l], sizeof(qb[l]));
-			dstage_put(dstage.k[l], kb[l], sizeof(kb[l]));
-			dstage_put(dstage.v[l], vb[l], sizeof(vb[l]));
-			dstage_put(dstage.o[l], ob[l], sizeof(ob[l]));
-			in_q = dstage.q[l], in_k = dstage.k[l], in_v = dstage.v[l], out_o = dstage.o[l];
+			dstage_put(ds, ds->q[l], qb[l], sizeof(qb[l]));
+			dstage_put(ds, ds->k[l], kb[l], sizeof(kb[l]));
+			dstage_put(ds, ds->v[l], vb[l], sizeof(vb[l]));
+			dstage_put(ds, ds->o[l], ob[l], sizeof(ob[l]));
+			in_q = ds->q[l], in_k = ds->k[l], in_v = ds->v[l], out_o = ds->o[l];
 		}
 		cr_assert_eq(kvr_decode_layer(ctx, l, in_q, in_k, in_v, out_o, st, NULL), 0, "%s",
 			     kvr_last_error(ctx));
@@ -418,9 +434,9 @@ static void step_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **ts
 			status[i][l] = st[i];
 	}
 	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
-	if (dstage.dev)
+	if (ds)
 		for (uint32_t l = 0; l < NL; l++)
-			dstage_get(ob[l], dstage.o[l], sizeof(ob[l]));
+			dstage_get(ds, ob[l], ds->o[l], sizeof(ob[l]));
 	for (uint32_t l = 0; l < NL; l++)
 		for (uint32_t i = 0; i < nb; i++)
 			from_dtype(out[i][l], ob[l] + (size_t)i * Q_ROW * eb, Q_ROW, dtype);
@@ -1264,6 +1280,14 @@ Test(scheduler, batch_equals_each_sequence_alone, .timeout = 120)
 	}
 }
 
+/* Both recall kinds on the cpu backend, and streamed recall on cudaemu-strict
+ * (the cuda backend's memory rules). */
+static const struct {
+	uint32_t dev, recall;
+} runs_cpu_strict[3] = { { KVR_DEV_CPU, KVR_RECALL_ZERO_COPY },
+			 { KVR_DEV_CPU, KVR_RECALL_STREAMED },
+			 { KVR_DEV_CUDAEMU_STRICT, KVR_RECALL_STREAMED } };
+
 /*
  * Test 8b: the pool holds exactly the prefilled pages. Sequence F (288
  * tokens: its next token starts a page) cannot reserve one and fails with a
@@ -1276,11 +1300,12 @@ Test(scheduler, failing_sequence_leaves_others_intact, .timeout = 120)
 	static const uint64_t n0[4] = { 97, 305, 288, 401 }, gens[4] = { 10, 11, 12, 13 };
 	enum { STEPS = 12, F = 2 };
 	static float with[STEPS][MAXB][NL][Q_ROW], without[STEPS][MAXB][NL][Q_ROW];
-	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+	for (uint32_t ri = 0; ri < 3; ri++) {
+		const uint32_t recall = runs_cpu_strict[ri].recall;
 		uint64_t pages = 0;
 		for (int i = 0; i < 4; i++)
 			pages += NL * ((n0[i] + P - 1) / P);
-		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
+		struct opts o = opts_default(runs_cpu_strict[ri].dev, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
 		o.pool_pages = pages;
 		struct kvr_context *ctx = ctx_open(&o);
 		struct tseq t[4], *tp[4];
@@ -1364,8 +1389,9 @@ Test(scheduler, failing_sequence_leaves_others_intact, .timeout = 120)
 Test(scheduler, fork_and_truncate_mid_run, .timeout = 120)
 {
 	enum { STEPS = 26, FORK_AT = 8, TRUNC_AT = 16 };
-	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
-		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_SPECULATIVE, recall, KVR_DTYPE_F32);
+	for (uint32_t ri = 0; ri < 3; ri++) {
+		const uint32_t recall = runs_cpu_strict[ri].recall;
+		struct opts o = opts_default(runs_cpu_strict[ri].dev, KVR_MODE_SPECULATIVE, recall, KVR_DTYPE_F32);
 		struct kvr_context *ctx = ctx_open(&o);
 		struct tseq b, b2, c, b_at_fork, c_at_trunc;
 		struct qgen qb, qb2, qc;
@@ -1724,4 +1750,46 @@ Test(scheduler, async_error_clear_after_run, .timeout = 60)
 	cr_assert_eq(kvr_async_error(NULL, NULL), -EINVAL);
 	ctx_close(ctx, &o);
 	tseq_fini(&t);
+}
+
+/* Prefill attention on cudaemu-strict (host q and out staged through device
+ * buffers, items copied to device memory, pool pages and the tail read in
+ * place) equals the cpu backend's, query by query. */
+Test(scheduler, prefill_attention_on_strict_device, .timeout = 120)
+{
+	enum { N = 150, FIRST = 37 };
+	static float out_cpu[NL][N][Q_ROW], out_strict[NL][N][Q_ROW];
+	static float qf[N][Q_ROW];
+	struct rng r = { 5 };
+	for (uint32_t t = 0; t < N; t++)
+		for (uint32_t c = 0; c < Q_ROW; c++)
+			qf[t][c] = rnd(&r);
+	const uint32_t kinds[2] = { KVR_DEV_CPU, KVR_DEV_CUDAEMU_STRICT };
+	float(*outs[2])[N][Q_ROW] = { out_cpu, out_strict };
+	for (int ki = 0; ki < 2; ki++) {
+		struct opts o = opts_default(kinds[ki], KVR_MODE_FREEKV, KVR_RECALL_STREAMED, KVR_DTYPE_F32);
+		struct kvr_context *ctx = ctx_open(&o);
+		struct tseq t;
+		tseq_init(&t, 41);
+		tseq_prefill(ctx, o.dtype, &t, N); /* 4 full pages and a partial tail */
+		for (uint32_t l = 0; l < NL; l++) {
+			/* a first call over the first FIRST queries, then the rest */
+			cr_assert_eq(kvr_prefill_attention(ctx, t.id, l, 0, FIRST, qf, outs[ki][l]), 0, "%s: %s",
+				     dev_name(o.dev_kind), kvr_last_error(ctx));
+			cr_assert_eq(kvr_prefill_attention(ctx, t.id, l, FIRST, N - FIRST, qf[FIRST],
+							   outs[ki][l][FIRST]),
+				     0, "%s: %s", dev_name(o.dev_kind), kvr_last_error(ctx));
+			if (ki == 1)
+				cr_assert(out_strict[l][N - 1][0] != 0.0f && out_cpu[l][0][0] != 0.0f,
+					  "no output was written");
+			if (ki == 1)
+				for (uint32_t i = 0; i < N; i++)
+					for (uint32_t c = 0; c < Q_ROW; c++)
+						cr_assert(fabsf(out_cpu[l][i][c] - out_strict[l][i][c]) <= 1e-4f,
+							  "layer %u query %u element %u: cpu %g, strict %g", l, i,
+							  c, (double)out_cpu[l][i][c], (double)out_strict[l][i][c]);
+		}
+		ctx_close(ctx, &o);
+		tseq_fini(&t);
+	}
 }
