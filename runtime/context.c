@@ -35,9 +35,20 @@ static void device_bytes_of(const struct kvr_config *c, uint32_t recall, uint64_
 	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
 			      kvr_dtype_bytes(c->dtype);
 	*fixed = kvr_sched_fixed_device_bytes(c, recall);
-	/* on cuda the tail tiles are pinned host memory (scheduler/memory.c) */
-	*per_seq = (c->backend == KVR_BACKEND_CUDA ? 0 : 2 * tile * c->n_layers) +
-		   kvr_sched_seq_device_bytes(c, recall);
+	*per_seq = kvr_sched_seq_device_bytes(c, recall);
+	if (c->backend != KVR_BACKEND_CUDA) {
+		*per_seq += 2 * tile * c->n_layers;
+	} else {
+		/* the tail tiles are pinned host memory (scheduler/memory.c); each
+		 * sparse layer keeps its sink and window pages on the device
+		 * (resident.c). A dense layer's resident pages grow with the
+		 * sequence and are not budgeted in this version. */
+		uint32_t sparse = 0;
+		for (uint32_t l = 0; l < c->n_layers; l++)
+			sparse += !(c->dense_layers[l / 64] >> (l % 64) & 1);
+		if (c->mode != KVR_MODE_DENSE)
+			*per_seq += sparse * kvr_resident_lane_bytes(c);
+	}
 }
 
 /* The recall kind a backend uses for AUTO: on the cpu backend attention reads

@@ -44,6 +44,11 @@ struct kvr_lane {
 	struct kvr_scatter_item *recall_items_dev; /* their device copy (separate memory) */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
 	struct kvr_event *attn_done;   /* recorded on the compute stream after the lane's attention */
+	/* separate memory: device copies of the pages every step attends
+	 * (resident.c); engine-owned */
+	unsigned char **res_chunks;
+	int32_t *res_held;        /* [res_cap_chunks * chunk pages]: logical page per slot */
+	uint32_t res_n_chunks, res_cap_chunks;
 	/* the posted job */
 	uint32_t job;             /* enum lane_job */
 	uint32_t job_urgent;
@@ -210,6 +215,17 @@ void kvr_sched_device_free(struct kvr_sched *s, void *p);
  * the kernel that follows); elsewhere nothing. */
 int kvr_sched_items_to_device(struct kvr_sched *s, struct kvr_stream *stream, void *dev,
 			      const void *host, size_t bytes);
+
+/* resident.c */
+int kvr_resident_enabled(const struct kvr_sched *s);
+int kvr_resident_lane_open(struct kvr_sched *s, struct kvr_lane *lane);
+void kvr_resident_lane_free(struct kvr_sched *s, struct kvr_lane *lane);
+void kvr_resident_lane_forget(struct kvr_lane *lane);
+/* The device copy of the lane's logical page (pool page page_id), queued for
+ * copying on the compute stream when not held; NULL when the page has no slot
+ * or device memory ran out (the caller reads the pool page in place). */
+const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lane, uint32_t logical,
+				       uint32_t page_id);
 
 /* step.c: selection of one lane with query q (device-readable) against the
  * window of a layer holding n_tokens tokens at the next step (next = 1) or now

@@ -99,6 +99,8 @@ const char *kvr_sched_last_error(const struct kvr_sched *s);
  * and the context's fixed device bytes (staging buffers). */
 uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall);
 uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recall);
+/* Device bytes of one sparse lane's resident sink and window pages (cuda). */
+uint64_t kvr_resident_lane_bytes(const struct kvr_config *c);
 
 /* A sequence's lanes: open with its tail tiles (per layer, the NHD K tile then
  * the V tile, tile_bytes each); close waits for its jobs and frees its slots. */

@@ -88,13 +88,19 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 
 /* ------------------------------------------------------------------ segments */
 
-/* One KV head's run of pool page `logical` as an attention segment. */
-static struct kvr_kv_segment pool_segment(struct kvr_sched *s, uint32_t seq, uint32_t layer,
-					  uint32_t logical, uint32_t m)
+/* One KV head's run of pool page `logical` as an attention segment: the
+ * lane's device copy when `resident` (separate memory, resident.c), else the
+ * pool page in place. */
+static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *lane, uint32_t logical,
+					  uint32_t m, int resident)
 {
 	uint32_t id = 0;
-	kvr_pool_lookup(s->pool, seq, layer, logical, &id);
-	const unsigned char *page = kvr_pool_page_data(s->pool, id);
+	kvr_pool_lookup(s->pool, lane->seq, lane->layer, logical, &id);
+	const unsigned char *page = NULL;
+	if (resident)
+		page = kvr_resident_page(s, lane, logical, id);
+	if (!page)
+		page = kvr_pool_page_data(s->pool, id);
 	const uint32_t p = s->c.page_tokens, d = s->c.head_dim, eb = s->eb;
 	if (s->pool_layout == KVR_POOL_LAYOUT_NHD) {
 		/* [2][p][n_kv][d] */
@@ -132,15 +138,21 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 	const uint32_t p = s->c.page_tokens, d = s->c.head_dim;
 	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = (uint32_t)(n_tokens % p);
 	const uint32_t seq = lane->seq, layer = lane->layer;
+	const uint32_t sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
+	const int res = kvr_resident_enabled(s);
 	uint32_t n = 0;
 	if (dense) {
+		/* a dense layer keeps every page resident; the dense path of a
+		 * sparse layer (L <= B) its sink and window pages */
+		const int all = layer_dense(s, layer);
+		const uint32_t win_first = n_full > window ? n_full - window : 0;
 		for (uint32_t j = 0; j < n_full; j++)
-			out[n++] = pool_segment(s, seq, layer, j, m);
+			out[n++] = pool_segment(s, lane, j, m,
+						res && (all || j < sink || (window && j >= win_first)));
 	} else {
-		const uint32_t sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
 		const uint32_t win_first = n_full > window ? n_full - window : 0;
 		for (uint32_t j = 0; j < sink && j < win_first; j++)
-			out[n++] = pool_segment(s, seq, layer, j, m);
+			out[n++] = pool_segment(s, lane, j, m, res);
 		if (from_slots) {
 			int32_t pages[512];
 			uint32_t slots[512], n_sel = 0;
@@ -160,10 +172,10 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 		} else {
 			for (uint32_t i = 0; i < s->k; i++)
 				if (sel[i] >= 0 && (uint32_t)sel[i] >= sink && (uint32_t)sel[i] < win_first)
-					out[n++] = pool_segment(s, seq, layer, (uint32_t)sel[i], m);
+					out[n++] = pool_segment(s, lane, (uint32_t)sel[i], m, 0);
 		}
 		for (uint32_t j = win_first > sink ? win_first : sink; j < n_full; j++)
-			out[n++] = pool_segment(s, seq, layer, j, m);
+			out[n++] = pool_segment(s, lane, j, m, res);
 	}
 	if (tail) {
 		const unsigned char *kt = s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes +
@@ -594,6 +606,7 @@ int kvr_sched_step_end(struct kvr_sched *s)
 static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	lane->has_prev = 0;
+	kvr_resident_lane_forget(lane);
 	for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
 		lane->selected[i] = -1;
 	if (lane->slot_page)
@@ -604,6 +617,7 @@ static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
 static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	kvr_recall_lane_free(s, lane);
+	kvr_resident_lane_free(s, lane);
 	kvr_sched_mapped_free(s, lane->prev_q);
 	kvr_sched_mapped_free(s, lane->selected);
 	free(lane->slot_page);
@@ -644,6 +658,8 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 			err = -ENOMEM;
 		if (!err)
 			err = kvr_recall_lane_alloc(s, lane); /* events; slots when it has a slot table */
+		if (!err)
+			err = kvr_resident_lane_open(s, lane);
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error),
 				 "device memory for sequence %u's page cache (layer %u): %s", seq, l,
@@ -891,6 +907,7 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 	const uint32_t group = 32;
 	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
 	struct layer_scratch *ls = &s->scratch[layer];
+	struct kvr_lane *plane = lane_of(s, seq, layer);
 	const size_t items_bytes = ((size_t)group * n_kv * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
 	const size_t rows_bytes = (size_t)group * s->q_row;
 	const size_t scratch_bytes = items_bytes + (size_t)group * n_kv * max_segs * sizeof(struct kvr_kv_segment);
@@ -924,10 +941,10 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 			for (uint32_t m = 0; m < n_kv; m++) {
 				const uint32_t first = n_segs;
 				for (uint32_t j = 0; j < whole; j++)
-					segs[n_segs++] = pool_segment(s, seq, layer, j, m);
+					segs[n_segs++] = pool_segment(s, plane, j, m, 0);
 				if (rest && whole < n_full) {
 					/* the page holding pos is already in the pool: its first rows */
-					segs[n_segs] = pool_segment(s, seq, layer, whole, m);
+					segs[n_segs] = pool_segment(s, plane, whole, m, 0);
 					segs[n_segs++].n_tokens = rest;
 				} else if (rest) {
 					const unsigned char *kt = s->tails[seq] +

@@ -1793,3 +1793,41 @@ Test(scheduler, prefill_attention_on_strict_device, .timeout = 120)
 		tseq_fini(&t);
 	}
 }
+
+/* Truncate in the middle of a resident page: on cudaemu-strict every page of a
+ * dense lane has a device copy (resident.c); the page the truncate reopens is
+ * rewritten with other tokens, and attention must read the new ones. Mode
+ * dense, short sequences: every output is the model's dense attention. */
+Test(scheduler, truncate_rewrites_resident_pages, .timeout = 120)
+{
+	const uint32_t kinds[2] = { KVR_DEV_CPU, KVR_DEV_CUDAEMU_STRICT };
+	for (int ki = 0; ki < 2; ki++) {
+		struct opts o = opts_default(kinds[ki], KVR_MODE_DENSE, KVR_RECALL_STREAMED, KVR_DTYPE_F32);
+		struct kvr_context *ctx = ctx_open(&o);
+		struct tseq c;
+		struct qgen qg;
+		struct check ck;
+		memset(&ck, 0, sizeof(ck));
+		tseq_init(&c, 61);
+		tseq_prefill(ctx, o.dtype, &c, 100);
+		qgen_init(&qg, 62);
+		for (uint32_t s = 0; s < 24; s++) {
+			if (s == 4) {
+				/* 104 tokens -> 90: page 5 (tokens 80..95) is partial again */
+				cr_assert_eq(kvr_seq_truncate(ctx, c.id, 90), 0, "%s", kvr_last_error(ctx));
+				c.n = 90;
+				c.has_prev[0] = c.has_prev[1] = 0;
+				c.gen = 99; /* new tokens unlike the dropped ones */
+			}
+			float q[1][NL][Q_ROW], out[1][NL][Q_ROW];
+			qgen_next(&qg, o.dtype, q[0]);
+			step_one(ctx, o.dtype, &c, q[0], out[0]);
+			for (uint32_t l = 0; l < NL; l++)
+				model_step(&c, l, q[0][l], out[0][l], o.mode, o.tau, 1e-4, &ck, dev_name(o.dev_kind),
+					   s);
+		}
+		cr_assert_eq(c.n, 110);
+		ctx_close(ctx, &o);
+		tseq_fini(&c);
+	}
+}

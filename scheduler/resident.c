@@ -1,0 +1,138 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * resident.c — on a separate-memory device (cuda), device copies of the pages
+ * every step attends: each sparse lane's sink and window pages, and every page
+ * of a dense layer (DESIGN.md: "their KV stays resident"). Without them
+ * attention would read those pages from the pinned pool over the bus at every
+ * step — S + W tokens per KV head and layer, the largest share of the step.
+ *
+ * A lane's resident pages are HND pages (the pool's bytes, copied whole), in
+ * device chunks of RES_CHUNK_PAGES pages. Slot of logical page j: a dense
+ * layer, j; a sparse layer, j for a sink page and S/p + j mod (W/p) for a
+ * window page (a ring: the page entering the window takes the slot of the one
+ * leaving it). A page is copied the first time a step attends it — so the
+ * pages prefill wrote, a fork's pages and the pages after a truncate all come
+ * in lazily, one full page per p decode steps afterwards. The copy is queued
+ * on the compute stream before the attention that reads it, after every
+ * earlier attention that read the slot's previous page.
+ *
+ * Pool layout NHD (an ablation) keeps reading the pool in place.
+ *
+ * Threads: the engine's (lanes it holds).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched_impl.h"
+
+enum { RES_CHUNK_PAGES = 16 };
+
+static int lane_is_dense(const struct kvr_sched *s, uint32_t layer)
+{
+	return s->c.mode == KVR_MODE_DENSE || (s->c.dense_layers[layer / 64] >> (layer % 64) & 1);
+}
+
+int kvr_resident_enabled(const struct kvr_sched *s)
+{
+	return s->separate && s->pool_layout == KVR_POOL_LAYOUT_HND;
+}
+
+uint64_t kvr_resident_lane_bytes(const struct kvr_config *c)
+{
+	const uint64_t page = 2ull * c->page_tokens * c->head_dim * c->n_kv_heads *
+			      kvr_elem_bytes(c->dtype);
+	const uint64_t slots = (c->sink_tokens + c->window_tokens) / c->page_tokens;
+	const uint64_t chunks = (slots + RES_CHUNK_PAGES - 1) / RES_CHUNK_PAGES;
+	return chunks * RES_CHUNK_PAGES * page;
+}
+
+/* Make room for slot `slot`: chunks up to it and the held table. */
+static int ensure_slot(struct kvr_sched *s, struct kvr_lane *lane, uint32_t slot)
+{
+	const uint32_t chunk = slot / RES_CHUNK_PAGES;
+	if (chunk < lane->res_n_chunks)
+		return 0;
+	const uint32_t want = chunk + 1;
+	if (want > lane->res_cap_chunks) {
+		uint32_t cap = lane->res_cap_chunks ? lane->res_cap_chunks : 4;
+		while (cap < want)
+			cap *= 2;
+		unsigned char **chunks = realloc(lane->res_chunks, cap * sizeof(*chunks));
+		if (!chunks)
+			return -ENOMEM;
+		lane->res_chunks = chunks;
+		int32_t *held = realloc(lane->res_held, (size_t)cap * RES_CHUNK_PAGES * sizeof(*held));
+		if (!held)
+			return -ENOMEM;
+		for (size_t i = (size_t)lane->res_cap_chunks * RES_CHUNK_PAGES;
+		     i < (size_t)cap * RES_CHUNK_PAGES; i++)
+			held[i] = -1;
+		lane->res_held = held;
+		lane->res_cap_chunks = cap;
+	}
+	const uint64_t page_bytes = s->head_bytes * s->c.n_kv_heads;
+	while (lane->res_n_chunks < want) {
+		void *p = NULL;
+		int err = kvr_dev_alloc(s->dev, RES_CHUNK_PAGES * page_bytes, &p);
+		if (err)
+			return err;
+		lane->res_chunks[lane->res_n_chunks++] = p;
+	}
+	return 0;
+}
+
+int kvr_resident_lane_open(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	if (!kvr_resident_enabled(s) || lane_is_dense(s, lane->layer))
+		return 0; /* a dense layer's chunks come as it grows */
+	const uint32_t slots = (s->c.sink_tokens + s->c.window_tokens) / s->c.page_tokens;
+	return slots ? ensure_slot(s, lane, slots - 1) : 0;
+}
+
+void kvr_resident_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	for (uint32_t i = 0; i < lane->res_n_chunks; i++)
+		kvr_dev_free(s->dev, lane->res_chunks[i]);
+	free(lane->res_chunks);
+	free(lane->res_held);
+	lane->res_chunks = NULL;
+	lane->res_held = NULL;
+	lane->res_n_chunks = lane->res_cap_chunks = 0;
+}
+
+void kvr_resident_lane_forget(struct kvr_lane *lane)
+{
+	for (size_t i = 0; i < (size_t)lane->res_cap_chunks * RES_CHUNK_PAGES; i++)
+		lane->res_held[i] = -1;
+}
+
+const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lane, uint32_t logical,
+				       uint32_t page_id)
+{
+	if (!kvr_resident_enabled(s))
+		return NULL;
+	const uint32_t sink = s->c.sink_tokens / s->c.page_tokens;
+	const uint32_t window = s->c.window_tokens / s->c.page_tokens;
+	uint32_t slot;
+	if (lane_is_dense(s, lane->layer))
+		slot = logical;
+	else if (logical < sink)
+		slot = logical;
+	else if (window)
+		slot = sink + logical % window;
+	else
+		return NULL;
+	if (ensure_slot(s, lane, slot))
+		return NULL; /* out of device memory: the pool page, over the bus */
+	const uint64_t page_bytes = s->head_bytes * s->c.n_kv_heads;
+	unsigned char *dst = lane->res_chunks[slot / RES_CHUNK_PAGES] +
+			     (uint64_t)(slot % RES_CHUNK_PAGES) * page_bytes;
+	if (lane->res_held[slot] != (int32_t)logical) {
+		const void *src = kvr_pool_page_data(s->pool, page_id);
+		if (!src || kvr_dev_memcpy_async(s->dev, dst, src, page_bytes, KVR_COPY_H2D, s->compute))
+			return NULL;
+		lane->res_held[slot] = (int32_t)logical;
+	}
+	return dst;
+}
