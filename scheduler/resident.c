@@ -18,7 +18,16 @@
  *
  * Pool layout NHD (an ablation) keeps reading the pool in place.
  *
- * Threads: the engine's (lanes it holds).
+ * Key summaries likewise (DESIGN.md: "summaries stay on the device"): a lane's
+ * selection scores every candidate page's summary, L/p of them, so reading
+ * them over the bus would cost more than the attention. Each lane keeps a
+ * device copy of its leading pages' summaries, extended before a selection by
+ * one copy of the pages completed since the last one (grown by doubling;
+ * summaries are written once, when a page completes, and a truncate
+ * invalidates them).
+ *
+ * Threads: whoever holds the lane — the engine, or the controller while it
+ * runs the lane's job (scheduler.h, lane ownership).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -96,6 +105,9 @@ void kvr_resident_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 		kvr_dev_free(s->dev, lane->res_chunks[i]);
 	free(lane->res_chunks);
 	free(lane->res_held);
+	kvr_dev_free(s->dev, lane->sum_dev);
+	lane->sum_dev = NULL;
+	lane->sum_valid = lane->sum_cap = 0;
 	lane->res_chunks = NULL;
 	lane->res_held = NULL;
 	lane->res_n_chunks = lane->res_cap_chunks = 0;
@@ -103,6 +115,7 @@ void kvr_resident_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 
 void kvr_resident_lane_forget(struct kvr_lane *lane)
 {
+	lane->sum_valid = 0;
 	for (size_t i = 0; i < (size_t)lane->res_cap_chunks * RES_CHUNK_PAGES; i++)
 		lane->res_held[i] = -1;
 }
@@ -135,4 +148,41 @@ const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lan
 		lane->res_held[slot] = (int32_t)logical;
 	}
 	return dst;
+}
+
+const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, uint32_t n_pages,
+				   struct kvr_stream *stream)
+{
+	const void *host = kvr_pool_summary(s->pool, lane->seq, lane->layer, 0);
+	if (!s->separate || !host || !n_pages)
+		return host;
+	const uint64_t one = 2ull * s->c.n_kv_heads * s->c.head_dim * s->eb;
+	if (n_pages > lane->sum_cap) {
+		/* grow: no queued kernel reads the old copy (the lane's holder
+		 * synchronised its selection stream), so it is freed at once */
+		uint32_t cap = lane->sum_cap ? lane->sum_cap : 64;
+		while (cap < n_pages)
+			cap *= 2;
+		void *p = NULL;
+		if (kvr_dev_alloc(s->dev, cap * one, &p))
+			return NULL;
+		if (lane->sum_valid &&
+		    kvr_dev_memcpy_async(s->dev, p, lane->sum_dev, lane->sum_valid * one, KVR_COPY_D2D,
+					 stream)) {
+			kvr_dev_free(s->dev, p);
+			return NULL;
+		}
+		kvr_dev_stream_synchronize(s->dev, stream);
+		kvr_dev_free(s->dev, lane->sum_dev);
+		lane->sum_dev = p;
+		lane->sum_cap = cap;
+	}
+	if (n_pages > lane->sum_valid) {
+		if (kvr_dev_memcpy_async(s->dev, (unsigned char *)lane->sum_dev + lane->sum_valid * one,
+					 (const unsigned char *)host + lane->sum_valid * one,
+					 (n_pages - lane->sum_valid) * one, KVR_COPY_H2D, stream))
+			return NULL;
+		lane->sum_valid = n_pages;
+	}
+	return lane->sum_dev;
 }

@@ -49,6 +49,8 @@ struct kvr_lane {
 	unsigned char **res_chunks;
 	int32_t *res_held;        /* [res_cap_chunks * chunk pages]: logical page per slot */
 	uint32_t res_n_chunks, res_cap_chunks;
+	void *sum_dev;            /* [sum_cap] pages' key summaries on the device */
+	uint32_t sum_valid, sum_cap; /* leading pages copied; capacity in pages */
 	/* the posted job */
 	uint32_t job;             /* enum lane_job */
 	uint32_t job_urgent;
@@ -226,6 +228,13 @@ void kvr_resident_lane_forget(struct kvr_lane *lane);
  * or device memory ran out (the caller reads the pool page in place). */
 const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lane, uint32_t logical,
 				       uint32_t page_id);
+
+/* The lane's key summaries for its first n_pages pages where the kernels
+ * read them: the pool's array (host-addressable devices) or the lane's device
+ * copy, extended on `stream` (the holder's selection stream). NULL when the
+ * pool keeps none or device memory ran out. */
+const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, uint32_t n_pages,
+				   struct kvr_stream *stream);
 
 /* step.c: selection of one lane with query q (device-readable) against the
  * window of a layer holding n_tokens tokens at the next step (next = 1) or now

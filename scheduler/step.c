@@ -68,7 +68,9 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
 	if (kvr_sched_device_grow(s, (void **)scores, scores_bytes, need))
 		return -ENOMEM;
-	const void *summaries = kvr_pool_summary(s->pool, lane->seq, lane->layer, 0);
+	const void *summaries = kvr_resident_summaries(s, lane, cand_end, stream);
+	if (!summaries && s->separate && kvr_pool_summary(s->pool, lane->seq, lane->layer, 0))
+		return -ENOMEM; /* no device memory for the summaries */
 	if (!summaries) {
 		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
 			selected[i] = -1;
