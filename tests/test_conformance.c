@@ -43,6 +43,8 @@
 __attribute__((weak)) void kvr_emu_set_order_seed(uint64_t seed);
 __attribute__((weak)) unsigned kvr_cudaemu_failed_launches(void);
 __attribute__((weak)) void kvr_cudaemu_last_failure(char *buf, size_t bytes);
+__attribute__((weak)) unsigned kvr_cudaemu_strict_violations(void);
+__attribute__((weak)) void kvr_cudaemu_strict_last_violation(char *buf, size_t bytes);
 /* cuda_backend.cu's hook into cuda_topk.cu's CUB path (absent without CUDA). */
 __attribute__((weak)) int kvr_cuda_dev_select_cub(struct kvr_dev *dev, const struct kvr_shape *shape,
 						  const struct kvr_score_item *items,
@@ -62,7 +64,9 @@ enum { CASE_CPU, CASE_CUDA, CASE_EMU_ORDER0, CASE_EMU_ORDER1 };
 static const struct backend_case backend_cases[] = {
 	[CASE_CPU] = { "cpu", KVR_DEV_CPU, 0 },
 	[CASE_CUDA] = { "cuda", KVR_DEV_CUDA, 0 },
-	[CASE_EMU_ORDER0] = { "cudaemu (order 0)", KVR_DEV_CUDAEMU, 0 },
+	/* strict: also held to a GPU's memory rules (items and data in device
+	 * memory, copy directions), as the CUDA kernels will be */
+	[CASE_EMU_ORDER0] = { "cudaemu-strict (order 0)", KVR_DEV_CUDAEMU_STRICT, 0 },
 	/* a second order: races and order-dependent reductions show as a
 	 * difference between the two runs' results and the reference */
 	[CASE_EMU_ORDER1] = { "cudaemu (shuffled order)", KVR_DEV_CUDAEMU, 0x243f6a8885a308d3ull },
@@ -234,7 +238,17 @@ static void *dev_of(const struct dctx *c, const void *host)
 /* cudaemu: no launch may have failed in the shim so far. */
 static void expect_no_failed_launch(const struct dctx *c)
 {
-	if (kvr_dev_kind_of(c->dev) != KVR_DEV_CUDAEMU || !kvr_cudaemu_failed_launches)
+	if (kvr_dev_kind_of(c->dev) == KVR_DEV_CUDAEMU_STRICT && kvr_cudaemu_strict_violations &&
+	    kvr_cudaemu_strict_violations()) {
+		char why[256] = "(no message)";
+		if (kvr_cudaemu_strict_last_violation)
+			kvr_cudaemu_strict_last_violation(why, sizeof(why));
+		cr_assert_fail("%s: %u strict-memory violation(s); last: %s", c->name,
+			       kvr_cudaemu_strict_violations(), why);
+	}
+	if ((kvr_dev_kind_of(c->dev) != KVR_DEV_CUDAEMU &&
+	     kvr_dev_kind_of(c->dev) != KVR_DEV_CUDAEMU_STRICT) ||
+	    !kvr_cudaemu_failed_launches)
 		return;
 	const unsigned failed = kvr_cudaemu_failed_launches();
 	if (!failed)
@@ -308,7 +322,7 @@ static void run_case(unsigned idx, void (*body)(struct env *e))
 	if (r == -ENODEV)
 		cr_skip_test("%s: backend not available: %s", e->bc->name, err);
 	cr_assert_eq(r, 0, "%s: kvr_dev_create returned %d: %s", e->bc->name, r, err);
-	if (e->bc->kind == KVR_DEV_CUDAEMU) {
+	if (e->bc->kind == KVR_DEV_CUDAEMU || e->bc->kind == KVR_DEV_CUDAEMU_STRICT) {
 		if (kvr_emu_set_order_seed) {
 			kvr_emu_set_order_seed(e->bc->order_seed);
 		} else if (e->bc->order_seed) {
