@@ -356,9 +356,9 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
  * A sequence whose layer holds at most budget_tokens tokens, and every layer in
  * dense_layers, attends densely (identical results to `dense`).
  *
- * Layouts (host memory on the cpu backend): q and out are [batch][n_qo][d],
- * k and v are [batch][n_kv][d], rows of the config's dtype, queries and keys
- * already rotated. status[i] receives 0 or a negative errno for sequence i: a
+ * Layouts (host memory on the cpu backend, device memory on cuda): q and out
+ * are [batch][n_qo][d], k and v are [batch][n_kv][d], rows of the config's
+ * dtype, queries and keys already rotated. status[i] receives 0 or a negative errno for sequence i: a
  * sequence that fails (e.g. its pool page cannot be reserved) gets zeros for
  * its output and leaves the others' outputs and state intact.
  * -------------------------------------------------------------------------
@@ -371,8 +371,13 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 			     const uint64_t *positions, uint32_t batch);
 
 /* Decode one layer of the open step (see above). `stream` is the engine's
- * stream handle, NULL on the cpu backend (work runs on the calling thread and
- * `out` is complete when the call returns).
+ * stream handle: NULL on the cpu backend (work runs on the calling thread and
+ * `out` is complete when the call returns); on cuda the engine's cudaStream_t
+ * (NULL: the legacy default stream), q, k, v and out are device memory, the
+ * layer starts after the work the engine queued on the stream, and the
+ * engine's later work on it waits for `out` (the call may return first;
+ * kvr_decode_end waits for the step). A stream being captured into a CUDA
+ * graph is refused with -ENOTSUP.
  *
  * What blocks: the calling thread runs the layer's critical path (append,
  * correction check, attention). It waits for the context's controller thread
@@ -388,7 +393,7 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  *
  * Returns 0 when the call itself was valid (per-sequence failures are in
  * status), or -EINVAL (no open step, layer out of range, NULL buffers, a
- * stream on the cpu backend). */
+ * stream on the cpu backend), -ENOTSUP (a captured stream). */
 KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
 			     const void *k, const void *v, void *out, int32_t *status, void *stream);
 
