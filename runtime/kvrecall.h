@@ -358,9 +358,10 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
  *
  * Layouts (host memory on the cpu backend, device memory on cuda): q and out
  * are [batch][n_qo][d], k and v are [batch][n_kv][d], rows of the config's
- * dtype, queries and keys already rotated. status[i] receives 0 or a negative errno for sequence i: a
- * sequence that fails (e.g. its pool page cannot be reserved) gets zeros for
- * its output and leaves the others' outputs and state intact.
+ * dtype, queries and keys already rotated. status[i] receives 0 or a negative
+ * errno for sequence i: a sequence that fails (e.g. its pool page cannot be
+ * reserved) gets zeros for its output and leaves the others' outputs and state
+ * intact.
  * -------------------------------------------------------------------------
  */
 
