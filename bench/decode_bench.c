@@ -55,6 +55,8 @@ static uint16_t f16(float x)
 
 static uint32_t recall_kind = KVR_RECALL_ZERO_COPY;
 static uint32_t recall_buffers = 2, pool_layout = KVR_POOL_HND, chunk_pages = 8;
+static uint32_t controller = KVR_CONTROLLER_AUTO;
+static uint32_t resolved_controller = KVR_CONTROLLER_AUTO; /* what the contexts resolved it to */
 static const uint32_t *only_mode; /* --mode: one mode instead of all four */
 
 static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max_tokens)
@@ -78,12 +80,17 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max
 	c.recall_buffers = recall_buffers;
 	c.pool_layout = pool_layout;
 	c.recall_chunk_pages = chunk_pages;
+	c.controller = controller;
 	c.pool_bytes = (max_tokens / 32 + 64) * LAYERS * 2ull * 32 * D * N_KV * 2;
 	struct kvr_context *ctx;
 	if (kvr_context_create(&c, &ctx)) {
 		fprintf(stderr, "decode_bench: %s\n", kvr_last_error(NULL));
 		exit(1);
 	}
+	struct kvr_config got;
+	kvr_config_init(&got);
+	if (!kvr_context_get_config(ctx, &got))
+		resolved_controller = got.controller;
 	return ctx;
 }
 
@@ -221,6 +228,15 @@ int main(int argc, char **argv)
 				fprintf(stderr, "decode_bench: --recall zero-copy|streamed\n");
 				return 2;
 			}
+		} else if (!strcmp(argv[i], "--controller") && i + 1 < argc) {
+			const char *w = argv[++i];
+			controller = !strcmp(w, "thread")   ? KVR_CONTROLLER_THREAD
+				     : !strcmp(w, "inline") ? KVR_CONTROLLER_INLINE
+							    : KVR_CONTROLLER_AUTO;
+			if (controller == KVR_CONTROLLER_AUTO && strcmp(w, "auto")) {
+				fprintf(stderr, "decode_bench: --controller auto|thread|inline\n");
+				return 2;
+			}
 		} else if (!strcmp(argv[i], "--buffers") && i + 1 < argc)
 			recall_buffers = (uint32_t)atoi(argv[++i]);
 		else if (!strcmp(argv[i], "--chunk-pages") && i + 1 < argc)
@@ -249,6 +265,7 @@ int main(int argc, char **argv)
 					"[--trace-context 32768] [--trace-mode freekv]]\n"
 					"                    [--mode M] [--buffers 1|2] [--chunk-pages 8] "
 					"[--pool-layout hnd|nhd]\n"
+					"                    [--controller auto|thread|inline]\n"
 					"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
 			return 2;
 		}
@@ -295,6 +312,7 @@ int main(int argc, char **argv)
 				r.correction_waits_per_layer, 100 * r.correction_wait_share,
 				r.controller_us_per_layer, r.critical_share, r.hit_rate, r.recalled_kib_per_layer);
 			fprintf(json, "%s    {\"context_tokens\": %llu, \"mode\": \"%s\", \"recall\": \"%s\", "
+				      "\"controller\": \"%s\", "
 				      "\"us_per_layer\": %.2f, "
 				      "\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
 				      "\"corrected_head_rate\": %.4f, \"selections\": %llu, "
@@ -303,7 +321,8 @@ int main(int argc, char **argv)
 				      "\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
 				      "\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f}",
 				first ? "" : ",\n", (unsigned long long)L, kvr_mode_name(modes[mi]),
-				kvr_recall_name(recall_kind), r.us_per_layer,
+				kvr_recall_name(recall_kind), kvr_controller_name(resolved_controller),
+				r.us_per_layer,
 				r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.corrected_rate,
 				(unsigned long long)r.selections, r.correction_waits_per_layer,
 				r.correction_wait_share, r.controller_wait_share, r.recall_wait_share,

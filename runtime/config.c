@@ -211,6 +211,10 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 	if (c->recall > KVR_RECALL_STREAMED)
 		return say(m, mb, -EINVAL,
 			   "recall: must be 0 (auto), 1 (zero-copy) or 2 (streamed) (got %u)", c->recall);
+	if (c->controller > KVR_CONTROLLER_INLINE)
+		return say(m, mb, -EINVAL,
+			   "controller: must be 0 (auto), 1 (thread) or 2 (inline) (got %u)",
+			   c->controller);
 	if (c->pool_layout > KVR_POOL_NHD)
 		return say(m, mb, -EINVAL, "pool_layout: must be 0 (HND) or 1 (NHD) (got %u)",
 			   c->pool_layout);
@@ -310,6 +314,20 @@ KVR_API const char *kvr_recall_name(uint32_t recall)
 		return "zero-copy";
 	case KVR_RECALL_STREAMED:
 		return "streamed";
+	default:
+		return "?";
+	}
+}
+
+KVR_API const char *kvr_controller_name(uint32_t controller)
+{
+	switch (controller) {
+	case KVR_CONTROLLER_AUTO:
+		return "auto";
+	case KVR_CONTROLLER_THREAD:
+		return "thread";
+	case KVR_CONTROLLER_INLINE:
+		return "inline";
 	default:
 		return "?";
 	}

@@ -150,6 +150,12 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	}
 
 	c->recall = resolve_recall(c);
+	/* The controller thread everywhere: running its jobs inline on a
+	 * 2-core machine, where the engine's attention already fills the cores,
+	 * showed no consistent gain (docs/benchmarks.md, "Controller
+	 * placement"); engines that want no second thread can ask for inline. */
+	if (c->controller == KVR_CONTROLLER_AUTO)
+		c->controller = KVR_CONTROLLER_THREAD;
 	uint64_t fixed, per_seq;
 	device_bytes_of(c, c->recall, &fixed, &per_seq);
 	if (c->device_bytes == 0)
@@ -258,9 +264,9 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		return err;
 	}
 	kvr_log(ctx, KVR_LOG_INFO,
-		"context: backend %s, mode %s, recall %s, %u layers, %u/%u heads, d=%u, %s, p=%u, B=%u "
+		"context: backend %s, mode %s, recall %s, controller %s, %u layers, %u/%u heads, d=%u, %s, p=%u, B=%u "
 		"(S=%u, W=%u), tau=%.2f, %u worker threads, NUMA node %d",
-		kvr_backend_name(c.backend), kvr_mode_name(c.mode), kvr_recall_name(c.recall), c.n_layers, c.n_qo_heads,
+		kvr_backend_name(c.backend), kvr_mode_name(c.mode), kvr_recall_name(c.recall), kvr_controller_name(c.controller), c.n_layers, c.n_qo_heads,
 		c.n_kv_heads, c.head_dim, kvr_dtype_name(c.dtype), c.page_tokens, c.budget_tokens,
 		c.sink_tokens, c.window_tokens, (double)c.tau, c.threads, c.numa_node);
 	*out = ctx;

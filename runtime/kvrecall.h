@@ -40,7 +40,7 @@ extern "C" {
  * ------------------------------------------------------------------------- */
 
 #define KVR_VERSION_MAJOR 0
-#define KVR_VERSION_MINOR 2
+#define KVR_VERSION_MINOR 3
 #define KVR_VERSION_PATCH 0
 /* One integer, comparable: major * 10000 + minor * 100 + patch. */
 #define KVR_VERSION_NUMBER \
@@ -104,6 +104,18 @@ enum kvr_recall {
 	                             host pool (natural on the cpu backend) */
 	KVR_RECALL_STREAMED = 2,  /* a device page cache of k slots per KV head, filled by
 	                             double-buffered streamed recall of the misses */
+};
+
+/* Where the controller's jobs (the next step's selection and, streamed, its
+ * recall) run. */
+enum kvr_controller {
+	KVR_CONTROLLER_AUTO = 0,   /* thread (inline showed no consistent gain on the
+	                              cpu backend: docs/benchmarks.md) */
+	KVR_CONTROLLER_THREAD = 1, /* the context's controller thread, beside the engine */
+	KVR_CONTROLLER_INLINE = 2, /* on the engine's thread, right after the layer's
+	                              attention: no second thread (for engines that want
+	                              none, or cores the engine's attention already fills);
+	                              outputs identical to thread */
 };
 
 /* Layout of the host pool's pages. */
@@ -192,6 +204,9 @@ struct kvr_config {
 	kvr_device_alloc_fn device_alloc; /* NULL = the backend's own. Set with device_free. */
 	kvr_device_free_fn device_free;
 	void *device_alloc_user;          /* passed back to both untouched */
+
+	/* Added in 0.3 (a 0.2 config, without it, takes its default). */
+	uint32_t controller; /* enum kvr_controller. Default AUTO. */
 };
 
 /*
@@ -220,6 +235,8 @@ KVR_API const char *kvr_dtype_name(uint32_t dtype);
 KVR_API const char *kvr_backend_name(uint32_t backend);
 /* Name of a recall kind ("auto", "zero-copy", "streamed"); "?" if unknown. */
 KVR_API const char *kvr_recall_name(uint32_t recall);
+/* Name of a controller placement ("auto", "thread", "inline"); "?" if unknown. */
+KVR_API const char *kvr_controller_name(uint32_t controller);
 
 /*
  * Device bytes a context created from `cfg` needs before any sequence

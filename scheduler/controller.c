@@ -141,8 +141,18 @@ void kvr_controller_stop(struct kvr_sched *s)
 	s->thread_started = 0;
 }
 
+int kvr_sched_jobs_inline(const struct kvr_sched *s)
+{
+	return s->jobs_inline;
+}
+
 void kvr_controller_post(struct kvr_sched *s, struct kvr_lane *lane, int urgent)
 {
+	if (s->jobs_inline) {
+		lane->job_urgent = (uint32_t)urgent;
+		run_job(s, lane);
+		return;
+	}
 	/* relaxed: the queue mutex below publishes the store with the job */
 	atomic_store_explicit(&lane->in_flight, 1, memory_order_relaxed);
 	lane->job_urgent = (uint32_t)urgent;

@@ -82,6 +82,7 @@ struct kvr_sched {
 	struct kvr_dev *dev;
 	uint32_t pool_layout, recall;
 	int separate;                /* device memory is not host-addressable (memory.c) */
+	int jobs_inline;             /* controller jobs run on the posting thread */
 	uint32_t k, G, eb;
 	uint64_t q_row, kv_row, tile_bytes, head_bytes;
 	struct kvr_shape shape;      /* the whole layer (similarity, score, select, scatter) */

@@ -722,6 +722,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->pool_layout = params->pool_layout;
 	s->recall = params->recall;
 	s->separate = !kvr_dev_host_visible(s->dev);
+	s->jobs_inline = c->controller == KVR_CONTROLLER_INLINE;
 	if (params->hooks)
 		s->hooks = *params->hooks;
 	s->log_fn = params->log_fn;

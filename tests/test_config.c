@@ -124,6 +124,7 @@ MUT(threads_many, c->threads = 5000)
 MUT(log_level_bad, c->log_level = 4)
 MUT(recall_bad, c->recall = 3)
 MUT(pool_layout_bad, c->pool_layout = 2)
+MUT(controller_bad, c->controller = 3)
 MUT(cache_overflow, c->budget_tokens = 0x7fffffe0u; c->max_sequences = 1u << 20;
     c->max_batch = 1u << 20; c->n_layers = 256; c->n_kv_heads = 256; c->n_qo_heads = 256;
     c->head_dim = 256; c->dtype = KVR_DTYPE_F32)
@@ -176,6 +177,7 @@ static const struct bad_case bad_cases[] = {
 	{ "log_level_bad", log_level_bad, -EINVAL, "log_level", "debug" },
 	{ "recall_bad", recall_bad, -EINVAL, "recall", "streamed" },
 	{ "pool_layout_bad", pool_layout_bad, -EINVAL, "pool_layout", "NHD" },
+	{ "controller_bad", controller_bad, -EINVAL, "controller", "2 (inline)" },
 	{ "cache_overflow", cache_overflow, -EOVERFLOW, "budget_tokens", "overflows 64 bits" },
 	{ "pool_overflow", pool_overflow, -EOVERFLOW, "pool_bytes", "overflows" },
 	{ "pool_too_small", pool_too_small, -EINVAL, "pool_bytes", "one page per layer" },

@@ -48,6 +48,7 @@ Test(context, explicit_config_round_trips)
 	in.log_level = KVR_LOG_ERROR;
 	in.recall = KVR_RECALL_STREAMED;
 	in.pool_layout = KVR_POOL_HND;
+	in.controller = KVR_CONTROLLER_THREAD;
 
 	struct kvr_context *ctx = NULL;
 	cr_assert_eq(kvr_context_create(&in, &ctx), 0, "%s", kvr_last_error(NULL));
@@ -75,6 +76,8 @@ Test(context, automatic_fields_resolved)
 	cr_expect_geq(out.numa_node, 0);
 	cr_expect_gt(out.pool_bytes, 0);
 	cr_expect_neq(out.recall, KVR_RECALL_AUTO);
+	cr_expect_eq(out.controller, KVR_CONTROLLER_THREAD, "controller %s",
+		     kvr_controller_name(out.controller));
 	/* max_sequences (64) sequences of tail tiles: 30 layers x K and V x 32·3·64·2 bytes,
 	 * plus, streamed, the page cache of 29 sparse layers x (2048-1024)/32 pages */
 	uint64_t fixed = 0, per_seq = 0;
@@ -263,4 +266,20 @@ Test(context, engine_allocator_gets_every_device_buffer)
 	c.device_free = NULL;
 	cr_expect_eq(kvr_context_create(&c, &ctx), -EINVAL);
 	cr_expect(strstr(kvr_last_error(NULL), "device_alloc") != NULL, "%s", kvr_last_error(NULL));
+}
+
+/* A 0.2 caller's config ends before `controller`: whatever lies past its size
+ * is not read, and the field takes its default. */
+Test(context, config_from_0_2_caller_accepted)
+{
+	struct kvr_config in = base();
+	in.size = (uint32_t)offsetof(struct kvr_config, controller);
+	in.controller = 99; /* beyond the caller's struct: must be ignored */
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&in, &ctx), 0, "%s", kvr_last_error(NULL));
+	struct kvr_config out;
+	kvr_config_init(&out);
+	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
+	cr_expect_eq(out.controller, KVR_CONTROLLER_THREAD);
+	kvr_context_destroy(ctx);
 }

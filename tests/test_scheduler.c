@@ -120,13 +120,14 @@ struct opts {
 	uint64_t pool_pages;   /* 0: plenty */
 	uint64_t device_bytes; /* 0: the default */
 	uint32_t max_seqs;
+	uint32_t controller; /* KVR_CONTROLLER_*: the thread unless a test says otherwise */
 };
 
 static struct opts opts_default(uint32_t dev_kind, uint32_t mode, uint32_t recall, uint32_t dtype)
 {
 	return (struct opts){ .dev_kind = dev_kind, .mode = mode, .recall = recall, .dtype = dtype,
 			      .chunk_pages = 8, .buffers = 2, .pool_layout = KVR_POOL_HND,
-			      .tau = 0.9f, .max_seqs = 8 };
+			      .tau = 0.9f, .max_seqs = 8, .controller = KVR_CONTROLLER_THREAD };
 }
 
 static uint32_t ebytes(uint32_t dtype)
@@ -168,6 +169,7 @@ static void config_of(const struct opts *o, struct kvr_config *c)
 	c->pool_layout = o->pool_layout;
 	c->pool_bytes = (o->pool_pages ? o->pool_pages : 2048) * page_bytes(o->dtype);
 	c->device_bytes = o->device_bytes;
+	c->controller = o->controller;
 }
 
 /* Device buffers for the decode calls of a context on a separate-memory
@@ -925,6 +927,40 @@ Test(scheduler, streamed_equals_zero_copy_variants, .timeout = 120)
 							: "streamed (NHD pool)");
 	}
 	free(zc.outs), free(st.outs);
+}
+
+/* The controller's jobs run inline on the engine's thread (the cpu default
+ * when the engine's kernels fill every core): outputs bit-identical to the
+ * controller thread's, in every sparse mode and both recall kinds, with
+ * random delays at every hook site. */
+Test(scheduler, inline_controller_equals_thread, .timeout = 120)
+{
+	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
+	for (uint32_t placement = KVR_CONTROLLER_THREAD; placement <= KVR_CONTROLLER_INLINE; placement++) {
+		struct opts o = opts_default(KVR_DEV_CPU, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, KVR_DTYPE_F16);
+		o.controller = placement;
+		struct kvr_context *ctx = ctx_open(&o);
+		cr_assert_eq(kvr_sched_jobs_inline(ctx->sched), placement == KVR_CONTROLLER_INLINE);
+		ctx_close(ctx, &o);
+	}
+	struct drift thread, inl;
+	drift_alloc(&thread, 2, 24);
+	drift_alloc(&inl, 2, 24);
+	struct check ck;
+	for (int mi = 0; mi < 3; mi++)
+		for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+			struct opts o = opts_default(KVR_DEV_CPU, modes[mi], recall, KVR_DTYPE_F16);
+			o.chunk_pages = 3;
+			run_drift(&o, &thread, &ck);
+			o.controller = KVR_CONTROLLER_INLINE;
+			o.hooks = mi == 1;
+			run_drift(&o, &inl, &ck);
+			char what[128];
+			snprintf(what, sizeof(what), "%s %s: inline differs from the thread",
+				 kvr_mode_name(o.mode), kvr_recall_name(recall));
+			first_difference(&thread, &inl, what);
+		}
+	free(thread.outs), free(inl.outs);
 }
 
 /* ------------------------------------------------------------------ model checks */
