@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # kvrecall.sh — set up, build and run kvrecall from a fresh clone in one step.
 #
-#   ./kvrecall.sh demo    install what is missing, build, run the main job
+#   ./kvrecall.sh demo    install what is missing, build, fetch the model, run the
+#                         main job: SmolLM2-135M answers a question about the
+#                         GPL-3 (7.7K tokens of context) with freekv retrieval
+#                         (B = 1024) on the CPU backend; extra arguments go to
+#                         `kvrecall generate` (e.g. --mode dense --max-tokens 100)
 #   ./kvrecall.sh test    install what is missing, build, run every test suite
 #   ./kvrecall.sh deps    install the Debian packages only
 #   ./kvrecall.sh build   configure and build only
@@ -23,7 +27,7 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 debian_packages=(gcc g++ meson ninja-build pkg-config libhwloc-dev hwloc-nox liburing-dev
-	libnuma-dev numactl libcriterion-dev)
+	libnuma-dev numactl libcriterion-dev python3 python3-pip base-files)
 
 deps() {
 	local missing=()
@@ -66,10 +70,15 @@ test)
 demo)
 	deps
 	build
-	"$BUILD_DIR/bench/kvrecall" info "$@"
+	bench/model/fetch_model.sh >/dev/null
+	"$BUILD_DIR/bench/kvrecall" info
+	echo
+	"$BUILD_DIR/bench/kvrecall" generate --file /usr/share/common-licenses/GPL-3 \
+		--question "What does this license require from someone who distributes modified versions of the program?" \
+		--mode freekv --budget 1024 --max-tokens 300 "$@"
 	;;
 *)
-	sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
 	exit 2
 	;;
 esac

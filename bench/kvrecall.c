@@ -10,6 +10,9 @@
 #include <string.h>
 
 #include "kvrecall.h"
+#ifdef KVR_HAVE_RUNNER
+#include "runner.h"
+#endif
 
 static void usage(FILE *f)
 {
@@ -18,6 +21,8 @@ static void usage(FILE *f)
 		   "commands:\n"
 		   "  info [--json]   build features, GPU, CPU, NUMA, memory and io_uring of this machine\n"
 		   "  version         print the library version\n"
+		   "  generate        run a GGUF model with its attention through kvrecall\n"
+		   "                  (kvrecall generate --help)\n"
 		   "  help            this text\n");
 }
 
@@ -122,6 +127,16 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	const char *cmd = argv[1];
+#ifdef KVR_HAVE_RUNNER
+	if (!strcmp(cmd, "generate")) {
+		for (int i = 2; i < argc; i++)
+			if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+				runner_generate_usage();
+				return 0;
+			}
+		return runner_generate(argc - 2, argv + 2);
+	}
+#endif
 	if (!strcmp(cmd, "info"))
 		return cmd_info(argc - 2, argv + 2);
 	if (!strcmp(cmd, "version")) {

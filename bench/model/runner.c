@@ -1,0 +1,555 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * runner.c — `kvrecall generate` (runner.h): options, the tokenizer built from
+ * the GGUF's metadata, the prompt (raw text, a chat message, or a document
+ * and a question in the model's chat template), prefill and streamed decode
+ * through kvrecall, and the statistics a user compares modes by.
+ *
+ * Threads: the caller's.
+ */
+#include "runner.h"
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gguf.h"
+#include "kvrecall.h"
+#include "model.h"
+#include "sample.h"
+#include "tokenizer.h"
+
+struct opts {
+	const char *model, *prompt, *chat, *file, *question, *json;
+	uint32_t max_tokens, threads, budget, sink, window, mode;
+	float tau, temperature, top_p;
+	uint64_t seed;
+	int ignore_eos, compare, quiet, have_tau, have_budget, have_sink, have_window;
+};
+
+void runner_generate_usage(void)
+{
+	fprintf(stderr,
+		"usage: kvrecall generate [options]\n"
+		"  --model PATH        a Llama-architecture GGUF (default: SmolLM2-135M-Instruct Q4_1\n"
+		"                      in the model cache; fetched on first use)\n"
+		"  --prompt TEXT       raw prompt, no chat template\n"
+		"  --chat TEXT         one user message in the model's chat template\n"
+		"  --file PATH         a document as context (with --question: asked about it)\n"
+		"  --question TEXT     the question about --file\n"
+		"  --max-tokens N      tokens to generate (default 256)\n"
+		"  --ignore-eos        keep generating past the end-of-turn token\n"
+		"  --mode M            dense | blocking | speculative | freekv (default freekv)\n"
+		"  --budget B --sink S --window W --tau T   kvrecall's selection (defaults: B 2048,\n"
+		"                      S = W = 512 or B/4 when smaller, tau 0.9)\n"
+		"  --temperature T --top-p P --seed N      sampling (default greedy)\n"
+		"  --threads N         workers besides the main thread (default: cores - 1)\n"
+		"  --compare           also generate densely and report where the outputs diverge\n"
+		"  --quiet             no streamed text; statistics only\n"
+		"  --json FILE         statistics as JSON\n");
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int parse(int argc, char **argv, struct opts *o)
+{
+	memset(o, 0, sizeof(*o));
+	o->max_tokens = 256;
+	o->mode = KVR_MODE_FREEKV;
+	o->top_p = 1.0f;
+	o->seed = 42;
+	const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+	o->threads = cores > 1 ? (uint32_t)(cores - 1) : 0;
+	for (int i = 0; i < argc; i++) {
+		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define STR(name, field)                                  \
+	if (!strcmp(a, name) && v) {                      \
+		o->field = v;                             \
+		i++;                                      \
+		continue;                                 \
+	}
+#define NUM(name, field, have)                            \
+	if (!strcmp(a, name) && v) {                      \
+		o->field = (uint32_t)strtoul(v, NULL, 10); \
+		have;                                     \
+		i++;                                      \
+		continue;                                 \
+	}
+		STR("--model", model)
+		STR("--prompt", prompt)
+		STR("--chat", chat)
+		STR("--file", file)
+		STR("--question", question)
+		STR("--json", json)
+		NUM("--max-tokens", max_tokens, (void)0)
+		NUM("--threads", threads, (void)0)
+		NUM("--budget", budget, o->have_budget = 1)
+		NUM("--sink", sink, o->have_sink = 1)
+		NUM("--window", window, o->have_window = 1)
+#undef STR
+#undef NUM
+		if (!strcmp(a, "--mode") && v) {
+			if (kvr_mode_parse(v, &o->mode) || o->mode == KVR_MODE_AUTO) {
+				fprintf(stderr, "kvrecall generate: unknown mode '%s'\n", v);
+				return 2;
+			}
+			i++;
+		} else if (!strcmp(a, "--tau") && v) {
+			o->tau = strtof(v, NULL);
+			o->have_tau = 1;
+			i++;
+		} else if (!strcmp(a, "--temperature") && v) {
+			o->temperature = strtof(v, NULL);
+			i++;
+		} else if (!strcmp(a, "--top-p") && v) {
+			o->top_p = strtof(v, NULL);
+			i++;
+		} else if (!strcmp(a, "--seed") && v) {
+			o->seed = strtoull(v, NULL, 10);
+			i++;
+		} else if (!strcmp(a, "--ignore-eos")) {
+			o->ignore_eos = 1;
+		} else if (!strcmp(a, "--compare")) {
+			o->compare = 1;
+		} else if (!strcmp(a, "--quiet")) {
+			o->quiet = 1;
+		} else {
+			fprintf(stderr, "kvrecall generate: unknown or incomplete option '%s'\n", a);
+			runner_generate_usage();
+			return 2;
+		}
+	}
+	if (!o->prompt && !o->chat && !o->file) {
+		fprintf(stderr, "kvrecall generate: give --prompt, --chat or --file\n");
+		return 2;
+	}
+	if (!o->max_tokens) {
+		fprintf(stderr, "kvrecall generate: --max-tokens must be at least 1\n");
+		return 2;
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------------ model file */
+
+/* The default model, fetched with bench/model/fetch_model.sh when missing. */
+static int find_model(char *path, size_t bytes)
+{
+	if (!gguf_default_model_path(path, bytes))
+		return 0;
+	const char *script = getenv("KVR_FETCH_SCRIPT");
+#ifdef KVR_FETCH_SCRIPT_DEFAULT
+	if (!script)
+		script = KVR_FETCH_SCRIPT_DEFAULT;
+#endif
+	struct stat st;
+	if (!script || stat(script, &st)) {
+		fprintf(stderr,
+			"kvrecall generate: the model is not in the cache and the fetch script is not "
+			"found.\nRun bench/model/fetch_model.sh from the source tree (or pass --model "
+			"PATH).\n");
+		return -ENOENT;
+	}
+	fprintf(stderr, "kvrecall generate: fetching the model (%s) ...\n", script);
+	char cmd[4200];
+	snprintf(cmd, sizeof(cmd), "'%s' >/dev/null", script);
+	const int status = system(cmd);
+	if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status)) {
+		fprintf(stderr, "kvrecall generate: the fetch failed (see above)\n");
+		return -EIO;
+	}
+	return gguf_default_model_path(path, bytes) ? -ENOENT : 0;
+}
+
+/* ------------------------------------------------------------------ tokenizer */
+
+static char *dup_str(const char *p, size_t len)
+{
+	char *s = malloc(len + 1);
+	if (s) {
+		memcpy(s, p, len);
+		s[len] = 0;
+	}
+	return s;
+}
+
+/* The tokenizer from the GGUF's tokenizer.ggml.* keys. */
+int runner_tokenizer(const struct gguf *g, struct tok **out, char *err, size_t eb)
+{
+	struct tok_vocab v;
+	memset(&v, 0, sizeof(v));
+	const char *p;
+	size_t len;
+	char *model = NULL, *pre = NULL;
+	struct tok_str *tokens = NULL, *merges = NULL;
+	int32_t *types = NULL;
+	int rc = gguf_get_str(g, "tokenizer.ggml.model", &p, &len);
+	if (!rc && !(model = dup_str(p, len)))
+		rc = -ENOMEM;
+	if (!rc && !gguf_get_str(g, "tokenizer.ggml.pre", &p, &len) && !(pre = dup_str(p, len)))
+		rc = -ENOMEM;
+	uint32_t et;
+	uint64_t n_tok = 0, n_merge = 0, n_types = 0;
+	const void *data;
+	if (!rc)
+		rc = gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &n_tok, &data);
+	if (!rc && gguf_get_arr(g, "tokenizer.ggml.merges", &et, &n_merge, &data))
+		n_merge = 0;
+	if (!rc) {
+		tokens = calloc(n_tok ? n_tok : 1, sizeof(*tokens));
+		merges = calloc(n_merge ? n_merge : 1, sizeof(*merges));
+		if (!tokens || !merges)
+			rc = -ENOMEM;
+	}
+	for (uint64_t i = 0; !rc && i < n_tok; i++)
+		rc = gguf_get_arr_str(g, "tokenizer.ggml.tokens", i, &tokens[i].ptr, &tokens[i].len);
+	for (uint64_t i = 0; !rc && i < n_merge; i++)
+		rc = gguf_get_arr_str(g, "tokenizer.ggml.merges", i, &merges[i].ptr, &merges[i].len);
+	if (!rc && !gguf_get_arr(g, "tokenizer.ggml.token_type", &et, &n_types, &data) &&
+	    n_types == n_tok && (et == GGUF_TYPE_INT32 || et == GGUF_TYPE_UINT32)) {
+		if (!(types = malloc(n_tok * sizeof(*types))))
+			rc = -ENOMEM;
+		else
+			memcpy(types, data, n_tok * sizeof(*types));
+	}
+	if (rc) {
+		snprintf(err, eb, "tokenizer: the GGUF's tokenizer.ggml keys are missing or malformed "
+				  "(%d)",
+			 rc);
+	} else {
+		uint32_t id;
+		bool add_bos = false;
+		v.model = model;
+		v.pre = pre;
+		v.n_tokens = n_tok;
+		v.tokens = tokens;
+		v.types = types;
+		v.n_merges = n_merge;
+		v.merges = merges;
+		v.bos_id = gguf_get_u32(g, "tokenizer.ggml.bos_token_id", &id) ? -1 : (int32_t)id;
+		v.eos_id = gguf_get_u32(g, "tokenizer.ggml.eos_token_id", &id) ? -1 : (int32_t)id;
+		v.unk_id = gguf_get_u32(g, "tokenizer.ggml.unknown_token_id", &id) ? -1 : (int32_t)id;
+		if (!gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos))
+			v.add_bos = add_bos;
+		rc = tok_create(&v, out, err, eb);
+	}
+	free(model), free(pre), free(tokens), free(merges), free(types);
+	return rc;
+}
+
+/* ------------------------------------------------------------------ prompt */
+
+static char *read_file(const char *path, size_t *len)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return NULL;
+	size_t cap = 1 << 16, n = 0;
+	char *buf = malloc(cap + 1);
+	while (buf) {
+		const size_t got = fread(buf + n, 1, cap - n, f);
+		n += got;
+		if (n < cap)
+			break;
+		char *b = realloc(buf, 2 * cap + 1);
+		if (!b) {
+			free(buf);
+			buf = NULL;
+			break;
+		}
+		buf = b;
+		cap *= 2;
+	}
+	fclose(f);
+	if (buf) {
+		buf[n] = 0;
+		*len = n;
+	}
+	return buf;
+}
+
+/* The prompt's token ids (malloc'd into *ids). */
+static int encode_prompt(const struct opts *o, const struct tok *t, int32_t **ids, size_t *n)
+{
+	char *text = NULL, *doc = NULL;
+	size_t len = 0;
+	int special = 0;
+	if (o->file) {
+		size_t doc_len = 0;
+		if (!(doc = read_file(o->file, &doc_len))) {
+			fprintf(stderr, "kvrecall generate: cannot read %s: %s\n", o->file, strerror(errno));
+			return -errno;
+		}
+	}
+	if (o->prompt && !o->file) {
+		text = strdup(o->prompt);
+		len = text ? strlen(text) : 0;
+	} else {
+		/* a chat message: the document, then the question (or --chat) */
+		const char *q = o->question ? o->question : o->chat ? o->chat : "Summarise this document.";
+		const size_t ml = (doc ? strlen(doc) : 0) + strlen(q) + 4;
+		char *msg = malloc(ml);
+		if (!msg) {
+			free(doc);
+			return -ENOMEM;
+		}
+		snprintf(msg, ml, "%s%s%s", doc ? doc : "", doc ? "\n\n" : "", q);
+		const struct tok_message m = { "user", msg };
+		size_t need = 0;
+		tok_chat_template(&m, 1, 1, NULL, 0, &need);
+		text = malloc(need + 1);
+		if (text && tok_chat_template(&m, 1, 1, text, need + 1, &len))
+			len = 0;
+		free(msg);
+		special = 1;
+	}
+	free(doc);
+	if (!text)
+		return -ENOMEM;
+	size_t count = 0;
+	tok_encode(t, text, len, special, NULL, 0, &count);
+	const int bos = tok_add_bos(t) && tok_bos(t) >= 0;
+	*ids = malloc((count + 1) * sizeof(**ids));
+	if (!*ids) {
+		free(text);
+		return -ENOMEM;
+	}
+	if (bos)
+		(*ids)[0] = tok_bos(t);
+	int rc = tok_encode(t, text, len, special, *ids + bos, count, &count);
+	free(text);
+	*n = count + (size_t)bos;
+	return rc;
+}
+
+/* ------------------------------------------------------------------ generation */
+
+struct run_stats {
+	double prefill_s, decode_s;
+	uint64_t prefill_attn_ns, decode_attn_ns;
+	size_t prompt_tokens, generated;
+	struct kvr_stats kv;
+};
+
+static int make_context(const struct model *m, const struct opts *o, uint32_t mode, size_t tokens,
+			struct kvr_context **ctx)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	model_kvr_config(m, &c);
+	c.mode = mode;
+	c.backend = KVR_BACKEND_CPU;
+	c.max_sequences = 1;
+	c.max_batch = 1;
+	if (o->have_budget)
+		c.budget_tokens = o->budget;
+	const uint32_t quarter = (c.budget_tokens / 4) / c.page_tokens * c.page_tokens;
+	c.sink_tokens = o->have_sink ? o->sink : (quarter < 512 ? quarter : 512);
+	c.window_tokens = o->have_window ? o->window : (quarter < 512 ? quarter : 512);
+	if (o->have_tau)
+		c.tau = o->tau;
+	c.threads = o->threads;
+	/* the pool holds this run's pages: every layer of every token, twice over */
+	const uint64_t page_bytes = 2ull * c.page_tokens * c.head_dim * c.n_kv_heads * 2;
+	c.pool_bytes = ((tokens + 2 * c.page_tokens) / c.page_tokens + 4) * c.n_layers * page_bytes * 2;
+	if (kvr_context_create(&c, ctx)) {
+		fprintf(stderr, "kvrecall generate: %s\n", kvr_last_error(NULL));
+		return -EINVAL;
+	}
+	return 0;
+}
+
+/* Prefill the prompt, then generate up to max_tokens into out (its first
+ * token is sampled from the prompt's logits). stream: print as it goes. */
+static int generate(struct model *m, const struct tok *t, const struct opts *o, uint32_t mode,
+		    const int32_t *prompt, size_t n_prompt, int stream, int32_t *out, size_t *n_out,
+		    struct run_stats *st)
+{
+	const struct model_hparams *hp = model_hparams(m);
+	struct kvr_context *ctx;
+	int rc = make_context(m, o, mode, n_prompt + o->max_tokens, &ctx);
+	if (rc)
+		return rc;
+	float *logits = malloc(hp->n_vocab * sizeof(float));
+	struct sampler smp;
+	if (!logits || sampler_init(&smp, o->temperature, o->top_p, o->seed)) {
+		free(logits);
+		kvr_context_destroy(ctx);
+		fprintf(stderr, "kvrecall generate: bad sampling options or out of memory\n");
+		return -EINVAL;
+	}
+	char err[512];
+	uint32_t seq;
+	memset(st, 0, sizeof(*st));
+	st->prompt_tokens = n_prompt;
+	const uint64_t a0 = model_attention_ns(m, 1), d0 = model_attention_ns(m, 0);
+	rc = kvr_seq_create(ctx, &seq);
+	double t0 = now_s();
+	/* prefill in slices, for a progress line */
+	const uint32_t slice = 512;
+	for (size_t at = 0; !rc && at < n_prompt; at += slice) {
+		const uint32_t c = n_prompt - at < slice ? (uint32_t)(n_prompt - at) : slice;
+		rc = model_prefill(m, ctx, seq, prompt + at, c, at, at + c == n_prompt ? logits : NULL, err,
+				   sizeof(err));
+		if (!o->quiet)
+			fprintf(stderr, "\rprefill %zu/%zu tokens, %.0f tokens/s", at + c, n_prompt,
+				(double)(at + c) / (now_s() - t0));
+	}
+	st->prefill_s = now_s() - t0;
+	if (!o->quiet)
+		fprintf(stderr, "\n");
+	struct tok_stream ts;
+	tok_stream_init(&ts, 0);
+	char piece[1024];
+	size_t plen;
+	t0 = now_s();
+	size_t n = 0;
+	while (!rc && n < o->max_tokens) {
+		uint32_t next;
+		if ((rc = sample_next(&smp, logits, hp->n_vocab, &next)))
+			break;
+		out[n++] = (int32_t)next;
+		if (stream && !tok_stream_push(t, &ts, (int32_t)next, piece, sizeof(piece), &plen)) {
+			fwrite(piece, 1, plen, stdout);
+			fflush(stdout);
+		}
+		if (!o->ignore_eos && (int32_t)next == tok_eos(t))
+			break;
+		if (n == o->max_tokens)
+			break;
+		rc = model_decode(m, ctx, seq, (int32_t)next, n_prompt + n - 1, logits, err, sizeof(err));
+		if (!o->quiet && stream && n % 32 == 0)
+			fprintf(stderr, "\r\033[2K[%zu tokens, %.1f tokens/s]\r", n, (double)n / (now_s() - t0));
+	}
+	if (stream && !tok_stream_flush(&ts, piece, sizeof(piece), &plen))
+		fwrite(piece, 1, plen, stdout);
+	if (stream)
+		fputc('\n', stdout);
+	st->decode_s = now_s() - t0;
+	st->generated = n;
+	st->prefill_attn_ns = model_attention_ns(m, 1) - a0;
+	st->decode_attn_ns = model_attention_ns(m, 0) - d0;
+	st->kv.size = sizeof(st->kv);
+	kvr_get_stats(ctx, &st->kv);
+	if (rc)
+		fprintf(stderr, "kvrecall generate: %s\n", err);
+	*n_out = n;
+	sampler_free(&smp);
+	free(logits);
+	kvr_context_destroy(ctx);
+	return rc;
+}
+
+static void print_stats(FILE *f, const char *what, const struct run_stats *s)
+{
+	const double dec = s->generated > 1 ? (double)(s->generated - 1) : 1.0;
+	const uint64_t pages = s->kv.pages_recalled + s->kv.pages_hit;
+	char hit[32] = "n/a (zero-copy)";
+	if (pages)
+		snprintf(hit, sizeof(hit), "%.2f", (double)s->kv.pages_hit / (double)pages);
+	fprintf(f,
+		"%s: prompt %zu tokens, prefill %.2f s (%.0f tokens/s, attention %.2f s); generated %zu tokens, "
+		"decode %.2f s (%.1f tokens/s); attention %.2f ms/token (all layers); "
+		"corrected %.1f%% of checked heads (%llu correction waits); recall hit rate %s, "
+		"%.1f MiB recalled\n",
+		what, s->prompt_tokens, s->prefill_s, (double)s->prompt_tokens / s->prefill_s,
+		(double)s->prefill_attn_ns / 1e9, s->generated, s->decode_s, dec / (s->decode_s > 0 ? s->decode_s : 1),
+		(double)s->decode_attn_ns / dec / 1e6,
+		s->kv.checked_heads ? 100.0 * (double)s->kv.corrected_heads / (double)s->kv.checked_heads
+				    : 0.0,
+		(unsigned long long)s->kv.correction_waits, hit,
+		(double)s->kv.bytes_recalled / (1 << 20));
+}
+
+int runner_generate(int argc, char **argv)
+{
+	struct opts o;
+	int rc = parse(argc, argv, &o);
+	if (rc)
+		return rc;
+	char path[4096];
+	if (o.model)
+		snprintf(path, sizeof(path), "%s", o.model);
+	else if (find_model(path, sizeof(path)))
+		return 1;
+	char err[512];
+	struct model *m;
+	if ((rc = model_open(path, o.threads, &m, err, sizeof(err)))) {
+		fprintf(stderr, "kvrecall generate: %s\n", err);
+		return 1;
+	}
+	struct tok *t;
+	if ((rc = runner_tokenizer(model_gguf(m), &t, err, sizeof(err)))) {
+		fprintf(stderr, "kvrecall generate: %s\n", err);
+		model_close(m);
+		return 1;
+	}
+	int32_t *prompt = NULL;
+	size_t n_prompt = 0;
+	if ((rc = encode_prompt(&o, t, &prompt, &n_prompt)) || !n_prompt) {
+		fprintf(stderr, "kvrecall generate: the prompt could not be encoded (%d)\n", rc);
+		tok_destroy(t);
+		model_close(m);
+		return 1;
+	}
+	const struct model_hparams *hp = model_hparams(m);
+	if (!o.quiet)
+		fprintf(stderr, "model %s: %u layers, %u/%u heads of %u, vocabulary %u; prompt %zu tokens; "
+				"mode %s\n",
+			path, hp->n_layers, hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_vocab, n_prompt,
+			kvr_mode_name(o.mode));
+	int32_t *out = malloc(o.max_tokens * sizeof(*out)), *ref = NULL;
+	struct run_stats st, st_ref;
+	size_t n_out = 0, n_ref = 0;
+	rc = out ? generate(m, t, &o, o.mode, prompt, n_prompt, !o.quiet, out, &n_out, &st) : -ENOMEM;
+	if (!rc) {
+		print_stats(stderr, kvr_mode_name(o.mode), &st);
+		if (o.compare && o.mode != KVR_MODE_DENSE) {
+			ref = malloc(o.max_tokens * sizeof(*ref));
+			rc = ref ? generate(m, t, &o, KVR_MODE_DENSE, prompt, n_prompt, 0, ref, &n_ref,
+					    &st_ref)
+				 : -ENOMEM;
+			if (!rc) {
+				print_stats(stderr, "dense", &st_ref);
+				size_t same = 0;
+				while (same < n_out && same < n_ref && out[same] == ref[same])
+					same++;
+				if (same == n_out && same == n_ref)
+					fprintf(stderr, "compare: identical to dense over all %zu tokens\n", n_out);
+				else
+					fprintf(stderr, "compare: first divergence from dense at generated token %zu "
+							"(of %zu / %zu)\n",
+						same, n_out, n_ref);
+			}
+		}
+	}
+	if (!rc && o.json) {
+		FILE *f = fopen(o.json, "w");
+		if (f) {
+			fprintf(f, "{\"mode\": \"%s\", \"prompt_tokens\": %zu, \"generated\": %zu, "
+				   "\"prefill_s\": %.4f, \"decode_s\": %.4f, \"decode_attention_ns\": %llu, "
+				   "\"corrected_heads\": %llu, \"checked_heads\": %llu, \"pages_recalled\": %llu, "
+				   "\"pages_hit\": %llu, \"bytes_recalled\": %llu}\n",
+				kvr_mode_name(o.mode), st.prompt_tokens, st.generated, st.prefill_s, st.decode_s,
+				(unsigned long long)st.decode_attn_ns, (unsigned long long)st.kv.corrected_heads,
+				(unsigned long long)st.kv.checked_heads, (unsigned long long)st.kv.pages_recalled,
+				(unsigned long long)st.kv.pages_hit, (unsigned long long)st.kv.bytes_recalled);
+			fclose(f);
+		}
+	}
+	free(out), free(ref), free(prompt);
+	tok_destroy(t);
+	model_close(m);
+	return rc ? 1 : 0;
+}

@@ -1,0 +1,154 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_model.c — the Llama forward pass through kvrecall (bench/model/model.c)
+ * on the real SmolLM2-135M-Instruct file: a known completion, freekv equal to
+ * dense bit for bit while the context fits the budget, and a long prompt with
+ * a small budget that exercises selection. Skipped, with the reason, when the
+ * model is not in the cache (bench/model/fetch_model.sh).
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf.h"
+#include "kvrecall.h"
+#include "model.h"
+#include "runner.h"
+#include "tokenizer.h"
+
+static struct model *m;
+static struct tok *t;
+
+static void open_model(void)
+{
+	char path[4096], err[512];
+	if (gguf_default_model_path(path, sizeof(path)))
+		cr_skip_test("the model is not in the cache: run bench/model/fetch_model.sh");
+	cr_assert_eq(model_open(path, 1, &m, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(runner_tokenizer(model_gguf(m), &t, err, sizeof(err)), 0, "%s", err);
+}
+
+static void close_model(void)
+{
+	tok_destroy(t);
+	model_close(m);
+}
+
+static struct kvr_context *context(uint32_t mode, uint32_t budget, uint32_t sink, uint32_t window)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	model_kvr_config(m, &c);
+	c.backend = KVR_BACKEND_CPU;
+	c.mode = mode;
+	c.budget_tokens = budget;
+	c.sink_tokens = sink;
+	c.window_tokens = window;
+	c.max_sequences = 1;
+	c.max_batch = 1;
+	c.threads = 1;
+	c.pool_bytes = 64ull << 20;
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0, "%s", kvr_last_error(NULL));
+	return ctx;
+}
+
+static size_t encode(const char *text, int32_t *ids, size_t max)
+{
+	size_t n = 0;
+	cr_assert_eq(tok_encode(t, text, strlen(text), 1, ids, max, &n), 0);
+	return n;
+}
+
+/* Greedy generation of n tokens; logits of every step into all (n x vocab). */
+static void greedy(struct kvr_context *ctx, const int32_t *prompt, size_t n_prompt, uint32_t n,
+		   int32_t *out, float *all)
+{
+	const uint32_t vocab = model_hparams(m)->n_vocab;
+	char err[512];
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+	cr_assert_eq(model_prefill(m, ctx, seq, prompt, (uint32_t)n_prompt, 0, all, err, sizeof(err)), 0,
+		     "%s", err);
+	for (uint32_t i = 0; i < n; i++) {
+		const float *l = all + (size_t)i * vocab;
+		uint32_t best = 0;
+		for (uint32_t v = 1; v < vocab; v++)
+			if (l[v] > l[best])
+				best = v;
+		out[i] = (int32_t)best;
+		if (i + 1 < n)
+			cr_assert_eq(model_decode(m, ctx, seq, out[i], n_prompt + i, all + (size_t)(i + 1) * vocab,
+						  err, sizeof(err)),
+				     0, "%s", err);
+	}
+}
+
+Test(model, completes_the_capital_of_france, .init = open_model, .fini = close_model, .timeout = 120)
+{
+	int32_t prompt[16], out[4];
+	const size_t n = encode("The capital of France is", prompt, 16);
+	float *logits = malloc(4ull * model_hparams(m)->n_vocab * sizeof(float));
+	struct kvr_context *ctx = context(KVR_MODE_DENSE, 2048, 512, 512);
+	greedy(ctx, prompt, n, 4, out, logits);
+	char text[256];
+	size_t len = 0;
+	cr_assert_eq(tok_decode(t, out, 4, text, sizeof(text) - 1, &len), 0);
+	text[len] = 0;
+	cr_expect(!strncmp(text, " Paris", 6), "greedy continuation: \"%s\"", text);
+	kvr_context_destroy(ctx);
+	free(logits);
+}
+
+/* DESIGN.md: while a sequence holds at most B tokens attention is dense, so
+ * every mode gives dense's logits exactly. */
+Test(model, freekv_equals_dense_within_budget, .init = open_model, .fini = close_model,
+     .timeout = 240)
+{
+	int32_t prompt[256], dense[24], fk[24];
+	const size_t n = encode("<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n"
+				"<|im_start|>assistant\n",
+				prompt, 256);
+	const size_t vocab = model_hparams(m)->n_vocab;
+	float *a = malloc(24 * vocab * sizeof(float)), *b = malloc(24 * vocab * sizeof(float));
+	struct kvr_context *ctx = context(KVR_MODE_DENSE, 2048, 512, 512);
+	greedy(ctx, prompt, n, 24, dense, a);
+	kvr_context_destroy(ctx);
+	ctx = context(KVR_MODE_FREEKV, 2048, 512, 512);
+	greedy(ctx, prompt, n, 24, fk, b);
+	kvr_context_destroy(ctx);
+	cr_expect_eq(memcmp(dense, fk, sizeof(dense)), 0, "freekv chose other tokens than dense");
+	cr_expect_eq(memcmp(a, b, 24 * vocab * sizeof(float)), 0, "freekv's logits differ from dense's");
+	free(a), free(b);
+}
+
+/* A prompt of ~700 tokens with B = 256 (S = W = 64): selection, correction and
+ * the sparse path all run; the logits stay finite and the step is counted. */
+Test(model, small_budget_long_prompt, .init = open_model, .fini = close_model, .timeout = 300)
+{
+	FILE *f = fopen("/usr/share/common-licenses/GPL-3", "rb");
+	if (!f)
+		cr_skip_test("/usr/share/common-licenses/GPL-3 is missing (Debian's base-files)");
+	static char text[3200];
+	const size_t got = fread(text, 1, sizeof(text) - 1, f);
+	fclose(f);
+	text[got] = 0;
+	static int32_t prompt[2048];
+	const size_t n = encode(text, prompt, 2048);
+	cr_assert_gt(n, 600);
+	const size_t vocab = model_hparams(m)->n_vocab;
+	float *l = malloc(8 * vocab * sizeof(float));
+	int32_t out[8];
+	struct kvr_context *ctx = context(KVR_MODE_FREEKV, 256, 64, 64);
+	greedy(ctx, prompt, n, 8, out, l);
+	for (size_t i = 0; i < 8 * vocab; i++)
+		cr_assert(isfinite(l[i]), "logit %zu is %g", i, (double)l[i]);
+	struct kvr_stats st = { .size = sizeof(st) };
+	cr_assert_eq(kvr_get_stats(ctx, &st), 0);
+	cr_expect_gt(st.checked_heads + st.selections, 0, "the sparse path never ran");
+	cr_expect_gt(st.layer_decodes, st.dense_decodes, "every decode was dense");
+	kvr_context_destroy(ctx);
+	free(l);
+}
