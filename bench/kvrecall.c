@@ -23,6 +23,8 @@ static void usage(FILE *f)
 		   "  version         print the library version\n"
 		   "  generate        run a GGUF model with its attention through kvrecall\n"
 		   "                  (kvrecall generate --help)\n"
+		   "  eval            perplexity and agreement with dense over a long text, per mode\n"
+		   "                  (kvrecall eval --help)\n"
 		   "  help            this text\n");
 }
 
@@ -135,6 +137,14 @@ int main(int argc, char **argv)
 				return 0;
 			}
 		return runner_generate(argc - 2, argv + 2);
+	}
+	if (!strcmp(cmd, "eval")) {
+		for (int i = 2; i < argc; i++)
+			if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+				runner_eval_usage();
+				return 0;
+			}
+		return runner_eval(argc - 2, argv + 2);
 	}
 #endif
 	if (!strcmp(cmd, "info"))

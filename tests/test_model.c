@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gguf.h"
 #include "kvrecall.h"
@@ -239,4 +240,40 @@ Test(model, logits_match_llama_cpp, .init = open_model, .fini = close_model, .ti
 		positions, compared, near_ties, max_rel);
 	cr_assert_gt(positions, 40);
 	cr_expect_lt(max_rel, 0.08, "logits differ from llama.cpp's by up to %.4f (relative)", max_rel);
+}
+
+/* `kvrecall eval` end to end on a short window of the GPL-3: dense agrees
+ * with itself everywhere, every mode's perplexity is finite and close to
+ * dense's, and the JSON names every mode requested. */
+Test(model, eval_reports_every_mode, .init = open_model, .fini = close_model, .timeout = 300)
+{
+	if (access("/usr/share/common-licenses/GPL-3", R_OK))
+		cr_skip_test("/usr/share/common-licenses/GPL-3 is missing (Debian's base-files)");
+	char json[] = "/tmp/kvr-eval-XXXXXX";
+	const int fd = mkstemp(json);
+	cr_assert_geq(fd, 0);
+	close(fd);
+	char modes[] = "blocking,speculative,freekv";
+	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "384", "--prefill",
+			 "256",      "--budget", "256", "--sink", "64", "--window", "64", "--modes", modes,
+			 "--threads", "1", "--quiet", "--json", json };
+	cr_assert_eq(runner_eval((int)(sizeof(argv) / sizeof(argv[0])), argv), 0);
+	FILE *f = fopen(json, "r");
+	cr_assert(f);
+	char buf[4096] = "";
+	const size_t got = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	unlink(json);
+	buf[got] = 0;
+	for (const char *md = "dense\0blocking\0speculative\0freekv\0"; *md; md += strlen(md) + 1) {
+		char key[64];
+		snprintf(key, sizeof(key), "\"mode\": \"%s\", \"perplexity\": ", md);
+		const char *p = strstr(buf, key);
+		cr_assert(p, "no result for %s in %s", md, buf);
+		const double ppl = strtod(p + strlen(key), NULL);
+		cr_expect(isfinite(ppl) && ppl > 1.0 && ppl < 200.0, "%s: perplexity %g", md, ppl);
+	}
+	cr_expect(strstr(buf, "\"mode\": \"dense\", \"perplexity\"") &&
+		  strstr(strstr(buf, "\"mode\": \"dense\""), "\"top1_agreement\": 1.000000"),
+		  "dense does not agree with itself: %s", buf);
 }

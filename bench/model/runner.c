@@ -10,6 +10,7 @@
 #include "runner.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -549,6 +550,217 @@ int runner_generate(int argc, char **argv)
 		}
 	}
 	free(out), free(ref), free(prompt);
+	tok_destroy(t);
+	model_close(m);
+	return rc ? 1 : 0;
+}
+
+/* ------------------------------------------------------------------ eval */
+
+void runner_eval_usage(void)
+{
+	fprintf(stderr,
+		"usage: kvrecall eval --file PATH [options]\n"
+		"  Teacher-forced over the file's first --context tokens: prefill the first\n"
+		"  --prefill tokens (default: the budget), then decode token by token; report\n"
+		"  perplexity over the decoded positions and top-1 agreement with dense.\n"
+		"  --model PATH        GGUF (default: the cached SmolLM2-135M-Instruct)\n"
+		"  --context N         tokens (default 8192)\n"
+		"  --prefill N         tokens prefilled before decoding (default: the budget)\n"
+		"  --modes LIST        comma-separated, from dense,blocking,speculative,freekv\n"
+		"                      (default all four; dense always runs first)\n"
+		"  --budget B --sink S --window W --tau T   as for generate\n"
+		"  --threads N         workers besides the main thread\n"
+		"  --json FILE         results as JSON\n");
+}
+
+struct eval_result {
+	uint32_t mode;
+	double nll, seconds;
+	uint64_t positions, agree;
+	struct kvr_stats kv;
+};
+
+/* log-softmax of the target, in double. */
+static double nll_of(const float *l, uint32_t n, uint32_t target)
+{
+	float top = l[0];
+	for (uint32_t i = 1; i < n; i++)
+		top = l[i] > top ? l[i] : top;
+	double sum = 0.0;
+	for (uint32_t i = 0; i < n; i++)
+		sum += exp((double)l[i] - top);
+	return log(sum) - ((double)l[target] - top);
+}
+
+static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, const int32_t *ids,
+		     uint32_t n, uint32_t prefill, int32_t *dense_top, struct eval_result *r)
+{
+	const uint32_t vocab = model_hparams(m)->n_vocab;
+	struct kvr_context *ctx;
+	int rc = make_context(m, o, mode, n, &ctx);
+	if (rc)
+		return rc;
+	float *logits = malloc(vocab * sizeof(float));
+	char err[512];
+	uint32_t seq;
+	memset(r, 0, sizeof(*r));
+	r->mode = mode;
+	const double t0 = now_s();
+	rc = logits ? kvr_seq_create(ctx, &seq) : -ENOMEM;
+	if (!rc)
+		rc = model_prefill(m, ctx, seq, ids, prefill, 0, logits, err, sizeof(err));
+	/* logits now predict ids[prefill]; each decode adds one token */
+	for (uint32_t pos = prefill; !rc && pos < n; pos++) {
+		r->nll += nll_of(logits, vocab, (uint32_t)ids[pos]);
+		uint32_t best = 0;
+		for (uint32_t v = 1; v < vocab; v++)
+			if (logits[v] > logits[best])
+				best = v;
+		if (mode == KVR_MODE_DENSE)
+			dense_top[pos - prefill] = (int32_t)best;
+		r->agree += dense_top[pos - prefill] == (int32_t)best;
+		r->positions++;
+		if (pos + 1 < n)
+			rc = model_decode(m, ctx, seq, ids[pos], pos, logits, err, sizeof(err));
+		if (!o->quiet && (pos - prefill) % 64 == 63)
+			fprintf(stderr, "\r%-11s %u/%u positions, ppl %.3f", kvr_mode_name(mode),
+				pos - prefill + 1, n - prefill, exp(r->nll / (double)r->positions));
+	}
+	if (!o->quiet)
+		fprintf(stderr, "\n");
+	r->seconds = now_s() - t0;
+	r->kv.size = sizeof(r->kv);
+	kvr_get_stats(ctx, &r->kv);
+	if (rc)
+		fprintf(stderr, "kvrecall eval: %s\n", err);
+	free(logits);
+	kvr_context_destroy(ctx);
+	return rc;
+}
+
+int runner_eval(int argc, char **argv)
+{
+	/* eval's own options first; the rest are generate's */
+	uint32_t context = 8192, prefill = 0, modes[4], n_modes = 0;
+	char **rest = calloc((size_t)argc + 4, sizeof(*rest));
+	int n_rest = 0;
+	if (!rest)
+		return 1;
+	for (int i = 0; i < argc; i++) {
+		if (!strcmp(argv[i], "--context") && i + 1 < argc) {
+			context = (uint32_t)strtoul(argv[++i], NULL, 10);
+		} else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) {
+			prefill = (uint32_t)strtoul(argv[++i], NULL, 10);
+		} else if (!strcmp(argv[i], "--modes") && i + 1 < argc) {
+			char *list = argv[++i], *save = NULL;
+			for (char *tk = strtok_r(list, ",", &save); tk && n_modes < 4;
+			     tk = strtok_r(NULL, ",", &save)) {
+				uint32_t md;
+				if (kvr_mode_parse(tk, &md) || md == KVR_MODE_AUTO) {
+					fprintf(stderr, "kvrecall eval: unknown mode '%s'\n", tk);
+					free(rest);
+					return 2;
+				}
+				if (md != KVR_MODE_DENSE)
+					modes[n_modes++] = md;
+			}
+		} else {
+			rest[n_rest++] = argv[i];
+		}
+	}
+	if (!n_modes) {
+		modes[n_modes++] = KVR_MODE_BLOCKING;
+		modes[n_modes++] = KVR_MODE_SPECULATIVE;
+		modes[n_modes++] = KVR_MODE_FREEKV;
+	}
+	rest[n_rest++] = "--max-tokens";
+	rest[n_rest++] = "1";
+	struct opts o;
+	int rc = parse(n_rest, rest, &o);
+	free(rest);
+	if (rc)
+		return rc;
+	if (!o.file) {
+		fprintf(stderr, "kvrecall eval: --file is required\n");
+		return 2;
+	}
+	char path[4096], err[512];
+	if (o.model)
+		snprintf(path, sizeof(path), "%s", o.model);
+	else if (find_model(path, sizeof(path)))
+		return 1;
+	struct model *m;
+	if ((rc = model_open(path, o.threads, &m, err, sizeof(err)))) {
+		fprintf(stderr, "kvrecall eval: %s\n", err);
+		return 1;
+	}
+	struct tok *t = NULL;
+	size_t len = 0, n_ids = 0;
+	char *text = read_file(o.file, &len);
+	int32_t *ids = NULL, *dense_top = NULL;
+	if ((rc = runner_tokenizer(model_gguf(m), &t, err, sizeof(err))))
+		fprintf(stderr, "kvrecall eval: %s\n", err);
+	else if (!text)
+		fprintf(stderr, "kvrecall eval: cannot read %s\n", o.file), rc = -EIO;
+	if (!rc) {
+		tok_encode(t, text, len, 0, NULL, 0, &n_ids);
+		ids = malloc((n_ids + 1) * sizeof(*ids));
+		rc = ids ? tok_encode(t, text, len, 0, ids, n_ids, &n_ids) : -ENOMEM;
+	}
+	const uint32_t budget = o.have_budget ? o.budget : 2048;
+	if (!prefill)
+		prefill = budget;
+	if (!rc && (n_ids < context || prefill >= context)) {
+		fprintf(stderr, "kvrecall eval: %s has %zu tokens; need --context %u > --prefill %u\n",
+			o.file, n_ids, context, prefill);
+		rc = -EINVAL;
+	}
+	struct eval_result res[5];
+	uint32_t n_res = 0;
+	if (!rc && !(dense_top = malloc((context - prefill) * sizeof(*dense_top))))
+		rc = -ENOMEM;
+	if (!rc)
+		rc = eval_mode(m, &o, KVR_MODE_DENSE, ids, context, prefill, dense_top, &res[n_res++]);
+	for (uint32_t i = 0; !rc && i < n_modes; i++)
+		rc = eval_mode(m, &o, modes[i], ids, context, prefill, dense_top, &res[n_res++]);
+	if (!rc) {
+		const double dense_ppl = exp(res[0].nll / (double)res[0].positions);
+		printf("context %u tokens (%s), prefill %u, decoded %u; B = %u, tau = %.2f\n", context, o.file,
+		       prefill, context - prefill, budget, (double)(o.have_tau ? o.tau : 0.9f));
+		printf("| mode | perplexity | gap over dense | top-1 agreement with dense | corrected heads | "
+		       "seconds |\n|---|---|---|---|---|---|\n");
+		for (uint32_t i = 0; i < n_res; i++) {
+			const double ppl = exp(res[i].nll / (double)res[i].positions);
+			printf("| %s | %.4f | %+.4f | %.4f | %.1f%% | %.0f |\n", kvr_mode_name(res[i].mode), ppl,
+			       ppl - dense_ppl, (double)res[i].agree / (double)res[i].positions,
+			       res[i].kv.checked_heads ? 100.0 * (double)res[i].kv.corrected_heads /
+							       (double)res[i].kv.checked_heads
+						       : 0.0,
+			       res[i].seconds);
+		}
+		if (o.json) {
+			FILE *f = fopen(o.json, "w");
+			if (f) {
+				fprintf(f, "{\"context\": %u, \"prefill\": %u, \"budget\": %u, \"tau\": %.3f, "
+					   "\"results\": [",
+					context, prefill, budget, (double)(o.have_tau ? o.tau : 0.9f));
+				for (uint32_t i = 0; i < n_res; i++)
+					fprintf(f, "%s{\"mode\": \"%s\", \"perplexity\": %.6f, \"top1_agreement\": "
+						   "%.6f, \"positions\": %llu, \"corrected_heads\": %llu, "
+						   "\"checked_heads\": %llu, \"seconds\": %.2f}",
+						i ? ", " : "", kvr_mode_name(res[i].mode),
+						exp(res[i].nll / (double)res[i].positions),
+						(double)res[i].agree / (double)res[i].positions,
+						(unsigned long long)res[i].positions,
+						(unsigned long long)res[i].kv.corrected_heads,
+						(unsigned long long)res[i].kv.checked_heads, res[i].seconds);
+				fprintf(f, "]}\n");
+				fclose(f);
+			}
+		}
+	}
+	free(text), free(ids), free(dense_top);
 	tok_destroy(t);
 	model_close(m);
 	return rc ? 1 : 0;

@@ -16,6 +16,9 @@
  * (0 ok, 1 failure, 2 usage). */
 int runner_generate(int argc, char **argv);
 void runner_generate_usage(void);
+/* `kvrecall eval`: teacher-forced perplexity and top-1 agreement with dense. */
+int runner_eval(int argc, char **argv);
+void runner_eval_usage(void);
 
 struct gguf;
 struct tok;
