@@ -11,6 +11,14 @@
  * the same run) and to the issue's budget (1 + L/(p·B)) of it, selections and
  * freekv's correction rate. Output: a table on stderr and JSON.
  *
+ * --backend cuda runs the same steps on a GPU: q, k, v and out then live in
+ * device memory, as an engine's would. The bench allocates them through the
+ * library's internal device layer (gpu/backend.h), standing in for the
+ * engine's own cudaMalloc, so it links the static library; everything else
+ * goes through the public API. The step's time then ends with a synchronise
+ * of the engine's stream (the legacy default stream here), so it covers the
+ * GPU work, not just its launch.
+ *
  * Threads: the caller plus the context's workers (config threads = auto).
  */
 #include <errno.h>
@@ -21,6 +29,7 @@
 
 #include "kvrecall.h"
 #include "bench_common.h"
+#include "../gpu/backend.h"
 
 #define N_KV 8
 #define N_QO 32
@@ -58,6 +67,43 @@ static uint32_t recall_buffers = 2, pool_layout = KVR_POOL_HND, chunk_pages = 8;
 static uint32_t controller = KVR_CONTROLLER_AUTO;
 static uint32_t resolved_controller = KVR_CONTROLLER_AUTO; /* what the contexts resolved it to */
 static const uint32_t *only_mode; /* --mode: one mode instead of all four */
+static uint32_t backend = KVR_BACKEND_CPU;
+
+/* --backend cuda: the engine's side of a step on the GPU — its device buffers
+ * for q, k, v and out and its stream (the legacy default one). */
+static struct {
+	struct kvr_dev *dev;
+	struct kvr_stream *stream;
+	void *q, *k, *v, *out;
+} engine;
+
+static void engine_fail(const char *what)
+{
+	fprintf(stderr, "decode_bench: %s: %s\n", what, kvr_dev_last_error(engine.dev));
+	exit(1);
+}
+
+static void engine_open(void)
+{
+	const struct kvr_dev_params params = { .kind = KVR_DEV_CUDA };
+	char err[256] = "";
+	if (kvr_dev_create(&params, &engine.dev, err, sizeof(err))) {
+		fprintf(stderr, "decode_bench: --backend cuda: %s\n", err);
+		exit(1);
+	}
+	if (kvr_dev_stream_wrap(engine.dev, NULL, &engine.stream) ||
+	    kvr_dev_alloc(engine.dev, N_QO * D * 2, &engine.q) ||
+	    kvr_dev_alloc(engine.dev, N_KV * D * 2, &engine.k) ||
+	    kvr_dev_alloc(engine.dev, N_KV * D * 2, &engine.v) ||
+	    kvr_dev_alloc(engine.dev, N_QO * D * 2, &engine.out))
+		engine_fail("device buffers");
+}
+
+static void engine_put(void *dst, const void *src, size_t bytes)
+{
+	if (kvr_dev_memcpy_async(engine.dev, dst, src, bytes, KVR_COPY_H2D, engine.stream))
+		engine_fail("copy to the device");
+}
 
 static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max_tokens)
 {
@@ -81,6 +127,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint64_t max
 	c.pool_layout = pool_layout;
 	c.recall_chunk_pages = chunk_pages;
 	c.controller = controller;
+	c.backend = backend;
 	c.pool_bytes = (max_tokens / 32 + 64) * LAYERS * 2ull * 32 * D * N_KV * 2;
 	struct kvr_context *ctx;
 	if (kvr_context_create(&c, &ctx)) {
@@ -164,16 +211,28 @@ static struct result run(uint32_t mode, uint32_t budget, uint64_t L, uint32_t st
 			fprintf(stderr, "decode_bench: %s\n", kvr_last_error(ctx));
 			exit(1);
 		}
+		const void *lq = q, *lk = k, *lv = v;
+		void *lout = out;
+		if (engine.dev) { /* the engine's inputs are on the device before the step */
+			engine_put(engine.q, q, sizeof(q));
+			engine_put(engine.k, k, N_KV * D * 2);
+			engine_put(engine.v, v, N_KV * D * 2);
+			if (kvr_dev_stream_synchronize(engine.dev, engine.stream))
+				engine_fail("synchronise");
+			lq = engine.q, lk = engine.k, lv = engine.v, lout = engine.out;
+		}
 		const double t0 = bench_now_s();
 		kvr_decode_begin(ctx, &seq, &pos, 1);
 		for (uint32_t l = 0; l < LAYERS; l++) {
 			int32_t status;
-			if (kvr_decode_layer(ctx, l, q, k, v, out, &status, NULL) || status) {
+			if (kvr_decode_layer(ctx, l, lq, lk, lv, lout, &status, NULL) || status) {
 				fprintf(stderr, "decode_bench: %s\n", kvr_last_error(ctx));
 				exit(1);
 			}
 		}
 		kvr_decode_end(ctx);
+		if (engine.dev && kvr_dev_stream_synchronize(engine.dev, engine.stream))
+			engine_fail("synchronise");
 		times[s] = bench_now_s() - t0;
 	}
 	if (trace_path && kvr_trace_write(ctx, trace_path)) {
@@ -237,6 +296,13 @@ int main(int argc, char **argv)
 				fprintf(stderr, "decode_bench: --controller auto|thread|inline\n");
 				return 2;
 			}
+		} else if (!strcmp(argv[i], "--backend") && i + 1 < argc) {
+			const char *b = argv[++i];
+			backend = !strcmp(b, "cuda") ? KVR_BACKEND_CUDA : !strcmp(b, "cpu") ? KVR_BACKEND_CPU : 0;
+			if (!backend) {
+				fprintf(stderr, "decode_bench: --backend cpu|cuda\n");
+				return 2;
+			}
 		} else if (!strcmp(argv[i], "--buffers") && i + 1 < argc)
 			recall_buffers = (uint32_t)atoi(argv[++i]);
 		else if (!strcmp(argv[i], "--chunk-pages") && i + 1 < argc)
@@ -265,7 +331,7 @@ int main(int argc, char **argv)
 					"[--trace-context 32768] [--trace-mode freekv]]\n"
 					"                    [--mode M] [--buffers 1|2] [--chunk-pages 8] "
 					"[--pool-layout hnd|nhd]\n"
-					"                    [--controller auto|thread|inline]\n"
+					"                    [--controller auto|thread|inline] [--backend cpu|cuda]\n"
 					"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
 			return 2;
 		}
@@ -273,6 +339,8 @@ int main(int argc, char **argv)
 	if (steps < 3)
 		steps = 3;
 	const uint32_t B = 2048, p = 32;
+	if (backend == KVR_BACKEND_CUDA)
+		engine_open();
 	if (trace_path) {
 		run(trace_mode, B, trace_context, steps, trace_path);
 		fprintf(stderr, "decode_bench: trace of %s at %llu tokens (%s recall) in %s\n",
@@ -289,7 +357,8 @@ int main(int argc, char **argv)
 		fprintf(stderr, "decode_bench: cannot write %s: %s\n", json_path, strerror(errno));
 		return 1;
 	}
-	fprintf(json, "{\n  \"benchmark\": \"decode\",\n  \"kvrecall_version\": \"%s\",\n", kvr_version_string());
+	fprintf(json, "{\n  \"benchmark\": \"decode\",\n  \"kvrecall_version\": \"%s\",\n  \"backend\": \"%s\",\n",
+		kvr_version_string(), backend == KVR_BACKEND_CUDA ? "cuda" : "cpu");
 	fprintf(json, "  \"shape\": {\"n_kv_heads\": %d, \"n_qo_heads\": %d, \"head_dim\": %d, \"dtype\": \"f16\", "
 		      "\"page_tokens\": %u, \"budget_tokens\": %u, \"sink_tokens\": 512, \"window_tokens\": 512, "
 		      "\"layers\": %d},\n",

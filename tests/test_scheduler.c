@@ -142,7 +142,10 @@ static uint64_t page_bytes(uint32_t dtype)
 
 static const char *dev_name(uint32_t kind)
 {
-	return kind == KVR_DEV_CUDAEMU ? "cudaemu" : kind == KVR_DEV_CUDAEMU_STRICT ? "cudaemu-strict" : "cpu";
+	return kind == KVR_DEV_CUDAEMU	      ? "cudaemu"
+	       : kind == KVR_DEV_CUDAEMU_STRICT ? "cudaemu-strict"
+	       : kind == KVR_DEV_CUDA	      ? "cuda"
+					      : "cpu";
 }
 
 static void config_of(const struct opts *o, struct kvr_config *c)
@@ -904,6 +907,26 @@ Test(scheduler, ordering_under_random_delays_cudaemu_strict, .timeout = 240)
 	ordering_on(KVR_DEV_CUDAEMU_STRICT, 1, 6);
 }
 
+/* The cuda backend on a GPU: skipped, with the reason, without one (CI has
+ * none); on a GPU the same checks as cudaemu-strict run on real streams. */
+static void cuda_or_skip(void)
+{
+	const struct kvr_dev_params params = { .kind = KVR_DEV_CUDA };
+	struct kvr_dev *dev = NULL;
+	char err[256] = "";
+	const int r = kvr_dev_create(&params, &dev, err, sizeof(err));
+	if (r == -ENODEV)
+		cr_skip_test("cuda: no GPU: %s", err);
+	cr_assert_eq(r, 0, "cuda: kvr_dev_create: %d: %s", r, err);
+	kvr_dev_destroy(dev);
+}
+
+Test(scheduler, ordering_under_random_delays_cuda, .timeout = 240)
+{
+	cuda_or_skip();
+	ordering_on(KVR_DEV_CUDA, 2, 24);
+}
+
 /* Test 2 beyond the default settings: one staging buffer, one page per chunk,
  * and the NHD pool layout (row-by-row copies): streamed still equals zero-copy
  * bit for bit. */
@@ -996,6 +1019,16 @@ Test(scheduler, speculative_uses_previous_steps_pages, .timeout = 120)
 	model_run(KVR_DEV_CUDAEMU, KVR_MODE_SPECULATIVE, KVR_RECALL_STREAMED, 1, 8, &ck);
 	model_run(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_SPECULATIVE, KVR_RECALL_STREAMED, 1, 8, &ck);
 	model_run(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_SPECULATIVE, KVR_RECALL_ZERO_COPY, 1, 8, &ck);
+}
+
+Test(scheduler, speculative_uses_previous_steps_pages_cuda, .timeout = 120)
+{
+	cuda_or_skip();
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct check ck;
+		model_run(KVR_DEV_CUDA, KVR_MODE_SPECULATIVE, recall, 2, 24, &ck);
+		cr_expect_eq(ck.correction_waits, 2 * NL, "only the first step selects with its own query");
+	}
 }
 
 Test(scheduler, blocking_selects_with_current_query, .timeout = 120)

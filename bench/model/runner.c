@@ -564,6 +564,7 @@ void runner_eval_usage(void)
 		"  Teacher-forced over the file's first --context tokens: prefill the first\n"
 		"  --prefill tokens (default: the budget), then decode token by token; report\n"
 		"  perplexity over the decoded positions and top-1 agreement with dense.\n"
+		"  --file PATH         a text; repeat to join several (blank line between)\n"
 		"  --model PATH        GGUF (default: the cached SmolLM2-135M-Instruct)\n"
 		"  --context N         tokens (default 8192)\n"
 		"  --prefill N         tokens prefilled before decoding (default: the budget)\n"
@@ -643,12 +644,19 @@ int runner_eval(int argc, char **argv)
 {
 	/* eval's own options first; the rest are generate's */
 	uint32_t context = 8192, prefill = 0, modes[4], n_modes = 0;
-	char **rest = calloc((size_t)argc + 4, sizeof(*rest));
-	int n_rest = 0;
-	if (!rest)
+	char **rest = calloc((size_t)argc + 6, sizeof(*rest));
+	/* --file may repeat: the texts are read in order and joined by a blank
+	 * line, so that 8K tokens can come from Debian's own shorter texts */
+	const char **files = calloc((size_t)argc + 1, sizeof(*files));
+	int n_rest = 0, n_files = 0;
+	if (!rest || !files) {
+		free(rest), free(files);
 		return 1;
+	}
 	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--context") && i + 1 < argc) {
+		if (!strcmp(argv[i], "--file") && i + 1 < argc) {
+			files[n_files++] = argv[++i];
+		} else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
 			context = (uint32_t)strtoul(argv[++i], NULL, 10);
 		} else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) {
 			prefill = (uint32_t)strtoul(argv[++i], NULL, 10);
@@ -659,7 +667,7 @@ int runner_eval(int argc, char **argv)
 				uint32_t md;
 				if (kvr_mode_parse(tk, &md) || md == KVR_MODE_AUTO) {
 					fprintf(stderr, "kvrecall eval: unknown mode '%s'\n", tk);
-					free(rest);
+					free(rest), free(files);
 					return 2;
 				}
 				if (md != KVR_MODE_DENSE)
@@ -676,14 +684,18 @@ int runner_eval(int argc, char **argv)
 	}
 	rest[n_rest++] = "--max-tokens";
 	rest[n_rest++] = "1";
+	if (n_files) {
+		rest[n_rest++] = "--file";
+		rest[n_rest++] = (char *)files[0];
+	}
 	struct opts o;
 	int rc = parse(n_rest, rest, &o);
 	free(rest);
-	if (rc)
-		return rc;
-	if (!o.file) {
-		fprintf(stderr, "kvrecall eval: --file is required\n");
-		return 2;
+	if (rc || !n_files) {
+		if (!rc)
+			fprintf(stderr, "kvrecall eval: --file is required\n");
+		free(files);
+		return rc ? rc : 2;
 	}
 	char path[4096], err[512];
 	if (o.model)
@@ -697,12 +709,29 @@ int runner_eval(int argc, char **argv)
 	}
 	struct tok *t = NULL;
 	size_t len = 0, n_ids = 0;
-	char *text = read_file(o.file, &len);
+	char *text = NULL;
 	int32_t *ids = NULL, *dense_top = NULL;
 	if ((rc = runner_tokenizer(model_gguf(m), &t, err, sizeof(err))))
 		fprintf(stderr, "kvrecall eval: %s\n", err);
-	else if (!text)
-		fprintf(stderr, "kvrecall eval: cannot read %s\n", o.file), rc = -EIO;
+	for (int f = 0; !rc && f < n_files; f++) {
+		size_t part_len = 0;
+		char *part = read_file(files[f], &part_len), *joined = NULL;
+		if (part)
+			joined = realloc(text, len + 2 + part_len + 1);
+		if (!joined) {
+			fprintf(stderr, "kvrecall eval: cannot read %s\n", files[f]);
+			free(part);
+			rc = -EIO;
+			break;
+		}
+		text = joined;
+		if (f) /* a blank line between texts */
+			text[len++] = '\n', text[len++] = '\n';
+		memcpy(text + len, part, part_len);
+		len += part_len;
+		text[len] = 0;
+		free(part);
+	}
 	if (!rc) {
 		tok_encode(t, text, len, 0, NULL, 0, &n_ids);
 		ids = malloc((n_ids + 1) * sizeof(*ids));
@@ -712,8 +741,10 @@ int runner_eval(int argc, char **argv)
 	if (!prefill)
 		prefill = budget;
 	if (!rc && (n_ids < context || prefill >= context)) {
-		fprintf(stderr, "kvrecall eval: %s has %zu tokens; need --context %u > --prefill %u\n",
-			o.file, n_ids, context, prefill);
+		fprintf(stderr,
+			"kvrecall eval: %s%s has %zu tokens; need --context %u > --prefill %u "
+			"(--file may repeat: the texts are joined)\n",
+			o.file, n_files > 1 ? " and the other files" : "", n_ids, context, prefill);
 		rc = -EINVAL;
 	}
 	struct eval_result res[5];
@@ -726,8 +757,9 @@ int runner_eval(int argc, char **argv)
 		rc = eval_mode(m, &o, modes[i], ids, context, prefill, dense_top, &res[n_res++]);
 	if (!rc) {
 		const double dense_ppl = exp(res[0].nll / (double)res[0].positions);
-		printf("context %u tokens (%s), prefill %u, decoded %u; B = %u, tau = %.2f\n", context, o.file,
-		       prefill, context - prefill, budget, (double)(o.have_tau ? o.tau : 0.9f));
+		printf("context %u tokens (%s%s), prefill %u, decoded %u; B = %u, tau = %.2f\n", context,
+		       o.file, n_files > 1 ? " and more" : "", prefill, context - prefill, budget,
+		       (double)(o.have_tau ? o.tau : 0.9f));
 		printf("| mode | perplexity | gap over dense | top-1 agreement with dense | corrected heads | "
 		       "seconds |\n|---|---|---|---|---|---|\n");
 		for (uint32_t i = 0; i < n_res; i++) {
@@ -760,7 +792,7 @@ int runner_eval(int argc, char **argv)
 			}
 		}
 	}
-	free(text), free(ids), free(dense_top);
+	free(text), free(ids), free(dense_top), free(files);
 	tok_destroy(t);
 	model_close(m);
 	return rc ? 1 : 0;
