@@ -575,7 +575,7 @@ static int reserve_locked(struct kvr_pool *pool, struct layer_table *t, uint32_t
 		return err;
 	const uint32_t before = t->n_pages;
 	for (uint32_t i = 0; i < n_pages; i++) {
-		uint32_t id;
+		uint32_t id = 0; /* set by page_alloc_locked on success */
 		err = page_alloc_locked(pool, &id);
 		if (err) {
 			table_shrink(pool, t, before);
@@ -588,7 +588,7 @@ static int reserve_locked(struct kvr_pool *pool, struct layer_table *t, uint32_t
 
 int kvr_pool_reserve(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t n_pages)
 {
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 	pthread_mutex_lock(&pool->lock);
 	int err = table_get(pool, seq, layer, &t);
 	if (!err)
@@ -599,7 +599,7 @@ int kvr_pool_reserve(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32
 
 int kvr_pool_truncate(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t n_tokens)
 {
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 	pthread_mutex_lock(&pool->lock);
 	int err = table_get(pool, seq, layer, &t);
 	if (!err && n_tokens > t->n_tokens)
@@ -618,7 +618,7 @@ int kvr_pool_truncate(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint6
 int kvr_pool_n_pages(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t *n_pages)
 {
 	struct kvr_pool *mpool = (struct kvr_pool *)pool; /* lock and message only */
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 	pthread_mutex_lock(&mpool->lock);
 	int err = table_get(mpool, seq, layer, &t);
 	if (!err)
@@ -631,7 +631,7 @@ int kvr_pool_n_tokens(const struct kvr_pool *pool, uint32_t seq, uint32_t layer,
 		      uint64_t *n_tokens)
 {
 	struct kvr_pool *mpool = (struct kvr_pool *)pool;
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 	pthread_mutex_lock(&mpool->lock);
 	int err = table_get(mpool, seq, layer, &t);
 	if (!err)
@@ -644,7 +644,7 @@ int kvr_pool_lookup(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, u
 		    uint32_t *page_id)
 {
 	struct kvr_pool *mpool = (struct kvr_pool *)pool;
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 	pthread_mutex_lock(&mpool->lock);
 	int err = table_get(mpool, seq, layer, &t);
 	if (!err && logical >= t->n_pages)
@@ -661,7 +661,7 @@ const void *kvr_pool_summary(const struct kvr_pool *pool, uint32_t seq, uint32_t
 			     uint32_t logical)
 {
 	struct kvr_pool *mpool = (struct kvr_pool *)pool;
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 	const void *s = NULL;
 	pthread_mutex_lock(&mpool->lock);
 	if (!table_get(mpool, seq, layer, &t) && logical < t->n_pages && t->summaries)
@@ -698,7 +698,7 @@ static int page_for_write(struct kvr_pool *pool, struct layer_table *t, uint32_t
 {
 	uint32_t id = t->pages[logical];
 	if (pool->refcount[id] > 1) {
-		uint32_t fresh;
+		uint32_t fresh = 0; /* set by page_alloc_locked on success */
 		int err = page_alloc_locked(pool, &fresh);
 		if (err)
 			return err;
@@ -713,7 +713,7 @@ static int page_for_write(struct kvr_pool *pool, struct layer_table *t, uint32_t
 int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t logical,
 			const void *k_rows, const void *v_rows, uint64_t row_stride)
 {
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 	unsigned char *page = NULL, *summary = NULL;
 	pthread_mutex_lock(&pool->lock);
 	int err = table_get(pool, seq, layer, &t);
@@ -777,7 +777,7 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 	const struct kvr_page_geometry *g = &pool->g;
 	const uint64_t p = g->page_tokens, row_elems = (uint64_t)g->n_kv_heads * g->head_dim;
 	const uint64_t row_bytes = row_elems * g->elem_bytes;
-	struct layer_table *t;
+	struct layer_table *t = NULL; /* set by table_get on success */
 
 	pthread_mutex_lock(&pool->lock);
 	int err = table_get(pool, seq, layer, &t);

@@ -150,7 +150,7 @@ KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst)
 	struct kvr_sequence *from = live(ctx, src, "seq_fork", &err);
 	if (!from)
 		return err;
-	uint32_t id;
+	uint32_t id = 0;
 	kvr_sched_seq_quiesce(ctx->sched, src); /* no job reads src's tables meanwhile */
 	if ((err = seq_claim(ctx, "seq_fork", 0, &id)))
 		return err;
@@ -211,10 +211,13 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 		/* The new tail page was full and offloaded: bring its rows back to the
 		 * tail tiles, where the next tokens will join them. */
 		if (n_tokens % p && n_tokens / p != have / p) {
-			uint32_t id;
-			kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id);
-			const unsigned char *page = kvr_pool_page_data(ctx->pool, id);
-			for (uint32_t h = 0; h < c->n_kv_heads; h++)
+			/* the page exists (n_tokens <= have was checked above), so the
+			 * lookup cannot fail; a NULL page is still not dereferenced */
+			uint32_t id = 0;
+			const unsigned char *page =
+				kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id) ? NULL
+												   : kvr_pool_page_data(ctx->pool, id);
+			for (uint32_t h = 0; page && h < c->n_kv_heads; h++)
 				kvr_hnd_run_to_nhd_slot(&g, page + h * g.head_bytes, tail_keys(ctx, s, l),
 							tail_values(ctx, s, l), h);
 		}

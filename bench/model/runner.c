@@ -578,6 +578,8 @@ void runner_eval_usage(void)
 struct eval_result {
 	uint32_t mode;
 	double nll, seconds;
+	double decode_seconds;   /* the decode steps alone, prefill excluded */
+	uint64_t decode_attn_ns; /* inside kvrecall's decode attention calls */
 	uint64_t positions, agree;
 	struct kvr_stats kv;
 };
@@ -611,6 +613,8 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, const
 	rc = logits ? kvr_seq_create(ctx, &seq) : -ENOMEM;
 	if (!rc)
 		rc = model_prefill(m, ctx, seq, ids, prefill, 0, logits, err, sizeof(err));
+	const double t_decode = now_s();
+	const uint64_t attn0 = model_attention_ns(m, 0);
 	/* logits now predict ids[prefill]; each decode adds one token */
 	for (uint32_t pos = prefill; !rc && pos < n; pos++) {
 		r->nll += nll_of(logits, vocab, (uint32_t)ids[pos]);
@@ -631,6 +635,8 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, const
 	if (!o->quiet)
 		fprintf(stderr, "\n");
 	r->seconds = now_s() - t0;
+	r->decode_seconds = now_s() - t_decode;
+	r->decode_attn_ns = model_attention_ns(m, 0) - attn0;
 	r->kv.size = sizeof(r->kv);
 	kvr_get_stats(ctx, &r->kv);
 	if (rc)
@@ -761,14 +767,18 @@ int runner_eval(int argc, char **argv)
 		       o.file, n_files > 1 ? " and more" : "", prefill, context - prefill, budget,
 		       (double)(o.have_tau ? o.tau : 0.9f));
 		printf("| mode | perplexity | gap over dense | top-1 agreement with dense | corrected heads | "
-		       "seconds |\n|---|---|---|---|---|---|\n");
+		       "decode tokens/s | attention ms/token | seconds |\n|---|---|---|---|---|---|---|---|\n");
 		for (uint32_t i = 0; i < n_res; i++) {
 			const double ppl = exp(res[i].nll / (double)res[i].positions);
-			printf("| %s | %.4f | %+.4f | %.4f | %.1f%% | %.0f |\n", kvr_mode_name(res[i].mode), ppl,
-			       ppl - dense_ppl, (double)res[i].agree / (double)res[i].positions,
+			/* the last position is scored without a decode after it */
+			const double steps = res[i].positions > 1 ? (double)(res[i].positions - 1) : 1.0;
+			printf("| %s | %.4f | %+.4f | %.4f | %.1f%% | %.1f | %.3f | %.0f |\n",
+			       kvr_mode_name(res[i].mode), ppl, ppl - dense_ppl,
+			       (double)res[i].agree / (double)res[i].positions,
 			       res[i].kv.checked_heads ? 100.0 * (double)res[i].kv.corrected_heads /
 							       (double)res[i].kv.checked_heads
 						       : 0.0,
+			       steps / res[i].decode_seconds, (double)res[i].decode_attn_ns / steps / 1e6,
 			       res[i].seconds);
 		}
 		if (o.json) {
@@ -780,13 +790,19 @@ int runner_eval(int argc, char **argv)
 				for (uint32_t i = 0; i < n_res; i++)
 					fprintf(f, "%s{\"mode\": \"%s\", \"perplexity\": %.6f, \"top1_agreement\": "
 						   "%.6f, \"positions\": %llu, \"corrected_heads\": %llu, "
-						   "\"checked_heads\": %llu, \"seconds\": %.2f}",
+						   "\"checked_heads\": %llu, \"seconds\": %.2f, "
+						   "\"decode_seconds\": %.3f, \"decode_steps\": %llu, "
+						   "\"decode_attention_ns\": %llu, \"bytes_recalled\": %llu}",
 						i ? ", " : "", kvr_mode_name(res[i].mode),
 						exp(res[i].nll / (double)res[i].positions),
 						(double)res[i].agree / (double)res[i].positions,
 						(unsigned long long)res[i].positions,
 						(unsigned long long)res[i].kv.corrected_heads,
-						(unsigned long long)res[i].kv.checked_heads, res[i].seconds);
+						(unsigned long long)res[i].kv.checked_heads, res[i].seconds,
+						res[i].decode_seconds,
+						(unsigned long long)(res[i].positions ? res[i].positions - 1 : 0),
+						(unsigned long long)res[i].decode_attn_ns,
+						(unsigned long long)res[i].kv.bytes_recalled);
 				fprintf(f, "]}\n");
 				fclose(f);
 			}
