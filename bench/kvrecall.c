@@ -3,13 +3,18 @@
  * kvrecall.c — the `kvrecall` command: the front door for users. Subcommands:
  *   info      what this build and machine offer (the first thing to run)
  *   version   the library version
- * It uses only the public API (runtime/kvrecall.h), like any engine would.
+ *   generate, eval   the real-model runner (bench/model/runner.c)
+ *   bench     benchmarks of this machine (bench_cmd.c)
+ * info, version and the runner use only the public API (runtime/kvrecall.h),
+ * like any engine would; bench measures the device layer below it, so the
+ * command links the static library.
  */
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "kvrecall.h"
+#include "bench_cmd.h"
 #ifdef KVR_HAVE_RUNNER
 #include "runner.h"
 #endif
@@ -25,6 +30,7 @@ static void usage(FILE *f)
 		   "                  (kvrecall generate --help)\n"
 		   "  eval            perplexity and agreement with dense over a long text, per mode\n"
 		   "                  (kvrecall eval --help)\n"
+		   "  bench           benchmarks of this machine: copy bandwidth (kvrecall bench --help)\n"
 		   "  help            this text\n");
 }
 
@@ -149,6 +155,8 @@ int main(int argc, char **argv)
 #endif
 	if (!strcmp(cmd, "info"))
 		return cmd_info(argc - 2, argv + 2);
+	if (!strcmp(cmd, "bench"))
+		return bench_main(argc - 2, argv + 2);
 	if (!strcmp(cmd, "version")) {
 		printf("kvrecall %s\n", kvr_version_string());
 		return 0;

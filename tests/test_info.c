@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -102,4 +103,122 @@ Test(info, command_json_and_errors)
 	run("frobnicate", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "unknown command") != NULL, "%s", out);
+}
+
+/* ------------------------------------------------------------------ kvrecall bench */
+
+/* Run `kvrecall <args> --json FILE`, then a Python check of FILE (Python's
+ * json module is an independent parser; the check prints "ok" or why not).
+ * Skips without python3. */
+static void bench_json_check(const char *args, const char *python_check)
+{
+	if (system("python3 -c 'import json' > /dev/null 2>&1") != 0)
+		cr_skip_test("python3 is not installed: cannot parse the JSON independently");
+	char path[] = "/tmp/kvr_bench_json_XXXXXX";
+	const int fd = mkstemp(path);
+	cr_assert_geq(fd, 0);
+	close(fd);
+	char cmd[512], out[16384];
+	int status;
+	snprintf(cmd, sizeof(cmd), "%s --json %s", args, path);
+	run(cmd, out, sizeof(out), &status);
+	cr_assert_eq(status, 0, "%s:\n%s", cmd, out);
+	char check[4096];
+	snprintf(check, sizeof(check),
+		 "python3 - '%s' 2>&1 <<'PY'\n"
+		 "import json, sys, itertools\n"
+		 "d = json.load(open(sys.argv[1]))\n"
+		 "assert d['schema'] == 'kvrecall-bench/1', d['schema']\n"
+		 "assert d['command'].startswith('kvrecall bench ' + d['benchmark']), d['command']\n"
+		 "assert d['machine']['cores'] >= 1 and d['machine']['memory_bytes'] > 0\n"
+		 "assert d['build']['version'] and d['build']['git_revision'] and d['build']['build_type']\n"
+		 "%s\n"
+		 "print('ok')\n"
+		 "PY",
+		 path, python_check);
+	FILE *f = popen(check, "r");
+	cr_assert_not_null(f);
+	char verdict[2048];
+	const size_t n = fread(verdict, 1, sizeof(verdict) - 1, f);
+	verdict[n] = 0;
+	const int rc = pclose(f);
+	unlink(path);
+	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "%s: the JSON does not match its schema:\n%s", cmd,
+		  verdict);
+}
+
+/* `kvrecall bench copy`: the documented envelope (docs/benchmarks.md, schema
+ * kvrecall-bench/1), one row for every size x direction x memory x call kind,
+ * and a peak equal to the best pinned host->device row. */
+Test(bench, copy_writes_schema_json, .timeout = 120)
+{
+	bench_json_check(
+		"bench copy --backend cpu --quick --reps 1",
+		"assert d['benchmark'] == 'copy' and d['backend'] == 'cpu'\n"
+		"rows = d['results']\n"
+		"sizes = [256 * 4 ** i for i in range(8)]\n"
+		"want = set(itertools.product(['h2d', 'd2h'], ['pinned', 'pageable'], ['single', 'batched'], sizes))\n"
+		"got = set((r['direction'], r['host_memory'], r['calls'], r['transfer_bytes']) for r in rows)\n"
+		"assert got == want and len(rows) == len(want), (len(rows), want - got)\n"
+		"assert all(r['gbps'] > 0 and r['us_per_transfer'] > 0 and r['transfers'] >= 16 for r in rows)\n"
+		"peak = max(r['gbps'] for r in rows if r['direction'] == 'h2d' and r['host_memory'] == 'pinned')\n"
+		"assert abs(d['summary']['peak_h2d_pinned_gbps'] - peak) <= 1e-3 * peak, (d['summary'], peak)");
+}
+
+/* `kvrecall bench recall`: every variant (HND and NHD pool with one and two
+ * buffers, zero-copy) recalled byte-exact (the command fails otherwise) and
+ * timed; misses follow batch x KV heads x k x miss rate. */
+Test(bench, recall_writes_schema_json, .timeout = 120)
+{
+	bench_json_check(
+		"bench recall --backend cpu --preset smollm2-135m --budget 512,1024 --sink 128 --window 128 "
+		"--batch 2 --miss-rate 0.5 --chunk-pages 4 --reps 1",
+		"assert d['benchmark'] == 'recall' and d['shape']['n_kv_heads'] == 3 and d['shape']['head_dim'] == 64\n"
+		"assert d['params']['byte_exact'] is True and d['params']['run_bytes'] == 2 * 32 * 64 * 2\n"
+		"rows = d['results']\n"
+		"want = {(b, pl, bu) for b in (512, 1024) for pl, bu in (('hnd', 1), ('hnd', 2), ('nhd', 1), ('nhd', 2), ('zero-copy', 1))}\n"
+		"got = {(r['budget_tokens'], r['pool'], r['buffers']) for r in rows}\n"
+		"assert got == want and len(rows) == len(want), (len(rows), want ^ got)\n"
+		"for r in rows:\n"
+		"    k = (r['budget_tokens'] - 256) // 32\n"
+		"    assert r['misses'] == round(2 * 3 * k * 0.5), r\n"
+		"    assert r['bytes'] == r['misses'] * 2 * 32 * 64 * 2 and r['us_per_layer'] > 0 and r['gbps'] > 0, r\n"
+		"    assert abs(r['ratio_to_copy_peak'] - r['gbps'] / d['summary']['peak_h2d_pinned_gbps']) < 1e-3 * r['ratio_to_copy_peak'] + 1e-4, r");
+}
+
+Test(bench, bad_arguments_are_refused_clearly)
+{
+	char out[8192];
+	int status;
+	run("bench copy --reps 0", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--reps must be 1 to 15") != NULL, "%s", out);
+	run("bench copy --backend tpu", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--backend auto|cpu|cuda") != NULL, "%s", out);
+	run("bench copy --frobnicate", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "usage: kvrecall bench copy") != NULL, "%s", out);
+	run("bench recall --miss-rate 0", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "0 < --miss-rate <= 1") != NULL, "%s", out);
+	run("bench recall --budget 1000", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "must be a multiple of p = 32") != NULL, "%s", out);
+	run("bench recall --preset gpt-5", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "unknown preset 'gpt-5'") != NULL, "%s", out);
+	run("bench recall --head-dim x", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--head-dim takes a positive integer") != NULL, "%s", out);
+	run("bench nosuch", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "unknown benchmark 'nosuch'") != NULL, "%s", out);
+	struct kvr_system_info s = { .size = sizeof(s) };
+	kvr_system_query(&s);
+	if (s.n_gpus == 0) { /* asking for a GPU that is not there names the reason */
+		run("bench copy --backend cuda --quick", out, sizeof(out), &status);
+		cr_expect_neq(status, 0);
+		cr_expect(strstr(out, "--backend cuda: ") != NULL, "%s", out);
+	}
 }
