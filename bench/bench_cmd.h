@@ -16,6 +16,7 @@ struct kvr_dev;
 int bench_main(int argc, char **argv);
 int bench_copy(int argc, char **argv);
 int bench_recall(int argc, char **argv); /* bench_recall.c */
+int bench_decode(int argc, char **argv); /* bench_decode.c */
 
 /* --backend auto|cpu|cuda -> an open device (auto: cuda when a GPU is usable).
  * 0, or a negative errno after a message on stderr. */

@@ -186,6 +186,57 @@ Test(bench, recall_writes_schema_json, .timeout = 120)
 		"    assert abs(r['ratio_to_copy_peak'] - r['gbps'] / d['summary']['peak_h2d_pinned_gbps']) < 1e-3 * r['ratio_to_copy_peak'] + 1e-4, r");
 }
 
+/* `kvrecall bench decode`: one row per mode and context with the fields the
+ * schema names, each mode's step timed, and the ratios consistent with the
+ * attention-over-B baseline measured in the same run. */
+Test(bench, decode_writes_schema_json, .timeout = 300)
+{
+	bench_json_check(
+		"bench decode --backend cpu --preset smollm2-135m --budget 512 --sink 128 --window 128 "
+		"--max-context 8192 --steps 3",
+		"assert d['benchmark'] == 'decode' and d['shape']['preset'] == 'smollm2-135m' and d['shape']['layers'] == 4\n"
+		"assert d['params']['budget_tokens'] == 512 and d['params']['steps'] == 3\n"
+		"rows = d['results']\n"
+		"assert sorted(r['mode'] for r in rows) == ['blocking', 'dense', 'freekv', 'speculative'], rows\n"
+		"for r in rows:\n"
+		"    assert r['batch'] == 1 and r['context_tokens'] == 8192 and r['us_per_layer'] > 0, r\n"
+		"    assert abs(r['ratio_to_attention_over_budget'] * r['attention_over_budget_us'] - r['us_per_layer']) < 0.01 * r['us_per_layer'] + 0.01, r\n"
+		"    assert 0 < r['critical_share'] <= 1 and 0 <= r['hit_rate'] <= 1, r\n"
+		"    assert (r['selections'] > 0) == (r['mode'] != 'dense'), r");
+}
+
+/* --trace writes Chrome trace-event JSON with the engine's spans. */
+Test(bench, decode_trace_is_chrome_json, .timeout = 300)
+{
+	if (system("python3 -c 'import json' > /dev/null 2>&1") != 0)
+		cr_skip_test("python3 is not installed: cannot parse the JSON independently");
+	char path[] = "/tmp/kvr_bench_trace_XXXXXX";
+	const int fd = mkstemp(path);
+	cr_assert_geq(fd, 0);
+	close(fd);
+	char cmd[512], out[16384];
+	int status;
+	snprintf(cmd, sizeof(cmd),
+		 "bench decode --preset smollm2-135m --budget 512 --sink 128 --window 128 --steps 6 "
+		 "--trace %s --trace-context 4096",
+		 path);
+	run(cmd, out, sizeof(out), &status);
+	cr_assert_eq(status, 0, "%s", out);
+	snprintf(cmd, sizeof(cmd),
+		 "python3 -c \"import json,sys; d=json.load(open(sys.argv[1])); "
+		 "ev=d['traceEvents'] if isinstance(d, dict) else d; "
+		 "assert len(ev) > 10 and all('ph' in e and 'name' in e for e in ev), len(ev); print('ok')\" %s 2>&1",
+		 path);
+	FILE *f = popen(cmd, "r");
+	cr_assert_not_null(f);
+	char verdict[1024];
+	const size_t n = fread(verdict, 1, sizeof(verdict) - 1, f);
+	verdict[n] = 0;
+	const int rc = pclose(f);
+	unlink(path);
+	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "not a Chrome trace:\n%s", verdict);
+}
+
 Test(bench, bad_arguments_are_refused_clearly)
 {
 	char out[8192];
@@ -211,6 +262,12 @@ Test(bench, bad_arguments_are_refused_clearly)
 	run("bench recall --head-dim x", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "--head-dim takes a positive integer") != NULL, "%s", out);
+	run("bench decode --budget 100", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "budget") != NULL, "%s", out);
+	run("bench decode --backend tpu", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--backend cpu|cuda") != NULL, "%s", out);
 	run("bench nosuch", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "unknown benchmark 'nosuch'") != NULL, "%s", out);

@@ -1,0 +1,493 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * bench_decode.c — `kvrecall bench decode`: decode step time per mode through
+ * the public API, the way an engine drives kvrecall. A model shape (preset or
+ * flags; 4 layers unless --layers says otherwise, since every layer costs the
+ * same), B = 2048, S = W = 512, contexts 8K up to --max-context, one or more
+ * batch sizes, and synthetic queries with realistic dynamics: each step's
+ * query strongly correlated with the previous one (q_i = 0.97·q_{i-1} +
+ * 0.25·noise, renormalised), and every 16th step a jump to a fresh direction
+ * for a quarter of the heads.
+ *
+ * Reported per batch, mode and context: the step time per layer (the whole
+ * batch's step ÷ layers; median of --steps), its ratio to attention over the B
+ * tokens alone (dense at L = B, measured in the same run) and to the design's
+ * budget (1 + L/(p·B)) of it; the critical path's time per layer (the engine's
+ * own time inside decode_layer) and its share beside the controller's;
+ * corrections, correction waits, hit rate and bytes recalled.
+ *
+ * --backend cuda runs the same steps on a GPU: q, k, v and out then live in
+ * device memory, as an engine's would. They are allocated through the
+ * library's device layer (gpu/backend.h), standing in for the engine's own
+ * cudaMalloc; everything else goes through the public API. Each step's time
+ * ends with a synchronise of the engine's stream (the legacy default stream),
+ * so it covers the GPU work, not just its launch.
+ *
+ * --trace FILE traces 4 steps at --trace-context tokens (Chrome trace-event
+ * JSON, kvr_trace_write) and exits.
+ *
+ * Threads: the caller plus the context's workers (config threads = auto) and
+ * its controller thread.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrecall.h"
+#include "bench_cmd.h"
+#include "bench_common.h"
+#include "bench_shape.h"
+#include "../gpu/backend.h"
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static float frand(void) /* uniform in [-1, 1) */
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return (float)(int32_t)(rng_state >> 32) / 2147483648.0f;
+}
+
+/* f32 -> f16 bits, round to nearest even (normal range only: inputs are small) */
+static uint16_t f16(float x)
+{
+	uint32_t u;
+	memcpy(&u, &x, 4);
+	const uint32_t sign = (u >> 16) & 0x8000u;
+	int32_t e = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+	uint32_t mant = u & 0x7fffffu;
+	if (e <= 0)
+		return (uint16_t)sign;
+	uint32_t r = (uint32_t)e << 10 | mant >> 13;
+	const uint32_t rem = mant & 0x1fffu;
+	if (rem > 0x1000u || (rem == 0x1000u && (r & 1u)))
+		r++;
+	return (uint16_t)(sign | r);
+}
+
+/* The run's settings (main thread only). */
+static struct {
+	struct bench_shape sh;
+	uint32_t recall, buffers, pool_layout, chunk_pages, controller, backend;
+	uint32_t budget, sink, window;
+	uint32_t resolved_controller; /* what the contexts resolved `controller` to */
+	const char *backend_name;
+} g = {
+	.recall = KVR_RECALL_ZERO_COPY,
+	.buffers = 2,
+	.pool_layout = KVR_POOL_HND,
+	.chunk_pages = 8,
+	.controller = KVR_CONTROLLER_AUTO,
+	.backend = KVR_BACKEND_CPU,
+	.budget = 2048,
+	.sink = 512,
+	.window = 512,
+	.resolved_controller = KVR_CONTROLLER_AUTO,
+	.backend_name = "cpu",
+};
+
+/* --backend cuda: the engine's side of a step on the GPU — its device buffers
+ * for the batch's q, k, v and out and its stream (the legacy default one). */
+static struct {
+	struct kvr_dev *dev;
+	struct kvr_stream *stream;
+	void *q, *k, *v, *out;
+	uint32_t batch; /* sized for */
+} engine;
+
+static void die(const char *what, const char *why)
+{
+	fprintf(stderr, "kvrecall bench decode: %s: %s\n", what, why);
+	exit(1);
+}
+
+static void engine_fit(uint32_t batch)
+{
+	if (engine.batch >= batch)
+		return;
+	if (!engine.dev) {
+		const struct kvr_dev_params params = { .kind = KVR_DEV_CUDA };
+		char err[256] = "";
+		if (kvr_dev_create(&params, &engine.dev, err, sizeof(err)))
+			die("--backend cuda", err);
+		if (kvr_dev_stream_wrap(engine.dev, NULL, &engine.stream))
+			die("engine stream", kvr_dev_last_error(engine.dev));
+	} else {
+		kvr_dev_free(engine.dev, engine.q), kvr_dev_free(engine.dev, engine.k);
+		kvr_dev_free(engine.dev, engine.v), kvr_dev_free(engine.dev, engine.out);
+	}
+	const size_t q_bytes = (size_t)batch * g.sh.n_qo_heads * g.sh.head_dim * 2;
+	const size_t kv_bytes = (size_t)batch * g.sh.n_kv_heads * g.sh.head_dim * 2;
+	if (kvr_dev_alloc(engine.dev, q_bytes, &engine.q) || kvr_dev_alloc(engine.dev, kv_bytes, &engine.k) ||
+	    kvr_dev_alloc(engine.dev, kv_bytes, &engine.v) || kvr_dev_alloc(engine.dev, q_bytes, &engine.out))
+		die("engine device buffers", kvr_dev_last_error(engine.dev));
+	engine.batch = batch;
+}
+
+static void engine_put(void *dst, const void *src, size_t bytes)
+{
+	if (kvr_dev_memcpy_async(engine.dev, dst, src, bytes, KVR_COPY_H2D, engine.stream))
+		die("copy to the device", kvr_dev_last_error(engine.dev));
+}
+
+static struct kvr_context *make_ctx(uint32_t mode, uint32_t batch, uint64_t max_tokens)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = g.sh.n_layers;
+	c.n_qo_heads = g.sh.n_qo_heads;
+	c.n_kv_heads = g.sh.n_kv_heads;
+	c.head_dim = g.sh.head_dim;
+	c.page_tokens = g.sh.page_tokens;
+	c.dtype = KVR_DTYPE_F16;
+	c.budget_tokens = g.budget;
+	c.sink_tokens = g.sink;
+	c.window_tokens = g.window;
+	c.mode = mode;
+	c.tau = 0.9f;
+	c.dense_layers[0] = 0;
+	c.max_sequences = batch;
+	c.max_batch = batch;
+	c.recall = g.recall;
+	c.recall_buffers = g.buffers;
+	c.pool_layout = g.pool_layout;
+	c.recall_chunk_pages = g.chunk_pages;
+	c.controller = g.controller;
+	c.backend = g.backend;
+	const uint64_t page_bytes = 2ull * g.sh.page_tokens * g.sh.head_dim * g.sh.n_kv_heads * 2;
+	c.pool_bytes = (max_tokens / g.sh.page_tokens + 64) * g.sh.n_layers * page_bytes * batch;
+	struct kvr_context *ctx;
+	if (kvr_context_create(&c, &ctx))
+		die("context", kvr_last_error(NULL));
+	struct kvr_config got;
+	kvr_config_init(&got);
+	if (!kvr_context_get_config(ctx, &got))
+		g.resolved_controller = got.controller;
+	return ctx;
+}
+
+struct result {
+	double us_per_layer;               /* the batch's step ÷ layers, median */
+	double mean_us_per_layer;          /* the same, mean (the counters below are sums) */
+	double critical_us_per_layer;      /* the engine's time inside decode_layer, mean */
+	double corrected_rate;
+	uint64_t selections;
+	double correction_waits_per_layer; /* (sequence, layer) decodes that waited for q_i's pages */
+	double correction_wait_share;      /* of the engine's time inside decode_layer */
+	double controller_wait_share;
+	double recall_wait_share;
+	double critical_share;             /* engine time / (engine + controller time) */
+	double controller_us_per_layer;    /* controller time per layer (overlapped) */
+	double hit_rate;                   /* streamed: hits / (hits + misses) */
+	double recalled_kib_per_layer;
+};
+
+/* Prefill L tokens into each of `batch` sequences, then time `steps` decode
+ * steps of the batch (tracing the last 4 into trace_path when it is set). */
+static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t steps, const char *trace_path)
+{
+	const uint32_t n_kv = g.sh.n_kv_heads, n_qo = g.sh.n_qo_heads, d = g.sh.head_dim, layers = g.sh.n_layers;
+	struct kvr_context *ctx = make_ctx(mode, batch, L + steps);
+	uint32_t *seqs = calloc(batch, sizeof(*seqs));
+	uint64_t *pos = calloc(batch, sizeof(*pos));
+	const uint32_t chunk = 4096;
+	uint16_t *k = malloc((size_t)chunk * n_kv * d * 2), *v = malloc((size_t)chunk * n_kv * d * 2);
+	float *qf = malloc((size_t)batch * n_qo * d * sizeof(float));
+	uint16_t *q = malloc((size_t)batch * n_qo * d * 2), *out = malloc((size_t)batch * n_qo * d * 2);
+	int32_t *status = calloc(batch, sizeof(*status));
+	double *times = calloc(steps, sizeof(double));
+	if (!seqs || !pos || !k || !v || !qf || !q || !out || !status || !times)
+		die("memory", "out of memory");
+	for (uint32_t b = 0; b < batch; b++) {
+		if (kvr_seq_create(ctx, &seqs[b]))
+			die("sequence", kvr_last_error(ctx));
+		for (uint64_t at = 0; at < L; at += chunk) {
+			const uint32_t n = L - at < chunk ? (uint32_t)(L - at) : chunk;
+			for (size_t i = 0; i < (size_t)n * n_kv * d; i++) {
+				k[i] = f16(frand());
+				v[i] = f16(frand());
+			}
+			for (uint32_t l = 0; l < layers; l++)
+				if (kvr_prefill(ctx, seqs[b], l, at, n, k, v))
+					die("prefill", kvr_last_error(ctx));
+		}
+	}
+	for (size_t i = 0; i < (size_t)batch * n_qo * d; i++)
+		qf[i] = frand();
+	struct kvr_stats st0 = { .size = sizeof(st0) }, st1 = { .size = sizeof(st1) };
+	kvr_get_stats(ctx, &st0);
+	for (uint32_t s = 0; s < steps; s++) {
+		for (uint32_t h = 0; h < batch * n_qo; h++) {
+			const int jump = s % 16 == 15 && h % 4 == 0;
+			double norm = 0;
+			for (uint32_t c = 0; c < d; c++) {
+				float *x = &qf[(size_t)h * d + c];
+				*x = jump ? frand() : 0.97f * *x + 0.25f * frand();
+				norm += (double)*x * *x;
+			}
+			const float scale = (float)(4.0 / sqrt(norm)); /* |q| = 4: peaked softmax */
+			for (uint32_t c = 0; c < d; c++)
+				q[(size_t)h * d + c] = f16(qf[(size_t)h * d + c] * scale);
+		}
+		for (size_t i = 0; i < (size_t)batch * n_kv * d; i++) {
+			k[i] = f16(frand());
+			v[i] = f16(frand());
+		}
+		for (uint32_t b = 0; b < batch; b++)
+			pos[b] = L + s;
+		if (trace_path && s + 4 == steps && kvr_trace_start(ctx, 1u << 16))
+			die("trace", kvr_last_error(ctx));
+		const void *lq = q, *lk = k, *lv = v;
+		void *lout = out;
+		if (engine.dev) { /* the engine's inputs are on the device before the step */
+			engine_put(engine.q, q, (size_t)batch * n_qo * d * 2);
+			engine_put(engine.k, k, (size_t)batch * n_kv * d * 2);
+			engine_put(engine.v, v, (size_t)batch * n_kv * d * 2);
+			if (kvr_dev_stream_synchronize(engine.dev, engine.stream))
+				die("synchronise", kvr_dev_last_error(engine.dev));
+			lq = engine.q, lk = engine.k, lv = engine.v, lout = engine.out;
+		}
+		const double t0 = bench_now_s();
+		if (kvr_decode_begin(ctx, seqs, pos, batch))
+			die("decode_begin", kvr_last_error(ctx));
+		for (uint32_t l = 0; l < layers; l++) {
+			if (kvr_decode_layer(ctx, l, lq, lk, lv, lout, status, NULL))
+				die("decode_layer", kvr_last_error(ctx));
+			for (uint32_t b = 0; b < batch; b++)
+				if (status[b])
+					die("decode_layer", kvr_strerror(status[b]));
+		}
+		kvr_decode_end(ctx);
+		if (engine.dev && kvr_dev_stream_synchronize(engine.dev, engine.stream))
+			die("synchronise", kvr_dev_last_error(engine.dev));
+		times[s] = bench_now_s() - t0;
+	}
+	if (trace_path && kvr_trace_write(ctx, trace_path))
+		die("trace", kvr_last_error(ctx));
+	kvr_get_stats(ctx, &st1);
+	const double crit = (double)(st1.critical_ns - st0.critical_ns);
+	const double ctl = (double)(st1.controller_ns - st0.controller_ns);
+	const double n_layers = (double)steps * layers;
+	const uint64_t hits = st1.pages_hit - st0.pages_hit, miss = st1.pages_recalled - st0.pages_recalled;
+	double sum = 0;
+	for (uint32_t s = 0; s < steps; s++)
+		sum += times[s];
+	struct result r = {
+		bench_median(times, steps) / layers * 1e6,
+		sum / n_layers * 1e6,
+		crit / n_layers / 1e3,
+		st1.checked_heads > st0.checked_heads
+			? (double)(st1.corrected_heads - st0.corrected_heads) /
+				  (double)(st1.checked_heads - st0.checked_heads)
+			: 0.0,
+		st1.selections - st0.selections,
+		(double)(st1.correction_waits - st0.correction_waits) / n_layers,
+		crit > 0 ? (double)(st1.correction_wait_ns - st0.correction_wait_ns) / crit : 0,
+		crit > 0 ? (double)(st1.controller_wait_ns - st0.controller_wait_ns) / crit : 0,
+		crit > 0 ? (double)(st1.recall_wait_ns - st0.recall_wait_ns) / crit : 0,
+		crit + ctl > 0 ? crit / (crit + ctl) : 1,
+		ctl / n_layers / 1e3,
+		hits + miss ? (double)hits / (double)(hits + miss) : 0,
+		(double)(st1.bytes_recalled - st0.bytes_recalled) / n_layers / 1024.0,
+	};
+	free(times), free(k), free(v), free(qf), free(q), free(out), free(status), free(seqs), free(pos);
+	kvr_context_destroy(ctx);
+	return r;
+}
+
+static int usage(void)
+{
+	fprintf(stderr,
+		"usage: kvrecall bench decode [--backend cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
+		"         [--kv-heads N --qo-heads N --head-dim D --layers N (default 4) --page-tokens P]\n"
+		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24]\n"
+		"         [--max-context 131072] [--mode M] [--recall zero-copy|streamed] [--buffers 1|2]\n"
+		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
+		"         [--quick] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
+		"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
+	return 2;
+}
+
+int bench_decode(int argc, char **argv)
+{
+	const char *json_path = NULL, *trace_path = NULL;
+	uint64_t trace_context = 32768, max_context = 131072;
+	uint32_t trace_mode = KVR_MODE_FREEKV, steps = 24, only_mode = 0, have_mode = 0, layers_given = 0;
+	uint32_t batches[8] = { 1 }, n_batches = 1;
+	g.sh = bench_presets[0];
+	for (int i = 0; i < argc; i++) {
+		if (!strcmp(argv[i], "--layers"))
+			layers_given = 1;
+		const int shape_flag = bench_shape_flag(argc, argv, &i, &g.sh);
+		if (shape_flag < 0)
+			return 2;
+		if (shape_flag)
+			continue;
+		const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!val && strcmp(a, "--quick"))
+			return usage();
+		if (!strcmp(a, "--quick")) {
+			steps = 8, max_context = 16384;
+			continue;
+		}
+		i++;
+		if (!strcmp(a, "--json"))
+			json_path = val;
+		else if (!strcmp(a, "--steps"))
+			steps = (uint32_t)strtoul(val, NULL, 10);
+		else if (!strcmp(a, "--max-context"))
+			max_context = strtoull(val, NULL, 10);
+		else if (!strcmp(a, "--budget"))
+			g.budget = (uint32_t)strtoul(val, NULL, 10);
+		else if (!strcmp(a, "--sink"))
+			g.sink = (uint32_t)strtoul(val, NULL, 10);
+		else if (!strcmp(a, "--window"))
+			g.window = (uint32_t)strtoul(val, NULL, 10);
+		else if (!strcmp(a, "--batch")) {
+			if (bench_parse_list(val, batches, 8, &n_batches))
+				return usage();
+		} else if (!strcmp(a, "--recall")) {
+			g.recall = !strcmp(val, "streamed")    ? KVR_RECALL_STREAMED
+				   : !strcmp(val, "zero-copy") ? KVR_RECALL_ZERO_COPY
+							       : 0;
+			if (!g.recall)
+				return usage();
+		} else if (!strcmp(a, "--controller")) {
+			g.controller = !strcmp(val, "thread")   ? KVR_CONTROLLER_THREAD
+				       : !strcmp(val, "inline") ? KVR_CONTROLLER_INLINE
+								: KVR_CONTROLLER_AUTO;
+			if (g.controller == KVR_CONTROLLER_AUTO && strcmp(val, "auto"))
+				return usage();
+		} else if (!strcmp(a, "--backend")) {
+			g.backend = !strcmp(val, "cuda") ? KVR_BACKEND_CUDA : !strcmp(val, "cpu") ? KVR_BACKEND_CPU : 0;
+			if (!g.backend) {
+				fprintf(stderr, "kvrecall bench decode: --backend cpu|cuda, not '%s'\n", val);
+				return 2;
+			}
+			g.backend_name = val;
+		} else if (!strcmp(a, "--buffers"))
+			g.buffers = (uint32_t)strtoul(val, NULL, 10);
+		else if (!strcmp(a, "--chunk-pages"))
+			g.chunk_pages = (uint32_t)strtoul(val, NULL, 10);
+		else if (!strcmp(a, "--pool-layout"))
+			g.pool_layout = !strcmp(val, "nhd") ? KVR_POOL_NHD : KVR_POOL_HND;
+		else if (!strcmp(a, "--mode")) {
+			if (kvr_mode_parse(val, &only_mode) || only_mode == KVR_MODE_AUTO) {
+				fprintf(stderr, "kvrecall bench decode: unknown mode '%s'\n", val);
+				return 2;
+			}
+			have_mode = 1;
+		} else if (!strcmp(a, "--trace"))
+			trace_path = val;
+		else if (!strcmp(a, "--trace-context"))
+			trace_context = strtoull(val, NULL, 10);
+		else if (!strcmp(a, "--trace-mode")) {
+			if (kvr_mode_parse(val, &trace_mode)) {
+				fprintf(stderr, "kvrecall bench decode: unknown mode '%s'\n", val);
+				return 2;
+			}
+		} else
+			return usage();
+	}
+	if (!layers_given)
+		g.sh.n_layers = 4;
+	if (steps < 3)
+		steps = 3;
+	const uint32_t B = g.budget, p = g.sh.page_tokens;
+	/* the configuration is checked by the library; a bad one stops here */
+	{
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.n_layers = g.sh.n_layers, c.n_qo_heads = g.sh.n_qo_heads, c.n_kv_heads = g.sh.n_kv_heads;
+		c.head_dim = g.sh.head_dim, c.page_tokens = p, c.budget_tokens = B;
+		c.sink_tokens = g.sink, c.window_tokens = g.window, c.max_batch = c.max_sequences = batches[0];
+		char why[512];
+		if (kvr_config_validate(&c, why, sizeof(why))) {
+			fprintf(stderr, "kvrecall bench decode: %s\n", why);
+			return 2;
+		}
+	}
+	uint32_t max_batch = 0;
+	for (uint32_t bi = 0; bi < n_batches; bi++)
+		max_batch = batches[bi] > max_batch ? batches[bi] : max_batch;
+	if (g.backend == KVR_BACKEND_CUDA)
+		engine_fit(max_batch);
+	if (trace_path) {
+		run(trace_mode, batches[0], trace_context, steps, trace_path);
+		fprintf(stderr, "kvrecall bench decode: trace of %s at %llu tokens (%s recall) in %s\n",
+			kvr_mode_name(trace_mode), (unsigned long long)trace_context, kvr_recall_name(g.recall),
+			trace_path);
+		return 0;
+	}
+	FILE *json = json_path ? fopen(json_path, "w") : stdout;
+	if (!json) {
+		fprintf(stderr, "kvrecall bench decode: cannot write %s: %s\n", json_path, strerror(errno));
+		return 1;
+	}
+	static const uint32_t modes[] = { KVR_MODE_DENSE, KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
+	uint32_t n_contexts = 0;
+	for (uint64_t L = 8192; L <= max_context; L *= 2)
+		n_contexts++;
+	const uint32_t total = n_batches * (1 + n_contexts * (have_mode ? 1 : 4));
+	uint32_t done = 0;
+	bench_json_open(json, "decode", g.backend_name, argc, argv);
+	fprintf(json, "  \"shape\": ");
+	bench_shape_json(json, &g.sh);
+	fprintf(json, ",\n  \"params\": {\"budget_tokens\": %u, \"sink_tokens\": %u, \"window_tokens\": %u, "
+		      "\"steps\": %u, \"tau\": 0.9, \"recall\": \"%s\", \"recall_buffers\": %u, \"chunk_pages\": %u, "
+		      "\"pool_layout\": \"%s\"},\n  \"results\": [\n",
+		B, g.sink, g.window, steps, kvr_recall_name(g.recall), g.buffers, g.chunk_pages,
+		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd");
+	int first = 1;
+	for (uint32_t bi = 0; bi < n_batches; bi++) {
+		const uint32_t batch = batches[bi];
+		/* attention over the B tokens alone: a dense decode at L = B */
+		bench_progress("decode", done++, total);
+		const struct result base = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL);
+		fprintf(stderr, "\rbatch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps)\n",
+			batch, B, base.us_per_layer, g.sh.n_layers, steps);
+		for (uint64_t L = 8192; L <= max_context; L *= 2)
+			for (size_t mi = 0; mi < 4; mi++) {
+				if (have_mode && modes[mi] != only_mode)
+					continue;
+				bench_progress("decode", done++, total);
+				const struct result r = run(modes[mi], batch, L, steps, NULL);
+				const double budget = (1.0 + (double)L / ((double)p * B)) * base.us_per_layer;
+				fprintf(stderr, "\rL=%7llu %-11s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
+						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
+						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
+						"critical share %.2f; hit rate %.2f, %.0f KiB recalled/layer\n",
+					(unsigned long long)L, kvr_mode_name(modes[mi]), r.us_per_layer,
+					r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.mean_us_per_layer,
+					r.critical_us_per_layer,
+					100 * r.corrected_rate, r.correction_waits_per_layer, 100 * r.correction_wait_share,
+					r.controller_us_per_layer, r.critical_share, r.hit_rate, r.recalled_kib_per_layer);
+				fprintf(json,
+					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"recall\": \"%s\", "
+					"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "
+					"\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
+					"\"mean_us_per_layer\": %.2f, \"critical_us_per_layer\": %.2f, "
+					"\"corrected_head_rate\": %.4f, \"selections\": %llu, "
+					"\"correction_waits_per_layer\": %.4f, \"correction_wait_share\": %.4f, "
+					"\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
+					"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
+					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f}",
+					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(modes[mi]),
+					kvr_recall_name(g.recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
+					base.us_per_layer, r.us_per_layer / base.us_per_layer, r.us_per_layer / budget,
+					r.mean_us_per_layer, r.critical_us_per_layer, r.corrected_rate, (unsigned long long)r.selections,
+					r.correction_waits_per_layer, r.correction_wait_share, r.controller_wait_share,
+					r.recall_wait_share, r.critical_share, r.controller_us_per_layer, r.hit_rate,
+					r.recalled_kib_per_layer);
+				first = 0;
+			}
+	}
+	bench_progress("decode", total, total);
+	fprintf(json, "\n  ]\n");
+	bench_json_close(json);
+	if (json != stdout)
+		fclose(json);
+	return 0;
+}
