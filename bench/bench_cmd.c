@@ -118,7 +118,8 @@ void bench_json_open(FILE *f, const char *benchmark, const char *backend, int ar
 	strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
 	fprintf(f, "{\n  \"schema\": \"kvrecall-bench/1\",\n  \"benchmark\": ");
 	bench_json_string(f, benchmark);
-	fprintf(f, ",\n  \"created\": \"%s\",\n  \"command\": \"kvrecall bench %s", when, benchmark);
+	fprintf(f, ",\n  \"created\": \"%s\",\n  \"command\": \"kvrecall %s%s", when,
+		strcmp(benchmark, "selftest") ? "bench " : "", benchmark);
 	for (int i = 0; i < argc; i++) {
 		fputc(' ', f);
 		/* the quotes of bench_json_string would end the string: escape inline */

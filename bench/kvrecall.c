@@ -5,6 +5,7 @@
  *   version   the library version
  *   generate, eval   the real-model runner (bench/model/runner.c)
  *   bench     benchmarks of this machine (bench_cmd.c)
+ *   selftest  does kvrecall work here (selftest.c)
  * info, version and the runner use only the public API (runtime/kvrecall.h),
  * like any engine would; bench measures the device layer below it, so the
  * command links the static library.
@@ -12,9 +13,11 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
+#include "selftest.h"
 #ifdef KVR_HAVE_RUNNER
 #include "runner.h"
 #endif
@@ -30,7 +33,8 @@ static void usage(FILE *f)
 		   "                  (kvrecall generate --help)\n"
 		   "  eval            perplexity and agreement with dense over a long text, per mode\n"
 		   "                  (kvrecall eval --help)\n"
-		   "  bench           benchmarks of this machine: copy bandwidth (kvrecall bench --help)\n"
+		   "  bench           benchmarks of this machine: copy, recall, decode (kvrecall bench --help)\n"
+		   "  selftest [--json FILE]   does kvrecall work here? every backend present, one verdict\n"
 		   "  help            this text\n");
 }
 
@@ -157,6 +161,17 @@ int main(int argc, char **argv)
 		return cmd_info(argc - 2, argv + 2);
 	if (!strcmp(cmd, "bench"))
 		return bench_main(argc - 2, argv + 2);
+	if (!strcmp(cmd, "selftest")) {
+		/* selftest runs this executable again (recall, compute-sanitizer) */
+		char self[4096];
+		const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+		if (n <= 0) {
+			fprintf(stderr, "kvrecall selftest: cannot find this executable (/proc/self/exe)\n");
+			return 1;
+		}
+		self[n] = 0;
+		return selftest_main(argc - 2, argv + 2, self);
+	}
 	if (!strcmp(cmd, "version")) {
 		printf("kvrecall %s\n", kvr_version_string());
 		return 0;

@@ -129,7 +129,8 @@ static void bench_json_check(const char *args, const char *python_check)
 		 "import json, sys, itertools\n"
 		 "d = json.load(open(sys.argv[1]))\n"
 		 "assert d['schema'] == 'kvrecall-bench/1', d['schema']\n"
-		 "assert d['command'].startswith('kvrecall bench ' + d['benchmark']), d['command']\n"
+		 "prefix = 'kvrecall ' + ('' if d['benchmark'] == 'selftest' else 'bench ') + d['benchmark']\n"
+		 "assert d['command'].startswith(prefix), d['command']\n"
 		 "assert d['machine']['cores'] >= 1 and d['machine']['memory_bytes'] > 0\n"
 		 "assert d['build']['version'] and d['build']['git_revision'] and d['build']['build_type']\n"
 		 "%s\n"
@@ -235,6 +236,28 @@ Test(bench, decode_trace_is_chrome_json, .timeout = 300)
 	const int rc = pclose(f);
 	unlink(path);
 	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "not a Chrome trace:\n%s", verdict);
+}
+
+/* `kvrecall selftest`: passes on this machine's cpu backend with one JSON
+ * verdict naming every check; asking for a GPU that is absent fails the
+ * verdict (exit 1) with the reason, rather than passing silently. */
+Test(selftest, command_verdict, .timeout = 300)
+{
+	bench_json_check(
+		"selftest --backend cpu",
+		"assert d['benchmark'] == 'selftest' and d['verdict'] == 'pass', d['verdict']\n"
+		"names = [c['check'] for c in d['checks'] if c['backend'] == 'cpu']\n"
+		"assert names == ['copies', 'kernels', 'decode', 'recall'], names\n"
+		"assert all(c['ok'] and c['detail'] for c in d['checks']), d['checks']");
+	struct kvr_system_info s = { .size = sizeof(s) };
+	kvr_system_query(&s);
+	if (s.n_gpus == 0) {
+		char out[16384];
+		int status;
+		run("selftest --backend cuda --json /dev/null", out, sizeof(out), &status);
+		cr_expect_neq(status, 0, "%s", out);
+		cr_expect(strstr(out, "FAIL") && strstr(out, s.gpu_reason), "%s", out);
+	}
 }
 
 Test(bench, bad_arguments_are_refused_clearly)
