@@ -25,8 +25,16 @@ def main():
     with open(sys.argv[1]) as f:
         data = json.load(f)
     shape = data["shape"]
-    base = data["attention_over_budget_us"]
-    p, budget = shape["page_tokens"], shape["budget_tokens"]
+    # two layouts: the older decode_bench JSON (budget in shape, one baseline)
+    # and schema kvrecall-bench/1 (budget in params, a baseline per row and
+    # batch; the first batch is drawn)
+    rows = data["results"]
+    if "batch" in rows[0]:
+        rows = [r for r in rows if r["batch"] == rows[0]["batch"]]
+        data = dict(data, results=rows)
+    base = data.get("attention_over_budget_us") or rows[0]["attention_over_budget_us"]
+    p = shape["page_tokens"]
+    budget = shape.get("budget_tokens") or data["params"]["budget_tokens"]
     series = {}
     for r in data["results"]:
         series.setdefault(r["mode"], []).append((r["context_tokens"], r["us_per_layer"]))
