@@ -22,10 +22,16 @@
  * its bandwidth, and that bandwidth ÷ the peak pinned host->device copy rate
  * measured in the same run (as `bench copy` measures it).
  *
+ * --trace FILE: after timing, each variant's layer runs once more with host
+ * functions stamping every chunk's copy and scatter on their streams; the
+ * spans go to a Chrome trace-event file, one "process" per variant.
+ *
  * Threads: the caller's; the cpu backend's copy and convert streams are
- * worker streams (as in the scheduler), so they overlap there too.
+ * worker streams (as in the scheduler), so they overlap there too; --trace's
+ * stamps run on whichever thread runs each stream's host functions.
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,7 +63,50 @@ struct recall_env {
 	struct kvr_scatter_item *items;    /* host, every miss's item */
 	struct kvr_scatter_item *items_dev; /* device twin, per variant */
 	uint32_t reps;
+	struct span *spans;     /* --trace: this layer's chunk spans, or NULL */
+	uint32_t n_spans, max_spans;
 };
+
+/* --trace: one copy or scatter chunk as its stream ran it, stamped by host
+ * functions the stream runs before and after it (as the scheduler's own
+ * trace does). The stamps are written on the stream's host-function thread
+ * and read after the stream is synchronised, which orders them. */
+struct span {
+	const char *name;
+	uint32_t track; /* 0 copy stream, 1 convert stream */
+	uint32_t count; /* runs */
+	_Atomic double begin, end;
+};
+
+static void stamp_begin(void *arg)
+{
+	/* relaxed: read after a stream synchronise (see struct span) */
+	atomic_store_explicit(&((struct span *)arg)->begin, bench_now_s(), memory_order_relaxed);
+}
+
+static void stamp_end(void *arg)
+{
+	atomic_store_explicit(&((struct span *)arg)->end, bench_now_s(), memory_order_relaxed);
+}
+
+/* Bracket the work enqueued between span_open and span_close on `stream`. */
+static struct span *span_open(struct recall_env *e, struct kvr_stream *stream, const char *name, uint32_t track,
+			      uint32_t count)
+{
+	if (!e->spans || e->n_spans == e->max_spans)
+		return NULL;
+	struct span *sp = &e->spans[e->n_spans++];
+	sp->name = name, sp->track = track, sp->count = count;
+	atomic_store_explicit(&sp->begin, 0.0, memory_order_relaxed);
+	atomic_store_explicit(&sp->end, 0.0, memory_order_relaxed);
+	return kvr_dev_host_fn(e->dev, stream, stamp_begin, sp) ? NULL : sp;
+}
+
+static void span_close(struct recall_env *e, struct kvr_stream *stream, struct span *sp)
+{
+	if (sp)
+		kvr_dev_host_fn(e->dev, stream, stamp_end, sp);
+}
 
 static int fail(struct recall_env *e, const char *what)
 {
@@ -82,11 +131,16 @@ static int recall_layer(struct recall_env *e, uint32_t layout, uint32_t buffers,
 	if (kvr_dev_memcpy_async(e->dev, e->items_dev, e->items, e->n_miss * sizeof(*e->items), KVR_COPY_H2D,
 				 e->convert))
 		return fail(e, "item upload");
-	if (layout == POOL_ZERO_COPY)
-		return kvr_dev_scatter(e->dev, &e->kshape, e->items_dev, e->n_miss, e->convert) ? fail(e, "scatter") : 0;
+	if (layout == POOL_ZERO_COPY) {
+		struct span *sp = span_open(e, e->convert, "zero-copy scatter", 1, e->n_miss);
+		const int err = kvr_dev_scatter(e->dev, &e->kshape, e->items_dev, e->n_miss, e->convert);
+		span_close(e, e->convert, sp);
+		return err ? fail(e, "scatter") : 0;
+	}
 	for (uint32_t at = 0, c = 0; at < e->n_miss; at += chunk, c++) {
 		const uint32_t n = e->n_miss - at < chunk ? e->n_miss - at : chunk, b = c % buffers;
 		int err = kvr_dev_stream_wait_event(e->dev, e->copy, e->drained[b]);
+		struct span *sp = err ? NULL : span_open(e, e->copy, "copy chunk", 0, n);
 		if (!err && layout == POOL_HND) {
 			for (uint32_t i = 0; i < n; i++)
 				e->descs[i] = (struct kvr_copy_desc){
@@ -103,12 +157,15 @@ static int recall_layer(struct recall_env *e, uint32_t layout, uint32_t buffers,
 								   e->row_bytes, KVR_COPY_H2D, e->copy);
 			}
 		}
+		span_close(e, e->copy, sp);
 		if (!err)
 			err = kvr_dev_event_record(e->dev, e->staged[b], e->copy);
 		if (!err)
 			err = kvr_dev_stream_wait_event(e->dev, e->convert, e->staged[b]);
+		sp = err ? NULL : span_open(e, e->convert, "scatter chunk", 1, n);
 		if (!err)
 			err = kvr_dev_scatter(e->dev, &e->kshape, e->items_dev + at, n, e->convert);
+		span_close(e, e->convert, sp);
 		if (!err)
 			err = kvr_dev_event_record(e->dev, e->drained[b], e->convert);
 		if (err)
@@ -217,7 +274,7 @@ struct recall_row {
 
 int bench_recall(int argc, char **argv)
 {
-	const char *backend = "auto", *json_path = NULL;
+	const char *backend = "auto", *json_path = NULL, *trace_path = NULL;
 	struct bench_shape sh = bench_presets[0];
 	uint32_t budgets[8] = { 1024, 2048, 4096 }, n_budgets = 3, chunks[8] = { 8, 32 }, n_chunks = 2;
 	uint32_t batch = 1, reps = 7, sink = 0, window = 0;
@@ -232,6 +289,8 @@ int bench_recall(int argc, char **argv)
 			backend = argv[++i];
 		else if (!strcmp(argv[i], "--json") && i + 1 < argc)
 			json_path = argv[++i];
+		else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
+			trace_path = argv[++i];
 		else if (!strcmp(argv[i], "--budget") && i + 1 < argc) {
 			if (bench_parse_list(argv[++i], budgets, 8, &n_budgets))
 				goto usage;
@@ -331,6 +390,22 @@ int bench_recall(int argc, char **argv)
 		kvr_dev_free(e.dev, peak_dst);
 	struct recall_row rows[8 * 9];
 	uint32_t n_rows = 0, total = n_budgets * (2 * 2 * n_chunks + 1);
+	/* --trace: each variant's layer once more, its chunks stamped on the
+	 * streams, one Chrome trace "process" per variant */
+	FILE *trace = NULL;
+	const double trace_t0 = bench_now_s();
+	int trace_events = 0;
+	if (!rc && trace_path) {
+		e.max_spans = 2 * (max_miss + 1);
+		e.spans = calloc(e.max_spans, sizeof(*e.spans));
+		trace = e.spans ? fopen(trace_path, "w") : NULL;
+		if (!trace) {
+			fprintf(stderr, "kvrecall bench recall: cannot write %s: %s\n", trace_path, strerror(errno));
+			rc = -EIO;
+		} else {
+			fprintf(trace, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
+		}
+	}
 	for (uint32_t bi = 0; !rc && bi < n_budgets; bi++) {
 		const uint32_t k = (budgets[bi] - sink - window) / p;
 		e.n_miss = (uint32_t)((double)batch * sh.n_kv_heads * k * miss_rate + 0.5);
@@ -360,9 +435,45 @@ int bench_recall(int argc, char **argv)
 					rows[n_rows++] = (struct recall_row){ budgets[bi], layout, buffers,
 									      layout == POOL_ZERO_COPY ? 0 : chunk, e.n_miss, s * 1e6,
 									      (double)e.n_miss * (double)e.run_bytes / s / 1e9 };
+					if (trace) {
+						struct span *keep = e.spans;
+						e.n_spans = 0;
+						rc = recall_layer(&e, layout, buffers, chunk);
+						if (!rc && kvr_dev_stream_synchronize(e.dev, e.convert))
+							rc = fail(&e, "synchronise");
+						if (!rc && kvr_dev_stream_synchronize(e.dev, e.copy))
+							rc = fail(&e, "synchronise");
+						const uint32_t pid = n_rows;
+						fprintf(trace, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %u, "
+							       "\"args\": {\"name\": \"B=%u %s, %u buffer%s, chunks of %u\"}}",
+							trace_events++ ? ",\n" : "", pid, budgets[bi], layout_name(layout), buffers,
+							buffers > 1 ? "s" : "", chunk);
+						for (uint32_t t = 0; t < 2; t++)
+							fprintf(trace, ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %u, "
+								       "\"tid\": %u, \"args\": {\"name\": \"%s stream\"}}",
+								pid, t, t ? "convert" : "copy");
+						for (uint32_t k = 0; k < e.n_spans; k++) {
+							const double b0 = atomic_load_explicit(&keep[k].begin, memory_order_relaxed);
+							const double b1 = atomic_load_explicit(&keep[k].end, memory_order_relaxed);
+							if (b0 <= 0 || b1 < b0)
+								continue;
+							fprintf(trace, ",\n{\"ph\": \"X\", \"name\": \"%s\", \"pid\": %u, \"tid\": %u, "
+								       "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"runs\": %u}}",
+								keep[k].name, pid, keep[k].track, (b0 - trace_t0) * 1e6, (b1 - b0) * 1e6,
+								keep[k].count);
+						}
+					}
 				}
 	}
 	bench_progress("recall", total, total);
+	if (trace) {
+		fprintf(trace, "\n]}\n");
+		fclose(trace);
+		if (!rc)
+			fprintf(stderr, "kvrecall bench recall: trace of every variant's layer in %s\n", trace_path);
+	}
+	free(e.spans);
+	e.spans = NULL;
 	if (!rc) {
 		fprintf(stderr, "kvrecall bench recall: %s backend (%s); %s shape (%u KV heads, d = %u, p = %u), "
 				"batch %u, miss rate %.2f, S = %u, W = %u; peak pinned H2D copy %.2f GB/s; all "
@@ -431,6 +542,6 @@ usage:
 		"usage: kvrecall bench recall [--backend auto|cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
 		"         [--kv-heads N --qo-heads N --head-dim D --layers N --page-tokens P]\n"
 		"         [--budget 1024,2048,4096] [--sink S] [--window W] [--batch 1] [--miss-rate 0.25]\n"
-		"         [--chunk-pages 8,32] [--reps 7] [--quick] [--json FILE]\n");
+		"         [--chunk-pages 8,32] [--reps 7] [--quick] [--json FILE] [--trace FILE]\n");
 	return 2;
 }

@@ -206,8 +206,9 @@ Test(bench, decode_writes_schema_json, .timeout = 300)
 		"    assert (r['selections'] > 0) == (r['mode'] != 'dense'), r");
 }
 
-/* --trace writes Chrome trace-event JSON with the engine's spans. */
-Test(bench, decode_trace_is_chrome_json, .timeout = 300)
+/* Run `kvrecall <args> --trace FILE` and check FILE is Chrome trace-event
+ * JSON with complete ("X") events named `want`. */
+static void trace_check(const char *args, const char *want)
 {
 	if (system("python3 -c 'import json' > /dev/null 2>&1") != 0)
 		cr_skip_test("python3 is not installed: cannot parse the JSON independently");
@@ -215,19 +216,18 @@ Test(bench, decode_trace_is_chrome_json, .timeout = 300)
 	const int fd = mkstemp(path);
 	cr_assert_geq(fd, 0);
 	close(fd);
-	char cmd[512], out[16384];
+	char cmd[1024], out[16384];
 	int status;
-	snprintf(cmd, sizeof(cmd),
-		 "bench decode --preset smollm2-135m --budget 512 --sink 128 --window 128 --steps 6 "
-		 "--trace %s --trace-context 4096",
-		 path);
+	snprintf(cmd, sizeof(cmd), "%s --trace %s", args, path);
 	run(cmd, out, sizeof(out), &status);
 	cr_assert_eq(status, 0, "%s", out);
 	snprintf(cmd, sizeof(cmd),
 		 "python3 -c \"import json,sys; d=json.load(open(sys.argv[1])); "
 		 "ev=d['traceEvents'] if isinstance(d, dict) else d; "
-		 "assert len(ev) > 10 and all('ph' in e and 'name' in e for e in ev), len(ev); print('ok')\" %s 2>&1",
-		 path);
+		 "x=[e for e in ev if e['ph']=='X']; "
+		 "assert x and all(e['dur'] >= 0 and e['ts'] >= 0 for e in x), len(x); "
+		 "assert sys.argv[2] in {e['name'] for e in x}, sorted({e['name'] for e in x}); print('ok')\" %s '%s' 2>&1",
+		 path, want);
 	FILE *f = popen(cmd, "r");
 	cr_assert_not_null(f);
 	char verdict[1024];
@@ -235,7 +235,17 @@ Test(bench, decode_trace_is_chrome_json, .timeout = 300)
 	verdict[n] = 0;
 	const int rc = pclose(f);
 	unlink(path);
-	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "not a Chrome trace:\n%s", verdict);
+	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "%s: not the Chrome trace expected:\n%s", args, verdict);
+}
+
+/* --trace writes Chrome trace events: decode's engine and controller spans,
+ * recall's copy and scatter chunks on their streams. */
+Test(bench, traces_are_chrome_json, .timeout = 300)
+{
+	trace_check("bench decode --preset smollm2-135m --budget 512 --sink 128 --window 128 --steps 6 "
+		    "--trace-context 4096",
+		    "attention");
+	trace_check("bench recall --backend cpu --quick --reps 1 --json /dev/null", "scatter chunk");
 }
 
 /* `kvrecall selftest`: passes on this machine's cpu backend with one JSON
