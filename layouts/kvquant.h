@@ -1,0 +1,216 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * kvquant.h — the quantised page formats K8V4 and K4V2 (issue 9; LeanKV's
+ * asymmetric per-vector quantisation, keys at more bits than values) and their
+ * per-element math, shared by the cpu backend, the CUDA kernels and cudaemu.
+ *
+ * Quantisation (LeanKV Eq. 2), one (scale, zero point) pair per token and KV
+ * head for its key vector and another for its value vector, both f16:
+ *     z = −min(x),  s = (max(x) − min(x)) / (2^b − 1),
+ *     Q = clamp(round((x + z) / s), 0, 2^b − 1),   x̂ = s·Q − z.
+ * The stored s and z are f16, so the codes are computed against the stored
+ * values: z16 = f16(z) (nearest), s16 = the smallest f16 ≥ (max + z16)/(2^b − 1)
+ * (rounded up, so the largest element still fits). Then for every finite
+ * element |x − x̂| ≤ s16/2 + |z − z16|: half a quantisation step, plus the f16
+ * rounding of the zero point (at most 2^-11·|min|), which only the clamp at
+ * either end can add. A constant vector gets s16 = 0 and every code 0.
+ * Inputs must be finite (a non-finite element makes the vector's s or z
+ * non-finite, and its dequantised values NaN or infinite).
+ *
+ * A quantised page keeps the HND shape of page.h — one contiguous run per KV
+ * head, so recall still moves one run per (page, head) — and each run is:
+ *     [key codes: p rows of d·kb/8 bytes][value codes: p rows of d·vb/8 bytes]
+ *     [key (s, z): p × 2 f16][value (s, z): p × 2 f16]
+ * every segment starting 16-byte aligned. Codes are packed little-endian
+ * within a byte: element i of a row is bits [(i·b) mod 8, +b) of byte
+ * ⌊i·b/8⌋, so 4-bit pairs and 2-bit quads unpack with shifts and masks on
+ * whole words (vectorised dequantisation). d must be a multiple of 16.
+ *
+ * Everything here is `static inline KVR_HD` (hd.h) and allocation-free.
+ */
+#ifndef KVR_LAYOUTS_KVQUANT_H
+#define KVR_LAYOUTS_KVQUANT_H
+
+#include <stdint.h>
+
+#include "half.h"
+#include "hd.h"
+#include "page.h" /* enum kvr_elem_type */
+
+/* Page formats; f16 and bf16 pages are the element types of page.h. */
+enum kvr_kv_format {
+	KVR_KV_PLAIN = 0, /* unquantised: the context's dtype */
+	KVR_KV_K8V4 = 1,  /* keys 8-bit, values 4-bit */
+	KVR_KV_K4V2 = 2,  /* keys 4-bit, values 2-bit */
+};
+
+struct kvr_quant_geometry {
+	uint32_t page_tokens; /* p */
+	uint32_t head_dim;    /* d */
+	uint32_t n_kv_heads;
+	uint32_t format;      /* enum kvr_kv_format, not PLAIN */
+	uint32_t key_bits, value_bits;
+	uint64_t key_row_bytes, value_row_bytes; /* d·b/8 */
+	uint64_t value_codes_offset;             /* from the run's start; 16-byte aligned */
+	uint64_t key_meta_offset, value_meta_offset;
+	uint64_t head_bytes; /* one KV head's run, a multiple of 16 */
+	uint64_t page_bytes; /* n_kv_heads · head_bytes */
+};
+
+static inline KVR_HD uint64_t kvr_quant_align16(uint64_t x)
+{
+	return (x + 15u) & ~(uint64_t)15u;
+}
+
+/* Fill *g; 0, or -1 for PLAIN or an unknown format, a zero dimension, or d
+ * not a multiple of 16. */
+static inline KVR_HD int kvr_quant_geometry_init(struct kvr_quant_geometry *g, uint32_t page_tokens,
+						 uint32_t head_dim, uint32_t n_kv_heads, uint32_t format)
+{
+	const struct kvr_quant_geometry zero = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+	*g = zero; /* fully written even on failure */
+	const uint32_t kb = format == KVR_KV_K8V4 ? 8u : format == KVR_KV_K4V2 ? 4u : 0u;
+	if (!kb || !page_tokens || !head_dim || head_dim % 16u || !n_kv_heads)
+		return -1;
+	g->page_tokens = page_tokens;
+	g->head_dim = head_dim;
+	g->n_kv_heads = n_kv_heads;
+	g->format = format;
+	g->key_bits = kb;
+	g->value_bits = kb / 2u;
+	g->key_row_bytes = (uint64_t)head_dim * kb / 8u;
+	g->value_row_bytes = (uint64_t)head_dim * (kb / 2u) / 8u;
+	g->value_codes_offset = kvr_quant_align16(g->key_row_bytes * page_tokens);
+	g->key_meta_offset = kvr_quant_align16(g->value_codes_offset + g->value_row_bytes * page_tokens);
+	g->value_meta_offset = kvr_quant_align16(g->key_meta_offset + 4ull * page_tokens);
+	g->head_bytes = kvr_quant_align16(g->value_meta_offset + 4ull * page_tokens);
+	g->page_bytes = g->head_bytes * n_kv_heads;
+	return 0;
+}
+
+/* The next f16 at or above x (x ≥ 0, finite): f16 rounding, stepped up once
+ * when it rounded down. */
+static inline KVR_HD uint16_t kvr_f16_round_up(float x)
+{
+	uint16_t h = kvr_f32_to_f16(x);
+	if (kvr_f16_to_f32(h) < x)
+		h = (uint16_t)(h + 1u); /* positive: the next representable value */
+	return h;
+}
+
+/* Scale and zero point for n elements x[i·stride] at `bits` (2, 4 or 8):
+ * sz[0] = s16, sz[1] = z16 (see the header comment). */
+static inline KVR_HD void kvr_quant_params(const float *x, uint32_t n, uint32_t stride, uint32_t bits,
+					   uint16_t *sz)
+{
+	float lo = x[0], hi = x[0];
+	for (uint32_t i = 1; i < n; i++) {
+		const float v = x[(uint64_t)i * stride];
+		lo = v < lo ? v : lo;
+		hi = v > hi ? v : hi;
+	}
+	const uint16_t z16 = kvr_f32_to_f16(-lo);
+	const float z = kvr_f16_to_f32(z16);
+	const float levels = (float)((1u << bits) - 1u);
+	const float top = hi + z; /* the largest shifted value */
+	sz[0] = hi > lo && top > 0.0f ? kvr_f16_round_up(top / levels) : (uint16_t)0u;
+	sz[1] = z16;
+}
+
+/* The code of one value against (s16, z16). */
+static inline KVR_HD uint32_t kvr_quant_code(float x, float s, float z, uint32_t bits)
+{
+	if (!(s > 0.0f))
+		return 0u;
+	const float q = (x + z) / s + 0.5f; /* round half up, then clamp */
+	const float max_code = (float)((1u << bits) - 1u);
+	return q <= 0.0f ? 0u : q >= max_code ? (1u << bits) - 1u : (uint32_t)q;
+}
+
+/* Code i of a packed row. */
+static inline KVR_HD uint32_t kvr_quant_get(const uint8_t *row, uint32_t i, uint32_t bits)
+{
+	const uint32_t bit = i * bits;
+	return (uint32_t)(row[bit >> 3] >> (bit & 7u)) & ((1u << bits) - 1u);
+}
+
+/* Store code c as element i of a packed row (the other bits of the byte kept). */
+static inline KVR_HD void kvr_quant_put(uint8_t *row, uint32_t i, uint32_t bits, uint32_t c)
+{
+	const uint32_t bit = i * bits, mask = ((1u << bits) - 1u) << (bit & 7u);
+	row[bit >> 3] = (uint8_t)((row[bit >> 3] & ~mask) | ((c << (bit & 7u)) & mask));
+}
+
+static inline KVR_HD float kvr_dequant(uint32_t code, const uint16_t *sz)
+{
+	return kvr_f16_to_f32(sz[0]) * (float)code - kvr_f16_to_f32(sz[1]);
+}
+
+/* Quantise n elements x[i·stride] into a packed row and its (s, z). */
+static inline KVR_HD void kvr_quant_row(const float *x, uint32_t n, uint32_t stride, uint32_t bits, uint8_t *row,
+					uint16_t *sz)
+{
+	kvr_quant_params(x, n, stride, bits, sz);
+	const float s = kvr_f16_to_f32(sz[0]), z = kvr_f16_to_f32(sz[1]);
+	for (uint32_t i = 0; i < n; i++)
+		kvr_quant_put(row, i, bits, kvr_quant_code(x[(uint64_t)i * stride], s, z, bits));
+}
+
+static inline KVR_HD void kvr_dequant_row(const uint8_t *row, uint32_t n, uint32_t bits, const uint16_t *sz,
+					  float *out)
+{
+	for (uint32_t i = 0; i < n; i++)
+		out[i] = kvr_dequant(kvr_quant_get(row, i, bits), sz);
+}
+
+/* Pointers into a run: token t's key or value codes and (s, z). */
+static inline KVR_HD uint8_t *kvr_quant_key_row(const struct kvr_quant_geometry *g, void *run, uint32_t t)
+{
+	return (uint8_t *)run + (uint64_t)t * g->key_row_bytes;
+}
+static inline KVR_HD uint8_t *kvr_quant_value_row(const struct kvr_quant_geometry *g, void *run, uint32_t t)
+{
+	return (uint8_t *)run + g->value_codes_offset + (uint64_t)t * g->value_row_bytes;
+}
+static inline KVR_HD uint16_t *kvr_quant_key_sz(const struct kvr_quant_geometry *g, void *run, uint32_t t)
+{
+	return (uint16_t *)((uint8_t *)run + g->key_meta_offset) + 2u * t;
+}
+static inline KVR_HD uint16_t *kvr_quant_value_sz(const struct kvr_quant_geometry *g, void *run, uint32_t t)
+{
+	return (uint16_t *)((uint8_t *)run + g->value_meta_offset) + 2u * t;
+}
+
+/*
+ * Quantise KV head m of p tokens given as NHD rows (the layout the QKV
+ * projection produces and offload reads: token t's head m at
+ * rows + (t·row_stride + m·d) elements of elem_type, see half.h) into its
+ * run. Tokens past n_tokens (a partly filled page) get zero codes and
+ * (s, z) = (0, 0), so they dequantise to 0.
+ */
+static inline KVR_HD void kvr_quant_run_from_nhd(const struct kvr_quant_geometry *g, const void *k_rows,
+						 const void *v_rows, uint32_t row_stride, uint32_t elem_type,
+						 uint32_t m, uint32_t n_tokens, void *run, float *scratch)
+{
+	const uint32_t d = g->head_dim;
+	for (uint32_t t = 0; t < g->page_tokens; t++) {
+		for (int half = 0; half < 2; half++) {
+			const uint32_t bits = half ? g->value_bits : g->key_bits;
+			uint8_t *row = half ? kvr_quant_value_row(g, run, t) : kvr_quant_key_row(g, run, t);
+			uint16_t *sz = half ? kvr_quant_value_sz(g, run, t) : kvr_quant_key_sz(g, run, t);
+			const uint64_t row_bytes = half ? g->value_row_bytes : g->key_row_bytes;
+			if (t >= n_tokens) {
+				for (uint64_t b = 0; b < row_bytes; b++)
+					row[b] = 0;
+				sz[0] = sz[1] = 0;
+				continue;
+			}
+			const void *src = half ? v_rows : k_rows;
+			for (uint32_t c = 0; c < d; c++)
+				scratch[c] = kvr_load_f32(src, elem_type, (uint64_t)t * row_stride + (uint64_t)m * d + c);
+			kvr_quant_row(scratch, d, 1, bits, row, sz);
+		}
+	}
+}
+
+#endif /* KVR_LAYOUTS_KVQUANT_H */
