@@ -9,6 +9,7 @@
 #include "hd.h"
 #include "page.h"
 #include "kvquant.h"
+#include "freelist.h"
 #include "layout_abi.h"
 
 #define KVR_ABI_STRUCT(s) { #s, sizeof(struct s), alignof(struct s) },

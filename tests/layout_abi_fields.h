@@ -31,6 +31,13 @@ KVR_ABI_FIELD(kvr_quant_geometry, value_meta_offset)
 KVR_ABI_FIELD(kvr_quant_geometry, head_bytes)
 KVR_ABI_FIELD(kvr_quant_geometry, page_bytes)
 
+KVR_ABI_STRUCT(kvr_freelist)
+KVR_ABI_FIELD(kvr_freelist, ids)
+KVR_ABI_FIELD(kvr_freelist, capacity)
+KVR_ABI_FIELD(kvr_freelist, reserved)
+KVR_ABI_FIELD(kvr_freelist, start)
+KVR_ABI_FIELD(kvr_freelist, end)
+
 KVR_ABI_STRUCT(kvr_copy_desc)
 KVR_ABI_FIELD(kvr_copy_desc, src_offset)
 KVR_ABI_FIELD(kvr_copy_desc, dst_offset)
