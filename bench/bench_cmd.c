@@ -424,6 +424,8 @@ static void bench_usage(FILE *f)
 		   "           zero-copy; bandwidth and its ratio to the copy peak\n"
 		   "  decode   synthetic decode steps per mode and context: step time, critical\n"
 		   "           path, corrections, hit rate (--trace FILE: a Chrome trace)\n"
+		   "  freelist one allocation and one free round of the device page cache's\n"
+		   "           free-page list against the number of heads x sequences\n"
 		   "\n"
 		   "Each writes a table to stderr and JSON (schema kvrecall-bench/1, with the\n"
 		   "machine and build) to --json FILE or stdout. See docs/benchmarks.md.\n");
@@ -441,6 +443,8 @@ int bench_main(int argc, char **argv)
 		return bench_recall(argc - 1, argv + 1);
 	if (!strcmp(argv[0], "decode"))
 		return bench_decode(argc - 1, argv + 1);
+	if (!strcmp(argv[0], "freelist"))
+		return bench_freelist(argc - 1, argv + 1);
 	fprintf(stderr, "kvrecall bench: unknown benchmark '%s'\n\n", argv[0]);
 	bench_usage(stderr);
 	return 2;

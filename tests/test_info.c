@@ -206,6 +206,16 @@ Test(bench, decode_writes_schema_json, .timeout = 300)
 		"    assert (r['selections'] > 0) == (r['mode'] != 'dense'), r");
 }
 
+/* `kvrecall bench freelist`: one row per unit count, rounds timed. */
+Test(bench, freelist_writes_schema_json, .timeout = 120)
+{
+	bench_json_check("bench freelist --units 32,4096 --reps 3",
+			 "assert d['benchmark'] == 'freelist' and d['params']['pages_per_unit'] == 8\n"
+			 "rows = d['results']\n"
+			 "assert [r['units'] for r in rows] == [32, 4096], rows\n"
+			 "assert all(r['alloc_round_us'] > 0 and r['free_round_us'] > 0 and r['ns_per_unit'] > 0 for r in rows), rows");
+}
+
 /* Run `kvrecall <args> --trace FILE` and check FILE is Chrome trace-event
  * JSON with complete ("X") events named `want`. */
 static void trace_check(const char *args, const char *want)
@@ -301,6 +311,9 @@ Test(bench, bad_arguments_are_refused_clearly)
 	run("bench decode --backend tpu", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "--backend cpu|cuda") != NULL, "%s", out);
+	run("bench freelist --reps 0", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--reps must be 1 to 63") != NULL, "%s", out);
 	run("bench nosuch", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "unknown benchmark 'nosuch'") != NULL, "%s", out);
