@@ -213,4 +213,29 @@ static inline KVR_HD void kvr_quant_run_from_nhd(const struct kvr_quant_geometry
 	}
 }
 
+/*
+ * Attention reads quantised rows without dequantising them to memory
+ * (LeanKV: on the fly, in registers). A key's logit against q is
+ *     Σ_c q_c·(s·Q_c − z) = s·Σ_c q_c·Q_c − z·Σ_c q_c,
+ * so with Σ_c q_c computed once per query the dequantisation costs two
+ * multiplies per key, not one per element. A value row adds w·(s·Q_c − z)
+ * to an accumulator.
+ */
+static inline KVR_HD float kvr_quant_dot(const uint8_t *row, uint32_t n, uint32_t bits, const uint16_t *sz,
+					 const float *q, float q_sum)
+{
+	float acc = 0.0f;
+	for (uint32_t c = 0; c < n; c++)
+		acc += q[c] * (float)kvr_quant_get(row, c, bits);
+	return kvr_f16_to_f32(sz[0]) * acc - kvr_f16_to_f32(sz[1]) * q_sum;
+}
+
+static inline KVR_HD void kvr_quant_axpy(const uint8_t *row, uint32_t n, uint32_t bits, const uint16_t *sz,
+					 float w, float *acc)
+{
+	const float ws = w * kvr_f16_to_f32(sz[0]), wz = w * kvr_f16_to_f32(sz[1]);
+	for (uint32_t c = 0; c < n; c++)
+		acc[c] += ws * (float)kvr_quant_get(row, c, bits) - wz;
+}
+
 #endif /* KVR_LAYOUTS_KVQUANT_H */

@@ -234,3 +234,138 @@ Test(kvquant, run_from_nhd_rows)
 			}
 	}
 }
+
+/*
+ * Attention over quantised pages against an fp64 reference on the original
+ * (unquantised) keys and values. The stated bound, per query head:
+ *   keys: element error ≤ β_k(t) = s_k/2 + |z − z16| (+ float), so a logit
+ *     moves by at most L = scale·Σ_c |q_c|·max_t β_k(t);
+ *   logits each off by ≤ L change every softmax weight by a factor within
+ *     [e^−2L, e^2L], so the weights move by at most e^2L − 1 in total;
+ *   values: element error ≤ β_v = max_t (s_v/2 + |z − z16|);
+ *   |out − ref| ≤ (e^2L − 1)·v_mag + β_v, plus 1e-5·v_mag of float rounding,
+ * with v_mag the largest |v|. The quantised side is computed as the kernels
+ * will: kvr_quant_dot (Σq once per query) and kvr_quant_axpy.
+ */
+Test(kvquant, attention_over_quantised_pages_within_bound)
+{
+	enum { P = 32, D = 64, NKV = 2, G = 4, PAGES = 8, T = P * PAGES };
+	static float k[T * NKV * D], v[T * NKV * D], q[G * D];
+	for (uint32_t t = 0; t < T; t++)
+		for (uint32_t c = 0; c < NKV * D; c++) {
+			/* keys with an outlier channel (as LLM keys have), values plain */
+			k[t * NKV * D + c] = (float)((2 * urand() - 1) * (c % D == 5 ? 8.0 : 1.0));
+			v[t * NKV * D + c] = (float)(2 * urand() - 1);
+		}
+	for (uint32_t i = 0; i < G * D; i++)
+		q[i] = (float)(2 * urand() - 1);
+	const float scale = 0.125f; /* 1/sqrt(64) */
+	const uint32_t m = 1;      /* the KV head attended */
+	for (uint32_t format = KVR_KV_K8V4; format <= KVR_KV_K4V2; format++) {
+		struct kvr_quant_geometry g;
+		cr_assert_eq(kvr_quant_geometry_init(&g, P, D, NKV, format), 0);
+		static uint8_t runs[PAGES][1 << 14];
+		cr_assert_leq(g.head_bytes, sizeof(runs[0]));
+		float scratch[D];
+		double beta_k = 0, beta_v = 0, v_mag = 0;
+		for (uint32_t j = 0; j < PAGES; j++) {
+			kvr_quant_run_from_nhd(&g, k + (size_t)j * P * NKV * D, v + (size_t)j * P * NKV * D, NKV * D,
+					       KVR_ELEM_F32, m, P, runs[j], scratch);
+			for (uint32_t t = 0; t < P; t++) {
+				const float *kr = k + ((size_t)(j * P + t) * NKV + m) * D;
+				const float *vr = v + ((size_t)(j * P + t) * NKV + m) * D;
+				float klo = kr[0], vlo = vr[0];
+				for (uint32_t c = 1; c < D; c++)
+					klo = kr[c] < klo ? kr[c] : klo, vlo = vr[c] < vlo ? vr[c] : vlo;
+				for (uint32_t c = 0; c < D; c++)
+					v_mag = fabs(vr[c]) > v_mag ? fabs(vr[c]) : v_mag;
+				const uint16_t *ksz = kvr_quant_key_sz(&g, runs[j], t), *vsz = kvr_quant_value_sz(&g, runs[j], t);
+				const double bk = kvr_f16_to_f32(ksz[0]) / 2 + fabs(-(double)klo - kvr_f16_to_f32(ksz[1]));
+				const double bv = kvr_f16_to_f32(vsz[0]) / 2 + fabs(-(double)vlo - kvr_f16_to_f32(vsz[1]));
+				beta_k = bk > beta_k ? bk : beta_k;
+				beta_v = bv > beta_v ? bv : beta_v;
+			}
+		}
+		double worst_ratio = 0, worst_err = 0;
+		for (uint32_t h = 0; h < G; h++) {
+			const float *qh = q + h * D;
+			float q_sum = 0;
+			double q_abs = 0;
+			for (uint32_t c = 0; c < D; c++)
+				q_sum += qh[c], q_abs += fabs(qh[c]);
+			/* quantised: logits, softmax, weighted values, in float */
+			static float logit[T];
+			float mx = -INFINITY;
+			for (uint32_t j = 0; j < PAGES; j++)
+				for (uint32_t t = 0; t < P; t++) {
+					const float l = scale * kvr_quant_dot(kvr_quant_key_row(&g, runs[j], t), D, g.key_bits,
+									      kvr_quant_key_sz(&g, runs[j], t), qh, q_sum);
+					logit[j * P + t] = l;
+					mx = l > mx ? l : mx;
+				}
+			float sum = 0, acc[D] = { 0 };
+			for (uint32_t i = 0; i < T; i++)
+				sum += (logit[i] = expf(logit[i] - mx));
+			for (uint32_t j = 0; j < PAGES; j++)
+				for (uint32_t t = 0; t < P; t++)
+					kvr_quant_axpy(kvr_quant_value_row(&g, runs[j], t), D, g.value_bits,
+						       kvr_quant_value_sz(&g, runs[j], t), logit[j * P + t] / sum, acc);
+			/* reference: fp64 on the original rows */
+			static double rl[T];
+			double rmx = -INFINITY, rsum = 0, ref[D] = { 0 };
+			for (uint32_t i = 0; i < T; i++) {
+				double dot = 0;
+				for (uint32_t c = 0; c < D; c++)
+					dot += (double)qh[c] * k[((size_t)i * NKV + m) * D + c];
+				rl[i] = scale * dot;
+				rmx = rl[i] > rmx ? rl[i] : rmx;
+			}
+			for (uint32_t i = 0; i < T; i++)
+				rsum += (rl[i] = exp(rl[i] - rmx));
+			for (uint32_t i = 0; i < T; i++)
+				for (uint32_t c = 0; c < D; c++)
+					ref[c] += rl[i] / rsum * v[((size_t)i * NKV + m) * D + c];
+			/* the same attention in fp64 over the dequantised rows: the
+			 * on-the-fly dot and axpy must agree with it to float accuracy
+			 * (the worst-case bound below is loose; this one is tight) */
+			double dl[T], dmx = -INFINITY, dsum = 0, deq_ref[D] = { 0 };
+			float row[D];
+			for (uint32_t j = 0; j < PAGES; j++)
+				for (uint32_t t = 0; t < P; t++) {
+					kvr_dequant_row(kvr_quant_key_row(&g, runs[j], t), D, g.key_bits,
+							kvr_quant_key_sz(&g, runs[j], t), row);
+					double dot = 0;
+					for (uint32_t c = 0; c < D; c++)
+						dot += (double)qh[c] * row[c];
+					dl[j * P + t] = scale * dot;
+					dmx = dl[j * P + t] > dmx ? dl[j * P + t] : dmx;
+				}
+			for (uint32_t i = 0; i < T; i++)
+				dsum += (dl[i] = exp(dl[i] - dmx));
+			for (uint32_t j = 0; j < PAGES; j++)
+				for (uint32_t t = 0; t < P; t++) {
+					kvr_dequant_row(kvr_quant_value_row(&g, runs[j], t), D, g.value_bits,
+							kvr_quant_value_sz(&g, runs[j], t), row);
+					for (uint32_t c = 0; c < D; c++)
+						deq_ref[c] += dl[j * P + t] / dsum * row[c];
+				}
+			for (uint32_t c = 0; c < D; c++)
+				cr_assert(fabs(acc[c] - deq_ref[c]) <= 2e-4 * v_mag,
+					  "format %u head %u element %u: on the fly %.7g, dequantised first %.7g", format, h,
+					  c, acc[c], deq_ref[c]);
+			const double L = scale * q_abs * beta_k;
+			const double bnd = (exp(2 * L) - 1) * v_mag + beta_v + 1e-5 * v_mag;
+			for (uint32_t c = 0; c < D; c++) {
+				const double err = fabs(acc[c] - ref[c]);
+				cr_assert(err <= bnd, "format %u head %u element %u: %.6g against %.6g, error %.3g over the bound %.3g",
+					  format, h, c, acc[c], ref[c], err, bnd);
+				worst_ratio = err / bnd > worst_ratio ? err / bnd : worst_ratio;
+				worst_err = err > worst_err ? err : worst_err;
+			}
+		}
+		cr_log_info("format %s: worst attention error %.3g (%.2f of the bound; v_mag %.2f)",
+			    format == KVR_KV_K8V4 ? "K8V4" : "K4V2", worst_err, worst_ratio, v_mag);
+		/* the outputs are not trivially close: quantisation moved them */
+		cr_expect_gt(worst_err, 1e-5, "no error at all: the quantised path read the originals?");
+	}
+}
