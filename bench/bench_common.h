@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * bench_common.h — what the benchmark drivers share: a monotonic clock, the
- * median of repeated timings, 2 MiB-aligned huge-page buffers, and parsing of
- * comma-separated number lists from the command line. Header-only, host-only.
+ * median of repeated timings, 2 MiB-aligned huge-page buffers, parsing of
+ * comma-separated number lists from the command line, and the xorshift
+ * generator their synthetic data comes from. Header-only, host-only.
  */
 #ifndef KVR_BENCH_COMMON_H
 #define KVR_BENCH_COMMON_H
@@ -19,6 +20,15 @@ static inline double bench_now_s(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* xorshift64: fast, reproducible synthetic data (each driver its own seed). */
+static inline uint64_t bench_xorshift(uint64_t *state)
+{
+	*state ^= *state << 13;
+	*state ^= *state >> 7;
+	*state ^= *state << 17;
+	return *state;
 }
 
 static inline int bench_cmp_double(const void *a, const void *b)

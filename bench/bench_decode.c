@@ -40,31 +40,12 @@
 #include "bench_common.h"
 #include "bench_shape.h"
 #include "../gpu/backend.h"
+#include "../layouts/half.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static float frand(void) /* uniform in [-1, 1) */
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)(int32_t)(rng_state >> 32) / 2147483648.0f;
-}
-
-/* f32 -> f16 bits, round to nearest even (normal range only: inputs are small) */
-static uint16_t f16(float x)
-{
-	uint32_t u;
-	memcpy(&u, &x, 4);
-	const uint32_t sign = (u >> 16) & 0x8000u;
-	int32_t e = (int32_t)((u >> 23) & 0xff) - 127 + 15;
-	uint32_t mant = u & 0x7fffffu;
-	if (e <= 0)
-		return (uint16_t)sign;
-	uint32_t r = (uint32_t)e << 10 | mant >> 13;
-	const uint32_t rem = mant & 0x1fffu;
-	if (rem > 0x1000u || (rem == 0x1000u && (r & 1u)))
-		r++;
-	return (uint16_t)(sign | r);
+	return (float)(int32_t)(bench_xorshift(&rng_state) >> 32) / 2147483648.0f;
 }
 
 /* The run's settings (main thread only). */
@@ -206,8 +187,8 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 		for (uint64_t at = 0; at < L; at += chunk) {
 			const uint32_t n = L - at < chunk ? (uint32_t)(L - at) : chunk;
 			for (size_t i = 0; i < (size_t)n * n_kv * d; i++) {
-				k[i] = f16(frand());
-				v[i] = f16(frand());
+				k[i] = kvr_f32_to_f16(frand());
+				v[i] = kvr_f32_to_f16(frand());
 			}
 			for (uint32_t l = 0; l < layers; l++)
 				if (kvr_prefill(ctx, seqs[b], l, at, n, k, v))
@@ -229,11 +210,11 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 			}
 			const float scale = (float)(4.0 / sqrt(norm)); /* |q| = 4: peaked softmax */
 			for (uint32_t c = 0; c < d; c++)
-				q[(size_t)h * d + c] = f16(qf[(size_t)h * d + c] * scale);
+				q[(size_t)h * d + c] = kvr_f32_to_f16(qf[(size_t)h * d + c] * scale);
 		}
 		for (size_t i = 0; i < (size_t)batch * n_kv * d; i++) {
-			k[i] = f16(frand());
-			v[i] = f16(frand());
+			k[i] = kvr_f32_to_f16(frand());
+			v[i] = kvr_f32_to_f16(frand());
 		}
 		for (uint32_t b = 0; b < batch; b++)
 			pos[b] = L + s;

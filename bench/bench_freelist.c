@@ -66,8 +66,7 @@ int bench_freelist(int argc, char **argv)
 		struct kvr_freelist l;
 		kvr_freelist_init(&l, ids, capacity);
 		for (uint32_t u = 0; u < units; u++) {
-			rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-			counts[u] = (uint32_t)(rng >> 62) % 3;
+			counts[u] = (uint32_t)(bench_xorshift(&rng) >> 62) % 3;
 			out[u] = slots + 2 * u;
 		}
 		double ta[64], tf[64];

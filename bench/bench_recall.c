@@ -256,10 +256,7 @@ static double copy_peak_gbps(struct recall_env *e, unsigned char *dst, uint64_t 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return rng_state;
+	return bench_xorshift(&rng_state);
 }
 
 static const char *layout_name(uint32_t l)

@@ -79,10 +79,7 @@ struct env {
 static uint64_t rng_state = 0x853c49e6748fea9bull;
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return rng_state;
+	return bench_xorshift(&rng_state);
 }
 
 static float frand(void)

@@ -107,25 +107,41 @@ Test(info, command_json_and_errors)
 
 /* ------------------------------------------------------------------ kvrecall bench */
 
-/* Run `kvrecall <args> --json FILE`, then a Python check of FILE (Python's
- * json module is an independent parser; the check prints "ok" or why not).
- * Skips without python3. */
-static void bench_json_check(const char *args, const char *python_check)
+/* Run `kvrecall <args> <flag> FILE`, then the Python program `check` on FILE
+ * (Python's json module is an independent parser; the program gets FILE as
+ * sys.argv[1] and prints "ok" or fails with why). Skips without python3. */
+static void output_check(const char *args, const char *flag, const char *check)
 {
 	if (system("python3 -c 'import json' > /dev/null 2>&1") != 0)
 		cr_skip_test("python3 is not installed: cannot parse the JSON independently");
-	char path[] = "/tmp/kvr_bench_json_XXXXXX";
+	char path[] = "/tmp/kvr_bench_out_XXXXXX";
 	const int fd = mkstemp(path);
 	cr_assert_geq(fd, 0);
 	close(fd);
-	char cmd[512], out[16384];
+	char cmd[1024], out[16384];
 	int status;
-	snprintf(cmd, sizeof(cmd), "%s --json %s", args, path);
+	snprintf(cmd, sizeof(cmd), "%s %s %s", args, flag, path);
 	run(cmd, out, sizeof(out), &status);
 	cr_assert_eq(status, 0, "%s:\n%s", cmd, out);
-	char check[4096];
+	char script[4096];
+	snprintf(script, sizeof(script), "python3 - '%s' 2>&1 <<'PY'\n%s\nprint('ok')\nPY", path, check);
+	FILE *f = popen(script, "r");
+	cr_assert_not_null(f);
+	char verdict[2048];
+	const size_t n = fread(verdict, 1, sizeof(verdict) - 1, f);
+	verdict[n] = 0;
+	const int rc = pclose(f);
+	unlink(path);
+	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "%s: the %s output is not what it should be:\n%s", cmd, flag,
+		  verdict);
+}
+
+/* The JSON envelope every benchmark shares (schema kvrecall-bench/1), then
+ * the benchmark's own `python_check`. */
+static void bench_json_check(const char *args, const char *python_check)
+{
+	char check[3072];
 	snprintf(check, sizeof(check),
-		 "python3 - '%s' 2>&1 <<'PY'\n"
 		 "import json, sys, itertools\n"
 		 "d = json.load(open(sys.argv[1]))\n"
 		 "assert d['schema'] == 'kvrecall-bench/1', d['schema']\n"
@@ -133,19 +149,9 @@ static void bench_json_check(const char *args, const char *python_check)
 		 "assert d['command'].startswith(prefix), d['command']\n"
 		 "assert d['machine']['cores'] >= 1 and d['machine']['memory_bytes'] > 0\n"
 		 "assert d['build']['version'] and d['build']['git_revision'] and d['build']['build_type']\n"
-		 "%s\n"
-		 "print('ok')\n"
-		 "PY",
-		 path, python_check);
-	FILE *f = popen(check, "r");
-	cr_assert_not_null(f);
-	char verdict[2048];
-	const size_t n = fread(verdict, 1, sizeof(verdict) - 1, f);
-	verdict[n] = 0;
-	const int rc = pclose(f);
-	unlink(path);
-	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "%s: the JSON does not match its schema:\n%s", cmd,
-		  verdict);
+		 "%s",
+		 python_check);
+	output_check(args, "--json", check);
 }
 
 /* `kvrecall bench copy`: the documented envelope (docs/benchmarks.md, schema
@@ -220,32 +226,16 @@ Test(bench, freelist_writes_schema_json, .timeout = 120)
  * JSON with complete ("X") events named `want`. */
 static void trace_check(const char *args, const char *want)
 {
-	if (system("python3 -c 'import json' > /dev/null 2>&1") != 0)
-		cr_skip_test("python3 is not installed: cannot parse the JSON independently");
-	char path[] = "/tmp/kvr_bench_trace_XXXXXX";
-	const int fd = mkstemp(path);
-	cr_assert_geq(fd, 0);
-	close(fd);
-	char cmd[1024], out[16384];
-	int status;
-	snprintf(cmd, sizeof(cmd), "%s --trace %s", args, path);
-	run(cmd, out, sizeof(out), &status);
-	cr_assert_eq(status, 0, "%s", out);
-	snprintf(cmd, sizeof(cmd),
-		 "python3 -c \"import json,sys; d=json.load(open(sys.argv[1])); "
-		 "ev=d['traceEvents'] if isinstance(d, dict) else d; "
-		 "x=[e for e in ev if e['ph']=='X']; "
-		 "assert x and all(e['dur'] >= 0 and e['ts'] >= 0 for e in x), len(x); "
-		 "assert sys.argv[2] in {e['name'] for e in x}, sorted({e['name'] for e in x}); print('ok')\" %s '%s' 2>&1",
-		 path, want);
-	FILE *f = popen(cmd, "r");
-	cr_assert_not_null(f);
-	char verdict[1024];
-	const size_t n = fread(verdict, 1, sizeof(verdict) - 1, f);
-	verdict[n] = 0;
-	const int rc = pclose(f);
-	unlink(path);
-	cr_expect(rc == 0 && !strncmp(verdict, "ok", 2), "%s: not the Chrome trace expected:\n%s", args, verdict);
+	char check[1024];
+	snprintf(check, sizeof(check),
+		 "import json, sys\n"
+		 "d = json.load(open(sys.argv[1]))\n"
+		 "ev = d['traceEvents'] if isinstance(d, dict) else d\n"
+		 "x = [e for e in ev if e['ph'] == 'X']\n"
+		 "assert x and all(e['dur'] >= 0 and e['ts'] >= 0 for e in x), len(x)\n"
+		 "assert '%s' in {e['name'] for e in x}, sorted({e['name'] for e in x})",
+		 want);
+	output_check(args, "--trace", check);
 }
 
 /* --trace writes Chrome trace events: decode's engine and controller spans,
