@@ -214,6 +214,46 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 
 /* ------------------------------------------------------------------ attention */
 
+/* Codes 16c .. 16c+15 of a packed quantised row (layouts/kvquant.h: element
+ * i in bits [(i·b) mod 8, +b) of byte i·b/8) as floats: the bytes are
+ * spread one per lane, shifted per lane and masked. */
+static inline __attribute__((always_inline)) vf ISA_FN(codes16)(const uint8_t *row, uint32_t bits,
+								 uint32_t c)
+{
+	typedef uint8_t vu8 __attribute__((vector_size(16)));
+	vu8 b = { 0 };
+	vi x;
+	if (bits == 8) {
+		memcpy(&b, row + c * 16u, 16);
+		x = __builtin_convertvector(b, vi);
+	} else if (bits == 4) {
+		memcpy(&b, row + c * 8u, 8);
+		const vu8 spread = __builtin_shuffle(b, (vu8){ 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7 });
+		x = (__builtin_convertvector(spread, vi) >> (vi){ 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4 }) & 15;
+	} else {
+		memcpy(&b, row + c * 4u, 4);
+		const vu8 spread = __builtin_shuffle(b, (vu8){ 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3 });
+		x = (__builtin_convertvector(spread, vi) >> (vi){ 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6 }) & 3;
+	}
+	return __builtin_convertvector(x, vf);
+}
+
+/* Row t of a quantised run (keys: half 0) dequantised into `chunks` vectors:
+ * s·Q − z per element, one FMA per 16. */
+static inline __attribute__((always_inline)) void
+ISA_FN(dequant_row)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
+		    uint32_t chunks, vf *out)
+{
+	unsigned char *r = (unsigned char *)(uintptr_t)run;
+	const uint8_t *row = half ? kvr_quant_value_row(g, r, t) : kvr_quant_key_row(g, r, t);
+	const uint16_t *sz = half ? kvr_quant_value_sz(g, r, t) : kvr_quant_key_sz(g, r, t);
+	const uint32_t bits = half ? g->value_bits : g->key_bits;
+	const vf s = SPLAT16(kvr_f16_to_f32(sz[0])), nz = SPLAT16(-kvr_f16_to_f32(sz[1]));
+	_Pragma("GCC unroll 16")
+	for (uint32_t c = 0; c < chunks; c++)
+		out[c] = FMA16(ISA_FN(codes16)(row, bits, c), s, nz);
+}
+
 /* Attention of KV head m of one item over its segments (kernels.h).
  * `chunks` (d / 16) is a compile-time constant in every caller (see
  * attention_head below), so the per-head vectors — q, the accumulators — stay
@@ -240,18 +280,30 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	}
 
 	const uint64_t row_bytes = (uint64_t)d * eb;
+	/* quantised segments' run geometry, per format (kvquant.h); the caller
+	 * (attention_task) has rejected unknown formats */
+	struct kvr_quant_geometry gq[3];
+	kvr_quant_geometry_init(&gq[KVR_KV_K8V4], sh->page_tokens, d, 1, KVR_KV_K8V4);
+	kvr_quant_geometry_init(&gq[KVR_KV_K4V2], sh->page_tokens, d, 1, KVR_KV_K4V2);
 	for (uint32_t si = 0; si < n_segs; si++) {
 		const struct kvr_kv_segment *seg = &segs[si];
-		const unsigned char *kb = (const unsigned char *)seg->k + (uint64_t)m * seg->head_stride * eb;
-		const unsigned char *vb = (const unsigned char *)seg->v + (uint64_t)m * seg->head_stride * eb;
+		const uint32_t fmt = seg->format;
+		/* plain: element offsets; quantised: the head's run, byte offsets */
+		const uint64_t head_off = (uint64_t)m * seg->head_stride * (fmt ? 1u : eb);
+		const unsigned char *kb = (const unsigned char *)seg->k + head_off;
+		const unsigned char *vb = (const unsigned char *)seg->v + head_off;
 		const uint64_t row = (uint64_t)seg->row_stride * eb;
 		/* Segments are scattered pages: no hardware prefetcher follows the jump
-		 * to the next one. Prefetch its row t while using our row t, keeping
-		 * one segment of loads in flight. */
+		 * to the next one. Prefetch its row t while using our row t (a
+		 * quantised run: two lines per token), keeping one segment of loads
+		 * in flight. */
 		const struct kvr_kv_segment *next = si + 1 < n_segs ? &segs[si + 1] : NULL;
-		const unsigned char *nkb = next ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride * eb : NULL;
-		const unsigned char *nvb = next ? (const unsigned char *)next->v + (uint64_t)m * next->head_stride * eb : NULL;
-		const uint64_t nrow = next ? (uint64_t)next->row_stride * eb : 0;
+		const int next_plain = next && !next->format;
+		const unsigned char *nkb = next_plain ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride * eb : NULL;
+		const unsigned char *nvb = next_plain ? (const unsigned char *)next->v + (uint64_t)m * next->head_stride * eb : NULL;
+		const uint64_t nrow = next_plain ? (uint64_t)next->row_stride * eb : 0;
+		const unsigned char *nrun = next && next->format ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride : NULL;
+		const uint64_t nrun_bytes = nrun ? gq[next->format].head_bytes : 0;
 		const uint32_t n_next = next ? next->n_tokens : 0;
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
@@ -261,15 +313,22 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			 * horizontal sum (prefetching the next segment's rows as we go). */
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *krow = kb + (t0 + b) * row;
-				if (t0 + b < n_next)
+				if (t0 + b < n_next && nkb)
 					for (uint64_t l = 0; l < row_bytes; l += 64) {
 						__builtin_prefetch(nkb + (t0 + b) * nrow + l, 0, 2);
 						__builtin_prefetch(nvb + (t0 + b) * nrow + l, 0, 2);
 					}
+				else if (nrun && (t0 + b) * 128u < nrun_bytes) {
+					__builtin_prefetch(nrun + (t0 + b) * 128u, 0, 2);
+					__builtin_prefetch(nrun + (t0 + b) * 128u + 64u, 0, 2);
+				}
 				vf k[16];
-				_Pragma("GCC unroll 16")
-				for (uint32_t c = 0; c < chunks; c++)
-					k[c] = LOAD16(krow, t, c * 16);
+				if (fmt)
+					ISA_FN(dequant_row)(&gq[fmt], kb, 0, t0 + b, chunks, k);
+				else
+					_Pragma("GCC unroll 16")
+					for (uint32_t c = 0; c < chunks; c++)
+						k[c] = LOAD16(krow, t, c * 16);
 				uint32_t g = 0;
 				for (; g + 4 <= G; g += 4) {
 					vf d0 = q[g][0] * k[0], d1 = q[g + 1][0] * k[0];
@@ -318,9 +377,12 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			vf vs[BLOCK][16];
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *vrow = vb + (t0 + b) * row;
-				_Pragma("GCC unroll 16")
-				for (uint32_t c = 0; c < chunks; c++)
-					vs[b][c] = LOAD16(vrow, t, c * 16);
+				if (fmt)
+					ISA_FN(dequant_row)(&gq[fmt], kb, 1, t0 + b, chunks, vs[b]);
+				else
+					_Pragma("GCC unroll 16")
+					for (uint32_t c = 0; c < chunks; c++)
+						vs[b][c] = LOAD16(vrow, t, c * 16);
 			}
 			for (uint32_t g = 0; g < G; g++) {
 				vf a[16];

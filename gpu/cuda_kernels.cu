@@ -1069,6 +1069,31 @@ KVR_DEV void att_store(const chunk16 *pre, uint32_t rows, uint32_t d, const stru
 	}
 }
 
+/* A tile of a quantised segment (kernels.h): rows tokens from token `off`,
+ * dequantised straight into shared memory as f32 (s·Q − z; no register
+ * prefetch: the codes are a quarter to an eighth of the plain bytes). An
+ * unknown format or rows past the run's page store NaN, which reaches the
+ * item's outputs. */
+KVR_DEV void att_store_quant(const struct kvr_kv_segment &s, uint32_t off, uint32_t rows, uint32_t m,
+			     uint32_t p, uint32_t d, float *k_s, float *v_s)
+{
+	struct kvr_quant_geometry g;
+	const bool ok = !kvr_quant_geometry_init(&g, p, d, 1, s.format) && off + rows <= p;
+	unsigned char *run = (unsigned char *)(uintptr_t)s.k + (uint64_t)m * s.head_stride;
+	for (uint32_t e = threadIdx.x; e < rows * d; e += ATT_THREADS) {
+		const uint32_t r = e / d, c = e - r * d, t = off + r;
+		float k = NAN, v = NAN;
+		if (ok) {
+			k = kvr_dequant(kvr_quant_get(kvr_quant_key_row(&g, run, t), c, g.key_bits),
+					kvr_quant_key_sz(&g, run, t));
+			v = kvr_dequant(kvr_quant_get(kvr_quant_value_row(&g, run, t), c, g.value_bits),
+					kvr_quant_value_sz(&g, run, t));
+		}
+		k_s[r * (d + ATT_K_PAD) + c] = k;
+		v_s[r * d + c] = v;
+	}
+}
+
 /* Move (seg, off) past `rows` tokens and any empty segments. */
 KVR_DEV void att_advance(const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t *seg,
 			 uint32_t *off, uint32_t rows)
@@ -1189,16 +1214,19 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	att_map_init<ET>(d, tile, map);
 	chunk16 pre[ATT_CHUNKS];
 	uint32_t rows = att_rows(segs, n_segs, seg, off, tile, left);
-	if (rows)
+	if (rows && !segs[seg].format)
 		att_fetch<ET>(segs[seg], off, rows, m, map, pre);
 	while (rows > 0) {
-		att_store<ET>(pre, rows, d, map, k_s, v_s);
+		if (segs[seg].format)
+			att_store_quant(segs[seg], off, rows, m, shape.page_tokens, d, k_s, v_s);
+		else
+			att_store<ET>(pre, rows, d, map, k_s, v_s);
 		__syncthreads(); /* K, V (and q and the softmax state, first time) are ready */
 
 		left -= rows;
 		att_advance(segs, n_segs, &seg, &off, rows);
 		const uint32_t next = att_rows(segs, n_segs, seg, off, tile, left);
-		if (next)
+		if (next && !segs[seg].format)
 			att_fetch<ET>(segs[seg], off, next, m, map, pre);
 
 		/* QK and the online-softmax update; the head loop is warp-uniform */
@@ -1335,7 +1363,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 		run.n_tokens = it.n_tokens;
 		run.row_stride = it.row_stride;
 		run.head_stride = shape.head_dim;
-		run.reserved = 0;
+		run.format = KVR_KV_PLAIN;
 	}
 	__syncthreads();
 	const uint32_t g0 = hb * plan.heads;

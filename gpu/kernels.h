@@ -50,6 +50,14 @@
  *              item and nowhere else (kvrecall does not scan inputs on the hot
  *              path). An infinite key is ordinary arithmetic: it may give a
  *              logit of -inf, i.e. weight 0, and a finite output.
+ *              A segment whose format is K8V4 or K4V2 holds quantised
+ *              tokens instead (layouts/kvquant.h, run geometry from the
+ *              shape's page_tokens and head_dim): k points at KV head 0's
+ *              run, head m's run at k + m·head_stride bytes, and its tokens
+ *              are rows 0 .. n_tokens-1 of the run (n_tokens <= p); v and
+ *              row_stride are unused. Each element enters the arithmetic
+ *              as s·Q − z (f16 s and z, fp32 arithmetic), dequantised on
+ *              the fly: quantised and plain segments mix in one item.
  * dense        Attention over one contiguous run per item: token t of KV head
  *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
  *              mode and dense layers use it; it is also the reference the
@@ -60,6 +68,7 @@
 
 #include <stdint.h>
 
+#include "../layouts/kvquant.h"
 #include "../layouts/page.h"
 
 #ifdef __cplusplus
@@ -105,9 +114,9 @@ struct kvr_kv_segment {
 	const void *k;
 	const void *v;
 	uint32_t n_tokens;
-	uint32_t row_stride;  /* elements between tokens of one head */
-	uint32_t head_stride; /* elements between KV heads */
-	uint32_t reserved;
+	uint32_t row_stride;  /* elements between tokens of one head (plain) */
+	uint32_t head_stride; /* between KV heads: elements (plain), bytes (quantised) */
+	uint32_t format;      /* enum kvr_kv_format (layouts/kvquant.h); 0 = plain */
 };
 
 struct kvr_attention_item {

@@ -89,7 +89,7 @@ KVR_ABI_FIELD(kvr_kv_segment, v)
 KVR_ABI_FIELD(kvr_kv_segment, n_tokens)
 KVR_ABI_FIELD(kvr_kv_segment, row_stride)
 KVR_ABI_FIELD(kvr_kv_segment, head_stride)
-KVR_ABI_FIELD(kvr_kv_segment, reserved)
+KVR_ABI_FIELD(kvr_kv_segment, format)
 
 KVR_ABI_STRUCT(kvr_attention_item)
 KVR_ABI_FIELD(kvr_attention_item, q)

@@ -246,6 +246,24 @@ void ref_similarity(const struct kvr_shape *sh, const struct kvr_similarity_item
 
 /* ------------------------------------------------------------------ attention */
 
+/* Element c of token t of KV head m in a segment, keys (half 0) or values:
+ * plain rows, or a quantised run dequantised (kernels.h). */
+static double seg_elem(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, uint64_t m,
+		       int half, uint64_t t, uint32_t c)
+{
+	if (seg->format == KVR_KV_PLAIN)
+		return ref_load(half ? seg->v : seg->k, sh->elem_type,
+				m * seg->head_stride + t * seg->row_stride + c);
+	struct kvr_quant_geometry g;
+	if (kvr_quant_geometry_init(&g, sh->page_tokens, sh->head_dim, 1, seg->format))
+		return NAN; /* an unknown format: the kernels must not silently agree */
+	unsigned char *run = (unsigned char *)(uintptr_t)seg->k + m * seg->head_stride;
+	const uint8_t *row = half ? kvr_quant_value_row(&g, run, (uint32_t)t) : kvr_quant_key_row(&g, run, (uint32_t)t);
+	const uint16_t *sz = half ? kvr_quant_value_sz(&g, run, (uint32_t)t) : kvr_quant_key_sz(&g, run, (uint32_t)t);
+	const uint32_t bits = half ? g.value_bits : g.key_bits;
+	return (double)kvr_f16_to_f32(sz[0]) * kvr_quant_get(row, c, bits) - (double)kvr_f16_to_f32(sz[1]);
+}
+
 /* Attention of every query head over a list of segments: the definition,
  * softmax(scale · q·K^T)·V, with a max-subtracted two-pass softmax. */
 static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_kv_segment *segs,
@@ -272,11 +290,10 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 		uint64_t i = 0;
 		for (uint32_t s = 0; s < n_segs; s++)
 			for (uint64_t t = 0; t < segs[s].n_tokens; t++, i++) {
-				const uint64_t kb = m * segs[s].head_stride + t * segs[s].row_stride;
 				double dot = 0.0, mag = 0.0;
 				for (uint32_t c = 0; c < d; c++) {
 					const double x = ref_load(q, type, (uint64_t)h * d + c) *
-							 ref_load(segs[s].k, type, kb + c);
+							 seg_elem(sh, &segs[s], m, 0, t, c);
 					dot += x;
 					mag += fabs(x);
 				}
@@ -290,11 +307,10 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 		i = 0;
 		for (uint32_t s = 0; s < n_segs; s++)
 			for (uint64_t t = 0; t < segs[s].n_tokens; t++, i++) {
-				const uint64_t vb = m * segs[s].head_stride + t * segs[s].row_stride;
 				const double w = exp(logit[i] - lmax);
 				sum += w;
 				for (uint32_t c = 0; c < d; c++) {
-					const double v = ref_load(segs[s].v, type, vb + c);
+					const double v = seg_elem(sh, &segs[s], m, 1, t, c);
 					o[c] += w * v;
 					if (isfinite(v) && fabs(v) > hs->v_mag)
 						hs->v_mag = fabs(v);

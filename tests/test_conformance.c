@@ -1527,6 +1527,108 @@ static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 
 CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
 
+/*
+ * Attention over quantised pages (K8V4 and K4V2, kvquant.h) mixed with plain
+ * NHD tiles in one item, against the reference over the same codes: a K8V4
+ * page alone; K8V4 page, tile rows, a partial K4V2 page (p − 3 tokens), a
+ * K4V2 page whose vectors are constant (s = 0: every element is −z), an
+ * empty quantised segment; the same item with 40x queries; K4V2 only; and a
+ * quantised segment of unknown format, which must not pass for a plain one
+ * (cpu backends: NaN outputs; checked apart from the reference).
+ */
+static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x9a7e, ci, ti);
+	enum { ITEMS = 4 };
+	const uint32_t type = all_types[ti];
+	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	const uint32_t p = sh.page_tokens, n_kv = sh.n_kv_heads, row = n_kv * sh.head_dim;
+	const size_t eb = ebytes(type);
+	struct kvr_quant_geometry g8, g4;
+	cr_assert_eq(kvr_quant_geometry_init(&g8, p, sh.head_dim, n_kv, KVR_KV_K8V4), 0);
+	cr_assert_eq(kvr_quant_geometry_init(&g4, p, sh.head_dim, n_kv, KVR_KV_K4V2), 0);
+	/* pages: K8V4, K4V2 partial, K4V2 constant, K4V2 full; quantised from
+	 * random NHD rows as offload does */
+	const struct kvr_quant_geometry *pg[4] = { &g8, &g4, &g4, &g4 };
+	const uint32_t filled[4] = { p, p - 3, p, p };
+	unsigned char *pages[4];
+	void *rows_k = halloc((size_t)p * row * eb), *rows_v = halloc((size_t)p * row * eb);
+	float *scratch = halloc(sh.head_dim * sizeof(float));
+	for (uint32_t i = 0; i < 4; i++) {
+		if (i == 2) { /* constant vectors: each token's head is one value */
+			for (uint64_t x = 0; x < (uint64_t)p * row; x++) {
+				const double v = 0.25 * (double)(x / sh.head_dim % 7) - 0.75;
+				ref_store(rows_k, type, x, v);
+				ref_store(rows_v, type, x, -v);
+			}
+		} else {
+			fill_uniform(&r, rows_k, type, (uint64_t)p * row, -1.0, 1.0);
+			fill_uniform(&r, rows_v, type, (uint64_t)p * row, -1.0, 1.0);
+		}
+		pages[i] = halloc(pg[i]->page_bytes);
+		for (uint32_t m = 0; m < n_kv; m++)
+			kvr_quant_run_from_nhd(pg[i], rows_k, rows_v, row, type, m, filled[i],
+					       pages[i] + (uint64_t)m * pg[i]->head_bytes, scratch);
+		put(c, pages[i], pg[i]->page_bytes);
+	}
+	const uint64_t tile = (uint64_t)p * row;
+	void *kt = halloc(tile * eb), *vt = halloc(tile * eb);
+	fill_uniform(&r, kt, type, tile, -1.0, 1.0);
+	fill_uniform(&r, vt, type, tile, -1.0, 1.0);
+	put(c, kt, tile * eb);
+	put(c, vt, tile * eb);
+#define QSEG(i, n) ((struct kvr_kv_segment){ .k = pages[i], .n_tokens = (n), \
+					     .head_stride = (uint32_t)pg[i]->head_bytes, \
+					     .format = pg[i]->format })
+	const struct kvr_kv_segment segs[] = {
+		QSEG(0, p),                         /* item 0 */
+		QSEG(0, p),                         /* item 1 (and 2) */
+		nhd_segment(&sh, kt, vt, 0, 1, p - 1),
+		QSEG(1, p - 3),
+		QSEG(2, p),
+		QSEG(3, 0),
+		QSEG(1, p - 3),                     /* item 3 */
+		QSEG(3, p),
+	};
+#undef QSEG
+	static const uint32_t first[ITEMS] = { 0, 1, 1, 6 };
+	static const uint32_t count[ITEMS] = { 1, 5, 5, 2 };
+	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
+	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
+	for (uint64_t x = 0; x < per; x++) /* item 2: 40x queries */
+		ref_store(q, type, 2 * per + x, 40.0 * ref_load(q, type, 1 * per + x));
+	struct kvr_attention_item items[ITEMS];
+	for (uint32_t i = 0; i < ITEMS; i++)
+		items[i] = (struct kvr_attention_item){
+			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
+			.first_segment = first[i], .n_segments = count[i] };
+	char what[96];
+	snprintf(what, sizeof(what), "quantised attention config %u", ci);
+	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+
+	/* an unknown format: the cpu backends poison the item (cuda reads NaN
+	 * into its tile; strict cudaemu refuses the call) */
+	const uint32_t kind = kvr_dev_kind_of(c->dev);
+	if (kind == KVR_DEV_CUDAEMU_STRICT)
+		return;
+	struct kvr_kv_segment bad = segs[0];
+	bad.format = 7;
+	void *out2 = new_outputs(&sh, 1);
+	put(c, out2, per * eb);
+	const struct kvr_attention_item it2 = { .q = q, .out = out2, .first_segment = 0, .n_segments = 1 };
+	DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, &it2, 1), 1,
+				    dev_segments(c, &bad, 1), 1, c->s));
+	void *got = halloc(per * eb);
+	get(c, got, out2, per * eb);
+	for (uint64_t x = 0; x < per; x++)
+		cr_assert(isnan(ref_load(got, type, x)),
+			  "%s: %s: a segment of unknown format gave output %g at %llu, not NaN",
+			  c->name, what, ref_load(got, type, x), (unsigned long long)x);
+}
+
+CONFORMANCE_CASES(attention_quant, ARRAY_LEN(numeric_shapes))
+
 /* Dense items over NHD rows: 0, 1, p and 37 tokens, rows contiguous or padded. */
 static void dense_and_check(struct env *e, struct dctx *c, const char *what,
 			    const struct kvr_shape *sh, const struct kvr_dense_item *items,

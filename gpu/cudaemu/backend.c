@@ -361,7 +361,8 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *             item's segments [first_segment, +n_segments) must be in the
  *             call's list (the kernel does not bound them); a segment with
  *             tokens: k and v each (n_kv-1)·head_stride + (n_tokens-1)·
- *             row_stride + d from the pointer.
+ *             row_stride + d from the pointer; a quantised one: k only,
+ *             (n_kv-1)·head_stride + one run's bytes (kvquant.h), exactly.
  *  dense      q and out n_qo·d; with tokens, k and v each (n_tokens-1)·
  *             row_stride + n_kv·d.
  */
@@ -460,6 +461,19 @@ static int check_items(struct check *c, const struct emu_op *op)
 				const struct kvr_kv_segment *s = &op->segments[j];
 				if (!s->n_tokens)
 					continue;
+				if (s->format) { /* quantised: n_kv runs from k, head_stride bytes apart */
+					struct kvr_quant_geometry g;
+					if (kvr_quant_geometry_init(&g, (uint32_t)p, (uint32_t)d, 1, s->format)) {
+						snprintf(c->msg, sizeof(c->msg),
+							 "%s: segment %" PRIu64 " has unknown format %" PRIu32,
+							 c->op, j, s->format);
+						err = -EFAULT;
+						break;
+					}
+					err = check_data(c, "segment", (uint32_t)j, "k", s->k, 0,
+							 (n_kv - 1) * s->head_stride + g.head_bytes);
+					continue;
+				}
 				const uint64_t span = ((n_kv - 1) * s->head_stride +
 						       (uint64_t)(s->n_tokens - 1) * s->row_stride + d) *
 						      eb;
