@@ -14,6 +14,9 @@
  * convert stream; with two buffers the copy of chunk c+1 overlaps the scatter
  * of chunk c, ordered by `staged`/`drained` events. Zero-copy (HND pool only)
  * scatters straight from the pool, with no staging and no copy call.
+ * Quantised pools (K8V4, K4V2: layouts/kvquant.h) recall as the scheduler
+ * does them: each chunk's runs copied straight into their slots (no staging,
+ * nothing to convert), so their time shows what the smaller runs buy.
  *
  * Every variant is first run once into scribbled slots and every recalled
  * row is compared byte for byte with the pool; a mismatch fails the command
@@ -43,7 +46,12 @@
 #include "bench_shape.h"
 #include "../gpu/backend.h"
 
-enum { POOL_HND, POOL_NHD, POOL_ZERO_COPY };
+enum { POOL_HND, POOL_NHD, POOL_ZERO_COPY, POOL_K8V4, POOL_K4V2 };
+
+static int layout_quantised(uint32_t l)
+{
+	return l == POOL_K8V4 || l == POOL_K4V2;
+}
 
 struct recall_env {
 	struct kvr_dev *dev;
@@ -52,6 +60,10 @@ struct recall_env {
 	uint64_t run_bytes, page_bytes, tile_bytes, row_bytes;
 	unsigned char *pool[2]; /* [POOL_HND], [POOL_NHD]: the same pages in each layout */
 	uint64_t pool_pages;
+	/* quantised pools ([0] K8V4, [1] K4V2; pool_pages pages of random bytes:
+	 * recall moves bytes, so their values do not matter) and run sizes */
+	unsigned char *qpool[2];
+	uint64_t qrun_bytes[2];
 	unsigned char *slots;   /* device: n_tiles K/V tile pairs */
 	uint32_t n_tiles;
 	unsigned char *staging[2];
@@ -119,6 +131,36 @@ static int fail(struct recall_env *e, const char *what)
 static int recall_layer(struct recall_env *e, uint32_t layout, uint32_t buffers, uint32_t chunk)
 {
 	const uint32_t p = e->sh.page_tokens, n_kv = e->sh.n_kv_heads;
+	if (layout_quantised(layout)) {
+		/* as scheduler/recall.c's recall_quantised: runs straight into their
+		 * slots (tile j holds n_kv runs), one batched copy per chunk on the
+		 * copy stream; the convert stream waits for it so that callers
+		 * synchronise one stream for every variant */
+		const uint32_t q = layout == POOL_K4V2;
+		const uint64_t rb = e->qrun_bytes[q];
+		/* the slots' last user is the convert stream (as a lane's last
+		 * attention is for the scheduler): the copies wait for it */
+		if (kvr_dev_event_record(e->dev, e->drained[0], e->convert) ||
+		    kvr_dev_stream_wait_event(e->dev, e->copy, e->drained[0]))
+			return fail(e, "quantised recall's event");
+		for (uint32_t at = 0; at < e->n_miss; at += chunk) {
+			const uint32_t n = e->n_miss - at < chunk ? e->n_miss - at : chunk;
+			for (uint32_t i = 0; i < n; i++)
+				e->descs[i] = (struct kvr_copy_desc){
+					(e->miss_page[at + i] * n_kv + e->miss_head[at + i]) * rb,
+					((uint64_t)e->miss_tile[at + i] * n_kv + e->miss_head[at + i]) * rb, rb };
+			struct span *sp = span_open(e, e->copy, "copy chunk", 0, n);
+			const int err = kvr_dev_memcpy_batch_async(e->dev, e->slots, e->qpool[q], e->descs, n,
+								   KVR_COPY_H2D, e->copy);
+			span_close(e, e->copy, sp);
+			if (err)
+				return fail(e, "quantised copy");
+		}
+		if (kvr_dev_event_record(e->dev, e->staged[0], e->copy) ||
+		    kvr_dev_stream_wait_event(e->dev, e->convert, e->staged[0]))
+			return fail(e, "quantised recall's event");
+		return 0;
+	}
 	/* the items: from staging (chunk-relative) or, zero-copy, the pool */
 	for (uint32_t i = 0; i < e->n_miss; i++) {
 		const unsigned char *run =
@@ -191,7 +233,18 @@ static int check_layer(struct recall_env *e, uint32_t layout, uint32_t buffers, 
 	if (!err && kvr_dev_stream_synchronize(e->dev, e->convert))
 		err = fail(e, "synchronise");
 	const uint32_t p = e->sh.page_tokens, n_kv = e->sh.n_kv_heads;
-	for (uint32_t i = 0; !err && i < e->n_miss; i++) {
+	for (uint32_t i = 0; !err && layout_quantised(layout) && i < e->n_miss; i++) {
+		const uint32_t q = layout == POOL_K4V2;
+		const uint64_t rb = e->qrun_bytes[q];
+		if (memcmp(e->qpool[q] + (e->miss_page[i] * n_kv + e->miss_head[i]) * rb,
+			   back + ((uint64_t)e->miss_tile[i] * n_kv + e->miss_head[i]) * rb, rb)) {
+			fprintf(stderr, "kvrecall bench recall: recalled %s run %u (page %u, head %u) differs from "
+					"the pool\n", layout == POOL_K4V2 ? "K4V2" : "K8V4", i, e->miss_page[i],
+				e->miss_head[i]);
+			err = -EIO;
+		}
+	}
+	for (uint32_t i = 0; !err && !layout_quantised(layout) && i < e->n_miss; i++) {
 		/* HND source: run = keys rows then values rows of this head */
 		const unsigned char *run = e->pool[POOL_HND] + e->miss_page[i] * e->page_bytes + e->miss_head[i] * e->run_bytes;
 		const unsigned char *tile = back + (uint64_t)e->miss_tile[i] * 2 * e->tile_bytes;
@@ -261,11 +314,12 @@ static uint64_t rng(void)
 
 static const char *layout_name(uint32_t l)
 {
-	return l == POOL_HND ? "hnd" : l == POOL_NHD ? "nhd" : "zero-copy";
+	return l == POOL_HND ? "hnd" : l == POOL_NHD ? "nhd" : l == POOL_ZERO_COPY ? "zero-copy" : l == POOL_K8V4 ? "k8v4" : "k4v2";
 }
 
 struct recall_row {
 	uint32_t budget, layout, buffers, chunk, misses;
+	uint64_t run_bytes;
 	double us, gbps;
 };
 
@@ -331,6 +385,13 @@ int bench_recall(int argc, char **argv)
 	e.run_bytes = 2ull * p * e.row_bytes;
 	e.page_bytes = e.run_bytes * sh.n_kv_heads;
 	e.tile_bytes = (uint64_t)p * sh.n_kv_heads * e.row_bytes;
+	e.qrun_bytes[0] = kvr_kv_run_bytes(KVR_KV_K8V4, p, sh.head_dim, 2);
+	e.qrun_bytes[1] = kvr_kv_run_bytes(KVR_KV_K4V2, p, sh.head_dim, 2);
+	if (!e.qrun_bytes[0]) {
+		fprintf(stderr, "kvrecall bench recall: quantised pages need a head dim that is a multiple of 16\n");
+		kvr_dev_destroy(e.dev);
+		return 2;
+	}
 	uint32_t max_budget = 0, max_chunk = 0;
 	for (uint32_t b = 0; b < n_budgets; b++)
 		max_budget = budgets[b] > max_budget ? budgets[b] : max_budget;
@@ -348,6 +409,13 @@ int bench_recall(int argc, char **argv)
 	for (int l = 0; !rc && l < 2; l++) {
 		e.pool[l] = bench_huge_alloc("kvrecall bench recall", pool_bytes);
 		rc = kvr_dev_host_register(e.dev, e.pool[l], pool_bytes) ? fail(&e, "registering the pool") : 0;
+	}
+	for (int q = 0; !rc && q < 2; q++) {
+		const uint64_t bytes = e.pool_pages * sh.n_kv_heads * e.qrun_bytes[q];
+		e.qpool[q] = bench_huge_alloc("kvrecall bench recall", bytes);
+		rc = kvr_dev_host_register(e.dev, e.qpool[q], bytes) ? fail(&e, "registering a quantised pool") : 0;
+		for (uint64_t i = 0; !rc && i < bytes / 8; i++)
+			((uint64_t *)e.qpool[q])[i] = rng();
 	}
 	if (!rc) { /* random bytes in HND, the same elements token-major in NHD */
 		uint64_t *w = (uint64_t *)e.pool[POOL_HND];
@@ -385,8 +453,8 @@ int bench_recall(int argc, char **argv)
 	const double peak = rc ? 0 : copy_peak_gbps(&e, peak_dst, peak_bytes);
 	if (peak_dst)
 		kvr_dev_free(e.dev, peak_dst);
-	struct recall_row rows[8 * 9];
-	uint32_t n_rows = 0, total = n_budgets * (2 * 2 * n_chunks + 1);
+	struct recall_row rows[8 * 11];
+	uint32_t n_rows = 0, total = n_budgets * (2 * 2 * n_chunks + 1 + 2 * n_chunks);
 	/* --trace: each variant's layer once more, its chunks stamped on the
 	 * streams, one Chrome trace "process" per variant */
 	FILE *trace = NULL;
@@ -419,8 +487,11 @@ int bench_recall(int argc, char **argv)
 			e.miss_head[i] = e.miss_head[j], e.miss_tile[i] = e.miss_tile[j];
 			e.miss_head[j] = h, e.miss_tile[j] = t;
 		}
-		for (uint32_t layout = POOL_HND; !rc && layout <= POOL_ZERO_COPY; layout++)
-			for (uint32_t buffers = 1; !rc && buffers <= (layout == POOL_ZERO_COPY ? 1u : 2u); buffers++)
+		for (uint32_t layout = POOL_HND; !rc && layout <= POOL_K4V2; layout++)
+			/* quantised runs need no staging: "buffers" 0 */
+			for (uint32_t buffers = layout_quantised(layout) ? 0u : 1u;
+			     !rc && buffers <= (layout >= POOL_ZERO_COPY ? (layout_quantised(layout) ? 0u : 1u) : 2u);
+			     buffers++)
 				for (uint32_t ci = 0; !rc && ci < (layout == POOL_ZERO_COPY ? 1 : n_chunks); ci++) {
 					const uint32_t chunk = layout == POOL_ZERO_COPY ? e.n_miss : chunks[ci];
 					bench_progress("recall", n_rows, total);
@@ -429,9 +500,11 @@ int bench_recall(int argc, char **argv)
 					double s;
 					if ((rc = time_layer(&e, layout, buffers, chunk, &s)))
 						break;
+					const uint64_t rb = layout_quantised(layout) ? e.qrun_bytes[layout == POOL_K4V2]
+										     : e.run_bytes;
 					rows[n_rows++] = (struct recall_row){ budgets[bi], layout, buffers,
-									      layout == POOL_ZERO_COPY ? 0 : chunk, e.n_miss, s * 1e6,
-									      (double)e.n_miss * (double)e.run_bytes / s / 1e9 };
+									      layout == POOL_ZERO_COPY ? 0 : chunk, e.n_miss, rb,
+									      s * 1e6, (double)e.n_miss * (double)rb / s / 1e9 };
 					if (trace) {
 						struct span *keep = e.spans;
 						e.n_spans = 0;
@@ -477,11 +550,12 @@ int bench_recall(int argc, char **argv)
 				"variants byte-exact\n",
 			backend_name, kvr_dev_name(e.dev), sh.preset, sh.n_kv_heads, sh.head_dim, p, batch,
 			miss_rate, sink, window, peak);
-		fprintf(stderr, "%-7s %-7s %-10s %-8s %-6s %10s %8s %8s\n", "budget", "misses", "pool", "buffers",
-			"chunk", "us/layer", "GB/s", "÷ peak");
+		fprintf(stderr, "%-7s %-7s %-10s %-8s %-6s %9s %10s %8s %8s\n", "budget", "misses", "pool", "buffers",
+			"chunk", "B/run", "us/layer", "GB/s", "÷ peak");
 		for (uint32_t i = 0; i < n_rows; i++)
-			fprintf(stderr, "%-7u %-7u %-10s %-8u %-6u %10.1f %8.2f %8.3f\n", rows[i].budget, rows[i].misses,
-				layout_name(rows[i].layout), rows[i].buffers, rows[i].chunk, rows[i].us, rows[i].gbps,
+			fprintf(stderr, "%-7u %-7u %-10s %-8u %-6u %9llu %10.1f %8.2f %8.3f\n", rows[i].budget,
+				rows[i].misses, layout_name(rows[i].layout), rows[i].buffers, rows[i].chunk,
+				(unsigned long long)rows[i].run_bytes, rows[i].us, rows[i].gbps,
 				peak > 0 ? rows[i].gbps / peak : 0);
 		FILE *f = json_path ? fopen(json_path, "w") : stdout;
 		if (!f) {
@@ -498,10 +572,12 @@ int bench_recall(int argc, char **argv)
 				(unsigned long long)pool_bytes);
 			fprintf(f, "  \"results\": [\n");
 			for (uint32_t i = 0; i < n_rows; i++)
-				fprintf(f, "    {\"budget_tokens\": %u, \"misses\": %u, \"bytes\": %llu, \"pool\": \"%s\", "
+				fprintf(f, "    {\"budget_tokens\": %u, \"misses\": %u, \"run_bytes\": %llu, \"bytes\": %llu, "
+					   "\"pool\": \"%s\", "
 					   "\"buffers\": %u, \"chunk_pages\": %u, \"us_per_layer\": %.3f, \"gbps\": %.4f, "
 					   "\"ratio_to_copy_peak\": %.4f}%s\n",
-					rows[i].budget, rows[i].misses, (unsigned long long)rows[i].misses * e.run_bytes,
+					rows[i].budget, rows[i].misses, (unsigned long long)rows[i].run_bytes,
+					(unsigned long long)rows[i].misses * rows[i].run_bytes,
 					layout_name(rows[i].layout), rows[i].buffers, rows[i].chunk, rows[i].us, rows[i].gbps,
 					peak > 0 ? rows[i].gbps / peak : 0, i + 1 < n_rows ? "," : "");
 			fprintf(f, "  ],\n  \"summary\": {\"peak_h2d_pinned_gbps\": %.4f}\n", peak);
@@ -526,11 +602,16 @@ int bench_recall(int argc, char **argv)
 		kvr_dev_free(e.dev, e.slots);
 	if (e.items_dev)
 		kvr_dev_free(e.dev, e.items_dev);
-	for (int l = 0; l < 2; l++)
+	for (int l = 0; l < 2; l++) {
 		if (e.pool[l]) {
 			kvr_dev_host_unregister(e.dev, e.pool[l]);
 			free(e.pool[l]);
 		}
+		if (e.qpool[l]) {
+			kvr_dev_host_unregister(e.dev, e.qpool[l]);
+			free(e.qpool[l]);
+		}
+	}
 	free(e.miss_page), free(e.miss_head), free(e.miss_tile), free(e.items), free(e.descs);
 	kvr_dev_destroy(e.dev);
 	return rc ? 1 : 0;

@@ -29,6 +29,7 @@
 #include "../gpu/gpu.h"
 #include "../layouts/convert.h"
 #include "../layouts/copy.h"
+#include "../layouts/kvquant.h"
 #include "../layouts/summary.h"
 #include "../layouts/transpose.h"
 #include "pool.h"
@@ -52,8 +53,10 @@ struct seq_entry {
 
 struct kvr_pool {
 	struct kvr_pool_params params;
-	struct kvr_page_geometry g;
-	uint64_t page_bytes;
+	struct kvr_page_geometry g; /* of the rows written (g.head_bytes is a plain run's) */
+	struct kvr_quant_geometry quant; /* quantised pages: their runs; else zero */
+	uint64_t head_bytes;        /* one KV head's stored run, in the page format */
+	uint64_t page_bytes;        /* n_kv_heads · head_bytes */
 	uint64_t chunk_bytes;
 	uint64_t summary_bytes; /* one page's summary, all KV heads */
 	uint32_t pages_per_chunk;
@@ -217,10 +220,19 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 	if (params->chunk_bytes % HUGE_PAGE_BYTES)
 		REJECT("pool: chunk_bytes must be a multiple of 2 MiB (got %llu)",
 		       (unsigned long long)params->chunk_bytes);
-	uint64_t capacity_pages = params->capacity_bytes / g->page_bytes;
+	if (params->kv_format > KVR_KV_K4V2)
+		REJECT("pool: unknown page format %u", params->kv_format);
+	if (params->kv_format != KVR_KV_PLAIN && params->layout != KVR_POOL_LAYOUT_HND)
+		REJECT("pool: quantised pages need the HND layout");
+	const uint64_t head_bytes =
+		kvr_kv_run_bytes(params->kv_format, g->page_tokens, g->head_dim, g->elem_bytes);
+	if (!head_bytes)
+		REJECT("pool: quantised pages need head_dim a multiple of 16 (got %u)", g->head_dim);
+	const uint64_t page_bytes = head_bytes * g->n_kv_heads;
+	uint64_t capacity_pages = params->capacity_bytes / page_bytes;
 	if (capacity_pages == 0)
 		REJECT("pool: capacity of %llu bytes holds no %llu-byte page",
-		       (unsigned long long)params->capacity_bytes, (unsigned long long)g->page_bytes);
+		       (unsigned long long)params->capacity_bytes, (unsigned long long)page_bytes);
 	if (capacity_pages >= KVR_POOL_NO_PAGE)
 		capacity_pages = KVR_POOL_NO_PAGE - 1;
 #undef REJECT
@@ -230,20 +242,23 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 		return -ENOMEM;
 	pool->params = *params;
 	pool->g = *g;
-	pool->page_bytes = g->page_bytes;
+	if (params->kv_format != KVR_KV_PLAIN)
+		kvr_quant_geometry_init(&pool->quant, g->page_tokens, g->head_dim, 1, params->kv_format);
+	pool->head_bytes = head_bytes;
+	pool->page_bytes = page_bytes;
 	pool->summary_bytes = params->keep_summaries ? kvr_summary_bytes(g) : 0;
 	pool->capacity_pages = (uint32_t)capacity_pages;
 
 	uint64_t chunk = params->chunk_bytes ? params->chunk_bytes : KVR_POOL_DEFAULT_CHUNK_BYTES;
-	const uint64_t all = capacity_pages * g->page_bytes;
+	const uint64_t all = capacity_pages * page_bytes;
 	const uint64_t all_rounded = (all + HUGE_PAGE_BYTES - 1) & ~(HUGE_PAGE_BYTES - 1);
 	if (chunk > all_rounded)
 		chunk = all_rounded;
-	const uint64_t min_chunk = (g->page_bytes + HUGE_PAGE_BYTES - 1) & ~(HUGE_PAGE_BYTES - 1);
+	const uint64_t min_chunk = (page_bytes + HUGE_PAGE_BYTES - 1) & ~(HUGE_PAGE_BYTES - 1);
 	if (chunk < min_chunk)
 		chunk = min_chunk;
 	pool->chunk_bytes = chunk;
-	pool->pages_per_chunk = (uint32_t)(chunk / g->page_bytes);
+	pool->pages_per_chunk = (uint32_t)(chunk / page_bytes);
 	pool->max_chunks = (uint32_t)((capacity_pages + pool->pages_per_chunk - 1) /
 				      pool->pages_per_chunk);
 
@@ -678,7 +693,15 @@ static void page_fill(struct kvr_pool *pool, unsigned char *page, unsigned char 
 		      const void *k_rows, const void *v_rows, uint64_t row_stride)
 {
 	const struct kvr_page_geometry *g = &pool->g;
-	if (pool->params.layout == KVR_POOL_LAYOUT_HND)
+	if (pool->params.kv_format != KVR_KV_PLAIN) {
+		/* quantise at offload, one KV head's run at a time; the summaries
+		 * below still come from the unquantised keys */
+		float scratch[256];
+		for (uint32_t h = 0; h < g->n_kv_heads; h++)
+			kvr_quant_run_from_nhd(&pool->quant, k_rows, v_rows, (uint32_t)row_stride,
+					       g->elem_type, h, g->page_tokens,
+					       page + (uint64_t)h * pool->head_bytes, scratch);
+	} else if (pool->params.layout == KVR_POOL_LAYOUT_HND)
 		kvr_nhd_rows_to_hnd_page(g, k_rows, v_rows, row_stride, page);
 	else
 		kvr_nhd_rows_to_nhd_page(g, k_rows, v_rows, row_stride, page);
@@ -726,6 +749,9 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
 	if (!err && row_stride < (uint64_t)pool->g.n_kv_heads * pool->g.head_dim)
 		err = fail(pool, -EINVAL, "pool: row stride %llu is below n_kv x d = %u",
 			   (unsigned long long)row_stride, pool->g.n_kv_heads * pool->g.head_dim);
+	if (!err && row_stride > UINT32_MAX)
+		err = fail(pool, -EINVAL, "pool: row stride %llu exceeds 32 bits",
+			   (unsigned long long)row_stride);
 	if (!err)
 		err = page_for_write(pool, t, logical, &page, &summary);
 	pthread_mutex_unlock(&pool->lock);
@@ -735,12 +761,17 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
 	return 0;
 }
 
+uint64_t kvr_pool_head_bytes(const struct kvr_pool *pool)
+{
+	return pool->head_bytes;
+}
+
 void kvr_pool_gather_head(const struct kvr_pool *pool, uint32_t page_id, uint32_t kv_head,
 			  void *dst)
 {
 	const unsigned char *page = page_address(pool, page_id);
 	if (pool->params.layout == KVR_POOL_LAYOUT_HND)
-		kvr_copy_stream(dst, page + (uint64_t)kv_head * pool->g.head_bytes, pool->g.head_bytes,
+		kvr_copy_stream(dst, page + (uint64_t)kv_head * pool->head_bytes, pool->head_bytes,
 				NULL);
 	else
 		kvr_nhd_page_head_to_hnd_run(&pool->g, page, kv_head, dst);
@@ -749,7 +780,7 @@ void kvr_pool_gather_head(const struct kvr_pool *pool, uint32_t page_id, uint32_
 void kvr_pool_gather_runs(const struct kvr_pool *pool, const uint32_t *pages,
 			  const uint32_t *heads, uint32_t n, void *dst)
 {
-	const uint64_t hb = pool->g.head_bytes;
+	const uint64_t hb = pool->head_bytes;
 	unsigned char *out = dst;
 	if (pool->params.layout != KVR_POOL_LAYOUT_HND) {
 		for (uint32_t i = 0; i < n; i++)

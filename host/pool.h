@@ -4,7 +4,8 @@
  *
  * Pages are one layer's KV for p tokens, in HND layout ([n_kv][2][p][d], so one
  * KV head's keys and values are one contiguous run) or, for the ablation, NHD
- * ([2][p][n_kv][d]). They are carved from large chunks (2 MiB aligned,
+ * ([2][p][n_kv][d]). HND pages may be quantised (K8V4, K4V2: kvquant.h), each
+ * KV head still one run, then head_bytes is the quantised run's size. They are carved from large chunks (2 MiB aligned,
  * transparent huge pages through madvise) bound to one NUMA node (mbind) and
  * locked (registered with the GPU when one is usable, else mlock; when locking
  * fails the pool continues unlocked, counts it and warns once).
@@ -69,6 +70,11 @@ struct kvr_pool_params {
 	int (*register_fn)(void *user, void *ptr, size_t bytes);
 	void (*unregister_fn)(void *user, void *ptr);
 	void *register_user;
+	/* enum kvr_kv_format (layouts/kvquant.h): KVR_KV_PLAIN keeps pages in
+	 * the geometry's element type; K8V4 or K4V2 quantises each page at
+	 * offload (HND layout only; summaries still come from the unquantised
+	 * keys), and a KV head's run is then the quantised run of kvquant.h. */
+	uint32_t kv_format;
 };
 
 struct kvr_pool_stats {
@@ -160,6 +166,9 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
  * NULL for bad ids or when summaries are not kept. */
 const void *kvr_pool_summary(const struct kvr_pool *pool, uint32_t seq, uint32_t layer,
 			     uint32_t logical);
+
+/* Bytes of one KV head's stored run (a quantised run for quantised pages). */
+uint64_t kvr_pool_head_bytes(const struct kvr_pool *pool);
 
 /* Copy one KV head of a page into dst as an HND run (head_bytes): one memcpy
  * for an HND pool, 2·p row copies for an NHD pool. Lock-free. */

@@ -213,6 +213,39 @@ static inline KVR_HD void kvr_quant_run_from_nhd(const struct kvr_quant_geometry
 	}
 }
 
+/* Bytes of one KV head's run of p tokens in `format` (plain: 2·p·d elements
+ * of elem_bytes), 0 for an unknown format or a shape it cannot hold. */
+static inline KVR_HD uint64_t kvr_kv_run_bytes(uint32_t format, uint32_t page_tokens, uint32_t head_dim,
+					       uint32_t elem_bytes)
+{
+	if (format == KVR_KV_PLAIN)
+		return 2ull * page_tokens * head_dim * elem_bytes;
+	struct kvr_quant_geometry g;
+	return kvr_quant_geometry_init(&g, page_tokens, head_dim, 1, format) ? 0u : g.head_bytes;
+}
+
+/* The inverse direction: tokens [0, n_tokens) of KV head m's run written as
+ * dequantised NHD rows (token t's head m at t·row_stride + m·d elements of
+ * elem_type), as a truncation that ends inside a quantised page refills the
+ * tail tile. */
+static inline KVR_HD void kvr_quant_run_to_nhd(const struct kvr_quant_geometry *g, const void *run,
+					       uint32_t n_tokens, void *k_rows, void *v_rows,
+					       uint32_t row_stride, uint32_t elem_type, uint32_t m)
+{
+	unsigned char *r = (unsigned char *)(uintptr_t)run;
+	const uint32_t d = g->head_dim;
+	for (uint32_t t = 0; t < n_tokens; t++)
+		for (uint32_t c = 0; c < d; c++) {
+			const uint64_t at = (uint64_t)t * row_stride + (uint64_t)m * d + c;
+			kvr_store_f32(k_rows, elem_type, at,
+				      kvr_dequant(kvr_quant_get(kvr_quant_key_row(g, r, t), c, g->key_bits),
+						  kvr_quant_key_sz(g, r, t)));
+			kvr_store_f32(v_rows, elem_type, at,
+				      kvr_dequant(kvr_quant_get(kvr_quant_value_row(g, r, t), c, g->value_bits),
+						  kvr_quant_value_sz(g, r, t)));
+		}
+}
+
 /*
  * Attention reads quantised rows without dequantising them to memory
  * (LeanKV: on the fly, in registers). A key's logit against q is

@@ -218,6 +218,18 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 	if (c->pool_layout > KVR_POOL_NHD)
 		return say(m, mb, -EINVAL, "pool_layout: must be 0 (HND) or 1 (NHD) (got %u)",
 			   c->pool_layout);
+	if (c->kv_format > KVR_KV_FORMAT_MIXED)
+		return say(m, mb, -EINVAL,
+			   "kv_format: must be 0 (plain), 1 (k8v4), 2 (k4v2) or 3 (mixed) (got %u)",
+			   c->kv_format);
+	if (c->kv_format == KVR_KV_FORMAT_MIXED)
+		return say(m, mb, -ENOTSUP,
+			   "kv_format: mixed (3) is not built yet; use k8v4 (1) or k4v2 (2)");
+	if (c->kv_format != KVR_KV_FORMAT_PLAIN && c->pool_layout != KVR_POOL_HND)
+		return say(m, mb, -EINVAL,
+			   "kv_format: quantised pages (%s) need pool_layout HND (0): a quantised "
+			   "KV head is one run with its scales (got pool_layout %u)",
+			   kvr_kv_format_name(c->kv_format), c->pool_layout);
 	if (!c->device_alloc != !c->device_free)
 		return say(m, mb, -EINVAL,
 			   "device_alloc: device_alloc and device_free must be set together");
@@ -331,6 +343,36 @@ KVR_API const char *kvr_controller_name(uint32_t controller)
 	default:
 		return "?";
 	}
+}
+
+static const char *const kv_format_names[] = {
+	[KVR_KV_FORMAT_PLAIN] = "plain",
+	[KVR_KV_FORMAT_K8V4] = "k8v4",
+	[KVR_KV_FORMAT_K4V2] = "k4v2",
+	[KVR_KV_FORMAT_MIXED] = "mixed",
+};
+
+KVR_API const char *kvr_kv_format_name(uint32_t kv_format)
+{
+	return kv_format < sizeof(kv_format_names) / sizeof(kv_format_names[0])
+		       ? kv_format_names[kv_format]
+		       : "?";
+}
+
+KVR_API int kvr_kv_format_parse(const char *name, uint32_t *kv_format)
+{
+	if (!name || !kv_format)
+		return -EINVAL;
+	if (!strcmp(name, "f16") || !strcmp(name, "bf16") || !strcmp(name, "f32")) {
+		*kv_format = KVR_KV_FORMAT_PLAIN;
+		return 0;
+	}
+	for (uint32_t i = 0; i < sizeof(kv_format_names) / sizeof(kv_format_names[0]); i++)
+		if (!strcmp(name, kv_format_names[i])) {
+			*kv_format = i;
+			return 0;
+		}
+	return -EINVAL;
 }
 
 KVR_API const char *kvr_backend_name(uint32_t backend)

@@ -17,6 +17,7 @@
 #include "../gpu/gpu.h"
 #include "../host/pool.h"
 #include "../host/topology.h"
+#include "../layouts/kvquant.h"
 #include "../layouts/page.h"
 #include "../scheduler/scheduler.h"
 #include "../scheduler/trace.h"
@@ -26,6 +27,10 @@ KVR_STATIC_ASSERT((int)KVR_ELEM_F16 == (int)KVR_DTYPE_F16 &&
 			  (int)KVR_ELEM_BF16 == (int)KVR_DTYPE_BF16 &&
 			  (int)KVR_ELEM_F32 == (int)KVR_DTYPE_F32,
 		  "layouts/ element types mirror enum kvr_dtype");
+KVR_STATIC_ASSERT((int)KVR_KV_PLAIN == (int)KVR_KV_FORMAT_PLAIN &&
+			  (int)KVR_KV_K8V4 == (int)KVR_KV_FORMAT_K8V4 &&
+			  (int)KVR_KV_K4V2 == (int)KVR_KV_FORMAT_K4V2,
+		  "layouts/ page formats mirror enum kvr_kv_format_kind");
 
 /* Device bytes of one admitted sequence (tail tiles of every layer plus its
  * page cache) and the context's fixed share (staging). */
@@ -224,6 +229,7 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		.keep_summaries = 1,
 		.log_fn = pool_log,
 		.log_user = ctx,
+		.kv_format = c.kv_format,
 	};
 	if (!err && !kvr_dev_host_visible(ctx->dev)) {
 		pp.register_fn = pool_register;
@@ -268,10 +274,10 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		return err;
 	}
 	kvr_log(ctx, KVR_LOG_INFO,
-		"context: backend %s, mode %s, recall %s, controller %s, %u layers, %u/%u heads, d=%u, %s, p=%u, B=%u "
+		"context: backend %s, mode %s, recall %s, controller %s, %u layers, %u/%u heads, d=%u, %s, pages %s, p=%u, B=%u "
 		"(S=%u, W=%u), tau=%.2f, %u worker threads, NUMA node %d",
 		kvr_backend_name(c.backend), kvr_mode_name(c.mode), kvr_recall_name(c.recall), kvr_controller_name(c.controller), c.n_layers, c.n_qo_heads,
-		c.n_kv_heads, c.head_dim, kvr_dtype_name(c.dtype), c.page_tokens, c.budget_tokens,
+		c.n_kv_heads, c.head_dim, kvr_dtype_name(c.dtype), kvr_kv_format_name(c.kv_format), c.page_tokens, c.budget_tokens,
 		c.sink_tokens, c.window_tokens, (double)c.tau, c.threads, c.numa_node);
 	*out = ctx;
 	return 0;

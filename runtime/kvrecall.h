@@ -40,7 +40,7 @@ extern "C" {
  * ------------------------------------------------------------------------- */
 
 #define KVR_VERSION_MAJOR 0
-#define KVR_VERSION_MINOR 3
+#define KVR_VERSION_MINOR 4
 #define KVR_VERSION_PATCH 0
 /* One integer, comparable: major * 10000 + minor * 100 + patch. */
 #define KVR_VERSION_NUMBER \
@@ -122,6 +122,17 @@ enum kvr_controller {
 enum kvr_pool_layout_kind {
 	KVR_POOL_HND = 0, /* [n_kv][2][p][d]: one KV head's page is one contiguous run */
 	KVR_POOL_NHD = 1, /* [2][p][n_kv][d]: 2·p row copies per recalled page (ablation) */
+};
+
+/* How KV pages are stored in the pool and the device page cache. The tail
+ * page being filled, and prefill's own tokens, stay in the dtype. */
+enum kvr_kv_format_kind {
+	KVR_KV_FORMAT_PLAIN = 0, /* the dtype (f16 by default), unquantised */
+	KVR_KV_FORMAT_K8V4 = 1,  /* keys 8-bit, values 4-bit, f16 scale and zero point per
+	                            token and KV head (LeanKV): 0.27x an f16 page at d = 128 */
+	KVR_KV_FORMAT_K4V2 = 2,  /* keys 4-bit, values 2-bit: 0.15x an f16 page at d = 128 */
+	KVR_KV_FORMAT_MIXED = 3, /* K8V4, and pages that receive little attention as K4V2
+	                            (opt-in; not built yet: -ENOTSUP) */
 };
 
 /* Where attention runs. */
@@ -207,6 +218,10 @@ struct kvr_config {
 
 	/* Added in 0.3 (a 0.2 config, without it, takes its default). */
 	uint32_t controller; /* enum kvr_controller. Default AUTO. */
+
+	/* Added in 0.4 (an older config, without it, takes its default). */
+	uint32_t kv_format; /* enum kvr_kv_format_kind: quantised pages need pool_layout HND.
+	                       Default PLAIN. */
 };
 
 /*
@@ -237,6 +252,11 @@ KVR_API const char *kvr_backend_name(uint32_t backend);
 KVR_API const char *kvr_recall_name(uint32_t recall);
 /* Name of a controller placement ("auto", "thread", "inline"); "?" if unknown. */
 KVR_API const char *kvr_controller_name(uint32_t controller);
+/* Name of a KV format ("plain", "k8v4", "k4v2", "mixed"); "?" if unknown. */
+KVR_API const char *kvr_kv_format_name(uint32_t kv_format);
+/* Parse a KV format name into *kv_format: the names above, and "f16", "bf16"
+ * or "f32" for plain (the dtype itself is cfg->dtype). Returns 0 or -EINVAL. */
+KVR_API int kvr_kv_format_parse(const char *name, uint32_t *kv_format);
 
 /*
  * Device bytes a context created from `cfg` needs before any sequence

@@ -19,6 +19,7 @@
 
 #include "../gpu/backend.h"
 #include "../host/pool.h"
+#include "../layouts/kvquant.h"
 #include "../layouts/transpose.h"
 #include "../scheduler/scheduler.h"
 #include "internal.h"
@@ -217,9 +218,20 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 			const unsigned char *page =
 				kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id) ? NULL
 												   : kvr_pool_page_data(ctx->pool, id);
-			for (uint32_t h = 0; page && h < c->n_kv_heads; h++)
-				kvr_hnd_run_to_nhd_slot(&g, page + h * g.head_bytes, tail_keys(ctx, s, l),
-							tail_values(ctx, s, l), h);
+			/* a quantised page gives back its dequantised tokens: what
+			 * attention read of them, not the rows that were offloaded */
+			struct kvr_quant_geometry gq;
+			const int quant = !kvr_quant_geometry_init(&gq, c->page_tokens, c->head_dim, 1,
+								   c->kv_format);
+			for (uint32_t h = 0; page && h < c->n_kv_heads; h++) {
+				if (quant)
+					kvr_quant_run_to_nhd(&gq, page + h * gq.head_bytes, c->page_tokens,
+							     tail_keys(ctx, s, l), tail_values(ctx, s, l),
+							     c->n_kv_heads * c->head_dim, c->dtype, h);
+				else
+					kvr_hnd_run_to_nhd_slot(&g, page + h * g.head_bytes, tail_keys(ctx, s, l),
+								tail_values(ctx, s, l), h);
+			}
 		}
 	}
 	/* the previous queries belonged to dropped tokens, and selections and

@@ -21,6 +21,12 @@
  * recall_buffers = 1 keeps one buffer (copy and scatter serialised) for the
  * ablation.
  *
+ * Quantised pages (kv_format K8V4 or K4V2) stay quantised in the slots: slot
+ * tile j holds n_kv quantised runs (kvquant.h), slot (m, j) is run m, and
+ * attention dequantises on the fly. With no layout to convert, misses are
+ * copied from the pool straight into their slots on the copy stream (after
+ * the lane's attn_done, before its recall_done): no staging buffers.
+ *
  * Threads: kvr_recall_issue runs on the controller thread. Staging-buffer
  * reuse is ordered on the streams by the `drained` events, so the controller
  * does not wait for buffers; it waits only, before rewriting a lane's own
@@ -46,19 +52,21 @@ uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall)
 	if (recall != KVR_RECALL_STREAMED)
 		return 0;
 	const uint64_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
-	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
-			      kvr_elem_bytes(c->dtype);
+	const uint64_t run = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim,
+					      kvr_elem_bytes(c->dtype));
 	uint32_t sparse_layers = 0;
 	for (uint32_t l = 0; l < c->n_layers; l++)
 		sparse_layers += !(c->dense_layers[l / 64] >> (l % 64) & 1);
-	return (2 * tile * k + (uint64_t)c->n_kv_heads * k * sizeof(struct kvr_scatter_item)) *
-	       sparse_layers;
+	/* plain: K and V tiles (n_kv runs' worth) and the scatter items;
+	 * quantised: the runs only, copied in place */
+	const uint64_t items = c->kv_format ? 0 : sizeof(struct kvr_scatter_item);
+	return (run + items) * c->n_kv_heads * k * sparse_layers;
 }
 
 uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recall)
 {
-	if (recall != KVR_RECALL_STREAMED)
-		return 0;
+	if (recall != KVR_RECALL_STREAMED || c->kv_format)
+		return 0; /* quantised pages need no staging: nothing to convert */
 	const uint64_t head = 2ull * c->page_tokens * c->head_dim * kvr_elem_bytes(c->dtype);
 	return (uint64_t)c->recall_buffers * c->recall_chunk_pages * head;
 }
@@ -70,15 +78,16 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	int ret = kvr_dev_stream_create(s->dev, KVR_STREAM_WORKER, &s->copy);
 	if (!ret)
 		ret = kvr_dev_stream_create(s->dev, KVR_STREAM_WORKER, &s->convert);
-	s->n_staging = s->c.recall_buffers;
+	/* quantised pages are copied straight into their slots: no staging */
+	s->n_staging = s->kv_format ? 0 : s->c.recall_buffers;
 	s->chunk_pages = s->c.recall_chunk_pages;
+	if (!ret && !(s->recall_descs = malloc(s->chunk_pages * sizeof(struct kvr_copy_desc))))
+		ret = -ENOMEM;
 	for (uint32_t b = 0; !ret && b < s->n_staging; b++) {
 		struct staging *st = &s->staging[b];
 		ret = kvr_dev_alloc(s->dev, s->chunk_pages * s->head_bytes, (void **)&st->runs);
 		if (!ret)
 			ret = kvr_dev_event_create(s->dev, &st->staged);
-		if (!ret && !s->recall_descs && !(s->recall_descs = malloc(s->chunk_pages * sizeof(struct kvr_copy_desc))))
-			ret = -ENOMEM;
 		if (!ret)
 			ret = kvr_dev_event_create(s->dev, &st->drained);
 	}
@@ -126,8 +135,10 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 		ret = kvr_dev_event_create(s->dev, &lane->attn_done);
 	if (ret || !lane->slot_page || !s->k)
 		return ret; /* zero-copy or a dense layer: events only */
-	const size_t bytes = (size_t)s->k * s->tile_bytes;
+	const size_t bytes = (size_t)s->k * s->slot_bytes;
 	ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_k);
+	if (s->kv_format)
+		return ret; /* quantised runs in slot_k only, copied without scatter items */
 	if (!ret)
 		ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_v);
 	if (!ret)
@@ -248,10 +259,63 @@ static uint32_t plan_head(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m
 	return n;
 }
 
+/* Quantised pages: the misses' runs go from the pool straight into their
+ * slots, chunk_pages per batched copy on the copy stream, after the lane's
+ * last attention; there is no layout to convert, so no staging. */
+static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads)
+{
+	struct miss *misses = s->recall_misses;
+	struct kvr_copy_desc *descs = s->recall_descs;
+	struct kvr_stream *copy = s->copy;
+	uint64_t hits = 0, n_miss_total = 0;
+	int err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
+	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
+		if (!heads[m])
+			continue;
+		const uint32_t n_miss = plan_head(s, lane, m, misses, &hits);
+		n_miss_total += n_miss;
+		for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
+			const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
+			const unsigned char *base = NULL;
+			for (uint32_t i = 0; i < n; i++) {
+				const unsigned char *page = kvr_pool_page_data(s->pool, misses[at + i].page_id);
+				if (!base || page < base)
+					base = page;
+			}
+			for (uint32_t i = 0; i < n; i++) {
+				const struct miss *ms = &misses[at + i];
+				const unsigned char *run = (const unsigned char *)kvr_pool_page_data(s->pool, ms->page_id) +
+							   (uint64_t)ms->head * s->head_bytes;
+				descs[i] = (struct kvr_copy_desc){
+					(uint64_t)(run - base),
+					(uint64_t)ms->slot * s->slot_bytes + (uint64_t)ms->head * s->head_bytes,
+					s->head_bytes };
+			}
+			kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
+			struct kvr_trace_span *sp = kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY,
+									  lane->seq, lane->layer, n);
+			err = kvr_dev_memcpy_batch_async(s->dev, lane->slot_k, base, descs, n, KVR_COPY_H2D, copy);
+			kvr_stream_span_end(s, copy, sp);
+		}
+	}
+	if (!err)
+		err = kvr_dev_event_record(s->dev, lane->recall_done, copy);
+	count(s, lane->seq, KVR_C_PAGES_RECALLED, n_miss_total);
+	count(s, lane->seq, KVR_C_PAGES_HIT, hits);
+	count(s, lane->seq, KVR_C_BYTES_RECALLED, n_miss_total * s->head_bytes);
+	return err;
+}
+
 int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads)
 {
 	if (!s->k)
 		return 0;
+	if (s->kv_format) {
+		/* the slot table is rewritten below: the previous recall must have run */
+		if (kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN)
+			kvr_dev_event_synchronize(s->dev, lane->recall_done);
+		return recall_quantised(s, lane, heads);
+	}
 	struct miss *misses = s->recall_misses;
 	uint64_t hits = 0, n_miss_total = 0;
 	struct kvr_stream *copy = s->copy, *convert = s->convert;

@@ -49,8 +49,8 @@ int kvr_resident_enabled(const struct kvr_sched *s)
 
 uint64_t kvr_resident_lane_bytes(const struct kvr_config *c)
 {
-	const uint64_t page = 2ull * c->page_tokens * c->head_dim * c->n_kv_heads *
-			      kvr_elem_bytes(c->dtype);
+	const uint64_t page = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim,
+					       kvr_elem_bytes(c->dtype)) * c->n_kv_heads;
 	const uint64_t slots = (c->sink_tokens + c->window_tokens) / c->page_tokens;
 	const uint64_t chunks = (slots + RES_CHUNK_PAGES - 1) / RES_CHUNK_PAGES;
 	return chunks * RES_CHUNK_PAGES * page;

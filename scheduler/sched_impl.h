@@ -37,8 +37,9 @@ struct kvr_lane {
 	int32_t *selected;        /* [n_kv][k]: pages the next step attends (ascending, -1 =
 	                             none; mapped: the select kernel writes it) */
 	/* streamed recall: the lane's device slots and what they hold */
-	unsigned char *slot_k;    /* k NHD tiles of keys (p rows of n_kv·d), device memory */
-	unsigned char *slot_v;    /* k NHD tiles of values */
+	unsigned char *slot_k;    /* k slot tiles, device memory: NHD tiles of keys (p rows
+	                             of n_kv·d), or of n_kv quantised runs each */
+	unsigned char *slot_v;    /* k NHD tiles of values (plain pages only) */
 	int32_t *slot_page;       /* [n_kv][k]: logical page in slot (m, j), -1 = empty */
 	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall (mapped) */
 	struct kvr_scatter_item *recall_items_dev; /* their device copy (separate memory) */
@@ -84,7 +85,10 @@ struct kvr_sched {
 	int separate;                /* device memory is not host-addressable (memory.c) */
 	int jobs_inline;             /* controller jobs run on the posting thread */
 	uint32_t k, G, eb;
+	uint32_t kv_format;          /* enum kvr_kv_format of the pool's pages */
 	uint64_t q_row, kv_row, tile_bytes, head_bytes;
+	uint64_t slot_bytes;         /* one slot tile: an NHD tile (plain; keys, and as much
+	                                for values) or n_kv quantised runs (kvquant.h) */
 	struct kvr_shape shape;      /* the whole layer (similarity, score, select, scatter) */
 	struct kvr_shape head_shape; /* one KV head with its G query heads (attention) */
 	struct kvr_sched_hooks hooks;

@@ -104,6 +104,9 @@ static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *
 	if (!page)
 		page = kvr_pool_page_data(s->pool, id);
 	const uint32_t p = s->c.page_tokens, d = s->c.head_dim, eb = s->eb;
+	if (s->kv_format) /* the head's quantised run (kernels.h) */
+		return (struct kvr_kv_segment){ page + (uint64_t)m * s->head_bytes, NULL, p, 0,
+						(uint32_t)s->head_bytes, s->kv_format };
 	if (s->pool_layout == KVR_POOL_LAYOUT_NHD) {
 		/* [2][p][n_kv][d] */
 		const unsigned char *k = page + (uint64_t)m * d * eb;
@@ -167,6 +170,14 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 			sort_pairs(pages, slots, n_sel);
 			const uint64_t row = (uint64_t)s->c.n_kv_heads * d;
 			for (uint32_t i = 0; i < n_sel; i++) {
+				if (s->kv_format) {
+					const uint64_t off = (uint64_t)slots[i] * s->slot_bytes +
+							     (uint64_t)m * s->head_bytes;
+					out[n++] = (struct kvr_kv_segment){ lane->slot_k + off, NULL, p, 0,
+									    (uint32_t)s->head_bytes,
+									    s->kv_format };
+					continue;
+				}
 				const uint64_t off = (uint64_t)slots[i] * s->tile_bytes + (uint64_t)m * d * s->eb;
 				out[n++] = (struct kvr_kv_segment){ lane->slot_k + off, lane->slot_v + off, p,
 								    (uint32_t)row, 0, 0 };
@@ -733,7 +744,9 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->q_row = (uint64_t)c->n_qo_heads * c->head_dim * s->eb;
 	s->kv_row = (uint64_t)c->n_kv_heads * c->head_dim * s->eb;
 	s->tile_bytes = (uint64_t)c->page_tokens * s->kv_row;
-	s->head_bytes = 2ull * c->page_tokens * c->head_dim * s->eb;
+	s->kv_format = c->kv_format;
+	s->head_bytes = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim, s->eb);
+	s->slot_bytes = c->kv_format ? s->head_bytes * c->n_kv_heads : s->tile_bytes;
 	const float scale = 1.0f / sqrtf((float)c->head_dim);
 	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
 				       c->dtype, scale, c->tau, 0 };

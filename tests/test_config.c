@@ -125,6 +125,9 @@ MUT(log_level_bad, c->log_level = 4)
 MUT(recall_bad, c->recall = 3)
 MUT(pool_layout_bad, c->pool_layout = 2)
 MUT(controller_bad, c->controller = 3)
+MUT(kv_format_bad, c->kv_format = 4)
+MUT(kv_format_mixed, c->kv_format = KVR_KV_FORMAT_MIXED)
+MUT(kv_format_nhd, c->kv_format = KVR_KV_FORMAT_K8V4; c->pool_layout = KVR_POOL_NHD)
 MUT(cache_overflow, c->budget_tokens = 0x7fffffe0u; c->max_sequences = 1u << 20;
     c->max_batch = 1u << 20; c->n_layers = 256; c->n_kv_heads = 256; c->n_qo_heads = 256;
     c->head_dim = 256; c->dtype = KVR_DTYPE_F32)
@@ -178,6 +181,9 @@ static const struct bad_case bad_cases[] = {
 	{ "recall_bad", recall_bad, -EINVAL, "recall", "streamed" },
 	{ "pool_layout_bad", pool_layout_bad, -EINVAL, "pool_layout", "NHD" },
 	{ "controller_bad", controller_bad, -EINVAL, "controller", "2 (inline)" },
+	{ "kv_format_bad", kv_format_bad, -EINVAL, "kv_format", "2 (k4v2)" },
+	{ "kv_format_mixed", kv_format_mixed, -ENOTSUP, "kv_format", "not built yet" },
+	{ "kv_format_nhd", kv_format_nhd, -EINVAL, "kv_format", "pool_layout HND" },
 	{ "cache_overflow", cache_overflow, -EOVERFLOW, "budget_tokens", "overflows 64 bits" },
 	{ "pool_overflow", pool_overflow, -EOVERFLOW, "pool_bytes", "overflows" },
 	{ "pool_too_small", pool_too_small, -EINVAL, "pool_bytes", "one page per layer" },
@@ -315,4 +321,16 @@ Test(config, names_round_trip)
 	cr_expect_str_eq(kvr_dtype_name(17), "?");
 	cr_expect_str_eq(kvr_backend_name(KVR_BACKEND_CUDA), "cuda");
 	cr_expect_str_eq(kvr_backend_name(3), "?");
+	for (uint32_t f = KVR_KV_FORMAT_PLAIN; f <= KVR_KV_FORMAT_MIXED; f++) {
+		uint32_t back = 99;
+		cr_expect_eq(kvr_kv_format_parse(kvr_kv_format_name(f), &back), 0);
+		cr_expect_eq(back, f);
+	}
+	uint32_t f = 7;
+	cr_expect_eq(kvr_kv_format_parse("f16", &f), 0);
+	cr_expect_eq(f, KVR_KV_FORMAT_PLAIN);
+	f = 7;
+	cr_expect_eq(kvr_kv_format_parse("k8v8", &f), -EINVAL);
+	cr_expect_eq(f, 7, "out-parameter written on failure");
+	cr_expect_str_eq(kvr_kv_format_name(4), "?");
 }

@@ -267,13 +267,56 @@ Test(model, eval_reports_every_mode, .init = open_model, .fini = close_model, .t
 	buf[got] = 0;
 	for (const char *md = "dense\0blocking\0speculative\0freekv\0"; *md; md += strlen(md) + 1) {
 		char key[64];
-		snprintf(key, sizeof(key), "\"mode\": \"%s\", \"perplexity\": ", md);
+		snprintf(key, sizeof(key), "\"mode\": \"%s\", \"kv_format\": \"f16\", \"perplexity\": ", md);
 		const char *p = strstr(buf, key);
 		cr_assert(p, "no result for %s in %s", md, buf);
 		const double ppl = strtod(p + strlen(key), NULL);
 		cr_expect(isfinite(ppl) && ppl > 1.0 && ppl < 200.0, "%s: perplexity %g", md, ppl);
 	}
-	cr_expect(strstr(buf, "\"mode\": \"dense\", \"perplexity\"") &&
+	cr_expect(strstr(buf, "\"mode\": \"dense\", \"kv_format\": \"f16\", \"perplexity\"") &&
 		  strstr(strstr(buf, "\"mode\": \"dense\""), "\"top1_agreement\": 1.000000"),
 		  "dense does not agree with itself: %s", buf);
+}
+
+/* Quantised pages through `kvrecall eval`: every (mode, format) pair is
+ * reported; K8V4 stays close to f16 (LeanKV: keys need the bits), and K4V2,
+ * with 2-bit values, is measurably worse than K8V4 — the formats really
+ * reach attention. */
+static double eval_ppl(const char *buf, const char *mode, const char *format)
+{
+	char key[96];
+	snprintf(key, sizeof(key), "\"mode\": \"%s\", \"kv_format\": \"%s\", \"perplexity\": ", mode,
+		 format);
+	const char *p = strstr(buf, key);
+	cr_assert(p, "no result for %s over %s pages in %s", mode, format, buf);
+	return strtod(p + strlen(key), NULL);
+}
+
+Test(model, eval_quantised_pages, .init = open_model, .fini = close_model, .timeout = 300)
+{
+	if (access("/usr/share/common-licenses/GPL-3", R_OK))
+		cr_skip_test("/usr/share/common-licenses/GPL-3 is missing (Debian's base-files)");
+	char json[] = "/tmp/kvr-eval-XXXXXX";
+	const int fd = mkstemp(json);
+	cr_assert_geq(fd, 0);
+	close(fd);
+	char modes[] = "freekv", formats[] = "k8v4,k4v2";
+	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "384", "--prefill",
+			 "256",      "--budget", "256", "--sink", "64", "--window", "64", "--modes", modes,
+			 "--kv-formats", formats, "--threads", "1", "--quiet", "--json", json };
+	cr_assert_eq(runner_eval((int)(sizeof(argv) / sizeof(argv[0])), argv), 0);
+	FILE *f = fopen(json, "r");
+	cr_assert(f);
+	char buf[4096] = "";
+	const size_t got = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	unlink(json);
+	buf[got] = 0;
+	const double f16 = eval_ppl(buf, "dense", "f16"), k8 = eval_ppl(buf, "dense", "k8v4");
+	const double k4 = eval_ppl(buf, "dense", "k4v2");
+	const double fk8 = eval_ppl(buf, "freekv", "k8v4"), fk4 = eval_ppl(buf, "freekv", "k4v2");
+	cr_expect(k8 > 0.95 * f16 && k8 < 1.05 * f16, "dense over K8V4 pages: perplexity %g, f16 %g", k8, f16);
+	cr_expect(k4 > 1.2 * k8, "dense over K4V2 pages: perplexity %g, not worse than K8V4's %g", k4, k8);
+	cr_expect(isfinite(fk8) && fk8 < 1.2 * f16 && isfinite(fk4), "freekv: K8V4 %g, K4V2 %g, f16 dense %g",
+		  fk8, fk4, f16);
 }

@@ -19,6 +19,7 @@
 
 #include "convert.h"
 #include "half.h"
+#include "kvquant.h"
 #include "pool.h"
 #include "summary.h"
 #include "topology.h"
@@ -148,6 +149,95 @@ Test(pool, summaries_written_with_pages)
 	cr_expect_null(kvr_pool_summary(pool, 0, 0, 0), "layer 0 has no page");
 	free(k), free(v);
 	kvr_pool_destroy(pool);
+}
+
+/* ---- quantised pages (K8V4, K4V2) ---- */
+
+/* A quantised pool stores each KV head as the run kvquant.h's quantiser
+ * makes from the same rows (ingest included, partial pages through the
+ * tail), keeps the summaries of the unquantised keys, is smaller by the run
+ * ratio, and refuses the NHD layout and head dims it cannot pack. */
+Test(pool, quantised_pages_hold_the_quantised_runs)
+{
+	enum { P = 16, D = 64, NKV = 3, PAGES = 3 };
+	const uint32_t formats[] = { KVR_KV_K8V4, KVR_KV_K4V2 };
+	for (uint32_t fi = 0; fi < 2; fi++)
+		for (uint32_t t = KVR_ELEM_F16; t <= KVR_ELEM_F32; t++) {
+			struct kvr_pool_params pp = { .n_layers = 1, .max_sequences = 2, .numa_node = -1,
+						      .keep_summaries = 1, .kv_format = formats[fi] };
+			cr_assert_eq(kvr_page_geometry_init(&pp.geometry, P, D, NKV, t), 0);
+			struct kvr_quant_geometry gq;
+			cr_assert_eq(kvr_quant_geometry_init(&gq, P, D, NKV, formats[fi]), 0);
+			pp.capacity_bytes = 8 * gq.page_bytes;
+			struct kvr_pool *pool = NULL, *plain = NULL;
+			char err[256];
+			cr_assert_eq(kvr_pool_create(&pp, &pool, err, sizeof(err)), 0, "%s", err);
+			struct kvr_pool_stats st;
+			kvr_pool_get_stats(pool, &st);
+			cr_assert_eq(st.page_bytes, gq.page_bytes);
+			cr_assert_eq(st.capacity_pages, 8, "capacity counts quantised pages");
+			cr_assert_eq(kvr_pool_head_bytes(pool), gq.head_bytes);
+			pp.kv_format = KVR_KV_PLAIN;
+			pp.capacity_bytes = 8 * pp.geometry.page_bytes;
+			cr_assert_eq(kvr_pool_create(&pp, &plain, err, sizeof(err)), 0, "%s", err);
+
+			/* PAGES·P − 5 tokens of values on a grid, ingested in three calls */
+			const uint32_t n_tok = PAGES * P - 5, row = NKV * D;
+			const size_t eb = kvr_elem_bytes(t);
+			unsigned char *k = malloc((size_t)n_tok * row * eb), *v = malloc((size_t)n_tok * row * eb);
+			for (size_t i = 0; i < (size_t)n_tok * row; i++) {
+				kvr_store_f32(k, t, i, (float)((int)(rng() % 513) - 256) / 128.0f);
+				kvr_store_f32(v, t, i, (float)((int)(rng() % 513) - 256) / 64.0f);
+			}
+			unsigned char *tk = malloc((size_t)P * row * eb), *tv = malloc((size_t)P * row * eb);
+			unsigned char *pk = malloc((size_t)P * row * eb), *pv = malloc((size_t)P * row * eb);
+			struct kvr_tail_tile tail = { tk, tv }, ptail = { pk, pv };
+			const uint32_t cuts[] = { 0, 7, 2 * P + 1, n_tok };
+			for (int pl = 0; pl < 2; pl++) {
+				struct kvr_pool *pq = pl ? plain : pool;
+				cr_assert_eq(kvr_pool_seq_open(pq, 0), 0);
+				for (int c = 0; c < 3; c++)
+					cr_assert_eq(kvr_pool_ingest(pq, 0, 0, cuts[c], cuts[c + 1] - cuts[c],
+								     k + (size_t)cuts[c] * row * eb,
+								     v + (size_t)cuts[c] * row * eb,
+								     pl ? &ptail : &tail),
+						     0, "%s", kvr_pool_last_error(pq));
+			}
+			cr_assert_eq(memcmp(tk, pk, (size_t)(n_tok % P) * row * eb), 0, "tail rows");
+			unsigned char *want = malloc(gq.head_bytes), *got = malloc(gq.head_bytes);
+			float scratch[D];
+			for (uint32_t pg = 0; pg < n_tok / P; pg++) {
+				uint32_t id;
+				cr_assert_eq(kvr_pool_lookup(pool, 0, 0, pg, &id), 0);
+				for (uint32_t h = 0; h < NKV; h++) {
+					kvr_quant_run_from_nhd(&gq, k + (size_t)pg * P * row * eb,
+							       v + (size_t)pg * P * row * eb, row, t, h, P, want,
+							       scratch);
+					kvr_pool_gather_head(pool, id, h, got);
+					cr_assert_eq(memcmp(want, got, gq.head_bytes), 0,
+						     "%s %s page %u head %u: not the quantised run",
+						     formats[fi] == KVR_KV_K8V4 ? "K8V4" : "K4V2",
+						     t == KVR_ELEM_F16 ? "f16" : t == KVR_ELEM_BF16 ? "bf16" : "f32", pg, h);
+				}
+				cr_assert_eq(memcmp(kvr_pool_summary(pool, 0, 0, pg),
+						    kvr_pool_summary(plain, 0, 0, pg),
+						    2ull * NKV * D * eb),
+					     0, "page %u: summaries are not the unquantised keys'", pg);
+			}
+			free(want), free(got), free(k), free(v), free(tk), free(tv), free(pk), free(pv);
+			cr_assert_eq(kvr_pool_validate(pool, NULL), 0, "%s", kvr_pool_last_error(pool));
+			kvr_pool_destroy(pool);
+			kvr_pool_destroy(plain);
+
+			pp.kv_format = formats[fi];
+			pp.layout = KVR_POOL_LAYOUT_NHD;
+			cr_assert_eq(kvr_pool_create(&pp, &pool, err, sizeof(err)), -EINVAL);
+			cr_assert(strstr(err, "HND"), "%s", err);
+			pp.layout = KVR_POOL_LAYOUT_HND;
+			pp.kv_format = 9;
+			cr_assert_eq(kvr_pool_create(&pp, &pool, err, sizeof(err)), -EINVAL);
+			cr_assert(strstr(err, "format"), "%s", err);
+		}
 }
 
 /* ---- allocator stress against a shadow model ---- */

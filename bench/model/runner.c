@@ -28,7 +28,7 @@
 
 struct opts {
 	const char *model, *prompt, *chat, *file, *question, *json;
-	uint32_t max_tokens, threads, budget, sink, window, mode;
+	uint32_t max_tokens, threads, budget, sink, window, mode, kv_format;
 	float tau, temperature, top_p;
 	uint64_t seed;
 	int ignore_eos, compare, quiet, have_tau, have_budget, have_sink, have_window;
@@ -47,11 +47,13 @@ void runner_generate_usage(void)
 		"  --max-tokens N      tokens to generate (default 256)\n"
 		"  --ignore-eos        keep generating past the end-of-turn token\n"
 		"  --mode M            dense | blocking | speculative | freekv (default freekv)\n"
+		"  --kv-format F       KV pages: f16 | k8v4 | k4v2 (default f16)\n"
 		"  --budget B --sink S --window W --tau T   kvrecall's selection (defaults: B 2048,\n"
 		"                      S = W = 512 or B/4 when smaller, tau 0.9)\n"
 		"  --temperature T --top-p P --seed N      sampling (default greedy)\n"
 		"  --threads N         workers besides the main thread (default: cores - 1)\n"
-		"  --compare           also generate densely and report where the outputs diverge\n"
+		"  --compare           also generate densely (f16 pages) and report where the\n"
+		"                      outputs diverge\n"
 		"  --quiet             no streamed text; statistics only\n"
 		"  --json FILE         statistics as JSON\n");
 }
@@ -103,6 +105,12 @@ static int parse(int argc, char **argv, struct opts *o)
 		if (!strcmp(a, "--mode") && v) {
 			if (kvr_mode_parse(v, &o->mode) || o->mode == KVR_MODE_AUTO) {
 				fprintf(stderr, "kvrecall generate: unknown mode '%s'\n", v);
+				return 2;
+			}
+			i++;
+		} else if (!strcmp(a, "--kv-format") && v) {
+			if (kvr_kv_format_parse(v, &o->kv_format)) {
+				fprintf(stderr, "kvrecall generate: unknown KV format '%s' (f16, k8v4, k4v2)\n", v);
 				return 2;
 			}
 			i++;
@@ -343,13 +351,14 @@ struct run_stats {
 	struct kvr_stats kv;
 };
 
-static int make_context(const struct model *m, const struct opts *o, uint32_t mode, size_t tokens,
-			struct kvr_context **ctx)
+static int make_context(const struct model *m, const struct opts *o, uint32_t mode, uint32_t kv_format,
+			size_t tokens, struct kvr_context **ctx)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
 	model_kvr_config(m, &c);
 	c.mode = mode;
+	c.kv_format = kv_format;
 	c.backend = KVR_BACKEND_CPU;
 	c.max_sequences = 1;
 	c.max_batch = 1;
@@ -374,12 +383,12 @@ static int make_context(const struct model *m, const struct opts *o, uint32_t mo
 /* Prefill the prompt, then generate up to max_tokens into out (its first
  * token is sampled from the prompt's logits). stream: print as it goes. */
 static int generate(struct model *m, const struct tok *t, const struct opts *o, uint32_t mode,
-		    const int32_t *prompt, size_t n_prompt, int stream, int32_t *out, size_t *n_out,
+		    uint32_t kv_format, const int32_t *prompt, size_t n_prompt, int stream, int32_t *out, size_t *n_out,
 		    struct run_stats *st)
 {
 	const struct model_hparams *hp = model_hparams(m);
 	struct kvr_context *ctx;
-	int rc = make_context(m, o, mode, n_prompt + o->max_tokens, &ctx);
+	int rc = make_context(m, o, mode, kv_format, n_prompt + o->max_tokens, &ctx);
 	if (rc)
 		return rc;
 	float *logits = malloc(hp->n_vocab * sizeof(float));
@@ -513,12 +522,12 @@ int runner_generate(int argc, char **argv)
 	int32_t *out = malloc(o.max_tokens * sizeof(*out)), *ref = NULL;
 	struct run_stats st, st_ref;
 	size_t n_out = 0, n_ref = 0;
-	rc = out ? generate(m, t, &o, o.mode, prompt, n_prompt, !o.quiet, out, &n_out, &st) : -ENOMEM;
+	rc = out ? generate(m, t, &o, o.mode, o.kv_format, prompt, n_prompt, !o.quiet, out, &n_out, &st) : -ENOMEM;
 	if (!rc) {
 		print_stats(stderr, kvr_mode_name(o.mode), &st);
 		if (o.compare && o.mode != KVR_MODE_DENSE) {
 			ref = malloc(o.max_tokens * sizeof(*ref));
-			rc = ref ? generate(m, t, &o, KVR_MODE_DENSE, prompt, n_prompt, 0, ref, &n_ref,
+			rc = ref ? generate(m, t, &o, KVR_MODE_DENSE, KVR_KV_FORMAT_PLAIN, prompt, n_prompt, 0, ref, &n_ref,
 					    &st_ref)
 				 : -ENOMEM;
 			if (!rc) {
@@ -570,13 +579,17 @@ void runner_eval_usage(void)
 		"  --prefill N         tokens prefilled before decoding (default: the budget)\n"
 		"  --modes LIST        comma-separated, from dense,blocking,speculative,freekv\n"
 		"                      (default all four; dense always runs first)\n"
+		"  --kv-formats LIST   comma-separated page formats, from f16,k8v4,k4v2: each\n"
+		"                      mode runs with each (default f16); dense with f16 pages\n"
+		"                      runs first and is the reference, and dense also runs\n"
+		"                      with each other format (quantisation alone)\n"
 		"  --budget B --sink S --window W --tau T   as for generate\n"
 		"  --threads N         workers besides the main thread\n"
 		"  --json FILE         results as JSON\n");
 }
 
 struct eval_result {
-	uint32_t mode;
+	uint32_t mode, kv_format;
 	double nll, seconds;
 	double decode_seconds;   /* the decode steps alone, prefill excluded */
 	uint64_t decode_attn_ns; /* inside kvrecall's decode attention calls */
@@ -596,12 +609,13 @@ static double nll_of(const float *l, uint32_t n, uint32_t target)
 	return log(sum) - ((double)l[target] - top);
 }
 
-static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, const int32_t *ids,
-		     uint32_t n, uint32_t prefill, int32_t *dense_top, struct eval_result *r)
+static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, uint32_t kv_format,
+		     const int32_t *ids, uint32_t n, uint32_t prefill, int32_t *dense_top,
+		     struct eval_result *r)
 {
 	const uint32_t vocab = model_hparams(m)->n_vocab;
 	struct kvr_context *ctx;
-	int rc = make_context(m, o, mode, n, &ctx);
+	int rc = make_context(m, o, mode, kv_format, n, &ctx);
 	if (rc)
 		return rc;
 	float *logits = malloc(vocab * sizeof(float));
@@ -609,6 +623,7 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, const
 	uint32_t seq;
 	memset(r, 0, sizeof(*r));
 	r->mode = mode;
+	r->kv_format = kv_format;
 	const double t0 = now_s();
 	rc = logits ? kvr_seq_create(ctx, &seq) : -ENOMEM;
 	if (!rc)
@@ -622,7 +637,7 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, const
 		for (uint32_t v = 1; v < vocab; v++)
 			if (logits[v] > logits[best])
 				best = v;
-		if (mode == KVR_MODE_DENSE)
+		if (mode == KVR_MODE_DENSE && kv_format == KVR_KV_FORMAT_PLAIN)
 			dense_top[pos - prefill] = (int32_t)best;
 		r->agree += dense_top[pos - prefill] == (int32_t)best;
 		r->positions++;
@@ -650,6 +665,7 @@ int runner_eval(int argc, char **argv)
 {
 	/* eval's own options first; the rest are generate's */
 	uint32_t context = 8192, prefill = 0, modes[4], n_modes = 0;
+	uint32_t formats[3] = { KVR_KV_FORMAT_PLAIN }, n_formats = 0;
 	char **rest = calloc((size_t)argc + 6, sizeof(*rest));
 	/* --file may repeat: the texts are read in order and joined by a blank
 	 * line, so that 8K tokens can come from Debian's own shorter texts */
@@ -666,6 +682,18 @@ int runner_eval(int argc, char **argv)
 			context = (uint32_t)strtoul(argv[++i], NULL, 10);
 		} else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) {
 			prefill = (uint32_t)strtoul(argv[++i], NULL, 10);
+		} else if (!strcmp(argv[i], "--kv-formats") && i + 1 < argc) {
+			char *list = argv[++i], *save = NULL;
+			for (char *tk = strtok_r(list, ",", &save); tk; tk = strtok_r(NULL, ",", &save)) {
+				uint32_t f;
+				if (kvr_kv_format_parse(tk, &f) || f == KVR_KV_FORMAT_MIXED || n_formats == 3) {
+					fprintf(stderr, "kvrecall eval: unknown or repeated KV format '%s' "
+							"(f16, k8v4, k4v2)\n", tk);
+					free(rest), free(files);
+					return 2;
+				}
+				formats[n_formats++] = f;
+			}
 		} else if (!strcmp(argv[i], "--modes") && i + 1 < argc) {
 			char *list = argv[++i], *save = NULL;
 			for (char *tk = strtok_r(list, ",", &save); tk && n_modes < 4;
@@ -683,6 +711,8 @@ int runner_eval(int argc, char **argv)
 			rest[n_rest++] = argv[i];
 		}
 	}
+	if (!n_formats)
+		n_formats = 1; /* f16 */
 	if (!n_modes) {
 		modes[n_modes++] = KVR_MODE_BLOCKING;
 		modes[n_modes++] = KVR_MODE_SPECULATIVE;
@@ -753,27 +783,36 @@ int runner_eval(int argc, char **argv)
 			o.file, n_files > 1 ? " and the other files" : "", n_ids, context, prefill);
 		rc = -EINVAL;
 	}
-	struct eval_result res[5];
+	struct eval_result res[1 + 3 * 5];
 	uint32_t n_res = 0;
 	if (!rc && !(dense_top = malloc((context - prefill) * sizeof(*dense_top))))
 		rc = -ENOMEM;
-	if (!rc)
-		rc = eval_mode(m, &o, KVR_MODE_DENSE, ids, context, prefill, dense_top, &res[n_res++]);
-	for (uint32_t i = 0; !rc && i < n_modes; i++)
-		rc = eval_mode(m, &o, modes[i], ids, context, prefill, dense_top, &res[n_res++]);
+	if (!rc) /* the reference: dense over f16 pages */
+		rc = eval_mode(m, &o, KVR_MODE_DENSE, KVR_KV_FORMAT_PLAIN, ids, context, prefill, dense_top,
+			       &res[n_res++]);
+	for (uint32_t f = 0; !rc && f < n_formats; f++) {
+		if (formats[f] != KVR_KV_FORMAT_PLAIN)
+			rc = eval_mode(m, &o, KVR_MODE_DENSE, formats[f], ids, context, prefill, dense_top,
+				       &res[n_res++]);
+		for (uint32_t i = 0; !rc && i < n_modes; i++)
+			rc = eval_mode(m, &o, modes[i], formats[f], ids, context, prefill, dense_top,
+				       &res[n_res++]);
+	}
 	if (!rc) {
 		const double dense_ppl = exp(res[0].nll / (double)res[0].positions);
 		printf("context %u tokens (%s%s), prefill %u, decoded %u; B = %u, tau = %.2f\n", context,
 		       o.file, n_files > 1 ? " and more" : "", prefill, context - prefill, budget,
 		       (double)(o.have_tau ? o.tau : 0.9f));
-		printf("| mode | perplexity | gap over dense | top-1 agreement with dense | corrected heads | "
-		       "decode tokens/s | attention ms/token | seconds |\n|---|---|---|---|---|---|---|---|\n");
+		printf("| mode | pages | perplexity | gap over dense | top-1 agreement with dense | corrected heads | "
+		       "decode tokens/s | attention ms/token | seconds |\n|---|---|---|---|---|---|---|---|---|\n");
 		for (uint32_t i = 0; i < n_res; i++) {
 			const double ppl = exp(res[i].nll / (double)res[i].positions);
 			/* the last position is scored without a decode after it */
 			const double steps = res[i].positions > 1 ? (double)(res[i].positions - 1) : 1.0;
-			printf("| %s | %.4f | %+.4f | %.4f | %.1f%% | %.1f | %.3f | %.0f |\n",
-			       kvr_mode_name(res[i].mode), ppl, ppl - dense_ppl,
+			printf("| %s | %s | %.4f | %+.4f | %.4f | %.1f%% | %.1f | %.3f | %.0f |\n",
+			       kvr_mode_name(res[i].mode),
+			       res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16", ppl,
+			       ppl - dense_ppl,
 			       (double)res[i].agree / (double)res[i].positions,
 			       res[i].kv.checked_heads ? 100.0 * (double)res[i].kv.corrected_heads /
 							       (double)res[i].kv.checked_heads
@@ -788,12 +827,13 @@ int runner_eval(int argc, char **argv)
 					   "\"results\": [",
 					context, prefill, budget, (double)(o.have_tau ? o.tau : 0.9f));
 				for (uint32_t i = 0; i < n_res; i++)
-					fprintf(f, "%s{\"mode\": \"%s\", \"perplexity\": %.6f, \"top1_agreement\": "
+					fprintf(f, "%s{\"mode\": \"%s\", \"kv_format\": \"%s\", \"perplexity\": %.6f, \"top1_agreement\": "
 						   "%.6f, \"positions\": %llu, \"corrected_heads\": %llu, "
 						   "\"checked_heads\": %llu, \"seconds\": %.2f, "
 						   "\"decode_seconds\": %.3f, \"decode_steps\": %llu, "
 						   "\"decode_attention_ns\": %llu, \"bytes_recalled\": %llu}",
 						i ? ", " : "", kvr_mode_name(res[i].mode),
+						res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16",
 						exp(res[i].nll / (double)res[i].positions),
 						(double)res[i].agree / (double)res[i].positions,
 						(unsigned long long)res[i].positions,
