@@ -459,7 +459,7 @@ int main(int argc, char **argv)
 					hitems[s] = (struct kvr_attention_item){
 						(host ? hq : dq) + (uint64_t)s * n_qo * d,
 						(host ? ref_out : dout) + (uint64_t)s * n_qo * d,
-						s * pages_per_seq, pages_per_seq };
+						NULL, s * pages_per_seq, pages_per_seq };
 				if (host && set == 0) {
 					CK(kvr_dev_attention(cpu.dev, &shape, hitems, batch, hsegs, n_segs, cpu.s));
 					CK(kvr_dev_stream_synchronize(cpu.dev, cpu.s));

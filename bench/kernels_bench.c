@@ -235,7 +235,7 @@ int main(int argc, char **argv)
 		q[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
 	for (uint32_t s = 0; s < opt.batch; s++) {
 		items[s] = (struct kvr_attention_item){ q + (uint64_t)s * n_qo * d, out + (uint64_t)s * n_qo * d,
-							s * pages_per_seq, pages_per_seq };
+							NULL, s * pages_per_seq, pages_per_seq };
 		for (uint32_t j = 0; j < pages_per_seq; j++) {
 			const unsigned char *page = pool + (uint64_t)(rng() % n_pages) * page_bytes;
 			segs[s * pages_per_seq + j] = (struct kvr_kv_segment){ page, page + (uint64_t)p * d * 2, p, d,

@@ -284,7 +284,7 @@ static int check_kernels(struct env *e)
 								     j + 1 == PAGES ? P / 2 : P, D, 0, 0 };
 		}
 		ai[m] = (struct kvr_attention_item){ q->dev + (size_t)m * G * D * 2, out->dev + (size_t)m * G * D * 2,
-						     m * PAGES, PAGES };
+						     NULL, m * PAGES, PAGES };
 	}
 	DEV(up(e, q) || up(e, segs) || up(e, aitems));
 	DEV(kvr_dev_attention(e->dev, &hs, (const struct kvr_attention_item *)aitems->dev, N_KV,
@@ -299,7 +299,7 @@ static int check_kernels(struct env *e)
 	}
 	double worst = 0;
 	for (uint32_t m = 0; m < N_KV; m++) {
-		struct kvr_attention_item hai = { q->host + (size_t)m * G * D * 2, NULL, m * PAGES, PAGES };
+		struct kvr_attention_item hai = { q->host + (size_t)m * G * D * 2, NULL, NULL, m * PAGES, PAGES };
 		double ref[N_QO / N_KV * D];
 		struct ref_head_scale scale[N_QO / N_KV];
 		ref_attention(&hs, &hai, hsg, ref, scale);

@@ -596,17 +596,18 @@ void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 }
 
 static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh, const void *q,
-			   void *out, const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m)
+			   void *out, const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
+			   float *lse)
 {
 	switch (isa) {
 	case KVR_CONVERT_AVX512:
-		attention_head_avx512(sh, q, out, segs, n_segs, m);
+		attention_head_avx512(sh, q, out, segs, n_segs, m, lse);
 		break;
 	case KVR_CONVERT_AVX2:
-		attention_head_avx2(sh, q, out, segs, n_segs, m);
+		attention_head_avx2(sh, q, out, segs, n_segs, m, lse);
 		break;
 	default:
-		attention_head_base(sh, q, out, segs, n_segs, m);
+		attention_head_base(sh, q, out, segs, n_segs, m, lse);
 		break;
 	}
 }
@@ -632,13 +633,18 @@ static void attention_task(void *arg, uint32_t index)
 		float nan_row[256];
 		for (uint32_t c = 0; c < sh->head_dim; c++)
 			nan_row[c] = NAN;
-		for (uint32_t g = 0; g < G; g++)
+		for (uint32_t g = 0; g < G; g++) {
 			kvr_convert_from_f32((unsigned char *)it->out + (uint64_t)(m * G + g) * sh->head_dim *
 									   kvr_elem_bytes(sh->elem_type),
 					     nan_row, sh->elem_type, sh->head_dim);
+			for (uint32_t si = 0; (sh->flags & KVR_SHAPE_SEGMENT_LSE) && it->segment_lse &&
+					      si < it->n_segments; si++)
+				it->segment_lse[(uint64_t)(m * G + g) * it->n_segments + si] = NAN;
+		}
 		return;
 	}
-	attention_head(job->isa, sh, it->q, it->out, job->segments + it->first_segment, it->n_segments, m);
+	attention_head(job->isa, sh, it->q, it->out, job->segments + it->first_segment, it->n_segments, m,
+		       sh->flags & KVR_SHAPE_SEGMENT_LSE ? it->segment_lse : NULL);
 }
 
 void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
@@ -655,7 +661,7 @@ static void dense_task(void *arg, uint32_t index)
 	const struct kvr_shape *sh = job->shape;
 	const struct kvr_dense_item *it = (const struct kvr_dense_item *)job->items + index / sh->n_kv_heads;
 	const struct kvr_kv_segment seg = { it->k, it->v, it->n_tokens, it->row_stride, sh->head_dim, 0 };
-	attention_head(job->isa, sh, it->q, it->out, &seg, 1, index % sh->n_kv_heads);
+	attention_head(job->isa, sh, it->q, it->out, &seg, 1, index % sh->n_kv_heads, NULL);
 }
 
 void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,

@@ -261,7 +261,7 @@ ISA_FN(dequant_row)(const struct kvr_quant_geometry *g, const unsigned char *run
  * a load and a store. */
 static inline __attribute__((always_inline)) void
 ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
-		       const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
+		       const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
 		       const uint32_t chunks)
 {
 	enum { BLOCK = 16 };
@@ -285,9 +285,13 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	struct kvr_quant_geometry gq[3];
 	kvr_quant_geometry_init(&gq[KVR_KV_K8V4], sh->page_tokens, d, 1, KVR_KV_K8V4);
 	kvr_quant_geometry_init(&gq[KVR_KV_K4V2], sh->page_tokens, d, 1, KVR_KV_K4V2);
+	/* lse: each segment's sum of exp(logit − run_max), rescaled with run_sum */
+	float seg_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t si = 0; si < n_segs; si++) {
 		const struct kvr_kv_segment *seg = &segs[si];
 		const uint32_t fmt = seg->format;
+		for (uint32_t g = 0; g < G; g++)
+			seg_sum[g] = 0.0f;
 		/* plain: element offsets; quantised: the head's run, byte offsets */
 		const uint64_t head_off = (uint64_t)m * seg->head_stride * (fmt ? 1u : eb);
 		const unsigned char *kb = (const unsigned char *)seg->k + head_off;
@@ -370,6 +374,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
 				run_sum[g] = run_sum[g] * alpha + psum;
+				seg_sum[g] = seg_sum[g] * alpha + psum;
 				run_max[g] = new_max;
 			}
 			/* V: convert the block once, then per (g, c) accumulate over its tokens
@@ -400,6 +405,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					acc[g][c] = a[c];
 			}
 		}
+		if (lse) /* log(0) = −inf for an empty segment */
+			for (uint32_t g = 0; g < G; g++)
+				lse[(uint64_t)(m * G + g) * n_segs + si] =
+					seg->n_tokens ? run_max[g] + logf(seg_sum[g]) : -INFINITY;
 	}
 
 	for (uint32_t g = 0; g < G; g++) {
@@ -416,17 +425,17 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 }
 
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
-				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m)
+				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse)
 {
 	switch (sh->head_dim / 16) { /* d is a multiple of 32 up to 256 */
-	case 2: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 2); break;
-	case 4: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 4); break;
-	case 6: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 6); break;
-	case 8: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 8); break;
-	case 10: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 10); break;
-	case 12: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 12); break;
-	case 14: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 14); break;
-	default: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, 16); break;
+	case 2: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 2); break;
+	case 4: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 4); break;
+	case 6: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 6); break;
+	case 8: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 8); break;
+	case 10: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 10); break;
+	case 12: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 12); break;
+	case 14: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 14); break;
+	default: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 16); break;
 	}
 }
 

@@ -1179,10 +1179,11 @@ template <uint32_t ET, uint32_t NACC>
 static __device__ void attend(const struct kvr_shape &shape, const struct att_plan &plan,
 			      const void *q, void *out, float *part,
 			      const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
-			      uint32_t g0, uint32_t gc, uint32_t split, float *smem)
+			      uint32_t g0, uint32_t gc, uint32_t split, float *smem, float *lse)
 {
 	__shared__ uint32_t scan_s[ATT_WARPS];
 	__shared__ uint32_t found_s[2];
+	__shared__ float segl_s[ATT_MAX_HEADS]; /* lse: the segment's sum, like l_s */
 	const uint32_t d = shape.head_dim, G = shape.n_qo_heads / shape.n_kv_heads;
 	const uint32_t tile = plan.tile, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 	float *q_s = smem, *k_s = smem + plan.off_k, *v_s = smem + plan.off_v;
@@ -1204,7 +1205,13 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	for (uint32_t g = tid; g < gc; g += ATT_THREADS) {
 		m_s[g] = -INFINITY;
 		l_s[g] = 0.0f;
+		segl_s[g] = 0.0f;
 	}
+	/* lse (one split: the plan guarantees it): empty segments keep −inf;
+	 * the others are written by their last tile, after a barrier */
+	const uint64_t lse_base = (uint64_t)(m * G + g0) * n_segs;
+	for (uint32_t e = tid; lse && e < gc * n_segs; e += ATT_THREADS)
+		lse[lse_base + e] = -INFINITY;
 	float acc[NACC];
 	KVR_UNROLL
 	for (uint32_t i = 0; i < NACC; i++)
@@ -1223,6 +1230,9 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 			att_store<ET>(pre, rows, d, map, k_s, v_s);
 		__syncthreads(); /* K, V (and q and the softmax state, first time) are ready */
 
+		/* the tile closes its segment: lse is written after this tile */
+		const uint32_t tile_seg = seg;
+		const bool closes = off + rows == segs[seg].n_tokens;
 		left -= rows;
 		att_advance(segs, n_segs, &seg, &off, rows);
 		const uint32_t next = att_rows(segs, n_segs, seg, off, tile, left);
@@ -1271,6 +1281,12 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 				alpha_s[g] = alpha;
 				l_s[g] = l_s[g] * alpha + psum;
 				m_s[g] = m_new;
+				if (lse) {
+					const float sl = segl_s[g] * alpha + psum;
+					segl_s[g] = closes ? 0.0f : sl;
+					if (closes)
+						lse[lse_base + (uint64_t)g * n_segs + tile_seg] = m_new + logf(sl);
+				}
 			}
 		}
 		__syncthreads(); /* p and alpha are published */
@@ -1340,8 +1356,9 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 	const uint32_t g0 = hb * plan.heads;
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
 	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
+	float *lse = shape.flags & KVR_SHAPE_SEGMENT_LSE ? it.segment_lse : nullptr;
 	attend<ET, NACC>(shape, plan, it.q, it.out, mine, segments + it.first_segment,
-			 it.n_segments, m, g0, gc, split, att_smem);
+			 it.n_segments, m, g0, gc, split, att_smem, lse);
 }
 
 /* dense: the item's one contiguous run is a segment with head_stride d. */
@@ -1369,7 +1386,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 	const uint32_t g0 = hb * plan.heads;
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
 	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
-	attend<ET, NACC>(shape, plan, it.q, it.out, mine, &run, 1, m, g0, gc, split, att_smem);
+	attend<ET, NACC>(shape, plan, it.q, it.out, mine, &run, 1, m, g0, gc, split, att_smem, nullptr);
 }
 
 /* Pass 2: block (item · n_kv + m) · head_blocks + chunk merges its splits'
@@ -1700,6 +1717,8 @@ static int att_plan_make(const struct kvr_shape *s, const char *what, uint32_t n
 	const uint64_t base = (uint64_t)n * s->n_kv_heads * p->head_blocks;
 	uint64_t splits = base ? (uint64_t)sm_count * ATT_BLOCKS_PER_SM / base : 1;
 	p->splits = (uint32_t)(splits < 1 ? 1 : (splits > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : splits));
+	if (s->flags & KVR_SHAPE_SEGMENT_LSE)
+		p->splits = 1; /* a segment's sum must not straddle two blocks */
 	return 0;
 }
 

@@ -58,6 +58,16 @@
  *              row_stride are unused. Each element enters the arithmetic
  *              as s·Q − z (f16 s and z, fp32 arithmetic), dequantised on
  *              the fly: quantised and plain segments mix in one item.
+ *              With KVR_SHAPE_SEGMENT_LSE, an item whose segment_lse is not
+ *              NULL also gets, for query head h and segment s,
+ *              segment_lse[h·n_segments + s] = log Σ_t exp(scale · q_h·k_t)
+ *              over the segment's tokens (natural log, fp32; −inf for an
+ *              empty segment; a segment whose share is below e^-80,
+ *              where fp32 weights against the running maximum underflow,
+ *              may get −inf or an imprecise value that is still below
+ *              e^-70; NaN as the output): the share of attention
+ *              segment s received is exp(lse_s − log Σ_s' exp(lse_s')).
+ *              Mixed page formats rank pages by it.
  * dense        Attention over one contiguous run per item: token t of KV head
  *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
  *              mode and dense layers use it; it is also the reference the
@@ -120,8 +130,10 @@ struct kvr_kv_segment {
 };
 
 struct kvr_attention_item {
-	const void *q; /* [n_qo][d] */
-	void *out;     /* [n_qo][d] */
+	const void *q;      /* [n_qo][d] */
+	void *out;          /* [n_qo][d] */
+	float *segment_lse; /* [n_qo][n_segments] or NULL; read only with
+	                       KVR_SHAPE_SEGMENT_LSE (see attention) */
 	uint32_t first_segment;
 	uint32_t n_segments;
 };
@@ -144,7 +156,14 @@ struct kvr_shape {
 	uint32_t elem_type;
 	float scale; /* attention and score scale, 1/sqrt(d) */
 	float tau;   /* similarity threshold */
-	uint32_t reserved;
+	uint32_t flags; /* enum kvr_shape_flags */
+};
+
+enum kvr_shape_flags {
+	/* attention: items with a segment_lse array get each segment's
+	 * log-sum-exp of logits per query head (cuda then runs one block per
+	 * (item, KV head, head chunk): no split of the tokens) */
+	KVR_SHAPE_SEGMENT_LSE = 1u << 0,
 };
 
 #ifdef __cplusplus

@@ -482,7 +482,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 							  segs + n_segs);
 			items[n_items++] = (struct kvr_attention_item){
 				q_dev + i * q_row + m * head_q_bytes,
-				(unsigned char *)out + i * q_row + m * head_q_bytes, n_segs, n };
+				(unsigned char *)out + i * q_row + m * head_q_bytes, NULL, n_segs, n };
 			n_segs += n;
 		}
 		att_lanes[n_att++] = lane;
@@ -538,7 +538,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 							  s->recall == KVR_RECALL_STREAMED, segs + n_segs);
 			items[n_items++] = (struct kvr_attention_item){
 				qi + m * head_q_bytes, (unsigned char *)out + i * q_row + m * head_q_bytes,
-				n_segs, n };
+				NULL, n_segs, n };
 			n_segs += n;
 		}
 		att_lanes[n_att++] = lane;
@@ -971,7 +971,7 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 				}
 				const uint64_t row = (uint64_t)t * s->q_row + m * head_q_bytes;
 				items[n_items++] = (struct kvr_attention_item){ q_rows + row, out_rows + row,
-										first, n_segs - first };
+										NULL, first, n_segs - first };
 			}
 		}
 		const struct kvr_attention_item *items_k = items;

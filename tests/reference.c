@@ -328,6 +328,32 @@ void ref_attention(const struct kvr_shape *sh, const struct kvr_attention_item *
 	attend(sh, item->q, segments + item->first_segment, item->n_segments, out, scale);
 }
 
+void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_item *item,
+		       const struct kvr_kv_segment *segments, double *lse)
+{
+	const uint32_t n_qo = sh->n_qo_heads, G = n_qo / sh->n_kv_heads, d = sh->head_dim;
+	const struct kvr_kv_segment *segs = segments + item->first_segment;
+	for (uint32_t h = 0; h < n_qo; h++)
+		for (uint32_t s = 0; s < item->n_segments; s++) {
+			double mx = -INFINITY, sum = 0.0;
+			double *logit = malloc((segs[s].n_tokens ? segs[s].n_tokens : 1) * sizeof(*logit));
+			if (!logit)
+				abort();
+			for (uint64_t t = 0; t < segs[s].n_tokens; t++) {
+				double dot = 0.0;
+				for (uint32_t c = 0; c < d; c++)
+					dot += ref_load(item->q, sh->elem_type, (uint64_t)h * d + c) *
+					       seg_elem(sh, &segs[s], h / G, 0, t, c);
+				logit[t] = (double)sh->scale * dot;
+				mx = logit[t] > mx ? logit[t] : mx;
+			}
+			for (uint64_t t = 0; t < segs[s].n_tokens; t++)
+				sum += exp(logit[t] - mx);
+			lse[(uint64_t)h * item->n_segments + s] = segs[s].n_tokens ? mx + log(sum) : -INFINITY;
+			free(logit);
+		}
+}
+
 void ref_dense(const struct kvr_shape *sh, const struct kvr_dense_item *item, double *out,
 	       struct ref_head_scale *scale)
 {

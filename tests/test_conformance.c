@@ -517,6 +517,7 @@ static const void *dev_attention_items(struct dctx *c, const struct kvr_attentio
 		d[i] = it[i];
 		d[i].q = dev_of(c, it[i].q);
 		d[i].out = dev_of(c, it[i].out);
+		d[i].segment_lse = dev_of(c, it[i].segment_lse);
 	}
 	return put(c, d, n * sizeof(*d));
 }
@@ -1542,7 +1543,8 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 	struct rng r = case_rng(0x9a7e, ci, ti);
 	enum { ITEMS = 4 };
 	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	sh.flags = KVR_SHAPE_SEGMENT_LSE; /* and check each segment's log-sum-exp */
 	const uint32_t p = sh.page_tokens, n_kv = sh.n_kv_heads, row = n_kv * sh.head_dim;
 	const size_t eb = ebytes(type);
 	struct kvr_quant_geometry g8, g4;
@@ -1599,13 +1601,44 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 	for (uint64_t x = 0; x < per; x++) /* item 2: 40x queries */
 		ref_store(q, type, 2 * per + x, 40.0 * ref_load(q, type, 1 * per + x));
 	struct kvr_attention_item items[ITEMS];
-	for (uint32_t i = 0; i < ITEMS; i++)
+	float *lse[ITEMS];
+	for (uint32_t i = 0; i < ITEMS; i++) {
+		const size_t lse_bytes = (size_t)sh.n_qo_heads * (count[i] ? count[i] : 1) * sizeof(float);
+		lse[i] = halloc(lse_bytes);
+		memset(lse[i], 0xff, lse_bytes); /* NaN: an unwritten entry shows */
+		put(c, lse[i], lse_bytes);
 		items[i] = (struct kvr_attention_item){
 			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
+			.segment_lse = i == 3 ? NULL : lse[i], /* item 3: none asked for */
 			.first_segment = first[i], .n_segments = count[i] };
+	}
 	char what[96];
 	snprintf(what, sizeof(what), "quantised attention config %u", ci);
 	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+	for (uint32_t i = 0; i < 3; i++) {
+		const uint32_t n = sh.n_qo_heads * count[i];
+		float *got = halloc(n * sizeof(float));
+		double *want = halloc(n * sizeof(double));
+		get(c, got, lse[i], n * sizeof(float));
+		ref_attention_lse(&sh, &items[i], segs, want);
+		for (uint32_t x = 0; x < n; x++) {
+			/* a segment whose share of the head's attention underflows fp32
+			 * against the running maximum may read −inf, or lose precision
+			 * in subnormals (kernels.h): below e^-80 only its smallness counts */
+			const uint32_t h = x / count[i];
+			double total = -INFINITY;
+			for (uint32_t sg = 0; sg < count[i]; sg++) {
+				const double l = want[h * count[i] + sg];
+				total = l > total ? l + log1p(exp(total - l)) : total + log1p(exp(l - total));
+			}
+			const int neg_inf = isinf(got[x]) && got[x] < 0;
+			const int both_inf = neg_inf && isinf(want[x]) && want[x] < 0;
+			const int negligible = want[x] - total < -80.0 && (neg_inf || got[x] - total < -70.0);
+			cr_assert(both_inf || negligible || fabs(got[x] - want[x]) <= 1e-3 * (1.0 + fabs(want[x])),
+				  "%s: %s item %u head %u segment %u: log-sum-exp %.7g, want %.7g", c->name,
+				  what, i, x / count[i], x % count[i], (double)got[x], want[x]);
+		}
+	}
 
 	/* an unknown format: the cpu backends poison the item (cuda reads NaN
 	 * into its tile; strict cudaemu refuses the call) */

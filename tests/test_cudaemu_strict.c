@@ -254,7 +254,7 @@ static void att_setup(struct tdev *t, struct att *a)
 	for (uint32_t i = 0; i < N_ITEMS; i++)
 		a->items[i] = (struct kvr_attention_item){
 			(const char *)a->q + (size_t)i * NQO * D * EB,
-			(char *)a->out + (size_t)i * NQO * D * EB, i ? 2 : 0, i ? 3 : 2 };
+			(char *)a->out + (size_t)i * NQO * D * EB, NULL, i ? 2 : 0, i ? 3 : 2 };
 	a->segs[0] = seg(a->ka, a->va, 0, 24);
 	a->segs[1] = seg(a->ka, a->va, 24, 16);
 	a->segs[2] = seg(a->kb, a->vb, 0, 10);

@@ -357,7 +357,8 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *  select     nothing when k = 0; else scores n_kv·n_cand floats (n_cand
  *             may be 0) and selected n_kv·k int32s.
  *  similarity q and q_prev n_qo·d; cosine n_kv floats; corrected n_kv bytes.
- *  attention  q and out n_qo·d (read and written even with no tokens); the
+ *  attention  q and out n_qo·d (read and written even with no tokens);
+ *             with KVR_SHAPE_SEGMENT_LSE, segment_lse n_qo·n_segments floats; the
  *             item's segments [first_segment, +n_segments) must be in the
  *             call's list (the kernel does not bound them); a segment with
  *             tokens: k and v each (n_kv-1)·head_stride + (n_tokens-1)·
@@ -448,6 +449,10 @@ static int check_items(struct check *c, const struct emu_op *op)
 				break;
 			if (!it[i].n_segments)
 				continue;
+			if ((sh->flags & KVR_SHAPE_SEGMENT_LSE) && it[i].segment_lse &&
+			    (err = check_data(c, "item", i, "segment_lse", it[i].segment_lse, 0,
+					      n_qo * it[i].n_segments * sizeof(float))))
+				break;
 			const uint64_t first = it[i].first_segment, last = first + it[i].n_segments;
 			if (last > op->n_segments) {
 				snprintf(c->msg, sizeof(c->msg),
