@@ -54,7 +54,11 @@ struct seq_entry {
 struct kvr_pool {
 	struct kvr_pool_params params;
 	struct kvr_page_geometry g; /* of the rows written (g.head_bytes is a plain run's) */
-	struct kvr_quant_geometry quant; /* quantised pages: their runs; else zero */
+	struct kvr_quant_geometry quant; /* quantised pages: the runs offload writes; else zero */
+	uint32_t fill_format;       /* the format offload writes (K8V4 for a mixed pool) */
+	uint8_t *page_format;       /* mixed pools: [capacity_pages] each page's format, written
+	                               by offload and demotion (the page's owner), read by
+	                               attention and recall after the owner publishes the page */
 	uint64_t head_bytes;        /* one KV head's stored run, in the page format */
 	uint64_t page_bytes;        /* n_kv_heads · head_bytes */
 	uint64_t chunk_bytes;
@@ -220,7 +224,7 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 	if (params->chunk_bytes % HUGE_PAGE_BYTES)
 		REJECT("pool: chunk_bytes must be a multiple of 2 MiB (got %llu)",
 		       (unsigned long long)params->chunk_bytes);
-	if (params->kv_format > KVR_KV_K4V2)
+	if (params->kv_format > KVR_KV_MIXED)
 		REJECT("pool: unknown page format %u", params->kv_format);
 	if (params->kv_format != KVR_KV_PLAIN && params->layout != KVR_POOL_LAYOUT_HND)
 		REJECT("pool: quantised pages need the HND layout");
@@ -242,8 +246,9 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 		return -ENOMEM;
 	pool->params = *params;
 	pool->g = *g;
+	pool->fill_format = params->kv_format == KVR_KV_MIXED ? KVR_KV_K8V4 : params->kv_format;
 	if (params->kv_format != KVR_KV_PLAIN)
-		kvr_quant_geometry_init(&pool->quant, g->page_tokens, g->head_dim, 1, params->kv_format);
+		kvr_quant_geometry_init(&pool->quant, g->page_tokens, g->head_dim, 1, pool->fill_format);
 	pool->head_bytes = head_bytes;
 	pool->page_bytes = page_bytes;
 	pool->summary_bytes = params->keep_summaries ? kvr_summary_bytes(g) : 0;
@@ -267,8 +272,10 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 	pool->refcount = calloc(capacity_pages, sizeof(*pool->refcount));
 	pool->free_stack = malloc(capacity_pages * sizeof(*pool->free_stack));
 	pool->seqs = calloc(params->max_sequences, sizeof(*pool->seqs));
+	if (params->kv_format == KVR_KV_MIXED)
+		pool->page_format = calloc(capacity_pages, 1);
 	if (!pool->chunks || !pool->chunk_state || !pool->refcount || !pool->free_stack ||
-	    !pool->seqs) {
+	    !pool->seqs || (params->kv_format == KVR_KV_MIXED && !pool->page_format)) {
 		kvr_pool_destroy(pool);
 		if (err)
 			snprintf(err, err_bytes, "pool: out of memory for %llu page entries",
@@ -316,6 +323,7 @@ void kvr_pool_destroy(struct kvr_pool *pool)
 	free(pool->refcount);
 	free(pool->free_stack);
 	free(pool->seqs);
+	free(pool->page_format);
 	free(pool);
 }
 
@@ -689,10 +697,12 @@ const void *kvr_pool_summary(const struct kvr_pool *pool, uint32_t seq, uint32_t
 
 /* Convert p NHD rows into a page of the pool's layout and summarise the keys.
  * No lock: the caller owns the page. */
-static void page_fill(struct kvr_pool *pool, unsigned char *page, unsigned char *summary,
+static void page_fill(struct kvr_pool *pool, uint32_t id, unsigned char *page, unsigned char *summary,
 		      const void *k_rows, const void *v_rows, uint64_t row_stride)
 {
 	const struct kvr_page_geometry *g = &pool->g;
+	if (pool->page_format)
+		pool->page_format[id] = (uint8_t)pool->fill_format;
 	if (pool->params.kv_format != KVR_KV_PLAIN) {
 		/* quantise at offload, one KV head's run at a time; the summaries
 		 * below still come from the unquantised keys */
@@ -717,7 +727,7 @@ static void page_fill(struct kvr_pool *pool, unsigned char *page, unsigned char 
 /* Lock held. The page a write to (t, logical) may fill: copy-on-write when it
  * is shared with a fork. Outputs the address and the summary slot. */
 static int page_for_write(struct kvr_pool *pool, struct layer_table *t, uint32_t logical,
-			  unsigned char **page, unsigned char **summary)
+			  unsigned char **page, unsigned char **summary, uint32_t *id_out)
 {
 	uint32_t id = t->pages[logical];
 	if (pool->refcount[id] > 1) {
@@ -730,6 +740,7 @@ static int page_for_write(struct kvr_pool *pool, struct layer_table *t, uint32_t
 	}
 	*page = page_address(pool, id);
 	*summary = t->summaries ? t->summaries + (uint64_t)logical * pool->summary_bytes : NULL;
+	*id_out = id;
 	return 0;
 }
 
@@ -738,6 +749,7 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
 {
 	struct layer_table *t = NULL; /* set by table_get on success */
 	unsigned char *page = NULL, *summary = NULL;
+	uint32_t id = 0;
 	pthread_mutex_lock(&pool->lock);
 	int err = table_get(pool, seq, layer, &t);
 	if (!err && logical >= t->n_pages)
@@ -753,17 +765,61 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
 		err = fail(pool, -EINVAL, "pool: row stride %llu exceeds 32 bits",
 			   (unsigned long long)row_stride);
 	if (!err)
-		err = page_for_write(pool, t, logical, &page, &summary);
+		err = page_for_write(pool, t, logical, &page, &summary, &id);
 	pthread_mutex_unlock(&pool->lock);
 	if (err)
 		return err;
-	page_fill(pool, page, summary, k_rows, v_rows, row_stride);
+	page_fill(pool, id, page, summary, k_rows, v_rows, row_stride);
 	return 0;
 }
 
 uint64_t kvr_pool_head_bytes(const struct kvr_pool *pool)
 {
 	return pool->head_bytes;
+}
+
+uint32_t kvr_pool_page_format(const struct kvr_pool *pool, uint32_t page_id)
+{
+	if (pool->page_format && page_id < pool->capacity_pages)
+		return pool->page_format[page_id];
+	return pool->fill_format;
+}
+
+int kvr_pool_demote(struct kvr_pool *pool, uint32_t page_id)
+{
+	pthread_mutex_lock(&pool->lock);
+	int err = 0;
+	if (!pool->page_format)
+		err = fail(pool, -EINVAL, "pool: demote: pages are not mixed (format %u)",
+			   pool->params.kv_format);
+	else if (!page_live(pool, page_id))
+		err = fail(pool, -EINVAL, "pool: demote: page %u is not live", page_id);
+	else if (pool->refcount[page_id] > 1)
+		err = fail(pool, -EBUSY, "pool: demote: page %u is shared by %u references", page_id,
+			   pool->refcount[page_id]);
+	pthread_mutex_unlock(&pool->lock);
+	if (err || pool->page_format[page_id] == KVR_KV_K4V2)
+		return err;
+	/* each head's run: K8V4 codes -> values -> K4V2 codes, in place at the
+	 * same unified offset (the K4V2 run is shorter and written after the
+	 * K8V4 run is read in full) */
+	const struct kvr_page_geometry *g = &pool->g;
+	struct kvr_quant_geometry g4;
+	kvr_quant_geometry_init(&g4, g->page_tokens, g->head_dim, 1, KVR_KV_K4V2);
+	unsigned char *page = page_address(pool, page_id);
+	const uint64_t row = (uint64_t)g->head_dim;
+	float *k = malloc(2 * row * g->page_tokens * sizeof(float));
+	if (!k)
+		return fail(pool, -ENOMEM, "pool: demote: out of memory");
+	float *v = k + row * g->page_tokens, scratch[256];
+	for (uint32_t h = 0; h < g->n_kv_heads; h++) {
+		unsigned char *run = page + (uint64_t)h * pool->head_bytes;
+		kvr_quant_run_to_nhd(&pool->quant, run, g->page_tokens, k, v, (uint32_t)row, KVR_ELEM_F32, 0);
+		kvr_quant_run_from_nhd(&g4, k, v, (uint32_t)row, KVR_ELEM_F32, 0, g->page_tokens, run, scratch);
+	}
+	free(k);
+	pool->page_format[page_id] = KVR_KV_K4V2;
+	return 0;
 }
 
 void kvr_pool_gather_head(const struct kvr_pool *pool, uint32_t page_id, uint32_t kv_head,
@@ -831,9 +887,10 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 		 * give this sequence its own now (its old contents are all in the
 		 * tail tile), so nothing below can fail. */
 		unsigned char *unused_page, *unused_summary;
+		uint32_t unused_id;
 		if (!err && len % p) {
 			err = page_for_write(pool, t, (uint32_t)(len / p), &unused_page,
-					     &unused_summary);
+					     &unused_summary, &unused_id);
 			if (err)
 				table_shrink(pool, t, before);
 		}

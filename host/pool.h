@@ -73,7 +73,9 @@ struct kvr_pool_params {
 	/* enum kvr_kv_format (layouts/kvquant.h): KVR_KV_PLAIN keeps pages in
 	 * the geometry's element type; K8V4 or K4V2 quantises each page at
 	 * offload (HND layout only; summaries still come from the unquantised
-	 * keys), and a KV head's run is then the quantised run of kvquant.h. */
+	 * keys), and a KV head's run is then the quantised run of kvquant.h.
+	 * KVR_KV_MIXED: pages are written K8V4 and may be demoted to K4V2
+	 * (kvr_pool_demote), every run keeping the K8V4 run's room. */
 	uint32_t kv_format;
 };
 
@@ -167,8 +169,22 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
 const void *kvr_pool_summary(const struct kvr_pool *pool, uint32_t seq, uint32_t layer,
 			     uint32_t logical);
 
-/* Bytes of one KV head's stored run (a quantised run for quantised pages). */
+/* Bytes of one KV head's stored run (a quantised run for quantised pages;
+ * for a mixed pool the K8V4 run's, the stride of every page's runs). */
 uint64_t kvr_pool_head_bytes(const struct kvr_pool *pool);
+
+/* The format a live page is stored in: the pool's for a single-format pool,
+ * K8V4 or K4V2 for a mixed one. Lock-free; the caller holds the page (its
+ * owner demotes it, and publishes that as it publishes the page). */
+uint32_t kvr_pool_page_format(const struct kvr_pool *pool, uint32_t page_id);
+
+/* Mixed pools: requantise a K8V4 page to K4V2 in place (its runs keep their
+ * offsets; each is quantised again from its dequantised K8V4 values). A
+ * K4V2 page is left as it is. -EINVAL for a pool that is not mixed or a page
+ * that is not live, -EBUSY for a page shared with a fork (its other
+ * readers did not ask), -ENOMEM. The caller owns the page: no one may read
+ * it (attention, a recall copy) while it is rewritten. */
+int kvr_pool_demote(struct kvr_pool *pool, uint32_t page_id);
 
 /* Copy one KV head of a page into dst as an HND run (head_bytes): one memcpy
  * for an HND pool, 2·p row copies for an NHD pool. Lock-free. */

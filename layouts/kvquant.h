@@ -42,6 +42,10 @@ enum kvr_kv_format {
 	KVR_KV_PLAIN = 0, /* unquantised: the context's dtype */
 	KVR_KV_K8V4 = 1,  /* keys 8-bit, values 4-bit */
 	KVR_KV_K4V2 = 2,  /* keys 4-bit, values 2-bit */
+	/* A pool's (not a page's) format: every page starts K8V4 and may be
+	 * demoted to K4V2 in place; runs keep the K8V4 run's size and stride
+	 * (unified pages), a K4V2 run using its first part. */
+	KVR_KV_MIXED = 3,
 };
 
 struct kvr_quant_geometry {
@@ -220,6 +224,8 @@ static inline KVR_HD uint64_t kvr_kv_run_bytes(uint32_t format, uint32_t page_to
 {
 	if (format == KVR_KV_PLAIN)
 		return 2ull * page_tokens * head_dim * elem_bytes;
+	if (format == KVR_KV_MIXED) /* unified: room for the larger run */
+		format = KVR_KV_K8V4;
 	struct kvr_quant_geometry g;
 	return kvr_quant_geometry_init(&g, page_tokens, head_dim, 1, format) ? 0u : g.head_bytes;
 }

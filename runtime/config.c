@@ -222,9 +222,6 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 		return say(m, mb, -EINVAL,
 			   "kv_format: must be 0 (plain), 1 (k8v4), 2 (k4v2) or 3 (mixed) (got %u)",
 			   c->kv_format);
-	if (c->kv_format == KVR_KV_FORMAT_MIXED)
-		return say(m, mb, -ENOTSUP,
-			   "kv_format: mixed (3) is not built yet; use k8v4 (1) or k4v2 (2)");
 	if (c->kv_format != KVR_KV_FORMAT_PLAIN && c->pool_layout != KVR_POOL_HND)
 		return say(m, mb, -EINVAL,
 			   "kv_format: quantised pages (%s) need pool_layout HND (0): a quantised "

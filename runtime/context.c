@@ -29,7 +29,8 @@ KVR_STATIC_ASSERT((int)KVR_ELEM_F16 == (int)KVR_DTYPE_F16 &&
 		  "layouts/ element types mirror enum kvr_dtype");
 KVR_STATIC_ASSERT((int)KVR_KV_PLAIN == (int)KVR_KV_FORMAT_PLAIN &&
 			  (int)KVR_KV_K8V4 == (int)KVR_KV_FORMAT_K8V4 &&
-			  (int)KVR_KV_K4V2 == (int)KVR_KV_FORMAT_K4V2,
+			  (int)KVR_KV_K4V2 == (int)KVR_KV_FORMAT_K4V2 &&
+			  (int)KVR_KV_MIXED == (int)KVR_KV_FORMAT_MIXED,
 		  "layouts/ page formats mirror enum kvr_kv_format_kind");
 
 /* Device bytes of one admitted sequence (tail tiles of every layer plus its

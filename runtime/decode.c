@@ -170,6 +170,8 @@ static void fill_stats(const uint64_t cnt[KVR_C_COUNT], uint64_t steps, struct k
 	st.critical_ns = cnt[KVR_C_CRITICAL_NS];
 	st.controller_ns = cnt[KVR_C_CONTROLLER_NS];
 	st.controller_jobs = cnt[KVR_C_CONTROLLER_JOBS];
+	st.pages_judged = cnt[KVR_C_PAGES_JUDGED];
+	st.pages_demoted = cnt[KVR_C_PAGES_DEMOTED];
 	const uint32_t size = out->size < sizeof(st) ? out->size : (uint32_t)sizeof(st);
 	memcpy(out, &st, size);
 	out->size = size;

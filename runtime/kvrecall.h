@@ -131,8 +131,8 @@ enum kvr_kv_format_kind {
 	KVR_KV_FORMAT_K8V4 = 1,  /* keys 8-bit, values 4-bit, f16 scale and zero point per
 	                            token and KV head (LeanKV): 0.27x an f16 page at d = 128 */
 	KVR_KV_FORMAT_K4V2 = 2,  /* keys 4-bit, values 2-bit: 0.15x an f16 page at d = 128 */
-	KVR_KV_FORMAT_MIXED = 3, /* K8V4, and pages that receive little attention as K4V2
-	                            (opt-in; not built yet: -ENOTSUP) */
+	KVR_KV_FORMAT_MIXED = 3, /* K8V4, and pages that received little attention while in
+	                            the window as K4V2 (opt-in; docs/architecture.md) */
 };
 
 /* Where attention runs. */
@@ -471,6 +471,9 @@ struct kvr_stats {
 	uint64_t critical_ns;        /* engine time inside kvr_decode_layer */
 	uint64_t controller_ns;      /* controller time on jobs (overlapped with the engine) */
 	uint64_t controller_jobs;    /* jobs the controller ran */
+	/* Added in 0.4. */
+	uint64_t pages_judged;       /* kv_format mixed: pages whose window attention was judged */
+	uint64_t pages_demoted;      /* of which demoted to K4V2 */
 };
 
 /* Copy the context's counters into *stats. stats->size must be set; at most

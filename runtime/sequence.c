@@ -221,11 +221,12 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 			/* a quantised page gives back its dequantised tokens: what
 			 * attention read of them, not the rows that were offloaded */
 			struct kvr_quant_geometry gq;
-			const int quant = !kvr_quant_geometry_init(&gq, c->page_tokens, c->head_dim, 1,
-								   c->kv_format);
+			const int quant = page && !kvr_quant_geometry_init(&gq, c->page_tokens, c->head_dim, 1,
+									   kvr_pool_page_format(ctx->pool, id));
+			const uint64_t stride = kvr_pool_head_bytes(ctx->pool); /* mixed: unified runs */
 			for (uint32_t h = 0; page && h < c->n_kv_heads; h++) {
 				if (quant)
-					kvr_quant_run_to_nhd(&gq, page + h * gq.head_bytes, c->page_tokens,
+					kvr_quant_run_to_nhd(&gq, page + h * stride, c->page_tokens,
 							     tail_keys(ctx, s, l), tail_values(ctx, s, l),
 							     c->n_kv_heads * c->head_dim, c->dtype, h);
 				else

@@ -267,7 +267,7 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 	struct miss *misses = s->recall_misses;
 	struct kvr_copy_desc *descs = s->recall_descs;
 	struct kvr_stream *copy = s->copy;
-	uint64_t hits = 0, n_miss_total = 0;
+	uint64_t hits = 0, n_miss_total = 0, bytes_moved = 0;
 	int err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
 	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
 		if (!heads[m])
@@ -286,10 +286,19 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 				const struct miss *ms = &misses[at + i];
 				const unsigned char *run = (const unsigned char *)kvr_pool_page_data(s->pool, ms->page_id) +
 							   (uint64_t)ms->head * s->head_bytes;
+				/* mixed: a K4V2 page moves only its own run's bytes into the
+				 * slot's unified room */
+				uint64_t bytes = s->head_bytes;
+				if (lane->slot_fmt) {
+					const uint32_t fmt = kvr_pool_page_format(s->pool, ms->page_id);
+					lane->slot_fmt[(uint64_t)ms->head * s->k + ms->slot] = (uint8_t)fmt;
+					bytes = kvr_kv_run_bytes(fmt, s->c.page_tokens, s->c.head_dim, s->eb);
+				}
+				bytes_moved += bytes;
 				descs[i] = (struct kvr_copy_desc){
 					(uint64_t)(run - base),
 					(uint64_t)ms->slot * s->slot_bytes + (uint64_t)ms->head * s->head_bytes,
-					s->head_bytes };
+					bytes };
 			}
 			kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
 			struct kvr_trace_span *sp = kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY,
@@ -302,7 +311,7 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 		err = kvr_dev_event_record(s->dev, lane->recall_done, copy);
 	count(s, lane->seq, KVR_C_PAGES_RECALLED, n_miss_total);
 	count(s, lane->seq, KVR_C_PAGES_HIT, hits);
-	count(s, lane->seq, KVR_C_BYTES_RECALLED, n_miss_total * s->head_bytes);
+	count(s, lane->seq, KVR_C_BYTES_RECALLED, bytes_moved);
 	return err;
 }
 

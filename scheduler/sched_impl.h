@@ -41,6 +41,8 @@ struct kvr_lane {
 	                             of n_kv·d), or of n_kv quantised runs each */
 	unsigned char *slot_v;    /* k NHD tiles of values (plain pages only) */
 	int32_t *slot_page;       /* [n_kv][k]: logical page in slot (m, j), -1 = empty */
+	uint8_t *slot_fmt;        /* mixed pages: [n_kv][k] the format slot (m, j) holds */
+	struct lane_importance *imp; /* mixed pages: attention received (importance.c) */
 	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall (mapped) */
 	struct kvr_scatter_item *recall_items_dev; /* their device copy (separate memory) */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
@@ -91,6 +93,7 @@ struct kvr_sched {
 	                                for values) or n_kv quantised runs (kvquant.h) */
 	struct kvr_shape shape;      /* the whole layer (similarity, score, select, scatter) */
 	struct kvr_shape head_shape; /* one KV head with its G query heads (attention) */
+	struct kvr_shape lse_shape;  /* head_shape asking for segment_lse (mixed pages) */
 	struct kvr_sched_hooks hooks;
 	kvr_sched_log_fn log_fn;
 	void *log_user;
@@ -222,6 +225,21 @@ void kvr_sched_device_free(struct kvr_sched *s, void *p);
  * the kernel that follows); elsewhere nothing. */
 int kvr_sched_items_to_device(struct kvr_sched *s, struct kvr_stream *stream, void *dev,
 			      const void *host, size_t bytes);
+
+/* importance.c (kv_format mixed; everything a no-op for other lanes) */
+int kvr_importance_enabled(const struct kvr_sched *s, uint32_t layer);
+int kvr_importance_lane_open(struct kvr_sched *s, struct kvr_lane *lane);
+void kvr_importance_lane_free(struct kvr_sched *s, struct kvr_lane *lane);
+void kvr_importance_lane_forget(struct kvr_sched *s, struct kvr_lane *lane);
+/* The segment_lse array for KV head m's item of n_segs segments over
+ * n_tokens tokens (recording where its window pages are), or NULL. */
+float *kvr_importance_item(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m, uint64_t n_tokens,
+			   uint32_t n_segs);
+/* Add the lane's latest attention's window shares to its pages. */
+void kvr_importance_harvest(struct kvr_sched *s, struct kvr_lane *lane);
+/* After the step's attention (n_tokens after the append): judge, and demote
+ * or keep, the pages that leave the window at the next step. */
+void kvr_importance_judge(struct kvr_sched *s, struct kvr_lane *lane, uint64_t n_tokens);
 
 /* resident.c */
 int kvr_resident_enabled(const struct kvr_sched *s);

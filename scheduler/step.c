@@ -104,9 +104,11 @@ static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *
 	if (!page)
 		page = kvr_pool_page_data(s->pool, id);
 	const uint32_t p = s->c.page_tokens, d = s->c.head_dim, eb = s->eb;
-	if (s->kv_format) /* the head's quantised run (kernels.h) */
+	if (s->kv_format) /* the head's quantised run (kernels.h), in the page's format */
 		return (struct kvr_kv_segment){ page + (uint64_t)m * s->head_bytes, NULL, p, 0,
-						(uint32_t)s->head_bytes, s->kv_format };
+						(uint32_t)s->head_bytes,
+						s->kv_format == KVR_KV_MIXED ? kvr_pool_page_format(s->pool, id)
+									     : s->kv_format };
 	if (s->pool_layout == KVR_POOL_LAYOUT_NHD) {
 		/* [2][p][n_kv][d] */
 		const unsigned char *k = page + (uint64_t)m * d * eb;
@@ -173,9 +175,10 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 				if (s->kv_format) {
 					const uint64_t off = (uint64_t)slots[i] * s->slot_bytes +
 							     (uint64_t)m * s->head_bytes;
-					out[n++] = (struct kvr_kv_segment){ lane->slot_k + off, NULL, p, 0,
-									    (uint32_t)s->head_bytes,
-									    s->kv_format };
+					out[n++] = (struct kvr_kv_segment){
+						lane->slot_k + off, NULL, p, 0, (uint32_t)s->head_bytes,
+						lane->slot_fmt ? lane->slot_fmt[(uint64_t)m * s->k + slots[i]]
+							       : s->kv_format };
 					continue;
 				}
 				const uint64_t off = (uint64_t)slots[i] * s->tile_bytes + (uint64_t)m * d * s->eb;
@@ -270,7 +273,8 @@ static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scrat
 		sp = kvr_stream_span_begin(s, s->compute, "attention", KVR_TRACK_COMPUTE, UINT32_MAX,
 					   layer, n_items);
 	if (!err)
-		err = kvr_dev_attention(s->dev, &s->head_shape, items, n_items, segs, n_segs, s->compute);
+		err = kvr_dev_attention(s->dev, s->kv_format == KVR_KV_MIXED ? &s->lse_shape : &s->head_shape,
+					items, n_items, segs, n_segs, s->compute);
 	kvr_stream_span_end(s, s->compute, sp);
 	for (uint32_t i = 0; !err && i < n_lanes; i++)
 		err = kvr_dev_event_record(s->dev, lanes[i]->attn_done, s->compute);
@@ -360,6 +364,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 				kvr_trace_span(tr, "wait controller", KVR_TRACK_ENGINE, seq, layer, 0,
 					       kvr_now_ns() - waited, kvr_now_ns());
 		}
+		kvr_importance_harvest(s, lane); /* before this step overwrites its lse */
 		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
 					      s->tails[seq] + ((uint64_t)layer * 2 + 1) * s->tile_bytes };
 		status[i] = kvr_pool_ingest(s->pool, seq, layer, positions[i], 1, k_host + i * kv_row,
@@ -482,7 +487,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 							  segs + n_segs);
 			items[n_items++] = (struct kvr_attention_item){
 				q_dev + i * q_row + m * head_q_bytes,
-				(unsigned char *)out + i * q_row + m * head_q_bytes, NULL, n_segs, n };
+				(unsigned char *)out + i * q_row + m * head_q_bytes,
+				kvr_importance_item(s, lane, m, e[i].n_tokens, n), n_segs, n };
 			n_segs += n;
 		}
 		att_lanes[n_att++] = lane;
@@ -538,7 +544,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 							  s->recall == KVR_RECALL_STREAMED, segs + n_segs);
 			items[n_items++] = (struct kvr_attention_item){
 				qi + m * head_q_bytes, (unsigned char *)out + i * q_row + m * head_q_bytes,
-				NULL, n_segs, n };
+				kvr_importance_item(s, lane, m, e[i].n_tokens, n), n_segs, n };
 			n_segs += n;
 		}
 		att_lanes[n_att++] = lane;
@@ -553,12 +559,16 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		return err;
 	}
 
-	/* 5. Keep q_i; post the next step's work. */
+	/* 5. Keep q_i; post the next step's work (mixed pages: judge those the
+	 * next selection may name for the first time, before it can). */
 	for (uint32_t i = 0; i < batch; i++) {
-		if ((e[i].kind != SEQ_SPARSE && e[i].kind != SEQ_CORRECTED) || !kk)
+		if (e[i].kind == SEQ_FAILED)
 			continue;
 		const uint32_t seq = seqs[i];
 		struct kvr_lane *lane = lane_of(s, seq, layer);
+		kvr_importance_judge(s, lane, e[i].n_tokens);
+		if ((e[i].kind != SEQ_SPARSE && e[i].kind != SEQ_CORRECTED) || !kk)
+			continue;
 		memcpy(lane->prev_q, q_host + i * q_row, q_row);
 		lane->has_prev = 1;
 		if (c->mode == KVR_MODE_BLOCKING)
@@ -620,6 +630,7 @@ static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	lane->has_prev = 0;
 	kvr_resident_lane_forget(lane);
+	kvr_importance_lane_forget(s, lane);
 	for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
 		lane->selected[i] = -1;
 	if (lane->slot_page)
@@ -631,6 +642,9 @@ static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	kvr_recall_lane_free(s, lane);
 	kvr_resident_lane_free(s, lane);
+	kvr_importance_lane_free(s, lane);
+	free(lane->slot_fmt);
+	lane->slot_fmt = NULL;
 	kvr_sched_mapped_free(s, lane->prev_q);
 	kvr_sched_mapped_free(s, lane->selected);
 	free(lane->slot_page);
@@ -669,6 +683,11 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		if (!err && s->recall == KVR_RECALL_STREAMED && !layer_dense(s, l) &&
 		    !(lane->slot_page = malloc(n_sel * sizeof(int32_t))))
 			err = -ENOMEM;
+		if (!err && lane->slot_page && s->kv_format == KVR_KV_MIXED &&
+		    !(lane->slot_fmt = calloc(n_sel, 1)))
+			err = -ENOMEM;
+		if (!err)
+			err = kvr_importance_lane_open(s, lane);
 		if (!err)
 			err = kvr_recall_lane_alloc(s, lane); /* events; slots when it has a slot table */
 		if (!err)
@@ -752,6 +771,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 				       c->dtype, scale, c->tau, 0 };
 	s->head_shape = (struct kvr_shape){ s->G, 1, c->head_dim, c->page_tokens, c->dtype, scale,
 					    c->tau, 0 };
+	s->lse_shape = s->head_shape;
+	s->lse_shape.flags = KVR_SHAPE_SEGMENT_LSE;
 	for (uint32_t w = 0; w < 4; w++)
 		s->hook_args[w] = (struct hook_arg){ s, w };
 	pthread_mutex_init(&s->lock, NULL);

@@ -126,7 +126,6 @@ MUT(recall_bad, c->recall = 3)
 MUT(pool_layout_bad, c->pool_layout = 2)
 MUT(controller_bad, c->controller = 3)
 MUT(kv_format_bad, c->kv_format = 4)
-MUT(kv_format_mixed, c->kv_format = KVR_KV_FORMAT_MIXED)
 MUT(kv_format_nhd, c->kv_format = KVR_KV_FORMAT_K8V4; c->pool_layout = KVR_POOL_NHD)
 MUT(cache_overflow, c->budget_tokens = 0x7fffffe0u; c->max_sequences = 1u << 20;
     c->max_batch = 1u << 20; c->n_layers = 256; c->n_kv_heads = 256; c->n_qo_heads = 256;
@@ -182,7 +181,6 @@ static const struct bad_case bad_cases[] = {
 	{ "pool_layout_bad", pool_layout_bad, -EINVAL, "pool_layout", "NHD" },
 	{ "controller_bad", controller_bad, -EINVAL, "controller", "2 (inline)" },
 	{ "kv_format_bad", kv_format_bad, -EINVAL, "kv_format", "2 (k4v2)" },
-	{ "kv_format_mixed", kv_format_mixed, -ENOTSUP, "kv_format", "not built yet" },
 	{ "kv_format_nhd", kv_format_nhd, -EINVAL, "kv_format", "pool_layout HND" },
 	{ "cache_overflow", cache_overflow, -EOVERFLOW, "budget_tokens", "overflows 64 bits" },
 	{ "pool_overflow", pool_overflow, -EOVERFLOW, "pool_bytes", "overflows" },

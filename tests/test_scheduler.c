@@ -694,7 +694,10 @@ struct check {
 	double alt_diff; /* against the other choice (now vs previous selection) */
 	uint8_t last_corr[NL][N_KV];
 	int32_t last_sel[NL][N_KV][K_SEL];
+	struct kvr_stats stats; /* the context's, at the end of a drift run */
 };
+
+static struct kvr_stats ctx_stats(struct kvr_context *ctx);
 
 /*
  * The model of one (sequence, layer) decode step (DESIGN.md "Decode step"),
@@ -837,6 +840,11 @@ static void run_drift(const struct opts *o, struct drift *r, struct check *ck)
 		for (uint32_t s = 0; s < ns; s++)
 			for (uint32_t l = 0; l < NL; l++) {
 				cr_assert_eq(status[s][l], 0, "%s step %u: %s", what, i, kvr_last_error(ctx));
+				if (o->kv_format == KVR_KV_FORMAT_MIXED) { /* which pages are K4V2 is the runtime's call */
+					for (uint32_t x = 0; x < Q_ROW; x++)
+						cr_assert(isfinite(out[s][l][x]), "%s step %u: output %u", what, i, x);
+					continue;
+				}
 				model_step(&t[s], l, q[s][l], out[s][l], o->mode, o->tau, tol_of(o->dtype), ck,
 					   what, i);
 			}
@@ -854,6 +862,7 @@ static void run_drift(const struct opts *o, struct drift *r, struct check *ck)
 				cr_assert_gt(atomic_load(&hook_calls[KVR_HOOK_CONVERT]), 0, "%s", what);
 		}
 	}
+	ck->stats = ctx_stats(ctx);
 	ctx_close(ctx, o);
 	for (uint32_t s = 0; s < ns; s++)
 		tseq_fini(&t[s]);
@@ -1024,6 +1033,52 @@ static void quantised_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 			     (unsigned long long)per_q, (unsigned long long)per_plain);
 	}
 	free(zc.outs), free(st.outs);
+}
+
+/*
+ * Mixed pages: every page starts K8V4; pages that got less than the median
+ * share of attention during their window residence become K4V2 in place
+ * before any selection can name them. Streamed recall (a K4V2 page moving
+ * only its own bytes into the slot's unified room) equals zero-copy bit for
+ * bit under random delays, some pages were judged and some of those
+ * demoted, and demoted pages moved fewer bytes.
+ */
+static void mixed_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
+{
+	struct drift zc, st;
+	drift_alloc(&zc, n_seqs, n_steps);
+	drift_alloc(&st, n_seqs, n_steps);
+	struct check ck;
+	struct opts o = opts_default(dev_kind, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, KVR_DTYPE_F16);
+	o.kv_format = KVR_KV_FORMAT_MIXED;
+	run_drift(&o, &zc, &ck);
+	const struct kvr_stats zs = ck.stats;
+	cr_assert_gt(zs.pages_judged, 0, "%s: no page was judged", dev_name(dev_kind));
+	cr_assert_gt(zs.pages_demoted, 0, "%s: %llu pages judged, none demoted", dev_name(dev_kind),
+		     (unsigned long long)zs.pages_judged);
+	cr_assert_lt(zs.pages_demoted, zs.pages_judged, "%s: every judged page was demoted",
+		     dev_name(dev_kind));
+	o.recall = KVR_RECALL_STREAMED;
+	o.chunk_pages = 3;
+	o.hooks = 1;
+	run_drift(&o, &st, &ck);
+	first_difference(&zc, &st, "mixed pages: streamed differs from zero-copy");
+	cr_assert_eq(ck.stats.pages_demoted, zs.pages_demoted, "the delays changed the demotions");
+	struct kvr_quant_geometry g8;
+	kvr_quant_geometry_init(&g8, P, D, 1, KVR_KV_K8V4);
+	cr_assert_lt(ck.stats.bytes_recalled, ck.stats.pages_recalled * g8.head_bytes,
+		     "no recalled page moved fewer bytes than a K8V4 run");
+	free(zc.outs), free(st.outs);
+}
+
+Test(scheduler, mixed_pages_cpu, .timeout = 120)
+{
+	mixed_on(KVR_DEV_CPU, 2, 200);
+}
+
+Test(scheduler, mixed_pages_cudaemu_strict, .timeout = 300)
+{
+	mixed_on(KVR_DEV_CUDAEMU_STRICT, 1, 120);
 }
 
 Test(scheduler, quantised_pages_cpu, .timeout = 120)
