@@ -34,7 +34,9 @@ enum { RING = 64, RING_MIN = 4 }; /* judged pages kept before any is demoted */
 
 struct lane_importance {
 	float *lse;       /* mapped: [n_kv][G · stride], item m's segment_lse */
-	uint32_t stride;  /* segments an item may have: B/p + 1 */
+	size_t lse_bytes;
+	uint32_t stride;  /* segments an item may have (sparse: B/p + 1; grown for
+	                     the dense path of mode dense, every page) */
 	uint32_t pending; /* the lane's latest attention wrote lse, not yet summed */
 	uint32_t win_page, n_win; /* its window pages: [win_page, +n_win) */
 	uint32_t *n_segs, *win_seg; /* [n_kv]: its items' segment counts, first window segment */
@@ -48,8 +50,9 @@ struct lane_importance {
 
 int kvr_importance_enabled(const struct kvr_sched *s, uint32_t layer)
 {
-	return s->kv_format == KVR_KV_MIXED && s->k &&
-	       !(s->c.mode == KVR_MODE_DENSE || (s->c.dense_layers[layer / 64] >> (layer % 64) & 1));
+	/* every layer but the dense layers (whose pages never leave the device);
+	 * mode dense too, so that quantisation can be measured without selection */
+	return s->kv_format == KVR_KV_MIXED && !(s->c.dense_layers[layer / 64] >> (layer % 64) & 1);
 }
 
 int kvr_importance_lane_open(struct kvr_sched *s, struct kvr_lane *lane)
@@ -65,8 +68,8 @@ int kvr_importance_lane_open(struct kvr_sched *s, struct kvr_lane *lane)
 	im->win_seg = calloc(s->c.n_kv_heads, sizeof(uint32_t));
 	if (!im->n_segs || !im->win_seg)
 		return -ENOMEM;
-	return kvr_sched_mapped_alloc(s, (size_t)s->c.n_kv_heads * s->G * im->stride * sizeof(float),
-				      (void **)&im->lse);
+	return kvr_sched_mapped_grow(s, (void **)&im->lse, &im->lse_bytes,
+				     (size_t)s->c.n_kv_heads * s->G * im->stride * sizeof(float));
 }
 
 void kvr_importance_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
@@ -74,7 +77,7 @@ void kvr_importance_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 	struct lane_importance *im = lane->imp;
 	if (!im)
 		return;
-	kvr_sched_mapped_free(s, im->lse);
+	kvr_sched_mapped_free(s, im->lse); /* kvr_sched_mapped_grow's buffer */
 	free(im->n_segs), free(im->win_seg), free(im->mass), free(im->obs);
 	free(im);
 	lane->imp = NULL;
@@ -98,10 +101,22 @@ float *kvr_importance_item(struct kvr_sched *s, struct kvr_lane *lane, uint32_t 
 			   uint32_t n_segs)
 {
 	struct lane_importance *im = lane->imp;
-	if (!im || n_segs > im->stride)
+	if (!im)
 		return NULL;
 	const uint32_t p = s->c.page_tokens, sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
 	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = n_tokens % p != 0;
+	if (m == 0 && n_full + 1 > im->stride) {
+		/* every head's item has at most n_full + 1 segments; grown before
+		 * head 0's item, so no item of this step points at the old buffer
+		 * (the previous step's was harvested before this one's items) */
+		const uint32_t stride = (n_full + 1 + 63) & ~63u;
+		if (kvr_sched_mapped_grow(s, (void **)&im->lse, &im->lse_bytes,
+					  (size_t)s->c.n_kv_heads * s->G * stride * sizeof(float)))
+			return NULL;
+		im->stride = stride;
+	}
+	if (n_segs > im->stride)
+		return NULL;
 	const uint32_t wf = n_full > window ? n_full - window : 0;
 	const uint32_t first = wf > sink ? wf : sink;
 	im->win_page = first;

@@ -300,14 +300,14 @@ Test(model, eval_quantised_pages, .init = open_model, .fini = close_model, .time
 	const int fd = mkstemp(json);
 	cr_assert_geq(fd, 0);
 	close(fd);
-	char modes[] = "freekv", formats[] = "k8v4,k4v2";
-	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "384", "--prefill",
+	char modes[] = "freekv", formats[] = "k8v4,k4v2,mixed";
+	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "640", "--prefill",
 			 "256",      "--budget", "256", "--sink", "64", "--window", "64", "--modes", modes,
 			 "--kv-formats", formats, "--threads", "1", "--quiet", "--json", json };
 	cr_assert_eq(runner_eval((int)(sizeof(argv) / sizeof(argv[0])), argv), 0);
 	FILE *f = fopen(json, "r");
 	cr_assert(f);
-	char buf[4096] = "";
+	char buf[8192] = "";
 	const size_t got = fread(buf, 1, sizeof(buf) - 1, f);
 	fclose(f);
 	unlink(json);
@@ -315,6 +315,13 @@ Test(model, eval_quantised_pages, .init = open_model, .fini = close_model, .time
 	const double f16 = eval_ppl(buf, "dense", "f16"), k8 = eval_ppl(buf, "dense", "k8v4");
 	const double k4 = eval_ppl(buf, "dense", "k4v2");
 	const double fk8 = eval_ppl(buf, "freekv", "k8v4"), fk4 = eval_ppl(buf, "freekv", "k4v2");
+	const double mx = eval_ppl(buf, "dense", "mixed");
+	/* mixed demotes about half of the pages decoding saw in the window
+	 * (384 decoded tokens: a dozen pages): near K8V4, far from K4V2 */
+	cr_expect(mx > 0.98 * k8 && mx < k4, "dense over mixed pages: perplexity %g, K8V4 %g, K4V2 %g", mx, k8, k4);
+	const char *dm = strstr(buf, "\"mode\": \"dense\", \"kv_format\": \"mixed\"");
+	cr_assert(dm && strstr(dm, "\"pages_demoted\": "), "%s", buf);
+	cr_expect_gt(strtoull(strstr(dm, "\"pages_demoted\": ") + 17, NULL, 10), 0, "mixed demoted no page: %s", buf);
 	cr_expect(k8 > 0.95 * f16 && k8 < 1.05 * f16, "dense over K8V4 pages: perplexity %g, f16 %g", k8, f16);
 	cr_expect(k4 > 1.2 * k8, "dense over K4V2 pages: perplexity %g, not worse than K8V4's %g", k4, k8);
 	cr_expect(isfinite(fk8) && fk8 < 1.2 * f16 && isfinite(fk4), "freekv: K8V4 %g, K4V2 %g, f16 dense %g",

@@ -240,6 +240,72 @@ Test(pool, quantised_pages_hold_the_quantised_runs)
 		}
 }
 
+/* A mixed pool writes K8V4 into unified room; demotion requantises a page
+ * to K4V2 in place from its dequantised K8V4 values, leaves other pages and
+ * the summaries alone, and refuses shared pages and single-format pools. */
+Test(pool, mixed_pages_demote_in_place)
+{
+	enum { P = 16, D = 32, NKV = 2 };
+	struct kvr_pool_params pp = { .n_layers = 1, .max_sequences = 2, .numa_node = -1,
+				      .keep_summaries = 1, .kv_format = KVR_KV_MIXED };
+	cr_assert_eq(kvr_page_geometry_init(&pp.geometry, P, D, NKV, KVR_ELEM_F16), 0);
+	struct kvr_quant_geometry g8, g4;
+	kvr_quant_geometry_init(&g8, P, D, 1, KVR_KV_K8V4);
+	kvr_quant_geometry_init(&g4, P, D, 1, KVR_KV_K4V2);
+	pp.capacity_bytes = 4 * NKV * g8.head_bytes;
+	struct kvr_pool *pool = NULL;
+	char err[256];
+	cr_assert_eq(kvr_pool_create(&pp, &pool, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(kvr_pool_head_bytes(pool), g8.head_bytes, "runs keep the K8V4 room");
+	const uint32_t row = NKV * D;
+	uint16_t k[2 * P * NKV * D], v[2 * P * NKV * D];
+	for (uint32_t i = 0; i < 2 * P * row; i++) {
+		k[i] = kvr_f32_to_f16((float)((int)(rng() % 257) - 128) / 64.0f);
+		v[i] = kvr_f32_to_f16((float)((int)(rng() % 257) - 128) / 32.0f);
+	}
+	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	cr_assert_eq(kvr_pool_reserve(pool, 0, 0, 2), 0);
+	uint32_t id[2];
+	for (uint32_t pg = 0; pg < 2; pg++) {
+		cr_assert_eq(kvr_pool_write_page(pool, 0, 0, pg, k + pg * P * row, v + pg * P * row, row), 0);
+		cr_assert_eq(kvr_pool_lookup(pool, 0, 0, pg, &id[pg]), 0);
+		cr_assert_eq(kvr_pool_page_format(pool, id[pg]), KVR_KV_K8V4);
+	}
+	unsigned char before[2][NKV][1024], after[1024], want[1024];
+	cr_assert_leq(g8.head_bytes, sizeof(after));
+	for (uint32_t pg = 0; pg < 2; pg++)
+		for (uint32_t h = 0; h < NKV; h++)
+			kvr_pool_gather_head(pool, id[pg], h, before[pg][h]);
+	unsigned char summary[2 * NKV * D * 2];
+	memcpy(summary, kvr_pool_summary(pool, 0, 0, 1), sizeof(summary));
+	cr_assert_eq(kvr_pool_demote(pool, id[1]), 0, "%s", kvr_pool_last_error(pool));
+	cr_assert_eq(kvr_pool_page_format(pool, id[1]), KVR_KV_K4V2);
+	cr_assert_eq(kvr_pool_page_format(pool, id[0]), KVR_KV_K8V4);
+	float fk[P * D], fv[P * D], scratch[D];
+	for (uint32_t h = 0; h < NKV; h++) {
+		kvr_quant_run_to_nhd(&g8, before[1][h], P, fk, fv, D, KVR_ELEM_F32, 0);
+		kvr_quant_run_from_nhd(&g4, fk, fv, D, KVR_ELEM_F32, 0, P, want, scratch);
+		kvr_pool_gather_head(pool, id[1], h, after);
+		cr_assert_eq(memcmp(after, want, g4.head_bytes), 0, "head %u: not the K4V2 requantisation", h);
+		kvr_pool_gather_head(pool, id[0], h, after);
+		cr_assert_eq(memcmp(after, before[0][h], g8.head_bytes), 0, "page 0 changed");
+	}
+	cr_assert_eq(memcmp(summary, kvr_pool_summary(pool, 0, 0, 1), sizeof(summary)), 0);
+	cr_assert_eq(kvr_pool_demote(pool, id[1]), 0, "a K4V2 page stays as it is");
+	cr_assert_eq(kvr_pool_page_ref(pool, id[0]), 0);
+	cr_assert_eq(kvr_pool_demote(pool, id[0]), -EBUSY);
+	cr_assert_eq(kvr_pool_page_format(pool, id[0]), KVR_KV_K8V4);
+	cr_assert_eq(kvr_pool_page_unref(pool, id[0]), 0);
+	cr_assert_eq(kvr_pool_demote(pool, 999), -EINVAL);
+	kvr_pool_destroy(pool);
+	struct kvr_pool *plain = make_pool(P, D, NKV, KVR_ELEM_F16, 4, KVR_POOL_LAYOUT_HND, 1, 1);
+	cr_assert_eq(kvr_pool_seq_open(plain, 0), 0);
+	cr_assert_eq(kvr_pool_reserve(plain, 0, 0, 1), 0);
+	cr_assert_eq(kvr_pool_lookup(plain, 0, 0, 0, &id[0]), 0);
+	cr_assert_eq(kvr_pool_demote(plain, id[0]), -EINVAL);
+	kvr_pool_destroy(plain);
+}
+
 /* ---- allocator stress against a shadow model ---- */
 
 #define STRESS_SEQS 24

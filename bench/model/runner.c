@@ -47,7 +47,7 @@ void runner_generate_usage(void)
 		"  --max-tokens N      tokens to generate (default 256)\n"
 		"  --ignore-eos        keep generating past the end-of-turn token\n"
 		"  --mode M            dense | blocking | speculative | freekv (default freekv)\n"
-		"  --kv-format F       KV pages: f16 | k8v4 | k4v2 (default f16)\n"
+		"  --kv-format F       KV pages: f16 | k8v4 | k4v2 | mixed (default f16)\n"
 		"  --budget B --sink S --window W --tau T   kvrecall's selection (defaults: B 2048,\n"
 		"                      S = W = 512 or B/4 when smaller, tau 0.9)\n"
 		"  --temperature T --top-p P --seed N      sampling (default greedy)\n"
@@ -110,7 +110,7 @@ static int parse(int argc, char **argv, struct opts *o)
 			i++;
 		} else if (!strcmp(a, "--kv-format") && v) {
 			if (kvr_kv_format_parse(v, &o->kv_format)) {
-				fprintf(stderr, "kvrecall generate: unknown KV format '%s' (f16, k8v4, k4v2)\n", v);
+				fprintf(stderr, "kvrecall generate: unknown KV format '%s' (f16, k8v4, k4v2, mixed)\n", v);
 				return 2;
 			}
 			i++;
@@ -579,7 +579,7 @@ void runner_eval_usage(void)
 		"  --prefill N         tokens prefilled before decoding (default: the budget)\n"
 		"  --modes LIST        comma-separated, from dense,blocking,speculative,freekv\n"
 		"                      (default all four; dense always runs first)\n"
-		"  --kv-formats LIST   comma-separated page formats, from f16,k8v4,k4v2: each\n"
+		"  --kv-formats LIST   comma-separated page formats, from f16,k8v4,k4v2,mixed: each\n"
 		"                      mode runs with each (default f16); dense with f16 pages\n"
 		"                      runs first and is the reference, and dense also runs\n"
 		"                      with each other format (quantisation alone)\n"
@@ -665,7 +665,7 @@ int runner_eval(int argc, char **argv)
 {
 	/* eval's own options first; the rest are generate's */
 	uint32_t context = 8192, prefill = 0, modes[4], n_modes = 0;
-	uint32_t formats[3] = { KVR_KV_FORMAT_PLAIN }, n_formats = 0;
+	uint32_t formats[4] = { KVR_KV_FORMAT_PLAIN }, n_formats = 0;
 	char **rest = calloc((size_t)argc + 6, sizeof(*rest));
 	/* --file may repeat: the texts are read in order and joined by a blank
 	 * line, so that 8K tokens can come from Debian's own shorter texts */
@@ -686,9 +686,9 @@ int runner_eval(int argc, char **argv)
 			char *list = argv[++i], *save = NULL;
 			for (char *tk = strtok_r(list, ",", &save); tk; tk = strtok_r(NULL, ",", &save)) {
 				uint32_t f;
-				if (kvr_kv_format_parse(tk, &f) || f == KVR_KV_FORMAT_MIXED || n_formats == 3) {
+				if (kvr_kv_format_parse(tk, &f) || n_formats == 4) {
 					fprintf(stderr, "kvrecall eval: unknown or repeated KV format '%s' "
-							"(f16, k8v4, k4v2)\n", tk);
+							"(f16, k8v4, k4v2, mixed)\n", tk);
 					free(rest), free(files);
 					return 2;
 				}
@@ -783,7 +783,7 @@ int runner_eval(int argc, char **argv)
 			o.file, n_files > 1 ? " and the other files" : "", n_ids, context, prefill);
 		rc = -EINVAL;
 	}
-	struct eval_result res[1 + 3 * 5];
+	struct eval_result res[1 + 4 * 5];
 	uint32_t n_res = 0;
 	if (!rc && !(dense_top = malloc((context - prefill) * sizeof(*dense_top))))
 		rc = -ENOMEM;
@@ -831,7 +831,8 @@ int runner_eval(int argc, char **argv)
 						   "%.6f, \"positions\": %llu, \"corrected_heads\": %llu, "
 						   "\"checked_heads\": %llu, \"seconds\": %.2f, "
 						   "\"decode_seconds\": %.3f, \"decode_steps\": %llu, "
-						   "\"decode_attention_ns\": %llu, \"bytes_recalled\": %llu}",
+						   "\"decode_attention_ns\": %llu, \"bytes_recalled\": %llu, "
+						   "\"pages_judged\": %llu, \"pages_demoted\": %llu}",
 						i ? ", " : "", kvr_mode_name(res[i].mode),
 						res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16",
 						exp(res[i].nll / (double)res[i].positions),
@@ -842,7 +843,9 @@ int runner_eval(int argc, char **argv)
 						res[i].decode_seconds,
 						(unsigned long long)(res[i].positions ? res[i].positions - 1 : 0),
 						(unsigned long long)res[i].decode_attn_ns,
-						(unsigned long long)res[i].kv.bytes_recalled);
+						(unsigned long long)res[i].kv.bytes_recalled,
+						(unsigned long long)res[i].kv.pages_judged,
+						(unsigned long long)res[i].kv.pages_demoted);
 				fprintf(f, "]}\n");
 				fclose(f);
 			}
