@@ -51,7 +51,7 @@ static float frand(void) /* uniform in [-1, 1) */
 /* The run's settings (main thread only). */
 static struct {
 	struct bench_shape sh;
-	uint32_t recall, buffers, pool_layout, chunk_pages, controller, backend;
+	uint32_t recall, buffers, pool_layout, chunk_pages, controller, backend, kv_format;
 	uint32_t budget, sink, window;
 	uint32_t resolved_controller; /* what the contexts resolved `controller` to */
 	const char *backend_name;
@@ -134,6 +134,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t batch, uint64_t max_
 	c.recall = g.recall;
 	c.recall_buffers = g.buffers;
 	c.pool_layout = g.pool_layout;
+	c.kv_format = g.kv_format;
 	c.recall_chunk_pages = g.chunk_pages;
 	c.controller = g.controller;
 	c.backend = g.backend;
@@ -286,6 +287,7 @@ static int usage(void)
 		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24]\n"
 		"         [--max-context 131072] [--mode M] [--recall zero-copy|streamed] [--buffers 1|2]\n"
 		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
+		"         [--kv-format f16|k8v4|k4v2|mixed]\n"
 		"         [--quick] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
 		"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
 	return 2;
@@ -352,7 +354,12 @@ int bench_decode(int argc, char **argv)
 			g.buffers = (uint32_t)strtoul(val, NULL, 10);
 		else if (!strcmp(a, "--chunk-pages"))
 			g.chunk_pages = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--pool-layout"))
+		else if (!strcmp(a, "--kv-format")) {
+			if (kvr_kv_format_parse(val, &g.kv_format)) {
+				fprintf(stderr, "kvrecall bench decode: unknown KV format '%s'\n", val);
+				return 2;
+			}
+		} else if (!strcmp(a, "--pool-layout"))
 			g.pool_layout = !strcmp(val, "nhd") ? KVR_POOL_NHD : KVR_POOL_HND;
 		else if (!strcmp(a, "--mode")) {
 			if (kvr_mode_parse(val, &only_mode) || only_mode == KVR_MODE_AUTO) {
@@ -418,9 +425,9 @@ int bench_decode(int argc, char **argv)
 	bench_shape_json(json, &g.sh);
 	fprintf(json, ",\n  \"params\": {\"budget_tokens\": %u, \"sink_tokens\": %u, \"window_tokens\": %u, "
 		      "\"steps\": %u, \"tau\": 0.9, \"recall\": \"%s\", \"recall_buffers\": %u, \"chunk_pages\": %u, "
-		      "\"pool_layout\": \"%s\"},\n  \"results\": [\n",
+		      "\"pool_layout\": \"%s\", \"kv_format\": \"%s\"},\n  \"results\": [\n",
 		B, g.sink, g.window, steps, kvr_recall_name(g.recall), g.buffers, g.chunk_pages,
-		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd");
+		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", g.kv_format ? kvr_kv_format_name(g.kv_format) : "f16");
 	int first = 1;
 	for (uint32_t bi = 0; bi < n_batches; bi++) {
 		const uint32_t batch = batches[bi];

@@ -121,6 +121,7 @@ static inline __attribute__((always_inline)) vf fold16x16_avx512(const vf *v)
 	return (vf)_mm512_permutexvar_ps(idx, r);
 }
 #define ISA avx512
+#define F16TOF32(h) _cvtsh_ss(h)
 #define LOAD16(row, t, i) load16_avx512(row, t, i)
 #define MAX16(a, b) ((vf)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define FOLD16X16(v) fold16x16_avx512(v)
@@ -132,6 +133,7 @@ static inline __attribute__((always_inline)) vf fold16x16_avx512(const vf *v)
 #define HMAX16(v) _mm512_reduce_max_ps((__m512)(v))
 #include "cpu_kernels_isa.h"
 #undef ISA
+#undef F16TOF32
 #undef LOAD16
 #undef FMA16
 #undef HSUM16
@@ -223,6 +225,7 @@ static inline __attribute__((always_inline)) vf fold16x16_avx2(const vf *v)
 	return r;
 }
 #define ISA avx2
+#define F16TOF32(h) _cvtsh_ss(h)
 #define LOAD16(row, t, i) load16_avx2(row, t, i)
 #define MAX16(a, b) max16_avx2(a, b)
 #define FOLD16X16(v) fold16x16_avx2(v)
@@ -234,6 +237,7 @@ static inline __attribute__((always_inline)) vf fold16x16_avx2(const vf *v)
 #define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h"
 #undef ISA
+#undef F16TOF32
 #undef LOAD16
 #undef FMA16
 #undef HSUM16
@@ -290,6 +294,7 @@ static inline __attribute__((always_inline)) vf fold16x16_base(const vf *v)
 	return r;
 }
 #define ISA base
+#define F16TOF32(h) kvr_f16_to_f32(h)
 #define LOAD16(row, t, i) load16_base(row, t, i)
 #define MAX16(a, b) max16_base(a, b)
 #define FOLD16X16(v) fold16x16_base(v)
@@ -301,6 +306,7 @@ static inline __attribute__((always_inline)) vf fold16x16_base(const vf *v)
 #define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h"
 #undef ISA
+#undef F16TOF32
 #undef LOAD16
 #undef FMA16
 #undef HSUM16

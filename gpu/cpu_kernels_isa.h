@@ -17,6 +17,7 @@
  *                         NaN or both are zeros): kvr_quest_term's choice
  *   FOLD16X16(v)          of 16 vectors v[0..15], the vector whose lane p is
  *                         FOLD16(v[p]), each in the canonical order
+ *   F16TOF32(h)           one f16 (bits) as a float (F16C where the ISA has it)
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -239,19 +240,29 @@ static inline __attribute__((always_inline)) vf ISA_FN(codes16)(const uint8_t *r
 }
 
 /* Row t of a quantised run (keys: half 0) dequantised into `chunks` vectors:
- * s·Q − z per element, one FMA per 16. */
+ * s·Q − z per element, one FMA per 16. `bits` is a constant at every call
+ * (dequant_row_fmt), so each format's unpacking is compiled straight. */
 static inline __attribute__((always_inline)) void
 ISA_FN(dequant_row)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
-		    uint32_t chunks, vf *out)
+		    uint32_t chunks, const uint32_t bits, vf *out)
 {
 	unsigned char *r = (unsigned char *)(uintptr_t)run;
 	const uint8_t *row = half ? kvr_quant_value_row(g, r, t) : kvr_quant_key_row(g, r, t);
 	const uint16_t *sz = half ? kvr_quant_value_sz(g, r, t) : kvr_quant_key_sz(g, r, t);
-	const uint32_t bits = half ? g->value_bits : g->key_bits;
-	const vf s = SPLAT16(kvr_f16_to_f32(sz[0])), nz = SPLAT16(-kvr_f16_to_f32(sz[1]));
+	const vf s = SPLAT16(F16TOF32(sz[0])), nz = SPLAT16(-F16TOF32(sz[1]));
 	_Pragma("GCC unroll 16")
 	for (uint32_t c = 0; c < chunks; c++)
 		out[c] = FMA16(ISA_FN(codes16)(row, bits, c), s, nz);
+}
+
+static inline __attribute__((always_inline)) void
+ISA_FN(dequant_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
+			uint32_t chunks, vf *out)
+{
+	if (g->format == KVR_KV_K8V4)
+		ISA_FN(dequant_row)(g, run, half, t, chunks, half ? 4u : 8u, out);
+	else
+		ISA_FN(dequant_row)(g, run, half, t, chunks, half ? 2u : 4u, out);
 }
 
 /* Attention of KV head m of one item over its segments (kernels.h).
@@ -328,7 +339,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				}
 				vf k[16];
 				if (fmt)
-					ISA_FN(dequant_row)(&gq[fmt], kb, 0, t0 + b, chunks, k);
+					ISA_FN(dequant_row_fmt)(&gq[fmt], kb, 0, t0 + b, chunks, k);
 				else
 					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
@@ -383,7 +394,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *vrow = vb + (t0 + b) * row;
 				if (fmt)
-					ISA_FN(dequant_row)(&gq[fmt], kb, 1, t0 + b, chunks, vs[b]);
+					ISA_FN(dequant_row_fmt)(&gq[fmt], kb, 1, t0 + b, chunks, vs[b]);
 				else
 					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
