@@ -89,9 +89,14 @@ def plot_recall(d, path):
     for pool, buffers, chunk in keys:
         pts = sorted((r["budget_tokens"], r["us_per_layer"]) for r in rows
                      if (r["pool"], r["buffers"], r["chunk_pages"]) == (pool, buffers, chunk))
-        label = "zero-copy" if pool == "zero-copy" else f"{pool} pool, {buffers} buffer{'s' if buffers > 1 else ''}, chunks of {chunk}"
-        color = "#2ca02c" if pool == "zero-copy" else ("#d62728" if pool == "hnd" else "#1f77b4")
-        ls = "-" if buffers == 2 or pool == "zero-copy" else "--"
+        if pool == "zero-copy":
+            label = "zero-copy"
+        elif pool in ("k8v4", "k4v2"):  # quantised runs straight into their slots
+            label = f"{pool.upper()} runs, chunks of {chunk}"
+        else:
+            label = f"{pool} pool, {buffers} buffer{'s' if buffers > 1 else ''}, chunks of {chunk}"
+        color = {"zero-copy": "#2ca02c", "hnd": "#d62728", "k8v4": "#9467bd", "k4v2": "#8c564b"}.get(pool, "#1f77b4")
+        ls = "--" if buffers == 1 and pool != "zero-copy" else "-"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker="o" if chunk != 8 else "s", ms=4, color=color,
                 alpha=1.0 if chunk != 8 else 0.6, label=label)
     ax.set_xscale("log", base=2)

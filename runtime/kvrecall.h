@@ -129,8 +129,8 @@ enum kvr_pool_layout_kind {
 enum kvr_kv_format_kind {
 	KVR_KV_FORMAT_PLAIN = 0, /* the dtype (f16 by default), unquantised */
 	KVR_KV_FORMAT_K8V4 = 1,  /* keys 8-bit, values 4-bit, f16 scale and zero point per
-	                            token and KV head (LeanKV): 0.27x an f16 page at d = 128 */
-	KVR_KV_FORMAT_K4V2 = 2,  /* keys 4-bit, values 2-bit: 0.15x an f16 page at d = 128 */
+	                            token and KV head (LeanKV): 0.39x an f16 page at p = 32, d = 128 */
+	KVR_KV_FORMAT_K4V2 = 2,  /* keys 4-bit, values 2-bit: 0.20x an f16 page (p = 32, d = 128) */
 	KVR_KV_FORMAT_MIXED = 3, /* K8V4, and pages that received little attention while in
 	                            the window as K4V2 (opt-in; docs/architecture.md) */
 };

@@ -150,6 +150,9 @@ static void run_round(uint32_t round)
 	c.recall_chunk_pages = 1 + urand(4);
 	c.recall_buffers = 1 + urand(2);
 	c.pool_layout = urand(4) ? KVR_POOL_HND : KVR_POOL_NHD; /* NHD: the ablation's row copies */
+	/* quantised pages (HND only): direct copies into slots, mixed's demotion */
+	if (c.pool_layout == KVR_POOL_HND)
+		c.kv_format = urand(4); /* plain, k8v4, k4v2, mixed */
 	c.pool_bytes = 4096ull * 2 * P * KV_ROW * eb;
 	const struct kvr_sched_hooks hooks = { urand(2) ? delay : NULL, NULL, urand(2), 0 };
 	struct kvr_context *ctx = NULL;
@@ -157,10 +160,10 @@ static void run_round(uint32_t round)
 	CHECK(r == 0, "context: %d %s", r, kvr_last_error(NULL));
 	if (r)
 		return;
-	printf("round %u: %s, %s, %s, %s pool, dense layer 0 %d, chunk %u, buffers %u, async %u, "
+	printf("round %u: %s, %s, %s, %s pool, %s pages, dense layer 0 %d, chunk %u, buffers %u, async %u, "
 	       "delays %d\n",
 	       round, kvr_mode_name(mode), kvr_recall_name(recall), kvr_dtype_name(dtype),
-	       c.pool_layout == KVR_POOL_NHD ? "NHD" : "HND", (int)c.dense_layers[0],
+	       c.pool_layout == KVR_POOL_NHD ? "NHD" : "HND", kvr_kv_format_name(c.kv_format), (int)c.dense_layers[0],
 	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL);
 
 	struct sseq seqs[MAX_SEQS];
