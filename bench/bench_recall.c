@@ -306,6 +306,23 @@ static double copy_peak_gbps(struct recall_env *e, unsigned char *dst, uint64_t 
 	return best;
 }
 
+/* Device bytes one sequence's page cache takes in a cuda context of this
+ * shape with streamed recall (kvr_device_bytes_needed: slots of every sparse
+ * layer, resident sink and window pages, tail tiles), per page format: what
+ * quantised slots buy in sequences (or budget) per byte of device memory. */
+static uint64_t cache_bytes(const struct bench_shape *sh, uint32_t budget, uint32_t sink, uint32_t window,
+			    uint32_t kv_format)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = sh->n_layers, c.n_qo_heads = sh->n_qo_heads, c.n_kv_heads = sh->n_kv_heads;
+	c.head_dim = sh->head_dim, c.page_tokens = sh->page_tokens, c.budget_tokens = budget;
+	c.sink_tokens = sink, c.window_tokens = window, c.backend = KVR_BACKEND_CUDA;
+	c.recall = KVR_RECALL_STREAMED, c.kv_format = kv_format, c.max_sequences = c.max_batch = 1;
+	uint64_t per_seq = 0;
+	return kvr_device_bytes_needed(&c, NULL, &per_seq) ? 0 : per_seq;
+}
+
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 static uint64_t rng(void)
 {
@@ -550,6 +567,12 @@ int bench_recall(int argc, char **argv)
 				"variants byte-exact\n",
 			backend_name, kvr_dev_name(e.dev), sh.preset, sh.n_kv_heads, sh.head_dim, p, batch,
 			miss_rate, sink, window, peak);
+		for (uint32_t bi = 0; bi < n_budgets; bi++)
+			fprintf(stderr, "B = %u: one sequence's device page cache (cuda, streamed): f16 %.1f MiB, "
+					"K8V4 %.1f MiB, K4V2 %.1f MiB\n",
+				budgets[bi], cache_bytes(&sh, budgets[bi], sink, window, 0) / 1048576.0,
+				cache_bytes(&sh, budgets[bi], sink, window, 1) / 1048576.0,
+				cache_bytes(&sh, budgets[bi], sink, window, 2) / 1048576.0);
 		fprintf(stderr, "%-7s %-7s %-10s %-8s %-6s %9s %10s %8s %8s\n", "budget", "misses", "pool", "buffers",
 			"chunk", "B/run", "us/layer", "GB/s", "÷ peak");
 		for (uint32_t i = 0; i < n_rows; i++)
@@ -580,6 +603,14 @@ int bench_recall(int argc, char **argv)
 					(unsigned long long)rows[i].misses * rows[i].run_bytes,
 					layout_name(rows[i].layout), rows[i].buffers, rows[i].chunk, rows[i].us, rows[i].gbps,
 					peak > 0 ? rows[i].gbps / peak : 0, i + 1 < n_rows ? "," : "");
+			fprintf(f, "  ],\n  \"device_cache\": [\n");
+			for (uint32_t bi = 0; bi < n_budgets; bi++)
+				for (uint32_t fmt = KVR_KV_FORMAT_PLAIN; fmt <= KVR_KV_FORMAT_K4V2; fmt++)
+					fprintf(f, "    {\"budget_tokens\": %u, \"kv_format\": \"%s\", "
+						   "\"per_sequence_bytes\": %llu}%s\n",
+						budgets[bi], fmt ? kvr_kv_format_name(fmt) : "f16",
+						(unsigned long long)cache_bytes(&sh, budgets[bi], sink, window, fmt),
+						bi + 1 < n_budgets || fmt < KVR_KV_FORMAT_K4V2 ? "," : "");
 			fprintf(f, "  ],\n  \"summary\": {\"peak_h2d_pinned_gbps\": %.4f}\n", peak);
 			bench_json_close(f);
 			if (f != stdout)

@@ -192,7 +192,11 @@ Test(bench, recall_writes_schema_json, .timeout = 120)
 		"    # a K8V4 run: 8-bit keys, 4-bit values, f16 (s, z) per token for each; K4V2 half the codes\n"
 		"    assert r['run_bytes'] == {'k8v4': 32 * (64 + 32 + 8), 'k4v2': 32 * (32 + 16 + 8)}.get(r['pool'], 2 * 32 * 64 * 2), r\n"
 		"    assert r['bytes'] == r['misses'] * r['run_bytes'] and r['us_per_layer'] > 0 and r['gbps'] > 0, r\n"
-		"    assert abs(r['ratio_to_copy_peak'] - r['gbps'] / d['summary']['peak_h2d_pinned_gbps']) < 1e-3 * r['ratio_to_copy_peak'] + 1e-4, r");
+		"    assert abs(r['ratio_to_copy_peak'] - r['gbps'] / d['summary']['peak_h2d_pinned_gbps']) < 1e-3 * r['ratio_to_copy_peak'] + 1e-4, r\n"
+		"cache = {(c['budget_tokens'], c['kv_format']): c['per_sequence_bytes'] for c in d['device_cache']}\n"
+		"assert set(cache) == {(b, f) for b in (512, 1024) for f in ('f16', 'k8v4', 'k4v2')}, cache\n"
+		"for b in (512, 1024):\n"
+		"    assert cache[(b, 'f16')] > cache[(b, 'k8v4')] > cache[(b, 'k4v2')] > 0, cache");
 }
 
 /* `kvrecall bench decode`: one row per mode and context with the fields the
