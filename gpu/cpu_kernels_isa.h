@@ -239,30 +239,34 @@ static inline __attribute__((always_inline)) vf ISA_FN(codes16)(const uint8_t *r
 	return __builtin_convertvector(x, vf);
 }
 
-/* Row t of a quantised run (keys: half 0) dequantised into `chunks` vectors:
- * s·Q − z per element, one FMA per 16. `bits` is a constant at every call
- * (dequant_row_fmt), so each format's unpacking is compiled straight. */
+/* Row t of a quantised run (keys: half 0): its codes as `chunks` vectors of
+ * floats, and its scale and zero point. Attention folds s and z in per token
+ * (q·(s·Q − z) = s·(q·Q) − z·Σq; Σ_t p·(s·Q − z) = Σ_t (p·s)·Q − Σ_t p·z), so
+ * dequantising costs a conversion per 16 codes and no arithmetic. `bits` is
+ * a constant at every call (codes_row_fmt): each format's unpacking is
+ * compiled straight. */
 static inline __attribute__((always_inline)) void
-ISA_FN(dequant_row)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
-		    uint32_t chunks, const uint32_t bits, vf *out)
+ISA_FN(codes_row)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
+		  uint32_t chunks, const uint32_t bits, vf *out, float *s, float *z)
 {
 	unsigned char *r = (unsigned char *)(uintptr_t)run;
 	const uint8_t *row = half ? kvr_quant_value_row(g, r, t) : kvr_quant_key_row(g, r, t);
 	const uint16_t *sz = half ? kvr_quant_value_sz(g, r, t) : kvr_quant_key_sz(g, r, t);
-	const vf s = SPLAT16(F16TOF32(sz[0])), nz = SPLAT16(-F16TOF32(sz[1]));
+	*s = F16TOF32(sz[0]);
+	*z = F16TOF32(sz[1]);
 	_Pragma("GCC unroll 16")
 	for (uint32_t c = 0; c < chunks; c++)
-		out[c] = FMA16(ISA_FN(codes16)(row, bits, c), s, nz);
+		out[c] = ISA_FN(codes16)(row, bits, c);
 }
 
 static inline __attribute__((always_inline)) void
-ISA_FN(dequant_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
-			uint32_t chunks, vf *out)
+ISA_FN(codes_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
+		      uint32_t chunks, vf *out, float *s, float *z)
 {
 	if (g->format == KVR_KV_K8V4)
-		ISA_FN(dequant_row)(g, run, half, t, chunks, half ? 4u : 8u, out);
+		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 4u : 8u, out, s, z);
 	else
-		ISA_FN(dequant_row)(g, run, half, t, chunks, half ? 2u : 4u, out);
+		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 2u : 4u, out, s, z);
 }
 
 /* Attention of KV head m of one item over its segments (kernels.h).
@@ -288,6 +292,16 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		}
 		run_max[g] = -INFINITY;
 		run_sum[g] = 0.0f;
+	}
+	/* quantised segments: Σ_c q_c per head (keys), and Σ_t p_t·z_t per
+	 * head, rescaled with acc (values; subtracted at the end) */
+	float q_sum[KVR_MAX_GROUP_CPU], z_acc[KVR_MAX_GROUP_CPU];
+	for (uint32_t g = 0; g < G; g++) {
+		vf t16 = q[g][0];
+		for (uint32_t c = 1; c < chunks; c++)
+			t16 = t16 + q[g][c];
+		q_sum[g] = HSUM16(t16);
+		z_acc[g] = 0.0f;
 	}
 
 	const uint64_t row_bytes = (uint64_t)d * eb;
@@ -338,8 +352,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					__builtin_prefetch(nrun + (t0 + b) * 128u + 64u, 0, 2);
 				}
 				vf k[16];
+				float ks = 1.0f, kz = 0.0f;
 				if (fmt)
-					ISA_FN(dequant_row_fmt)(&gq[fmt], kb, 0, t0 + b, chunks, k);
+					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 0, t0 + b, chunks, k, &ks, &kz);
 				else
 					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
@@ -369,6 +384,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 						d0 = FMA16(q[g][c], k[c], d0);
 					s[g][b] = HSUM16(d0);
 				}
+				if (fmt) /* the dot was over codes: s·(q·Q) − z·Σq */
+					for (uint32_t gg = 0; gg < G; gg++)
+						s[gg][b] = ks * s[gg][b] - kz * q_sum[gg];
 			}
 			for (uint32_t g = 0; g < G; g++) {
 				vf x = SPLAT16(-INFINITY);
@@ -380,10 +398,12 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				/* padded lanes are exp(-inf) = 0; a NaN score stays NaN here */
 				const float psum = HSUM16(x);
 				const float alpha = kvr_softmax_rescale(run_max[g], new_max);
-				if (alpha != 1.0f)
+				if (alpha != 1.0f) {
 					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
+					z_acc[g] *= alpha;
+				}
 				run_sum[g] = run_sum[g] * alpha + psum;
 				seg_sum[g] = seg_sum[g] * alpha + psum;
 				run_max[g] = new_max;
@@ -391,10 +411,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			/* V: convert the block once, then per (g, c) accumulate over its tokens
 			 * in registers (two chains), touching acc once per block. */
 			vf vs[BLOCK][16];
+			float v_s[BLOCK], v_z[BLOCK];
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *vrow = vb + (t0 + b) * row;
 				if (fmt)
-					ISA_FN(dequant_row_fmt)(&gq[fmt], kb, 1, t0 + b, chunks, vs[b]);
+					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 1, t0 + b, chunks, vs[b], &v_s[b], &v_z[b]);
 				else
 					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
@@ -405,6 +426,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				_Pragma("GCC unroll 16")
 				for (uint32_t c = 0; c < chunks; c++)
 					a[c] = acc[g][c];
+				if (fmt) /* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
+					for (uint32_t b = 0; b < nb; b++) {
+						z_acc[g] += s[g][b] * v_z[b];
+						s[g][b] *= v_s[b];
+					}
 				for (uint32_t b = 0; b < nb; b++) {
 					const vf p = SPLAT16(s[g][b]);
 					_Pragma("GCC unroll 16")
@@ -426,9 +452,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
 		float row[256];
 		const float inv = run_sum[g] == 0.0f ? 0.0f : 1.0f / run_sum[g];
+		const vf zv = SPLAT16(z_acc[g]);
 		_Pragma("GCC unroll 16")
 		for (uint32_t c = 0; c < chunks; c++) {
-			const vf o = acc[g][c] * inv;
+			const vf o = (acc[g][c] - zv) * inv;
 			memcpy(row + c * 16, &o, sizeof(o));
 		}
 		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, row, t, d);
