@@ -56,6 +56,27 @@ static inline __attribute__((always_inline)) float hmax16_generic(vf v)
 	return m;
 }
 
+/* 16 packed codes (layouts/kvquant.h) spread one per byte, with SSE2 (the
+ * x86-64 baseline): 16 bytes at 8 bits; 8 bytes at 4 bits, low and high
+ * nibbles interleaved; 4 bytes at 2 bits, the four crumbs of each byte
+ * interleaved. GCC's generic vector shuffles and conversions of byte vectors
+ * compile element by element; these are a handful of instructions. */
+static inline __attribute__((always_inline)) __m128i codes_bytes16(const uint8_t *row, uint32_t bits, uint32_t c)
+{
+	if (bits == 8)
+		return _mm_loadu_si128((const __m128i *)(row + c * 16u));
+	if (bits == 4) {
+		const __m128i b = _mm_loadl_epi64((const __m128i *)(row + c * 8u)), m = _mm_set1_epi8(0x0f);
+		return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+	}
+	int32_t w;
+	memcpy(&w, row + c * 4u, 4);
+	const __m128i b = _mm_cvtsi32_si128(w), m = _mm_set1_epi8(0x03);
+	const __m128i x0 = _mm_and_si128(b, m), x1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+	const __m128i x2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), x3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+	return _mm_unpacklo_epi16(_mm_unpacklo_epi8(x0, x1), _mm_unpacklo_epi8(x2, x3));
+}
+
 /* ------------------------------------------------------------------ AVX-512 */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -120,7 +141,12 @@ static inline __attribute__((always_inline)) vf fold16x16_avx512(const vf *v)
 	const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 	return (vf)_mm512_permutexvar_ps(idx, r);
 }
+static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *row, uint32_t bits, uint32_t c)
+{
+	return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes_bytes16(row, bits, c)));
+}
 #define ISA avx512
+#define CODES16(row, bits, c) codes16_avx512(row, bits, c)
 #define F16TOF32(h) _cvtsh_ss(h)
 #define LOAD16(row, t, i) load16_avx512(row, t, i)
 #define MAX16(a, b) ((vf)_mm512_max_ps((__m512)(a), (__m512)(b)))
@@ -134,6 +160,7 @@ static inline __attribute__((always_inline)) vf fold16x16_avx512(const vf *v)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef F16TOF32
+#undef CODES16
 #undef LOAD16
 #undef FMA16
 #undef HSUM16
@@ -224,7 +251,16 @@ static inline __attribute__((always_inline)) vf fold16x16_avx2(const vf *v)
 	memcpy(&r, f, sizeof(r));
 	return r;
 }
+static inline __attribute__((always_inline)) vf codes16_avx2(const uint8_t *row, uint32_t bits, uint32_t c)
+{
+	const __m128i b = codes_bytes16(row, bits, c);
+	union v16_halves u;
+	u.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+	u.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+	return u.v;
+}
 #define ISA avx2
+#define CODES16(row, bits, c) codes16_avx2(row, bits, c)
 #define F16TOF32(h) _cvtsh_ss(h)
 #define LOAD16(row, t, i) load16_avx2(row, t, i)
 #define MAX16(a, b) max16_avx2(a, b)
@@ -238,6 +274,7 @@ static inline __attribute__((always_inline)) vf fold16x16_avx2(const vf *v)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef F16TOF32
+#undef CODES16
 #undef LOAD16
 #undef FMA16
 #undef HSUM16
@@ -293,7 +330,17 @@ static inline __attribute__((always_inline)) vf fold16x16_base(const vf *v)
 		r[p] = fold16_base(v[p]);
 	return r;
 }
+static inline __attribute__((always_inline)) vf codes16_base(const uint8_t *row, uint32_t bits, uint32_t c)
+{
+	uint8_t b[16];
+	_mm_storeu_si128((__m128i *)b, codes_bytes16(row, bits, c));
+	vf v;
+	for (int l = 0; l < 16; l++)
+		v[l] = (float)b[l];
+	return v;
+}
 #define ISA base
+#define CODES16(row, bits, c) codes16_base(row, bits, c)
 #define F16TOF32(h) kvr_f16_to_f32(h)
 #define LOAD16(row, t, i) load16_base(row, t, i)
 #define MAX16(a, b) max16_base(a, b)
@@ -307,6 +354,7 @@ static inline __attribute__((always_inline)) vf fold16x16_base(const vf *v)
 #include "cpu_kernels_isa.h"
 #undef ISA
 #undef F16TOF32
+#undef CODES16
 #undef LOAD16
 #undef FMA16
 #undef HSUM16

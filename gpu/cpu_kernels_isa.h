@@ -18,6 +18,7 @@
  *   FOLD16X16(v)          of 16 vectors v[0..15], the vector whose lane p is
  *                         FOLD16(v[p]), each in the canonical order
  *   F16TOF32(h)           one f16 (bits) as a float (F16C where the ISA has it)
+ *   CODES16(row, bits, c) codes 16c..16c+15 of a packed quantised row as floats
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -215,30 +216,6 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 
 /* ------------------------------------------------------------------ attention */
 
-/* Codes 16c .. 16c+15 of a packed quantised row (layouts/kvquant.h: element
- * i in bits [(i·b) mod 8, +b) of byte i·b/8) as floats: the bytes are
- * spread one per lane, shifted per lane and masked. */
-static inline __attribute__((always_inline)) vf ISA_FN(codes16)(const uint8_t *row, uint32_t bits,
-								 uint32_t c)
-{
-	typedef uint8_t vu8 __attribute__((vector_size(16)));
-	vu8 b = { 0 };
-	vi x;
-	if (bits == 8) {
-		memcpy(&b, row + c * 16u, 16);
-		x = __builtin_convertvector(b, vi);
-	} else if (bits == 4) {
-		memcpy(&b, row + c * 8u, 8);
-		const vu8 spread = __builtin_shuffle(b, (vu8){ 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7 });
-		x = (__builtin_convertvector(spread, vi) >> (vi){ 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4 }) & 15;
-	} else {
-		memcpy(&b, row + c * 4u, 4);
-		const vu8 spread = __builtin_shuffle(b, (vu8){ 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3 });
-		x = (__builtin_convertvector(spread, vi) >> (vi){ 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6 }) & 3;
-	}
-	return __builtin_convertvector(x, vf);
-}
-
 /* Row t of a quantised run (keys: half 0): its codes as `chunks` vectors of
  * floats, and its scale and zero point. Attention folds s and z in per token
  * (q·(s·Q − z) = s·(q·Q) − z·Σq; Σ_t p·(s·Q − z) = Σ_t (p·s)·Q − Σ_t p·z), so
@@ -256,7 +233,7 @@ ISA_FN(codes_row)(const struct kvr_quant_geometry *g, const unsigned char *run, 
 	*z = F16TOF32(sz[1]);
 	_Pragma("GCC unroll 16")
 	for (uint32_t c = 0; c < chunks; c++)
-		out[c] = ISA_FN(codes16)(row, bits, c);
+		out[c] = CODES16(row, bits, c);
 }
 
 static inline __attribute__((always_inline)) void
