@@ -259,6 +259,23 @@ static uint32_t plan_head(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m
 	return n;
 }
 
+/* A miss's run in the pool, and the lowest of n misses' runs: the base the
+ * batched copy's source offsets count from. */
+static const unsigned char *miss_run(struct kvr_sched *s, const struct miss *ms)
+{
+	return (const unsigned char *)kvr_pool_page_data(s->pool, ms->page_id) + (uint64_t)ms->head * s->head_bytes;
+}
+
+static const unsigned char *lowest_run(struct kvr_sched *s, const struct miss *ms, uint32_t n)
+{
+	const unsigned char *base = NULL;
+	for (uint32_t i = 0; i < n; i++) {
+		const unsigned char *run = miss_run(s, &ms[i]);
+		base = !base || run < base ? run : base;
+	}
+	return base;
+}
+
 /* Quantised pages: the misses' runs go from the pool straight into their
  * slots, chunk_pages per batched copy on the copy stream, after the lane's
  * last attention; there is no layout to convert, so no staging. */
@@ -276,16 +293,10 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 		n_miss_total += n_miss;
 		for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
 			const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
-			const unsigned char *base = NULL;
-			for (uint32_t i = 0; i < n; i++) {
-				const unsigned char *page = kvr_pool_page_data(s->pool, misses[at + i].page_id);
-				if (!base || page < base)
-					base = page;
-			}
+			const unsigned char *base = lowest_run(s, misses + at, n);
 			for (uint32_t i = 0; i < n; i++) {
 				const struct miss *ms = &misses[at + i];
-				const unsigned char *run = (const unsigned char *)kvr_pool_page_data(s->pool, ms->page_id) +
-							   (uint64_t)ms->head * s->head_bytes;
+				const unsigned char *run = miss_run(s, ms);
 				/* mixed: a K4V2 page moves only its own run's bytes into the
 				 * slot's unified room */
 				uint64_t bytes = s->head_bytes;
@@ -353,18 +364,9 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			n_items_used += n;
 			/* copies: one HND run per miss, from the pool into the staging buffer */
 			struct kvr_copy_desc *descs = s->recall_descs;
-			const unsigned char *base = NULL;
+			const unsigned char *base = lowest_run(s, misses + at, n);
 			for (uint32_t i = 0; i < n; i++) {
-				const unsigned char *run =
-					(const unsigned char *)kvr_pool_page_data(s->pool, misses[at + i].page_id) +
-					(uint64_t)misses[at + i].head * s->head_bytes;
-				if (!base || run < base)
-					base = run;
-			}
-			for (uint32_t i = 0; i < n; i++) {
-				const unsigned char *run =
-					(const unsigned char *)kvr_pool_page_data(s->pool, misses[at + i].page_id) +
-					(uint64_t)misses[at + i].head * s->head_bytes;
+				const unsigned char *run = miss_run(s, &misses[at + i]);
 				descs[i] = (struct kvr_copy_desc){ (uint64_t)(run - base),
 								   (uint64_t)i * s->head_bytes, s->head_bytes };
 				items[i] = (struct kvr_scatter_item){
