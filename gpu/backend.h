@@ -160,6 +160,9 @@ int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		      struct kvr_stream *stream);
 int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		  const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream);
+/* Rounds of circular free-page lists (kernels.h, freelist); no shape. */
+int kvr_dev_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
+		     struct kvr_stream *stream);
 
 /*
  * Run fn(arg) on a host thread when the stream reaches this point; later work

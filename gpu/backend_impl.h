@@ -64,6 +64,8 @@ struct kvr_dev_ops {
 			 struct kvr_stream *stream);
 	int (*dense)(struct kvr_dev *dev, const struct kvr_shape *shape,
 		     const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream);
+	int (*freelist)(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
+			struct kvr_stream *stream);
 	/* Optional (NULL: -ENOTSUP): run fn(arg) on the host in stream order. */
 	int (*host_fn)(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
 		       void *arg);

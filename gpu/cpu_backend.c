@@ -451,6 +451,24 @@ static int cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return kvr_cpu_enqueue(dev, s, run_attention, &op, sizeof(op));
 }
 
+struct freelist_op {
+	const struct kvr_freelist_item *items;
+	uint32_t n;
+};
+
+static void run_freelist(struct kvr_dev *dev, void *ctx)
+{
+	const struct freelist_op *op = ctx;
+	kvr_cpu_freelist(dev, op->items, op->n);
+}
+
+static int cpu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
+			struct kvr_stream *s)
+{
+	const struct freelist_op op = { items, n };
+	return kvr_cpu_enqueue(dev, s, run_freelist, &op, sizeof(op));
+}
+
 /* ------------------------------------------------------------------ host functions */
 
 struct host_fn_op {
@@ -506,6 +524,7 @@ static const struct kvr_dev_ops cpu_ops = {
 	.similarity = cpu_similarity,
 	.attention = cpu_attention,
 	.dense = cpu_dense,
+	.freelist = cpu_freelist,
 	.host_fn = cpu_host_fn,
 };
 

@@ -52,5 +52,6 @@ void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_kv_segment *segments, uint32_t n_segments);
 void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_dense_item *items, uint32_t n);
+void kvr_cpu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n);
 
 #endif /* KVR_GPU_CPU_BACKEND_H */

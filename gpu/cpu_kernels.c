@@ -3,7 +3,8 @@
  * cpu_kernels.c — the cpu backend's kernels (kernels.h has what each
  * computes). They run synchronously inside a stream operation, split into
  * tasks over the device's workers: per item for the page kernels, per
- * (item, KV head) for score, select, similarity and attention.
+ * (item, KV head) for score, select, similarity and attention, per 4096
+ * units for a free-list round's slice copies.
  *
  * The hot kernels (score, attention) come from cpu_kernels_isa.h, compiled
  * here for AVX-512, AVX2+FMA+F16C and baseline x86-64, and chosen at run time
@@ -20,6 +21,7 @@
 #include <string.h>
 
 #include "../layouts/convert.h"
+#include "../layouts/freelist.h"
 #include "../layouts/kmath.h"
 #include "../layouts/summary.h"
 #include "../layouts/transpose.h"
@@ -723,4 +725,53 @@ void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 {
 	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
 	kvr_cpu_parallel_for(dev, dense_task, &job, n * shape->n_kv_heads);
+}
+
+/* ------------------------------------------------------------------ freelist */
+
+/* Units per task of a round's slice copies: a task is a few µs of copying,
+ * and a round with fewer units than one task runs on the caller alone. */
+#define FREELIST_UNITS_PER_TASK 4096u
+
+struct freelist_job {
+	const struct kvr_freelist_item *it;
+	struct kvr_freelist list; /* the counters as the round found them */
+};
+
+static void freelist_task(void *arg, uint32_t index)
+{
+	struct freelist_job *job = arg; /* tasks write disjoint ids; list's counters are read only */
+	const struct kvr_freelist_item *it = job->it;
+	const uint32_t first = index * FREELIST_UNITS_PER_TASK;
+	const uint32_t last = it->n_units - first < FREELIST_UNITS_PER_TASK ? it->n_units
+									     : first + FREELIST_UNITS_PER_TASK;
+	struct kvr_freelist *l = &job->list;
+	for (uint32_t u = first; u < last; u++) {
+		const uint64_t off = it->offsets[u];
+		if (it->op == KVR_FREELIST_ALLOC)
+			kvr_freelist_take(l, off, it->counts[u], it->pages + off);
+		else
+			kvr_freelist_give(l, off, it->counts[u], it->pages + off);
+	}
+}
+
+void kvr_cpu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_freelist_item *it = &items[i];
+		/* the scan is serial: one add per unit, faster than splitting it */
+		const uint64_t total = kvr_freelist_scan(it->counts, it->n_units, it->offsets);
+		struct freelist_job job = { it, { it->ids, it->capacity, 0, it->counters[0], it->counters[1] } };
+		const int verdict = kvr_freelist_verdict(it->op, job.list.start, job.list.end, it->capacity,
+							 total, it->pages_capacity);
+		*it->status = verdict;
+		if (verdict)
+			continue;
+		const uint32_t tasks = (it->n_units + FREELIST_UNITS_PER_TASK - 1) / FREELIST_UNITS_PER_TASK;
+		if (tasks > 1)
+			kvr_cpu_parallel_for(dev, freelist_task, &job, tasks);
+		else
+			freelist_task(&job, 0);
+		it->counters[it->op == KVR_FREELIST_ALLOC ? 0 : 1] += total;
+	}
 }

@@ -80,6 +80,7 @@ int KVR_KERNEL_SYMBOL(launch_attention_scratch)(const struct kvr_shape *,
 int KVR_KERNEL_SYMBOL(launch_dense_scratch)(const struct kvr_shape *,
 					    const struct kvr_dense_item *, uint32_t, void *, size_t,
 					    uint32_t, void *);
+int KVR_KERNEL_SYMBOL(launch_freelist)(const struct kvr_freelist_item *, uint32_t, void *);
 const char *KVR_KERNEL_SYMBOL(last_message)(void);
 }
 
@@ -704,6 +705,17 @@ KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload))
 KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize))
 KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity))
 
+static int op_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
+		       struct kvr_stream *stream)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	device_scope scope(impl(dev)->device);
+	int rc = enqueue_begin(dev, scope, cs->s, "freelist");
+	if (rc)
+		return rc;
+	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_freelist)(items, n, cs->s));
+}
+
 /*
  * The stream's scratch, at least `need` bytes (the stream is the caller's
  * alone, backend.h, so no lock). Growing frees the old buffer and allocates
@@ -896,6 +908,7 @@ static struct kvr_dev_ops make_cuda_ops(void)
 	o.similarity = op_similarity;
 	o.attention = op_attention;
 	o.dense = op_dense;
+	o.freelist = op_freelist;
 	o.host_fn = op_host_fn;
 	return o;
 }

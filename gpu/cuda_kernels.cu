@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * cuda_kernels.cu — every kernel of kernels.h (scatter, offload, summarize,
- * score, select, similarity, attention, dense) and one C-linkage launcher per
+ * score, select, similarity, attention, dense, freelist) and one C-linkage launcher per
  * kernel. The file is compiled twice: by nvcc for the cuda backend, and by the
  * host C++ compiler against the cudaemu shim (-DKVR_CUDAEMU), so kernel bodies
  * use only what cuda_compat.h lists; the per-element math comes from layouts/
@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 #endif
 #include "kernels.h"
+#include "../layouts/freelist.h"
 #include "../layouts/half.h"
 #include "../layouts/kmath.h"
 #include "../layouts/page.h"
@@ -1663,6 +1664,81 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_similarity)(const struct kvr_shape *shap
 	KVR_LAUNCH_TYPED(similarity_kernel, shape->elem_type, grid, SIM_THREADS, 0, stream, *shape,
 			 items);
 	return launch_status("similarity");
+}
+
+/* ----------------------------------------------------------------- freelist */
+
+/*
+ * One block per list (item), a thread per unit in strides of the block: the
+ * exclusive scan of the units' counts runs block-wide, FREELIST_THREADS
+ * units at a time with a carry (a Hillis–Steele scan in shared memory: 8
+ * steps, 64-bit sums so no count total can wrap); thread 0 decides the round
+ * with layouts/freelist.h's verdict, every thread copies its own units'
+ * slices, and thread 0 moves the counter after a barrier. Thread t writes
+ * offsets[u] for its own units u and later reads only those, so the only
+ * cross-thread data are the scan array, the verdict and the counters, each
+ * behind a barrier. Rounds of tens of thousands of units are a few µs of one
+ * SM; a list is one block because its counter update must follow every
+ * unit's copy.
+ */
+static const uint32_t FREELIST_THREADS = 256;
+
+static __global__ void KVR_LAUNCH_BOUNDS(FREELIST_THREADS, 4)
+	freelist_kernel(const struct kvr_freelist_item *items)
+{
+	const struct kvr_freelist_item it = items[blockIdx.x];
+	__shared__ uint64_t scan_s[FREELIST_THREADS];
+	__shared__ int verdict_s;
+	const uint32_t t = threadIdx.x;
+	uint64_t total = 0; /* the same in every thread after each chunk */
+	for (uint32_t base = 0; base < it.n_units; base += FREELIST_THREADS) {
+		const uint32_t u = base + t;
+		const uint64_t c = u < it.n_units ? it.counts[u] : 0;
+		scan_s[t] = c;
+		__syncthreads();
+		for (uint32_t step = 1; step < FREELIST_THREADS; step <<= 1) {
+			const uint64_t add = t >= step ? scan_s[t - step] : 0;
+			__syncthreads();
+			scan_s[t] += add;
+			__syncthreads();
+		}
+		if (u < it.n_units)
+			it.offsets[u] = total + scan_s[t] - c;
+		total += scan_s[FREELIST_THREADS - 1];
+		__syncthreads(); /* everyone read the chunk's sum before the next overwrites it */
+	}
+	if (t == 0) {
+		verdict_s = kvr_freelist_verdict(it.op, it.counters[0], it.counters[1], it.capacity, total,
+						 it.pages_capacity);
+		*it.status = verdict_s;
+	}
+	__syncthreads();
+	if (verdict_s)
+		return; /* every thread alike: nobody waits at a later barrier */
+	struct kvr_freelist l = { it.ids, it.capacity, 0, it.counters[0], it.counters[1] };
+	for (uint32_t u = t; u < it.n_units; u += FREELIST_THREADS) {
+		const uint64_t off = it.offsets[u];
+		if (it.op == KVR_FREELIST_ALLOC)
+			kvr_freelist_take(&l, off, it.counts[u], it.pages + off);
+		else
+			kvr_freelist_give(&l, off, it.counts[u], it.pages + off);
+	}
+	__syncthreads(); /* every thread read the counters and finished its copies */
+	if (t == 0)
+		it.counters[it.op == KVR_FREELIST_ALLOC ? 0 : 1] += total;
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_freelist)(const struct kvr_freelist_item *items, uint32_t n,
+						  void *stream)
+{
+	if (n == 0)
+		return 0;
+	uint32_t grid = 0;
+	int rc = grid_size(n, 1, "freelist", &grid);
+	if (rc)
+		return rc;
+	KVR_LAUNCH(freelist_kernel, grid, FREELIST_THREADS, 0, stream, items);
+	return launch_status("freelist");
 }
 
 /*

@@ -369,6 +369,18 @@ int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return dev->ops->dense(dev, shape, items, n, stream);
 }
 
+int kvr_dev_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
+		     struct kvr_stream *stream)
+{
+	if (!stream)
+		return kvr_dev_fail(dev, -EINVAL, "freelist: stream is NULL");
+	if (!n)
+		return 0;
+	if (!items)
+		return kvr_dev_fail(dev, -EINVAL, "freelist: items is NULL");
+	return dev->ops->freelist(dev, items, n, stream);
+}
+
 int kvr_dev_host_fn(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
 		    void *arg)
 {

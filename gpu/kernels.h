@@ -72,6 +72,21 @@
  *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
  *              mode and dense layers use it; it is also the reference the
  *              sparse path is compared with when B ≥ L.
+ * freelist     For each item, one round of LeanKV's circular free-page list
+ *              (layouts/freelist.h) for n_units units (KV heads × sequences)
+ *              at once: offsets = exclusive prefix sum of counts; then, if
+ *              the round fits (alloc: Σ counts <= end − start; free:
+ *              Σ counts <= capacity − (end − start)), unit u takes ids
+ *              [start + offsets[u], +counts[u]) (mod capacity) into
+ *              pages[offsets[u] ...] (alloc) or writes pages[offsets[u] ...]
+ *              to ids at end + offsets[u] (free), and the counter moves by
+ *              Σ counts; status 0. A round that does not fit leaves ids and
+ *              counters as they were with status KVR_FREELIST_SHORT; an
+ *              item that is malformed (unknown op, end < start, more than
+ *              capacity free, Σ counts > pages_capacity) likewise with
+ *              KVR_FREELIST_BAD. offsets are written in every case. Takes
+ *              no shape. Units run in parallel (cuda: a thread per unit of
+ *              one block per item, the scan a block scan).
  */
 #ifndef KVR_GPU_KERNELS_H
 #define KVR_GPU_KERNELS_H
@@ -145,6 +160,30 @@ struct kvr_dense_item {
 	void *out;
 	uint32_t n_tokens;
 	uint32_t row_stride;
+};
+
+enum kvr_freelist_op {
+	KVR_FREELIST_ALLOC = 1,
+	KVR_FREELIST_FREE = 2,
+};
+
+enum kvr_freelist_status {
+	KVR_FREELIST_OK = 0,
+	KVR_FREELIST_SHORT = -1, /* alloc: too few free pages; free: more than capacity */
+	KVR_FREELIST_BAD = -2,   /* malformed item: nothing changed */
+};
+
+struct kvr_freelist_item { /* freelist: one list's round */
+	uint32_t *ids;          /* the list: capacity page ids */
+	uint64_t *counters;     /* [2]: start, end (layouts/freelist.h) */
+	const uint32_t *counts; /* [n_units]: pages each unit takes or returns */
+	uint64_t *offsets;      /* [n_units], out: exclusive prefix sum of counts */
+	uint32_t *pages;        /* alloc: out, free: in; unit u's at pages[offsets[u]] */
+	int32_t *status;        /* out: enum kvr_freelist_status */
+	uint32_t capacity;      /* ids in the list, >= 1 */
+	uint32_t n_units;
+	uint32_t op;            /* enum kvr_freelist_op */
+	uint32_t pages_capacity; /* entries `pages` holds */
 };
 
 /* Shape of a call, common to the kernels. */

@@ -119,4 +119,20 @@ static inline KVR_HD int kvr_freelist_free_round(struct kvr_freelist *l, const u
 	return 0;
 }
 
+/* The freelist kernel's decision for a round (gpu/kernels.h): op 1 allocates,
+ * 2 frees; -2 (KVR_FREELIST_BAD) for an unknown op or counters no list can
+ * have; else -1 (KVR_FREELIST_SHORT) when the round asks too much; else -2
+ * for a round larger than the caller's page buffer; else 0. Shared by the cpu and CUDA
+ * kernels so that both refuse exactly the same rounds. */
+static inline KVR_HD int kvr_freelist_verdict(uint32_t op, uint64_t start, uint64_t end, uint32_t capacity,
+					      uint64_t total, uint64_t pages_capacity)
+{
+	if ((op != 1 && op != 2) || !capacity || end < start || end - start > capacity)
+		return -2;
+	const uint64_t n_free = end - start;
+	if (op == 1 ? total > n_free : total > capacity - n_free)
+		return -1;
+	return total > pages_capacity ? -2 : 0;
+}
+
 #endif /* KVR_LAYOUTS_FREELIST_H */

@@ -33,6 +33,7 @@
 
 #include "backend.h"
 #include "convert.h" /* kvr_convert_isa_force: the cpu score must match across ISAs */
+#include "freelist.h"
 #include "half.h"
 #include "reference.h"
 
@@ -2163,4 +2164,243 @@ CONFORMANCE_TEST(events_and_streams)
 			  "copying up to 64 MiB",
 			  c->name);
 	kvr_dev_event_destroy(c->dev, ev);
+}
+
+/* ------------------------------------------------------------------ freelist */
+
+/*
+ * The freelist kernel under long random rounds on three lists at once (one
+ * call, three items): each round every list draws alloc or free, each unit a
+ * count (frees: a random part of the pages it owns, from anywhere in its
+ * table); the device round must equal layouts/freelist.h's serial round bit
+ * for bit — status, counters, the whole ids array, offsets and the units'
+ * pages — and a shadow of who owns each page checks what the header promises:
+ * no page lost or owned twice, the free region exactly the unowned pages. The
+ * lists' unit counts cross the block scan's 256 and the cpu backend's 4096
+ * units per task; capacities are tight enough that rounds are refused and
+ * the counters wrap. Then malformed items: refused as BAD, nothing changed.
+ */
+#define FL_LISTS 3u
+
+struct fl_list {
+	uint32_t capacity, units, max_ask;
+	/* host reference and shadow */
+	struct kvr_freelist ref;
+	uint32_t *ref_ids, *owner, *n_owned, **owned;
+	uint32_t *counts, *pages, *ref_pages, *ids_back;
+	uint64_t *offsets, *offsets_back, counters_back[2];
+	int32_t status_back;
+	/* device */
+	uint32_t *d_ids, *d_counts, *d_pages;
+	uint64_t *d_counters, *d_offsets;
+	int32_t *d_status;
+};
+
+#define FL_NOBODY UINT32_MAX
+
+static void fl_open(struct dctx *c, struct fl_list *l, uint32_t capacity, uint32_t units, uint32_t max_ask)
+{
+	memset(l, 0, sizeof(*l));
+	l->capacity = capacity, l->units = units, l->max_ask = max_ask;
+	l->ref_ids = calloc(capacity, 4), l->owner = calloc(capacity, 4), l->ids_back = calloc(capacity, 4);
+	l->n_owned = calloc(units, 4), l->owned = calloc(units, sizeof(uint32_t *));
+	l->counts = calloc(units, 4), l->offsets = calloc(units, 8), l->offsets_back = calloc(units, 8);
+	l->pages = calloc(capacity, 4), l->ref_pages = calloc(capacity, 4);
+	cr_assert(l->ref_ids && l->owner && l->ids_back && l->n_owned && l->owned && l->counts && l->offsets &&
+		  l->offsets_back && l->pages && l->ref_pages, "out of memory");
+	for (uint32_t u = 0; u < units; u++)
+		cr_assert_not_null(l->owned[u] = calloc(capacity, 4));
+	kvr_freelist_init(&l->ref, l->ref_ids, capacity);
+	for (uint32_t i = 0; i < capacity; i++)
+		l->owner[i] = FL_NOBODY;
+	DEV_OK(c, kvr_dev_alloc(c->dev, (size_t)capacity * 4, (void **)&l->d_ids));
+	DEV_OK(c, kvr_dev_alloc(c->dev, (size_t)capacity * 4, (void **)&l->d_pages));
+	DEV_OK(c, kvr_dev_alloc(c->dev, (size_t)units * 4, (void **)&l->d_counts));
+	DEV_OK(c, kvr_dev_alloc(c->dev, (size_t)units * 8, (void **)&l->d_offsets));
+	DEV_OK(c, kvr_dev_alloc(c->dev, 16, (void **)&l->d_counters));
+	DEV_OK(c, kvr_dev_alloc(c->dev, 4, (void **)&l->d_status));
+	const uint64_t counters[2] = { l->ref.start, l->ref.end };
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->d_ids, l->ref_ids, (size_t)capacity * 4, KVR_COPY_H2D, c->s));
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->d_counters, counters, 16, KVR_COPY_H2D, c->s));
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->s));
+}
+
+static void fl_close(struct dctx *c, struct fl_list *l)
+{
+	kvr_dev_free(c->dev, l->d_ids), kvr_dev_free(c->dev, l->d_pages), kvr_dev_free(c->dev, l->d_counts);
+	kvr_dev_free(c->dev, l->d_offsets), kvr_dev_free(c->dev, l->d_counters), kvr_dev_free(c->dev, l->d_status);
+	for (uint32_t u = 0; u < l->units; u++)
+		free(l->owned[u]);
+	free(l->owned), free(l->n_owned), free(l->ref_ids), free(l->owner), free(l->ids_back);
+	free(l->counts), free(l->offsets), free(l->offsets_back), free(l->pages), free(l->ref_pages);
+}
+
+/* Draw a round for list l: its op, counts, and (frees) the pages packed in
+ * unit order; the shadow is updated only once the round is known to pass. */
+static uint32_t fl_draw(struct rng *r, struct fl_list *l)
+{
+	const uint32_t op = rng_below(r, 2) ? KVR_FREELIST_ALLOC : KVR_FREELIST_FREE;
+	uint64_t at = 0;
+	for (uint32_t u = 0; u < l->units; u++) {
+		if (op == KVR_FREELIST_ALLOC) {
+			l->counts[u] = rng_below(r, l->max_ask + 1);
+			continue;
+		}
+		l->counts[u] = l->n_owned[u] ? rng_below(r, l->n_owned[u] + 1) : 0;
+		for (uint32_t k = 0; k < l->counts[u]; k++) {
+			const uint32_t i = rng_below(r, l->n_owned[u]);
+			l->pages[at++] = l->owned[u][i];
+			l->owned[u][i] = l->owned[u][--l->n_owned[u]];
+		}
+	}
+	return op;
+}
+
+/* Check the device's round against the reference's, then the shadow. */
+static void fl_check(struct dctx *c, struct fl_list *l, uint32_t op, const char *when)
+{
+	/* the reference round, on the same counts and packed pages */
+	uint32_t **bufs = malloc(l->units * sizeof(uint32_t *));
+	cr_assert_not_null(bufs);
+	const uint64_t total = kvr_freelist_scan(l->counts, l->units, l->offsets);
+	for (uint32_t u = 0; u < l->units; u++)
+		bufs[u] = (op == KVR_FREELIST_ALLOC ? l->ref_pages : l->pages) + l->offsets[u];
+	const int rc = op == KVR_FREELIST_ALLOC
+			       ? kvr_freelist_alloc_round(&l->ref, l->counts, l->units, l->offsets, bufs)
+			       : kvr_freelist_free_round(&l->ref, l->counts, l->units, l->offsets,
+							 (const uint32_t *const *)bufs);
+	free(bufs);
+	cr_assert_eq(l->status_back, rc, "%s: %s: status %d, the reference %d", c->name, when, l->status_back, rc);
+	cr_assert(l->counters_back[0] == l->ref.start && l->counters_back[1] == l->ref.end,
+		  "%s: %s: counters [%llu, %llu), the reference [%llu, %llu)", c->name, when,
+		  (unsigned long long)l->counters_back[0], (unsigned long long)l->counters_back[1],
+		  (unsigned long long)l->ref.start, (unsigned long long)l->ref.end);
+	cr_assert(!memcmp(l->offsets_back, l->offsets, (size_t)l->units * 8), "%s: %s: offsets differ", c->name,
+		  when);
+	cr_assert(!memcmp(l->ids_back, l->ref_ids, (size_t)l->capacity * 4), "%s: %s: the list's ids differ",
+		  c->name, when);
+	if (op == KVR_FREELIST_ALLOC && !rc)
+		cr_assert(!memcmp(l->pages, l->ref_pages, total * 4), "%s: %s: allocated pages differ", c->name,
+			  when);
+	/* the shadow: a refused free gives its pages back to their units; a
+	 * refused allocation handed out nothing */
+	for (uint32_t u = 0; u < l->units && !(op == KVR_FREELIST_ALLOC && rc); u++)
+		for (uint32_t k = 0; k < l->counts[u]; k++) {
+			const uint32_t id = l->pages[l->offsets[u] + k];
+			cr_assert_lt(id, l->capacity);
+			if (op == KVR_FREELIST_FREE && rc) {
+				l->owned[u][l->n_owned[u]++] = id;
+			} else if (op == KVR_FREELIST_FREE) {
+				cr_assert_eq(l->owner[id], u);
+				l->owner[id] = FL_NOBODY;
+			} else {
+				cr_assert_eq(l->owner[id], FL_NOBODY, "%s: %s: unit %u got page %u owned by %u", c->name,
+					     when, u, id, l->owner[id]);
+				l->owner[id] = u;
+				l->owned[u][l->n_owned[u]++] = id;
+			}
+		}
+	uint64_t n_owned = 0;
+	for (uint32_t u = 0; u < l->units; u++)
+		n_owned += l->n_owned[u];
+	cr_assert_eq(l->ref.end - l->ref.start + n_owned, l->capacity, "%s: %s: a page was lost", c->name, when);
+	for (uint64_t i = l->ref.start; i < l->ref.end; i++)
+		cr_assert_eq(l->owner[l->ref_ids[i % l->capacity]], FL_NOBODY, "%s: %s: an owned page is free",
+			     c->name, when);
+}
+
+static void fl_round(struct dctx *c, struct fl_list *lists, struct kvr_freelist_item *d_items,
+		     const uint32_t *ops, const uint32_t *pages_caps)
+{
+	struct kvr_freelist_item items[FL_LISTS];
+	for (uint32_t i = 0; i < FL_LISTS; i++) {
+		struct fl_list *l = &lists[i];
+		items[i] = (struct kvr_freelist_item){ l->d_ids, l->d_counters, l->d_counts, l->d_offsets,
+						       l->d_pages, l->d_status, l->capacity, l->units, ops[i],
+						       pages_caps[i] };
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->d_counts, l->counts, (size_t)l->units * 4, KVR_COPY_H2D,
+					       c->s));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->d_pages, l->pages, (size_t)l->capacity * 4, KVR_COPY_H2D,
+					       c->s));
+	}
+	DEV_OK(c, kvr_dev_memcpy_async(c->dev, d_items, items, sizeof(items), KVR_COPY_H2D, c->s));
+	DEV_OK(c, kvr_dev_freelist(c->dev, d_items, FL_LISTS, c->s));
+	for (uint32_t i = 0; i < FL_LISTS; i++) {
+		struct fl_list *l = &lists[i];
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, &l->status_back, l->d_status, 4, KVR_COPY_D2H, c->s));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->counters_back, l->d_counters, 16, KVR_COPY_D2H, c->s));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->offsets_back, l->d_offsets, (size_t)l->units * 8,
+					       KVR_COPY_D2H, c->s));
+		DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->ids_back, l->d_ids, (size_t)l->capacity * 4, KVR_COPY_D2H,
+					       c->s));
+		if (ops[i] == KVR_FREELIST_ALLOC)
+			DEV_OK(c, kvr_dev_memcpy_async(c->dev, l->pages, l->d_pages, (size_t)l->capacity * 4,
+						       KVR_COPY_D2H, c->s));
+	}
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->s));
+	expect_no_failed_launch(c);
+}
+
+CONFORMANCE_TEST(freelist_rounds)
+{
+	struct dctx *c = &e->main;
+	const int emu = e->bc->kind == KVR_DEV_CUDAEMU || e->bc->kind == KVR_DEV_CUDAEMU_STRICT;
+	struct rng r = { 0x5eed0f1ee7ull };
+	struct fl_list lists[FL_LISTS];
+	/* units cross one block-scan chunk (256) and, on the cpu, one task (4096) */
+	fl_open(c, &lists[0], 41, 7, 9);
+	fl_open(c, &lists[1], 1500, 700, 3);
+	fl_open(c, &lists[2], 12000, 5000, 3);
+	struct kvr_freelist_item *d_items = NULL;
+	DEV_OK(c, kvr_dev_alloc(c->dev, sizeof(struct kvr_freelist_item) * FL_LISTS, (void **)&d_items));
+	const uint32_t rounds = emu ? 160 : 1200;
+	uint32_t refused = 0;
+	for (uint32_t round = 0; round < rounds; round++) {
+		uint32_t ops[FL_LISTS], caps[FL_LISTS];
+		for (uint32_t i = 0; i < FL_LISTS; i++) {
+			ops[i] = fl_draw(&r, &lists[i]);
+			caps[i] = lists[i].capacity;
+		}
+		c->s = round % 7 == 3 ? c->worker_s : c->inline_s; /* some rounds on the worker stream */
+		fl_round(c, lists, d_items, ops, caps);
+		c->s = c->inline_s;
+		for (uint32_t i = 0; i < FL_LISTS; i++) {
+			char when[64];
+			snprintf(when, sizeof(when), "round %u list %u (%s)", round, i,
+				 ops[i] == KVR_FREELIST_ALLOC ? "alloc" : "free");
+			refused += lists[i].status_back != 0;
+			fl_check(c, &lists[i], ops[i], when);
+		}
+	}
+	cr_expect_gt(refused, 0, "%s: no round was refused: exhaustion untested", c->name);
+	cr_expect_gt(lists[0].ref.start / lists[0].capacity, 5, "%s: the small list's counters did not wrap",
+		     c->name);
+
+	/* malformed items: an unknown op, a page buffer too small for the
+	 * round; both refused as BAD, the lists unchanged */
+	for (uint32_t bad = 0; bad < 2; bad++) {
+		uint32_t ops[FL_LISTS], caps[FL_LISTS];
+		for (uint32_t i = 0; i < FL_LISTS; i++) {
+			struct fl_list *l = &lists[i];
+			ops[i] = KVR_FREELIST_ALLOC, caps[i] = l->capacity;
+			for (uint32_t u = 0; u < l->units; u++)
+				l->counts[u] = u == 0; /* one page: fits every list that has one free */
+		}
+		if (bad == 0)
+			ops[1] = 7;
+		else
+			caps[1] = 0;
+		const uint64_t s0 = lists[1].ref.start, e0 = lists[1].ref.end;
+		fl_round(c, lists, d_items, ops, caps);
+		cr_assert_eq(lists[1].status_back, KVR_FREELIST_BAD, "%s: malformed item %u: status %d", c->name,
+			     bad, lists[1].status_back);
+		cr_assert(lists[1].counters_back[0] == s0 && lists[1].counters_back[1] == e0 &&
+				  !memcmp(lists[1].ids_back, lists[1].ref_ids, (size_t)lists[1].capacity * 4),
+			  "%s: a malformed item changed its list", c->name);
+		for (uint32_t i = 0; i < FL_LISTS; i += 2) /* the well-formed neighbours still ran */
+			fl_check(c, &lists[i], KVR_FREELIST_ALLOC, "beside a malformed item");
+	}
+	kvr_dev_free(c->dev, d_items);
+	for (uint32_t i = 0; i < FL_LISTS; i++)
+		fl_close(c, &lists[i]);
 }

@@ -67,19 +67,22 @@ int kvr_emu_launch_similarity(const struct kvr_shape *, const struct kvr_similar
 int kvr_emu_launch_attention(const struct kvr_shape *, const struct kvr_attention_item *, uint32_t,
 			     const struct kvr_kv_segment *, uint32_t, void *);
 int kvr_emu_launch_dense(const struct kvr_shape *, const struct kvr_dense_item *, uint32_t, void *);
+int kvr_emu_launch_freelist(const struct kvr_freelist_item *, uint32_t, void *);
 const char *kvr_emu_last_message(void);
 
 enum emu_kernel { EMU_SCATTER, EMU_OFFLOAD, EMU_SUMMARIZE, EMU_SCORE, EMU_SELECT, EMU_SIMILARITY,
-		  EMU_ATTENTION, EMU_DENSE };
+		  EMU_ATTENTION, EMU_DENSE, EMU_FREELIST };
 
 static const char *const kernel_names[] = { "scatter", "offload", "summarize", "score",
-					    "select", "similarity", "attention", "dense" };
+					    "select", "similarity", "attention", "dense",
+					    "freelist" };
 
 static const size_t item_bytes[] = {
 	sizeof(struct kvr_scatter_item), sizeof(struct kvr_page_item),
 	sizeof(struct kvr_page_item),    sizeof(struct kvr_score_item),
 	sizeof(struct kvr_score_item),   sizeof(struct kvr_similarity_item),
 	sizeof(struct kvr_attention_item), sizeof(struct kvr_dense_item),
+	sizeof(struct kvr_freelist_item),
 };
 
 struct emu_op {
@@ -366,6 +369,9 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *             (n_kv-1)·head_stride + one run's bytes (kvquant.h), exactly.
  *  dense      q and out n_qo·d; with tokens, k and v each (n_tokens-1)·
  *             row_stride + n_kv·d.
+ *  freelist   counts n_units uint32s, offsets n_units uint64s, counters two
+ *             uint64s, status one int32; ids capacity uint32s and pages
+ *             pages_capacity uint32s (the round may touch any of them).
  */
 static int check_items(struct check *c, const struct emu_op *op)
 {
@@ -488,6 +494,20 @@ static int check_items(struct check *c, const struct emu_op *op)
 		}
 		break;
 	}
+	case EMU_FREELIST: {
+		const struct kvr_freelist_item *it = op->items;
+		for (uint32_t i = 0; i < op->n && !err; i++) {
+			const uint64_t units = it[i].n_units;
+			if (!(err = check_data(c, "item", i, "counts", it[i].counts, 0, units * 4)) &&
+			    !(err = check_data(c, "item", i, "offsets", it[i].offsets, 0, units * 8)) &&
+			    !(err = check_data(c, "item", i, "counters", it[i].counters, 0, 16)) &&
+			    !(err = check_data(c, "item", i, "status", it[i].status, 0, 4)) &&
+			    !(err = check_data(c, "item", i, "ids", it[i].ids, 0, (uint64_t)it[i].capacity * 4)))
+				err = check_data(c, "item", i, "pages", it[i].pages, 0,
+						 (uint64_t)it[i].pages_capacity * 4);
+		}
+		break;
+	}
 	case EMU_DENSE: {
 		const struct kvr_dense_item *it = op->items;
 		for (uint32_t i = 0; i < op->n && !err; i++) {
@@ -554,6 +574,9 @@ static void run_emu(struct kvr_dev *dev, void *ctx)
 	case EMU_DENSE:
 		rc = kvr_emu_launch_dense(sh, op->items, op->n, NULL);
 		break;
+	case EMU_FREELIST:
+		rc = kvr_emu_launch_freelist(op->items, op->n, NULL);
+		break;
 	}
 	if (rc) {
 		atomic_fetch_add_explicit(&failed_launches, 1, memory_order_relaxed);
@@ -606,6 +629,13 @@ EMU_KERNEL(score, struct kvr_score_item, EMU_SCORE)
 EMU_KERNEL(select, struct kvr_score_item, EMU_SELECT)
 EMU_KERNEL(similarity, struct kvr_similarity_item, EMU_SIMILARITY)
 EMU_KERNEL(dense, struct kvr_dense_item, EMU_DENSE)
+
+static int emu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
+			struct kvr_stream *s)
+{
+	const struct kvr_shape none = { 0 }; /* the kernel takes no shape */
+	return enqueue(dev, s, &none, items, n, EMU_FREELIST, NULL, 0);
+}
 
 static int emu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			 const struct kvr_attention_item *items, uint32_t n,
@@ -806,6 +836,7 @@ static void emu_ops_init(void)
 	emu_ops.similarity = emu_similarity;
 	emu_ops.attention = emu_attention;
 	emu_ops.dense = emu_dense;
+	emu_ops.freelist = emu_freelist;
 
 	/* the kernels check themselves when dev->strict is set (enqueue) */
 	strict_ops = emu_ops;
