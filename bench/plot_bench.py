@@ -15,7 +15,9 @@ One PNG per input file, named after its benchmark, backend and machine
           layout, buffering and chunk size (and zero-copy), log scale;
   decode  the step time per layer for each mode and context, each bar split
           into the engine's waits (corrections, recall, controller) and the
-          rest of its critical path; one panel per batch size.
+          rest of its critical path; one panel per batch size;
+  freelist  one free-list round's time against the number of units (KV
+          heads x sequences x layers), host reference and device kernel, log-log.
 Needs matplotlib (Debian: apt install python3-matplotlib).
 """
 import argparse
@@ -162,6 +164,28 @@ def plot_decode(d, path):
     fig.savefig(path, dpi=120)
 
 
+def plot_freelist(d, path):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    rows = sorted(d["results"], key=lambda r: r["units"])
+    units = [r["units"] for r in rows]
+    for key, label, color, ls in (("alloc_round_us", "host (one thread), allocation", "#1f77b4", "-"),
+                                  ("free_round_us", "host (one thread), free", "#1f77b4", "--"),
+                                  ("device_alloc_round_us", f"{d['backend']} kernel, allocation", "#d62728", "-"),
+                                  ("device_free_round_us", f"{d['backend']} kernel, free", "#d62728", "--")):
+        ax.plot(units, [r[key] for r in rows], ls, marker="o", ms=4, color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(units, [str(u) for u in units])
+    ax.set_xlabel("units asking at once (KV heads x sequences x layers)")
+    ax.set_ylabel("µs per round (median)")
+    ax.set_title(f"kvrecall bench freelist — 0-2 pages per unit, 8 pages per unit in the list\n{machine_label(d)}",
+                 fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="result files of kvrecall bench")
@@ -174,7 +198,8 @@ def main():
             d = json.load(fh)
         if d.get("schema") != "kvrecall-bench/1":
             sys.exit(f"{f}: not a kvrecall bench result (schema {d.get('schema')!r})")
-        fn = {"copy": plot_copy, "recall": plot_recall, "decode": plot_decode}.get(d["benchmark"])
+        fn = {"copy": plot_copy, "recall": plot_recall, "decode": plot_decode,
+              "freelist": plot_freelist}.get(d["benchmark"])
         if not fn:
             print(f"{f}: nothing to plot for '{d['benchmark']}'", file=sys.stderr)
             continue

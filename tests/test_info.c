@@ -218,14 +218,17 @@ Test(bench, decode_writes_schema_json, .timeout = 300)
 		"    assert (r['selections'] > 0) == (r['mode'] != 'dense'), r");
 }
 
-/* `kvrecall bench freelist`: one row per unit count, rounds timed. */
+/* `kvrecall bench freelist`: one row per unit count, host and device rounds
+ * timed (the device rounds are checked for their result by the bench). */
 Test(bench, freelist_writes_schema_json, .timeout = 120)
 {
-	bench_json_check("bench freelist --units 32,4096 --reps 3",
+	bench_json_check("bench freelist --units 32,4096,9000 --reps 3",
 			 "assert d['benchmark'] == 'freelist' and d['params']['pages_per_unit'] == 8\n"
+			 "assert d['backend'] == 'cpu', d['backend']\n"
 			 "rows = d['results']\n"
-			 "assert [r['units'] for r in rows] == [32, 4096], rows\n"
-			 "assert all(r['alloc_round_us'] > 0 and r['free_round_us'] > 0 and r['ns_per_unit'] > 0 for r in rows), rows");
+			 "assert [r['units'] for r in rows] == [32, 4096, 9000], rows\n"
+			 "keys = ['alloc_round_us', 'free_round_us', 'ns_per_unit', 'device_alloc_round_us', 'device_free_round_us', 'device_ns_per_unit']\n"
+			 "assert all(r[k] > 0 for r in rows for k in keys), rows");
 }
 
 /* Run `kvrecall <args> --trace FILE` and check FILE is Chrome trace-event
