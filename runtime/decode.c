@@ -146,7 +146,8 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 
 /* ------------------------------------------------------------------ statistics */
 
-static void fill_stats(const uint64_t cnt[KVR_C_COUNT], uint64_t steps, struct kvr_stats *out)
+static void fill_stats(const uint64_t cnt[KVR_C_COUNT], uint64_t steps, uint64_t units,
+		       uint64_t units_used, struct kvr_stats *out)
 {
 	struct kvr_stats st;
 	memset(&st, 0, sizeof(st));
@@ -172,6 +173,8 @@ static void fill_stats(const uint64_t cnt[KVR_C_COUNT], uint64_t steps, struct k
 	st.controller_jobs = cnt[KVR_C_CONTROLLER_JOBS];
 	st.pages_judged = cnt[KVR_C_PAGES_JUDGED];
 	st.pages_demoted = cnt[KVR_C_PAGES_DEMOTED];
+	st.device_units = units;
+	st.device_units_used = units_used;
 	const uint32_t size = out->size < sizeof(st) ? out->size : (uint32_t)sizeof(st);
 	memcpy(out, &st, size);
 	out->size = size;
@@ -184,9 +187,10 @@ KVR_API int kvr_get_stats(const struct kvr_context *ctx, struct kvr_stats *stats
 {
 	if (!ctx || !stats || stats->size < STATS_MIN_SIZE)
 		return -EINVAL;
-	uint64_t cnt[KVR_C_COUNT];
+	uint64_t cnt[KVR_C_COUNT], held, free_units, per_seq;
 	kvr_sched_counters(ctx->sched, UINT32_MAX, cnt);
-	fill_stats(cnt, ctx->steps, stats);
+	kvr_sched_units(ctx->sched, &held, &free_units, &per_seq);
+	fill_stats(cnt, ctx->steps, held, held - free_units, stats);
 	return 0;
 }
 
@@ -199,9 +203,10 @@ KVR_API int kvr_seq_get_stats(const struct kvr_context *ctx, uint32_t seq, struc
 		return kvr_fail(mctx, -EINVAL, "seq_get_stats: stats is NULL or its size is too small");
 	if (seq >= ctx->config.max_sequences || !ctx->seqs[seq].alive)
 		return kvr_fail(mctx, -EINVAL, "seq_get_stats: sequence %u does not exist", seq);
-	uint64_t cnt[KVR_C_COUNT];
+	uint64_t cnt[KVR_C_COUNT], held, free_units, per_seq;
 	kvr_sched_counters(ctx->sched, seq, cnt);
-	fill_stats(cnt, 0, stats);
+	kvr_sched_units(ctx->sched, &held, &free_units, &per_seq);
+	fill_stats(cnt, 0, per_seq, cnt[KVR_C_UNITS_TAKEN], stats);
 	return 0;
 }
 

@@ -474,6 +474,14 @@ struct kvr_stats {
 	/* Added in 0.4. */
 	uint64_t pages_judged;       /* kv_format mixed: pages whose window attention was judged */
 	uint64_t pages_demoted;      /* of which demoted to K4V2 */
+	/* Quantised pages' device page cache (gauges: what holds now). The
+	 * context: units (one KV head's page each) the cache holds, and of those
+	 * the ones slots hold. A sequence: the units reserved for it (every
+	 * sparse layer × n_kv × k), and the ones its slots hold: none while it
+	 * is attended densely (L <= B), all of them once sparse. 0 for plain
+	 * pages. */
+	uint64_t device_units;
+	uint64_t device_units_used;
 };
 
 /* Copy the context's counters into *stats. stats->size must be set; at most

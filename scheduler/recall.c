@@ -21,11 +21,13 @@
  * recall_buffers = 1 keeps one buffer (copy and scatter serialised) for the
  * ablation.
  *
- * Quantised pages (kv_format K8V4 or K4V2) stay quantised in the slots: slot
- * tile j holds n_kv quantised runs (kvquant.h), slot (m, j) is run m, and
- * attention dequantises on the fly. With no layout to convert, misses are
- * copied from the pool straight into their slots on the copy stream (after
- * the lane's attn_done, before its recall_done): no staging buffers.
+ * Quantised pages (kv_format K8V4, K4V2, mixed) stay quantised in the slots:
+ * slot (m, j) is a unit of the device page cache shared by all lanes
+ * (units.c), holding one quantised run (kvquant.h), taken the first time a
+ * page lands there; attention dequantises on the fly. With no layout to
+ * convert, misses are copied from the pool straight into their units on the
+ * copy stream (after the lane's attn_done, before its recall_done): no
+ * staging buffers.
  *
  * Threads: kvr_recall_issue runs on the controller thread. Staging-buffer
  * reuse is ordered on the streams by the `drained` events, so the controller
@@ -65,8 +67,10 @@ uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall)
 
 uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recall)
 {
-	if (recall != KVR_RECALL_STREAMED || c->kv_format)
-		return 0; /* quantised pages need no staging: nothing to convert */
+	if (recall != KVR_RECALL_STREAMED)
+		return 0;
+	if (c->kv_format) /* no staging (nothing to convert); the units' ring */
+		return kvr_units_fixed_bytes(c);
 	const uint64_t head = 2ull * c->page_tokens * c->head_dim * kvr_elem_bytes(c->dtype);
 	return (uint64_t)c->recall_buffers * c->recall_chunk_pages * head;
 }
@@ -95,7 +99,16 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 		snprintf(err, err_bytes, "recall: %s", kvr_dev_last_error(s->dev));
 		return ret;
 	}
-	s->recall_misses = malloc((s->k ? s->k : 1) * sizeof(struct miss));
+	const size_t n_miss = (size_t)(s->k ? s->k : 1) * (s->kv_format ? s->c.n_kv_heads : 1);
+	s->recall_misses = malloc(n_miss * sizeof(struct miss));
+	if (s->kv_format) {
+		s->recall_need = malloc(s->c.n_kv_heads * sizeof(uint32_t));
+		s->recall_unit_slots = malloc(n_miss * sizeof(uint32_t));
+		if (!s->recall_need || !s->recall_unit_slots) {
+			snprintf(err, err_bytes, "recall: out of memory");
+			return -ENOMEM;
+		}
+	}
 	s->recall_flags = malloc(2 * (s->k ? s->k : 1));
 	if (!s->recall_misses || !s->recall_flags) {
 		snprintf(err, err_bytes, "recall: out of memory");
@@ -120,6 +133,9 @@ void kvr_recall_teardown(struct kvr_sched *s)
 	kvr_dev_stream_destroy(s->dev, s->copy);
 	kvr_dev_stream_destroy(s->dev, s->convert);
 	free(s->recall_misses);
+	free(s->recall_need);
+	free(s->recall_unit_slots);
+	s->recall_need = s->recall_unit_slots = NULL;
 	free(s->recall_flags);
 	free(s->recall_descs);
 	s->recall_descs = NULL;
@@ -135,10 +151,18 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 		ret = kvr_dev_event_create(s->dev, &lane->attn_done);
 	if (ret || !lane->slot_page || !s->k)
 		return ret; /* zero-copy or a dense layer: events only */
+	if (s->kv_format) {
+		/* quantised runs live in the shared cache's units (units.c),
+		 * taken as slots fill; copied without scatter items */
+		const size_t n = (size_t)s->c.n_kv_heads * s->k;
+		if (!(lane->slot_unit = malloc(n * sizeof(int32_t))))
+			return -ENOMEM;
+		for (size_t i = 0; i < n; i++)
+			lane->slot_unit[i] = -1;
+		return 0;
+	}
 	const size_t bytes = (size_t)s->k * s->slot_bytes;
 	ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_k);
-	if (s->kv_format)
-		return ret; /* quantised runs in slot_k only, copied without scatter items */
 	if (!ret)
 		ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_v);
 	if (!ret)
@@ -158,6 +182,8 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	kvr_dev_free(s->dev, lane->slot_k);
 	kvr_dev_free(s->dev, lane->slot_v);
+	free(lane->slot_unit); /* its units went back with the sequence (kvr_units_seq_close) */
+	lane->slot_unit = NULL;
 	if (s->separate)
 		kvr_dev_free(s->dev, lane->recall_items_dev);
 	kvr_sched_mapped_free(s, lane->recall_items);
@@ -276,51 +302,76 @@ static const unsigned char *lowest_run(struct kvr_sched *s, const struct miss *m
 	return base;
 }
 
-/* Quantised pages: the misses' runs go from the pool straight into their
- * slots, chunk_pages per batched copy on the copy stream, after the lane's
- * last attention; there is no layout to convert, so no staging. */
+/* Quantised pages: every head's misses are planned first; slots that have no
+ * unit of the device page cache yet get theirs in one allocation round for
+ * the lane (units.c); then the misses' runs go from the pool straight into
+ * their units, chunk_pages per batched copy on the copy stream, after the
+ * lane's last attention. There is no layout to convert, so no staging. */
 static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads)
 {
 	struct miss *misses = s->recall_misses;
 	struct kvr_copy_desc *descs = s->recall_descs;
 	struct kvr_stream *copy = s->copy;
-	uint64_t hits = 0, n_miss_total = 0, bytes_moved = 0;
-	int err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
-	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
+	const uint32_t n_kv = s->c.n_kv_heads, k = s->k;
+	uint64_t hits = 0, bytes_moved = 0;
+	uint32_t n_miss = 0, n_need = 0;
+	for (uint32_t m = 0; m < n_kv; m++) {
+		s->recall_need[m] = 0;
 		if (!heads[m])
 			continue;
-		const uint32_t n_miss = plan_head(s, lane, m, misses, &hits);
-		n_miss_total += n_miss;
-		for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
-			const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
-			const unsigned char *base = lowest_run(s, misses + at, n);
-			for (uint32_t i = 0; i < n; i++) {
-				const struct miss *ms = &misses[at + i];
-				const unsigned char *run = miss_run(s, ms);
-				/* mixed: a K4V2 page moves only its own run's bytes into the
-				 * slot's unified room */
-				uint64_t bytes = s->head_bytes;
-				if (lane->slot_fmt) {
-					const uint32_t fmt = kvr_pool_page_format(s->pool, ms->page_id);
-					lane->slot_fmt[(uint64_t)ms->head * s->k + ms->slot] = (uint8_t)fmt;
-					bytes = kvr_kv_run_bytes(fmt, s->c.page_tokens, s->c.head_dim, s->eb);
-				}
-				bytes_moved += bytes;
-				descs[i] = (struct kvr_copy_desc){
-					(uint64_t)(run - base),
-					(uint64_t)ms->slot * s->slot_bytes + (uint64_t)ms->head * s->head_bytes,
-					bytes };
+		const uint32_t first = n_miss;
+		n_miss += plan_head(s, lane, m, misses + first, &hits);
+		for (uint32_t i = first; i < n_miss; i++)
+			if (lane->slot_unit[(uint64_t)m * k + misses[i].slot] < 0) {
+				s->recall_unit_slots[n_need++] = misses[i].slot;
+				s->recall_need[m]++;
 			}
-			kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
-			struct kvr_trace_span *sp = kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY,
-									  lane->seq, lane->layer, n);
-			err = kvr_dev_memcpy_batch_async(s->dev, lane->slot_k, base, descs, n, KVR_COPY_H2D, copy);
-			kvr_stream_span_end(s, copy, sp);
+	}
+	int err = 0;
+	if (n_need && (err = kvr_units_fill(s, lane, s->recall_need, s->recall_unit_slots))) {
+		/* admission reserved the units, so this is a bug or a device
+		 * failure (recorded with its reason); the planned slots hold
+		 * nothing attention may read */
+		for (uint32_t i = 0; i < n_miss; i++)
+			if (lane->slot_unit[(uint64_t)misses[i].head * k + misses[i].slot] < 0)
+				lane->slot_page[(uint64_t)misses[i].head * k + misses[i].slot] = -1;
+	}
+	if (!err)
+		err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
+	for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
+		const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
+		const unsigned char *src_base = lowest_run(s, misses + at, n);
+		unsigned char *dst_base = NULL;
+		for (uint32_t i = 0; i < n; i++) {
+			unsigned char *dst = kvr_units_addr(
+				s, (uint32_t)lane->slot_unit[(uint64_t)misses[at + i].head * k + misses[at + i].slot]);
+			dst_base = !dst_base || dst < dst_base ? dst : dst_base;
 		}
+		for (uint32_t i = 0; i < n; i++) {
+			const struct miss *ms = &misses[at + i];
+			const uint64_t slot = (uint64_t)ms->head * k + ms->slot;
+			/* mixed: a K4V2 page moves only its own run's bytes into the
+			 * unit's K8V4-sized room */
+			uint64_t bytes = s->head_bytes;
+			if (lane->slot_fmt) {
+				const uint32_t fmt = kvr_pool_page_format(s->pool, ms->page_id);
+				lane->slot_fmt[slot] = (uint8_t)fmt;
+				bytes = kvr_kv_run_bytes(fmt, s->c.page_tokens, s->c.head_dim, s->eb);
+			}
+			bytes_moved += bytes;
+			descs[i] = (struct kvr_copy_desc){
+				(uint64_t)(miss_run(s, ms) - src_base),
+				(uint64_t)(kvr_units_addr(s, (uint32_t)lane->slot_unit[slot]) - dst_base), bytes };
+		}
+		kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
+		struct kvr_trace_span *sp = kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY,
+								  lane->seq, lane->layer, n);
+		err = kvr_dev_memcpy_batch_async(s->dev, dst_base, src_base, descs, n, KVR_COPY_H2D, copy);
+		kvr_stream_span_end(s, copy, sp);
 	}
 	if (!err)
 		err = kvr_dev_event_record(s->dev, lane->recall_done, copy);
-	count(s, lane->seq, KVR_C_PAGES_RECALLED, n_miss_total);
+	count(s, lane->seq, KVR_C_PAGES_RECALLED, n_miss);
 	count(s, lane->seq, KVR_C_PAGES_HIT, hits);
 	count(s, lane->seq, KVR_C_BYTES_RECALLED, bytes_moved);
 	return err;

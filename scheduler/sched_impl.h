@@ -42,6 +42,8 @@ struct kvr_lane {
 	unsigned char *slot_v;    /* k NHD tiles of values (plain pages only) */
 	int32_t *slot_page;       /* [n_kv][k]: logical page in slot (m, j), -1 = empty */
 	uint8_t *slot_fmt;        /* mixed pages: [n_kv][k] the format slot (m, j) holds */
+	int32_t *slot_unit;       /* quantised pages: [n_kv][k] the device page cache unit
+	                             slot (m, j) holds (units.c), -1 = none yet */
 	struct lane_importance *imp; /* mixed pages: attention received (importance.c) */
 	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall (mapped) */
 	struct kvr_scatter_item *recall_items_dev; /* their device copy (separate memory) */
@@ -104,9 +106,13 @@ struct kvr_sched {
 	struct kvr_stream *copy;          /* streamed recall: pool -> staging */
 	struct kvr_stream *convert;       /* streamed recall: staging -> slots */
 	struct staging staging[2];
+	struct kvr_units *units;         /* quantised pages: the shared device page cache (units.c) */
 	uint32_t n_staging, chunk_pages;
 	uint32_t next_buffer;            /* controller: the staging buffer of the next chunk */
-	void *recall_misses;             /* controller: [k] misses of one head */
+	void *recall_misses;             /* controller: [k] misses of one head; quantised
+	                                    pages: [n_kv][k], every head's */
+	uint32_t *recall_need;           /* controller, quantised: [n_kv] slots needing a unit */
+	uint32_t *recall_unit_slots;     /* controller, quantised: [n_kv·k] those slots, by head */
 	uint8_t *recall_flags;           /* controller: [2k] plan flags */
 	struct kvr_copy_desc *recall_descs; /* controller: [chunk_pages] */
 	struct hook_arg {
@@ -205,6 +211,25 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane);
 /* Plan and issue the recall of heads[m] != 0 so that their slots hold
  * lane->selected; controller thread. */
 int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads);
+/* units.c: the device page cache of quantised pages (see there) */
+int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes);
+void kvr_units_teardown(struct kvr_sched *s);
+int kvr_units_enabled(const struct kvr_sched *s);
+/* Units one sequence may hold (every sparse layer × n_kv × k), and the ring's
+ * device bytes beside the units. */
+uint64_t kvr_units_seq_count(const struct kvr_config *c);
+uint64_t kvr_units_fixed_bytes(const struct kvr_config *c);
+/* Engine thread: reserve a sequence's worth (growing the cache by a chunk
+ * when every chunk is reserved) / return every unit the sequence's lanes hold
+ * in one free round. */
+int kvr_units_seq_open(struct kvr_sched *s);
+void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq);
+/* One allocation round for a lane's KV heads: head m gets need[m] units for
+ * its slots slots[o_m .. o_m + need[m]), o_m = need[0] + ... + need[m-1]
+ * (the same prefix sum that places its ids). 0 or a negative errno. */
+int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need, const uint32_t *slots);
+unsigned char *kvr_units_addr(const struct kvr_sched *s, uint32_t id);
+
 /* Stream-order host function inserting a test delay (no-op without hooks). */
 void kvr_sched_hook_on_stream(struct kvr_sched *s, struct kvr_stream *stream, uint32_t where);
 /* Begin/end of a span that runs on a stream (host functions; no-op untraced). */

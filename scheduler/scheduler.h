@@ -53,6 +53,7 @@ enum kvr_counter {
 	KVR_C_CONTROLLER_JOBS,
 	KVR_C_PAGES_JUDGED,
 	KVR_C_PAGES_DEMOTED,
+	KVR_C_UNITS_TAKEN, /* quantised pages: device page cache units taken by slots */
 	KVR_C_COUNT
 };
 
@@ -142,6 +143,10 @@ int kvr_sched_step_end(struct kvr_sched *s);
 
 /* Counters: of the context (seq == UINT32_MAX) or of one sequence. */
 void kvr_sched_counters(const struct kvr_sched *s, uint32_t seq, uint64_t out[KVR_C_COUNT]);
+/* Quantised pages' shared device page cache: units it holds, how many are
+ * free, and one sequence's reservation (all 0 without one). */
+void kvr_sched_units(const struct kvr_sched *s, uint64_t *held, uint64_t *free_units,
+		     uint64_t *per_seq);
 /* Corrections per KV head, summed over layers, of the context or one sequence. */
 void kvr_sched_head_corrections(const struct kvr_sched *s, uint32_t seq, uint64_t *out,
 				uint32_t n_kv);

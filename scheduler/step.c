@@ -172,13 +172,12 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 			sort_pairs(pages, slots, n_sel);
 			const uint64_t row = (uint64_t)s->c.n_kv_heads * d;
 			for (uint32_t i = 0; i < n_sel; i++) {
-				if (s->kv_format) {
-					const uint64_t off = (uint64_t)slots[i] * s->slot_bytes +
-							     (uint64_t)m * s->head_bytes;
+				if (s->kv_format) { /* one run in the slot's unit */
+					const uint64_t slot = (uint64_t)m * s->k + slots[i];
 					out[n++] = (struct kvr_kv_segment){
-						lane->slot_k + off, NULL, p, 0, (uint32_t)s->head_bytes,
-						lane->slot_fmt ? lane->slot_fmt[(uint64_t)m * s->k + slots[i]]
-							       : s->kv_format };
+						kvr_units_addr(s, (uint32_t)lane->slot_unit[slot]), NULL, p, 0,
+						(uint32_t)s->head_bytes,
+						lane->slot_fmt ? lane->slot_fmt[slot] : s->kv_format };
 					continue;
 				}
 				const uint64_t off = (uint64_t)slots[i] * s->tile_bytes + (uint64_t)m * d * s->eb;
@@ -669,6 +668,9 @@ void kvr_sched_seq_quiesce(struct kvr_sched *s, uint32_t seq)
 int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 {
 	const size_t n_sel = (size_t)s->c.n_kv_heads * (s->k ? s->k : 1);
+	int units_err = kvr_units_seq_open(s); /* quantised pages: a sequence's units */
+	if (units_err)
+		return units_err; /* its message in last_error */
 	for (uint32_t l = 0; l < s->c.n_layers; l++) {
 		struct kvr_lane *lane = lane_of(s, seq, l);
 		memset(lane, 0, sizeof(*lane));
@@ -695,9 +697,10 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error),
 				 "device memory for sequence %u's page cache (layer %u): %s", seq, l,
-				 err == -ENOMEM && !lane->slot_k ? "out of memory" : kvr_dev_last_error(s->dev));
+				 err == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
 			for (uint32_t j = 0; j <= l; j++)
 				lane_release(s, lane_of(s, seq, j));
+			kvr_units_seq_close(s, seq); /* nothing taken yet: the reservation only */
 			return err;
 		}
 		lane_forget(s, lane);
@@ -723,6 +726,7 @@ void kvr_sched_seq_close(struct kvr_sched *s, uint32_t seq)
 	if (s->convert)
 		kvr_dev_stream_synchronize(s->dev, s->convert);
 	kvr_dev_stream_synchronize(s->dev, s->compute);
+	kvr_units_seq_close(s, seq); /* no stream reads the units any more */
 	for (uint32_t l = 0; l < s->c.n_layers; l++)
 		lane_release(s, lane_of(s, seq, l));
 	s->tails[seq] = NULL;
@@ -827,6 +831,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 		snprintf(err, err_bytes, "scheduler: %s", kvr_dev_last_error(s->dev));
 	if (!ret)
 		ret = kvr_recall_setup(s, err, err_bytes);
+	if (!ret)
+		ret = kvr_units_setup(s, err, err_bytes);
 	if (!ret && (ret = kvr_controller_start(s)))
 		snprintf(err, err_bytes, "scheduler: cannot start the controller thread: %s",
 			 strerror(-ret));
@@ -848,6 +854,7 @@ void kvr_sched_destroy(struct kvr_sched *s)
 			if (s->tails && s->tails[seq])
 				kvr_sched_seq_close(s, seq);
 	kvr_recall_teardown(s);
+	kvr_units_teardown(s);
 	if (s->compute)
 		kvr_dev_stream_synchronize(s->dev, s->compute);
 	kvr_dev_stream_destroy(s->dev, s->engine_inline);

@@ -1020,15 +1020,23 @@ static void quantised_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 		snprintf(what, sizeof(what), "%s %s: streamed differs from zero-copy", dev_name(dev_kind),
 			 kvr_kv_format_name(o.kv_format));
 		first_difference(&zc, &st, what);
-		/* the device cache holds quantised runs, and needs no staging */
+		/* the device cache holds quantised runs and needs no staging: its
+		 * fixed bytes are the units' ring, an id for every unit any
+		 * sequence may hold, and the ring's counters and item */
 		struct kvr_config c;
 		uint64_t fixed = 1, per_q = 0, per_plain = 0;
 		config_of(&o, &c);
 		cr_assert_eq(kvr_device_bytes_needed(&c, &fixed, &per_q), 0);
+		uint64_t sparse_layers = 0;
+		for (uint32_t l = 0; l < c.n_layers; l++)
+			sparse_layers += !(c.dense_layers[l / 64] >> (l % 64) & 1);
+		const uint64_t k = (c.budget_tokens - c.sink_tokens - c.window_tokens) / c.page_tokens;
+		const uint64_t ring = sparse_layers * c.n_kv_heads * k * c.max_sequences * 4 + 16 +
+				      sizeof(struct kvr_freelist_item);
 		c.kv_format = KVR_KV_FORMAT_PLAIN;
 		cr_assert_eq(kvr_device_bytes_needed(&c, NULL, &per_plain), 0);
-		cr_assert_eq(fixed, 0, "%s: staging bytes %llu for quantised pages", what,
-			     (unsigned long long)fixed);
+		cr_assert_eq(fixed, ring, "%s: fixed bytes %llu for quantised pages, the ring is %llu", what,
+			     (unsigned long long)fixed, (unsigned long long)ring);
 		cr_assert_lt(per_q, per_plain, "%s: per-sequence device bytes %llu, plain %llu", what,
 			     (unsigned long long)per_q, (unsigned long long)per_plain);
 	}
@@ -1095,6 +1103,108 @@ Test(scheduler, quantised_pages_cuda, .timeout = 240)
 {
 	cuda_or_skip();
 	quantised_on(KVR_DEV_CUDA, 2, 24);
+}
+
+/*
+ * Quantised pages' device page cache is one set of units shared by every
+ * sequence (scheduler/units.c). A sequence attended densely (L <= B) holds no
+ * unit; once sparse, exactly k per KV head per sparse layer. The cache grows
+ * a sequence's worth when more sequences are open than it has room for, and
+ * reuses the units of closed sequences without growing. A sequence whose
+ * units held another sequence's pages computes exactly what it computes
+ * alone in a fresh context.
+ */
+static void seq_units(struct kvr_context *ctx, uint32_t seq, uint64_t *reserved, uint64_t *used)
+{
+	struct kvr_stats st = { .size = sizeof(st) };
+	cr_assert_eq(kvr_seq_get_stats(ctx, seq, &st), 0, "%s", kvr_last_error(ctx));
+	*reserved = st.device_units, *used = st.device_units_used;
+}
+
+static void ctx_units(struct kvr_context *ctx, uint64_t *held, uint64_t *used)
+{
+	struct kvr_stats st = { .size = sizeof(st) };
+	cr_assert_eq(kvr_get_stats(ctx, &st), 0);
+	*held = st.device_units, *used = st.device_units_used;
+}
+
+static void run_steps(struct kvr_context *ctx, const struct opts *o, struct tseq *t, uint64_t qseed,
+		      uint32_t n, float (*outs)[NL][Q_ROW])
+{
+	struct qgen qg;
+	qgen_init(&qg, qseed);
+	for (uint32_t i = 0; i < n; i++) {
+		float q[NL][Q_ROW];
+		qgen_next(&qg, o->dtype, q);
+		step_one(ctx, o->dtype, t, (const float(*)[Q_ROW])q, outs[i]);
+	}
+}
+
+static void units_shared_on(uint32_t dev_kind)
+{
+	enum { STEPS = 4 };
+	const uint64_t per_seq = (uint64_t)NL * N_KV * K_SEL;
+	struct opts o = opts_default(dev_kind, KVR_MODE_FREEKV, KVR_RECALL_STREAMED, KVR_DTYPE_F16);
+	o.kv_format = KVR_KV_FORMAT_K8V4;
+	o.max_seqs = MAXB; /* room for more sequences than the test opens */
+	static float outs[STEPS][NL][Q_ROW], alone[STEPS][NL][Q_ROW];
+	uint64_t held, used, reserved, seq_used;
+
+	struct kvr_context *ctx = ctx_open(&o);
+	ctx_units(ctx, &held, &used);
+	cr_assert_eq(held, 0, "an empty context holds %llu units", (unsigned long long)held);
+	struct tseq a, b, c;
+	tseq_init(&a, 11), tseq_init(&b, 12), tseq_init(&c, 13);
+	tseq_prefill(ctx, o.dtype, &a, BUDGET - 2 * P); /* dense: L <= B */
+	run_steps(ctx, &o, &a, 1, STEPS, outs);
+	seq_units(ctx, a.id, &reserved, &seq_used);
+	cr_assert_eq(reserved, per_seq);
+	cr_assert_eq(seq_used, 0, "a sequence attended densely holds %llu units", (unsigned long long)seq_used);
+	ctx_units(ctx, &held, &used);
+	cr_assert(held == per_seq && used == 0, "held %llu used %llu", (unsigned long long)held,
+		  (unsigned long long)used);
+
+	tseq_prefill(ctx, o.dtype, &b, 400); /* sparse from its first step */
+	run_steps(ctx, &o, &b, 2, STEPS, outs);
+	seq_units(ctx, b.id, &reserved, &seq_used);
+	cr_assert_eq(seq_used, per_seq, "a sparse sequence holds %llu units, not k per KV head per layer (%llu)",
+		     (unsigned long long)seq_used, (unsigned long long)per_seq);
+	ctx_units(ctx, &held, &used);
+	cr_assert(held == 2 * per_seq && used == per_seq, "two sequences open: held %llu used %llu",
+		  (unsigned long long)held, (unsigned long long)used);
+
+	/* b's units go back; c takes them (a fresh chunk is not needed) */
+	cr_assert_eq(kvr_seq_free(ctx, b.id), 0);
+	ctx_units(ctx, &held, &used);
+	cr_assert(held == 2 * per_seq && used == 0, "after a close: held %llu used %llu",
+		  (unsigned long long)held, (unsigned long long)used);
+	tseq_prefill(ctx, o.dtype, &c, 400);
+	run_steps(ctx, &o, &c, 3, STEPS, outs);
+	ctx_units(ctx, &held, &used);
+	cr_assert(held == 2 * per_seq && used == per_seq, "reuse grew the cache: held %llu used %llu",
+		  (unsigned long long)held, (unsigned long long)used);
+	ctx_close(ctx, &o);
+
+	/* c alone, in a context that never held another sequence's pages */
+	struct tseq c2;
+	tseq_init(&c2, 13);
+	ctx = ctx_open(&o);
+	tseq_prefill(ctx, o.dtype, &c2, 400);
+	run_steps(ctx, &o, &c2, 3, STEPS, alone);
+	ctx_close(ctx, &o);
+	cr_assert_eq(memcmp(outs, alone, sizeof(outs)), 0,
+		     "%s: a sequence in reused units differs from the same sequence alone", dev_name(dev_kind));
+	tseq_fini(&a), tseq_fini(&b), tseq_fini(&c), tseq_fini(&c2);
+}
+
+Test(scheduler, quantised_units_shared_cpu, .timeout = 120)
+{
+	units_shared_on(KVR_DEV_CPU);
+}
+
+Test(scheduler, quantised_units_shared_cudaemu_strict, .timeout = 240)
+{
+	units_shared_on(KVR_DEV_CUDAEMU_STRICT);
 }
 
 /* The controller's jobs run inline on the engine's thread (the cpu default

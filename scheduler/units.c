@@ -1,0 +1,310 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * units.c — the device page cache of quantised pages as LeanKV builds it:
+ * equal-size unified physical pages ("units", one KV head's quantised run
+ * each; K8V4-sized for mixed pages) shared by every lane of every sequence,
+ * handed out and taken back through one circular free-page list
+ * (layouts/freelist.h) whose rounds run as the device's `freelist` kernel.
+ *
+ * A lane's slot (m, j) gets a unit the first time a recall puts a page in it
+ * and keeps it until its sequence closes: one allocation round per recall
+ * that fills empty slots (each KV head of the lane a unit of the round, its
+ * share of the free region from the prefix sum over the heads' counts), one
+ * free round per closing sequence (each (layer, KV head) a unit). Live KV is
+ * never moved — only unit ids travel between the ring and the slot tables.
+ *
+ * Memory comes in chunks of one sequence's worth of units (every sparse
+ * layer × n_kv × k), allocated when more sequences are open than chunks
+ * exist and put into the ring by a free round of their ids; chunks stay until
+ * the scheduler is destroyed, so once the cache has grown to the peak of
+ * open sequences, opening and closing sequences costs no device allocation
+ * (cudaMalloc and cudaFree synchronise the whole device). Admission
+ * (runtime/sequence.c) still reserves a whole sequence's worth of device
+ * bytes, so an admitted sequence always finds its units. A sequence holds
+ * none while it is attended densely (L <= B) and k per KV head per sparse
+ * layer from its first sparse step on (L > B leaves at least k candidates,
+ * so the first recall fills every slot).
+ *
+ * Plain pages keep per-lane NHD slot tiles (recall.c): their scatter writes
+ * a KV head's column of a tile shared by all heads, so a head's slot is not
+ * a unit of its own.
+ *
+ * The ring (ids, counters) is device memory; the round's counts, offsets,
+ * page ids and status are mapped memory the host fills and reads; the item
+ * has a device twin on separate-memory devices. Threads: the engine (open,
+ * close) and the controller (recall) call in; `lock` serialises the rounds,
+ * each of which runs on the pool's own stream and is waited for before the
+ * lock is released (the host needs the ids to plan the copies).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../layouts/freelist.h"
+#include "sched_impl.h"
+
+struct kvr_units {
+	pthread_mutex_t lock;      /* guards everything below and the stream */
+	struct kvr_stream *stream; /* the rounds' stream */
+	uint64_t unit_bytes;
+	uint32_t per_chunk;        /* units of one sequence */
+	uint32_t max_chunks, n_chunks;
+	unsigned char **chunks;    /* [max_chunks] device memory, per_chunk units each */
+	uint32_t capacity;         /* ring size: per_chunk · max_chunks ids */
+	uint32_t *ids;             /* device: the ring */
+	uint64_t *counters;        /* device: start, end */
+	struct kvr_freelist_item *item, *item_dev; /* mapped; its device twin */
+	uint32_t max_units, max_pages; /* of one round */
+	uint32_t *counts;          /* mapped [max_units] */
+	uint64_t *offsets;         /* mapped [max_units] */
+	uint32_t *pages;           /* mapped [max_pages] */
+	int32_t *status;           /* mapped */
+	uint64_t n_free;           /* ids in the ring (the counters' difference) */
+	uint32_t open_seqs;        /* sequences holding a chunk's reservation */
+	char message[224];         /* why the last round failed */
+};
+
+int kvr_units_enabled(const struct kvr_sched *s)
+{
+	return s->units != NULL;
+}
+
+uint64_t kvr_units_seq_count(const struct kvr_config *c)
+{
+	const uint64_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
+	uint32_t sparse_layers = 0;
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		sparse_layers += !(c->dense_layers[l / 64] >> (l % 64) & 1);
+	return (uint64_t)sparse_layers * c->n_kv_heads * k;
+}
+
+uint64_t kvr_units_fixed_bytes(const struct kvr_config *c)
+{
+	/* the ring's ids and counters (the round's buffers are host memory) */
+	return kvr_units_seq_count(c) * c->max_sequences * sizeof(uint32_t) + 2 * sizeof(uint64_t) +
+	       sizeof(struct kvr_freelist_item);
+}
+
+unsigned char *kvr_units_addr(const struct kvr_sched *s, uint32_t id)
+{
+	const struct kvr_units *u = s->units;
+	return u->chunks[id / u->per_chunk] + (uint64_t)(id % u->per_chunk) * u->unit_bytes;
+}
+
+/* One round on the device, waited for; lock held. The caller filled counts
+ * (and, freeing, pages). 0, or a negative errno with u->message set (the
+ * callers run on different threads: each copies it where its thread
+ * reports errors). */
+static int run_round(struct kvr_sched *s, struct kvr_units *u, uint32_t op, uint32_t n_units)
+{
+	*u->item = (struct kvr_freelist_item){ u->ids, u->counters, u->counts, u->offsets, u->pages,
+					       u->status, u->capacity, n_units, op, u->max_pages };
+	*u->status = KVR_FREELIST_BAD;
+	int err = kvr_sched_items_to_device(s, u->stream, u->item_dev, u->item, sizeof(*u->item));
+	if (!err)
+		err = kvr_dev_freelist(s->dev, u->item_dev, 1, u->stream);
+	if (!err)
+		err = kvr_dev_stream_synchronize(s->dev, u->stream);
+	if (err) {
+		snprintf(u->message, sizeof(u->message), "device page cache: free-list round: %s",
+			 kvr_dev_last_error(s->dev));
+		return err;
+	}
+	uint64_t total = 0;
+	for (uint32_t i = 0; i < n_units; i++)
+		total += u->counts[i];
+	if (*u->status) {
+		snprintf(u->message, sizeof(u->message),
+			 "device page cache: %s of %llu units refused (%s; %llu of %u free)",
+			 op == KVR_FREELIST_ALLOC ? "allocation" : "return", (unsigned long long)total,
+			 *u->status == KVR_FREELIST_SHORT ? "too few free" : "malformed round",
+			 (unsigned long long)u->n_free, u->capacity);
+		return *u->status == KVR_FREELIST_SHORT && op == KVR_FREELIST_ALLOC ? -ENOSPC : -EIO;
+	}
+	u->n_free = op == KVR_FREELIST_ALLOC ? u->n_free - total : u->n_free + total;
+	return 0;
+}
+
+int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes)
+{
+	const struct kvr_config *c = &s->c;
+	if (s->recall != KVR_RECALL_STREAMED || !s->kv_format || !s->k || !kvr_units_seq_count(c))
+		return 0;
+	struct kvr_units *u = calloc(1, sizeof(*u));
+	if (!u) {
+		snprintf(err, err_bytes, "device page cache: out of memory");
+		return -ENOMEM;
+	}
+	pthread_mutex_init(&u->lock, NULL);
+	s->units = u;
+	u->unit_bytes = s->head_bytes;
+	u->per_chunk = (uint32_t)kvr_units_seq_count(c);
+	u->max_chunks = c->max_sequences;
+	u->capacity = u->per_chunk * u->max_chunks; /* config limits keep this far below 2^32 */
+	u->max_units = c->n_layers * c->n_kv_heads;
+	u->max_pages = u->per_chunk;
+	int ret = (u->chunks = calloc(u->max_chunks, sizeof(*u->chunks))) ? 0 : -ENOMEM;
+	if (!ret)
+		ret = kvr_dev_stream_create(s->dev, KVR_STREAM_INLINE, &u->stream);
+	if (!ret)
+		ret = kvr_dev_alloc(s->dev, (size_t)u->capacity * sizeof(uint32_t), (void **)&u->ids);
+	if (!ret)
+		ret = kvr_dev_alloc(s->dev, 2 * sizeof(uint64_t), (void **)&u->counters);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, sizeof(*u->item), (void **)&u->item);
+	u->item_dev = u->item;
+	if (!ret && s->separate) {
+		u->item_dev = NULL;
+		ret = kvr_dev_alloc(s->dev, sizeof(*u->item_dev), (void **)&u->item_dev);
+	}
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, (size_t)u->max_units * sizeof(uint32_t), (void **)&u->counts);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, (size_t)u->max_units * sizeof(uint64_t), (void **)&u->offsets);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, (size_t)u->max_pages * sizeof(uint32_t), (void **)&u->pages);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, sizeof(*u->status), (void **)&u->status);
+	/* an empty ring: start = end = 0 (ids arrive with the chunks) */
+	static const uint64_t empty[2] = { 0, 0 };
+	if (!ret)
+		ret = kvr_dev_memcpy_async(s->dev, u->counters, empty, sizeof(empty), KVR_COPY_H2D, u->stream);
+	if (!ret)
+		ret = kvr_dev_stream_synchronize(s->dev, u->stream);
+	if (ret)
+		snprintf(err, err_bytes, "device page cache: %s",
+			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
+	return ret;
+}
+
+void kvr_units_teardown(struct kvr_sched *s)
+{
+	struct kvr_units *u = s->units;
+	if (!u)
+		return;
+	if (u->stream)
+		kvr_dev_stream_synchronize(s->dev, u->stream);
+	for (uint32_t i = 0; u->chunks && i < u->n_chunks; i++)
+		kvr_dev_free(s->dev, u->chunks[i]);
+	free(u->chunks);
+	kvr_dev_free(s->dev, u->ids);
+	kvr_dev_free(s->dev, u->counters);
+	if (s->separate)
+		kvr_dev_free(s->dev, u->item_dev);
+	kvr_sched_mapped_free(s, u->item);
+	kvr_sched_mapped_free(s, u->counts);
+	kvr_sched_mapped_free(s, u->offsets);
+	kvr_sched_mapped_free(s, u->pages);
+	kvr_sched_mapped_free(s, u->status);
+	kvr_dev_stream_destroy(s->dev, u->stream);
+	pthread_mutex_destroy(&u->lock);
+	free(u);
+	s->units = NULL;
+}
+
+int kvr_units_seq_open(struct kvr_sched *s)
+{
+	struct kvr_units *u = s->units;
+	if (!u)
+		return 0;
+	int err = 0;
+	pthread_mutex_lock(&u->lock);
+	if (u->open_seqs == u->max_chunks) {
+		snprintf(s->last_error, sizeof(s->last_error),
+			 "device page cache: %u sequences already hold its units", u->open_seqs);
+		err = -ENOSPC;
+	} else if (u->open_seqs == u->n_chunks) {
+		/* grow by one sequence's worth; its ids enter the ring as a free round */
+		const uint32_t c = u->n_chunks;
+		err = kvr_dev_alloc(s->dev, (size_t)u->per_chunk * u->unit_bytes, (void **)&u->chunks[c]);
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error), "device page cache: %s",
+				 err == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
+		} else {
+			u->n_chunks++;
+			u->counts[0] = u->per_chunk;
+			for (uint32_t i = 0; i < u->per_chunk; i++)
+				u->pages[i] = c * u->per_chunk + i;
+			err = run_round(s, u, KVR_FREELIST_FREE, 1);
+			if (err) { /* the ring never saw the chunk: give it back */
+				snprintf(s->last_error, sizeof(s->last_error), "%s", u->message);
+				kvr_dev_free(s->dev, u->chunks[c]);
+				u->chunks[c] = NULL;
+				u->n_chunks--;
+			}
+		}
+	}
+	if (!err)
+		u->open_seqs++;
+	pthread_mutex_unlock(&u->lock);
+	return err;
+}
+
+void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq)
+{
+	struct kvr_units *u = s->units;
+	if (!u)
+		return;
+	pthread_mutex_lock(&u->lock);
+	/* every (layer, KV head) of the sequence a unit of one free round */
+	uint32_t n_units = 0, at = 0;
+	for (uint32_t l = 0; l < s->c.n_layers; l++) {
+		struct kvr_lane *lane = lane_of(s, seq, l);
+		for (uint32_t m = 0; m < s->c.n_kv_heads; m++) {
+			uint32_t n = 0;
+			for (uint32_t j = 0; lane->slot_unit && j < s->k; j++) {
+				int32_t *unit = &lane->slot_unit[(uint64_t)m * s->k + j];
+				if (*unit < 0)
+					continue;
+				u->pages[at + n++] = (uint32_t)*unit;
+				*unit = -1;
+			}
+			u->counts[n_units++] = n;
+			at += n;
+		}
+	}
+	if (at && run_round(s, u, KVR_FREELIST_FREE, n_units))
+		/* cannot happen for ids the ring handed out; the units are lost to
+		 * the cache, not to correctness */
+		kvr_sched_record_async_error(s, -EIO, u->message);
+	if (u->open_seqs)
+		u->open_seqs--;
+	pthread_mutex_unlock(&u->lock);
+}
+
+int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need, const uint32_t *slots)
+{
+	struct kvr_units *u = s->units;
+	const uint32_t n_kv = s->c.n_kv_heads;
+	uint64_t total = 0;
+	pthread_mutex_lock(&u->lock);
+	for (uint32_t m = 0; m < n_kv; m++)
+		total += u->counts[m] = need[m];
+	int err = run_round(s, u, KVR_FREELIST_ALLOC, n_kv);
+	if (err)
+		kvr_sched_record_async_error(s, err, u->message);
+	else
+		count(s, lane->seq, KVR_C_UNITS_TAKEN, total);
+	/* head m's units are at its prefix-sum offset, as are its slots */
+	for (uint32_t m = 0; m < n_kv && !err; m++)
+		for (uint32_t i = 0; i < need[m]; i++) {
+			const uint64_t at = u->offsets[m] + i;
+			lane->slot_unit[(uint64_t)m * s->k + slots[at]] = (int32_t)u->pages[at];
+		}
+	pthread_mutex_unlock(&u->lock);
+	return err;
+}
+
+void kvr_sched_units(const struct kvr_sched *s, uint64_t *held, uint64_t *free_units, uint64_t *per_seq)
+{
+	struct kvr_units *u = s->units;
+	*held = *free_units = *per_seq = 0;
+	if (!u)
+		return;
+	pthread_mutex_lock(&u->lock);
+	*held = (uint64_t)u->n_chunks * u->per_chunk;
+	*free_units = u->n_free;
+	*per_seq = u->per_chunk;
+	pthread_mutex_unlock(&u->lock);
+}
