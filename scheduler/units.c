@@ -14,16 +14,18 @@
  * never moved — only unit ids travel between the ring and the slot tables.
  *
  * Memory comes in chunks of one sequence's worth of units (every sparse
- * layer × n_kv × k), allocated when more sequences are open than chunks
- * exist and put into the ring by a free round of their ids; chunks stay until
- * the scheduler is destroyed, so once the cache has grown to the peak of
- * open sequences, opening and closing sequences costs no device allocation
- * (cudaMalloc and cudaFree synchronise the whole device). Admission
- * (runtime/sequence.c) still reserves a whole sequence's worth of device
- * bytes, so an admitted sequence always finds its units. A sequence holds
- * none while it is attended densely (L <= B) and k per KV head per sparse
+ * layer × n_kv × k), allocated when an allocation round finds too few free
+ * units and put into the ring by a free round of their ids; chunks stay
+ * until the scheduler is destroyed, so once the cache has grown to the peak
+ * demand, opening and closing sequences costs no device allocation
+ * (cudaMalloc and cudaFree synchronise the whole device). A sequence holds
+ * no unit while it is attended densely (L <= B) and k per KV head per sparse
  * layer from its first sparse step on (L > B leaves at least k candidates,
- * so the first recall fills every slot).
+ * so the first recall fills every slot): device memory follows the sparse
+ * sequences, not the open ones. Admission (runtime/sequence.c) still
+ * reserves a whole sequence's worth of device bytes, and the cache never
+ * holds more chunks than sequences are open, so an admitted sequence always
+ * finds its units within device_bytes.
  *
  * Plain pages keep per-lane NHD slot tiles (recall.c): their scatter writes
  * a KV head's column of a tile shared by all heads, so a head's slot is not
@@ -203,6 +205,34 @@ void kvr_units_teardown(struct kvr_sched *s)
 	s->units = NULL;
 }
 
+/* Grow by one chunk: its ids enter the ring as a free round; lock held.
+ * 0, or a negative errno with u->message set. */
+static int grow(struct kvr_sched *s, struct kvr_units *u)
+{
+	const uint32_t c = u->n_chunks;
+	if (c == u->max_chunks) {
+		snprintf(u->message, sizeof(u->message), "device page cache: all %u chunks in use", c);
+		return -ENOSPC;
+	}
+	int err = kvr_dev_alloc(s->dev, (size_t)u->per_chunk * u->unit_bytes, (void **)&u->chunks[c]);
+	if (err) {
+		snprintf(u->message, sizeof(u->message), "device page cache: %s",
+			 err == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
+		return err;
+	}
+	u->n_chunks++;
+	u->counts[0] = u->per_chunk;
+	for (uint32_t i = 0; i < u->per_chunk; i++)
+		u->pages[i] = c * u->per_chunk + i;
+	err = run_round(s, u, KVR_FREELIST_FREE, 1);
+	if (err) { /* the ring never saw the chunk: give it back */
+		kvr_dev_free(s->dev, u->chunks[c]);
+		u->chunks[c] = NULL;
+		u->n_chunks--;
+	}
+	return err;
+}
+
 int kvr_units_seq_open(struct kvr_sched *s)
 {
 	struct kvr_units *u = s->units;
@@ -214,29 +244,9 @@ int kvr_units_seq_open(struct kvr_sched *s)
 		snprintf(s->last_error, sizeof(s->last_error),
 			 "device page cache: %u sequences already hold its units", u->open_seqs);
 		err = -ENOSPC;
-	} else if (u->open_seqs == u->n_chunks) {
-		/* grow by one sequence's worth; its ids enter the ring as a free round */
-		const uint32_t c = u->n_chunks;
-		err = kvr_dev_alloc(s->dev, (size_t)u->per_chunk * u->unit_bytes, (void **)&u->chunks[c]);
-		if (err) {
-			snprintf(s->last_error, sizeof(s->last_error), "device page cache: %s",
-				 err == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
-		} else {
-			u->n_chunks++;
-			u->counts[0] = u->per_chunk;
-			for (uint32_t i = 0; i < u->per_chunk; i++)
-				u->pages[i] = c * u->per_chunk + i;
-			err = run_round(s, u, KVR_FREELIST_FREE, 1);
-			if (err) { /* the ring never saw the chunk: give it back */
-				snprintf(s->last_error, sizeof(s->last_error), "%s", u->message);
-				kvr_dev_free(s->dev, u->chunks[c]);
-				u->chunks[c] = NULL;
-				u->n_chunks--;
-			}
-		}
+	} else {
+		u->open_seqs++; /* a reservation only: units come with the first recall */
 	}
-	if (!err)
-		u->open_seqs++;
 	pthread_mutex_unlock(&u->lock);
 	return err;
 }
@@ -278,10 +288,17 @@ int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *n
 	struct kvr_units *u = s->units;
 	const uint32_t n_kv = s->c.n_kv_heads;
 	uint64_t total = 0;
-	pthread_mutex_lock(&u->lock);
 	for (uint32_t m = 0; m < n_kv; m++)
-		total += u->counts[m] = need[m];
-	int err = run_round(s, u, KVR_FREELIST_ALLOC, n_kv);
+		total += need[m];
+	pthread_mutex_lock(&u->lock);
+	int err = 0;
+	/* grow on demand: the open sequences' reservations bound the chunks */
+	while (!err && u->n_free < total)
+		err = grow(s, u);
+	for (uint32_t m = 0; m < n_kv; m++)
+		u->counts[m] = need[m];
+	if (!err)
+		err = run_round(s, u, KVR_FREELIST_ALLOC, n_kv);
 	if (err)
 		kvr_sched_record_async_error(s, err, u->message);
 	else
