@@ -426,6 +426,8 @@ static void bench_usage(FILE *f)
 		   "           path, corrections, hit rate (--trace FILE: a Chrome trace)\n"
 		   "  freelist one allocation and one free round of the device page cache's\n"
 		   "           free-page list against the number of heads x sequences\n"
+		   "  cache    device bytes the shared page cache of quantised pages holds for a\n"
+		   "           mix of dense and sparse sequences, against per-sequence slot tiles\n"
 		   "\n"
 		   "Each writes a table to stderr and JSON (schema kvrecall-bench/1, with the\n"
 		   "machine and build) to --json FILE or stdout. See docs/benchmarks.md.\n");
@@ -445,6 +447,8 @@ int bench_main(int argc, char **argv)
 		return bench_decode(argc - 1, argv + 1);
 	if (!strcmp(argv[0], "freelist"))
 		return bench_freelist(argc - 1, argv + 1);
+	if (!strcmp(argv[0], "cache"))
+		return bench_cache(argc - 1, argv + 1);
 	fprintf(stderr, "kvrecall bench: unknown benchmark '%s'\n\n", argv[0]);
 	bench_usage(stderr);
 	return 2;

@@ -231,6 +231,23 @@ Test(bench, freelist_writes_schema_json, .timeout = 120)
 			 "assert all(r[k] > 0 for r in rows for k in keys), rows");
 }
 
+/* `kvrecall bench cache`: the shared cache of quantised pages holds the
+ * sparse sequences' units only, and reopening the mix does not grow it. */
+Test(bench, cache_writes_schema_json, .timeout = 120)
+{
+	bench_json_check("bench cache --quick",
+			 "assert d['benchmark'] == 'cache' and d['params']['sequences'] == 4 and d['params']['long_sequences'] == 1\n"
+			 "rows = {r['kv_format']: r for r in d['results']}\n"
+			 "assert sorted(rows) == ['k4v2', 'k8v4', 'plain'], rows\n"
+			 "assert not rows['plain']['shared_cache'] and rows['plain']['held_over_tiles'] == 1, rows\n"
+			 "for f in ('k8v4', 'k4v2'):\n"
+			 "    r = rows[f]\n"
+			 "    assert r['shared_cache'] and r['units'] == r['units_used'] == r['units_after_reopen'] > 0, r\n"
+			 "    assert r['device_bytes_held'] == r['units'] * r['unit_bytes'], r\n"
+			 "    assert abs(r['held_over_tiles'] - 0.25) < 1e-3, r  # 1 sparse sequence of 4\n"
+			 "assert rows['k4v2']['unit_bytes'] < rows['k8v4']['unit_bytes'], rows");
+}
+
 /* Run `kvrecall <args> --trace FILE` and check FILE is Chrome trace-event
  * JSON with complete ("X") events named `want`. */
 static void trace_check(const char *args, const char *want)
@@ -313,6 +330,9 @@ Test(bench, bad_arguments_are_refused_clearly)
 	run("bench freelist --reps 0", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "--reps must be 1 to 63") != NULL, "%s", out);
+	run("bench cache --short-context 4096", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--short-context must be <= --budget") != NULL, "%s", out);
 	run("bench nosuch", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "unknown benchmark 'nosuch'") != NULL, "%s", out);
