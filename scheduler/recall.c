@@ -327,15 +327,10 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 				s->recall_need[m]++;
 			}
 	}
-	int err = 0;
-	if (n_need && (err = kvr_units_fill(s, lane, s->recall_need, s->recall_unit_slots))) {
-		/* admission reserved the units, so this is a bug or a device
-		 * failure (recorded with its reason); the planned slots hold
-		 * nothing attention may read */
-		for (uint32_t i = 0; i < n_miss; i++)
-			if (lane->slot_unit[(uint64_t)misses[i].head * k + misses[i].slot] < 0)
-				lane->slot_page[(uint64_t)misses[i].head * k + misses[i].slot] = -1;
-	}
+	/* admission reserved the units, so a failure here is a device failure
+	 * (recorded with its reason); the controller then forgets the lane's
+	 * slots, and its next step recalls afresh */
+	int err = n_need ? kvr_units_fill(s, lane, s->recall_need, s->recall_unit_slots) : 0;
 	if (!err)
 		err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
 	for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
