@@ -161,7 +161,7 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 			lane->slot_unit[i] = -1;
 		return 0;
 	}
-	const size_t bytes = (size_t)s->k * s->slot_bytes;
+	const size_t bytes = (size_t)s->k * s->tile_bytes; /* k NHD tiles for keys, k for values */
 	ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_k);
 	if (!ret)
 		ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_v);

@@ -91,8 +91,6 @@ struct kvr_sched {
 	uint32_t k, G, eb;
 	uint32_t kv_format;          /* enum kvr_kv_format of the pool's pages */
 	uint64_t q_row, kv_row, tile_bytes, head_bytes;
-	uint64_t slot_bytes;         /* one slot tile: an NHD tile (plain; keys, and as much
-	                                for values) or n_kv quantised runs (kvquant.h) */
 	struct kvr_shape shape;      /* the whole layer (similarity, score, select, scatter) */
 	struct kvr_shape head_shape; /* one KV head with its G query heads (attention) */
 	struct kvr_shape lse_shape;  /* head_shape asking for segment_lse (mixed pages) */
@@ -214,14 +212,13 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 /* units.c: the device page cache of quantised pages (see there) */
 int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes);
 void kvr_units_teardown(struct kvr_sched *s);
-int kvr_units_enabled(const struct kvr_sched *s);
 /* Units one sequence may hold (every sparse layer × n_kv × k), and the ring's
  * device bytes beside the units. */
 uint64_t kvr_units_seq_count(const struct kvr_config *c);
 uint64_t kvr_units_fixed_bytes(const struct kvr_config *c);
-/* Engine thread: reserve a sequence's worth (growing the cache by a chunk
- * when every chunk is reserved) / return every unit the sequence's lanes hold
- * in one free round. */
+/* Engine thread: reserve a sequence's worth (units come with its recalls,
+ * the cache growing when a round finds too few free) / return every unit the
+ * sequence's lanes hold in one free round. */
 int kvr_units_seq_open(struct kvr_sched *s);
 void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq);
 /* One allocation round for a lane's KV heads: head m gets need[m] units for

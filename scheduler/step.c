@@ -769,7 +769,6 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->tile_bytes = (uint64_t)c->page_tokens * s->kv_row;
 	s->kv_format = c->kv_format;
 	s->head_bytes = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim, s->eb);
-	s->slot_bytes = c->kv_format ? s->head_bytes * c->n_kv_heads : s->tile_bytes;
 	const float scale = 1.0f / sqrtf((float)c->head_dim);
 	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
 				       c->dtype, scale, c->tau, 0 };

@@ -67,11 +67,6 @@ struct kvr_units {
 	char message[224];         /* why the last round failed */
 };
 
-int kvr_units_enabled(const struct kvr_sched *s)
-{
-	return s->units != NULL;
-}
-
 uint64_t kvr_units_seq_count(const struct kvr_config *c)
 {
 	const uint64_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
@@ -95,10 +90,10 @@ unsigned char *kvr_units_addr(const struct kvr_sched *s, uint32_t id)
 }
 
 /* One round on the device, waited for; lock held. The caller filled counts
- * (and, freeing, pages). 0, or a negative errno with u->message set (the
+ * (and, freeing, pages) and says their sum, `total`. 0, or a negative errno with u->message set (the
  * callers run on different threads: each copies it where its thread
  * reports errors). */
-static int run_round(struct kvr_sched *s, struct kvr_units *u, uint32_t op, uint32_t n_units)
+static int run_round(struct kvr_sched *s, struct kvr_units *u, uint32_t op, uint32_t n_units, uint64_t total)
 {
 	*u->item = (struct kvr_freelist_item){ u->ids, u->counters, u->counts, u->offsets, u->pages,
 					       u->status, u->capacity, n_units, op, u->max_pages };
@@ -113,9 +108,6 @@ static int run_round(struct kvr_sched *s, struct kvr_units *u, uint32_t op, uint
 			 kvr_dev_last_error(s->dev));
 		return err;
 	}
-	uint64_t total = 0;
-	for (uint32_t i = 0; i < n_units; i++)
-		total += u->counts[i];
 	if (*u->status) {
 		snprintf(u->message, sizeof(u->message),
 			 "device page cache: %s of %llu units refused (%s; %llu of %u free)",
@@ -224,7 +216,7 @@ static int grow(struct kvr_sched *s, struct kvr_units *u)
 	u->counts[0] = u->per_chunk;
 	for (uint32_t i = 0; i < u->per_chunk; i++)
 		u->pages[i] = c * u->per_chunk + i;
-	err = run_round(s, u, KVR_FREELIST_FREE, 1);
+	err = run_round(s, u, KVR_FREELIST_FREE, 1, u->per_chunk);
 	if (err) { /* the ring never saw the chunk: give it back */
 		kvr_dev_free(s->dev, u->chunks[c]);
 		u->chunks[c] = NULL;
@@ -274,7 +266,7 @@ void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq)
 			at += n;
 		}
 	}
-	if (at && run_round(s, u, KVR_FREELIST_FREE, n_units))
+	if (at && run_round(s, u, KVR_FREELIST_FREE, n_units, at))
 		/* cannot happen for ids the ring handed out; the units are lost to
 		 * the cache, not to correctness */
 		kvr_sched_record_async_error(s, -EIO, u->message);
@@ -298,7 +290,7 @@ int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *n
 	for (uint32_t m = 0; m < n_kv; m++)
 		u->counts[m] = need[m];
 	if (!err)
-		err = run_round(s, u, KVR_FREELIST_ALLOC, n_kv);
+		err = run_round(s, u, KVR_FREELIST_ALLOC, n_kv, total);
 	if (err)
 		kvr_sched_record_async_error(s, err, u->message);
 	else
