@@ -678,11 +678,11 @@ static void attention_task(void *arg, uint32_t index)
 	/* Items are device memory, written by work queued before this kernel, so
 	 * their ranges can only be checked now. A bad range poisons the item's
 	 * outputs (NaN) rather than reading outside the segment list, and so does
-	 * a segment of an unknown format or a quantised one longer than a page. */
+	 * a segment of an unknown format or a quantised one longer than its run. */
 	int bad = (uint64_t)it->first_segment + it->n_segments > job->n_segments;
 	for (uint32_t i = 0; !bad && i < it->n_segments; i++) {
 		const struct kvr_kv_segment *sg = &job->segments[it->first_segment + i];
-		bad = sg->format > KVR_KV_K4V2 || (sg->format && sg->n_tokens > sh->page_tokens);
+		bad = sg->format && sg->n_tokens > kvr_kv_segment_rows(sg->format, sh->page_tokens);
 	}
 	if (bad) {
 		const uint32_t G = sh->n_qo_heads / sh->n_kv_heads;

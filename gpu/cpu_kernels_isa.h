@@ -240,7 +240,7 @@ static inline __attribute__((always_inline)) void
 ISA_FN(codes_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
 		      uint32_t chunks, vf *out, float *s, float *z)
 {
-	if (g->format == KVR_KV_K8V4)
+	if (g->key_bits == 8) /* K8V4, or half a K8V4 page */
 		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 4u : 8u, out, s, z);
 	else
 		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 2u : 4u, out, s, z);
@@ -284,9 +284,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	const uint64_t row_bytes = (uint64_t)d * eb;
 	/* quantised segments' run geometry, per format (kvquant.h); the caller
 	 * (attention_task) has rejected unknown formats */
-	struct kvr_quant_geometry gq[3];
+	struct kvr_quant_geometry gq[KVR_KV_K8V4_HALF + 1];
 	kvr_quant_geometry_init(&gq[KVR_KV_K8V4], sh->page_tokens, d, 1, KVR_KV_K8V4);
 	kvr_quant_geometry_init(&gq[KVR_KV_K4V2], sh->page_tokens, d, 1, KVR_KV_K4V2);
+	kvr_quant_geometry_init(&gq[KVR_KV_K8V4_HALF], sh->page_tokens, d, 1, KVR_KV_K8V4_HALF);
 	/* lse: each segment's sum of exp(logit − run_max), rescaled with run_sum */
 	float seg_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t si = 0; si < n_segs; si++) {

@@ -1073,13 +1073,13 @@ KVR_DEV void att_store(const chunk16 *pre, uint32_t rows, uint32_t d, const stru
 /* A tile of a quantised segment (kernels.h): rows tokens from token `off`,
  * dequantised straight into shared memory as f32 (s·Q − z; no register
  * prefetch: the codes are a quarter to an eighth of the plain bytes). An
- * unknown format or rows past the run's page store NaN, which reaches the
- * item's outputs. */
+ * unknown format or rows past the run's tokens (p; p/2 for a K8V4 half)
+ * store NaN, which reaches the item's outputs. */
 KVR_DEV void att_store_quant(const struct kvr_kv_segment &s, uint32_t off, uint32_t rows, uint32_t m,
 			     uint32_t p, uint32_t d, float *k_s, float *v_s)
 {
 	struct kvr_quant_geometry g;
-	const bool ok = !kvr_quant_geometry_init(&g, p, d, 1, s.format) && off + rows <= p;
+	const bool ok = !kvr_quant_geometry_init(&g, p, d, 1, s.format) && off + rows <= g.page_tokens;
 	unsigned char *run = (unsigned char *)(uintptr_t)s.k + (uint64_t)m * s.head_stride;
 	for (uint32_t e = threadIdx.x; e < rows * d; e += ATT_THREADS) {
 		const uint32_t r = e / d, c = e - r * d, t = off + r;

@@ -52,9 +52,11 @@
  *              logit of -inf, i.e. weight 0, and a finite output.
  *              A segment whose format is K8V4 or K4V2 holds quantised
  *              tokens instead (layouts/kvquant.h, run geometry from the
- *              shape's page_tokens and head_dim): k points at KV head 0's
+ *              shape's page_tokens and head_dim; K8V4_HALF: a K8V4 run of
+ *              p/2 tokens, half a page): k points at KV head 0's
  *              run, head m's run at k + m·head_stride bytes, and its tokens
- *              are rows 0 .. n_tokens-1 of the run (n_tokens <= p); v and
+ *              are rows 0 .. n_tokens-1 of the run (n_tokens <= the run's
+ *              rows, kvr_kv_segment_rows); v and
  *              row_stride are unused. Each element enters the arithmetic
  *              as s·Q − z (f16 s and z, fp32 arithmetic), dequantised on
  *              the fly: quantised and plain segments mix in one item.

@@ -46,6 +46,13 @@ enum kvr_kv_format {
 	 * demoted to K4V2 in place; runs keep the K8V4 run's size and stride
 	 * (unified pages), a K4V2 run using its first part. */
 	KVR_KV_MIXED = 3,
+	/* Half of a K8V4 page as the device page cache may hold it: a K8V4 run
+	 * of page_tokens / 2 tokens (page_tokens even), which fits the room of
+	 * one K4V2 run, so that under mixed pages a unit of K4V2 size holds a
+	 * whole K4V2 page or half a K8V4 page (LeanKV's unified pages: equal
+	 * bytes, more tokens when quantised harder). Never a pool page's
+	 * format; kvr_quant_half_piece copies a K8V4 run's half into one. */
+	KVR_KV_K8V4_HALF = 4,
 };
 
 struct kvr_quant_geometry {
@@ -67,13 +74,21 @@ static inline KVR_HD uint64_t kvr_quant_align16(uint64_t x)
 }
 
 /* Fill *g; 0, or -1 for PLAIN or an unknown format, a zero dimension, or d
- * not a multiple of 16. */
+ * not a multiple of 16. For K8V4_HALF, page_tokens is the whole page's (even)
+ * and g->page_tokens the half's. */
 static inline KVR_HD int kvr_quant_geometry_init(struct kvr_quant_geometry *g, uint32_t page_tokens,
 						 uint32_t head_dim, uint32_t n_kv_heads, uint32_t format)
 {
 	const struct kvr_quant_geometry zero = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
 	*g = zero; /* fully written even on failure */
-	const uint32_t kb = format == KVR_KV_K8V4 ? 8u : format == KVR_KV_K4V2 ? 4u : 0u;
+	const uint32_t kb = format == KVR_KV_K8V4 || format == KVR_KV_K8V4_HALF ? 8u
+			    : format == KVR_KV_K4V2				 ? 4u
+										 : 0u;
+	if (format == KVR_KV_K8V4_HALF) {
+		if (page_tokens % 2u)
+			return -1;
+		page_tokens /= 2u; /* the half's own run: p/2 rows */
+	}
 	if (!kb || !page_tokens || !head_dim || head_dim % 16u || !n_kv_heads)
 		return -1;
 	g->page_tokens = page_tokens;
@@ -228,6 +243,44 @@ static inline KVR_HD uint64_t kvr_kv_run_bytes(uint32_t format, uint32_t page_to
 		format = KVR_KV_K8V4;
 	struct kvr_quant_geometry g;
 	return kvr_quant_geometry_init(&g, page_tokens, head_dim, 1, format) ? 0u : g.head_bytes;
+}
+
+/* Tokens an attention segment of `format` may hold: a run's rows (p, or p/2
+ * for a K8V4 half); 0 for a format no segment may have (MIXED, unknown).
+ * Plain segments are not bounded by a page. */
+static inline KVR_HD uint32_t kvr_kv_segment_rows(uint32_t format, uint32_t page_tokens)
+{
+	if (format == KVR_KV_PLAIN)
+		return UINT32_MAX;
+	if (format == KVR_KV_K8V4 || format == KVR_KV_K4V2)
+		return page_tokens;
+	return format == KVR_KV_K8V4_HALF ? page_tokens / 2u : 0u;
+}
+
+/* Piece `piece` (0..3: key codes, value codes, key (s, z), value (s, z)) of
+ * copying half h (0: tokens [0, p/2), 1: [p/2, p)) of a K8V4 run of p tokens
+ * into a K8V4_HALF run: byte offsets in each run and the length. Four
+ * contiguous pieces a half, so recall moves a half with four copies. */
+static inline KVR_HD void kvr_quant_half_piece(const struct kvr_quant_geometry *full,
+					       const struct kvr_quant_geometry *half, uint32_t h, uint32_t piece,
+					       uint64_t *src, uint64_t *dst, uint64_t *bytes)
+{
+	const uint64_t n = half->page_tokens, first = (uint64_t)h * n;
+	switch (piece) {
+	case 0:
+		*src = first * full->key_row_bytes, *dst = 0, *bytes = n * full->key_row_bytes;
+		break;
+	case 1:
+		*src = full->value_codes_offset + first * full->value_row_bytes;
+		*dst = half->value_codes_offset, *bytes = n * full->value_row_bytes;
+		break;
+	case 2:
+		*src = full->key_meta_offset + first * 4u, *dst = half->key_meta_offset, *bytes = n * 4u;
+		break;
+	default:
+		*src = full->value_meta_offset + first * 4u, *dst = half->value_meta_offset, *bytes = n * 4u;
+		break;
+	}
 }
 
 /* The inverse direction: tokens [0, n_tokens) of KV head m's run written as

@@ -1534,15 +1534,18 @@ CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
  * NHD tiles in one item, against the reference over the same codes: a K8V4
  * page alone; K8V4 page, tile rows, a partial K4V2 page (p − 3 tokens), a
  * K4V2 page whose vectors are constant (s = 0: every element is −z), an
- * empty quantised segment; the same item with 40x queries; K4V2 only; and a
- * quantised segment of unknown format, which must not pass for a plain one
+ * empty quantised segment; the same item with 40x queries; K4V2 only; the
+ * K8V4 page as its two halves (K8V4_HALF runs built with
+ * kvr_quant_half_piece, as the device page cache of mixed pages holds it);
+ * halves mixed with a K4V2 page, one of them partial; and a quantised segment
+ * of unknown format, or a half longer than p/2, which must not pass
  * (cpu backends: NaN outputs; checked apart from the reference).
  */
 static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 {
 	struct dctx *c = &e->main;
 	struct rng r = case_rng(0x9a7e, ci, ti);
-	enum { ITEMS = 4 };
+	enum { ITEMS = 6 };
 	const uint32_t type = all_types[ti];
 	struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
 	sh.flags = KVR_SHAPE_SEGMENT_LSE; /* and check each segment's log-sum-exp */
@@ -1575,12 +1578,30 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 					       pages[i] + (uint64_t)m * pg[i]->head_bytes, scratch);
 		put(c, pages[i], pg[i]->page_bytes);
 	}
+	/* page 0's halves, each n_kv K8V4_HALF runs */
+	struct kvr_quant_geometry gh;
+	cr_assert_eq(kvr_quant_geometry_init(&gh, p, sh.head_dim, n_kv, KVR_KV_K8V4_HALF), 0);
+	unsigned char *halves[2];
+	for (uint32_t h = 0; h < 2; h++) {
+		halves[h] = halloc(gh.page_bytes);
+		for (uint32_t m = 0; m < n_kv; m++)
+			for (uint32_t piece = 0; piece < 4; piece++) {
+				uint64_t src, dst, bytes;
+				kvr_quant_half_piece(&g8, &gh, h, piece, &src, &dst, &bytes);
+				memcpy(halves[h] + (uint64_t)m * gh.head_bytes + dst,
+				       pages[0] + (uint64_t)m * g8.head_bytes + src, bytes);
+			}
+		put(c, halves[h], gh.page_bytes);
+	}
 	const uint64_t tile = (uint64_t)p * row;
 	void *kt = halloc(tile * eb), *vt = halloc(tile * eb);
 	fill_uniform(&r, kt, type, tile, -1.0, 1.0);
 	fill_uniform(&r, vt, type, tile, -1.0, 1.0);
 	put(c, kt, tile * eb);
 	put(c, vt, tile * eb);
+#define HALF(h, n) ((struct kvr_kv_segment){ .k = halves[h], .n_tokens = (n), \
+					     .head_stride = (uint32_t)gh.head_bytes, \
+					     .format = KVR_KV_K8V4_HALF })
 #define QSEG(i, n) ((struct kvr_kv_segment){ .k = pages[i], .n_tokens = (n), \
 					     .head_stride = (uint32_t)pg[i]->head_bytes, \
 					     .format = pg[i]->format })
@@ -1593,10 +1614,16 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 		QSEG(3, 0),
 		QSEG(1, p - 3),                     /* item 3 */
 		QSEG(3, p),
+		HALF(0, p / 2),                     /* item 4: page 0 as its halves */
+		HALF(1, p / 2),
+		HALF(1, p / 2 - 1),                 /* item 5 */
+		QSEG(3, p),
+		HALF(0, p / 2),
 	};
 #undef QSEG
-	static const uint32_t first[ITEMS] = { 0, 1, 1, 6 };
-	static const uint32_t count[ITEMS] = { 1, 5, 5, 2 };
+#undef HALF
+	static const uint32_t first[ITEMS] = { 0, 1, 1, 6, 8, 10 };
+	static const uint32_t count[ITEMS] = { 1, 5, 5, 2, 2, 3 };
 	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
 	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
 	for (uint64_t x = 0; x < per; x++) /* item 2: 40x queries */
@@ -1616,7 +1643,9 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 	char what[96];
 	snprintf(what, sizeof(what), "quantised attention config %u", ci);
 	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
-	for (uint32_t i = 0; i < 3; i++) {
+	for (uint32_t i = 0; i < ITEMS; i++) {
+		if (i == 3)
+			continue; /* no log-sum-exp asked for */
 		const uint32_t n = sh.n_qo_heads * count[i];
 		float *got = halloc(n * sizeof(float));
 		double *want = halloc(n * sizeof(double));
@@ -1646,19 +1675,25 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 	const uint32_t kind = kvr_dev_kind_of(c->dev);
 	if (kind == KVR_DEV_CUDAEMU_STRICT)
 		return;
-	struct kvr_kv_segment bad = segs[0];
-	bad.format = 7;
-	void *out2 = new_outputs(&sh, 1);
-	put(c, out2, per * eb);
-	const struct kvr_attention_item it2 = { .q = q, .out = out2, .first_segment = 0, .n_segments = 1 };
-	DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, &it2, 1), 1,
-				    dev_segments(c, &bad, 1), 1, c->s));
-	void *got = halloc(per * eb);
-	get(c, got, out2, per * eb);
-	for (uint64_t x = 0; x < per; x++)
-		cr_assert(isnan(ref_load(got, type, x)),
-			  "%s: %s: a segment of unknown format gave output %g at %llu, not NaN",
-			  c->name, what, ref_load(got, type, x), (unsigned long long)x);
+	for (uint32_t b = 0; b < 2; b++) {
+		struct kvr_kv_segment bad = segs[b ? 8 : 0];
+		if (b)
+			bad.n_tokens = p / 2 + 1; /* a half holds p/2 tokens */
+		else
+			bad.format = 7;
+		void *out2 = new_outputs(&sh, 1);
+		put(c, out2, per * eb);
+		const struct kvr_attention_item it2 = { .q = q, .out = out2, .first_segment = 0, .n_segments = 1 };
+		DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, &it2, 1), 1,
+					    dev_segments(c, &bad, 1), 1, c->s));
+		void *got = halloc(per * eb);
+		get(c, got, out2, per * eb);
+		for (uint64_t x = 0; x < per; x++)
+			cr_assert(isnan(ref_load(got, type, x)),
+				  "%s: %s: %s gave output %g at %llu, not NaN", c->name, what,
+				  b ? "a half segment longer than p/2" : "a segment of unknown format",
+				  ref_load(got, type, x), (unsigned long long)x);
+	}
 }
 
 CONFORMANCE_CASES(attention_quant, ARRAY_LEN(numeric_shapes))

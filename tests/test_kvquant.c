@@ -369,3 +369,55 @@ Test(kvquant, attention_over_quantised_pages_within_bound)
 		cr_expect_gt(worst_err, 1e-5, "no error at all: the quantised path read the originals?");
 	}
 }
+
+/* A K8V4 page split into two K8V4_HALF runs (the device page cache's units
+ * under mixed pages): each half's geometry is K8V4's for p/2 tokens and fits
+ * the room of a K4V2 run of the whole page, and the four pieces a half
+ * (kvr_quant_half_piece) carry exactly the half's tokens: dequantised from
+ * the half run they equal the full run's, bit for bit. */
+Test(kvquant, k8v4_halves)
+{
+	enum { NKV = 2 };
+	static const uint32_t shapes[][2] = { { 16, 32 }, { 32, 64 }, { 32, 128 }, { 64, 256 }, { 8, 16 } };
+	for (uint32_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+		const uint32_t P = shapes[si][0], D = shapes[si][1];
+		struct kvr_quant_geometry full, half, k4;
+		cr_assert_eq(kvr_quant_geometry_init(&full, P, D, 1, KVR_KV_K8V4), 0);
+		cr_assert_eq(kvr_quant_geometry_init(&half, P, D, 1, KVR_KV_K8V4_HALF), 0);
+		cr_assert_eq(kvr_quant_geometry_init(&k4, P, D, 1, KVR_KV_K4V2), 0);
+		cr_expect_eq(half.page_tokens, P / 2);
+		cr_expect_eq(half.key_bits, 8);
+		cr_expect_eq(half.value_bits, 4);
+		cr_expect_eq(half.format, KVR_KV_K8V4_HALF);
+		cr_expect_leq(half.head_bytes, k4.head_bytes, "p %u d %u: a half (%llu B) outgrows a K4V2 run (%llu B)",
+			      P, D, (unsigned long long)half.head_bytes, (unsigned long long)k4.head_bytes);
+		cr_expect_eq(kvr_kv_run_bytes(KVR_KV_K8V4_HALF, P, D, 2), half.head_bytes);
+		static uint16_t k[64 * NKV * 256], v[64 * NKV * 256];
+		for (uint32_t i = 0; i < P * NKV * D; i++) {
+			k[i] = kvr_f32_to_f16((float)(4 * urand() - 2));
+			v[i] = kvr_f32_to_f16((float)(urand() - 0.5));
+		}
+		static uint8_t run[1 << 15], halves[2][1 << 14];
+		float scratch[256];
+		kvr_quant_run_from_nhd(&full, k, v, NKV * D, KVR_ELEM_F16, 1, P, run, scratch);
+		static float want_k[64 * 256], want_v[64 * 256], got_k[32 * 256], got_v[32 * 256];
+		kvr_quant_run_to_nhd(&full, run, P, want_k, want_v, D, KVR_ELEM_F32, 0);
+		for (uint32_t h = 0; h < 2; h++) {
+			memset(halves[h], 0xcd, sizeof(halves[h]));
+			for (uint32_t piece = 0; piece < 4; piece++) {
+				uint64_t src, dst, bytes;
+				kvr_quant_half_piece(&full, &half, h, piece, &src, &dst, &bytes);
+				cr_assert_leq(src + bytes, full.head_bytes);
+				cr_assert_leq(dst + bytes, half.head_bytes);
+				memcpy(halves[h] + dst, run + src, bytes);
+			}
+			kvr_quant_run_to_nhd(&half, halves[h], P / 2, got_k, got_v, D, KVR_ELEM_F32, 0);
+			cr_assert(!memcmp(got_k, want_k + (uint64_t)h * (P / 2) * D, (size_t)(P / 2) * D * 4),
+				  "p %u d %u: half %u's keys differ from the page's", P, D, h);
+			cr_assert(!memcmp(got_v, want_v + (uint64_t)h * (P / 2) * D, (size_t)(P / 2) * D * 4),
+				  "p %u d %u: half %u's values differ from the page's", P, D, h);
+		}
+	}
+	struct kvr_quant_geometry g;
+	cr_expect_eq(kvr_quant_geometry_init(&g, 7, 32, 1, KVR_KV_K8V4_HALF), -1, "an odd page has no halves");
+}
