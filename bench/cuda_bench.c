@@ -451,8 +451,8 @@ int main(int argc, char **argv)
 				for (uint32_t i = 0; i < n_segs; i++) {
 					unsigned char *pg = base + (uint64_t)page_of[set * n_segs + i] * page_bytes;
 					hsegs[i] = layout == 0
-							   ? (struct kvr_kv_segment){ pg, pg + tile_bytes, p, n_kv * d, d, 0 }
-							   : (struct kvr_kv_segment){ pg, pg + (uint64_t)p * d * 2, p, d,
+							   ? (struct kvr_kv_segment){ pg, pg + tile_bytes, p, { n_kv * d }, d, 0 }
+							   : (struct kvr_kv_segment){ pg, pg + (uint64_t)p * d * 2, p, { d },
 										      2 * p * d, 0 };
 				}
 				for (uint32_t s = 0; s < batch; s++)

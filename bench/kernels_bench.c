@@ -238,7 +238,7 @@ int main(int argc, char **argv)
 							NULL, s * pages_per_seq, pages_per_seq };
 		for (uint32_t j = 0; j < pages_per_seq; j++) {
 			const unsigned char *page = pool + (uint64_t)(rng() % n_pages) * page_bytes;
-			segs[s * pages_per_seq + j] = (struct kvr_kv_segment){ page, page + (uint64_t)p * d * 2, p, d,
+			segs[s * pages_per_seq + j] = (struct kvr_kv_segment){ page, page + (uint64_t)p * d * 2, p, { d },
 									      2 * p * d, 0 };
 			for (uint32_t m = 0; m < n_kv; m++)
 				runs[((uint64_t)s * pages_per_seq + j) * n_kv + m] = page + m * head_bytes;

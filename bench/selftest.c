@@ -281,7 +281,7 @@ static int check_kernels(struct env *e)
 			const unsigned char *r = pages->dev + j * page + m * run;
 			/* the last page half full, as a sequence's tail is */
 			sg[m * PAGES + j] = (struct kvr_kv_segment){ r, r + (size_t)P * D * 2,
-								     j + 1 == PAGES ? P / 2 : P, D, 0, 0 };
+								     j + 1 == PAGES ? P / 2 : P, { D }, 0, 0 };
 		}
 		ai[m] = (struct kvr_attention_item){ q->dev + (size_t)m * G * D * 2, out->dev + (size_t)m * G * D * 2,
 						     NULL, m * PAGES, PAGES };

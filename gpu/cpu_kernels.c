@@ -682,7 +682,8 @@ static void attention_task(void *arg, uint32_t index)
 	int bad = (uint64_t)it->first_segment + it->n_segments > job->n_segments;
 	for (uint32_t i = 0; !bad && i < it->n_segments; i++) {
 		const struct kvr_kv_segment *sg = &job->segments[it->first_segment + i];
-		bad = sg->format && sg->n_tokens > kvr_kv_segment_rows(sg->format, sh->page_tokens);
+		bad = sg->format && (uint64_t)sg->first_row + sg->n_tokens >
+					    kvr_kv_segment_rows(sg->format, sh->page_tokens);
 	}
 	if (bad) {
 		const uint32_t G = sh->n_qo_heads / sh->n_kv_heads;
@@ -716,7 +717,7 @@ static void dense_task(void *arg, uint32_t index)
 	const struct head_job *job = arg;
 	const struct kvr_shape *sh = job->shape;
 	const struct kvr_dense_item *it = (const struct kvr_dense_item *)job->items + index / sh->n_kv_heads;
-	const struct kvr_kv_segment seg = { it->k, it->v, it->n_tokens, it->row_stride, sh->head_dim, 0 };
+	const struct kvr_kv_segment seg = { it->k, it->v, it->n_tokens, { it->row_stride }, sh->head_dim, 0 };
 	attention_head(job->isa, sh, it->q, it->out, &seg, 1, index % sh->n_kv_heads, NULL);
 }
 

@@ -299,7 +299,8 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const uint64_t head_off = (uint64_t)m * seg->head_stride * (fmt ? 1u : eb);
 		const unsigned char *kb = (const unsigned char *)seg->k + head_off;
 		const unsigned char *vb = (const unsigned char *)seg->v + head_off;
-		const uint64_t row = (uint64_t)seg->row_stride * eb;
+		const uint64_t row = fmt ? 0 : (uint64_t)seg->row_stride * eb;
+		const uint32_t first = fmt ? seg->first_row : 0; /* quantised: rows from here */
 		/* Segments are scattered pages: no hardware prefetcher follows the jump
 		 * to the next one. Prefetch its row t while using our row t (a
 		 * quantised run: two lines per token), keeping one segment of loads
@@ -332,7 +333,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				vf k[16];
 				float ks = 1.0f, kz = 0.0f;
 				if (fmt)
-					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 0, t0 + b, chunks, k, &ks, &kz);
+					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 0, first + t0 + b, chunks, k, &ks, &kz);
 				else
 					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)
@@ -393,7 +394,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *vrow = vb + (t0 + b) * row;
 				if (fmt)
-					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 1, t0 + b, chunks, vs[b], &v_s[b], &v_z[b]);
+					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 1, first + t0 + b, chunks, vs[b], &v_s[b], &v_z[b]);
 				else
 					_Pragma("GCC unroll 16")
 					for (uint32_t c = 0; c < chunks; c++)

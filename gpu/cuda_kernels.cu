@@ -1079,10 +1079,11 @@ KVR_DEV void att_store_quant(const struct kvr_kv_segment &s, uint32_t off, uint3
 			     uint32_t p, uint32_t d, float *k_s, float *v_s)
 {
 	struct kvr_quant_geometry g;
-	const bool ok = !kvr_quant_geometry_init(&g, p, d, 1, s.format) && off + rows <= g.page_tokens;
+	const bool ok = !kvr_quant_geometry_init(&g, p, d, 1, s.format) &&
+			(uint64_t)s.first_row + off + rows <= g.page_tokens;
 	unsigned char *run = (unsigned char *)(uintptr_t)s.k + (uint64_t)m * s.head_stride;
 	for (uint32_t e = threadIdx.x; e < rows * d; e += ATT_THREADS) {
-		const uint32_t r = e / d, c = e - r * d, t = off + r;
+		const uint32_t r = e / d, c = e - r * d, t = s.first_row + off + r;
 		float k = NAN, v = NAN;
 		if (ok) {
 			k = kvr_dequant(kvr_quant_get(kvr_quant_key_row(&g, run, t), c, g.key_bits),

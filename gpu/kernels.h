@@ -55,9 +55,10 @@
  *              shape's page_tokens and head_dim; K8V4_HALF: a K8V4 run of
  *              p/2 tokens, half a page): k points at KV head 0's
  *              run, head m's run at k + m·head_stride bytes, and its tokens
- *              are rows 0 .. n_tokens-1 of the run (n_tokens <= the run's
- *              rows, kvr_kv_segment_rows); v and
- *              row_stride are unused. Each element enters the arithmetic
+ *              are rows first_row .. first_row + n_tokens − 1 of the run
+ *              (within the run's rows, kvr_kv_segment_rows; a K8V4 page
+ *              read as two halves in place); v is unused. Each element
+ *              enters the arithmetic
  *              as s·Q − z (f16 s and z, fp32 arithmetic), dequantised on
  *              the fly: quantised and plain segments mix in one item.
  *              With KVR_SHAPE_SEGMENT_LSE, an item whose segment_lse is not
@@ -141,7 +142,10 @@ struct kvr_kv_segment {
 	const void *k;
 	const void *v;
 	uint32_t n_tokens;
-	uint32_t row_stride;  /* elements between tokens of one head (plain) */
+	union {
+		uint32_t row_stride; /* plain: elements between tokens of one head */
+		uint32_t first_row;  /* quantised: the run's row of the first token */
+	};
 	uint32_t head_stride; /* between KV heads: elements (plain), bytes (quantised) */
 	uint32_t format;      /* enum kvr_kv_format (layouts/kvquant.h); 0 = plain */
 };

@@ -105,7 +105,7 @@ static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *
 		page = kvr_pool_page_data(s->pool, id);
 	const uint32_t p = s->c.page_tokens, d = s->c.head_dim, eb = s->eb;
 	if (s->kv_format) /* the head's quantised run (kernels.h), in the page's format */
-		return (struct kvr_kv_segment){ page + (uint64_t)m * s->head_bytes, NULL, p, 0,
+		return (struct kvr_kv_segment){ page + (uint64_t)m * s->head_bytes, NULL, p, { 0 },
 						(uint32_t)s->head_bytes,
 						s->kv_format == KVR_KV_MIXED ? kvr_pool_page_format(s->pool, id)
 									     : s->kv_format };
@@ -113,10 +113,10 @@ static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *
 		/* [2][p][n_kv][d] */
 		const unsigned char *k = page + (uint64_t)m * d * eb;
 		return (struct kvr_kv_segment){ k, k + (uint64_t)p * s->c.n_kv_heads * d * eb, p,
-						s->c.n_kv_heads * d, 0, 0 };
+						{ s->c.n_kv_heads * d }, 0, 0 };
 	}
 	const unsigned char *run = page + (uint64_t)m * s->head_bytes;
-	return (struct kvr_kv_segment){ run, run + (uint64_t)p * d * eb, p, d, 0, 0 };
+	return (struct kvr_kv_segment){ run, run + (uint64_t)p * d * eb, p, { d }, 0, 0 };
 }
 
 /* Sorts (page, slot) pairs by page; k is small. */
@@ -175,14 +175,14 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 				if (s->kv_format) { /* one run in the slot's unit */
 					const uint64_t slot = (uint64_t)m * s->k + slots[i];
 					out[n++] = (struct kvr_kv_segment){
-						kvr_units_addr(s, (uint32_t)lane->slot_unit[slot]), NULL, p, 0,
+						kvr_units_addr(s, (uint32_t)lane->slot_unit[slot]), NULL, p, { 0 },
 						(uint32_t)s->head_bytes,
 						lane->slot_fmt ? lane->slot_fmt[slot] : s->kv_format };
 					continue;
 				}
 				const uint64_t off = (uint64_t)slots[i] * s->tile_bytes + (uint64_t)m * d * s->eb;
 				out[n++] = (struct kvr_kv_segment){ lane->slot_k + off, lane->slot_v + off, p,
-								    (uint32_t)row, 0, 0 };
+								    { (uint32_t)row }, 0, 0 };
 			}
 		} else {
 			for (uint32_t i = 0; i < s->k; i++)
@@ -196,7 +196,7 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 		const unsigned char *kt = s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes +
 					  (uint64_t)m * d * s->eb;
 		out[n++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, tail,
-						    s->c.n_kv_heads * d, 0, 0 };
+						    { s->c.n_kv_heads * d }, 0, 0 };
 	}
 	return n;
 }
@@ -994,7 +994,7 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 								  (uint64_t)layer * 2 * s->tile_bytes +
 								  (uint64_t)m * d * s->eb;
 					segs[n_segs++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, rest,
-										  n_kv * d, 0, 0 };
+										  { n_kv * d }, 0, 0 };
 				}
 				const uint64_t row = (uint64_t)t * s->q_row + m * head_q_bytes;
 				items[n_items++] = (struct kvr_attention_item){ q_rows + row, out_rows + row,

@@ -87,7 +87,7 @@ KVR_ABI_STRUCT(kvr_kv_segment)
 KVR_ABI_FIELD(kvr_kv_segment, k)
 KVR_ABI_FIELD(kvr_kv_segment, v)
 KVR_ABI_FIELD(kvr_kv_segment, n_tokens)
-KVR_ABI_FIELD(kvr_kv_segment, row_stride)
+KVR_ABI_FIELD(kvr_kv_segment, row_stride) /* first_row shares its place (a union) */
 KVR_ABI_FIELD(kvr_kv_segment, head_stride)
 KVR_ABI_FIELD(kvr_kv_segment, format)
 

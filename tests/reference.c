@@ -258,6 +258,7 @@ static double seg_elem(const struct kvr_shape *sh, const struct kvr_kv_segment *
 	if (kvr_quant_geometry_init(&g, sh->page_tokens, sh->head_dim, 1, seg->format))
 		return NAN; /* an unknown format: the kernels must not silently agree */
 	unsigned char *run = (unsigned char *)(uintptr_t)seg->k + m * seg->head_stride;
+	t += seg->first_row;
 	const uint8_t *row = half ? kvr_quant_value_row(&g, run, (uint32_t)t) : kvr_quant_key_row(&g, run, (uint32_t)t);
 	const uint16_t *sz = half ? kvr_quant_value_sz(&g, run, (uint32_t)t) : kvr_quant_key_sz(&g, run, (uint32_t)t);
 	const uint32_t bits = half ? g.value_bits : g.key_bits;
@@ -358,7 +359,7 @@ void ref_dense(const struct kvr_shape *sh, const struct kvr_dense_item *item, do
 	       struct ref_head_scale *scale)
 {
 	/* dense is attention over one segment of NHD rows: head m at m·d */
-	const struct kvr_kv_segment seg = { item->k, item->v, item->n_tokens, item->row_stride,
+	const struct kvr_kv_segment seg = { item->k, item->v, item->n_tokens, { item->row_stride },
 					    sh->head_dim, 0 };
 	attend(sh, item->q, &seg, 1, out, scale);
 }

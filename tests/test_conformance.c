@@ -1537,7 +1537,8 @@ CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
  * empty quantised segment; the same item with 40x queries; K4V2 only; the
  * K8V4 page as its two halves (K8V4_HALF runs built with
  * kvr_quant_half_piece, as the device page cache of mixed pages holds it);
- * halves mixed with a K4V2 page, one of them partial; and a quantised segment
+ * halves mixed with a K4V2 page, one of them partial; pages read from a row
+ * in (first_row: a K8V4 page's halves in place); and a quantised segment
  * of unknown format, or a half longer than p/2, which must not pass
  * (cpu backends: NaN outputs; checked apart from the reference).
  */
@@ -1545,7 +1546,7 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 {
 	struct dctx *c = &e->main;
 	struct rng r = case_rng(0x9a7e, ci, ti);
-	enum { ITEMS = 6 };
+	enum { ITEMS = 7 };
 	const uint32_t type = all_types[ti];
 	struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
 	sh.flags = KVR_SHAPE_SEGMENT_LSE; /* and check each segment's log-sum-exp */
@@ -1599,6 +1600,9 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 	fill_uniform(&r, vt, type, tile, -1.0, 1.0);
 	put(c, kt, tile * eb);
 	put(c, vt, tile * eb);
+#define QROW(i, row, n) ((struct kvr_kv_segment){ .k = pages[i], .n_tokens = (n), .first_row = (row), \
+						  .head_stride = (uint32_t)pg[i]->head_bytes, \
+						  .format = pg[i]->format })
 #define HALF(h, n) ((struct kvr_kv_segment){ .k = halves[h], .n_tokens = (n), \
 					     .head_stride = (uint32_t)gh.head_bytes, \
 					     .format = KVR_KV_K8V4_HALF })
@@ -1619,11 +1623,15 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 		HALF(1, p / 2 - 1),                 /* item 5 */
 		QSEG(3, p),
 		HALF(0, p / 2),
+		QROW(0, p / 2, p / 2),              /* item 6: page 0's halves in place */
+		QROW(0, 0, p / 2),
+		QROW(1, 1, p - 4),
 	};
 #undef QSEG
 #undef HALF
-	static const uint32_t first[ITEMS] = { 0, 1, 1, 6, 8, 10 };
-	static const uint32_t count[ITEMS] = { 1, 5, 5, 2, 2, 3 };
+#undef QROW
+	static const uint32_t first[ITEMS] = { 0, 1, 1, 6, 8, 10, 13 };
+	static const uint32_t count[ITEMS] = { 1, 5, 5, 2, 2, 3, 3 };
 	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
 	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
 	for (uint64_t x = 0; x < per; x++) /* item 2: 40x queries */

@@ -240,7 +240,7 @@ static struct kvr_kv_segment seg(const void *k, const void *v, uint32_t first, u
 {
 	const size_t at = (size_t)first * ROW * EB;
 	return (struct kvr_kv_segment){ k ? (const char *)k + at : NULL,
-					v ? (const char *)v + at : NULL, n, ROW, D, 0 };
+					v ? (const char *)v + at : NULL, n, { ROW }, D, 0 };
 }
 
 static void att_setup(struct tdev *t, struct att *a)
