@@ -206,7 +206,7 @@ KVR_API int kvr_seq_get_stats(const struct kvr_context *ctx, uint32_t seq, struc
 	uint64_t cnt[KVR_C_COUNT], held, free_units, per_seq;
 	kvr_sched_counters(ctx->sched, seq, cnt);
 	kvr_sched_units(ctx->sched, &held, &free_units, &per_seq);
-	fill_stats(cnt, 0, per_seq, cnt[KVR_C_UNITS_TAKEN], stats);
+	fill_stats(cnt, 0, per_seq, cnt[KVR_C_UNITS_TAKEN] - cnt[KVR_C_UNITS_RELEASED], stats);
 	return 0;
 }
 

@@ -105,11 +105,14 @@ float *kvr_importance_item(struct kvr_sched *s, struct kvr_lane *lane, uint32_t 
 		return NULL;
 	const uint32_t p = s->c.page_tokens, sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
 	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = n_tokens % p != 0;
-	if (m == 0 && n_full + 1 > im->stride) {
-		/* every head's item has at most n_full + 1 segments; grown before
-		 * head 0's item, so no item of this step points at the old buffer
-		 * (the previous step's was harvested before this one's items) */
-		const uint32_t stride = (n_full + 1 + 63) & ~63u;
+	/* every head's item has at most n_full + 1 segments, and k more when
+	 * selected K8V4 pages are read as halves (mixed pages, step.c) */
+	const uint32_t max_segs = n_full + 1 + (s->units_per_slot > 1 ? s->k : 0);
+	if (m == 0 && max_segs > im->stride) {
+		/* grown before head 0's item, so no item of this step points at the
+		 * old buffer (the previous step's was harvested before this one's
+		 * items) */
+		const uint32_t stride = (max_segs + 63) & ~63u;
 		if (kvr_sched_mapped_grow(s, (void **)&im->lse, &im->lse_bytes,
 					  (size_t)s->c.n_kv_heads * s->G * stride * sizeof(float)))
 			return NULL;

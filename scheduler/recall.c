@@ -53,16 +53,16 @@ uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall)
 {
 	if (recall != KVR_RECALL_STREAMED)
 		return 0;
+	if (c->kv_format) /* the units of the shared device page cache (units.c) */
+		return kvr_units_seq_count(c) * kvr_units_unit_bytes(c);
 	const uint64_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
 	const uint64_t run = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim,
 					      kvr_elem_bytes(c->dtype));
 	uint32_t sparse_layers = 0;
 	for (uint32_t l = 0; l < c->n_layers; l++)
 		sparse_layers += !(c->dense_layers[l / 64] >> (l % 64) & 1);
-	/* plain: K and V tiles (n_kv runs' worth) and the scatter items;
-	 * quantised: the runs only, copied in place */
-	const uint64_t items = c->kv_format ? 0 : sizeof(struct kvr_scatter_item);
-	return (run + items) * c->n_kv_heads * k * sparse_layers;
+	/* K and V tiles (n_kv runs' worth) and the scatter items */
+	return (run + sizeof(struct kvr_scatter_item)) * c->n_kv_heads * k * sparse_layers;
 }
 
 uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recall)
@@ -85,7 +85,9 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	/* quantised pages are copied straight into their slots: no staging */
 	s->n_staging = s->kv_format ? 0 : s->c.recall_buffers;
 	s->chunk_pages = s->c.recall_chunk_pages;
-	if (!ret && !(s->recall_descs = malloc(s->chunk_pages * sizeof(struct kvr_copy_desc))))
+	/* mixed pages: a K8V4 page moves as two halves of four pieces each */
+	const size_t descs_per_page = s->units_per_slot > 1 ? 8 : 1;
+	if (!ret && !(s->recall_descs = malloc(s->chunk_pages * descs_per_page * sizeof(struct kvr_copy_desc))))
 		ret = -ENOMEM;
 	for (uint32_t b = 0; !ret && b < s->n_staging; b++) {
 		struct staging *st = &s->staging[b];
@@ -103,8 +105,10 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	s->recall_misses = malloc(n_miss * sizeof(struct miss));
 	if (s->kv_format) {
 		s->recall_need = malloc(s->c.n_kv_heads * sizeof(uint32_t));
-		s->recall_unit_slots = malloc(n_miss * sizeof(uint32_t));
-		if (!s->recall_need || !s->recall_unit_slots) {
+		s->recall_unit_slots = malloc(n_miss * 2 * sizeof(uint32_t));
+		s->recall_release = malloc(s->c.n_kv_heads * sizeof(uint32_t));
+		s->recall_release_slots = malloc(n_miss * sizeof(uint32_t));
+		if (!s->recall_need || !s->recall_unit_slots || !s->recall_release || !s->recall_release_slots) {
 			snprintf(err, err_bytes, "recall: out of memory");
 			return -ENOMEM;
 		}
@@ -135,7 +139,9 @@ void kvr_recall_teardown(struct kvr_sched *s)
 	free(s->recall_misses);
 	free(s->recall_need);
 	free(s->recall_unit_slots);
-	s->recall_need = s->recall_unit_slots = NULL;
+	free(s->recall_release);
+	free(s->recall_release_slots);
+	s->recall_need = s->recall_unit_slots = s->recall_release = s->recall_release_slots = NULL;
 	free(s->recall_flags);
 	free(s->recall_descs);
 	s->recall_descs = NULL;
@@ -154,7 +160,7 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 	if (s->kv_format) {
 		/* quantised runs live in the shared cache's units (units.c),
 		 * taken as slots fill; copied without scatter items */
-		const size_t n = (size_t)s->c.n_kv_heads * s->k;
+		const size_t n = (size_t)s->c.n_kv_heads * s->k * s->units_per_slot;
 		if (!(lane->slot_unit = malloc(n * sizeof(int32_t))))
 			return -ENOMEM;
 		for (size_t i = 0; i < n; i++)
@@ -302,66 +308,110 @@ static const unsigned char *lowest_run(struct kvr_sched *s, const struct miss *m
 	return base;
 }
 
-/* Quantised pages: every head's misses are planned first; slots that have no
- * unit of the device page cache yet get theirs in one allocation round for
- * the lane (units.c); then the misses' runs go from the pool straight into
- * their units, chunk_pages per batched copy on the copy stream, after the
- * lane's last attention. There is no layout to convert, so no staging. */
+/* Units slot entry (j, h) of head m: j·units_per_slot + h. */
+static int32_t *slot_units(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m, uint32_t j)
+{
+	return lane->slot_unit + ((uint64_t)m * s->k + j) * s->units_per_slot;
+}
+
+/* The format a miss's page has in the pool. */
+static uint32_t miss_format(struct kvr_sched *s, const struct miss *ms)
+{
+	return s->kv_format == KVR_KV_MIXED ? kvr_pool_page_format(s->pool, ms->page_id) : s->kv_format;
+}
+
+/* Quantised pages: every head's misses are planned first. Then the slots'
+ * units are made to fit their new pages in at most two rounds for the lane
+ * (units.c): a free round for slots that hold more units than their page
+ * needs (mixed: a K8V4 page, two halves, gave way to a K4V2 page, one unit),
+ * an allocation round for those holding fewer. Then the misses' runs go from
+ * the pool straight into their units, chunk_pages pages per batched copy on
+ * the copy stream, after the lane's last attention: a whole run into one
+ * unit, or a K8V4 page of a mixed pool as its two halves, four pieces each
+ * (kvquant.h). There is no layout to convert, so no staging. */
 static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads)
 {
 	struct miss *misses = s->recall_misses;
 	struct kvr_copy_desc *descs = s->recall_descs;
 	struct kvr_stream *copy = s->copy;
-	const uint32_t n_kv = s->c.n_kv_heads, k = s->k;
+	const uint32_t n_kv = s->c.n_kv_heads, ups = s->units_per_slot;
 	uint64_t hits = 0, bytes_moved = 0;
-	uint32_t n_miss = 0, n_need = 0;
+	uint32_t n_miss = 0, n_need = 0, n_release = 0;
 	for (uint32_t m = 0; m < n_kv; m++) {
-		s->recall_need[m] = 0;
+		s->recall_need[m] = s->recall_release[m] = 0;
 		if (!heads[m])
 			continue;
 		const uint32_t first = n_miss;
 		n_miss += plan_head(s, lane, m, misses + first, &hits);
-		for (uint32_t i = first; i < n_miss; i++)
-			if (lane->slot_unit[(uint64_t)m * k + misses[i].slot] < 0) {
-				s->recall_unit_slots[n_need++] = misses[i].slot;
-				s->recall_need[m]++;
+		for (uint32_t i = first; i < n_miss; i++) {
+			const int32_t *units = slot_units(s, lane, m, misses[i].slot);
+			const uint32_t want = ups > 1 && miss_format(s, &misses[i]) == KVR_KV_K8V4 ? 2 : 1;
+			for (uint32_t h = 0; h < ups; h++) {
+				const uint32_t entry = misses[i].slot * ups + h;
+				if (h < want && units[h] < 0) {
+					s->recall_unit_slots[n_need++] = entry;
+					s->recall_need[m]++;
+				} else if (h >= want && units[h] >= 0) {
+					s->recall_release_slots[n_release++] = entry;
+					s->recall_release[m]++;
+				}
 			}
+		}
 	}
 	/* admission reserved the units, so a failure here is a device failure
 	 * (recorded with its reason); the controller then forgets the lane's
 	 * slots, and its next step recalls afresh */
-	int err = n_need ? kvr_units_fill(s, lane, s->recall_need, s->recall_unit_slots) : 0;
+	int err = n_release ? kvr_units_release(s, lane, s->recall_release, s->recall_release_slots) : 0;
+	if (!err && n_need)
+		err = kvr_units_fill(s, lane, s->recall_need, s->recall_unit_slots);
 	if (!err)
 		err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
+	/* mixed: a K8V4 run and its halves (geometry_init writes both fully) */
+	struct kvr_quant_geometry g8, gh;
+	kvr_quant_geometry_init(&g8, s->c.page_tokens, s->c.head_dim, 1, KVR_KV_K8V4);
+	kvr_quant_geometry_init(&gh, s->c.page_tokens, s->c.head_dim, 1, KVR_KV_K8V4_HALF);
 	for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
 		const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
 		const unsigned char *src_base = lowest_run(s, misses + at, n);
 		unsigned char *dst_base = NULL;
 		for (uint32_t i = 0; i < n; i++) {
-			unsigned char *dst = kvr_units_addr(
-				s, (uint32_t)lane->slot_unit[(uint64_t)misses[at + i].head * k + misses[at + i].slot]);
-			dst_base = !dst_base || dst < dst_base ? dst : dst_base;
+			const int32_t *units = slot_units(s, lane, misses[at + i].head, misses[at + i].slot);
+			for (uint32_t h = 0; h < ups; h++)
+				if (units[h] >= 0) {
+					unsigned char *dst = kvr_units_addr(s, (uint32_t)units[h]);
+					dst_base = !dst_base || dst < dst_base ? dst : dst_base;
+				}
 		}
+		uint32_t n_descs = 0;
 		for (uint32_t i = 0; i < n; i++) {
 			const struct miss *ms = &misses[at + i];
-			const uint64_t slot = (uint64_t)ms->head * k + ms->slot;
-			/* mixed: a K4V2 page moves only its own run's bytes into the
-			 * unit's K8V4-sized room */
-			uint64_t bytes = s->head_bytes;
-			if (lane->slot_fmt) {
-				const uint32_t fmt = kvr_pool_page_format(s->pool, ms->page_id);
-				lane->slot_fmt[slot] = (uint8_t)fmt;
-				bytes = kvr_kv_run_bytes(fmt, s->c.page_tokens, s->c.head_dim, s->eb);
+			const int32_t *units = slot_units(s, lane, ms->head, ms->slot);
+			const uint32_t fmt = miss_format(s, ms);
+			const uint64_t src = (uint64_t)(miss_run(s, ms) - src_base);
+			if (lane->slot_fmt)
+				lane->slot_fmt[(uint64_t)ms->head * s->k + ms->slot] = (uint8_t)fmt;
+			if (ups > 1 && fmt == KVR_KV_K8V4) { /* two halves, four pieces each */
+				for (uint32_t h = 0; h < 2; h++) {
+					const uint64_t dst = (uint64_t)(kvr_units_addr(s, (uint32_t)units[h]) - dst_base);
+					for (uint32_t piece = 0; piece < 4; piece++) {
+						uint64_t so, dof, bytes;
+						kvr_quant_half_piece(&g8, &gh, h, piece, &so, &dof, &bytes);
+						descs[n_descs++] = (struct kvr_copy_desc){ src + so, dst + dof, bytes };
+						bytes_moved += bytes;
+					}
+				}
+				continue;
 			}
+			/* one run into one unit (mixed: a K4V2 page moves only its own bytes) */
+			const uint64_t bytes = kvr_kv_run_bytes(fmt, s->c.page_tokens, s->c.head_dim, s->eb);
+			descs[n_descs++] = (struct kvr_copy_desc){
+				src, (uint64_t)(kvr_units_addr(s, (uint32_t)units[0]) - dst_base), bytes };
 			bytes_moved += bytes;
-			descs[i] = (struct kvr_copy_desc){
-				(uint64_t)(miss_run(s, ms) - src_base),
-				(uint64_t)(kvr_units_addr(s, (uint32_t)lane->slot_unit[slot]) - dst_base), bytes };
 		}
 		kvr_sched_hook_on_stream(s, copy, KVR_HOOK_COPY);
 		struct kvr_trace_span *sp = kvr_stream_span_begin(s, copy, "copy chunk", KVR_TRACK_COPY,
 								  lane->seq, lane->layer, n);
-		err = kvr_dev_memcpy_batch_async(s->dev, dst_base, src_base, descs, n, KVR_COPY_H2D, copy);
+		err = kvr_dev_memcpy_batch_async(s->dev, dst_base, src_base, descs, n_descs, KVR_COPY_H2D, copy);
 		kvr_stream_span_end(s, copy, sp);
 	}
 	if (!err)

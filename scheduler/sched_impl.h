@@ -42,8 +42,10 @@ struct kvr_lane {
 	unsigned char *slot_v;    /* k NHD tiles of values (plain pages only) */
 	int32_t *slot_page;       /* [n_kv][k]: logical page in slot (m, j), -1 = empty */
 	uint8_t *slot_fmt;        /* mixed pages: [n_kv][k] the format slot (m, j) holds */
-	int32_t *slot_unit;       /* quantised pages: [n_kv][k] the device page cache unit
-	                             slot (m, j) holds (units.c), -1 = none yet */
+	int32_t *slot_unit;       /* quantised pages: [n_kv][k][units_per_slot] the device
+	                             page cache units slot (m, j) holds (units.c), -1 =
+	                             none; mixed: two for a K8V4 page (its halves), one
+	                             for a K4V2 page */
 	struct lane_importance *imp; /* mixed pages: attention received (importance.c) */
 	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall (mapped) */
 	struct kvr_scatter_item *recall_items_dev; /* their device copy (separate memory) */
@@ -90,6 +92,7 @@ struct kvr_sched {
 	int jobs_inline;             /* controller jobs run on the posting thread */
 	uint32_t k, G, eb;
 	uint32_t kv_format;          /* enum kvr_kv_format of the pool's pages */
+	uint32_t units_per_slot;     /* quantised: device page cache units a slot may hold */
 	uint64_t q_row, kv_row, tile_bytes, head_bytes;
 	struct kvr_shape shape;      /* the whole layer (similarity, score, select, scatter) */
 	struct kvr_shape head_shape; /* one KV head with its G query heads (attention) */
@@ -109,8 +112,10 @@ struct kvr_sched {
 	uint32_t next_buffer;            /* controller: the staging buffer of the next chunk */
 	void *recall_misses;             /* controller: [k] misses of one head; quantised
 	                                    pages: [n_kv][k], every head's */
-	uint32_t *recall_need;           /* controller, quantised: [n_kv] slots needing a unit */
-	uint32_t *recall_unit_slots;     /* controller, quantised: [n_kv·k] those slots, by head */
+	uint32_t *recall_need;           /* controller, quantised: [n_kv] units to take */
+	uint32_t *recall_unit_slots;     /* controller, quantised: [n_kv·k·2] their slot entries */
+	uint32_t *recall_release;        /* controller, mixed: [n_kv] units to give back */
+	uint32_t *recall_release_slots;  /* controller, mixed: [n_kv·k] their slot entries */
 	uint8_t *recall_flags;           /* controller: [2k] plan flags */
 	struct kvr_copy_desc *recall_descs; /* controller: [chunk_pages] */
 	struct hook_arg {
@@ -222,9 +227,17 @@ uint64_t kvr_units_fixed_bytes(const struct kvr_config *c);
 int kvr_units_seq_open(struct kvr_sched *s);
 void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq);
 /* One allocation round for a lane's KV heads: head m gets need[m] units for
- * its slots slots[o_m .. o_m + need[m]), o_m = need[0] + ... + need[m-1]
- * (the same prefix sum that places its ids). 0 or a negative errno. */
+ * its entries slots[o_m .. o_m + need[m]), o_m = need[0] + ... + need[m-1]
+ * (the same prefix sum that places its ids); an entry is j·units_per_slot + h
+ * for unit h of slot j. 0 or a negative errno. */
 int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need, const uint32_t *slots);
+/* One free round: head m gives back the units of its entries
+ * slots[o_m .. o_m + release[m]) (mixed pages: a slot whose K8V4 page gave
+ * way to a K4V2 one). */
+int kvr_units_release(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *release,
+		      const uint32_t *slots);
+uint32_t kvr_units_per_slot(const struct kvr_config *c);
+uint64_t kvr_units_unit_bytes(const struct kvr_config *c);
 unsigned char *kvr_units_addr(const struct kvr_sched *s, uint32_t id);
 
 /* Stream-order host function inserting a test delay (no-op without hooks). */

@@ -53,7 +53,8 @@ enum kvr_counter {
 	KVR_C_CONTROLLER_JOBS,
 	KVR_C_PAGES_JUDGED,
 	KVR_C_PAGES_DEMOTED,
-	KVR_C_UNITS_TAKEN, /* quantised pages: device page cache units taken by slots */
+	KVR_C_UNITS_TAKEN,    /* quantised pages: device page cache units taken by slots */
+	KVR_C_UNITS_RELEASED, /* mixed pages: of which given back while the sequence lives */
 	KVR_C_COUNT
 };
 

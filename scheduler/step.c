@@ -172,12 +172,20 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 			sort_pairs(pages, slots, n_sel);
 			const uint64_t row = (uint64_t)s->c.n_kv_heads * d;
 			for (uint32_t i = 0; i < n_sel; i++) {
-				if (s->kv_format) { /* one run in the slot's unit */
+				if (s->kv_format) { /* one run in the slot's unit, or two halves */
 					const uint64_t slot = (uint64_t)m * s->k + slots[i];
-					out[n++] = (struct kvr_kv_segment){
-						kvr_units_addr(s, (uint32_t)lane->slot_unit[slot]), NULL, p, { 0 },
-						(uint32_t)s->head_bytes,
-						lane->slot_fmt ? lane->slot_fmt[slot] : s->kv_format };
+					const uint32_t fmt = lane->slot_fmt ? lane->slot_fmt[slot] : s->kv_format;
+					const int32_t *units = lane->slot_unit + slot * s->units_per_slot;
+					const uint32_t unit_bytes = (uint32_t)kvr_units_unit_bytes(&s->c);
+					if (s->units_per_slot > 1 && fmt == KVR_KV_K8V4) {
+						for (uint32_t h = 0; h < 2; h++)
+							out[n++] = (struct kvr_kv_segment){
+								kvr_units_addr(s, (uint32_t)units[h]), NULL, p / 2,
+								{ 0 }, unit_bytes, KVR_KV_K8V4_HALF };
+						continue;
+					}
+					out[n++] = (struct kvr_kv_segment){ kvr_units_addr(s, (uint32_t)units[0]), NULL, p,
+									    { 0 }, unit_bytes, fmt };
 					continue;
 				}
 				const uint64_t off = (uint64_t)slots[i] * s->tile_bytes + (uint64_t)m * d * s->eb;
@@ -185,9 +193,22 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 								    { (uint32_t)row }, 0, 0 };
 			}
 		} else {
-			for (uint32_t i = 0; i < s->k; i++)
-				if (sel[i] >= 0 && (uint32_t)sel[i] >= sink && (uint32_t)sel[i] < win_first)
-					out[n++] = pool_segment(s, lane, (uint32_t)sel[i], m, 0);
+			for (uint32_t i = 0; i < s->k; i++) {
+				if (sel[i] < 0 || (uint32_t)sel[i] < sink || (uint32_t)sel[i] >= win_first)
+					continue;
+				const struct kvr_kv_segment seg = pool_segment(s, lane, (uint32_t)sel[i], m, 0);
+				if (s->units_per_slot > 1 && seg.format == KVR_KV_K8V4) {
+					/* mixed: read as the halves the streamed slots hold, so
+					 * that both attend the same segments, bit for bit */
+					for (uint32_t h = 0; h < 2; h++) {
+						out[n] = seg;
+						out[n].n_tokens = p / 2;
+						out[n++].first_row = h * (p / 2);
+					}
+					continue;
+				}
+				out[n++] = seg;
+			}
 		}
 		for (uint32_t j = win_first > sink ? win_first : sink; j < n_full; j++)
 			out[n++] = pool_segment(s, lane, j, m, res);
@@ -383,7 +404,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 
 	/* Scratch of this layer (kept per layer: an asynchronous attention may
 	 * still read the previous layer's items). */
-	const uint32_t max_segs = max_pages + 1;
+	/* mixed pages: a selected K8V4 page is two segments (its halves) */
+	const uint32_t max_segs = max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
 	size_t off[6], need = 0;
 	const size_t sizes[6] = {
 		(size_t)batch * n_kv * sizeof(struct kvr_attention_item),
@@ -769,6 +791,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->tile_bytes = (uint64_t)c->page_tokens * s->kv_row;
 	s->kv_format = c->kv_format;
 	s->head_bytes = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim, s->eb);
+	s->units_per_slot = c->kv_format ? kvr_units_per_slot(c) : 0;
 	const float scale = 1.0f / sqrtf((float)c->head_dim);
 	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
 				       c->dtype, scale, c->tau, 0 };

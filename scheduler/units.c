@@ -67,13 +67,29 @@ struct kvr_units {
 	char message[224];         /* why the last round failed */
 };
 
+uint32_t kvr_units_per_slot(const struct kvr_config *c)
+{
+	return c->kv_format == KVR_KV_MIXED ? 2u : 1u;
+}
+
+uint64_t kvr_units_unit_bytes(const struct kvr_config *c)
+{
+	const uint32_t eb = kvr_elem_bytes(c->dtype);
+	if (c->kv_format != KVR_KV_MIXED)
+		return kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim, eb);
+	/* a K4V2 page, or half a K8V4 page (the K4V2 run is the larger) */
+	const uint64_t k4 = kvr_kv_run_bytes(KVR_KV_K4V2, c->page_tokens, c->head_dim, eb);
+	const uint64_t half = kvr_kv_run_bytes(KVR_KV_K8V4_HALF, c->page_tokens, c->head_dim, eb);
+	return k4 > half ? k4 : half;
+}
+
 uint64_t kvr_units_seq_count(const struct kvr_config *c)
 {
 	const uint64_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
 	uint32_t sparse_layers = 0;
 	for (uint32_t l = 0; l < c->n_layers; l++)
 		sparse_layers += !(c->dense_layers[l / 64] >> (l % 64) & 1);
-	return (uint64_t)sparse_layers * c->n_kv_heads * k;
+	return (uint64_t)sparse_layers * c->n_kv_heads * k * kvr_units_per_slot(c);
 }
 
 uint64_t kvr_units_fixed_bytes(const struct kvr_config *c)
@@ -132,7 +148,7 @@ int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	}
 	pthread_mutex_init(&u->lock, NULL);
 	s->units = u;
-	u->unit_bytes = s->head_bytes;
+	u->unit_bytes = kvr_units_unit_bytes(c);
 	u->per_chunk = (uint32_t)kvr_units_seq_count(c);
 	u->max_chunks = c->max_sequences;
 	u->capacity = u->per_chunk * u->max_chunks; /* config limits keep this far below 2^32 */
@@ -255,8 +271,9 @@ void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq)
 		struct kvr_lane *lane = lane_of(s, seq, l);
 		for (uint32_t m = 0; m < s->c.n_kv_heads; m++) {
 			uint32_t n = 0;
-			for (uint32_t j = 0; lane->slot_unit && j < s->k; j++) {
-				int32_t *unit = &lane->slot_unit[(uint64_t)m * s->k + j];
+			const uint32_t per_head = s->k * s->units_per_slot;
+			for (uint32_t j = 0; lane->slot_unit && j < per_head; j++) {
+				int32_t *unit = &lane->slot_unit[(uint64_t)m * per_head + j];
 				if (*unit < 0)
 					continue;
 				u->pages[at + n++] = (uint32_t)*unit;
@@ -296,11 +313,37 @@ int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *n
 	else
 		count(s, lane->seq, KVR_C_UNITS_TAKEN, total);
 	/* head m's units are at its prefix-sum offset, as are its slots */
+	const uint64_t per_head = (uint64_t)s->k * s->units_per_slot;
 	for (uint32_t m = 0; m < n_kv && !err; m++)
 		for (uint32_t i = 0; i < need[m]; i++) {
 			const uint64_t at = u->offsets[m] + i;
-			lane->slot_unit[(uint64_t)m * s->k + slots[at]] = (int32_t)u->pages[at];
+			lane->slot_unit[m * per_head + slots[at]] = (int32_t)u->pages[at];
 		}
+	pthread_mutex_unlock(&u->lock);
+	return err;
+}
+
+int kvr_units_release(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *release,
+		      const uint32_t *slots)
+{
+	struct kvr_units *u = s->units;
+	const uint32_t n_kv = s->c.n_kv_heads;
+	const uint64_t per_head = (uint64_t)s->k * s->units_per_slot;
+	uint64_t at = 0;
+	pthread_mutex_lock(&u->lock);
+	for (uint32_t m = 0; m < n_kv; m++) {
+		u->counts[m] = release[m];
+		for (uint32_t i = 0; i < release[m]; i++, at++) {
+			int32_t *unit = &lane->slot_unit[m * per_head + slots[at]];
+			u->pages[at] = (uint32_t)*unit;
+			*unit = -1;
+		}
+	}
+	int err = run_round(s, u, KVR_FREELIST_FREE, n_kv);
+	if (err)
+		kvr_sched_record_async_error(s, err, u->message);
+	else
+		count(s, lane->seq, KVR_C_UNITS_RELEASED, at);
 	pthread_mutex_unlock(&u->lock);
 	return err;
 }

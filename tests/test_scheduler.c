@@ -1047,9 +1047,11 @@ static void quantised_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
  * Mixed pages: every page starts K8V4; pages that got less than the median
  * share of attention during their window residence become K4V2 in place
  * before any selection can name them. Streamed recall (a K4V2 page moving
- * only its own bytes into the slot's unified room) equals zero-copy bit for
- * bit under random delays, some pages were judged and some of those
- * demoted, and demoted pages moved fewer bytes.
+ * only its own bytes into one unit, a K8V4 page as two halves into two)
+ * equals zero-copy (which reads selected K8V4 pages as the same halves) bit
+ * for bit under random delays, some pages were judged and some of those
+ * demoted, demoted pages moved fewer bytes, and the slots hold fewer units
+ * than all-K8V4 pages would.
  */
 static void mixed_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 {
@@ -1076,6 +1078,15 @@ static void mixed_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 	kvr_quant_geometry_init(&g8, P, D, 1, KVR_KV_K8V4);
 	cr_assert_lt(ck.stats.bytes_recalled, ck.stats.pages_recalled * g8.head_bytes,
 		     "no recalled page moved fewer bytes than a K8V4 run");
+	/* the device page cache: a K8V4 page in two K4V2-sized units (its
+	 * halves), a K4V2 page in one, so the slots hold fewer units than if
+	 * every page were K8V4 */
+	const uint64_t all_k8v4 = (uint64_t)n_seqs * NL * N_KV * K_SEL * 2;
+	cr_assert_gt(ck.stats.device_units_used, all_k8v4 / 2, "%s: %llu units in use", dev_name(dev_kind),
+		     (unsigned long long)ck.stats.device_units_used);
+	cr_assert_lt(ck.stats.device_units_used, all_k8v4,
+		     "%s: %llu units in use, as many as if every selected page were K8V4", dev_name(dev_kind),
+		     (unsigned long long)ck.stats.device_units_used);
 	free(zc.outs), free(st.outs);
 }
 

@@ -28,7 +28,7 @@
 
 struct opts {
 	const char *model, *prompt, *chat, *file, *question, *json;
-	uint32_t max_tokens, threads, budget, sink, window, mode, kv_format;
+	uint32_t max_tokens, threads, budget, sink, window, mode, kv_format, recall;
 	float tau, temperature, top_p;
 	uint64_t seed;
 	int ignore_eos, compare, quiet, have_tau, have_budget, have_sink, have_window;
@@ -48,6 +48,8 @@ void runner_generate_usage(void)
 		"  --ignore-eos        keep generating past the end-of-turn token\n"
 		"  --mode M            dense | blocking | speculative | freekv (default freekv)\n"
 		"  --kv-format F       KV pages: f16 | k8v4 | k4v2 | mixed (default f16)\n"
+		"  --recall R          auto | zero-copy | streamed (default auto: zero-copy on the\n"
+		"                      cpu; streamed keeps a device page cache, as on a GPU)\n"
 		"  --budget B --sink S --window W --tau T   kvrecall's selection (defaults: B 2048,\n"
 		"                      S = W = 512 or B/4 when smaller, tau 0.9)\n"
 		"  --temperature T --top-p P --seed N      sampling (default greedy)\n"
@@ -111,6 +113,16 @@ static int parse(int argc, char **argv, struct opts *o)
 		} else if (!strcmp(a, "--kv-format") && v) {
 			if (kvr_kv_format_parse(v, &o->kv_format)) {
 				fprintf(stderr, "kvrecall generate: unknown KV format '%s' (f16, k8v4, k4v2, mixed)\n", v);
+				return 2;
+			}
+			i++;
+		} else if (!strcmp(a, "--recall") && v) {
+			o->recall = !strcmp(v, "streamed")    ? KVR_RECALL_STREAMED
+				    : !strcmp(v, "zero-copy") ? KVR_RECALL_ZERO_COPY
+				    : !strcmp(v, "auto")      ? KVR_RECALL_AUTO
+							      : UINT32_MAX;
+			if (o->recall == UINT32_MAX) {
+				fprintf(stderr, "kvrecall generate: --recall auto|zero-copy|streamed, not '%s'\n", v);
 				return 2;
 			}
 			i++;
@@ -359,6 +371,7 @@ static int make_context(const struct model *m, const struct opts *o, uint32_t mo
 	model_kvr_config(m, &c);
 	c.mode = mode;
 	c.kv_format = kv_format;
+	c.recall = o->recall;
 	c.backend = KVR_BACKEND_CPU;
 	c.max_sequences = 1;
 	c.max_batch = 1;
@@ -550,11 +563,14 @@ int runner_generate(int argc, char **argv)
 			fprintf(f, "{\"mode\": \"%s\", \"prompt_tokens\": %zu, \"generated\": %zu, "
 				   "\"prefill_s\": %.4f, \"decode_s\": %.4f, \"decode_attention_ns\": %llu, "
 				   "\"corrected_heads\": %llu, \"checked_heads\": %llu, \"pages_recalled\": %llu, "
-				   "\"pages_hit\": %llu, \"bytes_recalled\": %llu}\n",
+				   "\"pages_hit\": %llu, \"bytes_recalled\": %llu, \"pages_judged\": %llu, "
+				   "\"pages_demoted\": %llu, \"device_units\": %llu, \"device_units_used\": %llu}\n",
 				kvr_mode_name(o.mode), st.prompt_tokens, st.generated, st.prefill_s, st.decode_s,
 				(unsigned long long)st.decode_attn_ns, (unsigned long long)st.kv.corrected_heads,
 				(unsigned long long)st.kv.checked_heads, (unsigned long long)st.kv.pages_recalled,
-				(unsigned long long)st.kv.pages_hit, (unsigned long long)st.kv.bytes_recalled);
+				(unsigned long long)st.kv.pages_hit, (unsigned long long)st.kv.bytes_recalled,
+				(unsigned long long)st.kv.pages_judged, (unsigned long long)st.kv.pages_demoted,
+				(unsigned long long)st.kv.device_units, (unsigned long long)st.kv.device_units_used);
 			fclose(f);
 		}
 	}
@@ -832,7 +848,8 @@ int runner_eval(int argc, char **argv)
 						   "\"checked_heads\": %llu, \"seconds\": %.2f, "
 						   "\"decode_seconds\": %.3f, \"decode_steps\": %llu, "
 						   "\"decode_attention_ns\": %llu, \"bytes_recalled\": %llu, "
-						   "\"pages_judged\": %llu, \"pages_demoted\": %llu}",
+						   "\"pages_judged\": %llu, \"pages_demoted\": %llu, "
+						   "\"device_units\": %llu, \"device_units_used\": %llu}",
 						i ? ", " : "", kvr_mode_name(res[i].mode),
 						res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16",
 						exp(res[i].nll / (double)res[i].positions),
@@ -845,7 +862,9 @@ int runner_eval(int argc, char **argv)
 						(unsigned long long)res[i].decode_attn_ns,
 						(unsigned long long)res[i].kv.bytes_recalled,
 						(unsigned long long)res[i].kv.pages_judged,
-						(unsigned long long)res[i].kv.pages_demoted);
+						(unsigned long long)res[i].kv.pages_demoted,
+						(unsigned long long)res[i].kv.device_units,
+						(unsigned long long)res[i].kv.device_units_used);
 				fprintf(f, "]}\n");
 				fclose(f);
 			}
