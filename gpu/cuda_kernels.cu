@@ -1177,7 +1177,7 @@ KVR_DEV void att_split_range(const struct kvr_kv_segment *segs, uint32_t n_segs,
  * the item's tokens. part = NULL (one split): write the outputs; otherwise
  * this split's state.
  */
-template <uint32_t ET, uint32_t NACC>
+template <uint32_t ET, uint32_t NACC, bool QUANT>
 static __device__ void attend(const struct kvr_shape &shape, const struct att_plan &plan,
 			      const void *q, void *out, float *part,
 			      const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
@@ -1223,10 +1223,10 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	att_map_init<ET>(d, tile, map);
 	chunk16 pre[ATT_CHUNKS];
 	uint32_t rows = att_rows(segs, n_segs, seg, off, tile, left);
-	if (rows && !segs[seg].format)
+	if (rows && !(QUANT && segs[seg].format))
 		att_fetch<ET>(segs[seg], off, rows, m, map, pre);
 	while (rows > 0) {
-		if (segs[seg].format)
+		if (QUANT && segs[seg].format)
 			att_store_quant(segs[seg], off, rows, m, shape.page_tokens, d, k_s, v_s);
 		else
 			att_store<ET>(pre, rows, d, map, k_s, v_s);
@@ -1238,7 +1238,7 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 		left -= rows;
 		att_advance(segs, n_segs, &seg, &off, rows);
 		const uint32_t next = att_rows(segs, n_segs, seg, off, tile, left);
-		if (next && !segs[seg].format)
+		if (next && !(QUANT && segs[seg].format))
 			att_fetch<ET>(segs[seg], off, next, m, map, pre);
 
 		/* QK and the online-softmax update; the head loop is warp-uniform */
@@ -1342,9 +1342,12 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	}
 }
 
-/* Block b = ((item · n_kv + m) · head_blocks + chunk) · splits + split. */
+/* Block b = ((item · n_kv + m) · head_blocks + chunk) · splits + split.
+ * With 16 accumulators a thread (large query groups only) the quantised tile
+ * code does not fit 128 registers: one block per SM is guaranteed instead
+ * of two, rather than spilling. */
 template <uint32_t ET, uint32_t NACC>
-static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
+static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, NACC >= 16 ? 1 : 2)
 	attention_kernel(struct kvr_shape shape, struct att_plan plan,
 			 const struct kvr_attention_item *items, const struct kvr_kv_segment *segments,
 			 float *part)
@@ -1359,7 +1362,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
 	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
 	float *lse = shape.flags & KVR_SHAPE_SEGMENT_LSE ? it.segment_lse : nullptr;
-	attend<ET, NACC>(shape, plan, it.q, it.out, mine, segments + it.first_segment,
+	attend<ET, NACC, true>(shape, plan, it.q, it.out, mine, segments + it.first_segment,
 			 it.n_segments, m, g0, gc, split, att_smem, lse);
 }
 
@@ -1388,7 +1391,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 	const uint32_t g0 = hb * plan.heads;
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
 	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
-	attend<ET, NACC>(shape, plan, it.q, it.out, mine, &run, 1, m, g0, gc, split, att_smem, nullptr);
+	/* plain rows only: no quantised tile code, which would cost registers */
+	attend<ET, NACC, false>(shape, plan, it.q, it.out, mine, &run, 1, m, g0, gc, split, att_smem, nullptr);
 }
 
 /* Pass 2: block (item · n_kv + m) · head_blocks + chunk merges its splits'
