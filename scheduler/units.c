@@ -339,7 +339,7 @@ int kvr_units_release(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t
 			*unit = -1;
 		}
 	}
-	int err = run_round(s, u, KVR_FREELIST_FREE, n_kv);
+	int err = at ? run_round(s, u, KVR_FREELIST_FREE, n_kv, at) : 0;
 	if (err)
 		kvr_sched_record_async_error(s, err, u->message);
 	else
