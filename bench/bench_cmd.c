@@ -428,6 +428,8 @@ static void bench_usage(FILE *f)
 		   "           free-page list against the number of heads x sequences\n"
 		   "  cache    device bytes the shared page cache of quantised pages holds for a\n"
 		   "           mix of dense and sparse sequences, against per-sequence slot tiles\n"
+		   "  spill    the spill tier's file: spill and recall throughput against queue depth\n"
+		   "           and run size, beside raw O_DIRECT reads of the same file\n"
 		   "\n"
 		   "Each writes a table to stderr and JSON (schema kvrecall-bench/1, with the\n"
 		   "machine and build) to --json FILE or stdout. See docs/benchmarks.md.\n");
@@ -449,6 +451,8 @@ int bench_main(int argc, char **argv)
 		return bench_freelist(argc - 1, argv + 1);
 	if (!strcmp(argv[0], "cache"))
 		return bench_cache(argc - 1, argv + 1);
+	if (!strcmp(argv[0], "spill"))
+		return bench_spill(argc - 1, argv + 1);
 	fprintf(stderr, "kvrecall bench: unknown benchmark '%s'\n\n", argv[0]);
 	bench_usage(stderr);
 	return 2;

@@ -19,6 +19,7 @@ int bench_recall(int argc, char **argv); /* bench_recall.c */
 int bench_decode(int argc, char **argv); /* bench_decode.c */
 int bench_freelist(int argc, char **argv); /* bench_freelist.c */
 int bench_cache(int argc, char **argv); /* bench_cache.c */
+int bench_spill(int argc, char **argv); /* bench_spill.c */
 
 /* --backend auto|cpu|cuda -> an open device (auto: cuda when a GPU is usable).
  * 0, or a negative errno after a message on stderr. */

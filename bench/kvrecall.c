@@ -27,7 +27,8 @@ static void usage(FILE *f)
 	fprintf(f, "usage: kvrecall <command> [options]\n"
 		   "\n"
 		   "commands:\n"
-		   "  info [--json]   build features, GPU, CPU, NUMA, memory and io_uring of this machine\n"
+		   "  info [--json] [--spill-dir DIR]   build features, GPU, CPU, NUMA, memory, io_uring\n"
+		   "                  and the spill directory's O_DIRECT support on this machine\n"
 		   "  version         print the library version\n"
 		   "  generate        run a GGUF model with its attention through kvrecall\n"
 		   "                  (kvrecall generate --help)\n"
@@ -55,9 +56,12 @@ static void json_string(FILE *f, const char *key, const char *value, int last)
 static int cmd_info(int argc, char **argv)
 {
 	int json = 0;
+	const char *spill_dir = NULL;
 	for (int i = 0; i < argc; i++) {
 		if (!strcmp(argv[i], "--json"))
 			json = 1;
+		else if (!strcmp(argv[i], "--spill-dir") && i + 1 < argc)
+			spill_dir = argv[++i];
 		else {
 			fprintf(stderr, "kvrecall info: unknown option '%s'\n", argv[i]);
 			return 2;
@@ -68,6 +72,8 @@ static int cmd_info(int argc, char **argv)
 	if (err)
 		fprintf(stderr, "kvrecall info: %s (%s); continuing with what was found\n",
 			kvr_last_error(NULL), kvr_strerror(err));
+	struct kvr_spill_dir_info sd = { .size = sizeof(sd) };
+	const int spill_err = kvr_spill_dir_query(spill_dir, &sd);
 
 	char gpu_line[512];
 	if (!s.cuda_compiled)
@@ -100,7 +106,14 @@ static int cmd_info(int argc, char **argv)
 		       (unsigned long long)s.memory_bytes, (unsigned long long)s.l3_bytes);
 		printf("  \"liburing_compiled\": %s,\n", s.liburing_compiled ? "true" : "false");
 		printf("  \"io_uring_available\": %s,\n", s.io_uring_available ? "true" : "false");
-		json_string(stdout, "io_uring_reason", s.io_uring_reason, 1);
+		json_string(stdout, "io_uring_reason", s.io_uring_reason, 0);
+		json_string(stdout, "spill_dir", sd.dir, 0);
+		printf("  \"spill_dir_usable\": %s,\n", spill_err ? "false" : "true");
+		json_string(stdout, "spill_fs_type", sd.fs_type, 0);
+		printf("  \"spill_direct_io\": %s,\n", sd.direct_io ? "true" : "false");
+		printf("  \"spill_dio_align\": %u,\n", sd.dio_align);
+		printf("  \"spill_free_bytes\": %llu,\n", (unsigned long long)sd.free_bytes);
+		json_string(stdout, "spill_reason", sd.reason, 1);
 		printf("}\n");
 		return err ? 1 : 0;
 	}
@@ -128,6 +141,14 @@ static int cmd_info(int argc, char **argv)
 	printf("  memory    %.1f GiB\n", (double)s.memory_bytes / gib);
 	printf("  io_uring  %s%s%s\n", s.io_uring_available ? "available" : "unavailable",
 	       s.io_uring_available ? "" : ": ", s.io_uring_reason);
+	if (spill_err)
+		printf("  spill     %s: unusable: %s\n", sd.dir, sd.reason);
+	else if (sd.direct_io)
+		printf("  spill     %s (%s): O_DIRECT, %u-byte alignment, %.1f GiB free\n", sd.dir,
+		       sd.fs_type, sd.dio_align, (double)sd.free_bytes / gib);
+	else
+		printf("  spill     %s (%s): no O_DIRECT (%s), through the page cache; %.1f GiB free\n",
+		       sd.dir, sd.fs_type, sd.reason, (double)sd.free_bytes / gib);
 	printf("  backend   %s\n", s.n_gpus ? "cuda available; cpu is the default" : "cpu (default)");
 	return err ? 1 : 0;
 }

@@ -186,6 +186,37 @@ def plot_freelist(d, path):
     fig.savefig(path, dpi=120)
 
 
+def plot_spill(d, path):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    rows = [r for r in d["results"] if r["engine"] == "io_uring"]
+    sizes = sorted({r["run_kib"] for r in rows})
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f"]
+    for i, s in enumerate(sizes):
+        pts = sorted((r for r in rows if r["run_kib"] == s), key=lambda r: r["queue_depth"])
+        qd = [r["queue_depth"] for r in pts]
+        c = colors[i % len(colors)]
+        axes[0].plot(qd, [r["recall_gbs"] for r in pts], "-", marker="o", ms=4, color=c, label=f"{s} KiB runs: recall")
+        axes[0].plot(qd, [r["raw_gbs"] for r in pts], "--", marker="x", ms=4, color=c, label=f"{s} KiB runs: raw reads")
+        if pts:
+            axes[0].axhline(pts[0]["ceiling_gbs"], color=c, lw=0.6, ls=":")
+        axes[1].plot(qd, [r["spill_gbs"] for r in pts], "-", marker="o", ms=4, color=c,
+                     label=f"pages of {d['params']['runs_per_page']} x {s} KiB")
+    for ax, title in ((axes[0], "recall (read, check, copy out) vs bare io_uring reads\n"
+                                "dotted: sequential 1 MiB O_DIRECT reads, depth 16"),
+                      (axes[1], "spill (pack, checksum, write)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("queue depth")
+        ax.set_ylabel("GB/s")
+        ax.set_title(title, fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+    p = d["params"]
+    fig.suptitle(f"kvrecall bench spill — {p['dir']} ({p['fs_type']}, {'O_DIRECT' if p['direct_io'] else 'buffered'}), "
+                 f"{p['file_mib']} MiB per point\n{machine_label(d)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="result files of kvrecall bench")
@@ -199,7 +230,7 @@ def main():
         if d.get("schema") != "kvrecall-bench/1":
             sys.exit(f"{f}: not a kvrecall bench result (schema {d.get('schema')!r})")
         fn = {"copy": plot_copy, "recall": plot_recall, "decode": plot_decode,
-              "freelist": plot_freelist}.get(d["benchmark"])
+              "freelist": plot_freelist, "spill": plot_spill}.get(d["benchmark"])
         if not fn:
             print(f"{f}: nothing to plot for '{d['benchmark']}'", file=sys.stderr)
             continue

@@ -566,6 +566,29 @@ struct kvr_system_info {
  */
 KVR_API int kvr_system_query(struct kvr_system_info *info);
 
+/* What a directory offers the spill tier (pages beyond the pool's RAM on
+ * local storage, through io_uring): `kvrecall info --spill-dir DIR`. */
+struct kvr_spill_dir_info {
+	uint32_t size;          /* bytes: set by the caller to sizeof(struct kvr_spill_dir_info) */
+	uint32_t direct_io;     /* 1 when a file there takes O_DIRECT writes and reads */
+	uint32_t dio_align;     /* their alignment (offsets, lengths, buffers) in bytes; 0 without */
+	uint32_t io_uring_available; /* as kvr_system_info's */
+	uint64_t free_bytes;    /* bytes free to an unprivileged writer */
+	char dir[256];          /* the directory probed */
+	char fs_type[32];       /* "ext4", "xfs", "tmpfs", "overlay", ... or "other" */
+	char reason[200];       /* why direct_io is 0, or why the probe failed; "" otherwise */
+};
+
+/*
+ * Probe `dir` (NULL or "": the spill tier's default, $TMPDIR, else /var/tmp)
+ * by creating an unlinked file there and trying an O_DIRECT write and read.
+ * Returns 0 (direct_io says whether O_DIRECT works; reason says why not),
+ * -EINVAL (info NULL or size too small), or the negative errno of a
+ * directory that cannot be used (-ENOENT, -EACCES, ...), with info->reason
+ * and kvr_last_error(NULL) saying which.
+ */
+KVR_API int kvr_spill_dir_query(const char *dir, struct kvr_spill_dir_info *info);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "../gpu/gpu.h"
+#include "../host/spill.h"
 #include "../host/topology.h"
 #include "../layouts/isa.h"
 #include "internal.h"
@@ -57,5 +58,28 @@ KVR_API int kvr_system_query(struct kvr_system_info *info)
 	info->l3_bytes = topo.l3_bytes;
 	if (err)
 		return kvr_fail(NULL, err, "topology: %s", reason);
+	return 0;
+}
+
+KVR_API int kvr_spill_dir_query(const char *dir, struct kvr_spill_dir_info *info)
+{
+	if (!info)
+		return kvr_fail(NULL, -EINVAL, "info: is NULL");
+	if (info->size < sizeof(*info))
+		return kvr_fail(NULL, -EINVAL,
+				"size: must be sizeof(struct kvr_spill_dir_info) = %zu (got %u)",
+				sizeof(*info), info->size);
+	memset(info, 0, sizeof(*info));
+	info->size = sizeof(*info);
+	if (!dir || !*dir)
+		dir = kvr_spill_default_dir();
+	snprintf(info->dir, sizeof(info->dir), "%s", dir);
+	char why[128];
+	info->io_uring_available = (uint32_t)kvr_io_uring_probe(why, sizeof(why));
+	int err = kvr_spill_probe_dir(dir, &info->direct_io, &info->dio_align, info->fs_type,
+				      sizeof(info->fs_type), &info->free_bytes, info->reason,
+				      sizeof(info->reason));
+	if (err)
+		return kvr_fail(NULL, err, "%s", info->reason);
 	return 0;
 }

@@ -6,6 +6,7 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +57,41 @@ Test(info, system_query_rejects_bad_size)
 	cr_expect_eq(kvr_system_query(NULL), -EINVAL);
 }
 
+/* The spill directory's report: an O_DIRECT claim is true (a file there
+ * really takes an aligned O_DIRECT write), and a missing directory is an
+ * error that names it. */
+Test(info, spill_dir_query)
+{
+	struct kvr_spill_dir_info d = { .size = sizeof(d) };
+	cr_assert_eq(kvr_spill_dir_query(NULL, &d), 0, "%s", kvr_last_error(NULL));
+	cr_expect_str_neq(d.dir, "");
+	cr_expect_str_neq(d.fs_type, "");
+	cr_expect_gt(d.free_bytes, 0);
+	if (d.direct_io) {
+		cr_expect(d.dio_align >= 512 && !(d.dio_align & (d.dio_align - 1)), "%u", d.dio_align);
+		char path[512];
+		snprintf(path, sizeof(path), "%s/kvr-info-XXXXXX", d.dir);
+		int fd = mkstemp(path);
+		cr_assert_geq(fd, 0);
+		unlink(path);
+		cr_assert_eq(fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_DIRECT), 0);
+		void *block = NULL;
+		cr_assert_eq(posix_memalign(&block, 4096, 4096), 0);
+		memset(block, 7, 4096);
+		cr_expect_eq(pwrite(fd, block, d.dio_align, 0), (ssize_t)d.dio_align, "%s", strerror(errno));
+		free(block);
+		close(fd);
+	} else {
+		cr_expect_str_neq(d.reason, "");
+	}
+	cr_expect_eq(kvr_spill_dir_query("/nonexistent-kvrecall-dir", &d), -ENOENT);
+	cr_expect(strstr(d.reason, "/nonexistent-kvrecall-dir") != NULL, "%s", d.reason);
+	cr_expect(strstr(kvr_last_error(NULL), "/nonexistent-kvrecall-dir") != NULL);
+	struct kvr_spill_dir_info small = { .size = 8 };
+	cr_expect_eq(kvr_spill_dir_query(NULL, &small), -EINVAL);
+	cr_expect_eq(kvr_spill_dir_query(NULL, NULL), -EINVAL);
+}
+
 static size_t run(const char *args, char *out, size_t out_bytes, int *status)
 {
 	char cmd[1024];
@@ -85,6 +121,7 @@ Test(info, command_reports_gpu_truthfully)
 	cr_expect(strstr(out, kvr_version_string()) != NULL, "%s", out);
 	cr_expect(strstr(out, "NUMA node") != NULL, "%s", out);
 	cr_expect(strstr(out, "io_uring") != NULL, "%s", out);
+	cr_expect(strstr(out, "  spill     ") != NULL, "%s", out);
 	cr_expect(strstr(out, s.cpu_avx512 ? "AVX-512 yes" : "AVX-512 no") != NULL, "%s", out);
 }
 
@@ -95,8 +132,11 @@ Test(info, command_json_and_errors)
 	run("info --json", out, sizeof(out), &status);
 	cr_expect_eq(status, 0, "%s", out);
 	cr_expect(out[0] == '{' && strstr(out, "\"cuda_compiled\": ") && strstr(out, "\"numa_nodes\": ") &&
-			  strstr(out, "\"gpu_reason\": "),
+			  strstr(out, "\"gpu_reason\": ") && strstr(out, "\"spill_direct_io\": "),
 		  "%s", out);
+	run("info --spill-dir /nonexistent-kvrecall-dir", out, sizeof(out), &status);
+	cr_expect_eq(status, 0, "%s", out);
+	cr_expect(strstr(out, "/nonexistent-kvrecall-dir: unusable") != NULL, "%s", out);
 	run("info --bogus", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "unknown option") != NULL, "%s", out);
@@ -248,6 +288,22 @@ Test(bench, cache_writes_schema_json, .timeout = 120)
 			 "assert rows['k4v2']['unit_bytes'] < rows['k8v4']['unit_bytes'], rows");
 }
 
+/* `kvrecall bench spill`: a row per (run size, queue depth) and one for the
+ * pread fallback; the raw reads ran beside every io_uring row. */
+Test(bench, spill_writes_schema_json, .timeout = 120)
+{
+	bench_json_check("bench spill --quick --run-kib 4,16 --queue-depths 1,8",
+			 "assert d['benchmark'] == 'spill' and d['params']['runs_per_page'] == 8\n"
+			 "rows = d['results']\n"
+			 "assert [(r['run_kib'], r['queue_depth']) for r in rows] == [(4, 1), (4, 8), (4, 0), (16, 1), (16, 8), (16, 0)], rows\n"
+			 "for r in rows:\n"
+			 "    assert r['spill_gbs'] > 0 and r['recall_gbs'] > 0, r\n"
+			 "    if r['queue_depth'] == 0:\n"
+			 "        assert r['engine'] == 'pread' and r['raw_gbs'] == 0, r\n"
+			 "    elif r['engine'] == 'io_uring':\n"
+			 "        assert r['raw_gbs'] > 0, r");
+}
+
 /* Run `kvrecall <args> --trace FILE` and check FILE is Chrome trace-event
  * JSON with complete ("X") events named `want`. */
 static void trace_check(const char *args, const char *want)
@@ -333,6 +389,12 @@ Test(bench, bad_arguments_are_refused_clearly)
 	run("bench cache --short-context 4096", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "--short-context must be <= --budget") != NULL, "%s", out);
+	run("bench spill --queue-depths 5000", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--queue-depths values 1..4096") != NULL, "%s", out);
+	run("bench spill --dir /nonexistent-kvrecall-dir --quick", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "/nonexistent-kvrecall-dir") != NULL, "%s", out);
 	run("bench nosuch", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "unknown benchmark 'nosuch'") != NULL, "%s", out);

@@ -1,0 +1,318 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * bench_spill.c — `kvrecall bench spill`: the spill tier's file (host/spill.h)
+ * against the storage under it. Per run size (one KV head's run of a page;
+ * pages of --runs-per-page runs) and per queue depth:
+ *   - spill: pages written through kvr_spill_write_pages (packing, CRC32C,
+ *     io_uring writes) in batches of --batch pages, GB/s of page bytes;
+ *   - recall: every run read back once in random order through
+ *     kvr_spill_read_runs in batches of --batch runs (a recall's worth):
+ *     io_uring reads into staging, CRC32C check, copy out; GB/s of run bytes;
+ *   - raw: the same reads of the same file at the same offsets and queue
+ *     depth with a bare io_uring loop (O_DIRECT, no checksum, no copy), so
+ *     recall ÷ raw is what the tier costs over the device;
+ * and once per run size, the device's sequential O_DIRECT read rate (1 MiB
+ * reads, queue depth 16) over the same file, the ceiling. "sync" in the
+ * queue-depth column is the pread/pwrite fallback (KVR_SPILL_SYNC).
+ *
+ * Threads: the caller's only.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifdef KVR_HAVE_LIBURING
+#include <liburing.h>
+#endif
+
+#include "kvrecall.h"
+#include "bench_cmd.h"
+#include "bench_common.h"
+#include "../host/spill.h"
+
+#define MAX_SIZES 8
+#define MAX_DEPTHS 8
+#define RAW_DEPTH_CEILING 16u
+#define RAW_CEILING_BYTES (1u << 20)
+
+struct point {
+	uint32_t run_kib, depth; /* depth 0: sync */
+	double spill_gbs, recall_gbs, raw_gbs;
+	uint32_t direct, io_uring, registered;
+};
+
+/* Read `n` extents of `len` bytes at offsets[i] with queue depth `qd` on a
+ * bare ring; seconds, or a negative value on failure. */
+static double raw_reads(int fd, const uint64_t *offsets, uint32_t n, uint32_t len, uint32_t qd, void *buf,
+			uint64_t buf_bytes)
+{
+#ifdef KVR_HAVE_LIBURING
+	struct io_uring ring;
+	if (io_uring_queue_init(qd, &ring, 0) < 0)
+		return -1;
+	const uint32_t slots = (uint32_t)(buf_bytes / len);
+	uint32_t next = 0, done = 0, inflight = 0;
+	int failed = 0;
+	const double t0 = bench_now_s();
+	while (done < n && !failed) {
+		while (next < n && inflight < qd) {
+			struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+			if (!sqe)
+				break;
+			io_uring_prep_read(sqe, fd, (char *)buf + (uint64_t)(next % slots) * len, len, offsets[next]);
+			next++, inflight++;
+		}
+		io_uring_submit(&ring);
+		struct io_uring_cqe *cqe;
+		if (io_uring_wait_cqe(&ring, &cqe) < 0) {
+			failed = 1;
+			break;
+		}
+		unsigned head, seen = 0;
+		io_uring_for_each_cqe(&ring, head, cqe) {
+			if (cqe->res != (int)len)
+				failed = 1;
+			seen++;
+		}
+		io_uring_cq_advance(&ring, seen);
+		inflight -= seen;
+		done += seen;
+	}
+	const double t = bench_now_s() - t0;
+	while (inflight) { /* a failure leaves some in flight */
+		struct io_uring_cqe *cqe;
+		if (io_uring_wait_cqe(&ring, &cqe) < 0)
+			break;
+		io_uring_cqe_seen(&ring, cqe);
+		inflight--;
+	}
+	io_uring_queue_exit(&ring);
+	return failed ? -1 : t;
+#else
+	(void)fd, (void)offsets, (void)n, (void)len, (void)qd, (void)buf, (void)buf_bytes;
+	return -1;
+#endif
+}
+
+static void shuffle(uint32_t *v, uint32_t n, uint64_t *rng)
+{
+	for (uint32_t i = n; i > 1; i--) {
+		uint32_t j = (uint32_t)(bench_xorshift(rng) % i);
+		uint32_t t = v[i - 1];
+		v[i - 1] = v[j];
+		v[j] = t;
+	}
+}
+
+/* One (run size, depth) point; 0 or 1 after a message. */
+static int measure(const char *dir, uint32_t run_kib, uint32_t rpp, uint32_t depth, uint64_t file_bytes,
+		   uint32_t batch, uint32_t staging_mib, struct point *pt, double *ceiling_gbs)
+{
+	const uint64_t run_bytes = (uint64_t)run_kib << 10, page_bytes = run_bytes * rpp;
+	const uint32_t n_pages = (uint32_t)(file_bytes / page_bytes ? file_bytes / page_bytes : 1);
+	const uint32_t n_runs = n_pages * rpp;
+	struct kvr_spill_params sp_params = {
+		.dir = dir,
+		.run_bytes = run_bytes,
+		.runs_per_page = rpp,
+		.queue_depth = depth ? depth : 1,
+		.staging_bytes = (uint64_t)staging_mib << 20,
+		.flags = depth ? 0 : KVR_SPILL_SYNC,
+	};
+	struct kvr_spill *sp = NULL;
+	char err[256];
+	int e = kvr_spill_create(&sp_params, &sp, err, sizeof(err));
+	if (e) {
+		fprintf(stderr, "kvrecall bench spill: %s\n", err);
+		return 1;
+	}
+	unsigned char *pages = bench_huge_alloc("spill pages", (size_t)page_bytes * batch);
+	unsigned char *dst = bench_huge_alloc("spill recall", (size_t)run_bytes * batch);
+	uint32_t *slots = malloc((size_t)n_pages * sizeof(*slots));
+	uint32_t *order = malloc((size_t)n_runs * sizeof(*order));
+	struct kvr_spill_run *runs = malloc((size_t)batch * sizeof(*runs));
+	uint64_t *offsets = malloc((size_t)n_runs * sizeof(*offsets));
+	const void **page_ptrs = malloc((size_t)batch * sizeof(*page_ptrs));
+	int rc = 1;
+	if (!pages || !dst || !slots || !order || !runs || !offsets || !page_ptrs) {
+		fprintf(stderr, "kvrecall bench spill: out of memory\n");
+		goto out;
+	}
+	uint64_t rng = 0x9e3779b97f4a7c15ull ^ run_kib;
+	for (uint64_t i = 0; i < page_bytes * batch / 8; i++)
+		((uint64_t *)pages)[i] = bench_xorshift(&rng);
+	for (uint32_t b = 0; b < batch; b++)
+		page_ptrs[b] = pages + (uint64_t)b * page_bytes;
+	/* spill */
+	double t0 = bench_now_s();
+	for (uint32_t at = 0; at < n_pages; at += batch) {
+		const uint32_t n = n_pages - at < batch ? n_pages - at : batch;
+		if (kvr_spill_write_pages(sp, page_ptrs, n, slots + at)) {
+			fprintf(stderr, "kvrecall bench spill: %s\n", kvr_spill_last_error(sp));
+			goto out;
+		}
+	}
+	const double t_spill = bench_now_s() - t0;
+	/* recall: every run once, in random order */
+	for (uint32_t i = 0; i < n_runs; i++)
+		order[i] = i;
+	shuffle(order, n_runs, &rng);
+	struct kvr_spill_stats st;
+	kvr_spill_get_stats(sp, &st);
+	t0 = bench_now_s();
+	for (uint32_t at = 0; at < n_runs; at += batch) {
+		const uint32_t n = n_runs - at < batch ? n_runs - at : batch;
+		for (uint32_t i = 0; i < n; i++)
+			runs[i] = (struct kvr_spill_run){ slots[order[at + i] / rpp], order[at + i] % rpp };
+		if (kvr_spill_read_runs(sp, runs, n, dst, run_bytes, NULL)) {
+			fprintf(stderr, "kvrecall bench spill: %s\n", kvr_spill_last_error(sp));
+			goto out;
+		}
+	}
+	const double t_recall = bench_now_s() - t0;
+	/* raw: the same offsets on the same file */
+	for (uint32_t i = 0; i < n_runs; i++)
+		offsets[i] = kvr_spill_slot_offset(sp, slots[order[i] / rpp]) + (uint64_t)(order[i] % rpp) * st.run_stride;
+	const double t_raw = depth ? raw_reads(kvr_spill_fd(sp), offsets, n_runs, (uint32_t)st.run_stride, depth,
+					       pages, page_bytes * batch)
+				   : -1;
+	if (ceiling_gbs && *ceiling_gbs == 0 && st.direct_io) {
+		const uint64_t used = (uint64_t)n_pages * st.slot_bytes;
+		const uint32_t n_big = (uint32_t)(used / RAW_CEILING_BYTES);
+		for (uint32_t i = 0; i < n_big; i++)
+			offsets[i] = (uint64_t)i * RAW_CEILING_BYTES;
+		double t = n_big && page_bytes * batch >= RAW_CEILING_BYTES
+				   ? raw_reads(kvr_spill_fd(sp), offsets, n_big, RAW_CEILING_BYTES, RAW_DEPTH_CEILING,
+					       pages, page_bytes * batch)
+				   : -1;
+		*ceiling_gbs = t > 0 ? (double)n_big * RAW_CEILING_BYTES / t / 1e9 : -1;
+	}
+	*pt = (struct point){ .run_kib = run_kib,
+			      .depth = depth,
+			      .spill_gbs = (double)n_pages * page_bytes / t_spill / 1e9,
+			      .recall_gbs = (double)n_runs * run_bytes / t_recall / 1e9,
+			      .raw_gbs = t_raw > 0 ? (double)n_runs * run_bytes / t_raw / 1e9 : 0,
+			      .direct = st.direct_io,
+			      .io_uring = st.io_uring,
+			      .registered = st.registered };
+	rc = 0;
+out:
+	free(pages), free(dst), free(slots), free(order), free(runs), free(offsets), free(page_ptrs);
+	kvr_spill_destroy(sp);
+	return rc;
+}
+
+int bench_spill(int argc, char **argv)
+{
+	const char *json_path = NULL, *dir = NULL;
+	uint32_t sizes[MAX_SIZES] = { 4, 16, 64 }, n_sizes = 3;
+	uint32_t depths[MAX_DEPTHS] = { 1, 4, 16, 64 }, n_depths = 4;
+	uint32_t rpp = 8, batch = 256, file_mib = 256, with_sync = 1, staging_mib = 4;
+	for (int i = 0; i < argc; i++) {
+		if (!strcmp(argv[i], "--json") && i + 1 < argc)
+			json_path = argv[++i];
+		else if (!strcmp(argv[i], "--dir") && i + 1 < argc)
+			dir = argv[++i];
+		else if (!strcmp(argv[i], "--run-kib") && i + 1 < argc) {
+			if (bench_parse_list(argv[++i], sizes, MAX_SIZES, &n_sizes))
+				goto usage;
+		} else if (!strcmp(argv[i], "--queue-depths") && i + 1 < argc) {
+			if (bench_parse_list(argv[++i], depths, MAX_DEPTHS, &n_depths))
+				goto usage;
+		} else if (!strcmp(argv[i], "--runs-per-page") && i + 1 < argc)
+			rpp = (uint32_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
+			batch = (uint32_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--staging-mib") && i + 1 < argc)
+			staging_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--file-mib") && i + 1 < argc)
+			file_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--no-sync"))
+			with_sync = 0;
+		else if (!strcmp(argv[i], "--quick"))
+			file_mib = 16, n_sizes = 2, n_depths = 2;
+		else
+			goto usage;
+	}
+	if (!rpp || rpp > 64 || !batch || batch > 4096 || !file_mib || file_mib > (1u << 20) || !staging_mib ||
+	    staging_mib > 1024) {
+		fprintf(stderr, "kvrecall bench spill: --runs-per-page 1..64, --batch 1..4096, --file-mib 1..2^20, "
+				"--staging-mib 1..1024\n");
+		return 2;
+	}
+	for (uint32_t i = 0; i < n_sizes; i++)
+		if (!sizes[i] || sizes[i] > 1024) {
+			fprintf(stderr, "kvrecall bench spill: --run-kib values 1..1024\n");
+			return 2;
+		}
+	for (uint32_t i = 0; i < n_depths; i++)
+		if (!depths[i] || depths[i] > 4096) {
+			fprintf(stderr, "kvrecall bench spill: --queue-depths values 1..4096\n");
+			return 2;
+		}
+	struct kvr_spill_dir_info di = { .size = sizeof(di) };
+	if (kvr_spill_dir_query(dir, &di)) {
+		fprintf(stderr, "kvrecall bench spill: %s\n", di.reason);
+		return 1;
+	}
+	struct point pts[MAX_SIZES * (MAX_DEPTHS + 1)];
+	double ceiling[MAX_SIZES] = { 0 };
+	uint32_t n_pts = 0;
+	const uint32_t per_size = n_depths + with_sync;
+	for (uint32_t s = 0; s < n_sizes; s++)
+		for (uint32_t d = 0; d < per_size; d++) {
+			bench_progress("spill", s * per_size + d, n_sizes * per_size);
+			const uint32_t depth = d < n_depths ? depths[d] : 0;
+			if (measure(dir, sizes[s], rpp, depth, (uint64_t)file_mib << 20, batch, staging_mib, &pts[n_pts],
+				    &ceiling[s]))
+				return 1;
+			n_pts++;
+		}
+	bench_progress("spill", 1, 1);
+	fprintf(stderr,
+		"kvrecall bench spill: %s (%s, %s), %u MiB per point, pages of %u runs, batches of %u, "
+		"staging 2 x %u MiB\n"
+		"%8s %6s %12s %12s %12s %8s %12s\n",
+		di.dir, di.fs_type, di.direct_io ? "O_DIRECT" : "buffered", file_mib, rpp, batch, staging_mib, "run KiB", "depth",
+		"spill GB/s", "recall GB/s", "raw GB/s", "÷ raw", "ceiling GB/s");
+	for (uint32_t i = 0; i < n_pts; i++) {
+		char depth[16];
+		snprintf(depth, sizeof(depth), pts[i].depth ? "%u" : "sync", pts[i].depth);
+		fprintf(stderr, "%8u %6s %12.3f %12.3f %12.3f %8.2f %12.3f\n", pts[i].run_kib, depth,
+			pts[i].spill_gbs, pts[i].recall_gbs, pts[i].raw_gbs,
+			pts[i].raw_gbs > 0 ? pts[i].recall_gbs / pts[i].raw_gbs : 0, ceiling[i / per_size]);
+	}
+	FILE *f = json_path ? fopen(json_path, "w") : stdout;
+	if (!f) {
+		fprintf(stderr, "kvrecall bench spill: cannot write %s: %s\n", json_path, strerror(errno));
+		return 1;
+	}
+	bench_json_open(f, "spill", "host", argc, argv);
+	fprintf(f, "  \"params\": {\"dir\": ");
+	bench_json_string(f, di.dir);
+	fprintf(f, ", \"fs_type\": ");
+	bench_json_string(f, di.fs_type);
+	fprintf(f,
+		", \"direct_io\": %s, \"dio_align\": %u, \"file_mib\": %u, \"runs_per_page\": %u, \"batch\": %u, "
+		"\"staging_mib\": %u},\n"
+		"  \"results\": [\n",
+		di.direct_io ? "true" : "false", di.dio_align, file_mib, rpp, batch, staging_mib);
+	for (uint32_t i = 0; i < n_pts; i++)
+		fprintf(f,
+			"    {\"run_kib\": %u, \"queue_depth\": %u, \"engine\": \"%s\", \"registered\": %s, "
+			"\"spill_gbs\": %.4f, \"recall_gbs\": %.4f, \"raw_gbs\": %.4f, \"ceiling_gbs\": %.4f}%s\n",
+			pts[i].run_kib, pts[i].depth, pts[i].io_uring ? "io_uring" : "pread",
+			pts[i].registered ? "true" : "false", pts[i].spill_gbs, pts[i].recall_gbs, pts[i].raw_gbs,
+			ceiling[i / per_size], i + 1 < n_pts ? "," : "");
+	fprintf(f, "  ]\n");
+	bench_json_close(f);
+	if (f != stdout)
+		fclose(f);
+	return 0;
+usage:
+	fprintf(stderr, "usage: kvrecall bench spill [--dir DIR] [--run-kib 4,16,64] [--queue-depths 1,4,16,64] "
+			"[--runs-per-page 8] [--batch 256] [--staging-mib 4] [--file-mib 256] [--no-sync] [--quick] [--json FILE]\n");
+	return 2;
+}
