@@ -11,6 +11,18 @@
  * on a LIFO stack (reused first, so a recently freed page is likely still warm
  * and mapped); otherwise the high-water mark advances. Both O(1).
  *
+ * The spill tier (ram_bytes > 0): page ids then have no memory of their own.
+ * RAM is `n_frames` frames, carved from chunks as pages are without a spill
+ * tier (frame -> address is one division); page_frame[id] and
+ * frame_page[f] tie a resident page to its frame, page_slot[id] is its copy
+ * in the spill file (kept while the page is unchanged: a clean page leaves
+ * RAM without a write). A page gets a frame when it is written or pinned;
+ * when none is free, evict_locked runs CLOCK over the frames — skipping
+ * pinned pages, and touched ones once, clearing their bit — and writes the
+ * victims that are dirty in one batch. The I/O runs under the pool's lock:
+ * it is what makes an eviction and a reader's pin exclusive; readers copy
+ * outside it, holding pins.
+ *
  * Threads: `lock` guards the allocator, refcounts, sequence tables and stats.
  * Page memory is read and written without it by whoever holds the page (see
  * pool.h). Lock order: the pool's lock is a leaf (nothing is called with it
@@ -20,6 +32,7 @@
 #include <numaif.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +46,7 @@
 #include "../layouts/summary.h"
 #include "../layouts/transpose.h"
 #include "pool.h"
+#include "spill.h"
 
 #define HUGE_PAGE_BYTES (2ull << 20)
 
@@ -78,6 +92,26 @@ struct kvr_pool {
 	uint64_t used_pages;
 	uint64_t summary_bytes_held;
 	struct seq_entry *seqs;     /* max_sequences */
+
+	/* the spill tier; spill == NULL: a page id is its own frame */
+	struct kvr_spill *spill;
+	uint32_t n_frames;         /* pages RAM may hold */
+	uint32_t *page_frame;      /* [capacity_pages] frame, or KVR_POOL_NO_PAGE */
+	uint32_t *page_slot;       /* [capacity_pages] clean copy in the file, or KVR_SPILL_NO_SLOT */
+	uint32_t *pins;            /* [capacity_pages] */
+	_Atomic uint8_t *touched;  /* [capacity_pages] CLOCK reference bits: set by
+	                              kvr_pool_touch (any thread, relaxed), cleared by
+	                              evict_locked under the lock (relaxed): a bit
+	                              lost to the race costs one page an early
+	                              eviction, never correctness */
+	uint32_t *frame_page;      /* [n_frames] page, or KVR_POOL_NO_PAGE */
+	uint32_t *frame_free;      /* [n_frames] stack of free frames */
+	uint32_t n_frame_free;
+	uint32_t frame_high;       /* frames [0, frame_high) have been handed out */
+	uint32_t clock_hand;
+	uint32_t evict_batch;      /* pages evicted at a time */
+	uint64_t resident_pages, spilled_pages, pinned_pages;
+	uint64_t evictions, spill_writes, fetches, runs_read_through, spill_errors;
 
 	uint32_t lock_failures;
 	uint32_t hugepage_failures;
@@ -202,6 +236,42 @@ static void chunk_unmap(struct kvr_pool *pool, uint32_t c)
 
 /* ------------------------------------------------------------------ create */
 
+/* The spill tier's arrays and file. */
+static int spill_init(struct kvr_pool *pool, uint32_t n_frames, char *err, size_t err_bytes)
+{
+	const uint32_t cap = pool->capacity_pages;
+	pool->n_frames = n_frames;
+	pool->page_frame = malloc((size_t)cap * sizeof(uint32_t));
+	pool->page_slot = malloc((size_t)cap * sizeof(uint32_t));
+	pool->pins = calloc(cap, sizeof(uint32_t));
+	pool->touched = calloc(cap, sizeof(*pool->touched));
+	pool->frame_page = malloc((size_t)n_frames * sizeof(uint32_t));
+	pool->frame_free = malloc((size_t)n_frames * sizeof(uint32_t));
+	if (!pool->page_frame || !pool->page_slot || !pool->pins || !pool->touched || !pool->frame_page ||
+	    !pool->frame_free) {
+		if (err)
+			snprintf(err, err_bytes, "pool: out of memory for the spill tier's tables");
+		return -ENOMEM;
+	}
+	for (uint32_t i = 0; i < cap; i++)
+		pool->page_frame[i] = KVR_POOL_NO_PAGE, pool->page_slot[i] = KVR_SPILL_NO_SLOT;
+	for (uint32_t f = 0; f < n_frames; f++)
+		pool->frame_page[f] = KVR_POOL_NO_PAGE;
+	pool->evict_batch = n_frames / 8 < 1 ? 1 : (n_frames / 8 > 32 ? 32 : n_frames / 8);
+	const struct kvr_spill_params sp = { .dir = pool->params.spill_dir,
+					     .run_bytes = pool->head_bytes,
+					     .runs_per_page = pool->g.n_kv_heads,
+					     .queue_depth = pool->params.spill_queue_depth,
+					     .flags = pool->params.spill_flags,
+					     .log_fn = pool->params.log_fn,
+					     .log_user = pool->params.log_user };
+	char why[256];
+	int e = kvr_spill_create(&sp, &pool->spill, why, sizeof(why));
+	if (e && err)
+		snprintf(err, err_bytes, "pool: spill tier: %s", why);
+	return e;
+}
+
 int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out, char *err,
 		    size_t err_bytes)
 {
@@ -239,6 +309,18 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 		       (unsigned long long)params->capacity_bytes, (unsigned long long)page_bytes);
 	if (capacity_pages >= KVR_POOL_NO_PAGE)
 		capacity_pages = KVR_POOL_NO_PAGE - 1;
+	/* the spill tier: frames of RAM below the capacity */
+	uint64_t n_frames = 0;
+	if (params->ram_bytes && params->ram_bytes / page_bytes < capacity_pages) {
+		if (params->layout != KVR_POOL_LAYOUT_HND)
+			REJECT("pool: the spill tier (ram_bytes) needs the HND layout");
+		n_frames = params->ram_bytes / page_bytes;
+		if (n_frames < KVR_POOL_MIN_FRAMES)
+			REJECT("pool: ram_bytes %llu holds %llu pages of %llu bytes; the spill tier "
+			       "needs at least %u",
+			       (unsigned long long)params->ram_bytes, (unsigned long long)n_frames,
+			       (unsigned long long)page_bytes, KVR_POOL_MIN_FRAMES);
+	}
 #undef REJECT
 
 	struct kvr_pool *pool = calloc(1, sizeof(*pool));
@@ -255,7 +337,9 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 	pool->capacity_pages = (uint32_t)capacity_pages;
 
 	uint64_t chunk = params->chunk_bytes ? params->chunk_bytes : KVR_POOL_DEFAULT_CHUNK_BYTES;
-	const uint64_t all = capacity_pages * page_bytes;
+	/* chunks hold frames: every page without a spill tier */
+	const uint64_t frames = n_frames ? n_frames : capacity_pages;
+	const uint64_t all = frames * page_bytes;
 	const uint64_t all_rounded = (all + HUGE_PAGE_BYTES - 1) & ~(HUGE_PAGE_BYTES - 1);
 	if (chunk > all_rounded)
 		chunk = all_rounded;
@@ -264,8 +348,7 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 		chunk = min_chunk;
 	pool->chunk_bytes = chunk;
 	pool->pages_per_chunk = (uint32_t)(chunk / page_bytes);
-	pool->max_chunks = (uint32_t)((capacity_pages + pool->pages_per_chunk - 1) /
-				      pool->pages_per_chunk);
+	pool->max_chunks = (uint32_t)((frames + pool->pages_per_chunk - 1) / pool->pages_per_chunk);
 
 	pool->chunks = calloc(pool->max_chunks, sizeof(*pool->chunks));
 	pool->chunk_state = calloc(pool->max_chunks, 1);
@@ -283,6 +366,13 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 		return -ENOMEM;
 	}
 	pthread_mutex_init(&pool->lock, NULL);
+	if (n_frames) {
+		int e = spill_init(pool, (uint32_t)n_frames, err, err_bytes);
+		if (e) {
+			kvr_pool_destroy(pool);
+			return e;
+		}
+	}
 	*out = pool;
 	return 0;
 }
@@ -324,15 +414,151 @@ void kvr_pool_destroy(struct kvr_pool *pool)
 	free(pool->free_stack);
 	free(pool->seqs);
 	free(pool->page_format);
+	kvr_spill_destroy(pool->spill);
+	free(pool->page_frame);
+	free(pool->page_slot);
+	free(pool->pins);
+	free((void *)pool->touched);
+	free(pool->frame_page);
+	free(pool->frame_free);
 	free(pool);
 }
 
 /* ------------------------------------------------------------------ pages */
 
+static inline unsigned char *frame_address(const struct kvr_pool *pool, uint32_t f)
+{
+	unsigned char *chunk = pool->chunks[f / pool->pages_per_chunk];
+	return chunk ? chunk + (uint64_t)(f % pool->pages_per_chunk) * pool->page_bytes : NULL;
+}
+
+/* A page's memory: its frame's (NULL when it has none). Without a spill tier
+ * a page id is its frame. */
 static inline unsigned char *page_address(const struct kvr_pool *pool, uint32_t id)
 {
-	unsigned char *chunk = pool->chunks[id / pool->pages_per_chunk];
-	return chunk ? chunk + (uint64_t)(id % pool->pages_per_chunk) * pool->page_bytes : NULL;
+	if (pool->spill) {
+		const uint32_t f = pool->page_frame[id];
+		return f == KVR_POOL_NO_PAGE ? NULL : frame_address(pool, f);
+	}
+	return frame_address(pool, id);
+}
+
+/* ---- the spill tier: frames, pins, eviction. Lock held throughout. ---- */
+
+static void pin_locked(struct kvr_pool *pool, uint32_t id)
+{
+	if (pool->pins[id]++ == 0)
+		pool->pinned_pages++;
+}
+
+static void unpin_locked(struct kvr_pool *pool, uint32_t id)
+{
+	if (--pool->pins[id] == 0)
+		pool->pinned_pages--;
+}
+
+static void frame_release(struct kvr_pool *pool, uint32_t id)
+{
+	const uint32_t f = pool->page_frame[id];
+	pool->frame_page[f] = KVR_POOL_NO_PAGE;
+	pool->frame_free[pool->n_frame_free++] = f;
+	pool->page_frame[id] = KVR_POOL_NO_PAGE;
+	pool->resident_pages--;
+}
+
+/* Move up to `want` unpinned resident pages out of RAM: CLOCK over the
+ * frames (a touched page is passed over once, its bit cleared; `force`
+ * ignores the bits); the dirty ones are written in one batch, the clean ones
+ * (a slot still holding their bytes) just give up their frame. All or
+ * nothing: a failed write leaves every victim resident. */
+static int evict_locked(struct kvr_pool *pool, uint32_t want, bool force, uint32_t *evicted)
+{
+	enum { MAX_BATCH = 64 };
+	uint32_t victims[MAX_BATCH], dirty[MAX_BATCH], slots[MAX_BATCH];
+	const void *data[MAX_BATCH];
+	uint32_t n = 0, n_dirty = 0;
+	if (want > MAX_BATCH)
+		want = MAX_BATCH;
+	*evicted = 0;
+	for (uint64_t step = 0; step < 2ull * pool->frame_high && n < want; step++) {
+		const uint32_t f = pool->clock_hand;
+		pool->clock_hand = f + 1 < pool->frame_high ? f + 1 : 0;
+		const uint32_t id = pool->frame_page[f];
+		if (id == KVR_POOL_NO_PAGE || pool->pins[id])
+			continue;
+		if (!force && atomic_load_explicit(&pool->touched[id], memory_order_relaxed)) {
+			atomic_store_explicit(&pool->touched[id], 0, memory_order_relaxed);
+			continue;
+		}
+		victims[n++] = id;
+		pin_locked(pool, id); /* chosen: the sweep's second pass must skip it */
+		if (pool->page_slot[id] == KVR_SPILL_NO_SLOT) {
+			data[n_dirty] = frame_address(pool, f);
+			dirty[n_dirty++] = id;
+		}
+	}
+	for (uint32_t i = 0; i < n; i++)
+		unpin_locked(pool, victims[i]);
+	if (!n)
+		return fail(pool, -ENOMEM,
+			    "pool: RAM budget of %u pages: every resident page is pinned (%llu pinned)",
+			    pool->n_frames, (unsigned long long)pool->pinned_pages);
+	if (n_dirty) {
+		int err = kvr_spill_write_pages(pool->spill, data, n_dirty, slots);
+		if (err) {
+			pool->spill_errors++;
+			return fail(pool, err, "pool: cannot spill %u pages: %s", n_dirty,
+				    kvr_spill_last_error(pool->spill));
+		}
+		for (uint32_t i = 0; i < n_dirty; i++)
+			pool->page_slot[dirty[i]] = slots[i];
+		pool->spill_writes += n_dirty;
+	}
+	for (uint32_t i = 0; i < n; i++)
+		frame_release(pool, victims[i]);
+	pool->spilled_pages += n;
+	pool->evictions += n;
+	*evicted = n;
+	return 0;
+}
+
+/* A frame for page id (which has none), evicting when RAM is full. */
+static int frame_take(struct kvr_pool *pool, uint32_t id)
+{
+	uint32_t f;
+	if (pool->n_frame_free) {
+		f = pool->frame_free[--pool->n_frame_free];
+	} else if (pool->frame_high < pool->n_frames) {
+		f = pool->frame_high;
+		const uint32_t c = f / pool->pages_per_chunk;
+		if (!pool->chunks[c]) {
+			int err = chunk_map(pool, c);
+			if (err)
+				return err;
+		}
+		pool->frame_high++;
+	} else {
+		uint32_t evicted;
+		int err = evict_locked(pool, pool->evict_batch, false, &evicted);
+		if (err)
+			return err;
+		f = pool->frame_free[--pool->n_frame_free];
+	}
+	pool->frame_page[f] = id;
+	pool->page_frame[id] = f;
+	pool->resident_pages++;
+	if (pool->page_slot[id] != KVR_SPILL_NO_SLOT)
+		pool->spilled_pages--; /* it was only in the file */
+	return 0;
+}
+
+/* The page's copy in the file is stale from now on (it is being rewritten). */
+static void slot_drop(struct kvr_pool *pool, uint32_t id)
+{
+	if (pool->page_slot[id] == KVR_SPILL_NO_SLOT)
+		return;
+	kvr_spill_free(pool->spill, pool->page_slot[id]);
+	pool->page_slot[id] = KVR_SPILL_NO_SLOT;
 }
 
 /* Lock held. */
@@ -349,13 +575,15 @@ static int page_alloc_locked(struct kvr_pool *pool, uint32_t *id_out)
 				    (unsigned long long)pool->capacity_pages * pool->page_bytes);
 		id = pool->high_water;
 		const uint32_t c = id / pool->pages_per_chunk;
-		if (!pool->chunks[c]) {
+		if (!pool->spill && !pool->chunks[c]) { /* with a spill tier, frames come at write */
 			int err = chunk_map(pool, c);
 			if (err)
 				return err;
 		}
 		pool->high_water++;
 	}
+	if (pool->spill)
+		atomic_store_explicit(&pool->touched[id], 1, memory_order_relaxed);
 	pool->refcount[id] = 1;
 	pool->used_pages++;
 	*id_out = id;
@@ -371,6 +599,17 @@ static bool page_live(const struct kvr_pool *pool, uint32_t id)
 static void page_unref_locked(struct kvr_pool *pool, uint32_t id)
 {
 	if (--pool->refcount[id] == 0) {
+		if (pool->spill) {
+			if (pool->page_frame[id] != KVR_POOL_NO_PAGE)
+				frame_release(pool, id);
+			else if (pool->page_slot[id] != KVR_SPILL_NO_SLOT)
+				pool->spilled_pages--;
+			slot_drop(pool, id);
+			if (pool->pins[id]) { /* freed while pinned: the caller broke the contract */
+				pool->pins[id] = 0;
+				pool->pinned_pages--;
+			}
+		}
 		pool->free_stack[pool->n_free++] = id;
 		pool->used_pages--;
 	}
@@ -727,7 +966,7 @@ static void page_fill(struct kvr_pool *pool, uint32_t id, unsigned char *page, u
 /* Lock held. The page a write to (t, logical) may fill: copy-on-write when it
  * is shared with a fork. Outputs the address and the summary slot. */
 static int page_for_write(struct kvr_pool *pool, struct layer_table *t, uint32_t logical,
-			  unsigned char **page, unsigned char **summary, uint32_t *id_out)
+			  unsigned char **page, unsigned char **summary, uint32_t *id_out, bool filling)
 {
 	uint32_t id = t->pages[logical];
 	if (pool->refcount[id] > 1) {
@@ -737,6 +976,19 @@ static int page_for_write(struct kvr_pool *pool, struct layer_table *t, uint32_t
 			return err;
 		page_unref_locked(pool, id);
 		t->pages[logical] = id = fresh;
+	}
+	if (pool->spill && filling) {
+		/* the whole page is about to be written: a frame (its old bytes,
+		 * in RAM or in the file, are not needed), its file copy stale, and
+		 * a pin until the fill is done so eviction leaves it alone */
+		if (pool->page_frame[id] == KVR_POOL_NO_PAGE) {
+			int err = frame_take(pool, id);
+			if (err)
+				return err;
+		}
+		slot_drop(pool, id);
+		pin_locked(pool, id);
+		atomic_store_explicit(&pool->touched[id], 1, memory_order_relaxed);
 	}
 	*page = page_address(pool, id);
 	*summary = t->summaries ? t->summaries + (uint64_t)logical * pool->summary_bytes : NULL;
@@ -765,11 +1017,16 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
 		err = fail(pool, -EINVAL, "pool: row stride %llu exceeds 32 bits",
 			   (unsigned long long)row_stride);
 	if (!err)
-		err = page_for_write(pool, t, logical, &page, &summary, &id);
+		err = page_for_write(pool, t, logical, &page, &summary, &id, true);
 	pthread_mutex_unlock(&pool->lock);
 	if (err)
 		return err;
 	page_fill(pool, id, page, summary, k_rows, v_rows, row_stride);
+	if (pool->spill) {
+		pthread_mutex_lock(&pool->lock);
+		unpin_locked(pool, id);
+		pthread_mutex_unlock(&pool->lock);
+	}
 	return 0;
 }
 
@@ -797,8 +1054,15 @@ int kvr_pool_demote(struct kvr_pool *pool, uint32_t page_id)
 	else if (pool->refcount[page_id] > 1)
 		err = fail(pool, -EBUSY, "pool: demote: page %u is shared by %u references", page_id,
 			   pool->refcount[page_id]);
+	else if (pool->spill && pool->page_frame[page_id] == KVR_POOL_NO_PAGE)
+		err = fail(pool, -EAGAIN, "pool: demote: page %u is in the spill file", page_id);
+	else if (pool->spill && pool->pins[page_id])
+		err = fail(pool, -EBUSY, "pool: demote: page %u is pinned by a reader", page_id);
+	const bool k4 = !err && pool->page_format[page_id] == KVR_KV_K4V2;
+	if (!err && !k4 && pool->spill)
+		pin_locked(pool, page_id); /* no eviction while it is rewritten */
 	pthread_mutex_unlock(&pool->lock);
-	if (err || pool->page_format[page_id] == KVR_KV_K4V2)
+	if (err || k4)
 		return err;
 	/* each head's run: K8V4 codes -> values -> K4V2 codes, in place at the
 	 * same unified offset (the K4V2 run is shorter and written after the
@@ -809,8 +1073,14 @@ int kvr_pool_demote(struct kvr_pool *pool, uint32_t page_id)
 	unsigned char *page = page_address(pool, page_id);
 	const uint64_t row = (uint64_t)g->head_dim;
 	float *k = malloc(2 * row * g->page_tokens * sizeof(float));
-	if (!k)
+	if (!k) {
+		if (pool->spill) {
+			pthread_mutex_lock(&pool->lock);
+			unpin_locked(pool, page_id);
+			pthread_mutex_unlock(&pool->lock);
+		}
 		return fail(pool, -ENOMEM, "pool: demote: out of memory");
+	}
 	float *v = k + row * g->page_tokens, scratch[256];
 	for (uint32_t h = 0; h < g->n_kv_heads; h++) {
 		unsigned char *run = page + (uint64_t)h * pool->head_bytes;
@@ -819,6 +1089,12 @@ int kvr_pool_demote(struct kvr_pool *pool, uint32_t page_id)
 	}
 	free(k);
 	pool->page_format[page_id] = KVR_KV_K4V2;
+	if (pool->spill) {
+		pthread_mutex_lock(&pool->lock);
+		slot_drop(pool, page_id); /* the file's copy is the K8V4 page */
+		unpin_locked(pool, page_id);
+		pthread_mutex_unlock(&pool->lock);
+	}
 	return 0;
 }
 
@@ -853,6 +1129,252 @@ void kvr_pool_gather_runs(const struct kvr_pool *pool, const uint32_t *pages,
 			srcs[i] = page_address(pool, pages[first + i]) + heads[first + i] * hb;
 		kvr_copy_stream_gather(out + (uint64_t)first * hb, srcs, m, hb);
 	}
+}
+
+/* ------------------------------------------------------------------ spill tier */
+
+/* Lock held: every page live (and its head in range when heads is set). */
+static int check_live(struct kvr_pool *pool, const uint32_t *pages, const uint32_t *heads, uint32_t n,
+		      const char *what)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		if (!page_live(pool, pages[i]))
+			return fail(pool, -EINVAL, "pool: %s: page %u is not allocated", what, pages[i]);
+		if (heads && heads[i] >= pool->g.n_kv_heads)
+			return fail(pool, -EINVAL, "pool: %s: KV head %u of %u", what, heads[i],
+				    pool->g.n_kv_heads);
+	}
+	return 0;
+}
+
+int kvr_pool_pin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
+{
+	if (!pool->spill || !n)
+		return 0;
+	if (!pages)
+		return fail(pool, -EINVAL, "pool: pin: pages is NULL");
+	uint32_t *fetch = malloc((size_t)n * sizeof(*fetch));
+	uint32_t *slots = malloc((size_t)n * sizeof(*slots));
+	void **addrs = malloc((size_t)n * sizeof(*addrs));
+	unsigned char *mine = calloc(n, 1); /* pages[i] pinned by this call */
+	if (!fetch || !slots || !addrs || !mine) {
+		free(fetch), free(slots), free(addrs), free(mine);
+		return fail(pool, -ENOMEM, "pool: pin: out of memory");
+	}
+	pthread_mutex_lock(&pool->lock);
+	int err = check_live(pool, pages, NULL, n, "pin");
+	/* Resident pages first, so that taking frames for the rest cannot evict
+	 * them; a page is pinned as soon as it has its frame. */
+	for (uint32_t i = 0; i < n && !err; i++)
+		if (pool->page_frame[pages[i]] != KVR_POOL_NO_PAGE)
+			pin_locked(pool, pages[i]), mine[i] = 1;
+	uint32_t n_fetch = 0;
+	for (uint32_t i = 0; i < n && !err; i++) {
+		if (mine[i])
+			continue;
+		const uint32_t id = pages[i];
+		if (pool->page_frame[id] == KVR_POOL_NO_PAGE) { /* not fetched earlier in this call */
+			err = frame_take(pool, id);
+			if (err)
+				break;
+			fetch[n_fetch++] = id;
+		}
+		pin_locked(pool, id), mine[i] = 1;
+	}
+	/* Read what was fetched; a page never written reads as zeros. */
+	uint32_t n_read = 0;
+	for (uint32_t k = 0; k < n_fetch && !err; k++) {
+		unsigned char *at = page_address(pool, fetch[k]);
+		if (pool->page_slot[fetch[k]] == KVR_SPILL_NO_SLOT) {
+			memset(at, 0, pool->page_bytes);
+		} else {
+			slots[n_read] = pool->page_slot[fetch[k]];
+			addrs[n_read++] = at;
+		}
+	}
+	if (!err && n_read) {
+		int e = kvr_spill_read_pages(pool->spill, slots, n_read, addrs, NULL);
+		if (e) {
+			pool->spill_errors++;
+			err = fail(pool, e, "pool: pin: %s", kvr_spill_last_error(pool->spill));
+		} else {
+			pool->fetches += n_read;
+		}
+	}
+	if (err) {
+		/* All or nothing: this call's pins go, and every page it fetched
+		 * goes back to the file alone (its slot still holds its bytes; a
+		 * frame whose read failed holds garbage). */
+		for (uint32_t i = 0; i < n; i++)
+			if (mine[i])
+				unpin_locked(pool, pages[i]);
+		for (uint32_t k = 0; k < n_fetch; k++) {
+			frame_release(pool, fetch[k]);
+			if (pool->page_slot[fetch[k]] != KVR_SPILL_NO_SLOT)
+				pool->spilled_pages++;
+		}
+	}
+	pthread_mutex_unlock(&pool->lock);
+	free(fetch), free(slots), free(addrs), free(mine);
+	return err;
+}
+
+int kvr_pool_unpin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
+{
+	if (!pool->spill || !n)
+		return 0;
+	if (!pages)
+		return fail(pool, -EINVAL, "pool: unpin: pages is NULL");
+	pthread_mutex_lock(&pool->lock);
+	int err = check_live(pool, pages, NULL, n, "unpin");
+	uint32_t done = 0;
+	for (; done < n && !err; done++) {
+		if (!pool->pins[pages[done]]) {
+			err = fail(pool, -EINVAL, "pool: unpin: page %u is not pinned", pages[done]);
+			break;
+		}
+		unpin_locked(pool, pages[done]);
+	}
+	if (err) /* nothing changed: put back what this call took */
+		while (done--)
+			pin_locked(pool, pages[done]);
+	pthread_mutex_unlock(&pool->lock);
+	return err;
+}
+
+void kvr_pool_touch(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
+{
+	if (!pool->spill || !pages)
+		return;
+	for (uint32_t i = 0; i < n; i++)
+		if (pages[i] < pool->capacity_pages)
+			atomic_store_explicit(&pool->touched[pages[i]], 1, memory_order_relaxed);
+}
+
+int kvr_pool_page_resident(struct kvr_pool *pool, uint32_t page_id)
+{
+	pthread_mutex_lock(&pool->lock);
+	int r = !page_live(pool, page_id)
+			? fail(pool, -EINVAL, "pool: page %u is not allocated", page_id)
+			: (!pool->spill || pool->page_frame[page_id] != KVR_POOL_NO_PAGE);
+	pthread_mutex_unlock(&pool->lock);
+	return r;
+}
+
+int kvr_pool_read_runs(struct kvr_pool *pool, const uint32_t *pages, const uint32_t *heads, uint32_t n,
+		       void *dst, int32_t *results)
+{
+	if (!n)
+		return 0;
+	if (!pages || !heads || !dst)
+		return fail(pool, -EINVAL, "pool: read_runs: pages, heads or dst is NULL");
+	if (pool->params.layout != KVR_POOL_LAYOUT_HND)
+		return fail(pool, -EINVAL, "pool: read_runs: needs the HND layout");
+	const uint64_t hb = pool->head_bytes;
+	unsigned char *out = dst;
+	if (results)
+		memset(results, 0, (size_t)n * sizeof(*results));
+	pthread_mutex_lock(&pool->lock);
+	int err = check_live(pool, pages, heads, n, "read_runs");
+	if (!pool->spill || err) {
+		pthread_mutex_unlock(&pool->lock);
+		if (err && results)
+			for (uint32_t i = 0; i < n; i++)
+				results[i] = err;
+		if (!err)
+			kvr_pool_gather_runs(pool, pages, heads, n, dst);
+		return err;
+	}
+	enum { NEVER_WRITTEN = KVR_POOL_NO_PAGE - 1 }; /* no frame reaches it */
+	/* Every page pinned for the call: a resident one keeps its frame, a
+	 * spilled one its slot (demotion and eviction respect pins). */
+	uint32_t *where = malloc((size_t)n * sizeof(*where)); /* frame, or NO_PAGE: the file */
+	struct kvr_spill_run *runs = malloc((size_t)n * sizeof(*runs));
+	void **dsts = malloc((size_t)n * sizeof(*dsts));
+	uint32_t *file_index = malloc((size_t)n * sizeof(*file_index));
+	int32_t *file_res = malloc((size_t)n * sizeof(*file_res));
+	if (!where || !runs || !dsts || !file_index || !file_res) {
+		pthread_mutex_unlock(&pool->lock);
+		free(where), free(runs), free(dsts), free(file_index), free(file_res);
+		return fail(pool, -ENOMEM, "pool: read_runs: out of memory");
+	}
+	uint32_t n_file = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		const uint32_t id = pages[i];
+		pin_locked(pool, id);
+		atomic_store_explicit(&pool->touched[id], 1, memory_order_relaxed);
+		where[i] = pool->page_frame[id];
+		if (where[i] == KVR_POOL_NO_PAGE && pool->page_slot[id] == KVR_SPILL_NO_SLOT)
+			where[i] = NEVER_WRITTEN;
+		if (where[i] == KVR_POOL_NO_PAGE) {
+			runs[n_file] = (struct kvr_spill_run){ pool->page_slot[id], heads[i] };
+			dsts[n_file] = out + (uint64_t)i * hb;
+			file_index[n_file++] = i;
+		}
+	}
+	pthread_mutex_unlock(&pool->lock);
+	/* RAM first (streaming copies, prefetching each run's successor) */
+	enum { BATCH = 64 };
+	const void *srcs[BATCH + 1];
+	void *to[BATCH];
+	uint32_t m = 0;
+	for (uint32_t i = 0; i <= n; i++) {
+		if (i < n && where[i] == NEVER_WRITTEN) {
+			memset(out + (uint64_t)i * hb, 0, hb);
+		} else if (i < n && where[i] != KVR_POOL_NO_PAGE) {
+			srcs[m] = frame_address(pool, where[i]) + (uint64_t)heads[i] * hb;
+			to[m++] = out + (uint64_t)i * hb;
+		}
+		if (m == BATCH || (i == n && m)) {
+			for (uint32_t k = 0; k < m; k++)
+				kvr_copy_stream(to[k], srcs[k], hb, k + 1 < m ? srcs[k + 1] : NULL);
+			m = 0;
+		}
+	}
+	/* then the file, read through */
+	int ferr = n_file ? kvr_spill_read_runs_to(pool->spill, runs, n_file, dsts, file_res) : 0;
+	pthread_mutex_lock(&pool->lock);
+	for (uint32_t i = 0; i < n; i++)
+		unpin_locked(pool, pages[i]);
+	if (ferr) {
+		pool->spill_errors++;
+		err = fail(pool, ferr, "pool: read_runs: %s", kvr_spill_last_error(pool->spill));
+	}
+	for (uint32_t k = 0; k < n_file; k++) {
+		if (results)
+			results[file_index[k]] = file_res[k];
+		pool->runs_read_through += file_res[k] == 0;
+	}
+	pthread_mutex_unlock(&pool->lock);
+	free(where), free(runs), free(dsts), free(file_index), free(file_res);
+	return err;
+}
+
+struct kvr_spill *kvr_pool_spill_file(struct kvr_pool *pool)
+{
+	return pool->spill;
+}
+
+int kvr_pool_spill_all(struct kvr_pool *pool)
+{
+	if (!pool->spill)
+		return 0;
+	pthread_mutex_lock(&pool->lock);
+	int total = 0, err = 0;
+	for (;;) {
+		uint32_t evicted = 0;
+		bool any = false;
+		for (uint32_t f = 0; f < pool->frame_high && !any; f++)
+			any = pool->frame_page[f] != KVR_POOL_NO_PAGE && !pool->pins[pool->frame_page[f]];
+		if (!any)
+			break;
+		err = evict_locked(pool, 64, true, &evicted);
+		if (err)
+			break;
+		total += (int)evicted;
+	}
+	pthread_mutex_unlock(&pool->lock);
+	return err ? err : total;
 }
 
 /* ------------------------------------------------------------------ ingest */
@@ -890,7 +1412,7 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 		uint32_t unused_id;
 		if (!err && len % p) {
 			err = page_for_write(pool, t, (uint32_t)(len / p), &unused_page,
-					     &unused_summary, &unused_id);
+					     &unused_summary, &unused_id, false);
 			if (err)
 				table_shrink(pool, t, before);
 		}
@@ -954,7 +1476,68 @@ void kvr_pool_get_stats(const struct kvr_pool *pool, struct kvr_pool_stats *out)
 	out->lock_failures = pool->lock_failures;
 	out->hugepage_failures = pool->hugepage_failures;
 	out->numa_node = pool->params.numa_node;
+	if (pool->spill) {
+		struct kvr_spill_stats ss;
+		kvr_spill_get_stats(pool->spill, &ss);
+		out->spill_enabled = 1;
+		out->frames = pool->n_frames;
+		out->resident_pages = pool->resident_pages;
+		out->spilled_pages = pool->spilled_pages;
+		out->pinned_pages = pool->pinned_pages;
+		out->evictions = pool->evictions;
+		out->spill_writes = pool->spill_writes;
+		out->fetches = pool->fetches;
+		out->runs_read_through = pool->runs_read_through;
+		out->spill_file_bytes = ss.file_bytes;
+		out->spill_errors = pool->spill_errors;
+	}
 	pthread_mutex_unlock(&mpool->lock);
+}
+
+/* Lock held. Frames and pages point at each other, free frames are free,
+ * the counters add up, and the file holds exactly the pages' slots. */
+static int validate_spill(struct kvr_pool *pool)
+{
+	uint64_t resident = 0, spilled = 0, with_slot = 0, pinned = 0;
+	for (uint32_t id = 0; id < pool->capacity_pages; id++) {
+		const uint32_t f = pool->page_frame[id], s = pool->page_slot[id];
+		if (!page_live(pool, id)) {
+			if (f != KVR_POOL_NO_PAGE || s != KVR_SPILL_NO_SLOT || pool->pins[id])
+				return fail(pool, -EFAULT, "pool: free page %u holds frame %u, slot %u or pins %u",
+					    id, f, s, pool->pins[id]);
+			continue;
+		}
+		if (f != KVR_POOL_NO_PAGE && (f >= pool->frame_high || pool->frame_page[f] != id))
+			return fail(pool, -EFAULT, "pool: page %u claims frame %u, which holds %u", id, f,
+				    f < pool->frame_high ? pool->frame_page[f] : KVR_POOL_NO_PAGE);
+		resident += f != KVR_POOL_NO_PAGE;
+		spilled += f == KVR_POOL_NO_PAGE && s != KVR_SPILL_NO_SLOT;
+		with_slot += s != KVR_SPILL_NO_SLOT;
+		pinned += pool->pins[id] > 0;
+	}
+	uint64_t held = 0;
+	for (uint32_t f = 0; f < pool->frame_high; f++) {
+		const uint32_t id = pool->frame_page[f];
+		if (id == KVR_POOL_NO_PAGE)
+			continue;
+		held++;
+		if (id >= pool->capacity_pages || pool->page_frame[id] != f)
+			return fail(pool, -EFAULT, "pool: frame %u holds page %u, which is elsewhere", f, id);
+	}
+	struct kvr_spill_stats ss;
+	kvr_spill_get_stats(pool->spill, &ss);
+	if (held != resident || held + pool->n_frame_free != pool->frame_high ||
+	    resident != pool->resident_pages || spilled != pool->spilled_pages ||
+	    pinned != pool->pinned_pages || with_slot != ss.slots_used)
+		return fail(pool, -EFAULT,
+			    "pool: spill tier: %llu frames held, %u free of %u; counted %llu resident, "
+			    "%llu spilled, %llu pinned, %llu slots (kept: %llu, %llu, %llu; file: %llu)",
+			    (unsigned long long)held, pool->n_frame_free, pool->frame_high,
+			    (unsigned long long)resident, (unsigned long long)spilled,
+			    (unsigned long long)pinned, (unsigned long long)with_slot,
+			    (unsigned long long)pool->resident_pages, (unsigned long long)pool->spilled_pages,
+			    (unsigned long long)pool->pinned_pages, (unsigned long long)ss.slots_used);
+	return 0;
 }
 
 int kvr_pool_validate(struct kvr_pool *pool, const uint32_t *external_refs)
@@ -1008,11 +1591,15 @@ int kvr_pool_validate(struct kvr_pool *pool, const uint32_t *external_refs)
 		}
 		on_stack[id] = 1;
 	}
-	if (live != pool->used_pages || live + pool->n_free != pool->high_water)
+	if (live != pool->used_pages || live + pool->n_free != pool->high_water) {
 		err = fail(pool, -EFAULT,
 			   "pool: %llu live + %u free pages != high water %u (used_pages %llu)",
 			   (unsigned long long)live, pool->n_free, pool->high_water,
 			   (unsigned long long)pool->used_pages);
+		goto out;
+	}
+	if (pool->spill)
+		err = validate_spill(pool);
 out:
 	free(expect);
 	free(on_stack);

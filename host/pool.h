@@ -19,6 +19,19 @@
  * A hard capacity (capacity_bytes) bounds the pages: reserving past it fails
  * with -ENOMEM and changes nothing. Every call validates its ids (-EINVAL).
  *
+ * The spill tier (ram_bytes > 0, HND pools): RAM then holds at most
+ * ram_bytes of pages — frames — and the rest of capacity_bytes lives in a
+ * spill file (spill.h). A page id names a frame, a slot of the file, or
+ * both (a page read back keeps its slot while it is unchanged, so evicting
+ * it again costs no write). A page gets a frame when it is written; when no
+ * frame is free, the least recently touched unpinned pages are evicted
+ * (CLOCK over the frames, kvr_pool_touch sets the reference bits), a batch
+ * at a time, written out unless they are clean. Summaries and page tables
+ * never leave RAM. Pages are read back into frames by kvr_pool_pin, or read
+ * through without one, run by run, by kvr_pool_read_runs. In a pool with a
+ * spill tier, page memory (kvr_pool_page_data, kvr_pool_gather_head,
+ * kvr_pool_gather_runs) may be read only for pages the caller has pinned.
+ *
  * Threads: calls that change the allocator or page tables take the pool's
  * mutex, so the engine's thread and the controller may both call them. Reading
  * a page's memory (kvr_pool_page_data, kvr_pool_gather_head) takes no lock:
@@ -77,7 +90,18 @@ struct kvr_pool_params {
 	 * KVR_KV_MIXED: pages are written K8V4 and may be demoted to K4V2
 	 * (kvr_pool_demote), every run keeping the K8V4 run's room. */
 	uint32_t kv_format;
+	/* The spill tier: 0 keeps every page in RAM. Otherwise bytes of RAM for
+	 * pages (at least KVR_POOL_MIN_FRAMES pages; HND layout only); pages
+	 * beyond it go to a spill file in spill_dir (NULL: spill.h's default)
+	 * with spill_queue_depth I/Os in flight (0: default) and spill_flags
+	 * (enum kvr_spill_flags). ram_bytes >= capacity_bytes spills nothing. */
+	uint64_t ram_bytes;
+	const char *spill_dir;
+	uint32_t spill_queue_depth;
+	uint32_t spill_flags;
 };
+
+#define KVR_POOL_MIN_FRAMES 8u
 
 struct kvr_pool_stats {
 	uint64_t page_bytes;        /* bytes per page */
@@ -92,6 +116,18 @@ struct kvr_pool_stats {
 	uint32_t lock_failures;     /* chunks left unlocked */
 	uint32_t hugepage_failures; /* chunks whose MADV_HUGEPAGE was refused */
 	int32_t numa_node;          /* node chunks are bound to, -1 if none */
+	/* the spill tier (all 0 without one) */
+	uint32_t spill_enabled;     /* 1: ram_bytes < capacity_bytes, a spill file exists */
+	uint32_t frames;            /* pages RAM may hold */
+	uint64_t resident_pages;    /* live pages in a frame */
+	uint64_t spilled_pages;     /* live pages only in the spill file */
+	uint64_t pinned_pages;      /* live pages with a pin */
+	uint64_t evictions;         /* pages that left RAM */
+	uint64_t spill_writes;      /* of which written out (the rest were clean) */
+	uint64_t fetches;           /* pages read back into a frame (kvr_pool_pin) */
+	uint64_t runs_read_through; /* runs read from the file by kvr_pool_read_runs */
+	uint64_t spill_file_bytes;  /* the spill file's size */
+	uint64_t spill_errors;      /* spill reads or writes that failed */
 };
 
 struct kvr_pool;
@@ -197,6 +233,44 @@ void kvr_pool_gather_head(const struct kvr_pool *pool, uint32_t page_id, uint32_
  * be 64-byte aligned. Lock-free, like kvr_pool_gather_head. */
 void kvr_pool_gather_runs(const struct kvr_pool *pool, const uint32_t *pages,
 			  const uint32_t *heads, uint32_t n, void *dst);
+
+/* ---- the spill tier (no-ops, returning 0, in a pool without one) ---- */
+
+/* Pin n pages in RAM (a page listed twice is pinned twice): spilled ones are
+ * read back into frames, evicting unpinned others. All or nothing: -EINVAL
+ * (a page not live), -ENOMEM (the frames cannot hold them beside the pages
+ * already pinned), -EIO or -EBADMSG (a read failed or its checksum did not
+ * match: that page stays spilled) leave no pin taken and every page's data
+ * as it was. */
+int kvr_pool_pin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n);
+/* Drop one pin of each page. -EINVAL (nothing changed) for a page not live
+ * or not pinned. */
+int kvr_pool_unpin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n);
+/* Mark pages as just used (selected): eviction takes them last. Lock-free;
+ * ids out of range are ignored. */
+void kvr_pool_touch(struct kvr_pool *pool, const uint32_t *pages, uint32_t n);
+/* 1 when a live page is in a frame, 0 when it is only in the spill file (or
+ * was never written), -EINVAL for a page not live. Always 1 without a spill
+ * tier. */
+int kvr_pool_page_resident(struct kvr_pool *pool, uint32_t page_id);
+
+/* Read n KV-head runs (pages[i], heads[i]) into dst + i·head_bytes, as
+ * kvr_pool_gather_runs, from RAM or straight from the spill file (read
+ * through: a spilled page stays spilled). The resident pages are pinned for
+ * the copy, so eviction may run beside it. results[i] (may be NULL): 0, or
+ * -EIO / -EBADMSG for a run that could not be read (its dst bytes are then
+ * unspecified); the return is 0 or the first failure; -EINVAL (nothing
+ * read) for a page not live. Pages read are touched. Any thread; HND. */
+int kvr_pool_read_runs(struct kvr_pool *pool, const uint32_t *pages, const uint32_t *heads,
+		       uint32_t n, void *dst, int32_t *results);
+
+/* The pool's spill file, NULL without a spill tier (tests inject faults
+ * through it, spill.h's kvr_spill_inject). */
+struct kvr_spill *kvr_pool_spill_file(struct kvr_pool *pool);
+
+/* Evict every unpinned resident page now (tests and benchmarks: a pool
+ * fully spilled). Returns the number evicted, or a negative errno. */
+int kvr_pool_spill_all(struct kvr_pool *pool);
 
 /*
  * Prefill ingestion: append n_tokens tokens at positions first_position.. to

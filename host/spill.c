@@ -973,16 +973,18 @@ static int reserve_extents(struct kvr_spill *sp, uint32_t n)
 	return 0;
 }
 
-int kvr_spill_read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n, void *dst,
-			uint64_t dst_stride, int32_t *results)
+/* Read runs[i] into dsts[i] (or dst + i·dst_stride when dsts is NULL). */
+static int read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n,
+		     void *const *dsts_in, unsigned char *dst, uint64_t dst_stride, int32_t *results)
 {
-	if (!sp || (n && (!runs || !dst)))
-		return -EINVAL;
 	pthread_mutex_lock(&sp->lock);
 	int err = 0;
-	for (uint32_t i = 0; i < n && !err; i++)
+	for (uint32_t i = 0; i < n && !err; i++) {
 		err = check_slot(sp, runs[i].slot, runs[i].run);
-	if (!err && n && dst_stride < sp->run_bytes)
+		if (!err && dsts_in && !dsts_in[i])
+			err = spill_fail(sp, -EINVAL, "spill read: destination %u is NULL", i);
+	}
+	if (!err && n && !dsts_in && dst_stride < sp->run_bytes)
 		err = spill_fail(sp, -EINVAL, "spill read: dst_stride %llu < run_bytes %llu",
 				 (unsigned long long)dst_stride, (unsigned long long)sp->run_bytes);
 	unsigned char **dsts = NULL;
@@ -994,7 +996,7 @@ int kvr_spill_read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, 
 	if (!err && n) {
 		for (uint32_t i = 0; i < n; i++) {
 			sp->extents[i] = (struct read_extent){ runs[i].slot, runs[i].run, 1, i };
-			dsts[i] = (unsigned char *)dst + (uint64_t)i * dst_stride;
+			dsts[i] = dsts_in ? (unsigned char *)dsts_in[i] : dst + (uint64_t)i * dst_stride;
 		}
 		err = read_extents(sp, n, dsts, results, n);
 	} else if (err && results) {
@@ -1004,6 +1006,22 @@ int kvr_spill_read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, 
 	free(dsts);
 	pthread_mutex_unlock(&sp->lock);
 	return err;
+}
+
+int kvr_spill_read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n, void *dst,
+			uint64_t dst_stride, int32_t *results)
+{
+	if (!sp || (n && (!runs || !dst)))
+		return -EINVAL;
+	return read_runs(sp, runs, n, NULL, dst, dst_stride, results);
+}
+
+int kvr_spill_read_runs_to(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n,
+			   void *const *dsts, int32_t *results)
+{
+	if (!sp || (n && (!runs || !dsts)))
+		return -EINVAL;
+	return read_runs(sp, runs, n, dsts, NULL, 0, results);
 }
 
 int kvr_spill_read_pages(struct kvr_spill *sp, const uint32_t *slots, uint32_t n, void *const *pages,

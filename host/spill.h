@@ -133,6 +133,10 @@ int kvr_spill_write_pages(struct kvr_spill *sp, const void *const *pages, uint32
 int kvr_spill_read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n,
 			void *dst, uint64_t dst_stride, int32_t *results);
 
+/* As kvr_spill_read_runs, run i going to dsts[i] (-EINVAL for a NULL one). */
+int kvr_spill_read_runs_to(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n,
+			   void *const *dsts, int32_t *results);
+
 /* Read n whole pages back: slot slots[i] into pages[i] (runs_per_page runs at
  * run_bytes stride), one I/O per page. Results and errors as
  * kvr_spill_read_runs. The slots stay allocated. */
