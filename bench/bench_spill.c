@@ -15,6 +15,14 @@
  * reads, queue depth 16) over the same file, the ceiling. "sync" in the
  * queue-depth column is the pread/pwrite fallback (KVR_SPILL_SYNC).
  *
+ * Then the pool with a RAM budget (host/pool.h's spill tier): one layer of
+ * --pool-context tokens in a pool whose RAM holds 100%, 50% or 10% of it
+ * (--spilled 0,50,90), and per step the runs a recall of budget B reads —
+ * B/p random pages per KV head, through kvr_pool_read_runs (RAM copies for
+ * resident pages, reads straight from the file for spilled ones): µs per
+ * recall, the decode step's recall share as the spill tier stands today
+ * (the scheduler does not drive it yet).
+ *
  * Threads: the caller's only.
  */
 #include <errno.h>
@@ -30,6 +38,7 @@
 #include "kvrecall.h"
 #include "bench_cmd.h"
 #include "bench_common.h"
+#include "../host/pool.h"
 #include "../host/spill.h"
 
 #define MAX_SIZES 8
@@ -204,12 +213,100 @@ out:
 	return rc;
 }
 
+struct pool_point {
+	uint32_t spilled_pct;
+	double recall_us, gbs;
+	uint64_t resident, spilled, read_through;
+};
+
+/* One layer of `context` tokens (llama-3.1-8b's KV shape: 8 KV heads, d
+ * 128, p 32, f16) in a pool holding (100 - pct)% of it in RAM; `steps`
+ * recalls of B/p random pages per KV head. 0 or 1 after a message. */
+static int measure_pool(const char *dir, uint32_t pct, uint32_t context, uint32_t budget, uint32_t steps,
+			struct pool_point *pt)
+{
+	const uint32_t p = 32, d = 128, n_kv = 8;
+	struct kvr_pool_params pp = { .n_layers = 1,
+				      .max_sequences = 1,
+				      .layout = KVR_POOL_LAYOUT_HND,
+				      .numa_node = -1,
+				      .flags = KVR_POOL_NO_HUGEPAGES,
+				      .keep_summaries = 1,
+				      .spill_dir = dir };
+	kvr_page_geometry_init(&pp.geometry, p, d, n_kv, KVR_ELEM_F16);
+	const uint32_t n_pages = context / p, k = budget / p;
+	const uint64_t pb = pp.geometry.page_bytes;
+	pp.capacity_bytes = (uint64_t)n_pages * pb;
+	uint64_t frames = (uint64_t)n_pages * (100 - pct) / 100;
+	if (pct && frames < KVR_POOL_MIN_FRAMES)
+		frames = KVR_POOL_MIN_FRAMES;
+	pp.ram_bytes = pct ? frames * pb : 0;
+	struct kvr_pool *pool = NULL;
+	char err[256];
+	if (kvr_pool_create(&pp, &pool, err, sizeof(err))) {
+		fprintf(stderr, "kvrecall bench spill: %s\n", err);
+		return 1;
+	}
+	const uint32_t row = n_kv * d;
+	uint16_t *rows = malloc((size_t)2 * p * row * sizeof(uint16_t));
+	uint32_t *ids = malloc((size_t)n_pages * sizeof(*ids));
+	uint32_t *pages = malloc((size_t)k * n_kv * sizeof(*pages)), *heads = malloc((size_t)k * n_kv * sizeof(*heads));
+	unsigned char *dst = bench_huge_alloc("pool recall", (size_t)k * n_kv * kvr_pool_head_bytes(pool));
+	double *times = malloc((size_t)steps * sizeof(double));
+	int rc = 1;
+	uint64_t rng = 0x2545f4914f6cdd1dull + pct;
+	if (!rows || !ids || !pages || !heads || !times || kvr_pool_seq_open(pool, 0) ||
+	    kvr_pool_reserve(pool, 0, 0, n_pages)) {
+		fprintf(stderr, "kvrecall bench spill: pool: %s\n", kvr_pool_last_error(pool));
+		goto out;
+	}
+	for (uint32_t i = 0; i < n_pages; i++) {
+		for (uint32_t j = 0; j < 2 * p * row; j++)
+			rows[j] = (uint16_t)(bench_xorshift(&rng) & 0x3bff); /* finite f16 */
+		if (kvr_pool_write_page(pool, 0, 0, i, rows, rows + (size_t)p * row, row) ||
+		    kvr_pool_lookup(pool, 0, 0, i, &ids[i])) {
+			fprintf(stderr, "kvrecall bench spill: pool: %s\n", kvr_pool_last_error(pool));
+			goto out;
+		}
+	}
+	for (uint32_t s = 0; s <= steps; s++) { /* step 0 warms up */
+		for (uint32_t m = 0; m < n_kv; m++)
+			for (uint32_t j = 0; j < k; j++) {
+				pages[m * k + j] = ids[bench_xorshift(&rng) % n_pages];
+				heads[m * k + j] = m;
+			}
+		const double t0 = bench_now_s();
+		if (kvr_pool_read_runs(pool, pages, heads, k * n_kv, dst, NULL)) {
+			fprintf(stderr, "kvrecall bench spill: pool: %s\n", kvr_pool_last_error(pool));
+			goto out;
+		}
+		if (s)
+			times[s - 1] = bench_now_s() - t0;
+	}
+	struct kvr_pool_stats st;
+	kvr_pool_get_stats(pool, &st);
+	const double med = bench_median(times, steps);
+	*pt = (struct pool_point){ .spilled_pct = pct,
+				   .recall_us = med * 1e6,
+				   .gbs = (double)k * n_kv * kvr_pool_head_bytes(pool) / med / 1e9,
+				   .resident = st.spill_enabled ? st.resident_pages : n_pages,
+				   .spilled = st.spilled_pages,
+				   .read_through = st.runs_read_through };
+	rc = 0;
+out:
+	free(rows), free(ids), free(pages), free(heads), free(dst), free(times);
+	kvr_pool_destroy(pool);
+	return rc;
+}
+
 int bench_spill(int argc, char **argv)
 {
 	const char *json_path = NULL, *dir = NULL;
 	uint32_t sizes[MAX_SIZES] = { 4, 16, 64 }, n_sizes = 3;
 	uint32_t depths[MAX_DEPTHS] = { 1, 4, 16, 64 }, n_depths = 4;
 	uint32_t rpp = 8, batch = 256, file_mib = 256, with_sync = 1, staging_mib = 4;
+	uint32_t spilled[4] = { 0, 50, 90 }, n_spilled = 3, pool_context = 32768, pool_budget = 2048,
+		 pool_steps = 30;
 	for (int i = 0; i < argc; i++) {
 		if (!strcmp(argv[i], "--json") && i + 1 < argc)
 			json_path = argv[++i];
@@ -229,10 +326,20 @@ int bench_spill(int argc, char **argv)
 			staging_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--file-mib") && i + 1 < argc)
 			file_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--spilled") && i + 1 < argc) {
+			/* 0 is allowed here: parse by hand */
+			n_spilled = 0;
+			for (char *s = argv[++i], *end; *s && n_spilled < 4; s = *end ? end + 1 : end) {
+				spilled[n_spilled++] = (uint32_t)strtoul(s, &end, 10);
+				if (end == s || (*end && *end != ','))
+					goto usage;
+			}
+		} else if (!strcmp(argv[i], "--pool-context") && i + 1 < argc)
+			pool_context = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--no-sync"))
 			with_sync = 0;
 		else if (!strcmp(argv[i], "--quick"))
-			file_mib = 16, n_sizes = 2, n_depths = 2;
+			file_mib = 16, n_sizes = 2, n_depths = 2, pool_context = 4096, pool_budget = 1024, pool_steps = 5;
 		else
 			goto usage;
 	}
@@ -247,6 +354,16 @@ int bench_spill(int argc, char **argv)
 			fprintf(stderr, "kvrecall bench spill: --run-kib values 1..1024\n");
 			return 2;
 		}
+	for (uint32_t i = 0; i < n_spilled; i++)
+		if (spilled[i] > 99) {
+			fprintf(stderr, "kvrecall bench spill: --spilled values 0..99 (percent of the pool)\n");
+			return 2;
+		}
+	if (pool_context < 2 * pool_budget || pool_context % 32 || pool_context > (1u << 24)) {
+		fprintf(stderr, "kvrecall bench spill: --pool-context a multiple of 32, at least 2 x %u\n",
+			pool_budget);
+		return 2;
+	}
 	for (uint32_t i = 0; i < n_depths; i++)
 		if (!depths[i] || depths[i] > 4096) {
 			fprintf(stderr, "kvrecall bench spill: --queue-depths values 1..4096\n");
@@ -270,6 +387,12 @@ int bench_spill(int argc, char **argv)
 				return 1;
 			n_pts++;
 		}
+	struct pool_point pool_pts[4];
+	for (uint32_t i = 0; i < n_spilled; i++) {
+		bench_progress("spill (pool)", i, n_spilled);
+		if (measure_pool(dir, spilled[i], pool_context, pool_budget, pool_steps, &pool_pts[i]))
+			return 1;
+	}
 	bench_progress("spill", 1, 1);
 	fprintf(stderr,
 		"kvrecall bench spill: %s (%s, %s), %u MiB per point, pages of %u runs, batches of %u, "
@@ -284,6 +407,14 @@ int bench_spill(int argc, char **argv)
 			pts[i].spill_gbs, pts[i].recall_gbs, pts[i].raw_gbs,
 			pts[i].raw_gbs > 0 ? pts[i].recall_gbs / pts[i].raw_gbs : 0, ceiling[i / per_size]);
 	}
+	fprintf(stderr,
+		"pool with a RAM budget: one layer of %u tokens (8 KV heads, d 128, p 32, f16), recall of B = %u\n"
+		"%10s %12s %10s %10s %10s\n",
+		pool_context, pool_budget, "spilled %", "recall µs", "GB/s", "resident", "spilled");
+	for (uint32_t i = 0; i < n_spilled; i++)
+		fprintf(stderr, "%10u %12.1f %10.3f %10llu %10llu\n", pool_pts[i].spilled_pct, pool_pts[i].recall_us,
+			pool_pts[i].gbs, (unsigned long long)pool_pts[i].resident,
+			(unsigned long long)pool_pts[i].spilled);
 	FILE *f = json_path ? fopen(json_path, "w") : stdout;
 	if (!f) {
 		fprintf(stderr, "kvrecall bench spill: cannot write %s: %s\n", json_path, strerror(errno));
@@ -306,13 +437,24 @@ int bench_spill(int argc, char **argv)
 			pts[i].run_kib, pts[i].depth, pts[i].io_uring ? "io_uring" : "pread",
 			pts[i].registered ? "true" : "false", pts[i].spill_gbs, pts[i].recall_gbs, pts[i].raw_gbs,
 			ceiling[i / per_size], i + 1 < n_pts ? "," : "");
-	fprintf(f, "  ]\n");
+	fprintf(f, "  ],\n  \"pool\": {\"context_tokens\": %u, \"budget_tokens\": %u, \"steps\": %u, "
+		   "\"shape\": \"8 KV heads, d 128, p 32, f16\", \"results\": [\n",
+		pool_context, pool_budget, pool_steps);
+	for (uint32_t i = 0; i < n_spilled; i++)
+		fprintf(f,
+			"    {\"spilled_pct\": %u, \"recall_us\": %.2f, \"gbs\": %.4f, \"resident_pages\": %llu, "
+			"\"spilled_pages\": %llu, \"runs_read_through\": %llu}%s\n",
+			pool_pts[i].spilled_pct, pool_pts[i].recall_us, pool_pts[i].gbs,
+			(unsigned long long)pool_pts[i].resident, (unsigned long long)pool_pts[i].spilled,
+			(unsigned long long)pool_pts[i].read_through, i + 1 < n_spilled ? "," : "");
+	fprintf(f, "  ]}\n");
 	bench_json_close(f);
 	if (f != stdout)
 		fclose(f);
 	return 0;
 usage:
 	fprintf(stderr, "usage: kvrecall bench spill [--dir DIR] [--run-kib 4,16,64] [--queue-depths 1,4,16,64] "
-			"[--runs-per-page 8] [--batch 256] [--staging-mib 4] [--file-mib 256] [--no-sync] [--quick] [--json FILE]\n");
+			"[--runs-per-page 8] [--batch 256] [--staging-mib 4] [--file-mib 256] [--no-sync] [--spilled 0,50,90] "
+			"[--pool-context 32768] [--quick] [--json FILE]\n");
 	return 2;
 }

@@ -301,7 +301,12 @@ Test(bench, spill_writes_schema_json, .timeout = 120)
 			 "    if r['queue_depth'] == 0:\n"
 			 "        assert r['engine'] == 'pread' and r['raw_gbs'] == 0, r\n"
 			 "    elif r['engine'] == 'io_uring':\n"
-			 "        assert r['raw_gbs'] > 0, r");
+			 "        assert r['raw_gbs'] > 0, r\n"
+			 "p = d['pool']['results']\n"
+			 "assert [r['spilled_pct'] for r in p] == [0, 50, 90], p\n"
+			 "assert p[0]['spilled_pages'] == 0 and p[0]['runs_read_through'] == 0, p\n"
+			 "assert 0 < p[1]['spilled_pages'] < p[2]['spilled_pages'], p\n"
+			 "assert all(r['runs_read_through'] > 0 and r['recall_us'] > 0 for r in p[1:]), p");
 }
 
 /* Run `kvrecall <args> --trace FILE` and check FILE is Chrome trace-event
