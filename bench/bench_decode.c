@@ -40,6 +40,7 @@
 #include "bench_common.h"
 #include "bench_shape.h"
 #include "../gpu/backend.h"
+#include "../layouts/kvquant.h"
 #include "../layouts/half.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -53,6 +54,8 @@ static struct {
 	struct bench_shape sh;
 	uint32_t recall, buffers, pool_layout, chunk_pages, controller, backend, kv_format;
 	uint32_t budget, sink, window;
+	int32_t spilled_pct;          /* the spill tier: % of the KV in the file; -1 = no tier */
+	const char *spill_dir;
 	uint32_t resolved_controller; /* what the contexts resolved `controller` to */
 	const char *backend_name;
 } g = {
@@ -67,6 +70,7 @@ static struct {
 	.window = 512,
 	.resolved_controller = KVR_CONTROLLER_AUTO,
 	.backend_name = "cpu",
+	.spilled_pct = -1,
 };
 
 /* --backend cuda: the engine's side of a step on the GPU — its device buffers
@@ -140,6 +144,22 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t batch, uint64_t max_
 	c.backend = g.backend;
 	const uint64_t page_bytes = 2ull * g.sh.page_tokens * g.sh.head_dim * g.sh.n_kv_heads * 2;
 	c.pool_bytes = (max_tokens / g.sh.page_tokens + 64) * g.sh.n_layers * page_bytes * batch;
+	if (g.spilled_pct >= 0 && max_tokens > g.budget) {
+		/* RAM for (100 - pct)% of the context's pages (0%: the tier is on
+		 * and everything fits); the rest lives in the spill file. The
+		 * contexts at L <= B (the attention-over-B baseline) keep theirs. */
+		const uint64_t pages = (max_tokens / g.sh.page_tokens + 1) * g.sh.n_layers * batch;
+		const uint64_t ram_pages = pages * (uint64_t)(100 - g.spilled_pct) / 100;
+		const uint64_t stored = g.kv_format ? kvr_kv_run_bytes(g.kv_format == KVR_KV_FORMAT_MIXED
+									       ? KVR_KV_FORMAT_K8V4
+									       : g.kv_format,
+								       g.sh.page_tokens, g.sh.head_dim, 2) *
+							      g.sh.n_kv_heads
+						    : page_bytes;
+		c.pool_ram_bytes = (ram_pages < 8 ? 8 : ram_pages) * stored;
+		if (g.spill_dir)
+			snprintf(c.spill_dir, sizeof(c.spill_dir), "%s", g.spill_dir);
+	}
 	struct kvr_context *ctx;
 	if (kvr_context_create(&c, &ctx))
 		die("context", kvr_last_error(NULL));
@@ -287,7 +307,7 @@ static int usage(void)
 		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24]\n"
 		"         [--max-context 131072] [--mode M] [--recall zero-copy|streamed] [--buffers 1|2]\n"
 		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
-		"         [--kv-format f16|k8v4|k4v2|mixed]\n"
+		"         [--kv-format f16|k8v4|k4v2|mixed] [--spilled PCT [--spill-dir DIR]]\n"
 		"         [--quick] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
 		"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
 	return 2;
@@ -359,7 +379,18 @@ int bench_decode(int argc, char **argv)
 				fprintf(stderr, "kvrecall bench decode: unknown KV format '%s'\n", val);
 				return 2;
 			}
-		} else if (!strcmp(a, "--pool-layout"))
+		} else if (!strcmp(a, "--spilled")) {
+			char *end;
+			const long pct = strtol(val, &end, 10);
+			if (*end || pct < 0 || pct > 99) {
+				fprintf(stderr, "kvrecall bench decode: --spilled takes 0..99 (percent of the KV in the spill file)\n");
+				return 2;
+			}
+			g.spilled_pct = (int32_t)pct;
+			g.recall = KVR_RECALL_STREAMED;
+		} else if (!strcmp(a, "--spill-dir"))
+			g.spill_dir = val;
+		else if (!strcmp(a, "--pool-layout"))
 			g.pool_layout = !strcmp(val, "nhd") ? KVR_POOL_NHD : KVR_POOL_HND;
 		else if (!strcmp(a, "--mode")) {
 			if (kvr_mode_parse(val, &only_mode) || only_mode == KVR_MODE_AUTO) {
@@ -425,9 +456,10 @@ int bench_decode(int argc, char **argv)
 	bench_shape_json(json, &g.sh);
 	fprintf(json, ",\n  \"params\": {\"budget_tokens\": %u, \"sink_tokens\": %u, \"window_tokens\": %u, "
 		      "\"steps\": %u, \"tau\": 0.9, \"recall\": \"%s\", \"recall_buffers\": %u, \"chunk_pages\": %u, "
-		      "\"pool_layout\": \"%s\", \"kv_format\": \"%s\"},\n  \"results\": [\n",
+		      "\"pool_layout\": \"%s\", \"kv_format\": \"%s\", \"spilled_pct\": %d},\n  \"results\": [\n",
 		B, g.sink, g.window, steps, kvr_recall_name(g.recall), g.buffers, g.chunk_pages,
-		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", g.kv_format ? kvr_kv_format_name(g.kv_format) : "f16");
+		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", g.kv_format ? kvr_kv_format_name(g.kv_format) : "f16",
+		g.spilled_pct);
 	int first = 1;
 	for (uint32_t bi = 0; bi < n_batches; bi++) {
 		const uint32_t batch = batches[bi];

@@ -449,6 +449,9 @@ static void pin_locked(struct kvr_pool *pool, uint32_t id)
 {
 	if (pool->pins[id]++ == 0)
 		pool->pinned_pages++;
+	/* in use: once unpinned it is evicted last (sink and window pages are
+	 * pinned by every step's attention and so stay in RAM) */
+	atomic_store_explicit(&pool->touched[id], 1, memory_order_relaxed);
 }
 
 static void unpin_locked(struct kvr_pool *pool, uint32_t id)
@@ -761,7 +764,7 @@ int kvr_pool_seq_fork(struct kvr_pool *pool, uint32_t src, uint32_t dst)
 				pool->refcount[from->pages[i]]++;
 				to->pages[to->n_pages++] = from->pages[i];
 			}
-			if (!err && from->summaries)
+			if (!err && from->summaries && from->n_pages) /* an empty table has no array */
 				memcpy(to->summaries, from->summaries,
 				       (uint64_t)from->n_pages * pool->summary_bytes);
 			to->n_tokens = from->n_tokens;
@@ -972,6 +975,10 @@ static int page_for_write(struct kvr_pool *pool, struct layer_table *t, uint32_t
 	if (pool->refcount[id] > 1) {
 		uint32_t fresh = 0; /* set by page_alloc_locked on success */
 		int err = page_alloc_locked(pool, &fresh);
+		/* with a spill tier the copy needs a frame too, before the table
+		 * changes: a failure leaves the shared page where it was */
+		if (!err && pool->spill && filling && (err = frame_take(pool, fresh)))
+			page_unref_locked(pool, fresh);
 		if (err)
 			return err;
 		page_unref_locked(pool, id);
@@ -1353,6 +1360,15 @@ int kvr_pool_read_runs(struct kvr_pool *pool, const uint32_t *pages, const uint3
 struct kvr_spill *kvr_pool_spill_file(struct kvr_pool *pool)
 {
 	return pool->spill;
+}
+
+uint32_t kvr_pool_page_slot(struct kvr_pool *pool, uint32_t page_id)
+{
+	pthread_mutex_lock(&pool->lock);
+	const uint32_t slot = pool->spill && page_live(pool, page_id) ? pool->page_slot[page_id]
+								  : KVR_SPILL_NO_SLOT;
+	pthread_mutex_unlock(&pool->lock);
+	return slot;
 }
 
 int kvr_pool_spill_all(struct kvr_pool *pool)

@@ -196,7 +196,9 @@ int kvr_pool_lookup(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, u
 
 /* Offload: write p NHD rows of keys and values (row t at +t·row_stride
  * elements) into the page of (seq, layer, logical), converting to the pool's
- * layout, and compute its key summaries when the pool keeps them. */
+ * layout, and compute its key summaries when the pool keeps them. With a
+ * spill tier the page needs a frame: -ENOMEM (every frame pinned) or the
+ * eviction's -EIO / -ENOSPC leave the table and every page as they were. */
 int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t logical,
 			const void *k_rows, const void *v_rows, uint64_t row_stride);
 
@@ -218,7 +220,8 @@ uint32_t kvr_pool_page_format(const struct kvr_pool *pool, uint32_t page_id);
  * offsets; each is quantised again from its dequantised K8V4 values). A
  * K4V2 page is left as it is. -EINVAL for a pool that is not mixed or a page
  * that is not live, -EBUSY for a page shared with a fork (its other
- * readers did not ask), -ENOMEM. The caller owns the page: no one may read
+ * readers did not ask) or pinned by a reader, -EAGAIN for a page in the
+ * spill file (judged pages there stay K8V4), -ENOMEM. The caller owns the page: no one may read
  * it (attention, a recall copy) while it is rewritten. */
 int kvr_pool_demote(struct kvr_pool *pool, uint32_t page_id);
 
@@ -267,6 +270,10 @@ int kvr_pool_read_runs(struct kvr_pool *pool, const uint32_t *pages, const uint3
 /* The pool's spill file, NULL without a spill tier (tests inject faults
  * through it, spill.h's kvr_spill_inject). */
 struct kvr_spill *kvr_pool_spill_file(struct kvr_pool *pool);
+
+/* The slot of the spill file holding a live page's bytes, or
+ * KVR_SPILL_NO_SLOT (none, or no spill tier). Tests. */
+uint32_t kvr_pool_page_slot(struct kvr_pool *pool, uint32_t page_id);
 
 /* Evict every unpinned resident page now (tests and benchmarks: a pool
  * fully spilled). Returns the number evicted, or a negative errno. */

@@ -227,6 +227,23 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 			   "kv_format: quantised pages (%s) need pool_layout HND (0): a quantised "
 			   "KV head is one run with its scales (got pool_layout %u)",
 			   kvr_kv_format_name(c->kv_format), c->pool_layout);
+	if (c->spill_queue_depth > 4096)
+		return say(m, mb, -EINVAL, "spill_queue_depth: must be at most 4096 (got %u)",
+			   c->spill_queue_depth);
+	if (c->spill_reserved)
+		return say(m, mb, -EINVAL, "spill_reserved: must be 0 (got %u)", c->spill_reserved);
+	if (!memchr(c->spill_dir, '\0', sizeof(c->spill_dir)))
+		return say(m, mb, -EINVAL, "spill_dir: must be NUL-terminated within %zu bytes",
+			   sizeof(c->spill_dir));
+	if (c->pool_ram_bytes && c->pool_layout != KVR_POOL_HND)
+		return say(m, mb, -EINVAL,
+			   "pool_ram_bytes: the spill tier reads pages run by run: it needs pool_layout "
+			   "HND (0) (got %u)",
+			   c->pool_layout);
+	if (c->pool_ram_bytes && c->recall == KVR_RECALL_ZERO_COPY)
+		return say(m, mb, -EINVAL,
+			   "pool_ram_bytes: zero-copy recall reads pool pages in place, which a page in "
+			   "the spill file cannot serve: use recall streamed (2) or auto (0)");
 	if (!c->device_alloc != !c->device_free)
 		return say(m, mb, -EINVAL,
 			   "device_alloc: device_alloc and device_free must be set together");

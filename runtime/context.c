@@ -69,7 +69,8 @@ static uint32_t resolve_recall(const struct kvr_config *c)
 {
 	if (c->recall != KVR_RECALL_AUTO)
 		return c->recall;
-	return KVR_RECALL_ZERO_COPY;
+	/* a page in the spill file cannot be read in place */
+	return c->pool_ram_bytes ? KVR_RECALL_STREAMED : KVR_RECALL_ZERO_COPY;
 }
 
 KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixed_bytes,
@@ -231,6 +232,9 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		.log_fn = pool_log,
 		.log_user = ctx,
 		.kv_format = c.kv_format,
+		.ram_bytes = c.pool_ram_bytes,
+		.spill_dir = c.spill_dir[0] ? c.spill_dir : NULL,
+		.spill_queue_depth = c.spill_queue_depth,
 	};
 	if (!err && !kvr_dev_host_visible(ctx->dev)) {
 		pp.register_fn = pool_register;

@@ -40,7 +40,7 @@ extern "C" {
  * ------------------------------------------------------------------------- */
 
 #define KVR_VERSION_MAJOR 0
-#define KVR_VERSION_MINOR 4
+#define KVR_VERSION_MINOR 5
 #define KVR_VERSION_PATCH 0
 /* One integer, comparable: major * 10000 + minor * 100 + patch. */
 #define KVR_VERSION_NUMBER \
@@ -222,6 +222,17 @@ struct kvr_config {
 	/* Added in 0.4 (an older config, without it, takes its default). */
 	uint32_t kv_format; /* enum kvr_kv_format_kind: quantised pages need pool_layout HND.
 	                       Default PLAIN. */
+
+	/* Added in 0.5 (an older config, without them, takes their defaults):
+	 * the spill tier, pages beyond host RAM in a file on local storage. */
+	uint32_t spill_queue_depth; /* spill-file I/Os in flight, 0..4096; 0 = 32. */
+	uint32_t spill_reserved;    /* must be 0 */
+	uint64_t pool_ram_bytes;    /* RAM for pool pages: 0 = all of pool_bytes (no spill
+	                               tier). Below pool_bytes, the rest of the pool lives in
+	                               an unlinked file in spill_dir; needs pool_layout HND and
+	                               streamed recall (auto resolves to it). Default 0. */
+	char spill_dir[256];        /* directory of the spill file, NUL-terminated; "" =
+	                               $TMPDIR, else /var/tmp. */
 };
 
 /*

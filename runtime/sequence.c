@@ -215,9 +215,12 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 			/* the page exists (n_tokens <= have was checked above), so the
 			 * lookup cannot fail; a NULL page is still not dereferenced */
 			uint32_t id = 0;
+			/* pinned: with a spill tier it may be in the file (read back here) */
 			const unsigned char *page =
-				kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id) ? NULL
-												   : kvr_pool_page_data(ctx->pool, id);
+				kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id) ||
+						kvr_pool_pin(ctx->pool, &id, 1)
+					? NULL
+					: kvr_pool_page_data(ctx->pool, id);
 			/* a quantised page gives back its dequantised tokens: what
 			 * attention read of them, not the rows that were offloaded */
 			struct kvr_quant_geometry gq;
@@ -233,6 +236,8 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 					kvr_hnd_run_to_nhd_slot(&g, page + h * g.head_bytes, tail_keys(ctx, s, l),
 								tail_values(ctx, s, l), h);
 			}
+			if (page)
+				kvr_pool_unpin(ctx->pool, &id, 1);
 		}
 	}
 	/* the previous queries belonged to dropped tokens, and selections and

@@ -63,7 +63,16 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	if (!err && s->recall == KVR_RECALL_STREAMED) {
 		const uint64_t t1 = kvr_now_ns();
 		err = kvr_recall_issue(s, lane, lane->job_heads);
-		if (err) {
+		if (err && lane->spill_error) {
+			/* a page could not be read from the spill file: the lane's next
+			 * step fails its sequence with the status; the context goes on */
+			if (s->log_fn) {
+				char what[224];
+				snprintf(what, sizeof(what), "controller: recall of sequence %u layer %u: %s",
+					 lane->seq, lane->layer, kvr_pool_last_error(s->pool));
+				s->log_fn(s->log_user, KVR_LOG_ERROR, what);
+			}
+		} else if (err) {
 			char what[224];
 			snprintf(what, sizeof(what), "controller: recall of sequence %u layer %u: %s",
 				 lane->seq, lane->layer, kvr_dev_last_error(s->dev));

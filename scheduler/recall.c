@@ -97,6 +97,28 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 		if (!ret)
 			ret = kvr_dev_event_create(s->dev, &st->drained);
 	}
+	s->spill = kvr_pool_spill_file(s->pool) != NULL;
+	for (uint32_t b = 0; !ret && s->spill && b < 2; b++) {
+		/* the spill tier's bounces: runs read from RAM or the file land
+		 * here, registered so the copy to the device can be asynchronous */
+		const size_t bytes = ((size_t)s->chunk_pages * s->head_bytes + 4095) & ~(size_t)4095;
+		if (posix_memalign((void **)&s->bounce[b], 4096, bytes)) {
+			s->bounce[b] = NULL;
+			snprintf(err, err_bytes, "recall: out of memory for the spill tier's bounce");
+			return -ENOMEM;
+		}
+		ret = kvr_dev_host_register(s->dev, s->bounce[b], bytes);
+		if (ret == -ENODEV || ret == -ENOTSUP || ret == -EOPNOTSUPP)
+			ret = 0; /* host memory the device reads as is */
+		if (!ret)
+			ret = kvr_dev_event_create(s->dev, &s->bounce_done[b]);
+	}
+	if (!ret && s->spill) {
+		s->bounce_pages = malloc(s->chunk_pages * sizeof(uint32_t));
+		s->bounce_heads = malloc(s->chunk_pages * sizeof(uint32_t));
+		if (!s->bounce_pages || !s->bounce_heads)
+			ret = -ENOMEM;
+	}
 	if (ret) {
 		snprintf(err, err_bytes, "recall: %s", kvr_dev_last_error(s->dev));
 		return ret;
@@ -134,6 +156,18 @@ void kvr_recall_teardown(struct kvr_sched *s)
 		kvr_dev_event_destroy(s->dev, st->drained);
 		memset(st, 0, sizeof(*st));
 	}
+	for (uint32_t b = 0; b < 2; b++) {
+		if (s->bounce[b]) {
+			kvr_dev_host_unregister(s->dev, s->bounce[b]);
+			free(s->bounce[b]);
+		}
+		kvr_dev_event_destroy(s->dev, s->bounce_done[b]);
+		s->bounce[b] = NULL;
+		s->bounce_done[b] = NULL;
+	}
+	free(s->bounce_pages);
+	free(s->bounce_heads);
+	s->bounce_pages = s->bounce_heads = NULL;
 	kvr_dev_stream_destroy(s->dev, s->copy);
 	kvr_dev_stream_destroy(s->dev, s->convert);
 	free(s->recall_misses);
@@ -308,6 +342,30 @@ static const unsigned char *lowest_run(struct kvr_sched *s, const struct miss *m
 	return base;
 }
 
+/* Spill tier: a chunk's n runs, from RAM or the spill file, into the next
+ * host bounce (run i at i·head_bytes), once the copy out of its previous
+ * contents is done. The bounce, or NULL with *err set: a read that failed
+ * (-EIO, -EBADMSG) is also left in the lane, whose next attention fails its
+ * sequence with it. Controller thread. */
+static const unsigned char *bounce_fill(struct kvr_sched *s, struct kvr_lane *lane, const struct miss *ms,
+					uint32_t n, int *err)
+{
+	const uint32_t b = s->next_bounce++ % 2;
+	*err = kvr_dev_event_synchronize(s->dev, s->bounce_done[b]);
+	if (*err)
+		return NULL;
+	for (uint32_t i = 0; i < n; i++) {
+		s->bounce_pages[i] = ms[i].page_id;
+		s->bounce_heads[i] = ms[i].head;
+	}
+	*err = kvr_pool_read_runs(s->pool, s->bounce_pages, s->bounce_heads, n, s->bounce[b], NULL);
+	if (*err) {
+		lane->spill_error = *err;
+		return NULL;
+	}
+	return s->bounce[b];
+}
+
 /* Units slot entry (j, h) of head m: j·units_per_slot + h. */
 static int32_t *slot_units(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m, uint32_t j)
 {
@@ -372,7 +430,11 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 	kvr_quant_geometry_init(&gh, s->c.page_tokens, s->c.head_dim, 1, KVR_KV_K8V4_HALF);
 	for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
 		const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
-		const unsigned char *src_base = lowest_run(s, misses + at, n);
+		/* the runs: in the pool (RAM), or read into a bounce (spill tier) */
+		const unsigned char *bounce = s->spill ? bounce_fill(s, lane, misses + at, n, &err) : NULL;
+		if (err)
+			break;
+		const unsigned char *src_base = bounce ? bounce : lowest_run(s, misses + at, n);
 		unsigned char *dst_base = NULL;
 		for (uint32_t i = 0; i < n; i++) {
 			const int32_t *units = slot_units(s, lane, misses[at + i].head, misses[at + i].slot);
@@ -387,7 +449,7 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 			const struct miss *ms = &misses[at + i];
 			const int32_t *units = slot_units(s, lane, ms->head, ms->slot);
 			const uint32_t fmt = miss_format(s, ms);
-			const uint64_t src = (uint64_t)(miss_run(s, ms) - src_base);
+			const uint64_t src = bounce ? (uint64_t)i * s->head_bytes : (uint64_t)(miss_run(s, ms) - src_base);
 			if (lane->slot_fmt)
 				lane->slot_fmt[(uint64_t)ms->head * s->k + ms->slot] = (uint8_t)fmt;
 			if (ups > 1 && fmt == KVR_KV_K8V4) { /* two halves, four pieces each */
@@ -413,6 +475,8 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 								  lane->seq, lane->layer, n);
 		err = kvr_dev_memcpy_batch_async(s->dev, dst_base, src_base, descs, n_descs, KVR_COPY_H2D, copy);
 		kvr_stream_span_end(s, copy, sp);
+		if (!err && bounce)
+			err = kvr_dev_event_record(s->dev, s->bounce_done[(s->next_bounce - 1) % 2], copy);
 	}
 	if (!err)
 		err = kvr_dev_event_record(s->dev, lane->recall_done, copy);
@@ -460,9 +524,13 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			n_items_used += n;
 			/* copies: one HND run per miss, from the pool into the staging buffer */
 			struct kvr_copy_desc *descs = s->recall_descs;
-			const unsigned char *base = lowest_run(s, misses + at, n);
+			const unsigned char *bounce = s->spill ? bounce_fill(s, lane, misses + at, n, &err) : NULL;
+			if (err)
+				break;
+			const unsigned char *base = bounce ? bounce : lowest_run(s, misses + at, n);
 			for (uint32_t i = 0; i < n; i++) {
-				const unsigned char *run = miss_run(s, &misses[at + i]);
+				const unsigned char *run = bounce ? bounce + (uint64_t)i * s->head_bytes
+								  : miss_run(s, &misses[at + i]);
 				descs[i] = (struct kvr_copy_desc){ (uint64_t)(run - base),
 								   (uint64_t)i * s->head_bytes, s->head_bytes };
 				items[i] = (struct kvr_scatter_item){
@@ -499,6 +567,8 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 				err = kvr_dev_memcpy_batch_async(s->dev, st->runs, base, descs, n,
 								 KVR_COPY_H2D, copy);
 			kvr_stream_span_end(s, copy, sp);
+			if (!err && bounce)
+				err = kvr_dev_event_record(s->dev, s->bounce_done[(s->next_bounce - 1) % 2], copy);
 			if (!err)
 				err = kvr_dev_event_record(s->dev, st->staged, copy);
 			/* conversion into the slots, after the copy and after the lane's

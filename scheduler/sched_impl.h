@@ -63,6 +63,11 @@ struct kvr_lane {
 	uint32_t job_urgent;
 	uint64_t job_n_tokens;    /* tokens after the step's append */
 	uint8_t *job_heads;       /* [n_kv]: heads the job recalls */
+	int32_t spill_error;      /* spill tier: a recall's read failed (-EIO, -EBADMSG):
+	                             written by the controller before it releases the lane
+	                             (in_flight), read and cleared by the engine after
+	                             acquiring it; the lane's next attention fails its
+	                             sequence with it */
 	struct kvr_lane *next;    /* queue link, guarded by the queue mutex */
 };
 
@@ -107,6 +112,17 @@ struct kvr_sched {
 	struct kvr_stream *copy;          /* streamed recall: pool -> staging */
 	struct kvr_stream *convert;       /* streamed recall: staging -> slots */
 	struct staging staging[2];
+	/* spill tier (the pool has a spill file): recall reads runs through the
+	 * pool (RAM or file) into a host bounce, then copies it to the device */
+	int spill;
+	unsigned char *bounce[2];        /* chunk_pages runs each, host memory (registered) */
+	struct kvr_event *bounce_done[2]; /* copy stream: the copy out of bounce[b] is done */
+	uint32_t next_bounce;            /* controller */
+	uint32_t *bounce_pages, *bounce_heads; /* controller: [chunk_pages] */
+	/* engine: pool pages attention reads in place this step, pinned until
+	 * the step's attention is done (kvr_sched_step_end) */
+	uint32_t *step_pins;
+	size_t n_step_pins, step_pins_cap;
 	struct kvr_units *units;         /* quantised pages: the shared device page cache (units.c) */
 	uint32_t n_staging, chunk_pages;
 	uint32_t next_buffer;            /* controller: the staging buffer of the next chunk */

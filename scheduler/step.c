@@ -90,14 +90,49 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 
 /* ------------------------------------------------------------------ segments */
 
+/* Spill tier: pin a pool page attention reads in place until the step's
+ * attention is done (unpin_step). Engine thread. */
+static int pin_in_place(struct kvr_sched *s, uint32_t id)
+{
+	if (s->n_step_pins == s->step_pins_cap) {
+		const size_t cap = s->step_pins_cap ? 2 * s->step_pins_cap : 256;
+		uint32_t *grown = realloc(s->step_pins, cap * sizeof(*grown));
+		if (!grown)
+			return -ENOMEM;
+		s->step_pins = grown;
+		s->step_pins_cap = cap;
+	}
+	int err = kvr_pool_pin(s->pool, &id, 1);
+	if (!err)
+		s->step_pins[s->n_step_pins++] = id;
+	return err;
+}
+
+/* Drop the pins of pages read in place (their attention has run). */
+static void unpin_step(struct kvr_sched *s)
+{
+	if (s->n_step_pins)
+		kvr_pool_unpin(s->pool, s->step_pins, (uint32_t)s->n_step_pins);
+	s->n_step_pins = 0;
+}
+
 /* One KV head's run of pool page `logical` as an attention segment: the
  * lane's device copy when `resident` (separate memory, resident.c), else the
- * pool page in place. */
+ * pool page in place. With a spill tier the page is pinned (read back from
+ * the file when it is there); a failure sets *err and gives an empty segment. */
 static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *lane, uint32_t logical,
-					  uint32_t m, int resident)
+					  uint32_t m, int resident, int *err)
 {
 	uint32_t id = 0;
 	kvr_pool_lookup(s->pool, lane->seq, lane->layer, logical, &id);
+	if (s->spill && !*err) {
+		*err = pin_in_place(s, id);
+		if (*err)
+			snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u page %u: %s",
+				 lane->seq, lane->layer, logical, kvr_pool_last_error(s->pool));
+	}
+	if (*err)
+		return (struct kvr_kv_segment){ 0 };
 	const unsigned char *page = NULL;
 	if (resident)
 		page = kvr_resident_page(s, lane, logical, id);
@@ -140,7 +175,7 @@ static void sort_pairs(int32_t *page, uint32_t *slot, uint32_t n)
  * pages, the tail. Dense: every full page, then the tail. */
 static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m,
 			       uint64_t n_tokens, int dense, const int32_t *sel, int from_slots,
-			       struct kvr_kv_segment *out)
+			       struct kvr_kv_segment *out, int *err)
 {
 	const uint32_t p = s->c.page_tokens, d = s->c.head_dim;
 	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = (uint32_t)(n_tokens % p);
@@ -155,11 +190,11 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 		const uint32_t win_first = n_full > window ? n_full - window : 0;
 		for (uint32_t j = 0; j < n_full; j++)
 			out[n++] = pool_segment(s, lane, j, m,
-						res && (all || j < sink || (window && j >= win_first)));
+						res && (all || j < sink || (window && j >= win_first)), err);
 	} else {
 		const uint32_t win_first = n_full > window ? n_full - window : 0;
 		for (uint32_t j = 0; j < sink && j < win_first; j++)
-			out[n++] = pool_segment(s, lane, j, m, res);
+			out[n++] = pool_segment(s, lane, j, m, res, err);
 		if (from_slots) {
 			int32_t pages[512];
 			uint32_t slots[512], n_sel = 0;
@@ -196,7 +231,7 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 			for (uint32_t i = 0; i < s->k; i++) {
 				if (sel[i] < 0 || (uint32_t)sel[i] < sink || (uint32_t)sel[i] >= win_first)
 					continue;
-				const struct kvr_kv_segment seg = pool_segment(s, lane, (uint32_t)sel[i], m, 0);
+				const struct kvr_kv_segment seg = pool_segment(s, lane, (uint32_t)sel[i], m, 0, err);
 				if (s->units_per_slot > 1 && seg.format == KVR_KV_K8V4) {
 					/* mixed: read as the halves the streamed slots hold, so
 					 * that both attend the same segments, bit for bit */
@@ -211,7 +246,7 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 			}
 		}
 		for (uint32_t j = win_first > sink ? win_first : sink; j < n_full; j++)
-			out[n++] = pool_segment(s, lane, j, m, res);
+			out[n++] = pool_segment(s, lane, j, m, res, err);
 	}
 	if (tail) {
 		const unsigned char *kt = s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes +
@@ -220,6 +255,34 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 						    { s->c.n_kv_heads * d }, 0, 0 };
 	}
 	return n;
+}
+
+static void zero_output(struct kvr_sched *s, void *out_row);
+
+/* A sequence's step failed after the lanes were acquired: zeros for its
+ * output, the reason logged and counted, its lane to start afresh. */
+static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, int err, unsigned char *out)
+{
+	struct kvr_lane *lane = lane_of(s, seq, layer);
+	if (!s->last_error[0] || err == -EIO || err == -EBADMSG)
+		snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u: %s", seq, layer,
+			 err == -EBADMSG ? "a page read back from the spill file failed its checksum"
+			 : err == -EIO	 ? "reading a page from the spill file failed"
+					 : kvr_pool_last_error(s->pool));
+	if (s->log_fn)
+		s->log_fn(s->log_user, KVR_LOG_ERROR, s->last_error);
+	zero_output(s, out);
+	count(s, seq, KVR_C_FAILED_DECODES, 1);
+	lane->has_prev = 0;
+	if (lane->slot_page)
+		for (uint32_t j = 0; j < s->c.n_kv_heads * s->k; j++)
+			lane->slot_page[j] = -1;
+}
+
+/* Take back the token a failed step appended (nothing stored changes). */
+static void unappend(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position)
+{
+	kvr_pool_truncate(s->pool, seq, layer, position);
 }
 
 /* ------------------------------------------------------------------ one layer */
@@ -385,6 +448,15 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 					       kvr_now_ns() - waited, kvr_now_ns());
 		}
 		kvr_importance_harvest(s, lane); /* before this step overwrites its lse */
+		if (lane->spill_error) {
+			/* the recall this step would attend over could not read its pages
+			 * from the spill file: fail this sequence's step, append nothing;
+			 * the lane recalls afresh at its next step */
+			status[i] = lane->spill_error;
+			lane->spill_error = 0;
+			fail_sequence(s, seq, layer, status[i], (unsigned char *)out + i * q_row);
+			continue;
+		}
 		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
 					      s->tails[seq] + ((uint64_t)layer * 2 + 1) * s->tile_bytes };
 		status[i] = kvr_pool_ingest(s->pool, seq, layer, positions[i], 1, k_host + i * kv_row,
@@ -502,15 +574,25 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		const int slots = !dense && kk && s->recall == KVR_RECALL_STREAMED;
 		if (slots)
 			err = wait_recall(s, lane, 0);
-		for (uint32_t m = 0; m < n_kv; m++) {
+		const uint32_t items_before = n_items, segs_before = n_segs;
+		int seg_err = 0;
+		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
 			const uint32_t n = build_segments(s, lane, m, e[i].n_tokens, dense,
 							  lane->selected + (uint64_t)m * kk, slots,
-							  segs + n_segs);
+							  segs + n_segs, &seg_err);
 			items[n_items++] = (struct kvr_attention_item){
 				q_dev + i * q_row + m * head_q_bytes,
 				(unsigned char *)out + i * q_row + m * head_q_bytes,
 				kvr_importance_item(s, lane, m, e[i].n_tokens, n), n_segs, n };
 			n_segs += n;
+		}
+		if (seg_err) { /* spill tier: a page it reads in place did not fit in RAM */
+			n_items = items_before, n_segs = segs_before;
+			status[i] = seg_err;
+			e[i].kind = SEQ_FAILED;
+			unappend(s, seqs[i], layer, positions[i]);
+			fail_sequence(s, seqs[i], layer, seg_err, (unsigned char *)out + i * q_row);
+			continue;
 		}
 		att_lanes[n_att++] = lane;
 		count(s, seqs[i], KVR_C_LAYER_DECODES, 1);
@@ -558,15 +640,27 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		count(s, seq, KVR_C_CORRECTION_WAITS, 1);
 		count(s, seq, KVR_C_CORRECTION_WAIT_NS, kvr_now_ns() - t0);
-		for (uint32_t m = 0; m < n_kv; m++) {
+		const uint32_t items_before = n_items, segs_before = n_segs;
+		int seg_err = lane->spill_error; /* the urgent recall could not read the file */
+		lane->spill_error = 0;
+		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
 			const int32_t *sel = corr[m] ? now_sel + (uint64_t)m * kk
 						     : lane->selected + (uint64_t)m * kk;
 			const uint32_t n = build_segments(s, lane, m, e[i].n_tokens, 0, sel,
-							  s->recall == KVR_RECALL_STREAMED, segs + n_segs);
+							  s->recall == KVR_RECALL_STREAMED, segs + n_segs,
+							  &seg_err);
 			items[n_items++] = (struct kvr_attention_item){
 				qi + m * head_q_bytes, (unsigned char *)out + i * q_row + m * head_q_bytes,
 				kvr_importance_item(s, lane, m, e[i].n_tokens, n), n_segs, n };
 			n_segs += n;
+		}
+		if (seg_err) {
+			n_items = items_before, n_segs = segs_before;
+			status[i] = seg_err;
+			e[i].kind = SEQ_FAILED;
+			unappend(s, seq, layer, positions[i]);
+			fail_sequence(s, seq, layer, seg_err, (unsigned char *)out + i * q_row);
+			continue;
 		}
 		att_lanes[n_att++] = lane;
 		count(s, seq, KVR_C_LAYER_DECODES, 1);
@@ -625,6 +719,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			return err2;
 		}
 	}
+	if (!s->hooks.async_compute && !s->separate)
+		unpin_step(s); /* the attention has run: its pages may leave RAM */
 	const uint64_t t_leave = kvr_now_ns();
 	for (uint32_t i = 0; i < batch; i++)
 		atomic_fetch_add_explicit(&s->seq_counters[(uint64_t)seqs[i] * KVR_C_COUNT + KVR_C_CRITICAL_NS],
@@ -642,7 +738,9 @@ int kvr_sched_step_end(struct kvr_sched *s)
 	/* the next step rewrites the layers' mapped scratch the attention reads */
 	if (!s->hooks.async_compute && !s->separate)
 		return 0;
-	return kvr_dev_stream_synchronize(s->dev, s->compute);
+	int err = kvr_dev_stream_synchronize(s->dev, s->compute);
+	unpin_step(s); /* the step's attention has read its pages */
+	return err;
 }
 
 /* ------------------------------------------------------------------ sequences */
@@ -879,6 +977,8 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	kvr_units_teardown(s);
 	if (s->compute)
 		kvr_dev_stream_synchronize(s->dev, s->compute);
+	unpin_step(s);
+	free(s->step_pins);
 	kvr_dev_stream_destroy(s->dev, s->engine_inline);
 	kvr_dev_stream_destroy(s->dev, s->compute);
 	kvr_dev_stream_destroy(s->dev, s->ctl_inline);
@@ -1001,16 +1101,17 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 			out_rows = s->prefill_out;
 		}
 		uint32_t n_items = 0, n_segs = 0;
+		int pin_err = 0; /* spill tier: a page that could not be pinned (message set) */
 		for (uint32_t t = 0; t < n_q; t++) {
 			const uint64_t pos = first_position + at + t; /* attends tokens 0..pos */
 			const uint32_t whole = (uint32_t)((pos + 1) / p), rest = (uint32_t)((pos + 1) % p);
 			for (uint32_t m = 0; m < n_kv; m++) {
 				const uint32_t first = n_segs;
 				for (uint32_t j = 0; j < whole; j++)
-					segs[n_segs++] = pool_segment(s, plane, j, m, 0);
+					segs[n_segs++] = pool_segment(s, plane, j, m, 0, &pin_err);
 				if (rest && whole < n_full) {
 					/* the page holding pos is already in the pool: its first rows */
-					segs[n_segs] = pool_segment(s, plane, whole, m, 0);
+					segs[n_segs] = pool_segment(s, plane, whole, m, 0, &pin_err);
 					segs[n_segs++].n_tokens = rest;
 				} else if (rest) {
 					const unsigned char *kt = s->tails[seq] +
@@ -1023,6 +1124,10 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 				items[n_items++] = (struct kvr_attention_item){ q_rows + row, out_rows + row,
 										NULL, first, n_segs - first };
 			}
+		}
+		if (pin_err) {
+			unpin_step(s);
+			return pin_err;
 		}
 		const struct kvr_attention_item *items_k = items;
 		const struct kvr_kv_segment *segs_k = segs;
@@ -1039,9 +1144,11 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 		if (!err && s->separate)
 			err = kvr_dev_memcpy_async(s->dev, (unsigned char *)out + (uint64_t)at * s->q_row,
 						   s->prefill_out, n_q * s->q_row, KVR_COPY_D2H, st);
-		/* the next group rewrites the items (and, separate, the rows) */
-		if (!err && s->separate)
+		/* the next group rewrites the items (and, separate, the rows);
+		 * with a spill tier, the pages it pinned are released after it */
+		if (!err && (s->separate || s->spill))
 			err = kvr_dev_stream_synchronize(s->dev, st);
+		unpin_step(s);
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
 			return err;
