@@ -144,10 +144,11 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t batch, uint64_t max_
 	c.backend = g.backend;
 	const uint64_t page_bytes = 2ull * g.sh.page_tokens * g.sh.head_dim * g.sh.n_kv_heads * 2;
 	c.pool_bytes = (max_tokens / g.sh.page_tokens + 64) * g.sh.n_layers * page_bytes * batch;
-	if (g.spilled_pct >= 0 && max_tokens > g.budget) {
+	if (g.spilled_pct >= 0 && mode != KVR_MODE_DENSE) {
 		/* RAM for (100 - pct)% of the context's pages (0%: the tier is on
-		 * and everything fits); the rest lives in the spill file. The
-		 * contexts at L <= B (the attention-over-B baseline) keep theirs. */
+		 * and everything fits); the rest lives in the spill file. Dense
+		 * contexts (the attention-over-B baseline) read every page in
+		 * place and keep theirs in RAM. */
 		const uint64_t pages = (max_tokens / g.sh.page_tokens + 1) * g.sh.n_layers * batch;
 		const uint64_t ram_pages = pages * (uint64_t)(100 - g.spilled_pct) / 100;
 		const uint64_t stored = g.kv_format ? kvr_kv_run_bytes(g.kv_format == KVR_KV_FORMAT_MIXED
@@ -259,7 +260,7 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 				die("decode_layer", kvr_last_error(ctx));
 			for (uint32_t b = 0; b < batch; b++)
 				if (status[b])
-					die("decode_layer", kvr_strerror(status[b]));
+					die(kvr_strerror(status[b]), kvr_last_error(ctx));
 		}
 		kvr_decode_end(ctx);
 		if (engine.dev && kvr_dev_stream_synchronize(engine.dev, engine.stream))

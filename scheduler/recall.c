@@ -347,23 +347,27 @@ static const unsigned char *lowest_run(struct kvr_sched *s, const struct miss *m
  * contents is done. The bounce, or NULL with *err set: a read that failed
  * (-EIO, -EBADMSG) is also left in the lane, whose next attention fails its
  * sequence with it. Controller thread. */
+static int read_chunk(struct kvr_sched *s, struct kvr_lane *lane, const struct miss *ms, uint32_t n,
+		      unsigned char *dst)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		s->bounce_pages[i] = ms[i].page_id;
+		s->bounce_heads[i] = ms[i].head;
+	}
+	int err = kvr_pool_read_runs(s->pool, s->bounce_pages, s->bounce_heads, n, dst, NULL);
+	if (err)
+		lane->spill_error = err;
+	return err;
+}
+
 static const unsigned char *bounce_fill(struct kvr_sched *s, struct kvr_lane *lane, const struct miss *ms,
 					uint32_t n, int *err)
 {
 	const uint32_t b = s->next_bounce++ % 2;
 	*err = kvr_dev_event_synchronize(s->dev, s->bounce_done[b]);
-	if (*err)
-		return NULL;
-	for (uint32_t i = 0; i < n; i++) {
-		s->bounce_pages[i] = ms[i].page_id;
-		s->bounce_heads[i] = ms[i].head;
-	}
-	*err = kvr_pool_read_runs(s->pool, s->bounce_pages, s->bounce_heads, n, s->bounce[b], NULL);
-	if (*err) {
-		lane->spill_error = *err;
-		return NULL;
-	}
-	return s->bounce[b];
+	if (!*err)
+		*err = read_chunk(s, lane, ms, n, s->bounce[b]);
+	return *err ? NULL : s->bounce[b];
 }
 
 /* Units slot entry (j, h) of head m: j·units_per_slot + h. */
@@ -524,13 +528,26 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			n_items_used += n;
 			/* copies: one HND run per miss, from the pool into the staging buffer */
 			struct kvr_copy_desc *descs = s->recall_descs;
-			const unsigned char *bounce = s->spill ? bounce_fill(s, lane, misses + at, n, &err) : NULL;
+			/* spill tier: where the device reads host memory, the runs go
+			 * straight into the staging buffer once the scatter of its
+			 * previous chunk is done; elsewhere through a bounce */
+			const int direct = s->spill && kvr_dev_host_visible(s->dev);
+			if (direct) {
+				err = kvr_dev_event_synchronize(s->dev, st->drained);
+				if (!err)
+					err = read_chunk(s, lane, misses + at, n, st->runs);
+				if (err)
+					break;
+			}
+			const unsigned char *bounce = s->spill && !direct ? bounce_fill(s, lane, misses + at, n, &err)
+									  : NULL;
 			if (err)
 				break;
-			const unsigned char *base = bounce ? bounce : lowest_run(s, misses + at, n);
+			const unsigned char *read = direct ? st->runs : bounce; /* runs in order, or NULL */
+			const unsigned char *base = read ? read : lowest_run(s, misses + at, n);
 			for (uint32_t i = 0; i < n; i++) {
-				const unsigned char *run = bounce ? bounce + (uint64_t)i * s->head_bytes
-								  : miss_run(s, &misses[at + i]);
+				const unsigned char *run = read ? read + (uint64_t)i * s->head_bytes
+								: miss_run(s, &misses[at + i]);
 				descs[i] = (struct kvr_copy_desc){ (uint64_t)(run - base),
 								   (uint64_t)i * s->head_bytes, s->head_bytes };
 				items[i] = (struct kvr_scatter_item){
@@ -563,7 +580,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 								row, KVR_COPY_H2D, copy);
 				}
 			}
-			if (!err && s->pool_layout != KVR_POOL_LAYOUT_NHD)
+			if (!err && s->pool_layout != KVR_POOL_LAYOUT_NHD && !direct)
 				err = kvr_dev_memcpy_batch_async(s->dev, st->runs, base, descs, n,
 								 KVR_COPY_H2D, copy);
 			kvr_stream_span_end(s, copy, sp);

@@ -4,7 +4,8 @@
  * also runs under ThreadSanitizer (Criterion's forking runner cannot host
  * TSan): each round creates a context with a random mode (speculative,
  * freekv, blocking), recall kind (zero-copy, streamed), dtype, pool layout,
- * staging buffers and chunk size, and test hooks (asynchronous compute, small
+ * staging buffers and chunk size, the spill tier (a RAM budget below what the
+ * sequences hold), and test hooks (asynchronous compute, small
  * random delays in the controller and on the streams), then decodes random
  * batches of sequences of random lengths —
  * some at most B tokens (dense path), some beyond — while sequences are
@@ -154,6 +155,14 @@ static void run_round(uint32_t round)
 	if (c.pool_layout == KVR_POOL_HND)
 		c.kv_format = urand(4); /* plain, k8v4, k4v2, mixed */
 	c.pool_bytes = 4096ull * 2 * P * KV_ROW * eb;
+	/* the spill tier (streamed recall, HND): RAM for 96 plain pages of the
+	 * ~360 the sequences hold, so recall reads the file while the engine
+	 * evicts; layer 0 sparse, since a dense layer reads every page in place */
+	const int spill = recall == KVR_RECALL_STREAMED && c.pool_layout == KVR_POOL_HND && urand(2);
+	if (spill) {
+		c.pool_ram_bytes = 96ull * 2 * P * KV_ROW * eb;
+		c.dense_layers[0] = 0;
+	}
 	const struct kvr_sched_hooks hooks = { urand(2) ? delay : NULL, NULL, urand(2), 0 };
 	struct kvr_context *ctx = NULL;
 	int r = kvr_context_create_internal(&c, 0, &hooks, &ctx);
@@ -161,10 +170,10 @@ static void run_round(uint32_t round)
 	if (r)
 		return;
 	printf("round %u: %s, %s, %s, %s pool, %s pages, dense layer 0 %d, chunk %u, buffers %u, async %u, "
-	       "delays %d\n",
+	       "delays %d, spill %d\n",
 	       round, kvr_mode_name(mode), kvr_recall_name(recall), kvr_dtype_name(dtype),
 	       c.pool_layout == KVR_POOL_NHD ? "NHD" : "HND", kvr_kv_format_name(c.kv_format), (int)c.dense_layers[0],
-	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL);
+	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL, spill);
 
 	struct sseq seqs[MAX_SEQS];
 	memset(seqs, 0, sizeof(seqs));
