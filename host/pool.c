@@ -456,6 +456,8 @@ static void pin_locked(struct kvr_pool *pool, uint32_t id)
 
 static void unpin_locked(struct kvr_pool *pool, uint32_t id)
 {
+	if (!pool->pins[id]) /* freed while pinned (the pins went with it) */
+		return;
 	if (--pool->pins[id] == 0)
 		pool->pinned_pages--;
 }
@@ -1249,6 +1251,22 @@ int kvr_pool_unpin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
 	return err;
 }
 
+uint32_t kvr_pool_unpin_live(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
+{
+	if (!pool->spill || !n || !pages)
+		return 0;
+	uint32_t skipped = 0;
+	pthread_mutex_lock(&pool->lock);
+	for (uint32_t i = 0; i < n; i++) {
+		if (page_live(pool, pages[i]) && pool->pins[pages[i]])
+			unpin_locked(pool, pages[i]);
+		else
+			skipped++;
+	}
+	pthread_mutex_unlock(&pool->lock);
+	return skipped;
+}
+
 void kvr_pool_touch(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
 {
 	if (!pool->spill || !pages)
@@ -1395,6 +1413,18 @@ int kvr_pool_spill_all(struct kvr_pool *pool)
 
 /* ------------------------------------------------------------------ ingest */
 
+/* A write of the ingestion failed (spill tier: no frame, or the eviction's
+ * write failed): the pages it reserved go, so the table is as before the
+ * call (its tail rows past `len` in the caller's tile do not matter). */
+static int ingest_undo(struct kvr_pool *pool, struct layer_table *t, uint64_t len, int err)
+{
+	const uint64_t p = pool->g.page_tokens;
+	pthread_mutex_lock(&pool->lock);
+	table_shrink(pool, t, (uint32_t)((len + p - 1) / p));
+	pthread_mutex_unlock(&pool->lock);
+	return err;
+}
+
 int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t first_position,
 		    uint32_t n_tokens, const void *keys, const void *values,
 		    struct kvr_tail_tile *tail)
@@ -1420,7 +1450,10 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 		 * open, up front, so -ENOMEM leaves everything as it was. */
 		const uint64_t pages_after = (len + n_tokens + p - 1) / p;
 		const uint32_t before = t->n_pages;
-		err = reserve_locked(pool, t, (uint32_t)(pages_after - before));
+		err = pages_after < before /* cannot happen: a table holds ceil(len / p) pages */
+			      ? fail(pool, -EFAULT, "pool: sequence %u layer %u: %u pages for %llu tokens",
+				     seq, layer, before, (unsigned long long)len)
+			      : reserve_locked(pool, t, (uint32_t)(pages_after - before));
 		/* The partial page the tail will complete may be shared with a fork:
 		 * give this sequence its own now (its old contents are all in the
 		 * tail tile), so nothing below can fail. */
@@ -1450,7 +1483,7 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 			err = kvr_pool_write_page(pool, seq, layer, (uint32_t)(pos / p - 1), tail->keys,
 						  tail->values, row_elems);
 			if (err)
-				return err;
+				return ingest_undo(pool, t, len, err);
 		}
 	}
 	/* 2. Whole pages straight from the caller's rows. */
@@ -1458,7 +1491,7 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 		err = kvr_pool_write_page(pool, seq, layer, (uint32_t)(pos / p), k + i * row_bytes,
 					  v + i * row_bytes, row_elems);
 		if (err)
-			return err;
+			return ingest_undo(pool, t, len, err);
 	}
 	/* 3. The rest starts a new tail. */
 	if (i < n_tokens) {

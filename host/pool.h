@@ -249,6 +249,9 @@ int kvr_pool_pin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n);
 /* Drop one pin of each page. -EINVAL (nothing changed) for a page not live
  * or not pinned. */
 int kvr_pool_unpin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n);
+/* As kvr_pool_unpin, but a page no longer live or not pinned (freed since
+ * it was pinned) is skipped rather than refused: the number skipped. */
+uint32_t kvr_pool_unpin_live(struct kvr_pool *pool, const uint32_t *pages, uint32_t n);
 /* Mark pages as just used (selected): eviction takes them last. Lock-free;
  * ids out of range are ignored. */
 void kvr_pool_touch(struct kvr_pool *pool, const uint32_t *pages, uint32_t n);
@@ -286,7 +289,10 @@ int kvr_pool_spill_all(struct kvr_pool *pool);
  * explicit and in order). Pages are reserved up front for every page the new
  * tokens start (all or nothing: -ENOMEM changes nothing); every page completed
  * is offloaded to the pool; the partial tail is left in `tail` (rows
- * n_tokens % p of it are valid afterwards).
+ * n_tokens % p of it are valid afterwards). With a spill tier a page's write
+ * can fail (-ENOMEM, -EIO, -ENOSPC): the pages the call reserved are
+ * released and the table is as before (the tail tile's rows past the old
+ * length are then unspecified).
  */
 int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t first_position,
 		    uint32_t n_tokens, const void *keys, const void *values,

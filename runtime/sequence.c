@@ -15,6 +15,7 @@
  * data is used by one thread at a time (kvrecall.h).
  */
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../gpu/backend.h"
@@ -205,6 +206,35 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 	struct kvr_page_geometry g;
 	kvr_page_geometry_init(&g, c->page_tokens, c->head_dim, c->n_kv_heads, c->dtype);
 	const uint64_t p = c->page_tokens;
+	/* The pages whose rows go back to the tail tiles, pinned (with a spill
+	 * tier, read back from the file) before anything changes: a page that
+	 * cannot be read refuses the truncation. */
+	uint32_t *tail_page = calloc(c->n_layers, sizeof(*tail_page));
+	if (!tail_page)
+		return kvr_fail(ctx, -ENOMEM, "seq_truncate: out of memory");
+	for (uint32_t l = 0; l < c->n_layers && !err; l++) {
+		uint64_t have;
+		kvr_pool_n_tokens(ctx->pool, seq, l, &have);
+		tail_page[l] = UINT32_MAX;
+		if (n_tokens % p && n_tokens / p != have / p) {
+			uint32_t id = 0;
+			err = kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id);
+			if (!err)
+				err = kvr_pool_pin(ctx->pool, &id, 1);
+			if (!err)
+				tail_page[l] = id;
+			else
+				kvr_fail(ctx, err, "seq_truncate: sequence %u layer %u: the page to keep: %s", seq,
+					 l, kvr_pool_last_error(ctx->pool));
+		}
+	}
+	if (err) {
+		for (uint32_t l = 0; l < c->n_layers; l++)
+			if (tail_page[l] != UINT32_MAX)
+				kvr_pool_unpin(ctx->pool, &tail_page[l], 1);
+		free(tail_page);
+		return err;
+	}
 	for (uint32_t l = 0; l < c->n_layers; l++) {
 		uint64_t have;
 		kvr_pool_n_tokens(ctx->pool, seq, l, &have);
@@ -214,13 +244,8 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 		if (n_tokens % p && n_tokens / p != have / p) {
 			/* the page exists (n_tokens <= have was checked above), so the
 			 * lookup cannot fail; a NULL page is still not dereferenced */
-			uint32_t id = 0;
-			/* pinned: with a spill tier it may be in the file (read back here) */
-			const unsigned char *page =
-				kvr_pool_lookup(ctx->pool, seq, l, (uint32_t)(n_tokens / p), &id) ||
-						kvr_pool_pin(ctx->pool, &id, 1)
-					? NULL
-					: kvr_pool_page_data(ctx->pool, id);
+			const uint32_t id = tail_page[l]; /* pinned above */
+			const unsigned char *page = kvr_pool_page_data(ctx->pool, id);
 			/* a quantised page gives back its dequantised tokens: what
 			 * attention read of them, not the rows that were offloaded */
 			struct kvr_quant_geometry gq;
@@ -236,10 +261,10 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 					kvr_hnd_run_to_nhd_slot(&g, page + h * g.head_bytes, tail_keys(ctx, s, l),
 								tail_values(ctx, s, l), h);
 			}
-			if (page)
-				kvr_pool_unpin(ctx->pool, &id, 1);
+			kvr_pool_unpin(ctx->pool, &id, 1);
 		}
 	}
+	free(tail_page);
 	/* the previous queries belonged to dropped tokens, and selections and
 	 * resident pages may name dropped pages */
 	kvr_sched_seq_reset(ctx->sched, seq);

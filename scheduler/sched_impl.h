@@ -123,6 +123,14 @@ struct kvr_sched {
 	 * the step's attention is done (kvr_sched_step_end) */
 	uint32_t *step_pins;
 	size_t n_step_pins, step_pins_cap;
+	int suppress_segment_pins;       /* engine: prefill attention pinned its pages already */
+	/* engine: sequences whose step failed in some layer this step: the
+	 * later layers fail them too, and step_end takes back the token the
+	 * earlier layers appended, so every layer keeps one length */
+	int32_t *step_fail;              /* [max_sequences] the error, 0 = none */
+	uint64_t *step_fail_pos;         /* [max_sequences] the step's position */
+	uint32_t *step_failed;           /* the sequences with step_fail set */
+	uint32_t n_step_failed;
 	struct kvr_units *units;         /* quantised pages: the shared device page cache (units.c) */
 	uint32_t n_staging, chunk_pages;
 	uint32_t next_buffer;            /* controller: the staging buffer of the next chunk */

@@ -108,12 +108,19 @@ static int pin_in_place(struct kvr_sched *s, uint32_t id)
 	return err;
 }
 
-/* Drop the pins of pages read in place (their attention has run). */
+/* Drop the pins of pages read in place from `mark` on (their attention has
+ * run, or their sequence failed before it). A page freed since (its
+ * sequence freed or truncated while the step was open) is skipped. */
+static void unpin_from(struct kvr_sched *s, size_t mark)
+{
+	if (s->n_step_pins > mark)
+		kvr_pool_unpin_live(s->pool, s->step_pins + mark, (uint32_t)(s->n_step_pins - mark));
+	s->n_step_pins = mark;
+}
+
 static void unpin_step(struct kvr_sched *s)
 {
-	if (s->n_step_pins)
-		kvr_pool_unpin(s->pool, s->step_pins, (uint32_t)s->n_step_pins);
-	s->n_step_pins = 0;
+	unpin_from(s, 0);
 }
 
 /* One KV head's run of pool page `logical` as an attention segment: the
@@ -125,7 +132,7 @@ static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *
 {
 	uint32_t id = 0;
 	kvr_pool_lookup(s->pool, lane->seq, lane->layer, logical, &id);
-	if (s->spill && !*err) {
+	if (s->spill && !*err && !s->suppress_segment_pins) {
 		*err = pin_in_place(s, id);
 		if (*err)
 			snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u page %u: %s",
@@ -283,6 +290,44 @@ static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, int
 static void unappend(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position)
 {
 	kvr_pool_truncate(s->pool, seq, layer, position);
+}
+
+/* The sequence's step failed in this layer: its later layers fail too, and
+ * step_end takes back what its earlier layers appended. */
+static void mark_failed(struct kvr_sched *s, uint32_t seq, uint64_t position, int err)
+{
+	if (s->step_fail[seq])
+		return;
+	s->step_fail[seq] = err;
+	s->step_fail_pos[seq] = position;
+	s->step_failed[s->n_step_failed++] = seq;
+}
+
+static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane);
+
+/* Step end: every layer of a failed sequence back at its step's position. */
+static void settle_failed(struct kvr_sched *s)
+{
+	for (uint32_t i = 0; i < s->n_step_failed; i++) {
+		const uint32_t seq = s->step_failed[i];
+		int appended = 0;
+		for (uint32_t l = 0; l < s->c.n_layers; l++) {
+			uint64_t n = 0;
+			appended |= !kvr_pool_n_tokens(s->pool, seq, l, &n) && n > s->step_fail_pos[seq];
+		}
+		if (appended) {
+			/* the layers that did decode posted their next step's work */
+			kvr_sched_seq_quiesce(s, seq);
+			for (uint32_t l = 0; l < s->c.n_layers; l++) {
+				uint64_t n = 0;
+				if (!kvr_pool_n_tokens(s->pool, seq, l, &n) && n > s->step_fail_pos[seq])
+					kvr_pool_truncate(s->pool, seq, l, s->step_fail_pos[seq]);
+				lane_forget(s, lane_of(s, seq, l));
+			}
+		}
+		s->step_fail[seq] = 0;
+	}
+	s->n_step_failed = 0;
 }
 
 /* ------------------------------------------------------------------ one layer */
@@ -448,6 +493,12 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 					       kvr_now_ns() - waited, kvr_now_ns());
 		}
 		kvr_importance_harvest(s, lane); /* before this step overwrites its lse */
+		if (s->step_fail[seq]) { /* an earlier layer of this step failed it */
+			status[i] = s->step_fail[seq];
+			zero_output(s, (unsigned char *)out + i * q_row);
+			count(s, seq, KVR_C_FAILED_DECODES, 1);
+			continue;
+		}
 		if (lane->spill_error) {
 			/* the recall this step would attend over could not read its pages
 			 * from the spill file: fail this sequence's step, append nothing;
@@ -455,6 +506,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			status[i] = lane->spill_error;
 			lane->spill_error = 0;
 			fail_sequence(s, seq, layer, status[i], (unsigned char *)out + i * q_row);
+			mark_failed(s, seq, positions[i], status[i]);
 			continue;
 		}
 		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
@@ -468,6 +520,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 				s->log_fn(s->log_user, KVR_LOG_ERROR, s->last_error);
 			zero_output(s, (unsigned char *)out + i * q_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
+			mark_failed(s, seq, positions[i], status[i]);
 			continue;
 		}
 		const uint32_t pages = (uint32_t)((positions[i] + 1) / p);
@@ -575,6 +628,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		if (slots)
 			err = wait_recall(s, lane, 0);
 		const uint32_t items_before = n_items, segs_before = n_segs;
+		const size_t pins_before = s->n_step_pins;
 		int seg_err = 0;
 		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
 			const uint32_t n = build_segments(s, lane, m, e[i].n_tokens, dense,
@@ -588,10 +642,12 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		if (seg_err) { /* spill tier: a page it reads in place did not fit in RAM */
 			n_items = items_before, n_segs = segs_before;
+			unpin_from(s, pins_before); /* its pins must not fail the others */
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
 			unappend(s, seqs[i], layer, positions[i]);
 			fail_sequence(s, seqs[i], layer, seg_err, (unsigned char *)out + i * q_row);
+			mark_failed(s, seqs[i], positions[i], seg_err);
 			continue;
 		}
 		att_lanes[n_att++] = lane;
@@ -641,6 +697,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		count(s, seq, KVR_C_CORRECTION_WAITS, 1);
 		count(s, seq, KVR_C_CORRECTION_WAIT_NS, kvr_now_ns() - t0);
 		const uint32_t items_before = n_items, segs_before = n_segs;
+		const size_t pins_before = s->n_step_pins;
 		int seg_err = lane->spill_error; /* the urgent recall could not read the file */
 		lane->spill_error = 0;
 		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
@@ -656,10 +713,12 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		if (seg_err) {
 			n_items = items_before, n_segs = segs_before;
+			unpin_from(s, pins_before);
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
 			unappend(s, seq, layer, positions[i]);
 			fail_sequence(s, seq, layer, seg_err, (unsigned char *)out + i * q_row);
+			mark_failed(s, seq, positions[i], seg_err);
 			continue;
 		}
 		att_lanes[n_att++] = lane;
@@ -668,6 +727,10 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	if (!err)
 		err = run_attention(s, layer, ls, items + first_item, n_items - first_item, segs,
 				    first_seg, n_segs, att_lanes + first_att, n_att - first_att);
+	/* the attention has run when it is synchronous: its pages may leave RAM
+	 * (and mixed pages' window pages be demoted below) */
+	if (!s->hooks.async_compute && !s->separate)
+		unpin_step(s);
 	if (err) {
 		if (!s->last_error[0])
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
@@ -719,8 +782,6 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			return err2;
 		}
 	}
-	if (!s->hooks.async_compute && !s->separate)
-		unpin_step(s); /* the attention has run: its pages may leave RAM */
 	const uint64_t t_leave = kvr_now_ns();
 	for (uint32_t i = 0; i < batch; i++)
 		atomic_fetch_add_explicit(&s->seq_counters[(uint64_t)seqs[i] * KVR_C_COUNT + KVR_C_CRITICAL_NS],
@@ -736,10 +797,11 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 int kvr_sched_step_end(struct kvr_sched *s)
 {
 	/* the next step rewrites the layers' mapped scratch the attention reads */
-	if (!s->hooks.async_compute && !s->separate)
-		return 0;
-	int err = kvr_dev_stream_synchronize(s->dev, s->compute);
+	int err = 0;
+	if (s->hooks.async_compute || s->separate)
+		err = kvr_dev_stream_synchronize(s->dev, s->compute);
 	unpin_step(s); /* the step's attention has read its pages */
+	settle_failed(s);
 	return err;
 }
 
@@ -748,6 +810,7 @@ int kvr_sched_step_end(struct kvr_sched *s)
 static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	lane->has_prev = 0;
+	lane->spill_error = 0; /* it was about pages that are gone or re-selected */
 	kvr_resident_lane_forget(lane);
 	kvr_importance_lane_forget(s, lane);
 	for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
@@ -912,7 +975,11 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->seq_counters = calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
 	s->head_corrections = calloc((size_t)c->max_sequences * c->n_kv_heads,
 				     sizeof(*s->head_corrections));
-	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections) {
+	s->step_fail = calloc(c->max_sequences, sizeof(*s->step_fail));
+	s->step_fail_pos = calloc(c->max_sequences, sizeof(*s->step_fail_pos));
+	s->step_failed = calloc(c->max_sequences, sizeof(*s->step_failed));
+	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections ||
+	    !s->step_fail || !s->step_fail_pos || !s->step_failed) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
@@ -994,6 +1061,9 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	free(s->scratch);
 	free(s->lanes);
 	free(s->tails);
+	free(s->step_fail);
+	free(s->step_fail_pos);
+	free(s->step_failed);
 	kvr_sched_mapped_free(s, s->now_sel);
 	kvr_sched_mapped_free(s, s->engine_items);
 	kvr_sched_mapped_free(s, s->ctl_items);
@@ -1102,6 +1172,27 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 		}
 		uint32_t n_items = 0, n_segs = 0;
 		int pin_err = 0; /* spill tier: a page that could not be pinned (message set) */
+		if (s->spill) {
+			/* the group's pages, each pinned once (the segments below do not
+			 * pin again): every page up to the last query's, which with a
+			 * spill tier must fit in RAM together */
+			const uint64_t last = first_position + at + n_q - 1;
+			const uint32_t need = (uint32_t)((last + 1) / p) + ((last + 1) % p && (last + 1) / p < n_full);
+			for (uint32_t j = 0; j < need && !pin_err; j++) {
+				uint32_t id = 0;
+				kvr_pool_lookup(s->pool, seq, layer, j, &id);
+				pin_err = pin_in_place(s, id);
+				if (pin_err)
+					snprintf(s->last_error, sizeof(s->last_error),
+						 "prefill attention of sequence %u layer %u: page %u of %u: %s", seq,
+						 layer, j, need, kvr_pool_last_error(s->pool));
+			}
+			if (pin_err) {
+				unpin_step(s);
+				return pin_err;
+			}
+			s->suppress_segment_pins = 1;
+		}
 		for (uint32_t t = 0; t < n_q; t++) {
 			const uint64_t pos = first_position + at + t; /* attends tokens 0..pos */
 			const uint32_t whole = (uint32_t)((pos + 1) / p), rest = (uint32_t)((pos + 1) % p);
@@ -1125,10 +1216,7 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 										NULL, first, n_segs - first };
 			}
 		}
-		if (pin_err) {
-			unpin_step(s);
-			return pin_err;
-		}
+		s->suppress_segment_pins = 0;
 		const struct kvr_attention_item *items_k = items;
 		const struct kvr_kv_segment *segs_k = segs;
 		if (!err && s->separate) {

@@ -63,7 +63,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t kv_format, uint32_t 
 	const uint64_t f32_page = 2ull * P * D * N_KV * 4;
 	/* a K8V4 run at p = 16, d = 32: 512 B of key codes, 256 of value codes,
 	 * 64 + 64 of f16 (scale, zero point) pairs; two runs a page */
-	const uint64_t page = kv_format == KVR_KV_FORMAT_K8V4 ? 2 * 896 : f32_page;
+	const uint64_t page = kv_format == KVR_KV_FORMAT_K8V4 || kv_format == KVR_KV_FORMAT_MIXED ? 2 * 896 : f32_page;
 	c.pool_bytes = 256 * f32_page;
 	c.pool_ram_bytes = ram_pages * page;
 	struct kvr_context *ctx = NULL;
@@ -127,9 +127,9 @@ static void decode(struct kvr_context *ctx, uint64_t seed, struct run *r, void (
 Test(decode_spill, outputs_identical_to_a_pool_in_ram, .timeout = 240)
 {
 	static const uint32_t modes[] = { KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
-	static const uint32_t formats[] = { KVR_KV_FORMAT_PLAIN, KVR_KV_FORMAT_K8V4 };
+	static const uint32_t formats[] = { KVR_KV_FORMAT_PLAIN, KVR_KV_FORMAT_K8V4, KVR_KV_FORMAT_MIXED };
 	struct run *want = malloc(sizeof(*want)), *got = malloc(sizeof(*got));
-	for (int f = 0; f < 2; f++)
+	for (int f = 0; f < 3; f++)
 		for (int mi = 0; mi < 3; mi++) {
 			struct kvr_context *a = make_ctx(modes[mi], formats[f], 0);
 			decode(a, 77 + mi, want, NULL);
@@ -263,4 +263,168 @@ Test(decode_spill, config_rules)
 	cr_assert_eq(kvr_context_get_config(ctx, &back), 0);
 	cr_expect_eq(back.recall, KVR_RECALL_STREAMED);
 	kvr_context_destroy(ctx);
+}
+
+/* ---- failures leave everything as it was (review regressions) ---- */
+
+static uint32_t prefilled(struct kvr_context *ctx, float **k_out)
+{
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+	float *k = malloc(PREFILL * KV_ROW * sizeof(float)), *v = malloc(PREFILL * KV_ROW * sizeof(float));
+	rng_state = 3;
+	for (uint32_t i = 0; i < PREFILL * KV_ROW; i++)
+		k[i] = frand(), v[i] = frand();
+	for (uint32_t l = 0; l < LAYERS; l++)
+		cr_assert_eq(kvr_prefill(ctx, seq, l, 0, PREFILL, k, v), 0, "%s", kvr_last_error(ctx));
+	free(v);
+	*k_out = k;
+	return seq;
+}
+
+static void inject(struct kvr_context *ctx, uint32_t kind)
+{
+	const struct kvr_spill_fault f = { kind, KVR_SPILL_NO_SLOT, 0, 0 };
+	kvr_spill_inject(kvr_pool_spill_file(ctx->pool), &f);
+}
+
+/* A prefill whose pages cannot be spilled (a full disk) fails and leaves
+ * the sequence as it was: a later, smaller prefill works. */
+Test(decode_spill, failed_prefill_changes_nothing, .timeout = 120)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 12);
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+	float *k = calloc(PREFILL * KV_ROW, sizeof(float)), *v = calloc(PREFILL * KV_ROW, sizeof(float));
+	inject(ctx, KVR_SPILL_FAULT_NOSPC);
+	cr_expect_eq(kvr_prefill(ctx, seq, 0, 0, PREFILL, k, v), -ENOSPC, "%s", kvr_last_error(ctx));
+	uint32_t n_pages = 99;
+	uint64_t n_tokens = 99;
+	kvr_pool_n_pages(ctx->pool, seq, 0, &n_pages);
+	kvr_pool_n_tokens(ctx->pool, seq, 0, &n_tokens);
+	cr_expect(n_pages == 0 && n_tokens == 0, "%u pages, %llu tokens left", n_pages, (unsigned long long)n_tokens);
+	inject(ctx, KVR_SPILL_FAULT_NONE);
+	cr_expect_eq(kvr_prefill(ctx, seq, 0, 0, 16, k, v), 0, "%s", kvr_last_error(ctx));
+	cr_expect_eq(kvr_pool_validate(ctx->pool, NULL), 0, "%s", kvr_pool_last_error(ctx->pool));
+	free(k), free(v);
+	kvr_context_destroy(ctx);
+}
+
+/* A truncation whose kept tail page cannot be read back refuses, with
+ * nothing changed; once it can, the tail rows come back exactly. */
+Test(decode_spill, failed_truncate_changes_nothing, .timeout = 120)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 12);
+	float *k;
+	const uint32_t seq = prefilled(ctx, &k);
+	cr_assert_geq(kvr_pool_spill_all(ctx->pool), 0);
+	inject(ctx, KVR_SPILL_FAULT_READ_EIO);
+	cr_expect_eq(kvr_seq_truncate(ctx, seq, 100), -EIO, "%s", kvr_last_error(ctx));
+	uint64_t len = 0;
+	kvr_seq_length(ctx, seq, 0, &len);
+	cr_expect_eq(len, PREFILL, "a refused truncation kept %llu tokens", (unsigned long long)len);
+	inject(ctx, KVR_SPILL_FAULT_NONE);
+	cr_assert_eq(kvr_seq_truncate(ctx, seq, 100), 0, "%s", kvr_last_error(ctx));
+	const float *tail_keys = (const float *)ctx->seqs[seq].tails; /* layer 0's keys, NHD rows */
+	cr_expect_eq(memcmp(tail_keys, k + 96 * KV_ROW, 4 * KV_ROW * sizeof(float)), 0,
+		     "the tail rows 96..99 were not restored");
+	free(k);
+	kvr_context_destroy(ctx);
+}
+
+/* Only layer 1's pages are corrupt: its failure takes back what layer 0
+ * appended at the end of the step, so both layers keep one length and the
+ * sequence retries its position. */
+Test(decode_spill, a_step_failing_in_one_layer_keeps_the_layers_equal, .timeout = 120)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 12);
+	float *k;
+	uint32_t seq = prefilled(ctx, &k);
+	free(k);
+	cr_assert_geq(kvr_pool_spill_all(ctx->pool), 0);
+	struct kvr_spill *sp = kvr_pool_spill_file(ctx->pool);
+	struct kvr_spill_stats ss;
+	kvr_spill_get_stats(sp, &ss);
+	void *block = NULL;
+	cr_assert_eq(posix_memalign(&block, 4096, ss.dio_align), 0);
+	uint32_t n_pages = 0;
+	kvr_pool_n_pages(ctx->pool, seq, 1, &n_pages);
+	for (uint32_t j = 0; j < n_pages; j++) {
+		uint32_t id;
+		kvr_pool_lookup(ctx->pool, seq, 1, j, &id);
+		const uint32_t slot = kvr_pool_page_slot(ctx->pool, id);
+		for (uint32_t h = 0; slot != KVR_SPILL_NO_SLOT && h < N_KV; h++) {
+			const off_t at = (off_t)(kvr_spill_slot_offset(sp, slot) + h * ss.run_stride);
+			cr_assert_eq(pread(kvr_spill_fd(sp), block, ss.dio_align, at), (ssize_t)ss.dio_align);
+			((unsigned char *)block)[7] ^= 0x40;
+			cr_assert_eq(pwrite(kvr_spill_fd(sp), block, ss.dio_align, at), (ssize_t)ss.dio_align);
+		}
+	}
+	free(block);
+	uint64_t pos = PREFILL;
+	int failed_steps = 0;
+	for (int t = 0; t < 4; t++) {
+		float q[Q_ROW], kk[KV_ROW], vv[KV_ROW], out[Q_ROW];
+		for (uint32_t i = 0; i < Q_ROW; i++)
+			q[i] = frand();
+		for (uint32_t i = 0; i < KV_ROW; i++)
+			kk[i] = frand(), vv[i] = frand();
+		cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0, "%s", kvr_last_error(ctx));
+		int ok = 1;
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			int32_t st = 99;
+			cr_assert_eq(kvr_decode_layer(ctx, l, q, kk, vv, out, &st, NULL), 0, "%s", kvr_last_error(ctx));
+			ok &= st == 0;
+		}
+		cr_assert_eq(kvr_decode_end(ctx), 0);
+		failed_steps += !ok;
+		pos += ok;
+		uint64_t len0 = 0, len1 = 0;
+		kvr_seq_length(ctx, seq, 0, &len0);
+		kvr_seq_length(ctx, seq, 1, &len1);
+		cr_assert(len0 == pos && len1 == pos, "step %d: layers hold %llu and %llu tokens, position %llu", t,
+			  (unsigned long long)len0, (unsigned long long)len1, (unsigned long long)pos);
+	}
+	cr_expect_gt(failed_steps, 0, "layer 1's corrupt pages never failed a step");
+	kvr_context_destroy(ctx);
+}
+
+/* Mixed pages still demote with a spill tier: the step's own pins on its
+ * window pages are gone before the pages are judged. */
+static uint64_t demoted_in(uint32_t ram_pages, uint64_t *judged)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_MIXED, ram_pages);
+	float *k;
+	uint32_t seq = prefilled(ctx, &k);
+	free(k);
+	uint64_t pos = PREFILL;
+	for (int t = 0; t < 200; t++) {
+		float q[Q_ROW], kk[KV_ROW], vv[KV_ROW], out[Q_ROW];
+		for (uint32_t i = 0; i < Q_ROW; i++)
+			q[i] = 3.0f * frand();
+		for (uint32_t i = 0; i < KV_ROW; i++)
+			kk[i] = frand(), vv[i] = frand();
+		cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0, "%s", kvr_last_error(ctx));
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			int32_t st = 99;
+			cr_assert_eq(kvr_decode_layer(ctx, l, q, kk, vv, out, &st, NULL), 0, "%s", kvr_last_error(ctx));
+			cr_assert_eq(st, 0, "%s", kvr_last_error(ctx));
+		}
+		cr_assert_eq(kvr_decode_end(ctx), 0);
+		pos++;
+	}
+	struct kvr_stats st = { .size = sizeof(st) };
+	cr_assert_eq(kvr_get_stats(ctx, &st), 0);
+	kvr_context_destroy(ctx);
+	*judged = st.pages_judged;
+	return st.pages_demoted;
+}
+
+Test(decode_spill, mixed_pages_demote_with_a_spill_tier, .timeout = 240)
+{
+	uint64_t judged_ram, judged_spill;
+	const uint64_t in_ram = demoted_in(0, &judged_ram), spilled = demoted_in(12, &judged_spill);
+	cr_assert_gt(in_ram, 0, "the reference demoted nothing (%llu judged)", (unsigned long long)judged_ram);
+	cr_expect_gt(spilled, 0, "%llu judged, none demoted (%llu of %llu in RAM)", (unsigned long long)judged_spill,
+		     (unsigned long long)in_ram, (unsigned long long)judged_ram);
 }
