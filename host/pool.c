@@ -511,9 +511,10 @@ static int evict_locked(struct kvr_pool *pool, uint32_t want, bool force, uint32
 	if (n_dirty) {
 		int err = kvr_spill_write_pages(pool->spill, data, n_dirty, slots);
 		if (err) {
+			char why[200];
+			kvr_spill_copy_error(pool->spill, why, sizeof(why));
 			pool->spill_errors++;
-			return fail(pool, err, "pool: cannot spill %u pages: %s", n_dirty,
-				    kvr_spill_last_error(pool->spill));
+			return fail(pool, err, "pool: cannot spill %u pages: %s", n_dirty, why);
 		}
 		for (uint32_t i = 0; i < n_dirty; i++)
 			pool->page_slot[dirty[i]] = slots[i];
@@ -1205,7 +1206,9 @@ int kvr_pool_pin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
 		int e = kvr_spill_read_pages(pool->spill, slots, n_read, addrs, NULL);
 		if (e) {
 			pool->spill_errors++;
-			err = fail(pool, e, "pool: pin: %s", kvr_spill_last_error(pool->spill));
+			char why[200];
+			kvr_spill_copy_error(pool->spill, why, sizeof(why));
+			err = fail(pool, e, "pool: pin: %s", why);
 		} else {
 			pool->fetches += n_read;
 		}
@@ -1358,12 +1361,15 @@ int kvr_pool_read_runs(struct kvr_pool *pool, const uint32_t *pages, const uint3
 	}
 	/* then the file, read through */
 	int ferr = n_file ? kvr_spill_read_runs_to(pool->spill, runs, n_file, dsts, file_res) : 0;
+	char why[200] = "";
+	if (ferr) /* before another thread's spill call can rewrite the message */
+		kvr_spill_copy_error(pool->spill, why, sizeof(why));
 	pthread_mutex_lock(&pool->lock);
 	for (uint32_t i = 0; i < n; i++)
 		unpin_locked(pool, pages[i]);
 	if (ferr) {
 		pool->spill_errors++;
-		err = fail(pool, ferr, "pool: read_runs: %s", kvr_spill_last_error(pool->spill));
+		err = fail(pool, ferr, "pool: read_runs: %s", why);
 	}
 	for (uint32_t k = 0; k < n_file; k++) {
 		if (results)

@@ -774,6 +774,19 @@ const char *kvr_spill_last_error(const struct kvr_spill *sp)
 	return sp ? sp->message : "spill: NULL";
 }
 
+void kvr_spill_copy_error(struct kvr_spill *sp, char *buf, size_t bytes)
+{
+	if (!bytes)
+		return;
+	if (!sp) {
+		snprintf(buf, bytes, "spill: NULL");
+		return;
+	}
+	pthread_mutex_lock(&sp->lock);
+	snprintf(buf, bytes, "%s", sp->message);
+	pthread_mutex_unlock(&sp->lock);
+}
+
 /* ---- writes ---- */
 
 static void pack_page(struct kvr_spill *sp, const unsigned char *page, uint32_t slot, unsigned char *dst)

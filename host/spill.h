@@ -113,8 +113,12 @@ int kvr_spill_create(const struct kvr_spill_params *params, struct kvr_spill **o
 /* Close (and so delete) the file; free everything. NULL is a no-op. */
 void kvr_spill_destroy(struct kvr_spill *sp);
 
-/* The message of the spill's most recent failed call ("" if none). */
+/* The message of the spill's most recent failed call ("" if none). The
+ * buffer is the spill's: another thread's failing call may rewrite it. */
 const char *kvr_spill_last_error(const struct kvr_spill *sp);
+/* The same message copied into buf under the spill's lock: what a caller
+ * sharing the spill with other threads uses. */
+void kvr_spill_copy_error(struct kvr_spill *sp, char *buf, size_t bytes);
 
 /* Spill n pages: page i's runs (run h at pages[i] + h·run_bytes) go to a new
  * slot, returned in slots[i]. All or nothing: when a slot cannot be had

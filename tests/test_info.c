@@ -258,6 +258,22 @@ Test(bench, decode_writes_schema_json, .timeout = 300)
 		"    assert (r['selections'] > 0) == (r['mode'] != 'dense'), r");
 }
 
+/* `kvrecall bench decode --spilled`: the spill tier on, streamed recall, and
+ * the rows decoded (a step that failed would have stopped the bench). */
+Test(bench, decode_spilled_writes_schema_json, .timeout = 300)
+{
+	bench_json_check("bench decode --quick --mode freekv --spilled 50",
+			 "assert d['params']['spilled_pct'] == 50 and d['params']['recall'] == 'streamed', d['params']\n"
+			 "rows = d['results']\n"
+			 "assert rows and all(r['mode'] == 'freekv' and r['us_per_layer'] > 0 for r in rows), rows\n"
+			 "assert all(r['recalled_kib_per_layer'] > 0 for r in rows), rows");
+	char out[4096];
+	int status;
+	run("bench decode --spilled 100", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--spilled takes 0..99") != NULL, "%s", out);
+}
+
 /* `kvrecall bench freelist`: one row per unit count, host and device rounds
  * timed (the device rounds are checked for their result by the bench). */
 Test(bench, freelist_writes_schema_json, .timeout = 120)
