@@ -1163,6 +1163,15 @@ int kvr_pool_pin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
 		return 0;
 	if (!pages)
 		return fail(pool, -EINVAL, "pool: pin: pages is NULL");
+	if (n == 1) { /* attention's in-place pages, one at a time: resident, no scratch */
+		pthread_mutex_lock(&pool->lock);
+		const int resident = page_live(pool, pages[0]) && pool->page_frame[pages[0]] != KVR_POOL_NO_PAGE;
+		if (resident)
+			pin_locked(pool, pages[0]);
+		pthread_mutex_unlock(&pool->lock);
+		if (resident)
+			return 0;
+	}
 	uint32_t *fetch = malloc((size_t)n * sizeof(*fetch));
 	uint32_t *slots = malloc((size_t)n * sizeof(*slots));
 	void **addrs = malloc((size_t)n * sizeof(*addrs));

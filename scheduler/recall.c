@@ -98,7 +98,10 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 			ret = kvr_dev_event_create(s->dev, &st->drained);
 	}
 	s->spill = kvr_pool_spill_file(s->pool) != NULL;
-	for (uint32_t b = 0; !ret && s->spill && b < 2; b++) {
+	/* plain pages on a device that reads host memory are read straight into
+	 * the staging buffers; everything else goes through the bounces */
+	s->spill_direct = s->spill && !s->kv_format && kvr_dev_host_visible(s->dev);
+	for (uint32_t b = 0; !ret && s->spill && !s->spill_direct && b < 2; b++) {
 		/* the spill tier's bounces: runs read from RAM or the file land
 		 * here, registered so the copy to the device can be asynchronous */
 		const size_t bytes = ((size_t)s->chunk_pages * s->head_bytes + 4095) & ~(size_t)4095;
@@ -342,11 +345,9 @@ static const unsigned char *lowest_run(struct kvr_sched *s, const struct miss *m
 	return base;
 }
 
-/* Spill tier: a chunk's n runs, from RAM or the spill file, into the next
- * host bounce (run i at i·head_bytes), once the copy out of its previous
- * contents is done. The bounce, or NULL with *err set: a read that failed
- * (-EIO, -EBADMSG) is also left in the lane, whose next attention fails its
- * sequence with it. Controller thread. */
+/* Spill tier: a chunk's n runs, from RAM or the spill file, into dst (run i
+ * at i·head_bytes). A read that failed (-EIO, -EBADMSG) is also left in the
+ * lane, whose next attention fails its sequence with it. Controller thread. */
 static int read_chunk(struct kvr_sched *s, struct kvr_lane *lane, const struct miss *ms, uint32_t n,
 		      unsigned char *dst)
 {
@@ -360,6 +361,8 @@ static int read_chunk(struct kvr_sched *s, struct kvr_lane *lane, const struct m
 	return err;
 }
 
+/* read_chunk into the next host bounce, once the copy out of its previous
+ * contents is done: the bounce, or NULL with *err set. */
 static const unsigned char *bounce_fill(struct kvr_sched *s, struct kvr_lane *lane, const struct miss *ms,
 					uint32_t n, int *err)
 {
@@ -531,7 +534,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			/* spill tier: where the device reads host memory, the runs go
 			 * straight into the staging buffer once the scatter of its
 			 * previous chunk is done; elsewhere through a bounce */
-			const int direct = s->spill && kvr_dev_host_visible(s->dev);
+			const int direct = s->spill_direct;
 			if (direct) {
 				err = kvr_dev_event_synchronize(s->dev, st->drained);
 				if (!err)

@@ -115,6 +115,7 @@ struct kvr_sched {
 	/* spill tier (the pool has a spill file): recall reads runs through the
 	 * pool (RAM or file) into a host bounce, then copies it to the device */
 	int spill;
+	int spill_direct;                /* plain pages, host-visible device: no bounce */
 	unsigned char *bounce[2];        /* chunk_pages runs each, host memory (registered) */
 	struct kvr_event *bounce_done[2]; /* copy stream: the copy out of bounce[b] is done */
 	uint32_t next_bounce;            /* controller */

@@ -286,12 +286,6 @@ static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, int
 			lane->slot_page[j] = -1;
 }
 
-/* Take back the token a failed step appended (nothing stored changes). */
-static void unappend(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position)
-{
-	kvr_pool_truncate(s->pool, seq, layer, position);
-}
-
 /* The sequence's step failed in this layer: its later layers fail too, and
  * step_end takes back what its earlier layers appended. */
 static void mark_failed(struct kvr_sched *s, uint32_t seq, uint64_t position, int err)
@@ -645,7 +639,6 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			unpin_from(s, pins_before); /* its pins must not fail the others */
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
-			unappend(s, seqs[i], layer, positions[i]);
 			fail_sequence(s, seqs[i], layer, seg_err, (unsigned char *)out + i * q_row);
 			mark_failed(s, seqs[i], positions[i], seg_err);
 			continue;
@@ -716,7 +709,6 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			unpin_from(s, pins_before);
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
-			unappend(s, seq, layer, positions[i]);
 			fail_sequence(s, seq, layer, seg_err, (unsigned char *)out + i * q_row);
 			mark_failed(s, seq, positions[i], seg_err);
 			continue;
