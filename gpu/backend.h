@@ -91,6 +91,9 @@ int kvr_dev_create(const struct kvr_dev_params *params, struct kvr_dev **out, ch
 void kvr_dev_destroy(struct kvr_dev *dev);
 const char *kvr_dev_name(const struct kvr_dev *dev);
 uint32_t kvr_dev_kind_of(const struct kvr_dev *dev);
+/* The message of the calling thread's latest failed device call. Per thread,
+ * since the engine and the controller share one device: a failure is read by
+ * the thread that saw it, never torn by another's. */
 const char *kvr_dev_last_error(const struct kvr_dev *dev);
 /* 1 when device memory is host-addressable (cpu, cudaemu); 0 for cuda and
  * cudaemu-strict. */

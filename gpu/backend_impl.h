@@ -85,13 +85,16 @@ struct kvr_dev {
 	int host_visible;       /* device memory is host-addressable */
 	void *impl;             /* the backend's own state */
 	void *strict;           /* cudaemu-strict's map of device memory; NULL otherwise */
-	char last_error[256];   /* written by the failing call's thread */
 	int (*alloc_fn)(void *user, size_t bytes, void **ptr); /* the engine's, or NULL */
 	void (*free_fn)(void *user, void *ptr);
 	void *alloc_user;
 };
 
-/* Record a message and return err (backends' error path). */
+/* Bytes of a device failure message (kvr_dev_last_error). */
+#define KVR_DEV_MESSAGE_BYTES 256
+
+/* Record a message in the calling thread's slot and return err (backends'
+ * error path). */
 int kvr_dev_fail(struct kvr_dev *dev, int err, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 

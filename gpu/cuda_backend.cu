@@ -802,7 +802,7 @@ static int op_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 	int rc = enqueue_begin(dev, scope, cs->s, "select");
 	if (rc)
 		return rc;
-	char msg[sizeof(dev->last_error)];
+	char msg[KVR_DEV_MESSAGE_BYTES];
 	rc = kvr_cuda_select_topk(shape, items, NULL, n, cs->topk, cs->s, msg, sizeof(msg));
 	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
 }
@@ -826,7 +826,7 @@ extern "C" int kvr_cuda_dev_select_cub(struct kvr_dev *dev, const struct kvr_sha
 	int rc = enqueue_begin(dev, scope, cs->s, "select (CUB)");
 	if (rc)
 		return rc;
-	char msg[sizeof(dev->last_error)];
+	char msg[KVR_DEV_MESSAGE_BYTES];
 	rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg, sizeof(msg));
 	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
 }

@@ -14,11 +14,16 @@
 
 #include "backend_impl.h"
 
+/* The calling thread's latest device failure (any device: it is read right
+ * after the failing call, by the same thread). */
+static _Thread_local char thread_dev_error[KVR_DEV_MESSAGE_BYTES];
+
 int kvr_dev_fail(struct kvr_dev *dev, int err, const char *fmt, ...)
 {
+	(void)dev;
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(dev->last_error, sizeof(dev->last_error), fmt, ap);
+	vsnprintf(thread_dev_error, sizeof(thread_dev_error), fmt, ap);
 	va_end(ap);
 	return err;
 }
@@ -97,7 +102,8 @@ uint32_t kvr_dev_kind_of(const struct kvr_dev *dev)
 
 const char *kvr_dev_last_error(const struct kvr_dev *dev)
 {
-	return dev->last_error;
+	(void)dev;
+	return thread_dev_error;
 }
 
 int kvr_dev_host_visible(const struct kvr_dev *dev)

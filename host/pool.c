@@ -119,17 +119,22 @@ struct kvr_pool {
 	bool warned_lock;
 	bool warned_bind;
 
-	char last_error[256];
 };
 
 /* ------------------------------------------------------------------ errors */
 
+/* The calling thread's latest pool failure: the engine and the controller
+ * both call into the pool, and each reads the message of its own failed
+ * call, which another thread's failure must not rewrite under it. */
+static _Thread_local char thread_pool_error[256];
+
 static int __attribute__((format(printf, 3, 4))) fail(struct kvr_pool *pool, int err,
 						       const char *fmt, ...)
 {
+	(void)pool;
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(pool->last_error, sizeof(pool->last_error), fmt, ap);
+	vsnprintf(thread_pool_error, sizeof(thread_pool_error), fmt, ap);
 	va_end(ap);
 	return err;
 }
@@ -148,7 +153,7 @@ static void __attribute__((format(printf, 2, 3))) warn(struct kvr_pool *pool, co
 
 const char *kvr_pool_last_error(const struct kvr_pool *pool)
 {
-	return pool ? pool->last_error : "";
+	return pool ? thread_pool_error : "";
 }
 
 /* ------------------------------------------------------------------ chunks */
@@ -775,12 +780,12 @@ int kvr_pool_seq_fork(struct kvr_pool *pool, uint32_t src, uint32_t dst)
 	}
 	if (err) {
 		/* Drop the references taken so far; keep the message of the failure. */
-		char message[sizeof(pool->last_error)];
-		memcpy(message, pool->last_error, sizeof(message));
+		char message[sizeof(thread_pool_error)];
+		memcpy(message, thread_pool_error, sizeof(message));
 		pthread_mutex_unlock(&pool->lock);
 		kvr_pool_seq_close(pool, dst);
 		pthread_mutex_lock(&pool->lock);
-		memcpy(pool->last_error, message, sizeof(message));
+		memcpy(thread_pool_error, message, sizeof(message));
 	}
 	pthread_mutex_unlock(&pool->lock);
 	return err;
@@ -1453,7 +1458,7 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 	int err = table_get(pool, seq, layer, &t);
 	if (!err && first_position != t->n_tokens)
 		err = fail(pool, -EINVAL,
-			   "pool: sequence %u layer %u: tokens must arrive in order: expected "
+			   "sequence %u layer %u: tokens must arrive in order: expected "
 			   "position %llu, got %llu",
 			   seq, layer, (unsigned long long)t->n_tokens,
 			   (unsigned long long)first_position);

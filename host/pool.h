@@ -146,7 +146,8 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 /* Free everything. NULL is a no-op. */
 void kvr_pool_destroy(struct kvr_pool *pool);
 
-/* The message of the pool's most recent failed call ("" if none). */
+/* The message of the calling thread's most recent failed pool call ("" if
+ * none): per thread, since the engine and the controller each read their own. */
 const char *kvr_pool_last_error(const struct kvr_pool *pool);
 
 /* ---- raw pages (refcounted) ---- */

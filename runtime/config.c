@@ -6,7 +6,8 @@
  *
  * Everything here is pure (no allocation, no machine probing) and thread-safe;
  * facts that need the machine (does NUMA node 3 exist? is there a GPU?) are
- * checked by kvr_context_create.
+ * checked by kvr_context_create. Every rule that needs only the config is
+ * here, so kvr_config_validate accepts exactly what creation can accept.
  */
 #include <errno.h>
 #include <stddef.h>
@@ -15,6 +16,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../host/pool.h"
+#include "../layouts/kvquant.h"
+#include "../scheduler/scheduler.h"
 #include "internal.h"
 
 uint32_t kvr_dtype_bytes(uint32_t dtype)
@@ -56,6 +60,46 @@ KVR_API int kvr_config_init(struct kvr_config *cfg)
 	return 0;
 }
 
+/* Device bytes of one admitted sequence (tail tiles of every layer plus its
+ * page cache) and the context's fixed share (staging). */
+void kvr_config_device_bytes(const struct kvr_config *c, uint32_t recall, uint64_t *fixed,
+			     uint64_t *per_seq)
+{
+	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
+			      kvr_dtype_bytes(c->dtype);
+	*fixed = kvr_sched_fixed_device_bytes(c, recall);
+	*per_seq = kvr_sched_seq_device_bytes(c, recall);
+	if (c->backend != KVR_BACKEND_CUDA) {
+		*per_seq += 2 * tile * c->n_layers;
+	} else {
+		/* the tail tiles are pinned host memory (scheduler/memory.c); each
+		 * sparse layer keeps its sink and window pages on the device
+		 * (resident.c). A dense layer's resident pages grow with the
+		 * sequence and are not budgeted in this version. */
+		uint32_t sparse = 0;
+		for (uint32_t l = 0; l < c->n_layers; l++)
+			sparse += !(c->dense_layers[l / 64] >> (l % 64) & 1);
+		if (c->mode != KVR_MODE_DENSE)
+			*per_seq += sparse * kvr_resident_lane_bytes(c);
+	}
+}
+
+/* The recall kind a backend uses for AUTO: zero-copy on both. On the cpu
+ * backend attention reads the pool in place, so copying pages only costs
+ * bandwidth. On an H100 (docs/benchmarks.md, "decode path on an H100") a
+ * layer with zero-copy recall took 0.41-0.96x the time of one with streamed
+ * recall at 8K-128K in every sparse mode: the kernels read the selected pages
+ * from mapped pinned memory at 0.9x a single copy's rate, while the staged
+ * path's batched copies of 16 KiB runs reach 0.35x. Streamed recall moves
+ * fewer bytes (only misses) and stays selectable. */
+uint32_t kvr_config_recall(const struct kvr_config *c)
+{
+	if (c->recall != KVR_RECALL_AUTO)
+		return c->recall;
+	/* a page in the spill file cannot be read in place */
+	return c->pool_ram_bytes ? KVR_RECALL_STREAMED : KVR_RECALL_ZERO_COPY;
+}
+
 /* snprintf into an optional buffer; returns err so callers can `return say(...)`. */
 static int __attribute__((format(printf, 4, 5)))
 say(char *message, size_t message_bytes, int err, const char *fmt, ...)
@@ -83,8 +127,14 @@ int kvr_config_import(const struct kvr_config *in, struct kvr_config *out, char 
 			   "size: must be sizeof(struct kvr_config) = %zu as set by kvr_config_init() "
 			   "(got %u: config not initialised?)",
 			   sizeof(struct kvr_config), in->size);
+	if (in->size > sizeof(struct kvr_config) + KVR_CONFIG_MAX_GROWTH)
+		return say(message, message_bytes, -EINVAL,
+			   "size: %u bytes is not the size of any kvr_config (this library's is %zu; "
+			   "a newer one may add at most %u bytes): config not initialised?",
+			   in->size, sizeof(struct kvr_config), KVR_CONFIG_MAX_GROWTH);
 	if (in->size > sizeof(struct kvr_config)) {
-		/* A newer caller: fine as long as it sets none of the fields we lack. */
+		/* A newer caller: fine as long as it sets none of the fields we lack
+		 * (the bound above keeps the scan inside what a real struct can be). */
 		const unsigned char *extra = (const unsigned char *)in + sizeof(struct kvr_config);
 		for (size_t i = 0; i < in->size - sizeof(struct kvr_config); i++)
 			if (extra[i])
@@ -277,6 +327,29 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 		return say(m, mb, -EOVERFLOW,
 			   "device_bytes: %llu overflows when rounded up to whole 2 MiB chunks",
 			   (unsigned long long)c->device_bytes);
+	if (c->device_bytes) {
+		uint64_t fixed, per_seq;
+		kvr_config_device_bytes(c, kvr_config_recall(c), &fixed, &per_seq);
+		if (c->device_bytes < fixed + per_seq)
+			return say(m, mb, -ENOMEM,
+				   "device_bytes: %llu bytes cannot hold one sequence: %llu bytes of "
+				   "staging plus %llu per sequence (tail pages and, streamed, the page "
+				   "cache of k slots per KV head and sparse layer)",
+				   (unsigned long long)c->device_bytes, (unsigned long long)fixed,
+				   (unsigned long long)per_seq);
+	}
+	/* the spill tier (RAM below the pool's capacity) needs a few frames */
+	const uint64_t pool_page = (uint64_t)c->n_kv_heads *
+				   kvr_kv_run_bytes(c->kv_format, p, c->head_dim, kvr_dtype_bytes(c->dtype));
+	const int spills = c->pool_ram_bytes && pool_page &&
+			   (!c->pool_bytes || c->pool_ram_bytes / pool_page < c->pool_bytes / pool_page);
+	if (spills && c->pool_ram_bytes / pool_page < KVR_POOL_MIN_FRAMES)
+		return say(m, mb, -EINVAL,
+			   "pool_ram_bytes: %llu bytes hold %llu pages of %llu bytes; the spill tier "
+			   "needs RAM for at least %u (or 0: no spill tier)",
+			   (unsigned long long)c->pool_ram_bytes,
+			   (unsigned long long)(c->pool_ram_bytes / pool_page),
+			   (unsigned long long)pool_page, KVR_POOL_MIN_FRAMES);
 	return 0;
 }
 

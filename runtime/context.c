@@ -33,46 +33,6 @@ KVR_STATIC_ASSERT((int)KVR_KV_PLAIN == (int)KVR_KV_FORMAT_PLAIN &&
 			  (int)KVR_KV_MIXED == (int)KVR_KV_FORMAT_MIXED,
 		  "layouts/ page formats mirror enum kvr_kv_format_kind");
 
-/* Device bytes of one admitted sequence (tail tiles of every layer plus its
- * page cache) and the context's fixed share (staging). */
-static void device_bytes_of(const struct kvr_config *c, uint32_t recall, uint64_t *fixed,
-			    uint64_t *per_seq)
-{
-	const uint64_t tile = (uint64_t)c->page_tokens * c->n_kv_heads * c->head_dim *
-			      kvr_dtype_bytes(c->dtype);
-	*fixed = kvr_sched_fixed_device_bytes(c, recall);
-	*per_seq = kvr_sched_seq_device_bytes(c, recall);
-	if (c->backend != KVR_BACKEND_CUDA) {
-		*per_seq += 2 * tile * c->n_layers;
-	} else {
-		/* the tail tiles are pinned host memory (scheduler/memory.c); each
-		 * sparse layer keeps its sink and window pages on the device
-		 * (resident.c). A dense layer's resident pages grow with the
-		 * sequence and are not budgeted in this version. */
-		uint32_t sparse = 0;
-		for (uint32_t l = 0; l < c->n_layers; l++)
-			sparse += !(c->dense_layers[l / 64] >> (l % 64) & 1);
-		if (c->mode != KVR_MODE_DENSE)
-			*per_seq += sparse * kvr_resident_lane_bytes(c);
-	}
-}
-
-/* The recall kind a backend uses for AUTO: zero-copy on both. On the cpu
- * backend attention reads the pool in place, so copying pages only costs
- * bandwidth. On an H100 (docs/benchmarks.md, "decode path on an H100") a
- * layer with zero-copy recall took 0.41-0.96x the time of one with streamed
- * recall at 8K-128K in every sparse mode: the kernels read the selected pages
- * from mapped pinned memory at 0.9x a single copy's rate, while the staged
- * path's batched copies of 16 KiB runs reach 0.35x. Streamed recall moves
- * fewer bytes (only misses) and stays selectable. */
-static uint32_t resolve_recall(const struct kvr_config *c)
-{
-	if (c->recall != KVR_RECALL_AUTO)
-		return c->recall;
-	/* a page in the spill file cannot be read in place */
-	return c->pool_ram_bytes ? KVR_RECALL_STREAMED : KVR_RECALL_ZERO_COPY;
-}
-
 KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixed_bytes,
 				    uint64_t *per_sequence_bytes)
 {
@@ -84,7 +44,7 @@ KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixe
 	if (err)
 		return kvr_fail_config(cfg, err, "%s", message);
 	uint64_t fixed, per_seq;
-	device_bytes_of(&c, resolve_recall(&c), &fixed, &per_seq);
+	kvr_config_device_bytes(&c, kvr_config_recall(&c), &fixed, &per_seq);
 	if (fixed_bytes)
 		*fixed_bytes = fixed;
 	if (per_sequence_bytes)
@@ -160,7 +120,7 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 		c->pool_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2 : 0;
 	}
 
-	c->recall = resolve_recall(c);
+	c->recall = kvr_config_recall(c);
 	/* The controller thread everywhere: running its jobs inline on a
 	 * 2-core machine, where the engine's attention already fills the cores,
 	 * showed no consistent gain (docs/benchmarks.md, "Controller
@@ -168,7 +128,7 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	if (c->controller == KVR_CONTROLLER_AUTO)
 		c->controller = KVR_CONTROLLER_THREAD;
 	uint64_t fixed, per_seq;
-	device_bytes_of(c, c->recall, &fixed, &per_seq);
+	kvr_config_device_bytes(c, c->recall, &fixed, &per_seq);
 	if (c->device_bytes == 0)
 		c->device_bytes = fixed + per_seq * c->max_sequences;
 	else if (c->device_bytes < fixed + per_seq)
@@ -210,7 +170,11 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		return err;
 	}
 	ctx->config = c;
-	pthread_mutex_init(&ctx->error_lock, NULL);
+	if (!(ctx->error = calloc(1, sizeof(*ctx->error)))) {
+		free(ctx);
+		return kvr_fail_config(&c, -ENOMEM, "context: out of memory");
+	}
+	pthread_mutex_init(&ctx->error->lock, NULL);
 
 	/* The device first: on a separate-memory device (cuda) the pool registers
 	 * its pages and summaries with it, so kernels read them in place. */
@@ -246,7 +210,7 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		err = kvr_pool_create(&pp, &ctx->pool, message, sizeof(message));
 	if (!err) {
 		uint64_t fixed, per_seq;
-		device_bytes_of(&c, c.recall, &fixed, &per_seq);
+		kvr_config_device_bytes(&c, c.recall, &fixed, &per_seq);
 		ctx->device_fixed_bytes = fixed;
 		ctx->device_seq_bytes = per_seq;
 		ctx->device_used_bytes = fixed;
@@ -302,17 +266,23 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx)
 	kvr_trace_destroy(ctx->trace);
 	kvr_pool_destroy(ctx->pool); /* it may unregister memory with the device */
 	kvr_dev_destroy(ctx->dev);
-	pthread_mutex_destroy(&ctx->error_lock);
+	if (ctx->error)
+		pthread_mutex_destroy(&ctx->error->lock);
+	free(ctx->error);
 	free(ctx);
 }
 
 KVR_API int kvr_context_get_config(const struct kvr_context *ctx, struct kvr_config *cfg)
 {
-	if (!ctx || !cfg)
-		return -EINVAL;
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "context_get_config: ctx is NULL");
+	if (!cfg)
+		return kvr_fail(ctx, -EINVAL, "context_get_config: cfg is NULL");
 	uint32_t size = cfg->size;
 	if (size < offsetof(struct kvr_config, n_layers))
-		return -EINVAL;
+		return kvr_fail(ctx, -EINVAL,
+				"context_get_config: cfg->size %u is too small (set it with "
+				"kvr_config_init)", size);
 	if (size > sizeof(*cfg))
 		size = sizeof(*cfg);
 	memcpy(cfg, &ctx->config, size);

@@ -11,6 +11,7 @@
  */
 #include <errno.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,7 +27,18 @@ void kvr_decode_teardown(struct kvr_context *ctx)
 	ctx->engine_stream = NULL;
 	free(ctx->step.seqs);
 	free(ctx->step.positions);
+	free(ctx->step.layer_done);
 	memset(&ctx->step, 0, sizeof(ctx->step));
+}
+
+/* Mark the step's sequences as in (or out of) the open step: calls that would
+ * change their tokens under it are refused (sequence.c). */
+static void step_members(struct kvr_context *ctx, int in_step)
+{
+	pthread_mutex_lock(&ctx->seq_lock);
+	for (uint32_t i = 0; i < ctx->step.batch; i++)
+		ctx->seqs[ctx->step.seqs[i]].in_step = in_step;
+	pthread_mutex_unlock(&ctx->seq_lock);
 }
 
 KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
@@ -42,7 +54,10 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 	if (!seqs || !positions)
 		return kvr_fail(ctx, -EINVAL, "decode_begin: seqs or positions is NULL");
 	for (uint32_t i = 0; i < batch; i++) {
-		if (seqs[i] >= ctx->config.max_sequences || !ctx->seqs[seqs[i]].alive)
+		pthread_mutex_lock(&ctx->seq_lock);
+		const int alive = seqs[i] < ctx->config.max_sequences && ctx->seqs[seqs[i]].alive;
+		pthread_mutex_unlock(&ctx->seq_lock);
+		if (!alive)
 			return kvr_fail(ctx, -EINVAL, "decode_begin: sequence %u (batch entry %u) does not exist",
 					seqs[i], i);
 		for (uint32_t j = 0; j < i; j++)
@@ -52,15 +67,18 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 	if (!ctx->step.seqs) {
 		ctx->step.seqs = malloc(ctx->config.max_batch * sizeof(*ctx->step.seqs));
 		ctx->step.positions = malloc(ctx->config.max_batch * sizeof(*ctx->step.positions));
-		if (!ctx->step.seqs || !ctx->step.positions) {
+		ctx->step.layer_done = malloc(ctx->config.n_layers);
+		if (!ctx->step.seqs || !ctx->step.positions || !ctx->step.layer_done) {
 			kvr_decode_teardown(ctx);
 			return kvr_fail(ctx, -ENOMEM, "decode_begin: out of memory");
 		}
 	}
 	memcpy(ctx->step.seqs, seqs, batch * sizeof(*seqs));
 	memcpy(ctx->step.positions, positions, batch * sizeof(*positions));
+	memset(ctx->step.layer_done, 0, ctx->config.n_layers);
 	ctx->step.batch = batch;
 	ctx->step.open = 1;
+	step_members(ctx, 1);
 	return 0;
 }
 
@@ -70,11 +88,32 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx)
 		return kvr_fail(NULL, -EINVAL, "decode_end: ctx is NULL");
 	if (!ctx->step.open)
 		return kvr_fail(ctx, -EINVAL, "decode_end: no step is open");
+	/* Once a layer was decoded, every layer must be: a layer left out would
+	 * leave the sequences one token short there, with no position valid for
+	 * all layers. Such a step is taken back in every layer instead. A step
+	 * with no layer decoded stored nothing: ending it cancels it. */
+	uint32_t missing = ctx->config.n_layers, any = 0;
+	for (uint32_t l = 0; l < ctx->config.n_layers; l++) {
+		any |= ctx->step.layer_done[l];
+		if (!ctx->step.layer_done[l] && missing == ctx->config.n_layers)
+			missing = l;
+	}
+	if (!any)
+		missing = ctx->config.n_layers;
+	if (missing < ctx->config.n_layers)
+		kvr_sched_step_abandon(ctx->sched, ctx->step.batch, ctx->step.seqs, ctx->step.positions,
+				       missing, -EINVAL, "not decoded in this step");
 	ctx->step.open = 0;
-	ctx->steps++;
+	step_members(ctx, 0);
 	int err = kvr_sched_step_end(ctx->sched);
 	if (err)
 		return kvr_fail(ctx, err, "decode_end: %s", kvr_dev_last_error(ctx->dev));
+	if (missing < ctx->config.n_layers)
+		return kvr_fail(ctx, -EINVAL,
+				"decode_end: layer %u was not decoded in this step (every layer must be): "
+				"the step is taken back, every sequence's layers are at its positions again",
+				missing);
+	ctx->steps++;
 	return 0;
 }
 
@@ -120,6 +159,10 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 				c->n_layers);
 	if (!q || !k || !v || !out || !status)
 		return kvr_fail(ctx, -EINVAL, "decode_layer: q, k, v, out or status is NULL");
+	if (ctx->step.layer_done[layer])
+		return kvr_fail(ctx, -EINVAL,
+				"decode_layer: layer %u was already decoded in this step (its tokens are "
+				"stored); the step is unchanged", layer);
 	struct kvr_stream *engine_stream = NULL;
 	if (!kvr_sched_separate_memory(ctx->sched)) {
 		if (stream)
@@ -134,13 +177,27 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 	const uint32_t batch = ctx->step.batch;
 	int err = kvr_sched_decode_layer(ctx->sched, layer, batch, ctx->step.seqs, ctx->step.positions,
 					 q, k, v, out, status, engine_stream);
-	if (err)
-		return kvr_fail(ctx, err, "decode_layer: layer %u: %s", layer,
-				kvr_sched_last_error(ctx->sched));
-	for (uint32_t i = 0; i < batch; i++)
-		if (status[i])
-			kvr_fail(ctx, status[i], "decode_layer: sequence %u layer %u: %s",
-				 ctx->step.seqs[i], layer, kvr_sched_last_error(ctx->sched));
+	ctx->step.layer_done[layer] = 1; /* what it appended is stored or taken back */
+	if (err) {
+		/* the layer may have appended some tokens and not others: fail the
+		 * step of every sequence, which kvr_decode_end takes back */
+		char why[KVR_ERROR_MESSAGE_BYTES];
+		snprintf(why, sizeof(why), "%s", kvr_sched_last_error(ctx->sched));
+		kvr_sched_step_abandon(ctx->sched, batch, ctx->step.seqs, ctx->step.positions, layer, err,
+				       why);
+		for (uint32_t i = 0; i < batch; i++)
+			status[i] = err;
+		return kvr_fail(ctx, err, "decode_layer: layer %u: %s", layer, why);
+	}
+	/* one message per failure: the layer it happened at reports it, later
+	 * layers (which fail the sequence too) keep it */
+	for (uint32_t i = 0; i < batch; i++) {
+		uint32_t at;
+		const char *why;
+		if (status[i] && kvr_sched_step_failure(ctx->sched, ctx->step.seqs[i], &at, &why) &&
+		    at == layer)
+			kvr_fail(ctx, status[i], "decode_layer: %s", why);
+	}
 	return 0;
 }
 
@@ -185,8 +242,12 @@ static void fill_stats(const uint64_t cnt[KVR_C_COUNT], uint64_t steps, uint64_t
 
 KVR_API int kvr_get_stats(const struct kvr_context *ctx, struct kvr_stats *stats)
 {
-	if (!ctx || !stats || stats->size < STATS_MIN_SIZE)
-		return -EINVAL;
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "get_stats: ctx is NULL");
+	if (!stats || stats->size < STATS_MIN_SIZE)
+		return kvr_fail(ctx, -EINVAL,
+				"get_stats: stats is NULL or its size is below %zu (set stats.size = "
+				"sizeof(struct kvr_stats))", (size_t)STATS_MIN_SIZE);
 	uint64_t cnt[KVR_C_COUNT], held, free_units, per_seq;
 	kvr_sched_counters(ctx->sched, UINT32_MAX, cnt);
 	kvr_sched_units(ctx->sched, &held, &free_units, &per_seq);
@@ -196,13 +257,12 @@ KVR_API int kvr_get_stats(const struct kvr_context *ctx, struct kvr_stats *stats
 
 KVR_API int kvr_seq_get_stats(const struct kvr_context *ctx, uint32_t seq, struct kvr_stats *stats)
 {
-	struct kvr_context *mctx = (struct kvr_context *)ctx; /* error message only */
 	if (!ctx)
 		return kvr_fail(NULL, -EINVAL, "seq_get_stats: ctx is NULL");
 	if (!stats || stats->size < STATS_MIN_SIZE)
-		return kvr_fail(mctx, -EINVAL, "seq_get_stats: stats is NULL or its size is too small");
+		return kvr_fail(ctx, -EINVAL, "seq_get_stats: stats is NULL or its size is too small");
 	if (seq >= ctx->config.max_sequences || !ctx->seqs[seq].alive)
-		return kvr_fail(mctx, -EINVAL, "seq_get_stats: sequence %u does not exist", seq);
+		return kvr_fail(ctx, -EINVAL, "seq_get_stats: sequence %u does not exist", seq);
 	uint64_t cnt[KVR_C_COUNT], held, free_units, per_seq;
 	kvr_sched_counters(ctx->sched, seq, cnt);
 	kvr_sched_units(ctx->sched, &held, &free_units, &per_seq);
@@ -213,14 +273,13 @@ KVR_API int kvr_seq_get_stats(const struct kvr_context *ctx, uint32_t seq, struc
 KVR_API int kvr_get_head_corrections(const struct kvr_context *ctx, uint32_t seq, uint64_t *counts,
 				     uint32_t n)
 {
-	struct kvr_context *mctx = (struct kvr_context *)ctx;
 	if (!ctx)
 		return kvr_fail(NULL, -EINVAL, "get_head_corrections: ctx is NULL");
 	if (!counts || !n || n > ctx->config.n_kv_heads)
-		return kvr_fail(mctx, -EINVAL, "get_head_corrections: counts is NULL or n (%u) is not "
+		return kvr_fail(ctx, -EINVAL, "get_head_corrections: counts is NULL or n (%u) is not "
 				"1..n_kv_heads %u", n, ctx->config.n_kv_heads);
 	if (seq != UINT32_MAX && (seq >= ctx->config.max_sequences || !ctx->seqs[seq].alive))
-		return kvr_fail(mctx, -EINVAL, "get_head_corrections: sequence %u does not exist", seq);
+		return kvr_fail(ctx, -EINVAL, "get_head_corrections: sequence %u does not exist", seq);
 	uint64_t all[KVR_MAX_KV_HEADS];
 	kvr_sched_head_corrections(ctx->sched, seq, all, ctx->config.n_kv_heads);
 	memcpy(counts, all, n * sizeof(*counts));

@@ -2,21 +2,31 @@
 /*
  * error.c — error codes, last-error messages and the log callback.
  *
- * Messages of failed calls live in the context (guarded by its error_lock, since
- * the engine's thread and the controller thread may both fail calls) or, for
- * calls without a context, in a thread-local slot. Nothing here writes to
- * stdout or stderr: the log callback is the only way out.
+ * Messages of failed calls live in the context's error slot (guarded by its
+ * mutex, since any thread using the context may fail a call) or, for calls
+ * without a context, in a thread-local slot. kvr_last_error hands out a copy
+ * in the calling thread's own buffer, so a message being read is never
+ * rewritten under the reader. Nothing here writes to stdout or stderr: the
+ * log callback is the only way out.
+ *
+ * Threads: any.
  */
 #include <errno.h>
+#include <limits.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
 
 static _Thread_local char thread_last_error[KVR_ERROR_MESSAGE_BYTES];
+/* kvr_last_error(ctx)'s copy of a context's message, per reading thread */
+static _Thread_local char thread_read_error[KVR_ERROR_MESSAGE_BYTES];
 
 KVR_API const char *kvr_strerror(int err)
 {
+	if (err == INT_MIN)
+		return "unknown error"; /* -INT_MIN does not exist */
 	if (err < 0)
 		err = -err;
 	switch (err) {
@@ -70,15 +80,18 @@ void kvr_log(const struct kvr_context *ctx, enum kvr_log_level level, const char
 
 void kvr_log_config(const struct kvr_config *cfg, enum kvr_log_level level, const char *fmt, ...)
 {
-	if (!cfg || cfg->size < sizeof(*cfg))
-		return; /* an uninitialised config has no trustworthy callback */
+	/* Every accepted config version (from 0.1, kvr_config_import) ends after
+	 * log_user, so an older caller's callback is read where it put it; a
+	 * smaller size is an uninitialised config with no trustworthy callback. */
+	if (!cfg || cfg->size < offsetof(struct kvr_config, log_user) + sizeof(cfg->log_user))
+		return;
 	va_list ap;
 	va_start(ap, fmt);
 	deliver(cfg->log_fn, cfg->log_user, cfg->log_level, level, fmt, ap);
 	va_end(ap);
 }
 
-int kvr_fail(struct kvr_context *ctx, int err, const char *fmt, ...)
+int kvr_fail(const struct kvr_context *ctx, int err, const char *fmt, ...)
 {
 	char line[KVR_ERROR_MESSAGE_BYTES];
 	va_list ap;
@@ -86,9 +99,9 @@ int kvr_fail(struct kvr_context *ctx, int err, const char *fmt, ...)
 	vsnprintf(line, sizeof(line), fmt, ap);
 	va_end(ap);
 	if (ctx) {
-		pthread_mutex_lock(&ctx->error_lock);
-		memcpy(ctx->last_error, line, sizeof(line));
-		pthread_mutex_unlock(&ctx->error_lock);
+		pthread_mutex_lock(&ctx->error->lock);
+		memcpy(ctx->error->message, line, sizeof(line));
+		pthread_mutex_unlock(&ctx->error->lock);
 		kvr_log(ctx, KVR_LOG_ERROR, "%s", line);
 	} else {
 		memcpy(thread_last_error, line, sizeof(line));
@@ -108,7 +121,12 @@ int kvr_fail_config(const struct kvr_config *cfg, int err, const char *fmt, ...)
 
 KVR_API const char *kvr_last_error(const struct kvr_context *ctx)
 {
-	return ctx ? ctx->last_error : thread_last_error;
+	if (!ctx)
+		return thread_last_error;
+	pthread_mutex_lock(&ctx->error->lock);
+	memcpy(thread_read_error, ctx->error->message, sizeof(thread_read_error));
+	pthread_mutex_unlock(&ctx->error->lock);
+	return thread_read_error;
 }
 
 KVR_API uint32_t kvr_version_number(void)

@@ -13,6 +13,7 @@
 
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 
 #include "kvrecall.h"
 
@@ -27,17 +28,22 @@ struct kvr_sched_hooks;
 /* One sequence's device-side state (sequence.c); its per-layer speculative
  * state and page cache are the scheduler's lanes (scheduler/). */
 struct kvr_sequence {
-	int alive;
+	/* Both written under seq_lock and read without it (plain seq_cst atomics:
+	 * a reader asking about one id needs no lock against writers of others). */
+	_Atomic int alive;
+	_Atomic int in_step; /* named by the open decode step: calls that change its
+	                        tokens or free it are refused (-EBUSY) */
 	unsigned char *tails; /* per layer: the partial tail page's NHD K tile then V tile,
 	                         host-addressable (kvr_sched_tile_alloc) */
 };
 
-/* The open decode step (decode.c). */
+/* The open decode step (decode.c; the engine's thread). */
 struct kvr_step_state {
 	int open;
 	uint32_t batch;
 	uint32_t *seqs;        /* max_batch */
 	uint64_t *positions;   /* max_batch */
+	uint8_t *layer_done;   /* n_layers: decode_layer ran for it in this step */
 };
 
 #define KVR_ERROR_MESSAGE_BYTES 512
@@ -65,15 +71,23 @@ struct kvr_context {
 	struct kvr_stream *engine_stream;
 	void *engine_stream_native;
 
-	/* Last error. Written by whichever thread fails a call on this context, read
-	 * by kvr_last_error(); the mutex keeps a message from being torn. */
-	pthread_mutex_t error_lock;
-	char last_error[KVR_ERROR_MESSAGE_BYTES];
+	/* Last error, behind a pointer so that calls taking a const context
+	 * (getters) record their failures without casting const away: the
+	 * message is not part of the context's logical state. */
+	struct kvr_error_slot *error;
+};
+
+/* A context's last error. Written by whichever thread fails a call on the
+ * context and read by kvr_last_error() from any thread: the mutex keeps a
+ * message from being torn; readers get a copy. */
+struct kvr_error_slot {
+	pthread_mutex_t lock;
+	char message[KVR_ERROR_MESSAGE_BYTES];
 };
 
 /* Record `err` with a formatted message against ctx (or the thread when ctx is
  * NULL), log it, and return err. */
-int kvr_fail(struct kvr_context *ctx, int err, const char *fmt, ...)
+int kvr_fail(const struct kvr_context *ctx, int err, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
 /* Same, for configs not yet owned by a context: the log goes to cfg's callback. */
@@ -98,6 +112,20 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 
 /* Free every sequence's device memory (context teardown). */
 void kvr_sequences_destroy(struct kvr_context *ctx);
+
+/* The most a newer library's kvr_config may have grown past ours: a larger
+ * size is no config at all, and scanning it would read past the caller's. */
+#define KVR_CONFIG_MAX_GROWTH 4096u
+
+/* The recall kind a config resolves to (auto: zero-copy, streamed with a
+ * spill tier). */
+uint32_t kvr_config_recall(const struct kvr_config *c);
+
+/* Device bytes a context of config c needs: its fixed share (staging) and
+ * each admitted sequence's (tail tiles, page cache), for recall kind
+ * `recall`. Pure: kvr_config_validate and creation agree. */
+void kvr_config_device_bytes(const struct kvr_config *c, uint32_t recall, uint64_t *fixed,
+			     uint64_t *per_seq);
 
 /* Bytes of one element of a kvr_dtype, or 0 for an unknown dtype. */
 uint32_t kvr_dtype_bytes(uint32_t dtype);

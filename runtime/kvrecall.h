@@ -304,15 +304,18 @@ KVR_API void kvr_context_destroy(struct kvr_context *ctx);
 /*
  * Copy the context's resolved configuration (automatic fields replaced by what was
  * chosen) into *cfg. cfg->size must be set by the caller (kvr_config_init does);
- * at most that many bytes are written. Returns 0 or -EINVAL.
+ * at most that many bytes are written. Returns 0 or -EINVAL (NULL, or a size
+ * below the first fields), with a message.
  */
 KVR_API int kvr_context_get_config(const struct kvr_context *ctx, struct kvr_config *cfg);
 
 /*
- * The message of the most recent failed call on `ctx`, or "" if none. With
- * ctx == NULL: the most recent failure on the calling thread of a call that had no
- * context (kvr_context_create, kvr_system_query). The pointer stays valid until
- * the next failing call on the same context (or thread, for NULL).
+ * The message of the most recent failed call on `ctx`, or "" if none: one
+ * sentence, "<call>: <what>: <why>". With ctx == NULL: the most recent failure on
+ * the calling thread of a call that had no context (kvr_context_create,
+ * kvr_system_query). Safe from any thread while others use the context: the
+ * result is a copy in the calling thread's own buffer, valid until that thread's
+ * next kvr_last_error call.
  */
 KVR_API const char *kvr_last_error(const struct kvr_context *ctx);
 
@@ -334,20 +337,22 @@ KVR_API const char *kvr_last_error(const struct kvr_context *ctx);
  */
 KVR_API int kvr_seq_create(struct kvr_context *ctx, uint32_t *seq);
 
-/* Free a sequence and every page only it references. -EINVAL for an unknown id. */
+/* Free a sequence and every page only it references. -EINVAL for an unknown id,
+ * -EBUSY while the open decode step names it. */
 KVR_API int kvr_seq_free(struct kvr_context *ctx, uint32_t seq);
 
 /*
  * Fork `src` into a new sequence *dst holding the same tokens: full pages are
  * shared (copied on the first write), the partial tail is copied. Errors:
- * -EINVAL, -ENOSPC, -ENOMEM; on failure nothing is created and src is intact.
+ * -EINVAL, -ENOSPC, -ENOMEM, -EBUSY (src is in the open decode step); on
+ * failure nothing is created and src is intact.
  */
 KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst);
 
 /*
  * Keep the first n_tokens tokens of every layer of `seq`, dropping the rest
  * (e.g. to roll back a speculative draft). Errors: -EINVAL (unknown id, or
- * n_tokens beyond a layer's length).
+ * n_tokens beyond a layer's length), -EBUSY (the open decode step names it).
  */
 KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_tokens);
 
@@ -365,7 +370,8 @@ KVR_API int kvr_seq_length(const struct kvr_context *ctx, uint32_t seq, uint32_t
  * complete, the partial tail stays on the device side. A pool page is
  * reserved when a tail page starts, all or nothing: -ENOMEM (pool capacity)
  * leaves the sequence exactly as it was. Blocks until the data is stored.
- * Errors: -EINVAL (unknown ids, positions out of order, NULL data), -ENOMEM.
+ * Errors: -EINVAL (unknown ids, positions out of order, NULL data), -ENOMEM,
+ * -EBUSY (the open decode step names the sequence).
  */
 KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
 			uint64_t first_position, uint32_t n_tokens, const void *k, const void *v);
@@ -414,8 +420,10 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
  */
 
 /* Begin a step. positions[i] must equal sequence seqs[i]'s length in every layer
- * when that layer is decoded. Errors: -EINVAL (unknown or repeated sequence,
- * batch larger than max_batch), -EBUSY (a step is already open). */
+ * when that layer is decoded. Until kvr_decode_end, the step's sequences cannot
+ * be freed, forked, truncated or prefilled (-EBUSY). Errors: -EINVAL (unknown or
+ * repeated sequence, batch larger than max_batch), -EBUSY (a step is already
+ * open). */
 KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 			     const uint64_t *positions, uint32_t batch);
 
@@ -441,12 +449,21 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  * queued to the controller and overlaps the engine's next layers.
  *
  * Returns 0 when the call itself was valid (per-sequence failures are in
- * status), or -EINVAL (no open step, layer out of range, NULL buffers, a
- * stream on the cpu backend), -ENOTSUP (a captured stream). */
+ * status; a sequence that failed in one layer fails in the step's later layers
+ * too, and kvr_decode_end takes back what its earlier layers stored), or
+ * -EINVAL (no open step, layer out of range, NULL buffers, a stream on the cpu
+ * backend, a layer already decoded in this step: refused alone, the step
+ * unchanged), -ENOTSUP (a captured stream). A call that fails as a whole
+ * after checking its arguments (-ENOMEM, a device error) fails the step of
+ * every sequence in the batch. */
 KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
 			     const void *k, const void *v, void *out, int32_t *status, void *stream);
 
-/* Close the step. -EINVAL when none is open. */
+/* Close the step. Every layer must have been decoded: if some were and one was
+ * not, the step is taken back in every layer of every sequence (each holds what
+ * it held before kvr_decode_begin) and -EINVAL names the layer. A step with no
+ * layer decoded stored nothing, and ending it cancels it (0). -EINVAL when no
+ * step is open. */
 KVR_API int kvr_decode_end(struct kvr_context *ctx);
 
 /*

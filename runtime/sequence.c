@@ -38,19 +38,31 @@ static unsigned char *tail_values(const struct kvr_context *ctx, const struct kv
 }
 
 /* The live sequence `seq`, or NULL with the context's error set. */
-static struct kvr_sequence *live(struct kvr_context *ctx, uint32_t seq, const char *op, int *err)
+static struct kvr_sequence *live(const struct kvr_context *ctx, uint32_t seq, const char *op, int *err)
 {
 	if (seq >= ctx->config.max_sequences) {
 		*err = kvr_fail(ctx, -EINVAL, "%s: sequence id %u out of range (max_sequences %u)", op,
 				seq, ctx->config.max_sequences);
 		return NULL;
 	}
-	pthread_mutex_lock(&ctx->seq_lock);
 	struct kvr_sequence *s = ctx->seqs[seq].alive ? &ctx->seqs[seq] : NULL;
-	pthread_mutex_unlock(&ctx->seq_lock);
 	if (!s)
 		*err = kvr_fail(ctx, -EINVAL, "%s: sequence %u does not exist (freed or never created)",
 				op, seq);
+	return s;
+}
+
+/* live(), for calls that change the sequence's tokens or free it: refused
+ * while the open decode step names it (its layers are mid-step). */
+static struct kvr_sequence *live_idle(struct kvr_context *ctx, uint32_t seq, const char *op, int *err)
+{
+	struct kvr_sequence *s = live(ctx, seq, op, err);
+	if (s && s->in_step) {
+		*err = kvr_fail(ctx, -EBUSY,
+				"%s: sequence %u is in the open decode step (call kvr_decode_end first)",
+				op, seq);
+		return NULL;
+	}
 	return s;
 }
 
@@ -136,7 +148,7 @@ KVR_API int kvr_seq_free(struct kvr_context *ctx, uint32_t seq)
 	if (!ctx)
 		return kvr_fail(NULL, -EINVAL, "seq_free: ctx is NULL");
 	int err = 0;
-	if (!live(ctx, seq, "seq_free", &err))
+	if (!live_idle(ctx, seq, "seq_free", &err))
 		return err;
 	seq_release(ctx, seq, 1);
 	return 0;
@@ -149,7 +161,7 @@ KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst)
 	if (!dst)
 		return kvr_fail(ctx, -EINVAL, "seq_fork: dst is NULL");
 	int err = 0;
-	struct kvr_sequence *from = live(ctx, src, "seq_fork", &err);
+	struct kvr_sequence *from = live_idle(ctx, src, "seq_fork", &err);
 	if (!from)
 		return err;
 	uint32_t id = 0;
@@ -170,16 +182,15 @@ KVR_API int kvr_seq_fork(struct kvr_context *ctx, uint32_t src, uint32_t *dst)
 KVR_API int kvr_seq_length(const struct kvr_context *ctx, uint32_t seq, uint32_t layer,
 			   uint64_t *n_tokens)
 {
-	struct kvr_context *mctx = (struct kvr_context *)ctx; /* error message only */
 	if (!ctx)
 		return kvr_fail(NULL, -EINVAL, "seq_length: ctx is NULL");
 	if (!n_tokens)
-		return kvr_fail(mctx, -EINVAL, "seq_length: n_tokens is NULL");
+		return kvr_fail(ctx, -EINVAL, "seq_length: n_tokens is NULL");
 	int err = 0;
-	if (!live(mctx, seq, "seq_length", &err))
+	if (!live(ctx, seq, "seq_length", &err))
 		return err;
 	if (layer >= ctx->config.n_layers)
-		return kvr_fail(mctx, -EINVAL, "seq_length: layer %u out of range (n_layers %u)", layer,
+		return kvr_fail(ctx, -EINVAL, "seq_length: layer %u out of range (n_layers %u)", layer,
 				ctx->config.n_layers);
 	return kvr_pool_n_tokens(ctx->pool, seq, layer, n_tokens);
 }
@@ -189,7 +200,7 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 	if (!ctx)
 		return kvr_fail(NULL, -EINVAL, "seq_truncate: ctx is NULL");
 	int err = 0;
-	struct kvr_sequence *s = live(ctx, seq, "seq_truncate", &err);
+	struct kvr_sequence *s = live_idle(ctx, seq, "seq_truncate", &err);
 	if (!s)
 		return err;
 	const struct kvr_config *c = &ctx->config;
@@ -277,7 +288,7 @@ KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
 	if (!ctx)
 		return kvr_fail(NULL, -EINVAL, "prefill: ctx is NULL");
 	int err = 0;
-	struct kvr_sequence *s = live(ctx, seq, "prefill", &err);
+	struct kvr_sequence *s = live_idle(ctx, seq, "prefill", &err);
 	if (!s)
 		return err;
 	if (layer >= ctx->config.n_layers)
@@ -313,12 +324,12 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
 		return kvr_fail(ctx, -EINVAL, "prefill_attention: q or out is NULL");
 	uint64_t have = 0;
 	kvr_pool_n_tokens(ctx->pool, seq, layer, &have);
-	if (first_position + n_tokens > have)
+	if (first_position > have || n_tokens > have - first_position) /* no wrap-around */
 		return kvr_fail(ctx, -EINVAL,
 				"prefill_attention: positions %llu..%llu of sequence %u layer %u are not "
 				"stored yet (%llu tokens: call kvr_prefill first)",
 				(unsigned long long)first_position,
-				(unsigned long long)(first_position + n_tokens - 1), seq, layer,
+				(unsigned long long)first_position + n_tokens - 1, seq, layer,
 				(unsigned long long)have);
 	kvr_sched_seq_quiesce(ctx->sched, seq);
 	err = kvr_sched_prefill_attention(ctx->sched, seq, layer, first_position, n_tokens, q, out);

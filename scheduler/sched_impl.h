@@ -130,6 +130,9 @@ struct kvr_sched {
 	 * earlier layers appended, so every layer keeps one length */
 	int32_t *step_fail;              /* [max_sequences] the error, 0 = none */
 	uint64_t *step_fail_pos;         /* [max_sequences] the step's position */
+	uint32_t *step_fail_layer;       /* [max_sequences] the layer it failed at */
+	char *step_fail_message;         /* [max_sequences][KVR_SCHED_MESSAGE] its reason,
+	                                    "sequence S layer L: ..." */
 	uint32_t *step_failed;           /* the sequences with step_fail set */
 	uint32_t n_step_failed;
 	struct kvr_units *units;         /* quantised pages: the shared device page cache (units.c) */
@@ -152,6 +155,8 @@ struct kvr_sched {
 	unsigned char **tails;         /* [max_sequences]: the runtime's tail tiles */
 	struct layer_scratch *scratch; /* [n_layers] */
 	int32_t *now_sel;              /* [max_batch][n_kv][k]: the engine's selections (mapped) */
+	int32_t *seg_pages;            /* engine: [k] one head's slots' pages, sorted (segments) */
+	uint32_t *seg_slots;           /* engine: [k] the slots beside them */
 	float *engine_scores;          /* grown: the engine's score buffer (device) */
 	size_t engine_scores_bytes;
 	float *ctl_scores;             /* grown: the controller's score buffer (device) */
@@ -203,6 +208,9 @@ struct kvr_sched {
 	char last_error[256];
 };
 
+/* One sequence's failure message (step_fail_message). */
+#define KVR_SCHED_MESSAGE 256
+
 static inline struct kvr_lane *lane_of(struct kvr_sched *s, uint32_t seq, uint32_t layer)
 {
 	return &s->lanes[(uint64_t)seq * s->c.n_layers + layer];
@@ -213,6 +221,24 @@ static inline void count(struct kvr_sched *s, uint32_t seq, enum kvr_counter c, 
 	atomic_fetch_add_explicit(&s->counters[c], v, memory_order_relaxed);
 	atomic_fetch_add_explicit(&s->seq_counters[(uint64_t)seq * KVR_C_COUNT + c], v,
 				  memory_order_relaxed);
+}
+
+/*
+ * The first page of the window of a layer that holds n_tokens (DESIGN.md:
+ * the W/p newest full pages plus the partial tail). With W = 0 the page the
+ * newest token completed is the window's (its "partial tail" just filled):
+ * it has no summary before this step, so no selection can have named it,
+ * and without this it would be attended by nobody at the step completing it.
+ * For W >= p this is n_full - W/p (or 0), which never exceeds that page.
+ * Pages below it and at or above sink are what selection must cover.
+ */
+static inline uint32_t kvr_window_first(const struct kvr_config *c, uint64_t n_tokens)
+{
+	const uint32_t p = c->page_tokens, window = c->window_tokens / p;
+	const uint32_t n_full = (uint32_t)(n_tokens / p);
+	if (!window)
+		return n_tokens && n_tokens % p == 0 ? n_full - 1 : n_full;
+	return n_full > window ? n_full - window : 0;
 }
 
 static inline struct kvr_trace *trace_of(struct kvr_sched *s)

@@ -139,8 +139,19 @@ int kvr_sched_separate_memory(const struct kvr_sched *s);
 int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t layer,
 				uint64_t first_position, uint32_t n_tokens, const void *q, void *out);
 
-/* End of a step: wait for the step's attention (asynchronous compute). */
+/* End of a step: wait for the step's attention (asynchronous compute), then
+ * take back every layer's token of each sequence whose step failed. */
 int kvr_sched_step_end(struct kvr_sched *s);
+/* Fail the open step of every sequence of the batch (a layer call that failed
+ * as a whole, a layer never decoded): their later layers report `err`, and
+ * step_end takes back what any layer appended. `why` is the reason, for the
+ * sequences that had not failed yet. Engine's thread. */
+void kvr_sched_step_abandon(struct kvr_sched *s, uint32_t batch, const uint32_t *seqs,
+			    const uint64_t *positions, uint32_t layer, int err, const char *why);
+/* The open step's failure of `seq`: 0, or its error with *layer the layer it
+ * failed at and *message the reason ("sequence S layer L: ..."). */
+int kvr_sched_step_failure(const struct kvr_sched *s, uint32_t seq, uint32_t *layer,
+			   const char **message);
 
 /* Counters: of the context (seq == UINT32_MAX) or of one sequence. */
 void kvr_sched_counters(const struct kvr_sched *s, uint32_t seq, uint64_t out[KVR_C_COUNT]);

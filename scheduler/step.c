@@ -50,20 +50,12 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
 		     size_t *scores_bytes)
 {
-	const uint32_t p = s->c.page_tokens;
-	const uint32_t n_full = (uint32_t)(n_tokens / p);
-	const uint32_t sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
-	uint32_t win_first;
-	if (next) {
-		/* the window as it will be at step i+1 (one more token), so a page
-		 * leaving the window is a candidate the step it leaves */
-		const uint32_t next_full = (uint32_t)((n_tokens + 1) / p);
-		win_first = next_full > window ? next_full - window : 0;
-		if (win_first > n_full) /* W = 0: the page being filled has no summary yet */
-			win_first = n_full;
-	} else {
-		win_first = n_full > window ? n_full - window : 0;
-	}
+	const uint32_t sink = s->c.sink_tokens / s->c.page_tokens;
+	/* the window as it will be at step i+1 (one more token) when the
+	 * selection serves that step, so a page leaving the window is a
+	 * candidate the step it leaves; it never reaches the page being filled,
+	 * which has no summary yet (kvr_window_first) */
+	const uint32_t win_first = kvr_window_first(&s->c, n_tokens + (next ? 1 : 0));
 	const uint32_t cand_begin = sink, cand_end = win_first > sink ? win_first : sink;
 	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
 	if (kvr_sched_device_grow(s, (void **)scores, scores_bytes, need))
@@ -135,8 +127,8 @@ static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *
 	if (s->spill && !*err && !s->suppress_segment_pins) {
 		*err = pin_in_place(s, id);
 		if (*err)
-			snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u page %u: %s",
-				 lane->seq, lane->layer, logical, kvr_pool_last_error(s->pool));
+			snprintf(s->last_error, sizeof(s->last_error), "page %u: %s", logical,
+				 kvr_pool_last_error(s->pool));
 	}
 	if (*err)
 		return (struct kvr_kv_segment){ 0 };
@@ -188,25 +180,25 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = (uint32_t)(n_tokens % p);
 	const uint32_t seq = lane->seq, layer = lane->layer;
 	const uint32_t sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
+	const uint32_t win_first = kvr_window_first(&s->c, n_tokens);
 	const int res = kvr_resident_enabled(s);
 	uint32_t n = 0;
 	if (dense) {
 		/* a dense layer keeps every page resident; the dense path of a
 		 * sparse layer (L <= B) its sink and window pages */
 		const int all = layer_dense(s, layer);
-		const uint32_t win_first = n_full > window ? n_full - window : 0;
 		for (uint32_t j = 0; j < n_full; j++)
 			out[n++] = pool_segment(s, lane, j, m,
 						res && (all || j < sink || (window && j >= win_first)), err);
 	} else {
-		const uint32_t win_first = n_full > window ? n_full - window : 0;
 		for (uint32_t j = 0; j < sink && j < win_first; j++)
 			out[n++] = pool_segment(s, lane, j, m, res, err);
 		if (from_slots) {
-			int32_t pages[512];
-			uint32_t slots[512], n_sel = 0;
+			/* every slot of the head (k of them), in page order */
+			int32_t *pages = s->seg_pages;
+			uint32_t *slots = s->seg_slots, n_sel = 0;
 			const int32_t *sp = lane->slot_page + (uint64_t)m * s->k;
-			for (uint32_t j = 0; j < s->k && n_sel < 512; j++)
+			for (uint32_t j = 0; j < s->k; j++)
 				if (sp[j] >= 0 && (uint32_t)sp[j] >= sink && (uint32_t)sp[j] < win_first) {
 					pages[n_sel] = sp[j];
 					slots[n_sel++] = j;
@@ -266,35 +258,48 @@ static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint3
 
 static void zero_output(struct kvr_sched *s, void *out_row);
 
+/* The step of `seq` failed at `layer` for `reason`: its later layers fail
+ * too, and step_end takes back what its earlier layers appended. The reason
+ * is kept as one sentence, "sequence S layer L: ...", the subject said once
+ * even when the reason (a pool message) already names it. */
+static void mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
+			const char *reason)
+{
+	if (s->step_fail[seq])
+		return;
+	s->step_fail[seq] = err;
+	s->step_fail_pos[seq] = position;
+	s->step_fail_layer[seq] = layer;
+	s->step_failed[s->n_step_failed++] = seq;
+	char subject[48];
+	snprintf(subject, sizeof(subject), "sequence %u layer %u: ", seq, layer);
+	char *message = s->step_fail_message + (size_t)seq * KVR_SCHED_MESSAGE;
+	if (!strncmp(reason, subject, strlen(subject)))
+		snprintf(message, KVR_SCHED_MESSAGE, "%s", reason);
+	else
+		snprintf(message, KVR_SCHED_MESSAGE, "%s%s", subject, reason);
+	if (s->log_fn)
+		s->log_fn(s->log_user, KVR_LOG_ERROR, message);
+}
+
 /* A sequence's step failed after the lanes were acquired: zeros for its
- * output, the reason logged and counted, its lane to start afresh. */
-static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, int err, unsigned char *out)
+ * output, the reason kept (mark_failed) and counted, its lane to start
+ * afresh. `reason` NULL: the spill tier's read error `err`. */
+static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
+			  const char *reason, unsigned char *out)
 {
 	struct kvr_lane *lane = lane_of(s, seq, layer);
-	if (!s->last_error[0] || err == -EIO || err == -EBADMSG)
-		snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u: %s", seq, layer,
-			 err == -EBADMSG ? "a page read back from the spill file failed its checksum"
+	if (!reason)
+		reason = err == -EBADMSG ? "a page read back from the spill file failed its checksum"
 			 : err == -EIO	 ? "reading a page from the spill file failed"
-					 : kvr_pool_last_error(s->pool));
-	if (s->log_fn)
-		s->log_fn(s->log_user, KVR_LOG_ERROR, s->last_error);
+					 : kvr_strerror(err);
+	mark_failed(s, seq, layer, position, err, reason);
 	zero_output(s, out);
 	count(s, seq, KVR_C_FAILED_DECODES, 1);
 	lane->has_prev = 0;
 	if (lane->slot_page)
 		for (uint32_t j = 0; j < s->c.n_kv_heads * s->k; j++)
 			lane->slot_page[j] = -1;
-}
-
-/* The sequence's step failed in this layer: its later layers fail too, and
- * step_end takes back what its earlier layers appended. */
-static void mark_failed(struct kvr_sched *s, uint32_t seq, uint64_t position, int err)
-{
-	if (s->step_fail[seq])
-		return;
-	s->step_fail[seq] = err;
-	s->step_fail_pos[seq] = position;
-	s->step_failed[s->n_step_failed++] = seq;
 }
 
 static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane);
@@ -499,8 +504,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			 * the lane recalls afresh at its next step */
 			status[i] = lane->spill_error;
 			lane->spill_error = 0;
-			fail_sequence(s, seq, layer, status[i], (unsigned char *)out + i * q_row);
-			mark_failed(s, seq, positions[i], status[i]);
+			fail_sequence(s, seq, layer, positions[i], status[i], NULL,
+				      (unsigned char *)out + i * q_row);
 			continue;
 		}
 		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
@@ -508,13 +513,9 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		status[i] = kvr_pool_ingest(s->pool, seq, layer, positions[i], 1, k_host + i * kv_row,
 					    v_host + i * kv_row, &tail);
 		if (status[i]) {
-			snprintf(s->last_error, sizeof(s->last_error), "sequence %u layer %u: %s", seq,
-				 layer, kvr_pool_last_error(s->pool));
-			if (s->log_fn)
-				s->log_fn(s->log_user, KVR_LOG_ERROR, s->last_error);
 			zero_output(s, (unsigned char *)out + i * q_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
-			mark_failed(s, seq, positions[i], status[i]);
+			mark_failed(s, seq, layer, positions[i], status[i], kvr_pool_last_error(s->pool));
 			continue;
 		}
 		const uint32_t pages = (uint32_t)((positions[i] + 1) / p);
@@ -639,8 +640,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			unpin_from(s, pins_before); /* its pins must not fail the others */
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
-			fail_sequence(s, seqs[i], layer, seg_err, (unsigned char *)out + i * q_row);
-			mark_failed(s, seqs[i], positions[i], seg_err);
+			fail_sequence(s, seqs[i], layer, positions[i], seg_err, s->last_error,
+				      (unsigned char *)out + i * q_row);
 			continue;
 		}
 		att_lanes[n_att++] = lane;
@@ -661,7 +662,11 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		const uint8_t *corr = corrected + (uint64_t)i * n_kv;
 		int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
 		const uint64_t t0 = kvr_now_ns();
-		err = kvr_select_pages(s, lane, q_dev + i * q_row, e[i].n_tokens, 0, now_sel,
+		/* the selection serves step i+1 too (but in blocking mode, which
+		 * selects again): its candidates are those of step i+1, a superset
+		 * of step i's, so a page leaving the window stays covered */
+		err = kvr_select_pages(s, lane, q_dev + i * q_row, e[i].n_tokens,
+				       c->mode != KVR_MODE_BLOCKING, now_sel,
 				       s->engine_inline, &s->engine_items->score,
 				       &s->engine_items_dev->score, &s->engine_scores,
 				       &s->engine_scores_bytes);
@@ -691,7 +696,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		count(s, seq, KVR_C_CORRECTION_WAIT_NS, kvr_now_ns() - t0);
 		const uint32_t items_before = n_items, segs_before = n_segs;
 		const size_t pins_before = s->n_step_pins;
-		int seg_err = lane->spill_error; /* the urgent recall could not read the file */
+		const int recall_err = lane->spill_error; /* the urgent recall could not read the file */
+		int seg_err = recall_err;
 		lane->spill_error = 0;
 		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
 			const int32_t *sel = corr[m] ? now_sel + (uint64_t)m * kk
@@ -709,8 +715,9 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			unpin_from(s, pins_before);
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
-			fail_sequence(s, seq, layer, seg_err, (unsigned char *)out + i * q_row);
-			mark_failed(s, seq, positions[i], seg_err);
+			/* the urgent recall's spill error has no message; a pin's has */
+			fail_sequence(s, seq, layer, positions[i], seg_err, recall_err ? NULL : s->last_error,
+				      (unsigned char *)out + i * q_row);
 			continue;
 		}
 		att_lanes[n_att++] = lane;
@@ -784,6 +791,21 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		kvr_trace_span(tr, "decode layer", KVR_TRACK_ENGINE, batch == 1 ? seqs[0] : UINT32_MAX,
 			       layer, batch, t_enter, t_leave);
 	return 0;
+}
+
+void kvr_sched_step_abandon(struct kvr_sched *s, uint32_t batch, const uint32_t *seqs,
+			    const uint64_t *positions, uint32_t layer, int err, const char *why)
+{
+	for (uint32_t i = 0; i < batch; i++)
+		mark_failed(s, seqs[i], layer, positions[i], err, why);
+}
+
+int kvr_sched_step_failure(const struct kvr_sched *s, uint32_t seq, uint32_t *layer,
+			   const char **message)
+{
+	*layer = s->step_fail_layer[seq];
+	*message = s->step_fail_message + (size_t)seq * KVR_SCHED_MESSAGE;
+	return s->step_fail[seq];
 }
 
 int kvr_sched_step_end(struct kvr_sched *s)
@@ -970,8 +992,16 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->step_fail = calloc(c->max_sequences, sizeof(*s->step_fail));
 	s->step_fail_pos = calloc(c->max_sequences, sizeof(*s->step_fail_pos));
 	s->step_failed = calloc(c->max_sequences, sizeof(*s->step_failed));
+	s->step_fail_layer = calloc(c->max_sequences, sizeof(*s->step_fail_layer));
+	s->step_fail_message = calloc(c->max_sequences, KVR_SCHED_MESSAGE);
 	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections ||
-	    !s->step_fail || !s->step_fail_pos || !s->step_failed) {
+	    !s->step_fail || !s->step_fail_pos || !s->step_failed || !s->step_fail_layer ||
+	    !s->step_fail_message) {
+		snprintf(err, err_bytes, "scheduler: out of memory");
+		ret = -ENOMEM;
+	}
+	if (!ret && (!(s->seg_pages = malloc((s->k ? s->k : 1) * sizeof(*s->seg_pages))) ||
+		     !(s->seg_slots = malloc((s->k ? s->k : 1) * sizeof(*s->seg_slots))))) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
@@ -1056,6 +1086,10 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	free(s->step_fail);
 	free(s->step_fail_pos);
 	free(s->step_failed);
+	free(s->step_fail_layer);
+	free(s->step_fail_message);
+	free(s->seg_pages);
+	free(s->seg_slots);
 	kvr_sched_mapped_free(s, s->now_sel);
 	kvr_sched_mapped_free(s, s->engine_items);
 	kvr_sched_mapped_free(s, s->ctl_items);

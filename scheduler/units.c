@@ -330,7 +330,20 @@ int kvr_units_release(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t
 	const uint32_t n_kv = s->c.n_kv_heads;
 	const uint64_t per_head = (uint64_t)s->k * s->units_per_slot;
 	uint64_t at = 0;
+	/* The lane's latest attention may still read these units (an
+	 * asynchronous compute stream): they go back to the ring only after
+	 * it, or another lane's allocation round could hand them out and its
+	 * copy (ordered after that lane's attention only) rewrite them under
+	 * this one's. The round below is waited for, so the ids return late
+	 * enough. */
 	pthread_mutex_lock(&u->lock);
+	int err = kvr_dev_stream_wait_event(s->dev, u->stream, lane->attn_done);
+	if (err) {
+		snprintf(u->message, sizeof(u->message), "device page cache: %s", kvr_dev_last_error(s->dev));
+		kvr_sched_record_async_error(s, err, u->message);
+		pthread_mutex_unlock(&u->lock);
+		return err;
+	}
 	for (uint32_t m = 0; m < n_kv; m++) {
 		u->counts[m] = release[m];
 		for (uint32_t i = 0; i < release[m]; i++, at++) {
@@ -339,7 +352,7 @@ int kvr_units_release(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t
 			*unit = -1;
 		}
 	}
-	int err = at ? run_round(s, u, KVR_FREELIST_FREE, n_kv, at) : 0;
+	err = at ? run_round(s, u, KVR_FREELIST_FREE, n_kv, at) : 0;
 	if (err)
 		kvr_sched_record_async_error(s, err, u->message);
 	else

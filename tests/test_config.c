@@ -332,3 +332,46 @@ Test(config, names_round_trip)
 	cr_expect_eq(f, 7, "out-parameter written on failure");
 	cr_expect_str_eq(kvr_kv_format_name(4), "?");
 }
+
+/* A size no config can have (e.g. an uninitialised UINT32_MAX) is refused
+ * without scanning gigabytes past the caller's struct (ASan checks that). */
+Test(config, absurd_size_refused_without_reading_past_the_struct)
+{
+	struct kvr_config c = base();
+	c.size = UINT32_MAX;
+	char msg[256];
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), -EINVAL);
+	cr_expect(strstr(msg, "size") == msg, "%s", msg);
+	struct kvr_context *ctx = NULL;
+	cr_expect_eq(kvr_context_create(&c, &ctx), -EINVAL);
+	cr_expect_null(ctx);
+}
+
+/* Rules that need only the config are validate's, so validate and create
+ * agree: a device budget below one sequence, RAM for too few spill frames. */
+Test(config, validate_knows_what_create_would_refuse)
+{
+	struct kvr_config c = base();
+	char msg[512];
+	c.device_bytes = 1;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), -ENOMEM);
+	cr_expect(strstr(msg, "device_bytes") == msg, "%s", msg);
+	uint64_t fixed = 0, per_seq = 0;
+	c.device_bytes = 0;
+	cr_assert_eq(kvr_device_bytes_needed(&c, &fixed, &per_seq), 0);
+	c.device_bytes = fixed + per_seq;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	c.device_bytes = fixed + per_seq - 1;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), -ENOMEM);
+	c.device_bytes = 0;
+
+	const uint64_t page = 2ull * c.page_tokens * c.head_dim * 2 * c.n_kv_heads; /* f16 */
+	c.pool_ram_bytes = 7 * page;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), -EINVAL);
+	cr_expect(strstr(msg, "pool_ram_bytes") == msg, "%s", msg);
+	c.pool_ram_bytes = 8 * page;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+	/* RAM for the whole pool: no spill tier, no minimum */
+	c.pool_bytes = c.pool_ram_bytes = (uint64_t)c.n_layers * page;
+	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+}

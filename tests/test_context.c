@@ -7,6 +7,8 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,6 +217,7 @@ Test(errors, strerror_names_codes)
 	cr_expect_not_null(kvr_strerror(-ETIMEDOUT));
 	cr_expect_str_neq(kvr_strerror(-ETIMEDOUT), "unknown error");
 	cr_expect_str_eq(kvr_strerror(-100000), "unknown error");
+	cr_expect_str_eq(kvr_strerror(INT32_MIN), "unknown error"); /* -INT32_MIN does not exist */
 }
 
 Test(version, header_matches_library)
@@ -282,4 +285,89 @@ Test(context, config_from_0_2_caller_accepted)
 	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
 	cr_expect_eq(out.controller, KVR_CONTROLLER_THREAD);
 	kvr_context_destroy(ctx);
+}
+
+/* Getters refuse NULL and short structs with a fresh message, not a stale one. */
+Test(context, getters_refuse_null_with_a_message)
+{
+	struct kvr_config c = base();
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0, "%s", kvr_last_error(NULL));
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_free(ctx, 3), -EINVAL); /* a stale message to replace */
+	cr_expect_eq(kvr_context_get_config(ctx, NULL), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "context_get_config") != NULL, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_seq_free(ctx, 3), -EINVAL);
+	cr_expect_eq(kvr_get_stats(ctx, NULL), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "get_stats") != NULL, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_seq_free(ctx, 3), -EINVAL);
+	struct kvr_stats st = { .size = 0 };
+	cr_expect_eq(kvr_get_stats(ctx, &st), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "get_stats") != NULL, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+	cr_expect_eq(kvr_seq_get_stats(ctx, seq, NULL), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "seq_get_stats") != NULL, "%s", kvr_last_error(ctx));
+	kvr_context_destroy(ctx);
+}
+
+/* A caller built against 0.1 (the smallest accepted config, ending after
+ * log_user) still gets its log callback when creation fails. */
+Test(context, old_config_still_logs_its_failure)
+{
+	struct kvr_config c = base();
+	int token;
+	c.log_fn = capture;
+	c.log_user = &token;
+	c.log_level = KVR_LOG_ERROR;
+	c.tau = 2.0f;
+	c.size = (uint32_t)offsetof(struct kvr_config, recall);
+	n_logged = 0;
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), -EINVAL);
+	cr_expect_eq(n_logged, 1, "the 0.1 caller's callback was not called");
+	cr_expect_eq(last_user, &token);
+	cr_expect(strstr(last_message, "tau") != NULL, "%s", last_message);
+}
+
+/* kvr_last_error(ctx) read while another thread fails calls on the same
+ * context gives whole messages, never a torn mix of two. */
+static struct kvr_context *race_ctx;
+static _Atomic int race_stop;
+
+static void *fail_calls(void *arg)
+{
+	(void)arg;
+	for (uint32_t i = 0; !race_stop; i++) {
+		if (i % 2)
+			kvr_seq_free(race_ctx, 7);
+		else
+			kvr_seq_length(race_ctx, 0, 99, NULL);
+	}
+	return NULL;
+}
+
+Test(context, last_error_is_never_torn)
+{
+	struct kvr_config c = base();
+	c.max_sequences = 8;
+	c.max_batch = 8;
+	cr_assert_eq(kvr_context_create(&c, &race_ctx), 0, "%s", kvr_last_error(NULL));
+	kvr_seq_free(race_ctx, 7);
+	char free_msg[512], length_msg[512];
+	snprintf(free_msg, sizeof(free_msg), "%s", kvr_last_error(race_ctx));
+	kvr_seq_length(race_ctx, 0, 99, NULL);
+	snprintf(length_msg, sizeof(length_msg), "%s", kvr_last_error(race_ctx));
+	cr_assert_str_neq(free_msg, length_msg);
+	race_stop = 0;
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, fail_calls, NULL), 0);
+	uint32_t bad = 0;
+	for (uint32_t i = 0; i < 200000; i++) {
+		const char *m = kvr_last_error(race_ctx);
+		bad += strcmp(m, free_msg) && strcmp(m, length_msg);
+	}
+	race_stop = 1;
+	pthread_join(t, NULL);
+	cr_expect_eq(bad, 0, "%u reads saw a torn message", bad);
+	kvr_context_destroy(race_ctx);
 }

@@ -10,6 +10,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -325,7 +326,11 @@ Test(decode, bad_input_and_per_sequence_failure)
 	reference(&hb, q[1], NULL, want);
 	for (uint32_t j = 0; j < Q_ROW; j++)
 		cr_expect_float_eq(out[1][j], want[j], 2e-5, "the other sequence is unaffected");
-	cr_assert_eq(kvr_decode_end(ctx), 0);
+	/* every layer is decoded before the step ends; a fails there too */
+	cr_assert_eq(kvr_decode_layer(ctx, 1, q, k, v, out, status, NULL), 0);
+	cr_expect_eq(status[0], -ENOMEM);
+	cr_expect_eq(status[1], 0);
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
 	uint64_t len;
 	kvr_seq_length(ctx, a, 0, &len);
 	cr_expect_eq(len, 16, "the failed token was not stored");
@@ -372,5 +377,126 @@ Test(decode, prefill_attention_is_causal_dense_attention)
 	cr_expect_eq(kvr_prefill_attention(ctx, seq, 1, 0, 4, q, out), -EBUSY);
 	kvr_decode_end(ctx);
 	free(q), free(out), free(h.k), free(h.v);
+	kvr_context_destroy(ctx);
+}
+
+/* The open step guards its sequences (issue 19): a sequence named by the step
+ * cannot be freed, forked, truncated or prefilled until kvr_decode_end (-EBUSY,
+ * nothing changed); a layer decoded twice is refused alone and leaves the step
+ * intact; a step ended with a layer never decoded is refused and taken back
+ * in every layer, so the sequence stays usable. */
+Test(decode, open_step_refuses_calls_that_change_its_sequences)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
+	uint32_t a, other, fork;
+	cr_assert_eq(kvr_seq_create(ctx, &a), 0);
+	cr_assert_eq(kvr_seq_create(ctx, &other), 0);
+	struct history h;
+	history_prefill(ctx, a, &h, 20);
+	float q[Q_ROW], k[KV_ROW], v[KV_ROW], out[Q_ROW];
+	for (uint32_t i = 0; i < Q_ROW; i++)
+		q[i] = frand();
+	for (uint32_t i = 0; i < KV_ROW; i++)
+		k[i] = v[i] = frand();
+	const uint64_t pos = 20;
+	cr_assert_eq(kvr_decode_begin(ctx, &a, &pos, 1), 0);
+	int32_t status = 1;
+	cr_assert_eq(kvr_decode_layer(ctx, 0, q, k, v, out, &status, NULL), 0, "%s", kvr_last_error(ctx));
+	cr_assert_eq(status, 0);
+
+	cr_expect_eq(kvr_seq_free(ctx, a), -EBUSY);
+	cr_expect(strstr(kvr_last_error(ctx), "open decode step") != NULL, "%s", kvr_last_error(ctx));
+	cr_expect_eq(kvr_seq_truncate(ctx, a, 5), -EBUSY);
+	cr_expect_eq(kvr_seq_fork(ctx, a, &fork), -EBUSY);
+	cr_expect_eq(kvr_prefill(ctx, a, 1, 20, 1, k, v), -EBUSY);
+	/* a sequence outside the step is not held up */
+	cr_expect_eq(kvr_prefill(ctx, other, 0, 0, 1, k, v), 0, "%s", kvr_last_error(ctx));
+
+	/* layer 0 again: refused alone */
+	status = 1;
+	cr_expect_eq(kvr_decode_layer(ctx, 0, q, k, v, out, &status, NULL), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "already decoded") != NULL, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_decode_layer(ctx, 1, q, k, v, out, &status, NULL), 0, "%s", kvr_last_error(ctx));
+	cr_expect_eq(status, 0, "the repeat did not harm the step: %s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	for (uint32_t l = 0; l < 2; l++) {
+		uint64_t len = 0;
+		cr_assert_eq(kvr_seq_length(ctx, a, l, &len), 0);
+		cr_expect_eq(len, 21, "layer %u holds the step's token once", l);
+	}
+	/* after the step, the same calls work */
+	cr_expect_eq(kvr_seq_truncate(ctx, a, 21), 0, "%s", kvr_last_error(ctx));
+
+	/* a step that decodes layer 1 only: decode_end refuses it, every layer
+	 * is back at 21 tokens, and the next step at position 21 works */
+	const uint64_t pos2 = 21;
+	cr_assert_eq(kvr_decode_begin(ctx, &a, &pos2, 1), 0);
+	cr_assert_eq(kvr_decode_layer(ctx, 1, q, k, v, out, &status, NULL), 0, "%s", kvr_last_error(ctx));
+	cr_expect_eq(kvr_decode_end(ctx), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "layer 0 was not decoded") != NULL, "%s",
+		  kvr_last_error(ctx));
+	for (uint32_t l = 0; l < 2; l++) {
+		uint64_t len = 0;
+		cr_assert_eq(kvr_seq_length(ctx, a, l, &len), 0);
+		cr_expect_eq(len, 21, "layer %u was taken back to the step's position", l);
+	}
+	cr_assert_eq(kvr_decode_begin(ctx, &a, &pos2, 1), 0, "%s", kvr_last_error(ctx));
+	for (uint32_t l = 0; l < 2; l++) {
+		cr_assert_eq(kvr_decode_layer(ctx, l, q, k, v, out, &status, NULL), 0, "%s",
+			     kvr_last_error(ctx));
+		cr_expect_eq(status, 0, "%s", kvr_last_error(ctx));
+	}
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	/* freeing with the step closed works, and the id is reusable */
+	cr_expect_eq(kvr_seq_free(ctx, a), 0);
+	free(h.k), free(h.v);
+	kvr_context_destroy(ctx);
+}
+
+/* A failure reads as one sentence: the call, the subject once, the reason. A
+ * sequence failing in layer 0 keeps layer 0's message through layer 1. */
+Test(decode, a_failure_is_one_sentence)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
+	uint32_t a;
+	cr_assert_eq(kvr_seq_create(ctx, &a), 0);
+	struct history h;
+	history_prefill(ctx, a, &h, 20);
+	float q[Q_ROW] = { 0 }, k[KV_ROW] = { 0 }, v[KV_ROW] = { 0 }, out[Q_ROW];
+	const uint64_t wrong = 21; /* the layers hold 20 tokens */
+	cr_assert_eq(kvr_decode_begin(ctx, &a, &wrong, 1), 0);
+	int32_t status = 0;
+	cr_assert_eq(kvr_decode_layer(ctx, 0, q, k, v, out, &status, NULL), 0);
+	cr_expect_eq(status, -EINVAL);
+	char first[512];
+	snprintf(first, sizeof(first), "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_decode_layer(ctx, 1, q, k, v, out, &status, NULL), 0);
+	cr_expect_eq(status, -EINVAL);
+	cr_expect_str_eq(kvr_last_error(ctx), first, "layer 1 kept the failure's own message");
+	cr_expect_str_eq(first,
+			 "decode_layer: sequence 0 layer 0: tokens must arrive in order: expected "
+			 "position 20, got 21");
+	cr_assert_eq(kvr_decode_end(ctx), 0);
+	free(h.k), free(h.v);
+	kvr_context_destroy(ctx);
+}
+
+/* Prefill attention at positions that would wrap around 2^64 is refused. */
+Test(decode, prefill_attention_positions_do_not_wrap)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
+	uint32_t a;
+	cr_assert_eq(kvr_seq_create(ctx, &a), 0);
+	struct history h;
+	history_prefill(ctx, a, &h, 20);
+	float q[2 * Q_ROW] = { 0 }, out[2 * Q_ROW];
+	for (uint32_t i = 0; i < 2 * Q_ROW; i++)
+		out[i] = 7.0f;
+	cr_expect_eq(kvr_prefill_attention(ctx, a, 0, UINT64_MAX, 2, q, out), -EINVAL);
+	cr_expect(strstr(kvr_last_error(ctx), "not stored") != NULL, "%s", kvr_last_error(ctx));
+	cr_expect_eq(kvr_prefill_attention(ctx, a, 0, UINT64_MAX - 5, 10, q, out), -EINVAL);
+	for (uint32_t i = 0; i < 2 * Q_ROW; i++)
+		cr_expect_eq(out[i], 7.0f, "nothing written");
+	free(h.k), free(h.v);
 	kvr_context_destroy(ctx);
 }

@@ -48,9 +48,12 @@
 #define D 32
 #define NL 2 /* layers */
 #define SINK 32
-#define WIN 32
-#define BUDGET 128
-#define K_SEL ((BUDGET - SINK - WIN) / P) /* 4 pages per KV head */
+#define K_SEL 4 /* pages per KV head */
+/* window and budget of the model's contexts: W = 32 (two pages) or, for the
+ * W = 0 tests, none; B keeps k = K_SEL either way */
+static uint32_t model_win = 32;
+#define WIN model_win
+#define BUDGET (SINK + WIN + K_SEL * P)
 #define KV_ROW (N_KV * D)
 #define Q_ROW (N_QO * D)
 #define CAP 1200 /* tokens of history a test sequence may hold */
@@ -297,6 +300,7 @@ struct tseq {
 	float prev_q[NL][Q_ROW];
 	uint64_t prev_n[NL];
 	int prev_next[NL];
+	int prev_corrected[NL];
 };
 
 static void tseq_init(struct tseq *t, uint64_t gen)
@@ -516,22 +520,27 @@ static void page_summary(const struct tseq *t, uint32_t l, uint32_t pg, uint32_t
 	}
 }
 
-/* The first page of the window of a layer holding n tokens, now (next = 0)
- * or as it will be with one more token (next = 1), and the candidates
- * [SINK/P, *cand_end) of a selection made then. */
+/* DESIGN.md's window of a layer holding n tokens: the W/P newest full pages
+ * and the partial tail. With W = 0 the tail page the newest token just
+ * completed is still the window's: nothing else can cover it (it had no
+ * summary when the serving selection was made). */
+static uint32_t win_first_of(uint64_t n)
+{
+	const uint32_t n_full = (uint32_t)(n / P), window = WIN / P;
+	if (!window)
+		return n && n % P == 0 ? n_full - 1 : n_full;
+	return n_full > window ? n_full - window : 0;
+}
+
+/* The candidates [SINK/P, *cand_end) of a selection made when a layer holds
+ * n tokens, for the step it is made at (next = 0) or for the next one (next
+ * = 1): every full page outside sink and that step's window. */
 static uint32_t cand_end_of(uint64_t n, int next)
 {
-	const uint32_t n_full = (uint32_t)(n / P), window = WIN / P, sink = SINK / P;
-	uint32_t win_first;
-	if (next) {
-		const uint32_t nf = (uint32_t)((n + 1) / P);
-		win_first = nf > window ? nf - window : 0;
-		if (win_first > n_full)
-			win_first = n_full;
-	} else {
-		win_first = n_full > window ? n_full - window : 0;
-	}
-	return win_first > sink ? win_first : sink;
+	const uint32_t n_full = (uint32_t)(n / P), sink = SINK / P;
+	uint32_t end = win_first_of(n + (next ? 1 : 0));
+	end = end > n_full ? n_full : end; /* only full pages have summaries */
+	return end > sink ? end : sink;
 }
 
 /*
@@ -600,8 +609,8 @@ static uint32_t ref_select(const struct tseq *t, uint32_t l, const float *q, uin
 static void ref_attend(const struct tseq *t, uint32_t l, uint64_t n, const float *q, uint32_t m,
 		       int dense, const int32_t *sel, double out[G * D])
 {
-	const uint32_t n_full = (uint32_t)(n / P), window = WIN / P, sink = SINK / P;
-	const uint32_t win_first = n_full > window ? n_full - window : 0;
+	const uint32_t n_full = (uint32_t)(n / P), sink = SINK / P;
+	const uint32_t win_first = win_first_of(n);
 	static uint8_t use[CAP];
 	for (uint64_t tok = 0; tok < n; tok++) {
 		const uint32_t pg = (uint32_t)(tok / P);
@@ -689,6 +698,8 @@ struct check {
 	uint32_t compared, ambiguous, dense;
 	uint32_t checked_heads, corrected_heads; /* freekv checks (not the first step) */
 	uint32_t correction_waits;               /* (sequence, layer) steps with a head corrected */
+	uint32_t crossings;                      /* steps whose window moved since the previous */
+	uint32_t crossings_after_correction;     /* ... right after a corrected step */
 	uint64_t head_corr[N_KV];
 	double max_err;  /* against the model */
 	double alt_diff; /* against the other choice (now vs previous selection) */
@@ -740,10 +751,31 @@ static void model_step(struct tseq *t, uint32_t l, const float *q, const float *
 	for (uint32_t m = 0; m < N_KV; m++)
 		any |= corr[m];
 	ck->correction_waits += (uint32_t)any;
+	/* a selection made now serves the next step as well (but in blocking
+	 * mode, which selects every step): its candidates are the next step's */
+	const int next_now = mode != KVR_MODE_BLOCKING;
+	/* the window moved since the selection serving the uncorrected heads */
+	const int crossed = t->has_prev[l] && win_first_of(n) != win_first_of(t->prev_n[l]);
+	ck->crossings += (uint32_t)crossed;
+	ck->crossings_after_correction += (uint32_t)(crossed && t->prev_corrected[l]);
 	for (uint32_t m = 0; m < N_KV; m++) {
 		int32_t now[K_SEL], prev[K_SEL];
 		int amb_now = 0, amb_prev = 0;
-		ref_select(t, l, q, n, 0, m, now, &amb_now, NULL);
+		/* DESIGN.md's invariant: every page outside sink and window(i) was
+		 * a candidate of the selection that serves step i */
+		const uint64_t serving_n = corr[m] ? n : t->prev_n[l];
+		const int serving_next = corr[m] ? next_now : t->prev_next[l];
+		if (corr[m] || t->has_prev[l]) {
+			const uint32_t need = win_first_of(n) > SINK / P ? win_first_of(n) : SINK / P;
+			cr_assert_geq(cand_end_of(serving_n, serving_next), need,
+				      "%s step %u sequence %u layer %u KV head %u (n %llu): pages %u..%u lie "
+				      "outside sink and window but the selection serving this step "
+				      "(made at n %llu) had candidates only below page %u",
+				      what, step, t->id, l, m, (unsigned long long)n,
+				      cand_end_of(serving_n, serving_next), need - 1,
+				      (unsigned long long)serving_n, cand_end_of(serving_n, serving_next));
+		}
+		ref_select(t, l, q, n, next_now, m, now, &amb_now, NULL);
 		if (t->has_prev[l])
 			ref_select(t, l, t->prev_q[l], t->prev_n[l], t->prev_next[l], m, prev, &amb_prev,
 				   NULL);
@@ -773,7 +805,8 @@ static void model_step(struct tseq *t, uint32_t l, const float *q, const float *
 	}
 	memcpy(t->prev_q[l], q, Q_ROW * sizeof(float));
 	t->prev_n[l] = n;
-	t->prev_next[l] = any ? 0 : 1; /* a correction's selection serves the next step */
+	t->prev_next[l] = any ? next_now : 1; /* a correction's selection serves the next step */
+	t->prev_corrected[l] = any;
 	t->has_prev[l] = 1;
 }
 
@@ -1304,6 +1337,111 @@ Test(scheduler, speculative_uses_previous_steps_pages_cuda, .timeout = 120)
 		model_run(KVR_DEV_CUDA, KVR_MODE_SPECULATIVE, recall, 2, 24, &ck);
 		cr_expect_eq(ck.correction_waits, 2 * NL, "only the first step selects with its own query");
 	}
+}
+
+/*
+ * DESIGN.md's invariant of every decode step: attended = sink ∪ window(i) ∪
+ * selected, every page outside sink and window(i) a candidate of the
+ * selection serving step i. model_step asserts it (and the outputs match the
+ * model); these runs make sure windows cross pages right after corrected
+ * steps as well as uncorrected ones, in every mode and recall kind, with a
+ * window of two pages and with none (W = 0: the page a token completes is
+ * the window's at that step).
+ */
+Test(scheduler, attended_set_invariant_across_window_moves, .timeout = 240)
+{
+	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
+	static const uint32_t wins[] = { 32, 0 };
+	for (uint32_t wi = 0; wi < 2; wi++)
+		for (uint32_t mi = 0; mi < 3; mi++)
+			for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+				model_win = wins[wi];
+				struct check ck;
+				model_run(KVR_DEV_CPU, modes[mi], recall, 2, 40, &ck);
+				cr_assert_gt(ck.crossings, 4, "W %u %s: the window moved %u times", model_win,
+					     kvr_mode_name(modes[mi]), ck.crossings);
+				if (modes[mi] != KVR_MODE_SPECULATIVE)
+					cr_assert_gt(ck.crossings_after_correction, 0,
+						     "W %u %s: no window move right after a corrected step",
+						     model_win, kvr_mode_name(modes[mi]));
+			}
+	model_win = 32;
+	struct check ck;
+	model_run(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_STREAMED, 1, 8, &ck);
+}
+
+/*
+ * A budget of 32768 tokens (S = W = 512, p = 32: k = 992 pages per KV head)
+ * over a 34K-token context: streamed recall attends every selected page, as
+ * zero-copy does, bit for bit — it used to stop at 512 slots per head. The
+ * outputs also differ from attention over sink + window alone, so a dropped
+ * page would show.
+ */
+static void big_budget_run(uint32_t recall, uint32_t budget, float *outs, uint32_t n_steps)
+{
+	enum { BP = 32, BD = 32, BKV = 1, BQO = 2, BN = 34 * 1024 };
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = 1;
+	c.n_kv_heads = BKV;
+	c.n_qo_heads = BQO;
+	c.head_dim = BD;
+	c.dtype = KVR_DTYPE_F32;
+	c.page_tokens = BP;
+	c.sink_tokens = 512;
+	c.window_tokens = 512;
+	c.budget_tokens = budget;
+	c.mode = KVR_MODE_FREEKV;
+	c.recall = recall;
+	c.dense_layers[0] = 0;
+	c.max_sequences = 1;
+	c.max_batch = 1;
+	c.threads = 1;
+	c.backend = KVR_BACKEND_CPU;
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0, "%s", kvr_last_error(NULL));
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0, "%s", kvr_last_error(ctx));
+	float *k = malloc((size_t)BN * BKV * BD * sizeof(float));
+	float *v = malloc((size_t)BN * BKV * BD * sizeof(float));
+	cr_assert(k && v);
+	struct rng r = { 4242 };
+	for (size_t i = 0; i < (size_t)BN * BKV * BD; i++)
+		k[i] = rnd(&r), v[i] = rnd(&r);
+	cr_assert_eq(kvr_prefill(ctx, seq, 0, 0, BN - 8, k, v), 0, "%s", kvr_last_error(ctx));
+	float q[BQO * BD];
+	for (uint32_t i = 0; i < n_steps; i++) {
+		const uint64_t pos = BN - 8 + i;
+		for (uint32_t x = 0; x < BQO * BD; x++)
+			q[x] = 4.0f * rnd(&r);
+		int32_t status = -1;
+		cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0, "%s", kvr_last_error(ctx));
+		cr_assert_eq(kvr_decode_layer(ctx, 0, q, k + pos * BKV * BD, v + pos * BKV * BD,
+					      outs + (size_t)i * BQO * BD, &status, NULL),
+			     0, "%s", kvr_last_error(ctx));
+		cr_assert_eq(status, 0, "%s", kvr_last_error(ctx));
+		cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	}
+	free(k), free(v);
+	kvr_context_destroy(ctx);
+}
+
+Test(scheduler, streamed_equals_zero_copy_at_budget_32768, .timeout = 240)
+{
+	enum { STEPS = 4, ROW = 64 };
+	static float zc[STEPS * ROW], st[STEPS * ROW], small[STEPS * ROW];
+	big_budget_run(KVR_RECALL_ZERO_COPY, 32768, zc, STEPS);
+	big_budget_run(KVR_RECALL_STREAMED, 32768, st, STEPS);
+	for (uint32_t i = 0; i < STEPS * ROW; i++)
+		cr_assert(!memcmp(&zc[i], &st[i], sizeof(float)),
+			  "step %u element %u: streamed %a, zero-copy %a", i / ROW, i % ROW, (double)st[i],
+			  (double)zc[i]);
+	/* 992 selected pages matter: sink + window + 511 pages gives other outputs */
+	big_budget_run(KVR_RECALL_ZERO_COPY, 512 + 512 + 511 * 32, small, STEPS);
+	double diff = 0;
+	for (uint32_t i = 0; i < STEPS * ROW; i++)
+		diff = fmax(diff, fabs((double)small[i] - zc[i]));
+	cr_assert_gt(diff, 1e-5, "the pages past 511 made no difference: the test cannot see a cap");
 }
 
 Test(scheduler, blocking_selects_with_current_query, .timeout = 120)
