@@ -103,7 +103,7 @@ float *kvr_importance_item(struct kvr_sched *s, struct kvr_lane *lane, uint32_t 
 	struct lane_importance *im = lane->imp;
 	if (!im)
 		return NULL;
-	const uint32_t p = s->c.page_tokens, sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
+	const uint32_t p = s->c.page_tokens, sink = s->c.sink_tokens / p;
 	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = n_tokens % p != 0;
 	/* every head's item has at most n_full + 1 segments, and k more when
 	 * selected K8V4 pages are read as halves (mixed pages, step.c) */
@@ -120,7 +120,7 @@ float *kvr_importance_item(struct kvr_sched *s, struct kvr_lane *lane, uint32_t 
 	}
 	if (n_segs > im->stride)
 		return NULL;
-	const uint32_t wf = n_full > window ? n_full - window : 0;
+	const uint32_t wf = kvr_window_first(&s->c, n_tokens);
 	const uint32_t first = wf > sink ? wf : sink;
 	im->win_page = first;
 	im->n_win = n_full > first ? n_full - first : 0;
@@ -197,11 +197,9 @@ void kvr_importance_judge(struct kvr_sched *s, struct kvr_lane *lane, uint64_t n
 	struct lane_importance *im = lane->imp;
 	if (!im)
 		return;
-	const uint32_t p = s->c.page_tokens, window = s->c.window_tokens / p;
 	/* the window at the next step, one token on: pages below it become
 	 * candidates for the selection posted after this step */
-	const uint32_t next_full = (uint32_t)((n_tokens + 1) / p);
-	const uint32_t next_first = next_full > window ? next_full - window : 0;
+	const uint32_t next_first = kvr_window_first(&s->c, n_tokens + 1);
 	if (next_first <= im->judged)
 		return;
 	kvr_importance_harvest(s, lane); /* this step's attention counts too */

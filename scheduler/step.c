@@ -12,7 +12,8 @@
  *     between q_i and q_{i−1} is below tau (freekv).
  *  3. Attention for the sequences without corrected heads runs first, so a
  *     correction in one sequence does not hold back the others.
- *  4. Each sequence with corrected heads: select now with q_i (all heads),
+ *  4. Each sequence with corrected heads: select now with q_i (all heads,
+ *     among step i+1's candidates: the selection serves that step too),
  *     recall the corrected heads' misses (streamed: an urgent controller job
  *     the engine waits for), then attention. These waits are the correction
  *     waits.
