@@ -37,7 +37,7 @@ uint32_t kvr_dtype_bytes(uint32_t dtype)
 KVR_API int kvr_config_init(struct kvr_config *cfg)
 {
 	if (!cfg)
-		return -EINVAL;
+		return kvr_fail(NULL, -EINVAL, "config_init: cfg is NULL");
 	memset(cfg, 0, sizeof(*cfg));
 	cfg->size = sizeof(*cfg);
 	cfg->head_dim = 128;
@@ -355,13 +355,17 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 
 KVR_API int kvr_config_validate(const struct kvr_config *cfg, char *message, size_t message_bytes)
 {
+	/* the reason goes to `message` and, like every call without a context's,
+	 * to kvr_last_error(NULL) */
 	struct kvr_config c;
-	int err = kvr_config_import(cfg, &c, message, message_bytes);
+	char why[KVR_ERROR_MESSAGE_BYTES] = "";
+	int err = kvr_config_import(cfg, &c, why, sizeof(why));
+	if (!err)
+		err = validate(&c, why, sizeof(why));
 	if (err)
-		return err;
-	err = validate(&c, message, message_bytes);
-	if (!err && message && message_bytes)
-		message[0] = '\0';
+		kvr_fail(NULL, err, "%s", why);
+	if (message && message_bytes)
+		snprintf(message, message_bytes, "%s", err ? why : "");
 	return err;
 }
 
@@ -381,13 +385,15 @@ KVR_API const char *kvr_mode_name(uint32_t mode)
 KVR_API int kvr_mode_parse(const char *name, uint32_t *mode)
 {
 	if (!name || !mode)
-		return -EINVAL;
+		return kvr_fail(NULL, -EINVAL, "mode_parse: %s is NULL", name ? "mode" : "name");
 	for (uint32_t i = 0; i < sizeof(mode_names) / sizeof(mode_names[0]); i++)
 		if (!strcmp(name, mode_names[i])) {
 			*mode = i;
 			return 0;
 		}
-	return -EINVAL;
+	return kvr_fail(NULL, -EINVAL,
+			"mode_parse: \"%.64s\" is not a mode (auto, dense, blocking, speculative, freekv)",
+			name);
 }
 
 KVR_API const char *kvr_dtype_name(uint32_t dtype)
@@ -449,7 +455,7 @@ KVR_API const char *kvr_kv_format_name(uint32_t kv_format)
 KVR_API int kvr_kv_format_parse(const char *name, uint32_t *kv_format)
 {
 	if (!name || !kv_format)
-		return -EINVAL;
+		return kvr_fail(NULL, -EINVAL, "kv_format_parse: %s is NULL", name ? "kv_format" : "name");
 	if (!strcmp(name, "f16") || !strcmp(name, "bf16") || !strcmp(name, "f32")) {
 		*kv_format = KVR_KV_FORMAT_PLAIN;
 		return 0;
@@ -459,7 +465,10 @@ KVR_API int kvr_kv_format_parse(const char *name, uint32_t *kv_format)
 			*kv_format = i;
 			return 0;
 		}
-	return -EINVAL;
+	return kvr_fail(NULL, -EINVAL,
+			"kv_format_parse: \"%.64s\" is not a page format (plain, f16, bf16, f32, k8v4, "
+			"k4v2, mixed)",
+			name);
 }
 
 KVR_API const char *kvr_backend_name(uint32_t backend)

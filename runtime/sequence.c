@@ -221,8 +221,13 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 	 * tier, read back from the file) before anything changes: a page that
 	 * cannot be read refuses the truncation. */
 	uint32_t *tail_page = calloc(c->n_layers, sizeof(*tail_page));
-	if (!tail_page)
+	/* a plain page's KV head run in HND order, whatever the pool's layout */
+	unsigned char *run = malloc(g.head_bytes);
+	if (!tail_page || !run) {
+		free(tail_page);
+		free(run);
 		return kvr_fail(ctx, -ENOMEM, "seq_truncate: out of memory");
+	}
 	for (uint32_t l = 0; l < c->n_layers && !err; l++) {
 		uint64_t have;
 		kvr_pool_n_tokens(ctx->pool, seq, l, &have);
@@ -244,6 +249,7 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 			if (tail_page[l] != UINT32_MAX)
 				kvr_pool_unpin(ctx->pool, &tail_page[l], 1);
 		free(tail_page);
+		free(run);
 		return err;
 	}
 	for (uint32_t l = 0; l < c->n_layers; l++) {
@@ -268,14 +274,19 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 					kvr_quant_run_to_nhd(&gq, page + h * stride, c->page_tokens,
 							     tail_keys(ctx, s, l), tail_values(ctx, s, l),
 							     c->n_kv_heads * c->head_dim, c->dtype, h);
-				else
-					kvr_hnd_run_to_nhd_slot(&g, page + h * g.head_bytes, tail_keys(ctx, s, l),
+				else {
+					/* an NHD pool's page interleaves the heads: gather
+					 * the head's run as an HND pool would hold it */
+					kvr_pool_gather_head(ctx->pool, id, h, run);
+					kvr_hnd_run_to_nhd_slot(&g, run, tail_keys(ctx, s, l),
 								tail_values(ctx, s, l), h);
+				}
 			}
 			kvr_pool_unpin(ctx->pool, &id, 1);
 		}
 	}
 	free(tail_page);
+	free(run);
 	/* the previous queries belonged to dropped tokens, and selections and
 	 * resident pages may name dropped pages */
 	kvr_sched_seq_reset(ctx->sched, seq);

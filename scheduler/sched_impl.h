@@ -68,6 +68,9 @@ struct kvr_lane {
 	                             (in_flight), read and cleared by the engine after
 	                             acquiring it; the lane's next attention fails its
 	                             sequence with it */
+	uint64_t appended_step;   /* engine: the step (kvr_sched.step_serial) that last
+	                             appended a token to this layer; a failed step takes
+	                             back only what it appended */
 	struct kvr_lane *next;    /* queue link, guarded by the queue mutex */
 };
 
@@ -135,6 +138,8 @@ struct kvr_sched {
 	                                    "sequence S layer L: ..." */
 	uint32_t *step_failed;           /* the sequences with step_fail set */
 	uint32_t n_step_failed;
+	uint64_t step_serial;            /* engine: the open step's number, from 1 (a lane's
+	                                    appended_step 0 = never) */
 	struct kvr_units *units;         /* quantised pages: the shared device page cache (units.c) */
 	uint32_t n_staging, chunk_pages;
 	uint32_t next_buffer;            /* controller: the staging buffer of the next chunk */

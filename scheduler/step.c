@@ -310,19 +310,22 @@ static void settle_failed(struct kvr_sched *s)
 {
 	for (uint32_t i = 0; i < s->n_step_failed; i++) {
 		const uint32_t seq = s->step_failed[i];
+		/* Only the layers this step appended to are taken back: a layer the
+		 * step failed at (a position below its length, say) keeps what it
+		 * held before the step. */
 		int appended = 0;
-		for (uint32_t l = 0; l < s->c.n_layers; l++) {
-			uint64_t n = 0;
-			appended |= !kvr_pool_n_tokens(s->pool, seq, l, &n) && n > s->step_fail_pos[seq];
-		}
+		for (uint32_t l = 0; l < s->c.n_layers; l++)
+			appended |= lane_of(s, seq, l)->appended_step == s->step_serial;
 		if (appended) {
 			/* the layers that did decode posted their next step's work */
 			kvr_sched_seq_quiesce(s, seq);
 			for (uint32_t l = 0; l < s->c.n_layers; l++) {
-				uint64_t n = 0;
-				if (!kvr_pool_n_tokens(s->pool, seq, l, &n) && n > s->step_fail_pos[seq])
+				struct kvr_lane *lane = lane_of(s, seq, l);
+				if (lane->appended_step == s->step_serial) {
 					kvr_pool_truncate(s->pool, seq, l, s->step_fail_pos[seq]);
-				lane_forget(s, lane_of(s, seq, l));
+					lane->appended_step = 0;
+				}
+				lane_forget(s, lane);
 			}
 		}
 		s->step_fail[seq] = 0;
@@ -519,6 +522,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			mark_failed(s, seq, layer, positions[i], status[i], kvr_pool_last_error(s->pool));
 			continue;
 		}
+		lane->appended_step = s->step_serial;
 		const uint32_t pages = (uint32_t)((positions[i] + 1) / p);
 		max_pages = pages > max_pages ? pages : max_pages;
 	}
@@ -817,6 +821,7 @@ int kvr_sched_step_end(struct kvr_sched *s)
 		err = kvr_dev_stream_synchronize(s->dev, s->compute);
 	unpin_step(s); /* the step's attention has read its pages */
 	settle_failed(s);
+	s->step_serial++;
 	return err;
 }
 
@@ -992,6 +997,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 				     sizeof(*s->head_corrections));
 	s->step_fail = calloc(c->max_sequences, sizeof(*s->step_fail));
 	s->step_fail_pos = calloc(c->max_sequences, sizeof(*s->step_fail_pos));
+	s->step_serial = 1; /* lanes start at appended_step 0: never */
 	s->step_failed = calloc(c->max_sequences, sizeof(*s->step_failed));
 	s->step_fail_layer = calloc(c->max_sequences, sizeof(*s->step_fail_layer));
 	s->step_fail_message = calloc(c->max_sequences, KVR_SCHED_MESSAGE);

@@ -375,3 +375,27 @@ Test(config, validate_knows_what_create_would_refuse)
 	c.pool_bytes = c.pool_ram_bytes = (uint64_t)c.n_layers * page;
 	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
 }
+
+/* Calls without a context leave their reason in kvr_last_error(NULL) too:
+ * the parsers name what they were given and what they accept, validate's
+ * reason is there whether or not a message buffer was passed. */
+Test(config, calls_without_a_context_leave_a_message)
+{
+	uint32_t out = 99;
+	cr_expect_eq(kvr_mode_parse("sparse", &out), -EINVAL);
+	cr_expect_eq(out, 99, "a refused parse writes nothing");
+	cr_expect(strstr(kvr_last_error(NULL), "\"sparse\" is not a mode") &&
+		  strstr(kvr_last_error(NULL), "freekv"), "%s", kvr_last_error(NULL));
+	cr_expect_eq(kvr_kv_format_parse("k2v1", &out), -EINVAL);
+	cr_expect(strstr(kvr_last_error(NULL), "\"k2v1\" is not a page format"), "%s", kvr_last_error(NULL));
+	cr_expect_eq(kvr_mode_parse(NULL, &out), -EINVAL);
+	cr_expect(strstr(kvr_last_error(NULL), "mode_parse: name is NULL"), "%s", kvr_last_error(NULL));
+	cr_expect_eq(kvr_config_init(NULL), -EINVAL);
+	cr_expect(strstr(kvr_last_error(NULL), "config_init"), "%s", kvr_last_error(NULL));
+	struct kvr_config c = base();
+	c.page_tokens = 0;
+	cr_expect_lt(kvr_config_validate(&c, NULL, 0), 0);
+	cr_expect(strstr(kvr_last_error(NULL), "page_tokens"), "%s", kvr_last_error(NULL));
+	cr_expect_eq(kvr_mode_parse("freekv", &out), 0);
+	cr_expect_eq(out, KVR_MODE_FREEKV);
+}

@@ -500,3 +500,43 @@ Test(decode, prefill_attention_positions_do_not_wrap)
 	free(h.k), free(h.v);
 	kvr_context_destroy(ctx);
 }
+
+/* A step at a position a layer is not at fails the sequence there and takes
+ * back only what the step stored: layer 0 (18 tokens) appends at 18, layer 1
+ * (19 tokens, one prefilled ahead) refuses position 18 — and must still hold
+ * its 19 tokens after the step, not be cut to the step's position (found by
+ * tests/api_sequence.c). A position below every layer's length changes
+ * nothing either. */
+Test(decode, a_bad_position_takes_back_only_what_the_step_stored)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
+	uint32_t s;
+	cr_assert_eq(kvr_seq_create(ctx, &s), 0);
+	struct history h;
+	history_prefill(ctx, s, &h, 18);
+	cr_assert_eq(kvr_prefill(ctx, s, 1, 18, 1, h.k, h.v), 0, "%s", kvr_last_error(ctx));
+	float q[Q_ROW], k[KV_ROW], v[KV_ROW], out[Q_ROW];
+	random_q(q);
+	for (uint32_t i = 0; i < KV_ROW; i++)
+		k[i] = v[i] = frand();
+	const uint64_t positions[] = { 18, 5 };
+	for (uint32_t round = 0; round < 2; round++) {
+		cr_assert_eq(kvr_decode_begin(ctx, &s, &positions[round], 1), 0, "%s", kvr_last_error(ctx));
+		int32_t status[2] = { 99, 99 };
+		for (uint32_t l = 0; l < 2; l++)
+			cr_assert_eq(kvr_decode_layer(ctx, l, q, k, v, out, &status[l], NULL), 0, "%s",
+				     kvr_last_error(ctx));
+		cr_expect_eq(status[0], round ? -EINVAL : 0, "round %u layer 0: status %d", round, status[0]);
+		cr_expect_eq(status[1], -EINVAL, "round %u layer 1: status %d", round, status[1]);
+		cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+		uint64_t len[2];
+		for (uint32_t l = 0; l < 2; l++)
+			cr_assert_eq(kvr_seq_length(ctx, s, l, &len[l]), 0);
+		cr_expect_eq(len[0], 18, "round %u: layer 0 holds %llu tokens, held 18", round,
+			     (unsigned long long)len[0]);
+		cr_expect_eq(len[1], 19, "round %u: layer 1 holds %llu tokens, held 19", round,
+			     (unsigned long long)len[1]);
+	}
+	free(h.k), free(h.v);
+	kvr_context_destroy(ctx);
+}
