@@ -8,7 +8,8 @@
  * accessors hand out is read (so ASan sees any read out of bounds); and the
  * real SmolLM2 file, when present, loads with the expected tensors and
  * hyperparameters (printed for the next engineer) and survives mutation of
- * its header.
+ * its header. The model loader that reads a GGUF's keys into runner state,
+ * model_open_memory, keeps the regressions fuzzing found.
  *
  * The real-file tests skip when the model is absent (see
  * gguf_default_model_path; bench/model/fetch_model.sh fetches it).
@@ -40,6 +41,7 @@
 #include <unistd.h>
 
 #include "gguf.h"
+#include "model.h"
 
 /* ---- a small GGUF writer ------------------------------------------------ */
 
@@ -1053,6 +1055,53 @@ Test(gguf, accepts_edge_cases)
 	gguf_close(g);
 	free(copy);
 	wfree(&b);
+}
+
+/* ---- the loaders over a GGUF ------------------------------------------------
+ * model_open_memory reads the hyperparameters and tensor shapes from the
+ * keys. Regressions for what fuzzing found. */
+
+/* A Llama header with the given block count and the two tensors every model
+ * has (a 4-wide embedding of 2 tokens, the output norm), no layer tensors. */
+static void llama_file(struct wbuf *b, uint32_t block_count)
+{
+	w_hdr(b, 3, 2, 5);
+	kv_str(b, "general.architecture", "llama");
+	kv_u32(b, "llama.block_count", block_count);
+	kv_u32(b, "llama.embedding_length", 4);
+	kv_u32(b, "llama.attention.head_count", 1);
+	kv_u32(b, "llama.feed_forward_length", 4);
+	w_tensor(b, "token_embd.weight", 2, (const uint64_t[]){ 4, 2 }, GGUF_GGML_F32, 0);
+	w_tensor(b, "output_norm.weight", 1, (const uint64_t[]){ 4 }, GGUF_GGML_F32, 32);
+	w_pad(b, GGUF_DEFAULT_ALIGNMENT);
+	w_zero(b, 48);
+}
+
+/* Found by fuzzing: llama.block_count sized the layer table before any layer
+ * tensor was looked for, so 0xfffffffe in a file of a few hundred bytes asked
+ * calloc for 309 GB. The count is now checked against the tensors the file
+ * holds. */
+Test(gguf, model_refuses_a_block_count_the_file_cannot_hold)
+{
+	static const uint32_t counts[] = { 0xfffffffeu, 10000000u, 1u };
+	for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
+		struct wbuf b = { 0 };
+		llama_file(&b, counts[i]);
+		uint8_t *copy = malloc(b.n);
+		cr_assert_not_null(copy);
+		memcpy(copy, b.p, b.n);
+		struct model *m = (struct model *)1;
+		char err[512] = "", want[128];
+		int rc = model_open_memory(copy, b.n, 0, &m, err, sizeof(err));
+		snprintf(want, sizeof(want), "llama.block_count is %u, which needs at least %llu "
+			 "tensors; the file has 2", counts[i], (unsigned long long)counts[i] * 9 + 2);
+		cr_expect_eq(rc, -EINVAL, "block count %u: rc %d (%s)", counts[i], rc, err);
+		cr_expect_null(m);
+		cr_expect(strstr(err, want) != NULL, "block count %u: '%s' lacks '%s'", counts[i],
+			  err, want);
+		free(copy);
+		wfree(&b);
+	}
 }
 
 /* ---- output ---------------------------------------------------------------- */

@@ -173,7 +173,21 @@ static int load_tensors(struct model *m, char *err, size_t eb)
 	const struct gguf_tensor *emb = gguf_find_tensor(m->g, "token_embd.weight");
 	if (!emb || emb->n_dims != 2)
 		return fail(err, eb, -EINVAL, "model: token_embd.weight is missing or not a matrix");
+	/* token ids are int32_t, and n_vocab sizes the logits */
+	if (emb->ne[1] > INT32_MAX)
+		return fail(err, eb, -EINVAL, "model: token_embd.weight has %llu rows; at most 2^31-1 "
+					      "tokens are supported",
+			    (unsigned long long)emb->ne[1]);
 	m->hp.n_vocab = (uint32_t)emb->ne[1];
+	/* Every layer has 9 tensors, so the file bounds the block count: checked
+	 * before the count sizes the layer table (4 billion layers from a forged
+	 * llama.block_count would ask for 300 GB). */
+	const uint64_t need = (uint64_t)hp->n_layers * 9 + 2, have = gguf_n_tensors(m->g);
+	if (need > have)
+		return fail(err, eb, -EINVAL,
+			    "model: llama.block_count is %u, which needs at least %llu tensors; the file "
+			    "has %llu",
+			    hp->n_layers, (unsigned long long)need, (unsigned long long)have);
 	int rc = tensor(m, "token_embd.weight", hp->n_embd, emb->ne[1], &m->token_embd, err, eb);
 	if (!rc)
 		rc = tensor(m, "output_norm.weight", hp->n_embd, 0, &m->output_norm, err, eb);
@@ -221,13 +235,11 @@ static void *zalloc(size_t bytes, int *failed)
 	return p;
 }
 
-int model_open(const char *path, uint32_t threads, struct model **out, char *err, size_t eb)
+/* What model_open and model_open_memory share once the GGUF is open (or
+ * failed to, rc < 0): validation, the worker pool, scratch. Frees m on failure. */
+static int open_model(struct model *m, int rc, uint32_t threads, struct model **out, char *err,
+		      size_t eb)
 {
-	*out = NULL;
-	struct model *m = calloc(1, sizeof(*m));
-	if (!m)
-		return fail(err, eb, -ENOMEM, "model: out of memory");
-	int rc = gguf_open(path, &m->g, err, eb);
 	if (!rc)
 		rc = load_hparams(m, err, eb);
 	if (!rc)
@@ -266,6 +278,25 @@ int model_open(const char *path, uint32_t threads, struct model **out, char *err
 	}
 	*out = m;
 	return 0;
+}
+
+int model_open(const char *path, uint32_t threads, struct model **out, char *err, size_t eb)
+{
+	*out = NULL;
+	struct model *m = calloc(1, sizeof(*m));
+	if (!m)
+		return fail(err, eb, -ENOMEM, "model: out of memory");
+	return open_model(m, gguf_open(path, &m->g, err, eb), threads, out, err, eb);
+}
+
+int model_open_memory(const void *data, size_t size, uint32_t threads, struct model **out,
+		      char *err, size_t eb)
+{
+	*out = NULL;
+	struct model *m = calloc(1, sizeof(*m));
+	if (!m)
+		return fail(err, eb, -ENOMEM, "model: out of memory");
+	return open_model(m, gguf_open_memory(data, size, &m->g, err, eb), threads, out, err, eb);
 }
 
 void model_close(struct model *m)

@@ -36,6 +36,10 @@ struct model;
  * with the shape the hyperparameters imply, types quant.h multiplies).
  * threads = workers besides the caller for the matrix products. */
 int model_open(const char *path, uint32_t threads, struct model **out, char *err, size_t err_bytes);
+/* The same over size bytes at data (gguf_open_memory: not copied; they must
+ * outlive the model). */
+int model_open_memory(const void *data, size_t size, uint32_t threads, struct model **out,
+		      char *err, size_t err_bytes);
 void model_close(struct model *m);
 const struct model_hparams *model_hparams(const struct model *m);
 const struct gguf *model_gguf(const struct model *m);
