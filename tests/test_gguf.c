@@ -8,8 +8,9 @@
  * accessors hand out is read (so ASan sees any read out of bounds); and the
  * real SmolLM2 file, when present, loads with the expected tensors and
  * hyperparameters (printed for the next engineer) and survives mutation of
- * its header. The model loader that reads a GGUF's keys into runner state,
- * model_open_memory, keeps the regressions fuzzing found.
+ * its header. The two loaders that read a GGUF's keys into runner state,
+ * model_open_memory and runner_tokenizer, keep the regressions the fuzz
+ * harness found (tests/fuzz_gguf.c fuzzes them).
  *
  * The real-file tests skip when the model is absent (see
  * gguf_default_model_path; bench/model/fetch_model.sh fetches it).
@@ -42,6 +43,8 @@
 
 #include "gguf.h"
 #include "model.h"
+#include "runner.h"
+#include "tokenizer.h"
 
 /* ---- a small GGUF writer ------------------------------------------------ */
 
@@ -1058,8 +1061,9 @@ Test(gguf, accepts_edge_cases)
 }
 
 /* ---- the loaders over a GGUF ------------------------------------------------
- * model_open_memory reads the hyperparameters and tensor shapes from the
- * keys. Regressions for what fuzzing found. */
+ * model_open_memory and runner_tokenizer read hyperparameters and the
+ * vocabulary from the keys; the fuzz harness (tests/fuzz_gguf.c) drives them
+ * with every file it makes. Regressions for what it found. */
 
 /* A Llama header with the given block count and the two tensors every model
  * has (a 4-wide embedding of 2 tokens, the output norm), no layer tensors. */
@@ -1099,6 +1103,77 @@ Test(gguf, model_refuses_a_block_count_the_file_cannot_hold)
 		cr_expect_null(m);
 		cr_expect(strstr(err, want) != NULL, "block count %u: '%s' lacks '%s'", counts[i],
 			  err, want);
+		free(copy);
+		wfree(&b);
+	}
+}
+
+/* Open b (an exact-size copy, kept in *copy) and build its tokenizer. */
+static int tokenizer_of(struct wbuf *b, uint8_t **copy, struct tok **t, char *err, size_t n)
+{
+	struct gguf *g = open_ok(b, copy);
+	*t = (struct tok *)1;
+	int rc = runner_tokenizer(g, t, err, n);
+	gguf_close(g);
+	return rc;
+}
+
+/* Found by reviewing the fuzz harness's rejections: a missing or mistyped
+ * tokenizer key was reported as "missing or malformed (-22)" without saying
+ * which key; and the arrays were allocated by their count before their
+ * element type was checked. */
+Test(gguf, runner_tokenizer_names_the_key_it_refuses)
+{
+	struct wbuf b = { 0 };
+	uint8_t *copy;
+	struct tok *t;
+	char err[512] = "";
+
+	w_hdr(&b, 3, 0, 1);
+	kv_str(&b, "general.architecture", "llama");
+	cr_expect_eq(tokenizer_of(&b, &copy, &t, err, sizeof(err)), -ENOENT, "%s", err);
+	cr_expect_null(t);
+	cr_expect(strstr(err, "key 'tokenizer.ggml.model' is absent (wanted a string)"), "%s", err);
+	free(copy);
+	wfree(&b);
+
+	w_hdr(&b, 3, 0, 2);
+	kv_str(&b, "tokenizer.ggml.model", "gpt2");
+	w_arr(&b, "tokenizer.ggml.tokens", GGUF_TYPE_UINT8, 3);
+	put(&b, "abc", 3);
+	cr_expect_eq(tokenizer_of(&b, &copy, &t, err, sizeof(err)), -EINVAL, "%s", err);
+	cr_expect(strstr(err, "key 'tokenizer.ggml.tokens' at byte 68 has type array of 3 uint8; "
+			      "wanted an array of strings"), "%s", err);
+	free(copy);
+	wfree(&b);
+
+	static const char *const tokens[] = { "a", "b", "ab" };
+	for (int merges_ok = 0; merges_ok < 2; merges_ok++) {
+		w_hdr(&b, 3, 0, 4);
+		kv_str(&b, "tokenizer.ggml.model", "gpt2");
+		kv_str(&b, "tokenizer.ggml.pre", "gpt2");
+		w_arr(&b, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, 3);
+		for (int i = 0; i < 3; i++)
+			put_str(&b, tokens[i]);
+		if (merges_ok) {
+			w_arr(&b, "tokenizer.ggml.merges", GGUF_TYPE_STRING, 1);
+			put_str(&b, "a b");
+		} else {
+			kv_str(&b, "tokenizer.ggml.merges", "a b"); /* a string, not an array */
+		}
+		int rc = tokenizer_of(&b, &copy, &t, err, sizeof(err));
+		if (merges_ok) {
+			cr_assert_eq(rc, 0, "%s", err);
+			int32_t ids[4];
+			size_t n;
+			cr_expect_eq(tok_encode(t, "ab", 2, 0, ids, 4, &n), 0);
+			cr_expect(n == 1 && ids[0] == 2, "\"ab\": %zu ids, first %d", n, ids[0]);
+			tok_destroy(t);
+		} else {
+			cr_expect_eq(rc, -EINVAL, "%s", err);
+			cr_expect(strstr(err, "key 'tokenizer.ggml.merges'") &&
+				  strstr(err, "has type string; wanted an array of strings"), "%s", err);
+		}
 		free(copy);
 		wfree(&b);
 	}

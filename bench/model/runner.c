@@ -205,7 +205,49 @@ static char *dup_str(const char *p, size_t len)
 	return s;
 }
 
-/* The tokenizer from the GGUF's tokenizer.ggml.* keys. */
+/* A tokenizer.ggml key that is absent or of another kind: the message names
+ * it, what it holds and where (gguf_key_error). */
+static int key_error(const struct gguf *g, const char *key, int rc, const char *wanted, char *err,
+		     size_t eb)
+{
+	char msg[400];
+	gguf_key_error(g, key, rc, wanted, msg, sizeof(msg));
+	snprintf(err, eb, "tokenizer: %s", msg);
+	return rc;
+}
+
+/* The strings of a string array, pointing into the file; *out is NULL and
+ * *n 0 when the key is absent and optional. The element type is checked
+ * before anything is allocated by the count. */
+static int string_array(const struct gguf *g, const char *key, int required, struct tok_str **out,
+			uint64_t *n, char *err, size_t eb)
+{
+	uint32_t et;
+	const void *data;
+	*out = NULL;
+	*n = 0;
+	int rc = gguf_get_arr(g, key, &et, n, &data);
+	if (rc == -ENOENT && !required)
+		return 0;
+	if (!rc && et != GGUF_TYPE_STRING)
+		rc = -EINVAL;
+	if (rc)
+		return key_error(g, key, rc, "an array of strings", err, eb);
+	*out = calloc(*n ? *n : 1, sizeof(**out));
+	if (!*out) {
+		snprintf(err, eb, "tokenizer: out of memory for the %llu strings of %s",
+			 (unsigned long long)*n, key);
+		return -ENOMEM;
+	}
+	for (uint64_t i = 0; i < *n && !rc; i++)
+		rc = gguf_get_arr_str(g, key, i, &(*out)[i].ptr, &(*out)[i].len);
+	if (rc)
+		return key_error(g, key, rc, "an array of strings", err, eb);
+	return 0;
+}
+
+/* The tokenizer from the GGUF's tokenizer.ggml.* keys: model, tokens
+ * (required), pre, merges, token_type, the special ids and add_bos_token. */
 int runner_tokenizer(const struct gguf *g, struct tok **out, char *err, size_t eb)
 {
 	struct tok_vocab v;
@@ -215,40 +257,35 @@ int runner_tokenizer(const struct gguf *g, struct tok **out, char *err, size_t e
 	char *model = NULL, *pre = NULL;
 	struct tok_str *tokens = NULL, *merges = NULL;
 	int32_t *types = NULL;
+	uint64_t n_tok = 0, n_merge = 0, n_types = 0;
+	*out = NULL;
 	int rc = gguf_get_str(g, "tokenizer.ggml.model", &p, &len);
-	if (!rc && !(model = dup_str(p, len)))
+	if (rc)
+		rc = key_error(g, "tokenizer.ggml.model", rc, "a string", err, eb);
+	else if (!(model = dup_str(p, len)))
 		rc = -ENOMEM;
 	if (!rc && !gguf_get_str(g, "tokenizer.ggml.pre", &p, &len) && !(pre = dup_str(p, len)))
 		rc = -ENOMEM;
-	uint32_t et;
-	uint64_t n_tok = 0, n_merge = 0, n_types = 0;
-	const void *data;
+	if (rc == -ENOMEM)
+		snprintf(err, eb, "tokenizer: out of memory");
 	if (!rc)
-		rc = gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &n_tok, &data);
-	if (!rc && gguf_get_arr(g, "tokenizer.ggml.merges", &et, &n_merge, &data))
-		n_merge = 0;
-	if (!rc) {
-		tokens = calloc(n_tok ? n_tok : 1, sizeof(*tokens));
-		merges = calloc(n_merge ? n_merge : 1, sizeof(*merges));
-		if (!tokens || !merges)
-			rc = -ENOMEM;
-	}
-	for (uint64_t i = 0; !rc && i < n_tok; i++)
-		rc = gguf_get_arr_str(g, "tokenizer.ggml.tokens", i, &tokens[i].ptr, &tokens[i].len);
-	for (uint64_t i = 0; !rc && i < n_merge; i++)
-		rc = gguf_get_arr_str(g, "tokenizer.ggml.merges", i, &merges[i].ptr, &merges[i].len);
+		rc = string_array(g, "tokenizer.ggml.tokens", 1, &tokens, &n_tok, err, eb);
+	if (!rc)
+		rc = string_array(g, "tokenizer.ggml.merges", 0, &merges, &n_merge, err, eb);
+	uint32_t et;
+	const void *data;
+	/* token types of another kind or count are ignored: all tokens normal */
 	if (!rc && !gguf_get_arr(g, "tokenizer.ggml.token_type", &et, &n_types, &data) &&
 	    n_types == n_tok && (et == GGUF_TYPE_INT32 || et == GGUF_TYPE_UINT32)) {
-		if (!(types = malloc(n_tok * sizeof(*types))))
+		if (!(types = malloc(n_tok * sizeof(*types)))) {
+			snprintf(err, eb, "tokenizer: out of memory for %llu token types",
+				 (unsigned long long)n_tok);
 			rc = -ENOMEM;
-		else
+		} else {
 			memcpy(types, data, n_tok * sizeof(*types));
+		}
 	}
-	if (rc) {
-		snprintf(err, eb, "tokenizer: the GGUF's tokenizer.ggml keys are missing or malformed "
-				  "(%d)",
-			 rc);
-	} else {
+	if (!rc) {
 		uint32_t id;
 		bool add_bos = false;
 		v.model = model;
