@@ -29,6 +29,7 @@
 
 #include "cpu_backend.h"
 #include "cpu_threads.h"
+#include "fault.h"
 
 #define RING_OPS 256         /* operations a worker stream can hold */
 #define EVENT_SPINS 4000     /* pauses before an event wait sleeps */
@@ -77,7 +78,7 @@ static int cpu_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 {
 	/* 64-byte alignment for the vector kernels and streaming copies. */
 	const size_t rounded = (bytes + 63) & ~(size_t)63;
-	void *p = aligned_alloc(64, rounded);
+	void *p = aligned_alloc(64, rounded); /* counted as a device allocation */
 	if (!p)
 		return kvr_dev_fail(dev, -ENOMEM, "alloc: %zu bytes: out of memory", bytes);
 	*ptr = p;
@@ -146,13 +147,13 @@ static void *stream_worker(void *arg)
 
 static int cpu_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out)
 {
-	struct kvr_stream *s = calloc(1, sizeof(*s));
+	struct kvr_stream *s = kvr_calloc(1, sizeof(*s));
 	if (!s)
 		return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of memory");
 	s->flags = flags;
 	s->dev = dev;
 	if (flags & KVR_STREAM_WORKER) {
-		s->ring = calloc(RING_OPS, sizeof(*s->ring));
+		s->ring = kvr_calloc(RING_OPS, sizeof(*s->ring));
 		if (!s->ring) {
 			free(s);
 			return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of memory");
@@ -161,7 +162,7 @@ static int cpu_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_str
 		pthread_cond_init(&s->not_empty, NULL);
 		pthread_cond_init(&s->not_full, NULL);
 		pthread_cond_init(&s->drained, NULL);
-		int err = pthread_create(&s->worker, NULL, stream_worker, s);
+		int err = kvr_pthread_create(&s->worker, NULL, stream_worker, s);
 		if (err) {
 			free(s->ring);
 			free(s);
@@ -236,7 +237,7 @@ static int cpu_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *s)
 
 static int cpu_event_create(struct kvr_dev *dev, struct kvr_event **out)
 {
-	struct kvr_event *e = calloc(1, sizeof(*e));
+	struct kvr_event *e = kvr_calloc(1, sizeof(*e));
 	if (!e)
 		return kvr_dev_fail(dev, -ENOMEM, "event_create: out of memory");
 	pthread_mutex_init(&e->lock, NULL);
@@ -393,7 +394,7 @@ static int cpu_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const voi
 	(void)kind;
 	/* The list is read when the copy runs, which may be after the caller
 	 * reuses its array (as cudaMemcpyBatchAsync allows): keep a copy. */
-	struct batch_op op = { dst_base, src_base, malloc(n * sizeof(*descs)), n, 0 };
+	struct batch_op op = { dst_base, src_base, kvr_malloc(n * sizeof(*descs)), n, 0 };
 	if (!op.descs)
 		return kvr_dev_fail(dev, -ENOMEM, "memcpy_batch_async: out of memory for %zu copies", n);
 	memcpy(op.descs, descs, n * sizeof(*descs));
@@ -536,7 +537,7 @@ const struct kvr_dev_ops *kvr_cpu_ops(void)
 int kvr_cpu_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
 		     size_t err_bytes)
 {
-	struct cpu_impl *impl = calloc(1, sizeof(*impl));
+	struct cpu_impl *impl = kvr_calloc(1, sizeof(*impl));
 	if (!impl) {
 		snprintf(err, err_bytes, "cpu: out of memory");
 		return -ENOMEM;

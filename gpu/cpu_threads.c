@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "cpu_threads.h"
+#include "fault.h"
 
 /* Pauses before sleeping: a few tens of µs, about one layer of decode, so
  * workers stay awake between the kernels of a step but not across idle time. */
@@ -105,20 +106,20 @@ static void *worker_main(void *arg)
 
 int kvr_workers_create(uint32_t threads, struct kvr_workers **out)
 {
-	struct kvr_workers *w = calloc(1, sizeof(*w));
+	struct kvr_workers *w = kvr_calloc(1, sizeof(*w));
 	if (!w)
 		return -ENOMEM;
 	pthread_mutex_init(&w->lock, NULL);
 	pthread_cond_init(&w->wake, NULL);
 	if (threads) {
-		w->threads = calloc(threads, sizeof(*w->threads));
+		w->threads = kvr_calloc(threads, sizeof(*w->threads));
 		if (!w->threads) {
 			kvr_workers_destroy(w);
 			return -ENOMEM;
 		}
 	}
 	for (uint32_t i = 0; i < threads; i++) {
-		int err = pthread_create(&w->threads[i], NULL, worker_main, w);
+		int err = kvr_pthread_create(&w->threads[i], NULL, worker_main, w);
 		if (err) {
 			kvr_workers_destroy(w);
 			return -err;

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "backend_impl.h"
+#include "fault.h"
 
 /* The calling thread's latest device failure (any device: it is read right
  * after the failing call, by the same thread). */
@@ -117,6 +118,9 @@ int kvr_dev_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 		return kvr_dev_fail(dev, -EINVAL, "alloc: ptr is NULL");
 	if (!bytes)
 		return kvr_dev_fail(dev, -EINVAL, "alloc: zero bytes");
+	if (kvr_fault_hit(KVR_FAULT_DEV_ALLOC))
+		return kvr_dev_fail(dev, -ENOMEM, "alloc: %zu bytes: out of device memory (injected fault)",
+				    bytes);
 	if (dev->alloc_fn) {
 		void *p = NULL;
 		int err = dev->alloc_fn(dev->alloc_user, bytes, &p);
@@ -172,6 +176,8 @@ int kvr_dev_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_stream
 		return kvr_dev_fail(dev, -EINVAL, "stream_create: out is NULL");
 	if (flags & ~(uint32_t)KVR_STREAM_WORKER)
 		return kvr_dev_fail(dev, -EINVAL, "stream_create: unknown flags 0x%x", flags);
+	if (kvr_fault_hit(KVR_FAULT_STREAM))
+		return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of resources (injected fault)");
 	return dev->ops->stream_create(dev, flags, out);
 }
 
@@ -217,6 +223,8 @@ int kvr_dev_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *stream)
 int kvr_dev_event_create(struct kvr_dev *dev, struct kvr_event **out)
 {
 	NEED(out, "out is NULL");
+	if (kvr_fault_hit(KVR_FAULT_STREAM))
+		return kvr_dev_fail(dev, -ENOMEM, "event_create: out of resources (injected fault)");
 	return dev->ops->event_create(dev, out);
 }
 
@@ -259,6 +267,9 @@ int kvr_dev_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size_t
 	if (!bytes)
 		return 0;
 	NEED(dst && src, "dst or src is NULL");
+	if (kvr_fault_hit(KVR_FAULT_COPY))
+		return kvr_dev_fail(dev, -EIO, "memcpy_async: %zu bytes: copy failed (injected fault)",
+				    bytes);
 	return dev->ops->memcpy_async(dev, dst, src, bytes, kind, stream);
 }
 
@@ -271,6 +282,8 @@ int kvr_dev_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const void *
 	if (!n)
 		return 0;
 	NEED(dst_base && src_base && descs, "a base or the descriptor list is NULL");
+	if (kvr_fault_hit(KVR_FAULT_COPY))
+		return kvr_dev_fail(dev, -EIO, "memcpy_batch_async: %zu copies failed (injected fault)", n);
 	return dev->ops->memcpy_batch_async(dev, dst_base, src_base, descs, n, kind, stream);
 }
 

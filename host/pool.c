@@ -40,6 +40,7 @@
 #include <sys/mman.h>
 
 #include "../gpu/gpu.h"
+#include "../gpu/fault.h"
 #include "../layouts/convert.h"
 #include "../layouts/copy.h"
 #include "../layouts/kvquant.h"
@@ -162,7 +163,7 @@ const char *kvr_pool_last_error(const struct kvr_pool *pool)
 static int chunk_map(struct kvr_pool *pool, uint32_t c)
 {
 	const size_t bytes = pool->chunk_bytes;
-	unsigned char *raw = mmap(NULL, bytes + HUGE_PAGE_BYTES, PROT_READ | PROT_WRITE,
+	unsigned char *raw = kvr_mmap(NULL, bytes + HUGE_PAGE_BYTES, PROT_READ | PROT_WRITE,
 				  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
 	if (raw == MAP_FAILED)
 		return fail(pool, -ENOMEM, "pool: mmap of a %zu-byte chunk failed: %s", bytes,
@@ -246,12 +247,12 @@ static int spill_init(struct kvr_pool *pool, uint32_t n_frames, char *err, size_
 {
 	const uint32_t cap = pool->capacity_pages;
 	pool->n_frames = n_frames;
-	pool->page_frame = malloc((size_t)cap * sizeof(uint32_t));
-	pool->page_slot = malloc((size_t)cap * sizeof(uint32_t));
-	pool->pins = calloc(cap, sizeof(uint32_t));
-	pool->touched = calloc(cap, sizeof(*pool->touched));
-	pool->frame_page = malloc((size_t)n_frames * sizeof(uint32_t));
-	pool->frame_free = malloc((size_t)n_frames * sizeof(uint32_t));
+	pool->page_frame = kvr_malloc((size_t)cap * sizeof(uint32_t));
+	pool->page_slot = kvr_malloc((size_t)cap * sizeof(uint32_t));
+	pool->pins = kvr_calloc(cap, sizeof(uint32_t));
+	pool->touched = kvr_calloc(cap, sizeof(*pool->touched));
+	pool->frame_page = kvr_malloc((size_t)n_frames * sizeof(uint32_t));
+	pool->frame_free = kvr_malloc((size_t)n_frames * sizeof(uint32_t));
 	if (!pool->page_frame || !pool->page_slot || !pool->pins || !pool->touched || !pool->frame_page ||
 	    !pool->frame_free) {
 		if (err)
@@ -328,9 +329,13 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 	}
 #undef REJECT
 
-	struct kvr_pool *pool = calloc(1, sizeof(*pool));
-	if (!pool)
+	struct kvr_pool *pool = kvr_calloc(1, sizeof(*pool));
+	if (!pool) {
+		if (err)
+			snprintf(err, err_bytes, "pool: out of memory");
 		return -ENOMEM;
+	}
+	pthread_mutex_init(&pool->lock, NULL); /* kvr_pool_destroy takes it down */
 	pool->params = *params;
 	pool->g = *g;
 	pool->fill_format = params->kv_format == KVR_KV_MIXED ? KVR_KV_K8V4 : params->kv_format;
@@ -355,13 +360,13 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 	pool->pages_per_chunk = (uint32_t)(chunk / page_bytes);
 	pool->max_chunks = (uint32_t)((frames + pool->pages_per_chunk - 1) / pool->pages_per_chunk);
 
-	pool->chunks = calloc(pool->max_chunks, sizeof(*pool->chunks));
-	pool->chunk_state = calloc(pool->max_chunks, 1);
-	pool->refcount = calloc(capacity_pages, sizeof(*pool->refcount));
-	pool->free_stack = malloc(capacity_pages * sizeof(*pool->free_stack));
-	pool->seqs = calloc(params->max_sequences, sizeof(*pool->seqs));
+	pool->chunks = kvr_calloc(pool->max_chunks, sizeof(*pool->chunks));
+	pool->chunk_state = kvr_calloc(pool->max_chunks, 1);
+	pool->refcount = kvr_calloc(capacity_pages, sizeof(*pool->refcount));
+	pool->free_stack = kvr_malloc(capacity_pages * sizeof(*pool->free_stack));
+	pool->seqs = kvr_calloc(params->max_sequences, sizeof(*pool->seqs));
 	if (params->kv_format == KVR_KV_MIXED)
-		pool->page_format = calloc(capacity_pages, 1);
+		pool->page_format = kvr_calloc(capacity_pages, 1);
 	if (!pool->chunks || !pool->chunk_state || !pool->refcount || !pool->free_stack ||
 	    !pool->seqs || (params->kv_format == KVR_KV_MIXED && !pool->page_format)) {
 		kvr_pool_destroy(pool);
@@ -370,7 +375,6 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 				 (unsigned long long)capacity_pages);
 		return -ENOMEM;
 	}
-	pthread_mutex_init(&pool->lock, NULL);
 	if (n_frames) {
 		int e = spill_init(pool, (uint32_t)n_frames, err, err_bytes);
 		if (e) {
@@ -411,8 +415,7 @@ void kvr_pool_destroy(struct kvr_pool *pool)
 	if (pool->chunks)
 		for (uint32_t c = 0; c < pool->max_chunks; c++)
 			chunk_unmap(pool, c);
-	if (pool->refcount) /* created fully: the mutex exists */
-		pthread_mutex_destroy(&pool->lock);
+	pthread_mutex_destroy(&pool->lock);
 	free(pool->chunks);
 	free(pool->chunk_state);
 	free(pool->refcount);
@@ -706,7 +709,7 @@ int kvr_pool_seq_open(struct kvr_pool *pool, uint32_t seq)
 	} else if (pool->seqs[seq].open) {
 		err = fail(pool, -EEXIST, "pool: sequence %u is already open", seq);
 	} else {
-		struct layer_table *layers = calloc(pool->params.n_layers, sizeof(*layers));
+		struct layer_table *layers = kvr_calloc(pool->params.n_layers, sizeof(*layers));
 		if (!layers) {
 			err = fail(pool, -ENOMEM, "pool: out of memory for sequence %u's tables", seq);
 		} else {
@@ -803,12 +806,12 @@ static int table_grow(struct kvr_pool *pool, struct layer_table *t, uint64_t nee
 	uint64_t cap = t->cap ? t->cap : 16;
 	while (cap < need)
 		cap *= 2;
-	uint32_t *pages = realloc(t->pages, cap * sizeof(*pages));
+	uint32_t *pages = kvr_realloc(t->pages, cap * sizeof(*pages));
 	if (!pages)
 		return fail(pool, -ENOMEM, "pool: out of memory for a page table");
 	t->pages = pages;
 	if (pool->summary_bytes && !pool->params.register_fn) {
-		unsigned char *s = realloc(t->summaries, cap * pool->summary_bytes);
+		unsigned char *s = kvr_realloc(t->summaries, cap * pool->summary_bytes);
 		if (!s)
 			return fail(pool, -ENOMEM, "pool: out of memory for page summaries");
 		memset(s + t->cap * pool->summary_bytes, 0, (cap - t->cap) * pool->summary_bytes);
@@ -1087,7 +1090,7 @@ int kvr_pool_demote(struct kvr_pool *pool, uint32_t page_id)
 	kvr_quant_geometry_init(&g4, g->page_tokens, g->head_dim, 1, KVR_KV_K4V2);
 	unsigned char *page = page_address(pool, page_id);
 	const uint64_t row = (uint64_t)g->head_dim;
-	float *k = malloc(2 * row * g->page_tokens * sizeof(float));
+	float *k = kvr_malloc(2 * row * g->page_tokens * sizeof(float));
 	if (!k) {
 		if (pool->spill) {
 			pthread_mutex_lock(&pool->lock);
@@ -1177,10 +1180,10 @@ int kvr_pool_pin(struct kvr_pool *pool, const uint32_t *pages, uint32_t n)
 		if (resident)
 			return 0;
 	}
-	uint32_t *fetch = malloc((size_t)n * sizeof(*fetch));
-	uint32_t *slots = malloc((size_t)n * sizeof(*slots));
-	void **addrs = malloc((size_t)n * sizeof(*addrs));
-	unsigned char *mine = calloc(n, 1); /* pages[i] pinned by this call */
+	uint32_t *fetch = kvr_malloc((size_t)n * sizeof(*fetch));
+	uint32_t *slots = kvr_malloc((size_t)n * sizeof(*slots));
+	void **addrs = kvr_malloc((size_t)n * sizeof(*addrs));
+	unsigned char *mine = kvr_calloc(n, 1); /* pages[i] pinned by this call */
 	if (!fetch || !slots || !addrs || !mine) {
 		free(fetch), free(slots), free(addrs), free(mine);
 		return fail(pool, -ENOMEM, "pool: pin: out of memory");
@@ -1330,11 +1333,11 @@ int kvr_pool_read_runs(struct kvr_pool *pool, const uint32_t *pages, const uint3
 	enum { NEVER_WRITTEN = KVR_POOL_NO_PAGE - 1 }; /* no frame reaches it */
 	/* Every page pinned for the call: a resident one keeps its frame, a
 	 * spilled one its slot (demotion and eviction respect pins). */
-	uint32_t *where = malloc((size_t)n * sizeof(*where)); /* frame, or NO_PAGE: the file */
-	struct kvr_spill_run *runs = malloc((size_t)n * sizeof(*runs));
-	void **dsts = malloc((size_t)n * sizeof(*dsts));
-	uint32_t *file_index = malloc((size_t)n * sizeof(*file_index));
-	int32_t *file_res = malloc((size_t)n * sizeof(*file_res));
+	uint32_t *where = kvr_malloc((size_t)n * sizeof(*where)); /* frame, or NO_PAGE: the file */
+	struct kvr_spill_run *runs = kvr_malloc((size_t)n * sizeof(*runs));
+	void **dsts = kvr_malloc((size_t)n * sizeof(*dsts));
+	uint32_t *file_index = kvr_malloc((size_t)n * sizeof(*file_index));
+	int32_t *file_res = kvr_malloc((size_t)n * sizeof(*file_res));
 	if (!where || !runs || !dsts || !file_index || !file_res) {
 		pthread_mutex_unlock(&pool->lock);
 		free(where), free(runs), free(dsts), free(file_index), free(file_res);
@@ -1613,8 +1616,8 @@ int kvr_pool_validate(struct kvr_pool *pool, const uint32_t *external_refs)
 {
 	int err = 0;
 	pthread_mutex_lock(&pool->lock);
-	uint32_t *expect = calloc(pool->capacity_pages, sizeof(*expect));
-	unsigned char *on_stack = calloc(pool->capacity_pages, 1);
+	uint32_t *expect = kvr_calloc(pool->capacity_pages, sizeof(*expect));
+	unsigned char *on_stack = kvr_calloc(pool->capacity_pages, 1);
 	if (!expect || !on_stack) {
 		err = fail(pool, -ENOMEM, "pool: validate: out of memory");
 		goto out;

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "../gpu/backend.h"
+#include "../gpu/fault.h"
 #include "../gpu/gpu.h"
 #include "../host/pool.h"
 #include "../host/topology.h"
@@ -161,7 +162,7 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 	if (err)
 		return kvr_fail_config(cfg, err, "%s", message);
 
-	struct kvr_context *ctx = calloc(1, sizeof(*ctx));
+	struct kvr_context *ctx = kvr_calloc(1, sizeof(*ctx));
 	if (!ctx)
 		return kvr_fail_config(&c, -ENOMEM, "context: out of memory");
 	err = resolve(&c, ctx->gpu_reason, sizeof(ctx->gpu_reason));
@@ -170,7 +171,7 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		return err;
 	}
 	ctx->config = c;
-	if (!(ctx->error = calloc(1, sizeof(*ctx->error)))) {
+	if (!(ctx->error = kvr_calloc(1, sizeof(*ctx->error)))) {
 		free(ctx);
 		return kvr_fail_config(&c, -ENOMEM, "context: out of memory");
 	}
@@ -230,7 +231,7 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		ctx->tile_bytes = (uint64_t)c.page_tokens * c.n_kv_heads * c.head_dim *
 				  kvr_dtype_bytes(c.dtype);
 		pthread_mutex_init(&ctx->seq_lock, NULL);
-		ctx->seqs = calloc(c.max_sequences, sizeof(*ctx->seqs));
+		ctx->seqs = kvr_calloc(c.max_sequences, sizeof(*ctx->seqs));
 		if (!ctx->seqs) {
 			err = -ENOMEM;
 			snprintf(message, sizeof(message), "context: out of memory for %u sequences",

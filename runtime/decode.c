@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "../gpu/backend.h"
+#include "../gpu/fault.h"
 #include "../scheduler/scheduler.h"
 #include "../scheduler/trace.h"
 #include "internal.h"
@@ -65,9 +66,9 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 				return kvr_fail(ctx, -EINVAL, "decode_begin: sequence %u appears twice", seqs[i]);
 	}
 	if (!ctx->step.seqs) {
-		ctx->step.seqs = malloc(ctx->config.max_batch * sizeof(*ctx->step.seqs));
-		ctx->step.positions = malloc(ctx->config.max_batch * sizeof(*ctx->step.positions));
-		ctx->step.layer_done = malloc(ctx->config.n_layers);
+		ctx->step.seqs = kvr_malloc(ctx->config.max_batch * sizeof(*ctx->step.seqs));
+		ctx->step.positions = kvr_malloc(ctx->config.max_batch * sizeof(*ctx->step.positions));
+		ctx->step.layer_done = kvr_malloc(ctx->config.n_layers);
 		if (!ctx->step.seqs || !ctx->step.positions || !ctx->step.layer_done) {
 			kvr_decode_teardown(ctx);
 			return kvr_fail(ctx, -ENOMEM, "decode_begin: out of memory");
@@ -332,9 +333,13 @@ KVR_API int kvr_trace_write(struct kvr_context *ctx, const char *path)
 		if (ctx->seqs[seq].alive)
 			kvr_sched_seq_quiesce(ctx->sched, seq);
 	int err = kvr_trace_write_json(ctx->trace, path);
+	if (err) {
+		/* the spans are kept and recording goes on: the caller may retry
+		 * with another path */
+		kvr_sched_set_trace(ctx->sched, ctx->trace);
+		return kvr_fail(ctx, err, "trace_write: %s: %s (the trace is kept)", path, strerror(-err));
+	}
 	kvr_trace_destroy(ctx->trace);
 	ctx->trace = NULL;
-	if (err)
-		return kvr_fail(ctx, err, "trace_write: %s: %s", path, strerror(-err));
 	return 0;
 }

@@ -548,7 +548,9 @@ KVR_API int kvr_async_error(struct kvr_context *ctx, const char **message);
  * -EINVAL for 0 spans, -ENOMEM. */
 KVR_API int kvr_trace_start(struct kvr_context *ctx, uint32_t max_spans);
 /* Stop recording, wait for the work in flight, and write the trace to `path`.
- * -EINVAL (no trace started), -EBUSY (step open), or the file's -errno. */
+ * -EINVAL (no trace started, path NULL), -EBUSY (step open), or the file's
+ * -errno. On any failure the trace is kept and goes on recording, so the call
+ * can be retried (with another path). */
 KVR_API int kvr_trace_write(struct kvr_context *ctx, const char *path);
 
 /* ---------------------------------------------------------------------------

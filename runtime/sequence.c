@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "../gpu/backend.h"
+#include "../gpu/fault.h"
 #include "../host/pool.h"
 #include "../layouts/kvquant.h"
 #include "../layouts/transpose.h"
@@ -220,9 +221,9 @@ KVR_API int kvr_seq_truncate(struct kvr_context *ctx, uint32_t seq, uint64_t n_t
 	/* The pages whose rows go back to the tail tiles, pinned (with a spill
 	 * tier, read back from the file) before anything changes: a page that
 	 * cannot be read refuses the truncation. */
-	uint32_t *tail_page = calloc(c->n_layers, sizeof(*tail_page));
+	uint32_t *tail_page = kvr_calloc(c->n_layers, sizeof(*tail_page));
 	/* a plain page's KV head run in HND order, whatever the pool's layout */
-	unsigned char *run = malloc(g.head_bytes);
+	unsigned char *run = kvr_malloc(g.head_bytes);
 	if (!tail_page || !run) {
 		free(tail_page);
 		free(run);

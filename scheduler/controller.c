@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 #define ACQUIRE_SPINS 2000 /* pauses before the engine sleeps on a lane */
@@ -63,7 +64,15 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	if (!err && s->recall == KVR_RECALL_STREAMED) {
 		const uint64_t t1 = kvr_now_ns();
 		err = kvr_recall_issue(s, lane, lane->job_heads);
-		if (err && lane->spill_error) {
+		if (err && lane->job_urgent) {
+			/* the engine waits to attend over this recall: its sequence's
+			 * step fails with the error (a status, not an asynchronous
+			 * error); the lane recalls afresh at its next step */
+			const int spill = lane->recall_error != 0; /* read_chunk left it */
+			lane->recall_error = err;
+			snprintf(s->urgent_message, sizeof(s->urgent_message), "recall: %s",
+				 spill ? kvr_pool_last_error(s->pool) : kvr_dev_last_error(s->dev));
+		} else if (err && lane->recall_error) {
 			/* a page could not be read from the spill file: the lane's next
 			 * step fails its sequence with the status; the context goes on */
 			if (s->log_fn) {
@@ -131,7 +140,7 @@ static void *controller_main(void *arg)
 
 int kvr_controller_start(struct kvr_sched *s)
 {
-	int err = pthread_create(&s->thread, NULL, controller_main, s);
+	int err = kvr_pthread_create(&s->thread, NULL, controller_main, s);
 	if (err)
 		return -err;
 	s->thread_started = 1;

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 enum { RING = 64, RING_MIN = 4 }; /* judged pages kept before any is demoted */
@@ -59,13 +60,13 @@ int kvr_importance_lane_open(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	if (!kvr_importance_enabled(s, lane->layer))
 		return 0;
-	struct lane_importance *im = calloc(1, sizeof(*im));
+	struct lane_importance *im = kvr_calloc(1, sizeof(*im));
 	if (!im)
 		return -ENOMEM;
 	lane->imp = im;
 	im->stride = s->c.budget_tokens / s->c.page_tokens + 1;
-	im->n_segs = calloc(s->c.n_kv_heads, sizeof(uint32_t));
-	im->win_seg = calloc(s->c.n_kv_heads, sizeof(uint32_t));
+	im->n_segs = kvr_calloc(s->c.n_kv_heads, sizeof(uint32_t));
+	im->win_seg = kvr_calloc(s->c.n_kv_heads, sizeof(uint32_t));
 	if (!im->n_segs || !im->win_seg)
 		return -ENOMEM;
 	return kvr_sched_mapped_grow(s, (void **)&im->lse, &im->lse_bytes,
@@ -138,11 +139,11 @@ static int ensure_pages(struct lane_importance *im, uint32_t page)
 	uint32_t cap = im->cap ? im->cap : 64;
 	while (cap <= page)
 		cap *= 2;
-	double *mass = realloc(im->mass, cap * sizeof(*mass));
+	double *mass = kvr_realloc(im->mass, cap * sizeof(*mass));
 	if (!mass)
 		return -ENOMEM;
 	im->mass = mass;
-	uint32_t *obs = realloc(im->obs, cap * sizeof(*obs));
+	uint32_t *obs = kvr_realloc(im->obs, cap * sizeof(*obs));
 	if (!obs)
 		return -ENOMEM;
 	im->obs = obs;

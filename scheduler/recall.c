@@ -41,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 struct miss {
@@ -87,7 +88,7 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	s->chunk_pages = s->c.recall_chunk_pages;
 	/* mixed pages: a K8V4 page moves as two halves of four pieces each */
 	const size_t descs_per_page = s->units_per_slot > 1 ? 8 : 1;
-	if (!ret && !(s->recall_descs = malloc(s->chunk_pages * descs_per_page * sizeof(struct kvr_copy_desc))))
+	if (!ret && !(s->recall_descs = kvr_malloc(s->chunk_pages * descs_per_page * sizeof(struct kvr_copy_desc))))
 		ret = -ENOMEM;
 	for (uint32_t b = 0; !ret && b < s->n_staging; b++) {
 		struct staging *st = &s->staging[b];
@@ -117,8 +118,8 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 			ret = kvr_dev_event_create(s->dev, &s->bounce_done[b]);
 	}
 	if (!ret && s->spill) {
-		s->bounce_pages = malloc(s->chunk_pages * sizeof(uint32_t));
-		s->bounce_heads = malloc(s->chunk_pages * sizeof(uint32_t));
+		s->bounce_pages = kvr_malloc(s->chunk_pages * sizeof(uint32_t));
+		s->bounce_heads = kvr_malloc(s->chunk_pages * sizeof(uint32_t));
 		if (!s->bounce_pages || !s->bounce_heads)
 			ret = -ENOMEM;
 	}
@@ -127,18 +128,18 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 		return ret;
 	}
 	const size_t n_miss = (size_t)(s->k ? s->k : 1) * (s->kv_format ? s->c.n_kv_heads : 1);
-	s->recall_misses = malloc(n_miss * sizeof(struct miss));
+	s->recall_misses = kvr_malloc(n_miss * sizeof(struct miss));
 	if (s->kv_format) {
-		s->recall_need = malloc(s->c.n_kv_heads * sizeof(uint32_t));
-		s->recall_unit_slots = malloc(n_miss * 2 * sizeof(uint32_t));
-		s->recall_release = malloc(s->c.n_kv_heads * sizeof(uint32_t));
-		s->recall_release_slots = malloc(n_miss * sizeof(uint32_t));
+		s->recall_need = kvr_malloc(s->c.n_kv_heads * sizeof(uint32_t));
+		s->recall_unit_slots = kvr_malloc(n_miss * 2 * sizeof(uint32_t));
+		s->recall_release = kvr_malloc(s->c.n_kv_heads * sizeof(uint32_t));
+		s->recall_release_slots = kvr_malloc(n_miss * sizeof(uint32_t));
 		if (!s->recall_need || !s->recall_unit_slots || !s->recall_release || !s->recall_release_slots) {
 			snprintf(err, err_bytes, "recall: out of memory");
 			return -ENOMEM;
 		}
 	}
-	s->recall_flags = malloc(2 * (s->k ? s->k : 1));
+	s->recall_flags = kvr_malloc(2 * (s->k ? s->k : 1));
 	if (!s->recall_misses || !s->recall_flags) {
 		snprintf(err, err_bytes, "recall: out of memory");
 		return -ENOMEM;
@@ -198,7 +199,7 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 		/* quantised runs live in the shared cache's units (units.c),
 		 * taken as slots fill; copied without scatter items */
 		const size_t n = (size_t)s->c.n_kv_heads * s->k * s->units_per_slot;
-		if (!(lane->slot_unit = malloc(n * sizeof(int32_t))))
+		if (!(lane->slot_unit = kvr_malloc(n * sizeof(int32_t))))
 			return -ENOMEM;
 		for (size_t i = 0; i < n; i++)
 			lane->slot_unit[i] = -1;
@@ -357,7 +358,7 @@ static int read_chunk(struct kvr_sched *s, struct kvr_lane *lane, const struct m
 	}
 	int err = kvr_pool_read_runs(s->pool, s->bounce_pages, s->bounce_heads, n, dst, NULL);
 	if (err)
-		lane->spill_error = err;
+		lane->recall_error = err;
 	return err;
 }
 

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 enum { RES_CHUNK_PAGES = 16 };
@@ -67,11 +68,11 @@ static int ensure_slot(struct kvr_sched *s, struct kvr_lane *lane, uint32_t slot
 		uint32_t cap = lane->res_cap_chunks ? lane->res_cap_chunks : 4;
 		while (cap < want)
 			cap *= 2;
-		unsigned char **chunks = realloc(lane->res_chunks, cap * sizeof(*chunks));
+		unsigned char **chunks = kvr_realloc(lane->res_chunks, cap * sizeof(*chunks));
 		if (!chunks)
 			return -ENOMEM;
 		lane->res_chunks = chunks;
-		int32_t *held = realloc(lane->res_held, (size_t)cap * RES_CHUNK_PAGES * sizeof(*held));
+		int32_t *held = kvr_realloc(lane->res_held, (size_t)cap * RES_CHUNK_PAGES * sizeof(*held));
 		if (!held)
 			return -ENOMEM;
 		for (size_t i = (size_t)lane->res_cap_chunks * RES_CHUNK_PAGES;

@@ -63,10 +63,11 @@ struct kvr_lane {
 	uint32_t job_urgent;
 	uint64_t job_n_tokens;    /* tokens after the step's append */
 	uint8_t *job_heads;       /* [n_kv]: heads the job recalls */
-	int32_t spill_error;      /* spill tier: a recall's read failed (-EIO, -EBADMSG):
-	                             written by the controller before it releases the lane
-	                             (in_flight), read and cleared by the engine after
-	                             acquiring it; the lane's next attention fails its
+	int32_t recall_error;     /* a recall the lane's next attention depends on failed:
+	                             a spill read (-EIO, -EBADMSG), or any error of an
+	                             urgent recall; written by the controller before it
+	                             releases the lane (in_flight), read and cleared by the
+	                             engine after acquiring it; that attention fails its
 	                             sequence with it */
 	uint64_t appended_step;   /* engine: the step (kvr_sched.step_serial) that last
 	                             appended a token to this layer; a failed step takes
@@ -210,6 +211,10 @@ struct kvr_sched {
 	pthread_mutex_t error_lock;
 	int async_error;
 	char async_message[256];
+	/* why the urgent recall failed (lane->recall_error): written by the
+	 * controller before it releases the lane, read by the engine, which
+	 * waits for that lane, after acquiring it (one urgent job at a time) */
+	char urgent_message[224];
 	char last_error[256];
 };
 

@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 static int layer_dense(const struct kvr_sched *s, uint32_t layer)
@@ -89,7 +90,7 @@ static int pin_in_place(struct kvr_sched *s, uint32_t id)
 {
 	if (s->n_step_pins == s->step_pins_cap) {
 		const size_t cap = s->step_pins_cap ? 2 * s->step_pins_cap : 256;
-		uint32_t *grown = realloc(s->step_pins, cap * sizeof(*grown));
+		uint32_t *grown = kvr_realloc(s->step_pins, cap * sizeof(*grown));
 		if (!grown)
 			return -ENOMEM;
 		s->step_pins = grown;
@@ -502,12 +503,12 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
 			continue;
 		}
-		if (lane->spill_error) {
+		if (lane->recall_error) {
 			/* the recall this step would attend over could not read its pages
 			 * from the spill file: fail this sequence's step, append nothing;
 			 * the lane recalls afresh at its next step */
-			status[i] = lane->spill_error;
-			lane->spill_error = 0;
+			status[i] = lane->recall_error;
+			lane->recall_error = 0;
 			fail_sequence(s, seq, layer, positions[i], status[i], NULL,
 				      (unsigned char *)out + i * q_row);
 			continue;
@@ -701,9 +702,9 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		count(s, seq, KVR_C_CORRECTION_WAIT_NS, kvr_now_ns() - t0);
 		const uint32_t items_before = n_items, segs_before = n_segs;
 		const size_t pins_before = s->n_step_pins;
-		const int recall_err = lane->spill_error; /* the urgent recall could not read the file */
+		const int recall_err = lane->recall_error; /* the urgent recall failed */
 		int seg_err = recall_err;
-		lane->spill_error = 0;
+		lane->recall_error = 0;
 		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
 			const int32_t *sel = corr[m] ? now_sel + (uint64_t)m * kk
 						     : lane->selected + (uint64_t)m * kk;
@@ -720,8 +721,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			unpin_from(s, pins_before);
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
-			/* the urgent recall's spill error has no message; a pin's has */
-			fail_sequence(s, seq, layer, positions[i], seg_err, recall_err ? NULL : s->last_error,
+			fail_sequence(s, seq, layer, positions[i], seg_err,
+				      recall_err ? s->urgent_message : s->last_error,
 				      (unsigned char *)out + i * q_row);
 			continue;
 		}
@@ -830,7 +831,7 @@ int kvr_sched_step_end(struct kvr_sched *s)
 static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	lane->has_prev = 0;
-	lane->spill_error = 0; /* it was about pages that are gone or re-selected */
+	lane->recall_error = 0; /* it was about pages that are gone or re-selected */
 	kvr_resident_lane_forget(lane);
 	kvr_importance_lane_forget(s, lane);
 	for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
@@ -882,14 +883,14 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		int err = kvr_sched_mapped_alloc(s, s->q_row, (void **)&lane->prev_q);
 		if (!err)
 			err = kvr_sched_mapped_alloc(s, n_sel * sizeof(int32_t), (void **)&lane->selected);
-		lane->job_heads = malloc(s->c.n_kv_heads);
+		lane->job_heads = kvr_malloc(s->c.n_kv_heads);
 		if (!err && !lane->job_heads)
 			err = -ENOMEM;
 		if (!err && s->recall == KVR_RECALL_STREAMED && !layer_dense(s, l) &&
-		    !(lane->slot_page = malloc(n_sel * sizeof(int32_t))))
+		    !(lane->slot_page = kvr_malloc(n_sel * sizeof(int32_t))))
 			err = -ENOMEM;
 		if (!err && lane->slot_page && s->kv_format == KVR_KV_MIXED &&
-		    !(lane->slot_fmt = calloc(n_sel, 1)))
+		    !(lane->slot_fmt = kvr_calloc(n_sel, 1)))
 			err = -ENOMEM;
 		if (!err)
 			err = kvr_importance_lane_open(s, lane);
@@ -947,7 +948,7 @@ void kvr_sched_seq_reset(struct kvr_sched *s, uint32_t seq)
 int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **out, char *err,
 		     size_t err_bytes)
 {
-	struct kvr_sched *s = calloc(1, sizeof(*s));
+	struct kvr_sched *s = kvr_calloc(1, sizeof(*s));
 	if (!s) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		return -ENOMEM;
@@ -989,26 +990,26 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 
 	int ret = 0;
 	const size_t n_lanes = (size_t)c->max_sequences * c->n_layers;
-	s->lanes = calloc(n_lanes, sizeof(*s->lanes));
-	s->tails = calloc(c->max_sequences, sizeof(*s->tails));
-	s->scratch = calloc(c->n_layers, sizeof(*s->scratch));
-	s->seq_counters = calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
-	s->head_corrections = calloc((size_t)c->max_sequences * c->n_kv_heads,
+	s->lanes = kvr_calloc(n_lanes, sizeof(*s->lanes));
+	s->tails = kvr_calloc(c->max_sequences, sizeof(*s->tails));
+	s->scratch = kvr_calloc(c->n_layers, sizeof(*s->scratch));
+	s->seq_counters = kvr_calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
+	s->head_corrections = kvr_calloc((size_t)c->max_sequences * c->n_kv_heads,
 				     sizeof(*s->head_corrections));
-	s->step_fail = calloc(c->max_sequences, sizeof(*s->step_fail));
-	s->step_fail_pos = calloc(c->max_sequences, sizeof(*s->step_fail_pos));
+	s->step_fail = kvr_calloc(c->max_sequences, sizeof(*s->step_fail));
+	s->step_fail_pos = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_pos));
 	s->step_serial = 1; /* lanes start at appended_step 0: never */
-	s->step_failed = calloc(c->max_sequences, sizeof(*s->step_failed));
-	s->step_fail_layer = calloc(c->max_sequences, sizeof(*s->step_fail_layer));
-	s->step_fail_message = calloc(c->max_sequences, KVR_SCHED_MESSAGE);
+	s->step_failed = kvr_calloc(c->max_sequences, sizeof(*s->step_failed));
+	s->step_fail_layer = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_layer));
+	s->step_fail_message = kvr_calloc(c->max_sequences, KVR_SCHED_MESSAGE);
 	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections ||
 	    !s->step_fail || !s->step_fail_pos || !s->step_failed || !s->step_fail_layer ||
 	    !s->step_fail_message) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
-	if (!ret && (!(s->seg_pages = malloc((s->k ? s->k : 1) * sizeof(*s->seg_pages))) ||
-		     !(s->seg_slots = malloc((s->k ? s->k : 1) * sizeof(*s->seg_slots))))) {
+	if (!ret && (!(s->seg_pages = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_pages))) ||
+		     !(s->seg_slots = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_slots))))) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
@@ -1029,7 +1030,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 			ret = kvr_dev_alloc(s->dev, sizeof(*s->ctl_items_dev), (void **)&s->ctl_items_dev);
 	}
 	if (!ret && s->separate) {
-		if (!(s->zero_row = calloc(1, s->q_row)))
+		if (!(s->zero_row = kvr_calloc(1, s->q_row)))
 			ret = -ENOMEM;
 		if (!ret)
 			ret = kvr_dev_event_create(s->dev, &s->engine_ready);

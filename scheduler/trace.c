@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../gpu/fault.h"
 #include "trace.h"
 
 uint64_t kvr_now_ns(void)
@@ -23,10 +24,10 @@ uint64_t kvr_now_ns(void)
 
 int kvr_trace_create(uint32_t capacity, struct kvr_trace **out)
 {
-	struct kvr_trace *t = calloc(1, sizeof(*t));
+	struct kvr_trace *t = kvr_calloc(1, sizeof(*t));
 	if (!t)
 		return -ENOMEM;
-	t->spans = calloc(capacity ? capacity : 1, sizeof(*t->spans));
+	t->spans = kvr_calloc(capacity ? capacity : 1, sizeof(*t->spans));
 	if (!t->spans) {
 		free(t);
 		return -ENOMEM;

@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "../layouts/freelist.h"
+#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 struct kvr_units {
@@ -141,7 +142,7 @@ int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	const struct kvr_config *c = &s->c;
 	if (s->recall != KVR_RECALL_STREAMED || !s->kv_format || !s->k || !kvr_units_seq_count(c))
 		return 0;
-	struct kvr_units *u = calloc(1, sizeof(*u));
+	struct kvr_units *u = kvr_calloc(1, sizeof(*u));
 	if (!u) {
 		snprintf(err, err_bytes, "device page cache: out of memory");
 		return -ENOMEM;
@@ -154,7 +155,7 @@ int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	u->capacity = u->per_chunk * u->max_chunks; /* config limits keep this far below 2^32 */
 	u->max_units = c->n_layers * c->n_kv_heads;
 	u->max_pages = u->per_chunk;
-	int ret = (u->chunks = calloc(u->max_chunks, sizeof(*u->chunks))) ? 0 : -ENOMEM;
+	int ret = (u->chunks = kvr_calloc(u->max_chunks, sizeof(*u->chunks))) ? 0 : -ENOMEM;
 	if (!ret)
 		ret = kvr_dev_stream_create(s->dev, KVR_STREAM_INLINE, &u->stream);
 	if (!ret)

@@ -335,7 +335,7 @@ static struct {
 	/* counters the library must agree with */
 	uint64_t ok, dense, failed, ends_ok, ends;
 	struct kvr_stats last;
-	int trace; /* 1 recording, 0 not, -1 unknown (a failed write) */
+	int trace; /* 1 recording, 0 not */
 	/* scratch */
 	float *qf, *kf, *vf;
 	void *q, *kb, *vb, *out;
@@ -1934,14 +1934,8 @@ static void op_trace(void)
 		expect_fail(rc, M.trace == 1 ? -EBUSY : 0, M.ctx, "trace_write", M.log_on, 0);
 		return;
 	}
-	if (M.trace < 0 && rc == -EINVAL) { /* a failed write may have ended the trace */
-		expect_fail(rc, -EINVAL, M.ctx, "trace_write", M.log_on, 0);
-		M.trace = 0;
-		return;
-	}
-	if (v) {
+	if (v) { /* refused or unwritable: the trace is kept */
 		expect_fail(rc, v == 1 ? -ENOENT : -EINVAL, M.ctx, "trace_write", M.log_on, 0);
-		M.trace = -1;
 		return;
 	}
 	expect_ok(rc, M.ctx);

@@ -2181,6 +2181,12 @@ Test(scheduler, trace_export, .timeout = 60)
 	cr_assert_eq(kvr_trace_write(ctx, path), -EBUSY);
 	cr_assert_eq(kvr_trace_start(ctx, 10), -EBUSY);
 	cr_assert_eq(kvr_decode_end(ctx), 0);
+	/* a path that cannot be written: refused, and the trace is kept */
+	cr_assert_eq(kvr_trace_write(ctx, "/nonexistent-dir/trace.json"), -ENOENT);
+	cr_expect(strstr(kvr_last_error(ctx), "the trace is kept"), "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_trace_write(ctx, NULL), -EINVAL);
+	qgen_next(&qg, o.dtype, q);
+	step_one(ctx, o.dtype, &t, (const float(*)[Q_ROW])q, out); /* still recording */
 	cr_assert_eq(kvr_trace_write(ctx, path), 0, "%s", kvr_last_error(ctx));
 	cr_assert_eq(kvr_trace_write(ctx, path), -EINVAL, "the trace was written already");
 
