@@ -540,7 +540,8 @@ int main(int argc, char **argv)
 					(host ? hq : dq) + (uint64_t)s * n_qo * d,
 					(host ? hsum : dsum) + (uint64_t)s * max_pages * n_kv * 2 * d,
 					(host ? hscores : dscores) + (uint64_t)s * n_kv * max_pages,
-					(host ? hsel : dsel) + (uint64_t)s * n_kv * k, sink_pages, cand_end, k, 0 };
+					(host ? hsel : dsel) + (uint64_t)s * n_kv * k, sink_pages, cand_end, k,
+					pages /* softmax over every page, as the scheduler */ };
 			if (host) {
 				CK(kvr_dev_score(cpu.dev, &shape, sitems, batch, cpu.s));
 				CK(kvr_dev_select(cpu.dev, &shape, sitems, batch, cpu.s));

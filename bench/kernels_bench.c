@@ -346,8 +346,10 @@ int main(int argc, char **argv)
 	int32_t *selected = calloc((size_t)n_kv * (k ? k : 1), sizeof(int32_t));
 	for (uint32_t c = 0; c < (opt.skip_selection ? 0 : n_ctx); c++) {
 		const uint32_t pages = contexts[c] / p;
+		/* as the scheduler scores: each head's softmax over every page */
 		struct kvr_score_item it = { q, summaries, scores, selected, sink_pages,
-					     pages > window_pages ? pages - window_pages : sink_pages, k, 0 };
+					     pages > window_pages ? pages - window_pages : sink_pages, k,
+					     pages };
 		if (it.cand_end < it.cand_begin)
 			it.cand_end = it.cand_begin;
 		double *tsc = calloc(opt.reps, sizeof(double)), *tse = calloc(opt.reps, sizeof(double));

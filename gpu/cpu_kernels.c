@@ -447,10 +447,12 @@ static void score_task(void *arg, uint32_t index)
 	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
 	if (!n_cand)
 		return;
+	uint32_t dom_begin, dom_end;
+	kvr_score_domain(it, &dom_begin, &dom_end);
 	/* scratch: G x 16 parked accumulators (vectors), then G rows of raw
-	 * scores padded to whole vectors */
+	 * scores over the softmax domain padded to whole vectors */
 	const size_t park_bytes = (size_t)G * 16 * sizeof(vf);
-	const size_t raw_bytes = (size_t)G * ((n_cand + 15u) & ~15u) * sizeof(float);
+	const size_t raw_bytes = (size_t)G * ((dom_end - dom_begin + 15u) & ~15u) * sizeof(float);
 	unsigned char *tmp = aligned_alloc(64, (park_bytes + raw_bytes + 63) & ~(size_t)63);
 	if (!tmp) { /* cannot score: rank every candidate equal (lowest pages win) */
 		for (uint32_t j = 0; j < n_cand; j++)

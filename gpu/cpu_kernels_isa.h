@@ -92,7 +92,11 @@ static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
  * Zen 4 the select, the per-page check of min <= max and the extra load of
  * the sign masks cost as much as the multiply they save.)
  *
- * raw: G rows of n_pad (n_cand rounded up to 16) floats; park: G x 16
+ * The softmax spans the item's domain (kvr_score_domain: every complete page
+ * when norm_end is set), so raw holds a score per domain page; only the
+ * candidates, a sub-range of the domain, are written out.
+ *
+ * raw: G rows of n_pad (n_dom rounded up to 16) floats; park: G x 16
  * vectors. `chunks` (d / 16) is a compile-time constant in every caller, so
  * the page's rows stay in registers.
  */
@@ -101,7 +105,10 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 		   float *raw, vf *park, const uint32_t chunks)
 {
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
-	const uint32_t n_cand = it->cand_end - it->cand_begin, n_pad = (n_cand + 15u) & ~15u;
+	uint32_t dom_begin, dom_end;
+	kvr_score_domain(it, &dom_begin, &dom_end);
+	const uint32_t n_dom = dom_end - dom_begin, n_pad = (n_dom + 15u) & ~15u;
+	const uint32_t n_cand = it->cand_end - it->cand_begin, cand_off = it->cand_begin - dom_begin;
 	const uint64_t eb = kvr_elem_bytes(t), page_elems = (uint64_t)sh->n_kv_heads * 2 * d;
 	vf q[KVR_MAX_GROUP_CPU][16];
 	for (uint32_t g = 0; g < G; g++)
@@ -114,14 +121,14 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 		vmax[g] = SPLAT16(-INFINITY);
 	const vf scale = SPLAT16(sh->scale);
 	const unsigned char *base = (const unsigned char *)it->summaries +
-				    ((uint64_t)it->cand_begin * page_elems + (uint64_t)m * 2 * d) * eb;
+				    ((uint64_t)dom_begin * page_elems + (uint64_t)m * 2 * d) * eb;
 	const uint64_t page_bytes = page_elems * eb, head_bytes = 2ull * d * eb;
-	for (uint32_t j0 = 0; j0 < n_cand; j0 += 16) {
-		const uint32_t nb = n_cand - j0 < 16 ? n_cand - j0 : 16;
+	for (uint32_t j0 = 0; j0 < n_dom; j0 += 16) {
+		const uint32_t nb = n_dom - j0 < 16 ? n_dom - j0 : 16;
 		for (uint32_t b = 0; b < nb; b++) {
 			const uint32_t j = j0 + b;
 			const unsigned char *sum = base + (uint64_t)j * page_bytes;
-			if (j + KVR_SCORE_PREFETCH_PAGES < n_cand)
+			if (j + KVR_SCORE_PREFETCH_PAGES < n_dom)
 				for (uint64_t l = 0; l < head_bytes; l += 64)
 					__builtin_prefetch(sum + KVR_SCORE_PREFETCH_PAGES * page_bytes + l, 0, 2);
 			vf mn[16], mx[16];
@@ -138,7 +145,7 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 				park[g * 16 + b] = acc;
 			}
 		}
-		for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past n_cand */
+		for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past n_dom */
 			for (uint32_t g = 0; g < G; g++)
 				park[g * 16 + b] = SPLAT16(0.0f);
 		const vi valid = ISA_FN(lane_index)() < (int32_t)nb;
@@ -153,7 +160,7 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 	float inv[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
 		float *s = raw + (uint64_t)g * n_pad;
-		/* The max over the candidates (NaN passed over). Only a zero's sign
+		/* The max over the domain (NaN passed over). Only a zero's sign
 		 * can depend on the order, and x - (±0) is the same for x != 0 while
 		 * kvr_expf(±0) = 1: it does not matter. */
 		float mxs = -INFINITY;
@@ -166,8 +173,8 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 			vf x;
 			memcpy(&x, s + j, sizeof(x));
 			x = ISA_FN(exp16)(x - mxs);
-			if (j + 16 > n_cand) /* lanes past n_cand add +0: no change */
-				x = blend(ISA_FN(lane_index)() < (int32_t)(n_cand - j), x, SPLAT16(0.0f));
+			if (j + 16 > n_dom) /* lanes past n_dom add +0: no change */
+				x = blend(ISA_FN(lane_index)() < (int32_t)(n_dom - j), x, SPLAT16(0.0f));
 			memcpy(s + j, &x, sizeof(x));
 			lanes[(j / 16) % (KVR_SUM_LANES / 16)] = lanes[(j / 16) % (KVR_SUM_LANES / 16)] + x;
 		}
@@ -180,6 +187,7 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 
 	float *out = it->scores + (uint64_t)m * n_cand;
 	const float inv_g = 1.0f / (float)G;
+	raw += cand_off; /* the candidates' exps */
 	uint32_t j = 0;
 	for (; j + 16 <= n_cand; j += 16) {
 		vf o = SPLAT16(0.0f);

@@ -336,17 +336,18 @@ static __global__ void KVR_LAUNCH_BOUNDS(SUMMARY_THREADS, 4)
  * every candidate serially):
  *
  *  1. score_pages — blocks (item, KV head m, split b), each over a contiguous
- *     chunk of the candidates: the Quest score s_gj of every page j of the
- *     chunk for every query head g of m's group, its per-head maximum
- *     (written per split), and, when the item's candidates fit the cache
- *     (n_cand <= plan.cache), s_gj itself;
+ *     chunk of the softmax domain (kernels.h: every complete page when
+ *     norm_end is set, else the candidates): the Quest score s_gj of every
+ *     page j of the chunk for every query head g of m's group, its per-head
+ *     maximum (written per split), and, when the item's domain fits the cache
+ *     (n_dom <= plan.cache), s_gj itself;
  *  2. score_sums — one block per (item, query head h): the maximum over the
- *     splits, then Σ_j kvr_expf(s_hj - max_h) in the canonical 256-lane order
- *     (thread L takes candidates L, L+256, ... in order, counted from
- *     cand_begin; the lanes fold by halves), and 1/sum; cached scores are
- *     replaced by their exps on the way;
- *  3. score_final — blocks (item, m, split b) again: score_mj =
- *     (Σ_g e_gj·(1/sum_g))·(1/G), g in order.
+ *     splits, then Σ_j kvr_expf(s_hj - max_h) over the domain in the
+ *     canonical 256-lane order (thread L takes pages L, L+256, ... in order,
+ *     counted from dom_begin; the lanes fold by halves), and 1/sum; cached
+ *     scores are replaced by their exps on the way;
+ *  3. score_final — blocks (item, m, split b) over the candidates only:
+ *     score_mj = (Σ_g e_gj·(1/sum_g))·(1/G), g in order.
  * Every value goes through the same float operations, in the same order, as
  * in the cpu backend (and in the one-block kernel this replaces), so the
  * scores stay bit-identical; only where they are computed changed. A page's
@@ -438,16 +439,23 @@ KVR_DEV void quest_scores(const void *summaries, uint64_t row, bool valid, uint3
 	}
 }
 
-/* The candidates [*r_begin, *r_end) (counted from cand_begin) of split b of
+/* The pages one softmax spans, kvr_score_domain (kernels.h) on the device. */
+KVR_DEV void score_domain(const struct kvr_score_item &it, uint32_t *begin, uint32_t *end)
+{
+	*begin = it.norm_end ? 0u : it.cand_begin;
+	*end = it.norm_end > it.cand_end ? it.norm_end : it.cand_end;
+}
+
+/* The pages [*r_begin, *r_end) (counted from the first of n) of split b of
  * `splits`: contiguous chunks of a multiple of SCORE_GROUPS pages. */
-KVR_DEV void score_chunk(uint32_t n_cand, uint32_t splits, uint32_t b, uint32_t *r_begin,
+KVR_DEV void score_chunk(uint32_t n, uint32_t splits, uint32_t b, uint32_t *r_begin,
 			 uint32_t *r_end)
 {
-	uint32_t chunk = (n_cand + splits - 1) / splits;
+	uint32_t chunk = (n + splits - 1) / splits;
 	chunk = (chunk + SCORE_GROUPS - 1) / SCORE_GROUPS * SCORE_GROUPS;
 	const uint64_t lo = (uint64_t)b * chunk, hi = lo + chunk;
-	*r_begin = lo < n_cand ? (uint32_t)lo : n_cand;
-	*r_end = hi < n_cand ? (uint32_t)hi : n_cand;
+	*r_begin = lo < n ? (uint32_t)lo : n;
+	*r_end = hi < n ? (uint32_t)hi : n;
 }
 
 /* Pass 1. Block (item·n_kv + m)·splits + b; NH query heads at a time (4 when
@@ -467,13 +475,15 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	const struct kvr_score_item it = items[item];
 	if (it.cand_end <= it.cand_begin)
 		return; /* no candidates: nothing to write (whole block) */
-	const uint32_t n_cand = it.cand_end - it.cand_begin;
+	uint32_t dom_begin, dom_end;
+	score_domain(it, &dom_begin, &dom_end);
+	const uint32_t n_dom = dom_end - dom_begin;
 	uint32_t r_begin, r_end;
-	score_chunk(n_cand, plan.splits, b, &r_begin, &r_end);
+	score_chunk(n_dom, plan.splits, b, &r_begin, &r_end);
 	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
 	const uint64_t page_elems = (uint64_t)n_kv * 2u * d;
 	const uint64_t head_off = (uint64_t)m * 2u * d;
-	const bool cached = n_cand <= plan.cache;
+	const bool cached = n_dom <= plan.cache;
 	float *pmax = scratch + ((uint64_t)im * plan.splits + b) * G;
 	float *cache = scratch + plan.off_cache + ((uint64_t)item * n_qo + m * G) * plan.cache;
 
@@ -495,7 +505,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 			const uint32_t r = r0 + grp;
 			const bool valid = r < r_end;
 			quest_scores<ET, NH>(
-				it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
+				it.summaries, (dom_begin + (uint64_t)r) * page_elems + head_off,
 				valid, d, lane16, q_s, gc, shape.scale, [&](uint32_t g, float s) {
 					if (!valid)
 						return;
@@ -540,9 +550,11 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 	const struct kvr_score_item it = items[item];
 	if (it.cand_end <= it.cand_begin)
 		return;
-	const uint32_t n_cand = it.cand_end - it.cand_begin;
+	uint32_t dom_begin, dom_end;
+	score_domain(it, &dom_begin, &dom_end);
+	const uint32_t n_dom = dom_end - dom_begin;
 	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
-	const bool cached = n_cand <= plan.cache;
+	const bool cached = n_dom <= plan.cache;
 	const uint64_t hq = (uint64_t)item * n_qo + h;
 
 	if (tid < 32) { /* the maximum of the splits' (at most 32; exact in any order) */
@@ -566,25 +578,25 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 	if (cached) {
 		float *row = scratch + plan.off_cache + hq * plan.cache;
 		KVR_UNROLL4
-		for (uint32_t r = tid; r < n_cand; r += KVR_SUM_LANES) {
+		for (uint32_t r = tid; r < n_dom; r += KVR_SUM_LANES) {
 			const float e = kvr_expf(row[r] - mx);
 			row[r] = e;
 			lane_sum = lane_sum + e;
 		}
 	} else {
 		const uint64_t page_elems = (uint64_t)n_kv * 2u * d, head_off = (uint64_t)m * 2u * d;
-		for (uint32_t b0 = 0; b0 < n_cand; b0 += KVR_SUM_LANES) {
+		for (uint32_t b0 = 0; b0 < n_dom; b0 += KVR_SUM_LANES) {
 			for (uint32_t r1 = 0; r1 < KVR_SUM_LANES; r1 += SCORE_GROUPS) {
 				const uint32_t r = b0 + r1 + grp;
 				quest_scores<ET, 1>(
-					it.summaries, (it.cand_begin + (uint64_t)r) * page_elems + head_off,
-					r < n_cand, d, lane16, q_s, 1, shape.scale, [&](uint32_t, float s) {
-						if (lane16 == 0 && r < n_cand)
+					it.summaries, (dom_begin + (uint64_t)r) * page_elems + head_off,
+					r < n_dom, d, lane16, q_s, 1, shape.scale, [&](uint32_t, float s) {
+						if (lane16 == 0 && r < n_dom)
 							lane_s[r1 + grp] = kvr_expf(s - mx);
 					});
 			}
 			__syncthreads();
-			if (b0 + tid < n_cand)
+			if (b0 + tid < n_dom)
 				lane_sum = lane_sum + lane_s[tid];
 			__syncthreads();
 		}
@@ -621,6 +633,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 	if (it.cand_end <= it.cand_begin)
 		return;
 	const uint32_t n_cand = it.cand_end - it.cand_begin;
+	uint32_t dom_begin, dom_end;
+	score_domain(it, &dom_begin, &dom_end);
 	uint32_t r_begin, r_end;
 	score_chunk(n_cand, plan.splits, b, &r_begin, &r_end);
 	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
@@ -629,8 +643,10 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 	const uint64_t hq0 = (uint64_t)item * n_qo + m * G;
 	const float *stat = scratch + plan.off_stat + 2 * hq0;
 
-	if (n_cand <= plan.cache) { /* the exps are cached: a thread per page */
-		const float *cache = scratch + plan.off_cache + hq0 * plan.cache;
+	if (dom_end - dom_begin <= plan.cache) { /* the exps are cached: a thread per page */
+		/* cached by domain index: candidate r is domain page (cand_begin - dom_begin) + r */
+		const float *cache = scratch + plan.off_cache + hq0 * plan.cache +
+				     (it.cand_begin - dom_begin);
 		for (uint32_t r = r_begin + tid; r < r_end; r += SCORE_THREADS) {
 			float acc = 0.0f;
 			KVR_UNROLL4

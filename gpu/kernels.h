@@ -19,13 +19,18 @@
  *              elements, holding n_kv heads of d) -> one HND page.
  * summarize    For each item, the key summary of those rows: [n_kv][2][d],
  *              element-wise min then max over the p keys; NaN propagates.
- * score        For each item (a sequence) and KV head m, for each candidate
- *              page j in [cand_begin, cand_end): per query head h of m's
- *              group, s_hj = scale · Σ_c max(q_hc·min_jc, q_hc·max_jc) (sum in
- *              the canonical 16-lane order, kmath.h); softmax over j per h
- *              (max, kvr_expf, sum in the canonical 256-lane order); then the
- *              mean over the group: score_mj = (Σ_g e_hj·(1/sum_h)) · (1/G),
- *              g in order. Written to scores[m·n_cand + (j - cand_begin)].
+ * score        For each item (a sequence) and KV head m, for each page j of
+ *              the softmax domain [dom_begin, dom_end) — every page [0,
+ *              norm_end) when norm_end > 0 (FreeKV's P^h: sink, candidates
+ *              and the window's complete pages), the candidates [cand_begin,
+ *              cand_end) when norm_end = 0; dom_end is at least cand_end —
+ *              per query head h of m's group, s_hj = scale · Σ_c
+ *              max(q_hc·min_jc, q_hc·max_jc) (sum in the canonical 16-lane
+ *              order, kmath.h); softmax over the domain per h (max, kvr_expf,
+ *              sum in the canonical 256-lane order counted from dom_begin);
+ *              then, for each candidate j only, the mean over the group:
+ *              score_mj = (Σ_g e_hj·(1/sum_h)) · (1/G), g in order. Written
+ *              to scores[m·n_cand + (j - cand_begin)].
  * select       For each item and KV head m: the min(k, n_cand) candidates
  *              with the highest score, ties to the lower page index, written
  *              in ascending page order to selected[m·k ...]; unused entries
@@ -128,8 +133,16 @@ struct kvr_score_item {
 	uint32_t cand_begin;   /* first candidate page */
 	uint32_t cand_end;     /* one past the last */
 	uint32_t k;            /* pages to select per KV head */
-	uint32_t reserved;
+	uint32_t norm_end;     /* softmax over pages [0, norm_end); 0: over the candidates */
 };
+
+/* The pages a score item's per-head softmax spans (see score above). */
+static inline void kvr_score_domain(const struct kvr_score_item *it, uint32_t *begin,
+				    uint32_t *end)
+{
+	*begin = it->norm_end ? 0 : it->cand_begin;
+	*end = it->norm_end > it->cand_end ? it->norm_end : it->cand_end;
+}
 
 struct kvr_similarity_item {
 	const void *q;      /* [n_qo][d], this step */

@@ -59,10 +59,19 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 	 * which has no summary yet (kvr_window_first) */
 	const uint32_t win_first = kvr_window_first(&s->c, n_tokens + (next ? 1 : 0));
 	const uint32_t cand_begin = sink, cand_end = win_first > sink ? win_first : sink;
+	/* Each head's softmax spans every page with a summary (FreeKV's P^h over
+	 * all pages, not only the candidates): a head whose attention sits in the
+	 * sink or the window then weighs less in its group's mean than one
+	 * spread over the candidates. Measured better on held-out text
+	 * (docs/benchmarks.md, "Group consistency"). The page the newest token
+	 * completed is left out: its summary may still be on its way (the rule
+	 * kvr_window_first applies with W = 0). */
+	const uint32_t with_summary = n_tokens ? (uint32_t)((n_tokens - 1) / s->c.page_tokens) : 0;
+	const uint32_t norm_end = with_summary > cand_end ? with_summary : cand_end;
 	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
 	if (kvr_sched_device_grow(s, (void **)scores, scores_bytes, need))
 		return -ENOMEM;
-	const void *summaries = kvr_resident_summaries(s, lane, cand_end, stream);
+	const void *summaries = kvr_resident_summaries(s, lane, norm_end, stream);
 	if (!summaries && s->separate && kvr_pool_summary(s->pool, lane->seq, lane->layer, 0))
 		return -ENOMEM; /* no device memory for the summaries */
 	if (!summaries) {
@@ -70,7 +79,14 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 			selected[i] = -1;
 		return 0;
 	}
-	*item = (struct kvr_score_item){ q, summaries, *scores, selected, cand_begin, cand_end, s->k, 0 };
+	*item = (struct kvr_score_item){ .q = q,
+					 .summaries = summaries,
+					 .scores = *scores,
+					 .selected = selected,
+					 .cand_begin = cand_begin,
+					 .cand_end = cand_end,
+					 .k = s->k,
+					 .norm_end = norm_end };
 	int err = kvr_sched_items_to_device(s, stream, item_dev, item, sizeof(*item));
 	if (!err)
 		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);

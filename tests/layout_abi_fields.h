@@ -75,7 +75,7 @@ KVR_ABI_FIELD(kvr_score_item, selected)
 KVR_ABI_FIELD(kvr_score_item, cand_begin)
 KVR_ABI_FIELD(kvr_score_item, cand_end)
 KVR_ABI_FIELD(kvr_score_item, k)
-KVR_ABI_FIELD(kvr_score_item, reserved)
+KVR_ABI_FIELD(kvr_score_item, norm_end)
 
 KVR_ABI_STRUCT(kvr_similarity_item)
 KVR_ABI_FIELD(kvr_similarity_item, q)

@@ -184,7 +184,11 @@ void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *it, doub
 	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
 	if (!n_cand)
 		return;
-	double *s = malloc(n_cand * sizeof(*s));
+	/* the softmax domain (kernels.h): every page [0, norm_end) when set */
+	const uint32_t first = it->norm_end ? 0 : it->cand_begin;
+	const uint32_t last = it->norm_end > it->cand_end ? it->norm_end : it->cand_end;
+	const uint32_t n_dom = last - first, off = it->cand_begin - first;
+	double *s = malloc(n_dom * sizeof(*s));
 	if (!s)
 		abort();
 	for (uint32_t m = 0; m < n_kv; m++) {
@@ -194,9 +198,9 @@ void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *it, doub
 		for (uint32_t g = 0; g < G; g++) {
 			const uint64_t h = (uint64_t)m * G + g;
 			double smax = -INFINITY;
-			for (uint32_t j = 0; j < n_cand; j++) {
-				/* summary of page (cand_begin + j), KV head m: min row, max row */
-				const uint64_t base = ((uint64_t)(it->cand_begin + j) * n_kv + m) * 2 * d;
+			for (uint32_t j = 0; j < n_dom; j++) {
+				/* summary of page (first + j), KV head m: min row, max row */
+				const uint64_t base = ((uint64_t)(first + j) * n_kv + m) * 2 * d;
 				double acc = 0.0;
 				for (uint32_t c = 0; c < d; c++) {
 					const double q = ref_load(it->q, type, h * d + c);
@@ -209,10 +213,10 @@ void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *it, doub
 				smax = s[j] > smax ? s[j] : smax;
 			}
 			double sum = 0.0;
-			for (uint32_t j = 0; j < n_cand; j++)
+			for (uint32_t j = 0; j < n_dom; j++)
 				sum += exp(s[j] - smax);
 			for (uint32_t j = 0; j < n_cand; j++)
-				out[j] += exp(s[j] - smax) / sum;
+				out[j] += exp(s[off + j] - smax) / sum;
 		}
 		for (uint32_t j = 0; j < n_cand; j++)
 			out[j] /= G;

@@ -820,16 +820,17 @@ CONFORMANCE_CASES(summarize, ARRAY_LEN(page_shapes))
 /* ================================================================== score + select */
 
 /* One score test case: items over a q buffer, a summaries buffer per item
- * (pages below cand_begin are NaN: reading them shows), one scores buffer and
+ * (pages below cand_begin are NaN when the softmax spans the candidates only:
+ * reading them shows; the buffer ends at the domain's end), one scores buffer and
  * one selected buffer shared by all items at offsets. */
 #define SEL_GUARD 2 /* sentinel entries after each item's selection */
 #define SEL_SENTINEL 0x5a5a5a5a
 
 struct score_case {
-	struct kvr_score_item items[4];
+	struct kvr_score_item items[5];
 	uint32_t n;
-	void *q, *summ[4];
-	size_t q_bytes, summ_bytes[4];
+	void *q, *summ[5];
+	size_t q_bytes, summ_bytes[5];
 	float *scores;
 	size_t scores_len;
 	int32_t *selected;
@@ -857,26 +858,36 @@ static float *device_scores(struct dctx *c, const struct kvr_shape *sh, const st
 static void build_score_case(struct rng *r, const struct kvr_shape *sh, struct score_case *sc,
 			     int with_long)
 {
-	/* candidates [begin, end) and k: a range past the vector width with a
-	 * tail; a single candidate with k > 1; an empty range; and, once, more
-	 * candidates than the canonical 256 lanes of the page sum */
-	static const uint32_t spec[4][3] = { { 3, 43, 5 }, { 0, 1, 3 }, { 5, 5, 2 }, { 2, 302, 17 } };
+	/* candidates [begin, end), k and norm_end: a range past the vector width
+	 * with a tail, its softmax over every page (sink before, window after);
+	 * a single candidate with k > 1, softmax over the candidates; an empty
+	 * range (its domain non-empty); and, once, more candidates than the
+	 * canonical 256 lanes of the page sum, softmax over the candidates, and
+	 * fewer candidates than that in a domain of more (the cuda backend's
+	 * uncached path either way) */
+	static const uint32_t spec[5][4] = { { 3, 43, 5, 51 },
+					     { 0, 1, 3, 0 },
+					     { 5, 5, 2, 9 },
+					     { 2, 302, 17, 0 },
+					     { 4, 200, 9, 420 } };
 	const uint32_t type = sh->elem_type, d = sh->head_dim, n_kv = sh->n_kv_heads;
 	const size_t eb = ebytes(type);
 	memset(sc, 0, sizeof(*sc));
-	sc->n = with_long ? 4 : 3;
+	sc->n = with_long ? 5 : 3;
 	sc->q_bytes = (size_t)sh->n_qo_heads * d * eb;
 	sc->q = halloc(sc->q_bytes);
 	fill_uniform(r, sc->q, type, (uint64_t)sh->n_qo_heads * d, -2.0, 2.0);
-	size_t scores_at[4], sel_at[4];
+	size_t scores_at[5], sel_at[5];
 	for (uint32_t i = 0; i < sc->n; i++) {
 		const uint32_t begin = spec[i][0], end = spec[i][1], n_cand = end - begin;
+		const uint32_t norm_end = spec[i][3], first = norm_end ? 0 : begin;
+		const uint32_t last = norm_end > end ? norm_end : end;
 		const uint64_t page = 2ull * n_kv * d;
-		sc->summ_bytes[i] = (end ? end : 1) * page * eb;
+		sc->summ_bytes[i] = (last ? last : 1) * page * eb;
 		sc->summ[i] = halloc(sc->summ_bytes[i]);
-		for (uint64_t x = 0; x < (uint64_t)begin * page; x++)
+		for (uint64_t x = 0; x < (uint64_t)first * page; x++)
 			store_nan(sc->summ[i], type, x);
-		for (uint32_t j = begin; j < end; j++)
+		for (uint32_t j = first; j < last; j++)
 			for (uint32_t m = 0; m < n_kv; m++)
 				for (uint32_t cc = 0; cc < d; cc++) {
 					/* min <= max, as a page's summary is */
@@ -892,7 +903,7 @@ static void build_score_case(struct rng *r, const struct kvr_shape *sh, struct s
 		sc->selected_len += (size_t)n_kv * spec[i][2] + SEL_GUARD;
 		sc->items[i] = (struct kvr_score_item){ .q = sc->q, .summaries = sc->summ[i],
 							.cand_begin = begin, .cand_end = end,
-							.k = spec[i][2] };
+							.k = spec[i][2], .norm_end = norm_end };
 	}
 	sc->scores = halloc(sc->scores_len * sizeof(float));
 	memset(sc->scores, 0xff, sc->scores_len * sizeof(float)); /* NaN: unwritten shows */
@@ -984,7 +995,7 @@ static void score_select_case(struct env *e, uint32_t ci, uint32_t ti)
 				 c->s));
 	int32_t *sel = halloc(sc.selected_len * sizeof(int32_t));
 	get(c, sel, sc.selected, sc.selected_len * sizeof(int32_t));
-	struct kvr_score_item host[4];
+	struct kvr_score_item host[5];
 	memcpy(host, sc.items, sizeof(host));
 	for (uint32_t i = 0; i < sc.n; i++) /* the reference reads the same bits */
 		host[i].scores = (float *)got + (sc.items[i].scores - sc.scores);

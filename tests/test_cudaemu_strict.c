@@ -619,6 +619,15 @@ Test(cudaemu_strict, score_and_select_extents)
 	it[0].scores = dalloc(&T, (size_t)NKV * n_cand * sizeof(float) - 4);
 	expect_fault(&T, kvr_dev_score(T.dev, &shape, items_of(it, sizeof(it)), 3, T.s), 2,
 		     "score: item 0 scores", "runs past the end");
+	/* a softmax over every page up to norm_end reads the summaries from page
+	 * 0 to there, past the candidates */
+	it[0].scores = scores;
+	it[0].norm_end = end + 2;
+	expect_fault(&T, kvr_dev_score(T.dev, &shape, items_of(it, sizeof(it)), 3, T.s), 3,
+		     "score: item 0 summaries", "runs past the end");
+	it[0].summaries = drand(&T, (end + 2) * page, 3);
+	expect_ok(&T, kvr_dev_score(T.dev, &shape, items_of(it, sizeof(it)), 3, T.s),
+		  "score over every page");
 }
 
 Test(cudaemu_strict, similarity_extents)

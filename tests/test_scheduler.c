@@ -543,10 +543,20 @@ static uint32_t cand_end_of(uint64_t n, int next)
 	return end > sink ? end : sink;
 }
 
+/* The pages each head's softmax spans at that selection: every page whose
+ * summary is certainly written — all full pages but the one the newest token
+ * completed (DESIGN.md step 5, FreeKV's P^h over all pages). */
+static uint32_t norm_end_of(uint64_t n, uint32_t cand_end)
+{
+	const uint32_t with_summary = n ? (uint32_t)((n - 1) / P) : 0;
+	return with_summary > cand_end ? with_summary : cand_end;
+}
+
 /*
  * DESIGN.md step 5, independently: for KV head m, the Quest bound of every
- * candidate page per query head, softmax over the candidates per query head,
- * mean over the group, top-k with ties to the lower page. Writes the pages
+ * page with a summary per query head, softmax over those pages per query
+ * head, mean over the group for each candidate, top-k with ties to the lower
+ * page. Writes the pages
  * in ascending order (-1 after the last), returns how many; *ambiguous is set
  * when the k-th and (k+1)-th scores are too close for float to call.
  */
@@ -554,10 +564,11 @@ static uint32_t ref_select(const struct tseq *t, uint32_t l, const float *q, uin
 			   uint32_t m, int32_t sel[K_SEL], int *ambiguous, double *scores_out)
 {
 	const uint32_t cb = SINK / P, ce = cand_end_of(n, next), nc = ce - cb;
+	const uint32_t ne = norm_end_of(n, ce);
 	double score[MAX_PAGES] = { 0 }, s[MAX_PAGES], mn[D], mx[D];
-	double bound[MAX_PAGES][G];
-	for (uint32_t j = 0; j < nc; j++) {
-		page_summary(t, l, cb + j, m, mn, mx);
+	double bound[MAX_PAGES][G]; /* page j of [0, ne) */
+	for (uint32_t j = 0; j < ne; j++) {
+		page_summary(t, l, j, m, mn, mx);
 		for (uint32_t g = 0; g < G; g++) {
 			const float *qh = q + (m * G + g) * D;
 			double acc = 0;
@@ -570,12 +581,12 @@ static uint32_t ref_select(const struct tseq *t, uint32_t l, const float *q, uin
 	}
 	for (uint32_t g = 0; g < G; g++) {
 		double smax = -INFINITY, sum = 0;
-		for (uint32_t j = 0; j < nc; j++)
+		for (uint32_t j = 0; j < ne; j++)
 			smax = bound[j][g] > smax ? bound[j][g] : smax;
-		for (uint32_t j = 0; j < nc; j++)
+		for (uint32_t j = 0; j < ne; j++)
 			sum += (s[j] = exp(bound[j][g] - smax));
 		for (uint32_t j = 0; j < nc; j++)
-			score[j] += s[j] / sum / G;
+			score[j] += s[cb + j] / sum / G;
 	}
 	if (scores_out)
 		memcpy(scores_out, score, nc * sizeof(double));

@@ -65,12 +65,18 @@ static struct kvr_dev *cpu_dev(void)
 
 /* kernels.h "score", literally: per KV head m and query head h of its group,
  * s_hj = scale · Σ_c max(q_hc·min_jc, q_hc·max_jc) in 16 lanes folded by
- * halves; softmax over j (max, kvr_expf, 256 lanes folded); group mean. */
+ * halves for every page j of the softmax domain; softmax over the domain
+ * (max, kvr_expf, 256 lanes folded from its first page); group mean for each
+ * candidate. The domain is written out here rather than taken from
+ * kvr_score_domain, so a wrong helper fails the test. */
 static void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *it, float *out)
 {
 	const uint32_t n_kv = sh->n_kv_heads, G = sh->n_qo_heads / n_kv, d = sh->head_dim;
 	const uint32_t t = sh->elem_type, n = it->cand_end - it->cand_begin;
-	float *s = malloc(n * sizeof(*s));
+	const uint32_t first = it->norm_end ? 0 : it->cand_begin;
+	const uint32_t last = it->norm_end > it->cand_end ? it->norm_end : it->cand_end;
+	const uint32_t n_dom = last - first, off = it->cand_begin - first;
+	float *s = malloc(n_dom * sizeof(*s));
 	cr_assert(s);
 	for (uint32_t m = 0; m < n_kv; m++) {
 		float *o = out + (uint64_t)m * n;
@@ -78,8 +84,8 @@ static void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *i
 			o[j] = 0.0f;
 		for (uint32_t g = 0; g < G; g++) {
 			const uint64_t qh = (uint64_t)(m * G + g) * d;
-			for (uint32_t j = 0; j < n; j++) {
-				const uint64_t base = ((uint64_t)(it->cand_begin + j) * n_kv + m) * 2 * d;
+			for (uint32_t j = 0; j < n_dom; j++) {
+				const uint64_t base = ((uint64_t)(first + j) * n_kv + m) * 2 * d;
 				float lanes[KVR_DOT_LANES] = { 0 };
 				for (uint32_t c = 0; c < d; c++) {
 					const float q = kvr_load_f32(it->q, t, qh + c);
@@ -90,17 +96,17 @@ static void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *i
 				s[j] = sh->scale * kvr_fold_lanes(lanes, KVR_DOT_LANES);
 			}
 			float mx = -INFINITY;
-			for (uint32_t j = 0; j < n; j++)
+			for (uint32_t j = 0; j < n_dom; j++)
 				if (s[j] > mx)
 					mx = s[j];
 			float lanes[KVR_SUM_LANES] = { 0 };
-			for (uint32_t j = 0; j < n; j++) {
+			for (uint32_t j = 0; j < n_dom; j++) {
 				s[j] = kvr_expf(s[j] - mx);
 				lanes[j % KVR_SUM_LANES] = lanes[j % KVR_SUM_LANES] + s[j];
 			}
 			const float inv = 1.0f / kvr_fold_lanes(lanes, KVR_SUM_LANES);
 			for (uint32_t j = 0; j < n; j++)
-				o[j] = o[j] + s[j] * inv;
+				o[j] = o[j] + s[off + j] * inv;
 		}
 		const float inv_g = 1.0f / (float)G;
 		for (uint32_t j = 0; j < n; j++)
@@ -223,11 +229,13 @@ static int same_float(float a, float b)
 
 /* ------------------------------------------------------------------ tests */
 
-static void check_shape(struct kvr_dev *dev, uint32_t type_index, uint32_t G, uint32_t d,
-			uint32_t n_cand, enum input_kind kind, uint64_t seed)
+/* norm_end as in kvr_score_item (0: softmax over the candidates); the
+ * summaries hold every page up to the larger of it and the candidates' end */
+static void check_shape_norm(struct kvr_dev *dev, uint32_t type_index, uint32_t G, uint32_t d,
+			     uint32_t n_cand, uint32_t norm_end, enum input_kind kind, uint64_t seed)
 {
 	const uint32_t type = all_types[type_index], n_kv = 2, begin = 3, k = 7;
-	const uint32_t n_pages = begin + n_cand;
+	const uint32_t n_pages = norm_end > begin + n_cand ? norm_end : begin + n_cand;
 	const struct kvr_shape sh = { G * n_kv, n_kv, d, 32, type, 1.0f / sqrtf((float)d), 0.9f, 0 };
 	const size_t eb = kvr_elem_bytes(type);
 	rng_state = seed;
@@ -240,7 +248,7 @@ static void check_shape(struct kvr_dev *dev, uint32_t type_index, uint32_t G, ui
 	cr_assert(q && summ && want && got && want_sel && got_sel);
 	fill_inputs(kind, type, &sh, n_pages, q, summ);
 
-	struct kvr_score_item it = { q, summ, want, want_sel, begin, begin + n_cand, k, 0 };
+	struct kvr_score_item it = { q, summ, want, want_sel, begin, begin + n_cand, k, norm_end };
 	ref_score(&sh, &it, want);
 	ref_select(&sh, &it, want_sel);
 
@@ -255,10 +263,10 @@ static void check_shape(struct kvr_dev *dev, uint32_t type_index, uint32_t G, ui
 		for (uint32_t x = 0; x < n_kv * n_cand; x++)
 			cr_assert(same_float(got[x], want[x]),
 				  "score %s, %s, %s inputs, G=%u d=%u n_cand=%u: KV head %u candidate %u: "
-				  "got %.9g (0x%08x), want %.9g (0x%08x)",
+				  "got %.9g (0x%08x), want %.9g (0x%08x) (norm_end %u)",
 				  kvr_convert_isa_name(all_isas[i]), type_names[type_index], kind_names[kind],
 				  G, d, n_cand, x / n_cand, x % n_cand, got[x], kvr_f32_to_bits(got[x]),
-				  want[x], kvr_f32_to_bits(want[x]));
+				  want[x], kvr_f32_to_bits(want[x]), norm_end);
 		/* select over the reference's scores: the same bits in any case */
 		it.scores = want;
 		kvr_cpu_select(dev, &sh, &it, 1);
@@ -269,6 +277,12 @@ static void check_shape(struct kvr_dev *dev, uint32_t type_index, uint32_t G, ui
 	}
 	kvr_convert_isa_force(active);
 	free(q), free(summ), free(want), free(got), free(want_sel), free(got_sel);
+}
+
+static void check_shape(struct kvr_dev *dev, uint32_t type_index, uint32_t G, uint32_t d,
+			uint32_t n_cand, enum input_kind kind, uint64_t seed)
+{
+	check_shape_norm(dev, type_index, G, d, n_cand, 0, kind, seed);
 }
 
 /* candidate counts: below, at and past one vector and one 16-page batch, past
@@ -303,6 +317,30 @@ Test(score, other_head_dims)
 		for (uint32_t ti = 0; ti < 3; ti++)
 			for (uint32_t kind = 0; kind < N_INPUT_KINDS; kind++)
 				check_shape(dev, ti, 2, dims[i], 37, kind, 0xd1e + 31 * i + 7 * kind + ti);
+	kvr_dev_destroy(dev);
+}
+
+/* The softmax over every page (norm_end set, as the scheduler does): the
+ * sink pages before the candidates and the window's pages after them enter
+ * each head's max and sum but are not written; domains below, at and past a
+ * 16-page batch and the 256 sum lanes, with the candidates starting inside a
+ * batch. A norm_end short of the candidates' end still spans them all. */
+Test(score, softmax_over_every_page)
+{
+	static const uint32_t shapes[][2] = { /* n_cand, pages after the candidates */
+					      { 1, 1 }, { 5, 12 }, { 13, 4 }, { 40, 260 },
+					      { 300, 9 }, { 250, 0 }, { 17, 2000 } };
+	struct kvr_dev *dev = cpu_dev();
+	for (uint32_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+		for (uint32_t ti = 0; ti < 3; ti++)
+			for (uint32_t kind = 0; kind < N_INPUT_KINDS; kind++) {
+				const uint32_t n_cand = shapes[i][0], end = 3 + n_cand + shapes[i][1];
+				check_shape_norm(dev, ti, 4, 64, n_cand, end, kind,
+						 0xa11 + 131 * i + 7 * kind + ti);
+				check_shape_norm(dev, ti, 1, 128, n_cand, end, kind,
+						 0xb11 + 131 * i + 7 * kind + ti);
+			}
+	check_shape_norm(dev, 0, 2, 64, 30, 2, INPUT_RANDOM, 0xc11); /* norm_end < cand_end */
 	kvr_dev_destroy(dev);
 }
 

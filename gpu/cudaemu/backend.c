@@ -355,8 +355,8 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *             (p-1)·row_stride + n_kv·d; hnd_page n_kv·2·p·d.
  *  summarize  k_rows as offload; summary n_kv·2·d.
  *  score      nothing when cand_end <= cand_begin; else q n_qo·d; summaries
- *             from cand_begin·n_kv·2·d, n_cand·n_kv·2·d; scores n_kv·n_cand
- *             floats.
+ *             of the softmax domain (kvr_score_domain), from dom_begin·n_kv·2·d,
+ *             n_dom·n_kv·2·d; scores n_kv·n_cand floats.
  *  select     nothing when k = 0; else scores n_kv·n_cand floats (n_cand
  *             may be 0) and selected n_kv·k int32s.
  *  similarity q and q_prev n_qo·d; cosine n_kv floats; corrected n_kv bytes.
@@ -421,9 +421,12 @@ static int check_items(struct check *c, const struct emu_op *op)
 			if (op->kernel == EMU_SCORE) {
 				if (!n_cand)
 					continue;
+				uint32_t dom_begin, dom_end;
+				kvr_score_domain(&it[i], &dom_begin, &dom_end);
 				if (!(err = check_data(c, "item", i, "q", it[i].q, 0, q_bytes)) &&
 				    !(err = check_data(c, "item", i, "summaries", it[i].summaries,
-						       it[i].cand_begin * page, n_cand * page)))
+						       dom_begin * page,
+						       (uint64_t)(dom_end - dom_begin) * page)))
 					err = check_data(c, "item", i, "scores", it[i].scores, 0,
 							 n_kv * n_cand * sizeof(float));
 			} else {
