@@ -7,7 +7,7 @@
  * default stream, which would serialise against the engine's work); events
  * carry no timing; copies are cudaMemcpyAsync, and cudaMemcpyBatchAsync for
  * descriptor lists where the toolkit and driver have it; kernel ops call the
- * launchers of cuda_kernels.cu, and select goes through kvr_cuda_select_topk
+ * launchers of the kernel files (kernel_launchers.h), and select goes through kvr_cuda_select_topk
  * (cuda_topk.cu); host functions are cudaLaunchHostFunc. Device discovery
  * (kvr_gpu_probe) is cuda_device.cu's.
  *
@@ -57,32 +57,7 @@ extern "C" {
 #define KVR_GPU_ARCHS ""
 #endif
 
-/* cuda_kernels.cu */
-extern "C" {
-int KVR_KERNEL_SYMBOL(launch_scatter)(const struct kvr_shape *, const struct kvr_scatter_item *,
-				      uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_offload)(const struct kvr_shape *, const struct kvr_page_item *,
-				      uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_summarize)(const struct kvr_shape *, const struct kvr_page_item *,
-					uint32_t, void *);
-size_t KVR_KERNEL_SYMBOL(score_scratch_bytes)(const struct kvr_shape *, uint32_t, uint32_t,
-					      uint32_t);
-int KVR_KERNEL_SYMBOL(launch_score_scratch)(const struct kvr_shape *,
-					    const struct kvr_score_item *, uint32_t, void *, size_t,
-					    uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_similarity)(const struct kvr_shape *,
-					 const struct kvr_similarity_item *, uint32_t, void *);
-size_t KVR_KERNEL_SYMBOL(attention_scratch_bytes)(const struct kvr_shape *, uint32_t, uint32_t);
-int KVR_KERNEL_SYMBOL(launch_attention_scratch)(const struct kvr_shape *,
-						const struct kvr_attention_item *, uint32_t,
-						const struct kvr_kv_segment *, uint32_t, void *,
-						size_t, uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_dense_scratch)(const struct kvr_shape *,
-					    const struct kvr_dense_item *, uint32_t, void *, size_t,
-					    uint32_t, void *);
-int KVR_KERNEL_SYMBOL(launch_freelist)(const struct kvr_freelist_item *, uint32_t, void *);
-const char *KVR_KERNEL_SYMBOL(last_message)(void);
-}
+#include "kernel_launchers.h" /* the kernel files' launchers */
 
 /* cuda_topk.cu */
 struct kvr_cuda_topk;

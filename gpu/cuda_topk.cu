@@ -3,7 +3,7 @@
  * cuda_topk.cu — the cuda backend's top-k behind one wrapper,
  * kvr_cuda_select_topk: either CUB (a segmented radix sort of 64-bit keys,
  * then a small kernel that takes the first k of each segment in page order)
- * or the hand-written twin in cuda_kernels.cu (KVR_KERNEL_SYMBOL(launch_select),
+ * or the hand-written twin in cuda_score.cu (KVR_KERNEL_SYMBOL(launch_select),
  * the one cudaemu runs). Both compute kernels.h's select bit for bit: rank by
  * ordered(score), ties to the lower page index, output in ascending page
  * order, -1 for unused entries, nothing written when k = 0.

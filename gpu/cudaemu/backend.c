@@ -2,7 +2,7 @@
 /*
  * backend.c — the cudaemu devices: the cpu backend's memory, streams, events
  * and copies, with every kernel replaced by the CUDA kernel bodies of
- * gpu/cuda_kernels.cu compiled for the CPU against the SIMT shim
+ * the CUDA kernel files (gpu/cuda_{copy,score,attention}.cu) compiled for the CPU against the SIMT shim
  * (gpu/cudaemu/kernels.cc). Tests only: it is the way the CUDA kernels execute
  * on machines without a GPU, so the conformance suite can check them.
  *
@@ -56,19 +56,10 @@
 #include "../cpu_backend.h"
 #include "cudaemu.h"
 
-/* The emulated launchers (cuda_kernels.cu built with -DKVR_CUDAEMU). */
-int kvr_emu_launch_scatter(const struct kvr_shape *, const struct kvr_scatter_item *, uint32_t, void *);
-int kvr_emu_launch_offload(const struct kvr_shape *, const struct kvr_page_item *, uint32_t, void *);
-int kvr_emu_launch_summarize(const struct kvr_shape *, const struct kvr_page_item *, uint32_t, void *);
-int kvr_emu_launch_score(const struct kvr_shape *, const struct kvr_score_item *, uint32_t, void *);
-int kvr_emu_launch_select(const struct kvr_shape *, const struct kvr_score_item *, uint32_t, void *);
-int kvr_emu_launch_similarity(const struct kvr_shape *, const struct kvr_similarity_item *, uint32_t,
-			      void *);
-int kvr_emu_launch_attention(const struct kvr_shape *, const struct kvr_attention_item *, uint32_t,
-			     const struct kvr_kv_segment *, uint32_t, void *);
-int kvr_emu_launch_dense(const struct kvr_shape *, const struct kvr_dense_item *, uint32_t, void *);
-int kvr_emu_launch_freelist(const struct kvr_freelist_item *, uint32_t, void *);
-const char *kvr_emu_last_message(void);
+/* The emulated launchers: the CUDA kernel files built with -DKVR_CUDAEMU
+ * (kernels.cc), named kvr_emu_*. */
+#define KVR_KERNEL_SYMBOL(name) kvr_emu_##name
+#include "../kernel_launchers.h"
 
 enum emu_kernel { EMU_SCATTER, EMU_OFFLOAD, EMU_SUMMARIZE, EMU_SCORE, EMU_SELECT, EMU_SIMILARITY,
 		  EMU_ATTENTION, EMU_DENSE, EMU_FREELIST };
@@ -345,7 +336,7 @@ static int check_arrays(struct check *c, const struct emu_op *op)
 
 /*
  * The pointers inside the items, each over the extent the CUDA kernel
- * (gpu/cuda_kernels.cu) indexes, in bytes (eb per element; d, p, n_kv, n_qo
+ * (gpu/cuda_*.cu) indexes, in bytes (eb per element; d, p, n_kv, n_qo
  * from the shape). Fields a kernel does not touch are not looked at, so they
  * may be NULL or anything.
  *  scatter    (an item with kv_head >= n_kv is skipped whole by the kernel)
