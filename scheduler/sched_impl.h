@@ -355,7 +355,7 @@ const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lan
 const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, uint32_t n_pages,
 				   struct kvr_stream *stream);
 
-/* step.c: selection of one lane with query q (device-readable) against the
+/* select.c: selection of one lane with query q (device-readable) against the
  * window of a layer holding n_tokens tokens at the next step (next = 1) or now
  * (next = 0), into `selected` (mapped). stream is the calling thread's inline
  * stream, item its mapped score item and item_dev the item's device copy, scores a device buffer of the caller's
@@ -364,5 +364,34 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
 		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
 		     size_t *scores_bytes);
+
+/* Dense path for this layer: mode dense, or a layer the config keeps dense. */
+static inline int kvr_layer_dense(const struct kvr_sched *s, uint32_t layer)
+{
+	return s->c.mode == KVR_MODE_DENSE || (s->c.dense_layers[layer / 64] >> (layer % 64) & 1);
+}
+
+/* segments.c (engine thread). Spill tier: pin pool page `id`, read in place
+ * by this step's attention, until kvr_sched_unpin_step (or unpin_from(mark)
+ * for the pins taken after `mark`, n_step_pins when it was taken). */
+int kvr_sched_pin_in_place(struct kvr_sched *s, uint32_t id);
+void kvr_sched_unpin_from(struct kvr_sched *s, size_t mark);
+void kvr_sched_unpin_step(struct kvr_sched *s);
+/* The segment of KV head m over the lane's logical page, read where it lives
+ * (its resident device copy when `resident` and held, else the pool page,
+ * pinned with a spill tier); *err on failure. */
+struct kvr_kv_segment kvr_sched_pool_segment(struct kvr_sched *s, struct kvr_lane *lane,
+					     uint32_t logical, uint32_t m, int resident, int *err);
+/* KV head m's segments for a layer of n_tokens: every page (dense) or sink,
+ * the selected pages `sel` (or the lane's slots holding them, from_slots) in
+ * ascending page order, window and tail; returns how many were written to
+ * out, *err on failure. */
+uint32_t kvr_sched_build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m,
+				  uint64_t n_tokens, int dense, const int32_t *sel, int from_slots,
+				  struct kvr_kv_segment *out, int *err);
+
+/* lanes.c (engine thread): the lane's speculative state dropped, so its next
+ * sparse step selects afresh (after a truncate or a failed step). */
+void kvr_sched_lane_forget(struct kvr_sched *s, struct kvr_lane *lane);
 
 #endif /* KVR_SCHEDULER_IMPL_H */

@@ -1,7 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * step.c — the decode step of DESIGN.md per (sequence, layer), on the
- * engine's thread, and the scheduler's lifecycle.
+ * engine's thread: one layer call for a batch, failed sequences' bookkeeping,
+ * and the step's end. Selection is select.c, the segments attention reads
+ * segments.c, lanes' lifecycle lanes.c, prefill attention prefill.c, the
+ * scheduler's own lifecycle sched.c.
  *
  * One layer call, for a batch:
  *  1. Acquire each sequence's lane (wait for its controller job, counted as a
@@ -22,7 +25,7 @@
  *     recall), or, after a correction, the deferred recall of the
  *     non-corrected heads to the selection just made (no second selection).
  *
- * Which pages attention reads: with zero-copy recall (the cpu backend's
+ * Which pages attention reads (segments.c): with zero-copy recall (the cpu backend's
  * default) the selected pages straight from the pool; with streamed recall
  * the lane's device slots, in ascending page order, so both give identical
  * results. Sink, window and tail are read where they live (pool pages and the
@@ -39,242 +42,6 @@
 
 #include "../gpu/fault.h"
 #include "sched_impl.h"
-
-static int layer_dense(const struct kvr_sched *s, uint32_t layer)
-{
-	return s->c.mode == KVR_MODE_DENSE || (s->c.dense_layers[layer / 64] >> (layer % 64) & 1);
-}
-
-/* ------------------------------------------------------------------ selection */
-
-int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
-		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
-		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
-		     size_t *scores_bytes)
-{
-	const uint32_t sink = s->c.sink_tokens / s->c.page_tokens;
-	/* the window as it will be at step i+1 (one more token) when the
-	 * selection serves that step, so a page leaving the window is a
-	 * candidate the step it leaves; it never reaches the page being filled,
-	 * which has no summary yet (kvr_window_first) */
-	const uint32_t win_first = kvr_window_first(&s->c, n_tokens + (next ? 1 : 0));
-	const uint32_t cand_begin = sink, cand_end = win_first > sink ? win_first : sink;
-	/* Each head's softmax spans every page with a summary (FreeKV's P^h over
-	 * all pages, not only the candidates): a head whose attention sits in the
-	 * sink or the window then weighs less in its group's mean than one
-	 * spread over the candidates. Measured: lower perplexity gaps where
-	 * sink and window are a sizeable share of the pages, neutral at 8K
-	 * (docs/benchmarks.md, "Group consistency"). The page the newest token
-	 * completed is left out: its summary may still be on its way (the rule
-	 * kvr_window_first applies with W = 0). */
-	const uint32_t with_summary = n_tokens ? (uint32_t)((n_tokens - 1) / s->c.page_tokens) : 0;
-	const uint32_t norm_end = with_summary > cand_end ? with_summary : cand_end;
-	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
-	if (kvr_sched_device_grow(s, (void **)scores, scores_bytes, need))
-		return -ENOMEM;
-	const void *summaries = kvr_resident_summaries(s, lane, norm_end, stream);
-	if (!summaries && s->separate && kvr_pool_summary(s->pool, lane->seq, lane->layer, 0))
-		return -ENOMEM; /* no device memory for the summaries */
-	if (!summaries) {
-		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
-			selected[i] = -1;
-		return 0;
-	}
-	*item = (struct kvr_score_item){ .q = q,
-					 .summaries = summaries,
-					 .scores = *scores,
-					 .selected = selected,
-					 .cand_begin = cand_begin,
-					 .cand_end = cand_end,
-					 .k = s->k,
-					 .norm_end = norm_end };
-	int err = kvr_sched_items_to_device(s, stream, item_dev, item, sizeof(*item));
-	if (!err)
-		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
-	if (!err)
-		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
-	/* the host plans with `selected` (and reuses the item and the scores) */
-	if (!err && s->separate)
-		err = kvr_dev_stream_synchronize(s->dev, stream);
-	return err;
-}
-
-/* ------------------------------------------------------------------ segments */
-
-/* Spill tier: pin a pool page attention reads in place until the step's
- * attention is done (unpin_step). Engine thread. */
-static int pin_in_place(struct kvr_sched *s, uint32_t id)
-{
-	if (s->n_step_pins == s->step_pins_cap) {
-		const size_t cap = s->step_pins_cap ? 2 * s->step_pins_cap : 256;
-		uint32_t *grown = kvr_realloc(s->step_pins, cap * sizeof(*grown));
-		if (!grown)
-			return -ENOMEM;
-		s->step_pins = grown;
-		s->step_pins_cap = cap;
-	}
-	int err = kvr_pool_pin(s->pool, &id, 1);
-	if (!err)
-		s->step_pins[s->n_step_pins++] = id;
-	return err;
-}
-
-/* Drop the pins of pages read in place from `mark` on (their attention has
- * run, or their sequence failed before it). A page freed since (its
- * sequence freed or truncated while the step was open) is skipped. */
-static void unpin_from(struct kvr_sched *s, size_t mark)
-{
-	if (s->n_step_pins > mark)
-		kvr_pool_unpin_live(s->pool, s->step_pins + mark, (uint32_t)(s->n_step_pins - mark));
-	s->n_step_pins = mark;
-}
-
-static void unpin_step(struct kvr_sched *s)
-{
-	unpin_from(s, 0);
-}
-
-/* One KV head's run of pool page `logical` as an attention segment: the
- * lane's device copy when `resident` (separate memory, resident.c), else the
- * pool page in place. With a spill tier the page is pinned (read back from
- * the file when it is there); a failure sets *err and gives an empty segment. */
-static struct kvr_kv_segment pool_segment(struct kvr_sched *s, struct kvr_lane *lane, uint32_t logical,
-					  uint32_t m, int resident, int *err)
-{
-	uint32_t id = 0;
-	kvr_pool_lookup(s->pool, lane->seq, lane->layer, logical, &id);
-	if (s->spill && !*err && !s->suppress_segment_pins) {
-		*err = pin_in_place(s, id);
-		if (*err)
-			snprintf(s->last_error, sizeof(s->last_error), "page %u: %s", logical,
-				 kvr_pool_last_error(s->pool));
-	}
-	if (*err)
-		return (struct kvr_kv_segment){ 0 };
-	const unsigned char *page = NULL;
-	if (resident)
-		page = kvr_resident_page(s, lane, logical, id);
-	if (!page)
-		page = kvr_pool_page_data(s->pool, id);
-	const uint32_t p = s->c.page_tokens, d = s->c.head_dim, eb = s->eb;
-	if (s->kv_format) /* the head's quantised run (kernels.h), in the page's format */
-		return (struct kvr_kv_segment){ page + (uint64_t)m * s->head_bytes, NULL, p, { 0 },
-						(uint32_t)s->head_bytes,
-						s->kv_format == KVR_KV_MIXED ? kvr_pool_page_format(s->pool, id)
-									     : s->kv_format };
-	if (s->pool_layout == KVR_POOL_LAYOUT_NHD) {
-		/* [2][p][n_kv][d] */
-		const unsigned char *k = page + (uint64_t)m * d * eb;
-		return (struct kvr_kv_segment){ k, k + (uint64_t)p * s->c.n_kv_heads * d * eb, p,
-						{ s->c.n_kv_heads * d }, 0, 0 };
-	}
-	const unsigned char *run = page + (uint64_t)m * s->head_bytes;
-	return (struct kvr_kv_segment){ run, run + (uint64_t)p * d * eb, p, { d }, 0, 0 };
-}
-
-/* Sorts (page, slot) pairs by page; k is small. */
-static void sort_pairs(int32_t *page, uint32_t *slot, uint32_t n)
-{
-	for (uint32_t i = 1; i < n; i++) {
-		const int32_t pg = page[i];
-		const uint32_t sl = slot[i];
-		uint32_t j = i;
-		for (; j > 0 && page[j - 1] > pg; j--) {
-			page[j] = page[j - 1];
-			slot[j] = slot[j - 1];
-		}
-		page[j] = pg;
-		slot[j] = sl;
-	}
-}
-
-/* Segments of KV head m of one sequence (n_tokens after the append): sink
- * pages, the selected pages (`sel`: zero-copy; or the lane's slots), window
- * pages, the tail. Dense: every full page, then the tail. */
-static uint32_t build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m,
-			       uint64_t n_tokens, int dense, const int32_t *sel, int from_slots,
-			       struct kvr_kv_segment *out, int *err)
-{
-	const uint32_t p = s->c.page_tokens, d = s->c.head_dim;
-	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = (uint32_t)(n_tokens % p);
-	const uint32_t seq = lane->seq, layer = lane->layer;
-	const uint32_t sink = s->c.sink_tokens / p, window = s->c.window_tokens / p;
-	const uint32_t win_first = kvr_window_first(&s->c, n_tokens);
-	const int res = kvr_resident_enabled(s);
-	uint32_t n = 0;
-	if (dense) {
-		/* a dense layer keeps every page resident; the dense path of a
-		 * sparse layer (L <= B) its sink and window pages */
-		const int all = layer_dense(s, layer);
-		for (uint32_t j = 0; j < n_full; j++)
-			out[n++] = pool_segment(s, lane, j, m,
-						res && (all || j < sink || (window && j >= win_first)), err);
-	} else {
-		for (uint32_t j = 0; j < sink && j < win_first; j++)
-			out[n++] = pool_segment(s, lane, j, m, res, err);
-		if (from_slots) {
-			/* every slot of the head (k of them), in page order */
-			int32_t *pages = s->seg_pages;
-			uint32_t *slots = s->seg_slots, n_sel = 0;
-			const int32_t *sp = lane->slot_page + (uint64_t)m * s->k;
-			for (uint32_t j = 0; j < s->k; j++)
-				if (sp[j] >= 0 && (uint32_t)sp[j] >= sink && (uint32_t)sp[j] < win_first) {
-					pages[n_sel] = sp[j];
-					slots[n_sel++] = j;
-				}
-			sort_pairs(pages, slots, n_sel);
-			const uint64_t row = (uint64_t)s->c.n_kv_heads * d;
-			for (uint32_t i = 0; i < n_sel; i++) {
-				if (s->kv_format) { /* one run in the slot's unit, or two halves */
-					const uint64_t slot = (uint64_t)m * s->k + slots[i];
-					const uint32_t fmt = lane->slot_fmt ? lane->slot_fmt[slot] : s->kv_format;
-					const int32_t *units = lane->slot_unit + slot * s->units_per_slot;
-					const uint32_t unit_bytes = (uint32_t)kvr_units_unit_bytes(&s->c);
-					if (s->units_per_slot > 1 && fmt == KVR_KV_K8V4) {
-						for (uint32_t h = 0; h < 2; h++)
-							out[n++] = (struct kvr_kv_segment){
-								kvr_units_addr(s, (uint32_t)units[h]), NULL, p / 2,
-								{ 0 }, unit_bytes, KVR_KV_K8V4_HALF };
-						continue;
-					}
-					out[n++] = (struct kvr_kv_segment){ kvr_units_addr(s, (uint32_t)units[0]), NULL, p,
-									    { 0 }, unit_bytes, fmt };
-					continue;
-				}
-				const uint64_t off = (uint64_t)slots[i] * s->tile_bytes + (uint64_t)m * d * s->eb;
-				out[n++] = (struct kvr_kv_segment){ lane->slot_k + off, lane->slot_v + off, p,
-								    { (uint32_t)row }, 0, 0 };
-			}
-		} else {
-			for (uint32_t i = 0; i < s->k; i++) {
-				if (sel[i] < 0 || (uint32_t)sel[i] < sink || (uint32_t)sel[i] >= win_first)
-					continue;
-				const struct kvr_kv_segment seg = pool_segment(s, lane, (uint32_t)sel[i], m, 0, err);
-				if (s->units_per_slot > 1 && seg.format == KVR_KV_K8V4) {
-					/* mixed: read as the halves the streamed slots hold, so
-					 * that both attend the same segments, bit for bit */
-					for (uint32_t h = 0; h < 2; h++) {
-						out[n] = seg;
-						out[n].n_tokens = p / 2;
-						out[n++].first_row = h * (p / 2);
-					}
-					continue;
-				}
-				out[n++] = seg;
-			}
-		}
-		for (uint32_t j = win_first > sink ? win_first : sink; j < n_full; j++)
-			out[n++] = pool_segment(s, lane, j, m, res, err);
-	}
-	if (tail) {
-		const unsigned char *kt = s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes +
-					  (uint64_t)m * d * s->eb;
-		out[n++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, tail,
-						    { s->c.n_kv_heads * d }, 0, 0 };
-	}
-	return n;
-}
-
 static void zero_output(struct kvr_sched *s, void *out_row);
 
 /* The step of `seq` failed at `layer` for `reason`: its later layers fail
@@ -321,7 +88,6 @@ static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, uin
 			lane->slot_page[j] = -1;
 }
 
-static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane);
 
 /* Step end: every layer of a failed sequence back at its step's position. */
 static void settle_failed(struct kvr_sched *s)
@@ -343,7 +109,7 @@ static void settle_failed(struct kvr_sched *s)
 					kvr_pool_truncate(s->pool, seq, l, s->step_fail_pos[seq]);
 					lane->appended_step = 0;
 				}
-				lane_forget(s, lane);
+				kvr_sched_lane_forget(s, lane);
 			}
 		}
 		s->step_fail[seq] = 0;
@@ -484,7 +250,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	const uint32_t n_kv = c->n_kv_heads, p = c->page_tokens, kk = s->k;
 	const uint64_t q_row = s->q_row, kv_row = s->kv_row;
 	const uint64_t head_q_bytes = (uint64_t)s->G * c->head_dim * s->eb;
-	const int dense_layer = layer_dense(s, layer);
+	const int dense_layer = kvr_layer_dense(s, layer);
 	struct kvr_trace *tr = trace_of(s);
 	/* q_dev feeds kernels; q_host, k_host, v_host the host's own work */
 	const unsigned char *q_dev = q, *q_host = q, *k_host = k, *v_host = v;
@@ -649,9 +415,9 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		const size_t pins_before = s->n_step_pins;
 		int seg_err = 0;
 		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
-			const uint32_t n = build_segments(s, lane, m, e[i].n_tokens, dense,
-							  lane->selected + (uint64_t)m * kk, slots,
-							  segs + n_segs, &seg_err);
+			const uint32_t n = kvr_sched_build_segments(
+				s, lane, m, e[i].n_tokens, dense, lane->selected + (uint64_t)m * kk,
+				slots, segs + n_segs, &seg_err);
 			items[n_items++] = (struct kvr_attention_item){
 				q_dev + i * q_row + m * head_q_bytes,
 				(unsigned char *)out + i * q_row + m * head_q_bytes,
@@ -660,7 +426,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		if (seg_err) { /* spill tier: a page it reads in place did not fit in RAM */
 			n_items = items_before, n_segs = segs_before;
-			unpin_from(s, pins_before); /* its pins must not fail the others */
+			kvr_sched_unpin_from(s, pins_before); /* its pins must not fail the others */
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
 			fail_sequence(s, seqs[i], layer, positions[i], seg_err, s->last_error,
@@ -725,9 +491,9 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
 			const int32_t *sel = corr[m] ? now_sel + (uint64_t)m * kk
 						     : lane->selected + (uint64_t)m * kk;
-			const uint32_t n = build_segments(s, lane, m, e[i].n_tokens, 0, sel,
-							  s->recall == KVR_RECALL_STREAMED, segs + n_segs,
-							  &seg_err);
+			const uint32_t n = kvr_sched_build_segments(
+				s, lane, m, e[i].n_tokens, 0, sel, s->recall == KVR_RECALL_STREAMED,
+				segs + n_segs, &seg_err);
 			items[n_items++] = (struct kvr_attention_item){
 				qi + m * head_q_bytes, (unsigned char *)out + i * q_row + m * head_q_bytes,
 				kvr_importance_item(s, lane, m, e[i].n_tokens, n), n_segs, n };
@@ -735,7 +501,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		if (seg_err) {
 			n_items = items_before, n_segs = segs_before;
-			unpin_from(s, pins_before);
+			kvr_sched_unpin_from(s, pins_before);
 			status[i] = seg_err;
 			e[i].kind = SEQ_FAILED;
 			fail_sequence(s, seq, layer, positions[i], seg_err,
@@ -752,7 +518,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	/* the attention has run when it is synchronous: its pages may leave RAM
 	 * (and mixed pages' window pages be demoted below) */
 	if (!s->hooks.async_compute && !s->separate)
-		unpin_step(s);
+		kvr_sched_unpin_step(s);
 	if (err) {
 		if (!s->last_error[0])
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
@@ -837,461 +603,8 @@ int kvr_sched_step_end(struct kvr_sched *s)
 	int err = 0;
 	if (s->hooks.async_compute || s->separate)
 		err = kvr_dev_stream_synchronize(s->dev, s->compute);
-	unpin_step(s); /* the step's attention has read its pages */
+	kvr_sched_unpin_step(s); /* the step's attention has read its pages */
 	settle_failed(s);
 	s->step_serial++;
 	return err;
-}
-
-/* ------------------------------------------------------------------ sequences */
-
-static void lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
-{
-	lane->has_prev = 0;
-	lane->recall_error = 0; /* it was about pages that are gone or re-selected */
-	kvr_resident_lane_forget(lane);
-	kvr_importance_lane_forget(s, lane);
-	for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
-		lane->selected[i] = -1;
-	if (lane->slot_page)
-		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
-			lane->slot_page[i] = -1;
-}
-
-static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
-{
-	kvr_recall_lane_free(s, lane);
-	kvr_resident_lane_free(s, lane);
-	kvr_importance_lane_free(s, lane);
-	free(lane->slot_fmt);
-	lane->slot_fmt = NULL;
-	kvr_sched_mapped_free(s, lane->prev_q);
-	kvr_sched_mapped_free(s, lane->selected);
-	free(lane->slot_page);
-	free(lane->job_heads);
-	lane->prev_q = NULL;
-	lane->selected = NULL;
-	lane->slot_page = NULL;
-	lane->job_heads = NULL;
-}
-
-void kvr_sched_seq_quiesce(struct kvr_sched *s, uint32_t seq)
-{
-	for (uint32_t l = 0; l < s->c.n_layers; l++) {
-		struct kvr_lane *lane = lane_of(s, seq, l);
-		kvr_lane_acquire(s, lane);
-		/* the lane's recall may still be running on the streams */
-		if (lane->recall_done)
-			kvr_dev_event_synchronize(s->dev, lane->recall_done);
-	}
-}
-
-int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
-{
-	const size_t n_sel = (size_t)s->c.n_kv_heads * (s->k ? s->k : 1);
-	int units_err = kvr_units_seq_open(s); /* quantised pages: a sequence's units */
-	if (units_err)
-		return units_err; /* its message in last_error */
-	for (uint32_t l = 0; l < s->c.n_layers; l++) {
-		struct kvr_lane *lane = lane_of(s, seq, l);
-		memset(lane, 0, sizeof(*lane));
-		lane->seq = seq;
-		lane->layer = l;
-		int err = kvr_sched_mapped_alloc(s, s->q_row, (void **)&lane->prev_q);
-		if (!err)
-			err = kvr_sched_mapped_alloc(s, n_sel * sizeof(int32_t), (void **)&lane->selected);
-		lane->job_heads = kvr_malloc(s->c.n_kv_heads);
-		if (!err && !lane->job_heads)
-			err = -ENOMEM;
-		if (!err && s->recall == KVR_RECALL_STREAMED && !layer_dense(s, l) &&
-		    !(lane->slot_page = kvr_malloc(n_sel * sizeof(int32_t))))
-			err = -ENOMEM;
-		if (!err && lane->slot_page && s->kv_format == KVR_KV_MIXED &&
-		    !(lane->slot_fmt = kvr_calloc(n_sel, 1)))
-			err = -ENOMEM;
-		if (!err)
-			err = kvr_importance_lane_open(s, lane);
-		if (!err)
-			err = kvr_recall_lane_alloc(s, lane); /* events; slots when it has a slot table */
-		if (!err)
-			err = kvr_resident_lane_open(s, lane);
-		if (err) {
-			snprintf(s->last_error, sizeof(s->last_error),
-				 "device memory for sequence %u's page cache (layer %u): %s", seq, l,
-				 err == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
-			for (uint32_t j = 0; j <= l; j++)
-				lane_release(s, lane_of(s, seq, j));
-			kvr_units_seq_close(s, seq); /* nothing taken yet: the reservation only */
-			return err;
-		}
-		lane_forget(s, lane);
-	}
-	s->tails[seq] = tails;
-	for (uint32_t i = 0; i < KVR_C_COUNT; i++)
-		atomic_store_explicit(&s->seq_counters[(uint64_t)seq * KVR_C_COUNT + i], 0,
-				      memory_order_relaxed);
-	for (uint32_t m = 0; m < s->c.n_kv_heads; m++)
-		atomic_store_explicit(&s->head_corrections[(uint64_t)seq * s->c.n_kv_heads + m], 0,
-				      memory_order_relaxed);
-	return 0;
-}
-
-void kvr_sched_seq_close(struct kvr_sched *s, uint32_t seq)
-{
-	kvr_sched_seq_quiesce(s, seq);
-	/* A stream may still be inside the operation that completed one of the
-	 * lane's events (waking waiters after publishing completion): drain the
-	 * streams that record them before the events are destroyed. */
-	if (s->copy)
-		kvr_dev_stream_synchronize(s->dev, s->copy);
-	if (s->convert)
-		kvr_dev_stream_synchronize(s->dev, s->convert);
-	kvr_dev_stream_synchronize(s->dev, s->compute);
-	kvr_units_seq_close(s, seq); /* no stream reads the units any more */
-	for (uint32_t l = 0; l < s->c.n_layers; l++)
-		lane_release(s, lane_of(s, seq, l));
-	s->tails[seq] = NULL;
-}
-
-void kvr_sched_seq_reset(struct kvr_sched *s, uint32_t seq)
-{
-	kvr_sched_seq_quiesce(s, seq);
-	for (uint32_t l = 0; l < s->c.n_layers; l++)
-		lane_forget(s, lane_of(s, seq, l));
-}
-
-/* ------------------------------------------------------------------ lifecycle */
-
-int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **out, char *err,
-		     size_t err_bytes)
-{
-	struct kvr_sched *s = kvr_calloc(1, sizeof(*s));
-	if (!s) {
-		snprintf(err, err_bytes, "scheduler: out of memory");
-		return -ENOMEM;
-	}
-	const struct kvr_config *c = params->config;
-	s->c = *c;
-	s->pool = params->pool;
-	s->dev = params->dev;
-	s->pool_layout = params->pool_layout;
-	s->recall = params->recall;
-	s->separate = !kvr_dev_host_visible(s->dev);
-	s->jobs_inline = c->controller == KVR_CONTROLLER_INLINE;
-	if (params->hooks)
-		s->hooks = *params->hooks;
-	s->log_fn = params->log_fn;
-	s->log_user = params->log_user;
-	s->k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
-	s->G = c->n_qo_heads / c->n_kv_heads;
-	s->eb = kvr_elem_bytes(c->dtype);
-	s->q_row = (uint64_t)c->n_qo_heads * c->head_dim * s->eb;
-	s->kv_row = (uint64_t)c->n_kv_heads * c->head_dim * s->eb;
-	s->tile_bytes = (uint64_t)c->page_tokens * s->kv_row;
-	s->kv_format = c->kv_format;
-	s->head_bytes = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim, s->eb);
-	s->units_per_slot = c->kv_format ? kvr_units_per_slot(c) : 0;
-	const float scale = 1.0f / sqrtf((float)c->head_dim);
-	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
-				       c->dtype, scale, c->tau, 0 };
-	s->head_shape = (struct kvr_shape){ s->G, 1, c->head_dim, c->page_tokens, c->dtype, scale,
-					    c->tau, 0 };
-	s->lse_shape = s->head_shape;
-	s->lse_shape.flags = KVR_SHAPE_SEGMENT_LSE;
-	for (uint32_t w = 0; w < 4; w++)
-		s->hook_args[w] = (struct hook_arg){ s, w };
-	pthread_mutex_init(&s->lock, NULL);
-	pthread_cond_init(&s->work, NULL);
-	pthread_cond_init(&s->done, NULL);
-	pthread_mutex_init(&s->error_lock, NULL);
-
-	int ret = 0;
-	const size_t n_lanes = (size_t)c->max_sequences * c->n_layers;
-	s->lanes = kvr_calloc(n_lanes, sizeof(*s->lanes));
-	s->tails = kvr_calloc(c->max_sequences, sizeof(*s->tails));
-	s->scratch = kvr_calloc(c->n_layers, sizeof(*s->scratch));
-	s->seq_counters = kvr_calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
-	s->head_corrections = kvr_calloc((size_t)c->max_sequences * c->n_kv_heads,
-				     sizeof(*s->head_corrections));
-	s->step_fail = kvr_calloc(c->max_sequences, sizeof(*s->step_fail));
-	s->step_fail_pos = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_pos));
-	s->step_serial = 1; /* lanes start at appended_step 0: never */
-	s->step_failed = kvr_calloc(c->max_sequences, sizeof(*s->step_failed));
-	s->step_fail_layer = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_layer));
-	s->step_fail_message = kvr_calloc(c->max_sequences, KVR_SCHED_MESSAGE);
-	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections ||
-	    !s->step_fail || !s->step_fail_pos || !s->step_failed || !s->step_fail_layer ||
-	    !s->step_fail_message) {
-		snprintf(err, err_bytes, "scheduler: out of memory");
-		ret = -ENOMEM;
-	}
-	if (!ret && (!(s->seg_pages = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_pages))) ||
-		     !(s->seg_slots = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_slots))))) {
-		snprintf(err, err_bytes, "scheduler: out of memory");
-		ret = -ENOMEM;
-	}
-	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, (size_t)c->max_batch * c->n_kv_heads * (s->k ? s->k : 1) *
-							sizeof(int32_t), (void **)&s->now_sel);
-	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, sizeof(*s->engine_items), (void **)&s->engine_items);
-	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, sizeof(*s->ctl_items), (void **)&s->ctl_items);
-	s->engine_items_dev = s->engine_items;
-	s->ctl_items_dev = s->ctl_items;
-	if (!ret && s->separate) {
-		s->engine_items_dev = NULL;
-		s->ctl_items_dev = NULL;
-		ret = kvr_dev_alloc(s->dev, sizeof(*s->engine_items_dev), (void **)&s->engine_items_dev);
-		if (!ret)
-			ret = kvr_dev_alloc(s->dev, sizeof(*s->ctl_items_dev), (void **)&s->ctl_items_dev);
-	}
-	if (!ret && s->separate) {
-		if (!(s->zero_row = kvr_calloc(1, s->q_row)))
-			ret = -ENOMEM;
-		if (!ret)
-			ret = kvr_dev_event_create(s->dev, &s->engine_ready);
-		if (!ret)
-			ret = kvr_dev_event_create(s->dev, &s->layer_done);
-	}
-	if (ret && !err[0])
-		snprintf(err, err_bytes, "scheduler: %s",
-			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
-	if (!ret && (ret = kvr_dev_stream_create(s->dev, 0, &s->engine_inline)) == 0 &&
-	    (ret = kvr_dev_stream_create(s->dev, s->hooks.async_compute ? KVR_STREAM_WORKER : 0,
-					 &s->compute)) == 0)
-		ret = kvr_dev_stream_create(s->dev, 0, &s->ctl_inline);
-	if (ret && !err[0])
-		snprintf(err, err_bytes, "scheduler: %s", kvr_dev_last_error(s->dev));
-	if (!ret)
-		ret = kvr_recall_setup(s, err, err_bytes);
-	if (!ret)
-		ret = kvr_units_setup(s, err, err_bytes);
-	if (!ret && (ret = kvr_controller_start(s)))
-		snprintf(err, err_bytes, "scheduler: cannot start the controller thread: %s",
-			 strerror(-ret));
-	if (ret) {
-		kvr_sched_destroy(s);
-		return ret;
-	}
-	*out = s;
-	return 0;
-}
-
-void kvr_sched_destroy(struct kvr_sched *s)
-{
-	if (!s)
-		return;
-	kvr_controller_stop(s);
-	if (s->lanes)
-		for (uint32_t seq = 0; seq < s->c.max_sequences; seq++)
-			if (s->tails && s->tails[seq])
-				kvr_sched_seq_close(s, seq);
-	kvr_recall_teardown(s);
-	kvr_units_teardown(s);
-	if (s->compute)
-		kvr_dev_stream_synchronize(s->dev, s->compute);
-	unpin_step(s);
-	free(s->step_pins);
-	kvr_dev_stream_destroy(s->dev, s->engine_inline);
-	kvr_dev_stream_destroy(s->dev, s->compute);
-	kvr_dev_stream_destroy(s->dev, s->ctl_inline);
-	if (s->scratch)
-		for (uint32_t l = 0; l < s->c.n_layers; l++) {
-			kvr_sched_mapped_free(s, s->scratch[l].mem);
-			kvr_sched_device_free(s, s->scratch[l].dev);
-		}
-	if (s->separate) {
-		kvr_dev_free(s->dev, s->engine_items_dev);
-		kvr_dev_free(s->dev, s->ctl_items_dev);
-	}
-	free(s->scratch);
-	free(s->lanes);
-	free(s->tails);
-	free(s->step_fail);
-	free(s->step_fail_pos);
-	free(s->step_failed);
-	free(s->step_fail_layer);
-	free(s->step_fail_message);
-	free(s->seg_pages);
-	free(s->seg_slots);
-	kvr_sched_mapped_free(s, s->now_sel);
-	kvr_sched_mapped_free(s, s->engine_items);
-	kvr_sched_mapped_free(s, s->ctl_items);
-	kvr_sched_mapped_free(s, s->mirror);
-	kvr_sched_device_free(s, s->engine_scores);
-	kvr_sched_device_free(s, s->ctl_scores);
-	kvr_sched_device_free(s, s->prefill_q);
-	kvr_sched_device_free(s, s->prefill_out);
-	free(s->zero_row);
-	kvr_dev_event_destroy(s->dev, s->engine_ready);
-	kvr_dev_event_destroy(s->dev, s->layer_done);
-	free((void *)s->seq_counters);
-	free((void *)s->head_corrections);
-	pthread_mutex_destroy(&s->lock);
-	pthread_cond_destroy(&s->work);
-	pthread_cond_destroy(&s->done);
-	pthread_mutex_destroy(&s->error_lock);
-	free(s);
-}
-
-const char *kvr_sched_last_error(const struct kvr_sched *s)
-{
-	return s->last_error;
-}
-
-void kvr_sched_counters(const struct kvr_sched *s, uint32_t seq, uint64_t out[KVR_C_COUNT])
-{
-	struct kvr_sched *ms = (struct kvr_sched *)s;
-	for (uint32_t i = 0; i < KVR_C_COUNT; i++)
-		out[i] = seq == UINT32_MAX
-				 ? atomic_load_explicit(&ms->counters[i], memory_order_relaxed)
-				 : atomic_load_explicit(&ms->seq_counters[(uint64_t)seq * KVR_C_COUNT + i],
-							memory_order_relaxed);
-}
-
-void kvr_sched_head_corrections(const struct kvr_sched *s, uint32_t seq, uint64_t *out,
-				uint32_t n_kv)
-{
-	struct kvr_sched *ms = (struct kvr_sched *)s;
-	for (uint32_t m = 0; m < n_kv; m++) {
-		out[m] = 0;
-		for (uint32_t q = 0; q < s->c.max_sequences; q++)
-			if (seq == UINT32_MAX || q == seq)
-				out[m] += atomic_load_explicit(&ms->head_corrections[(uint64_t)q * n_kv + m],
-							       memory_order_relaxed);
-	}
-}
-
-int kvr_sched_async_error(struct kvr_sched *s, const char **message)
-{
-	pthread_mutex_lock(&s->error_lock);
-	const int err = s->async_error;
-	s->async_error = 0;
-	pthread_mutex_unlock(&s->error_lock);
-	if (message)
-		*message = s->async_message;
-	return err;
-}
-
-void kvr_sched_set_trace(struct kvr_sched *s, struct kvr_trace *trace)
-{
-	/* release pairs with trace_of's acquire in the recording threads */
-	atomic_store_explicit(&s->trace, trace, memory_order_release);
-}
-
-/* ------------------------------------------------------------------ prefill attention */
-
-int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t layer,
-				uint64_t first_position, uint32_t n_tokens, const void *q, void *out)
-{
-	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, d = s->c.head_dim;
-	uint64_t have = 0;
-	kvr_pool_n_tokens(s->pool, seq, layer, &have);
-	const uint32_t n_full = (uint32_t)(have / p);
-	const uint64_t head_q_bytes = (uint64_t)s->G * d * s->eb;
-	/* queries in groups, so the segment lists stay a few MiB at long contexts */
-	const uint32_t group = 32;
-	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
-	struct layer_scratch *ls = &s->scratch[layer];
-	struct kvr_lane *plane = lane_of(s, seq, layer);
-	const size_t items_bytes = ((size_t)group * n_kv * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
-	const size_t rows_bytes = (size_t)group * s->q_row;
-	const size_t scratch_bytes = items_bytes + (size_t)group * n_kv * max_segs * sizeof(struct kvr_kv_segment);
-	if (kvr_sched_mapped_grow(s, &ls->mem, &ls->bytes, scratch_bytes) ||
-	    (s->separate && kvr_sched_device_grow(s, &ls->dev, &ls->dev_bytes, scratch_bytes)) ||
-	    (s->separate && (kvr_sched_device_grow(s, &s->prefill_q, &s->prefill_q_bytes, rows_bytes) ||
-			     kvr_sched_device_grow(s, &s->prefill_out, &s->prefill_out_bytes, rows_bytes)))) {
-		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
-		return -ENOMEM;
-	}
-	struct kvr_attention_item *items = ls->mem;
-	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->mem + items_bytes);
-	struct kvr_stream *st = s->engine_inline;
-	for (uint32_t at = 0; at < n_tokens; at += group) {
-		const uint32_t n_q = n_tokens - at < group ? n_tokens - at : group;
-		/* q and out are host arrays: on a separate-memory device the group's
-		 * rows go through device buffers */
-		const unsigned char *q_rows = (const unsigned char *)q + (uint64_t)at * s->q_row;
-		unsigned char *out_rows = (unsigned char *)out + (uint64_t)at * s->q_row;
-		int err = 0;
-		if (s->separate) {
-			err = kvr_dev_memcpy_async(s->dev, s->prefill_q, q_rows, n_q * s->q_row,
-						   KVR_COPY_H2D, st);
-			q_rows = s->prefill_q;
-			out_rows = s->prefill_out;
-		}
-		uint32_t n_items = 0, n_segs = 0;
-		int pin_err = 0; /* spill tier: a page that could not be pinned (message set) */
-		if (s->spill) {
-			/* the group's pages, each pinned once (the segments below do not
-			 * pin again): every page up to the last query's, which with a
-			 * spill tier must fit in RAM together */
-			const uint64_t last = first_position + at + n_q - 1;
-			const uint32_t need = (uint32_t)((last + 1) / p) + ((last + 1) % p && (last + 1) / p < n_full);
-			for (uint32_t j = 0; j < need && !pin_err; j++) {
-				uint32_t id = 0;
-				kvr_pool_lookup(s->pool, seq, layer, j, &id);
-				pin_err = pin_in_place(s, id);
-				if (pin_err)
-					snprintf(s->last_error, sizeof(s->last_error),
-						 "prefill attention of sequence %u layer %u: page %u of %u: %s", seq,
-						 layer, j, need, kvr_pool_last_error(s->pool));
-			}
-			if (pin_err) {
-				unpin_step(s);
-				return pin_err;
-			}
-			s->suppress_segment_pins = 1;
-		}
-		for (uint32_t t = 0; t < n_q; t++) {
-			const uint64_t pos = first_position + at + t; /* attends tokens 0..pos */
-			const uint32_t whole = (uint32_t)((pos + 1) / p), rest = (uint32_t)((pos + 1) % p);
-			for (uint32_t m = 0; m < n_kv; m++) {
-				const uint32_t first = n_segs;
-				for (uint32_t j = 0; j < whole; j++)
-					segs[n_segs++] = pool_segment(s, plane, j, m, 0, &pin_err);
-				if (rest && whole < n_full) {
-					/* the page holding pos is already in the pool: its first rows */
-					segs[n_segs] = pool_segment(s, plane, whole, m, 0, &pin_err);
-					segs[n_segs++].n_tokens = rest;
-				} else if (rest) {
-					const unsigned char *kt = s->tails[seq] +
-								  (uint64_t)layer * 2 * s->tile_bytes +
-								  (uint64_t)m * d * s->eb;
-					segs[n_segs++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, rest,
-										  { n_kv * d }, 0, 0 };
-				}
-				const uint64_t row = (uint64_t)t * s->q_row + m * head_q_bytes;
-				items[n_items++] = (struct kvr_attention_item){ q_rows + row, out_rows + row,
-										NULL, first, n_segs - first };
-			}
-		}
-		s->suppress_segment_pins = 0;
-		const struct kvr_attention_item *items_k = items;
-		const struct kvr_kv_segment *segs_k = segs;
-		if (!err && s->separate) {
-			err = kvr_sched_items_to_device(s, st, ls->dev, items, n_items * sizeof(*items));
-			if (!err)
-				err = kvr_sched_items_to_device(s, st, (unsigned char *)ls->dev + items_bytes,
-								segs, n_segs * sizeof(*segs));
-			items_k = ls->dev;
-			segs_k = (const void *)((unsigned char *)ls->dev + items_bytes);
-		}
-		if (!err)
-			err = kvr_dev_attention(s->dev, &s->head_shape, items_k, n_items, segs_k, n_segs, st);
-		if (!err && s->separate)
-			err = kvr_dev_memcpy_async(s->dev, (unsigned char *)out + (uint64_t)at * s->q_row,
-						   s->prefill_out, n_q * s->q_row, KVR_COPY_D2H, st);
-		/* the next group rewrites the items (and, separate, the rows);
-		 * with a spill tier, the pages it pinned are released after it */
-		if (!err && (s->separate || s->spill))
-			err = kvr_dev_stream_synchronize(s->dev, st);
-		unpin_step(s);
-		if (err) {
-			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
-			return err;
-		}
-	}
-	return 0;
 }

@@ -1,0 +1,133 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * lanes.c — a sequence's lanes over their life: opened with the sequence
+ * (recall slots, importance and residency state), quiesced before anything
+ * changes its pool tables, forgotten after a truncate or a failed step (the
+ * next sparse step selects afresh), released when the sequence closes.
+ *
+ * Threads: the engine's thread; a lane whose controller job is in flight is
+ * waited for first (kvr_sched_seq_quiesce).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../gpu/fault.h"
+#include "sched_impl.h"
+
+void kvr_sched_lane_forget(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	lane->has_prev = 0;
+	lane->recall_error = 0; /* it was about pages that are gone or re-selected */
+	kvr_resident_lane_forget(lane);
+	kvr_importance_lane_forget(s, lane);
+	for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+		lane->selected[i] = -1;
+	if (lane->slot_page)
+		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+			lane->slot_page[i] = -1;
+}
+
+static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	kvr_recall_lane_free(s, lane);
+	kvr_resident_lane_free(s, lane);
+	kvr_importance_lane_free(s, lane);
+	free(lane->slot_fmt);
+	lane->slot_fmt = NULL;
+	kvr_sched_mapped_free(s, lane->prev_q);
+	kvr_sched_mapped_free(s, lane->selected);
+	free(lane->slot_page);
+	free(lane->job_heads);
+	lane->prev_q = NULL;
+	lane->selected = NULL;
+	lane->slot_page = NULL;
+	lane->job_heads = NULL;
+}
+
+void kvr_sched_seq_quiesce(struct kvr_sched *s, uint32_t seq)
+{
+	for (uint32_t l = 0; l < s->c.n_layers; l++) {
+		struct kvr_lane *lane = lane_of(s, seq, l);
+		kvr_lane_acquire(s, lane);
+		/* the lane's recall may still be running on the streams */
+		if (lane->recall_done)
+			kvr_dev_event_synchronize(s->dev, lane->recall_done);
+	}
+}
+
+int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
+{
+	const size_t n_sel = (size_t)s->c.n_kv_heads * (s->k ? s->k : 1);
+	int units_err = kvr_units_seq_open(s); /* quantised pages: a sequence's units */
+	if (units_err)
+		return units_err; /* its message in last_error */
+	for (uint32_t l = 0; l < s->c.n_layers; l++) {
+		struct kvr_lane *lane = lane_of(s, seq, l);
+		memset(lane, 0, sizeof(*lane));
+		lane->seq = seq;
+		lane->layer = l;
+		int err = kvr_sched_mapped_alloc(s, s->q_row, (void **)&lane->prev_q);
+		if (!err)
+			err = kvr_sched_mapped_alloc(s, n_sel * sizeof(int32_t), (void **)&lane->selected);
+		lane->job_heads = kvr_malloc(s->c.n_kv_heads);
+		if (!err && !lane->job_heads)
+			err = -ENOMEM;
+		if (!err && s->recall == KVR_RECALL_STREAMED && !kvr_layer_dense(s, l) &&
+		    !(lane->slot_page = kvr_malloc(n_sel * sizeof(int32_t))))
+			err = -ENOMEM;
+		if (!err && lane->slot_page && s->kv_format == KVR_KV_MIXED &&
+		    !(lane->slot_fmt = kvr_calloc(n_sel, 1)))
+			err = -ENOMEM;
+		if (!err)
+			err = kvr_importance_lane_open(s, lane);
+		if (!err)
+			err = kvr_recall_lane_alloc(s, lane); /* events; slots when it has a slot table */
+		if (!err)
+			err = kvr_resident_lane_open(s, lane);
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error),
+				 "device memory for sequence %u's page cache (layer %u): %s", seq, l,
+				 err == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
+			for (uint32_t j = 0; j <= l; j++)
+				lane_release(s, lane_of(s, seq, j));
+			kvr_units_seq_close(s, seq); /* nothing taken yet: the reservation only */
+			return err;
+		}
+		kvr_sched_lane_forget(s, lane);
+	}
+	s->tails[seq] = tails;
+	for (uint32_t i = 0; i < KVR_C_COUNT; i++)
+		atomic_store_explicit(&s->seq_counters[(uint64_t)seq * KVR_C_COUNT + i], 0,
+				      memory_order_relaxed);
+	for (uint32_t m = 0; m < s->c.n_kv_heads; m++)
+		atomic_store_explicit(&s->head_corrections[(uint64_t)seq * s->c.n_kv_heads + m], 0,
+				      memory_order_relaxed);
+	return 0;
+}
+
+void kvr_sched_seq_close(struct kvr_sched *s, uint32_t seq)
+{
+	kvr_sched_seq_quiesce(s, seq);
+	/* A stream may still be inside the operation that completed one of the
+	 * lane's events (waking waiters after publishing completion): drain the
+	 * streams that record them before the events are destroyed. */
+	if (s->copy)
+		kvr_dev_stream_synchronize(s->dev, s->copy);
+	if (s->convert)
+		kvr_dev_stream_synchronize(s->dev, s->convert);
+	kvr_dev_stream_synchronize(s->dev, s->compute);
+	kvr_units_seq_close(s, seq); /* no stream reads the units any more */
+	for (uint32_t l = 0; l < s->c.n_layers; l++)
+		lane_release(s, lane_of(s, seq, l));
+	s->tails[seq] = NULL;
+}
+
+void kvr_sched_seq_reset(struct kvr_sched *s, uint32_t seq)
+{
+	kvr_sched_seq_quiesce(s, seq);
+	for (uint32_t l = 0; l < s->c.n_layers; l++)
+		kvr_sched_lane_forget(s, lane_of(s, seq, l));
+}

@@ -1,0 +1,235 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * sched.c — the scheduler's lifecycle (create: geometry, streams, staging,
+ * recall and units setup, the controller thread; destroy in reverse) and its
+ * read-only getters (errors, counters, per-head corrections, the trace).
+ *
+ * Threads: create and destroy on the engine's thread with no step open; the
+ * getters from any thread (counters and the trace pointer are atomics).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../gpu/fault.h"
+#include "sched_impl.h"
+
+int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **out, char *err,
+		     size_t err_bytes)
+{
+	struct kvr_sched *s = kvr_calloc(1, sizeof(*s));
+	if (!s) {
+		snprintf(err, err_bytes, "scheduler: out of memory");
+		return -ENOMEM;
+	}
+	const struct kvr_config *c = params->config;
+	s->c = *c;
+	s->pool = params->pool;
+	s->dev = params->dev;
+	s->pool_layout = params->pool_layout;
+	s->recall = params->recall;
+	s->separate = !kvr_dev_host_visible(s->dev);
+	s->jobs_inline = c->controller == KVR_CONTROLLER_INLINE;
+	if (params->hooks)
+		s->hooks = *params->hooks;
+	s->log_fn = params->log_fn;
+	s->log_user = params->log_user;
+	s->k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
+	s->G = c->n_qo_heads / c->n_kv_heads;
+	s->eb = kvr_elem_bytes(c->dtype);
+	s->q_row = (uint64_t)c->n_qo_heads * c->head_dim * s->eb;
+	s->kv_row = (uint64_t)c->n_kv_heads * c->head_dim * s->eb;
+	s->tile_bytes = (uint64_t)c->page_tokens * s->kv_row;
+	s->kv_format = c->kv_format;
+	s->head_bytes = kvr_kv_run_bytes(c->kv_format, c->page_tokens, c->head_dim, s->eb);
+	s->units_per_slot = c->kv_format ? kvr_units_per_slot(c) : 0;
+	const float scale = 1.0f / sqrtf((float)c->head_dim);
+	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
+				       c->dtype, scale, c->tau, 0 };
+	s->head_shape = (struct kvr_shape){ s->G, 1, c->head_dim, c->page_tokens, c->dtype, scale,
+					    c->tau, 0 };
+	s->lse_shape = s->head_shape;
+	s->lse_shape.flags = KVR_SHAPE_SEGMENT_LSE;
+	for (uint32_t w = 0; w < 4; w++)
+		s->hook_args[w] = (struct hook_arg){ s, w };
+	pthread_mutex_init(&s->lock, NULL);
+	pthread_cond_init(&s->work, NULL);
+	pthread_cond_init(&s->done, NULL);
+	pthread_mutex_init(&s->error_lock, NULL);
+
+	int ret = 0;
+	const size_t n_lanes = (size_t)c->max_sequences * c->n_layers;
+	s->lanes = kvr_calloc(n_lanes, sizeof(*s->lanes));
+	s->tails = kvr_calloc(c->max_sequences, sizeof(*s->tails));
+	s->scratch = kvr_calloc(c->n_layers, sizeof(*s->scratch));
+	s->seq_counters = kvr_calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
+	s->head_corrections = kvr_calloc((size_t)c->max_sequences * c->n_kv_heads,
+				     sizeof(*s->head_corrections));
+	s->step_fail = kvr_calloc(c->max_sequences, sizeof(*s->step_fail));
+	s->step_fail_pos = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_pos));
+	s->step_serial = 1; /* lanes start at appended_step 0: never */
+	s->step_failed = kvr_calloc(c->max_sequences, sizeof(*s->step_failed));
+	s->step_fail_layer = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_layer));
+	s->step_fail_message = kvr_calloc(c->max_sequences, KVR_SCHED_MESSAGE);
+	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections ||
+	    !s->step_fail || !s->step_fail_pos || !s->step_failed || !s->step_fail_layer ||
+	    !s->step_fail_message) {
+		snprintf(err, err_bytes, "scheduler: out of memory");
+		ret = -ENOMEM;
+	}
+	if (!ret && (!(s->seg_pages = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_pages))) ||
+		     !(s->seg_slots = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_slots))))) {
+		snprintf(err, err_bytes, "scheduler: out of memory");
+		ret = -ENOMEM;
+	}
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, (size_t)c->max_batch * c->n_kv_heads * (s->k ? s->k : 1) *
+							sizeof(int32_t), (void **)&s->now_sel);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, sizeof(*s->engine_items), (void **)&s->engine_items);
+	if (!ret)
+		ret = kvr_sched_mapped_alloc(s, sizeof(*s->ctl_items), (void **)&s->ctl_items);
+	s->engine_items_dev = s->engine_items;
+	s->ctl_items_dev = s->ctl_items;
+	if (!ret && s->separate) {
+		s->engine_items_dev = NULL;
+		s->ctl_items_dev = NULL;
+		ret = kvr_dev_alloc(s->dev, sizeof(*s->engine_items_dev), (void **)&s->engine_items_dev);
+		if (!ret)
+			ret = kvr_dev_alloc(s->dev, sizeof(*s->ctl_items_dev), (void **)&s->ctl_items_dev);
+	}
+	if (!ret && s->separate) {
+		if (!(s->zero_row = kvr_calloc(1, s->q_row)))
+			ret = -ENOMEM;
+		if (!ret)
+			ret = kvr_dev_event_create(s->dev, &s->engine_ready);
+		if (!ret)
+			ret = kvr_dev_event_create(s->dev, &s->layer_done);
+	}
+	if (ret && !err[0])
+		snprintf(err, err_bytes, "scheduler: %s",
+			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
+	if (!ret && (ret = kvr_dev_stream_create(s->dev, 0, &s->engine_inline)) == 0 &&
+	    (ret = kvr_dev_stream_create(s->dev, s->hooks.async_compute ? KVR_STREAM_WORKER : 0,
+					 &s->compute)) == 0)
+		ret = kvr_dev_stream_create(s->dev, 0, &s->ctl_inline);
+	if (ret && !err[0])
+		snprintf(err, err_bytes, "scheduler: %s", kvr_dev_last_error(s->dev));
+	if (!ret)
+		ret = kvr_recall_setup(s, err, err_bytes);
+	if (!ret)
+		ret = kvr_units_setup(s, err, err_bytes);
+	if (!ret && (ret = kvr_controller_start(s)))
+		snprintf(err, err_bytes, "scheduler: cannot start the controller thread: %s",
+			 strerror(-ret));
+	if (ret) {
+		kvr_sched_destroy(s);
+		return ret;
+	}
+	*out = s;
+	return 0;
+}
+
+void kvr_sched_destroy(struct kvr_sched *s)
+{
+	if (!s)
+		return;
+	kvr_controller_stop(s);
+	if (s->lanes)
+		for (uint32_t seq = 0; seq < s->c.max_sequences; seq++)
+			if (s->tails && s->tails[seq])
+				kvr_sched_seq_close(s, seq);
+	kvr_recall_teardown(s);
+	kvr_units_teardown(s);
+	if (s->compute)
+		kvr_dev_stream_synchronize(s->dev, s->compute);
+	kvr_sched_unpin_step(s);
+	free(s->step_pins);
+	kvr_dev_stream_destroy(s->dev, s->engine_inline);
+	kvr_dev_stream_destroy(s->dev, s->compute);
+	kvr_dev_stream_destroy(s->dev, s->ctl_inline);
+	if (s->scratch)
+		for (uint32_t l = 0; l < s->c.n_layers; l++) {
+			kvr_sched_mapped_free(s, s->scratch[l].mem);
+			kvr_sched_device_free(s, s->scratch[l].dev);
+		}
+	if (s->separate) {
+		kvr_dev_free(s->dev, s->engine_items_dev);
+		kvr_dev_free(s->dev, s->ctl_items_dev);
+	}
+	free(s->scratch);
+	free(s->lanes);
+	free(s->tails);
+	free(s->step_fail);
+	free(s->step_fail_pos);
+	free(s->step_failed);
+	free(s->step_fail_layer);
+	free(s->step_fail_message);
+	free(s->seg_pages);
+	free(s->seg_slots);
+	kvr_sched_mapped_free(s, s->now_sel);
+	kvr_sched_mapped_free(s, s->engine_items);
+	kvr_sched_mapped_free(s, s->ctl_items);
+	kvr_sched_mapped_free(s, s->mirror);
+	kvr_sched_device_free(s, s->engine_scores);
+	kvr_sched_device_free(s, s->ctl_scores);
+	kvr_sched_device_free(s, s->prefill_q);
+	kvr_sched_device_free(s, s->prefill_out);
+	free(s->zero_row);
+	kvr_dev_event_destroy(s->dev, s->engine_ready);
+	kvr_dev_event_destroy(s->dev, s->layer_done);
+	free((void *)s->seq_counters);
+	free((void *)s->head_corrections);
+	pthread_mutex_destroy(&s->lock);
+	pthread_cond_destroy(&s->work);
+	pthread_cond_destroy(&s->done);
+	pthread_mutex_destroy(&s->error_lock);
+	free(s);
+}
+
+const char *kvr_sched_last_error(const struct kvr_sched *s)
+{
+	return s->last_error;
+}
+
+void kvr_sched_counters(const struct kvr_sched *s, uint32_t seq, uint64_t out[KVR_C_COUNT])
+{
+	struct kvr_sched *ms = (struct kvr_sched *)s;
+	for (uint32_t i = 0; i < KVR_C_COUNT; i++)
+		out[i] = seq == UINT32_MAX
+				 ? atomic_load_explicit(&ms->counters[i], memory_order_relaxed)
+				 : atomic_load_explicit(&ms->seq_counters[(uint64_t)seq * KVR_C_COUNT + i],
+							memory_order_relaxed);
+}
+
+void kvr_sched_head_corrections(const struct kvr_sched *s, uint32_t seq, uint64_t *out,
+				uint32_t n_kv)
+{
+	struct kvr_sched *ms = (struct kvr_sched *)s;
+	for (uint32_t m = 0; m < n_kv; m++) {
+		out[m] = 0;
+		for (uint32_t q = 0; q < s->c.max_sequences; q++)
+			if (seq == UINT32_MAX || q == seq)
+				out[m] += atomic_load_explicit(&ms->head_corrections[(uint64_t)q * n_kv + m],
+							       memory_order_relaxed);
+	}
+}
+
+int kvr_sched_async_error(struct kvr_sched *s, const char **message)
+{
+	pthread_mutex_lock(&s->error_lock);
+	const int err = s->async_error;
+	s->async_error = 0;
+	pthread_mutex_unlock(&s->error_lock);
+	if (message)
+		*message = s->async_message;
+	return err;
+}
+
+void kvr_sched_set_trace(struct kvr_sched *s, struct kvr_trace *trace)
+{
+	/* release pairs with trace_of's acquire in the recording threads */
+	atomic_store_explicit(&s->trace, trace, memory_order_release);
+}

@@ -1,0 +1,72 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * select.c — DESIGN.md step 5 for one lane: the candidates of the step a
+ * selection serves, each head's softmax domain, the summaries on the device,
+ * then the score and select kernels. Called by the engine (a correction, a
+ * lane's first sparse step, blocking mode: step.c) and by the controller (the
+ * speculative selection for the next step: controller.c), so it lives apart
+ * from both.
+ *
+ * Threads: whichever thread holds the lane (the engine, or the controller
+ * while the lane's job is in flight); `stream` is that thread's stream.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../gpu/fault.h"
+#include "sched_impl.h"
+
+int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
+		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
+		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
+		     size_t *scores_bytes)
+{
+	const uint32_t sink = s->c.sink_tokens / s->c.page_tokens;
+	/* the window as it will be at step i+1 (one more token) when the
+	 * selection serves that step, so a page leaving the window is a
+	 * candidate the step it leaves; it never reaches the page being filled,
+	 * which has no summary yet (kvr_window_first) */
+	const uint32_t win_first = kvr_window_first(&s->c, n_tokens + (next ? 1 : 0));
+	const uint32_t cand_begin = sink, cand_end = win_first > sink ? win_first : sink;
+	/* Each head's softmax spans every page with a summary (FreeKV's P^h over
+	 * all pages, not only the candidates): a head whose attention sits in the
+	 * sink or the window then weighs less in its group's mean than one
+	 * spread over the candidates. Measured: lower perplexity gaps where
+	 * sink and window are a sizeable share of the pages, neutral at 8K
+	 * (docs/benchmarks.md, "Group consistency"). The page the newest token
+	 * completed is left out: its summary may still be on its way (the rule
+	 * kvr_window_first applies with W = 0). */
+	const uint32_t with_summary = n_tokens ? (uint32_t)((n_tokens - 1) / s->c.page_tokens) : 0;
+	const uint32_t norm_end = with_summary > cand_end ? with_summary : cand_end;
+	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
+	if (kvr_sched_device_grow(s, (void **)scores, scores_bytes, need))
+		return -ENOMEM;
+	const void *summaries = kvr_resident_summaries(s, lane, norm_end, stream);
+	if (!summaries && s->separate && kvr_pool_summary(s->pool, lane->seq, lane->layer, 0))
+		return -ENOMEM; /* no device memory for the summaries */
+	if (!summaries) {
+		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+			selected[i] = -1;
+		return 0;
+	}
+	*item = (struct kvr_score_item){ .q = q,
+					 .summaries = summaries,
+					 .scores = *scores,
+					 .selected = selected,
+					 .cand_begin = cand_begin,
+					 .cand_end = cand_end,
+					 .k = s->k,
+					 .norm_end = norm_end };
+	int err = kvr_sched_items_to_device(s, stream, item_dev, item, sizeof(*item));
+	if (!err)
+		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
+	if (!err)
+		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
+	/* the host plans with `selected` (and reuses the item and the scores) */
+	if (!err && s->separate)
+		err = kvr_dev_stream_synchronize(s->dev, stream);
+	return err;
+}
