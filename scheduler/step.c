@@ -240,49 +240,76 @@ static void zero_output(struct kvr_sched *s, void *out_row)
 		kvr_dev_memcpy_async(s->dev, out_row, s->zero_row, s->q_row, KVR_COPY_H2D, s->compute);
 }
 
-int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
-			   const uint32_t *seqs, const uint64_t *positions, const void *q,
-			   const void *k, const void *v, void *out, int32_t *status,
-			   struct kvr_stream *engine_stream)
-{
-	const uint64_t t_enter = kvr_now_ns();
-	const struct kvr_config *c = &s->c;
-	const uint32_t n_kv = c->n_kv_heads, p = c->page_tokens, kk = s->k;
-	const uint64_t q_row = s->q_row, kv_row = s->kv_row;
-	const uint64_t head_q_bytes = (uint64_t)s->G * c->head_dim * s->eb;
-	const int dense_layer = kvr_layer_dense(s, layer);
-	struct kvr_trace *tr = trace_of(s);
+/* One layer call's state, shared by its phases (engine thread). */
+struct layer_call {
+	struct kvr_sched *s;
+	uint32_t layer, batch;
+	const uint32_t *seqs;
+	const uint64_t *positions;
+	void *out;
+	int32_t *status;
+	struct kvr_trace *tr;
+	uint64_t t_enter;
+	uint32_t n_kv, kk;
+	uint64_t q_row, kv_row, head_q_bytes;
 	/* q_dev feeds kernels; q_host, k_host, v_host the host's own work */
-	const unsigned char *q_dev = q, *q_host = q, *k_host = k, *v_host = v;
-	if (s->separate) {
-		int err = fetch_inputs(s, batch, q, k, v, engine_stream);
-		if (err) {
-			snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: %s",
-				 kvr_dev_last_error(s->dev));
-			return err;
-		}
-		q_host = s->mirror;
-		k_host = s->mirror + (size_t)batch * q_row;
-		v_host = k_host + (size_t)batch * kv_row;
-	}
+	const unsigned char *q_dev, *q_host, *k_host, *v_host;
+	uint32_t max_pages; /* full pages of the longest sequence after the append */
+	/* the layer's scratch (kvr_sched.scratch[layer]) carved by layer_scratch */
+	struct layer_scratch *ls;
+	struct kvr_attention_item *items;
+	struct kvr_kv_segment *segs;
+	struct entry *e;
+	float *cosine;
+	uint8_t *corrected;        /* [batch][n_kv] */
+	struct kvr_lane **att_lanes; /* lanes whose attention is queued */
+	uint32_t n_items, n_segs, n_att;
+};
 
-	/* 1. Acquire the lanes, append the tokens. */
-	uint32_t max_pages = 0;
-	for (uint32_t i = 0; i < batch; i++) {
-		const uint32_t seq = seqs[i];
+/* Separate memory: the layer's q, k, v on the host (fetch_inputs). */
+static int layer_inputs(struct layer_call *lc, const void *q, const void *k, const void *v,
+			struct kvr_stream *engine_stream)
+{
+	struct kvr_sched *s = lc->s;
+	lc->q_dev = lc->q_host = q;
+	lc->k_host = k;
+	lc->v_host = v;
+	if (!s->separate)
+		return 0;
+	int err = fetch_inputs(s, lc->batch, q, k, v, engine_stream);
+	if (err) {
+		snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: %s",
+			 kvr_dev_last_error(s->dev));
+		return err;
+	}
+	lc->q_host = s->mirror;
+	lc->k_host = s->mirror + (size_t)lc->batch * lc->q_row;
+	lc->v_host = lc->k_host + (size_t)lc->batch * lc->kv_row;
+	return 0;
+}
+
+/* 1. Acquire the lanes, append the tokens; a sequence that fails here gets
+ * its status, zeros, and no further work this layer. */
+static void layer_append(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t layer = lc->layer;
+	for (uint32_t i = 0; i < lc->batch; i++) {
+		const uint32_t seq = lc->seqs[i];
+		unsigned char *out_row = (unsigned char *)lc->out + i * lc->q_row;
 		struct kvr_lane *lane = lane_of(s, seq, layer);
 		const uint64_t waited = kvr_lane_acquire(s, lane);
 		if (waited) {
 			count(s, seq, KVR_C_CONTROLLER_WAITS, 1);
 			count(s, seq, KVR_C_CONTROLLER_WAIT_NS, waited);
-			if (tr)
-				kvr_trace_span(tr, "wait controller", KVR_TRACK_ENGINE, seq, layer, 0,
+			if (lc->tr)
+				kvr_trace_span(lc->tr, "wait controller", KVR_TRACK_ENGINE, seq, layer, 0,
 					       kvr_now_ns() - waited, kvr_now_ns());
 		}
 		kvr_importance_harvest(s, lane); /* before this step overwrites its lse */
 		if (s->step_fail[seq]) { /* an earlier layer of this step failed it */
-			status[i] = s->step_fail[seq];
-			zero_output(s, (unsigned char *)out + i * q_row);
+			lc->status[i] = s->step_fail[seq];
+			zero_output(s, out_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
 			continue;
 		}
@@ -290,31 +317,37 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			/* the recall this step would attend over could not read its pages
 			 * from the spill file: fail this sequence's step, append nothing;
 			 * the lane recalls afresh at its next step */
-			status[i] = lane->recall_error;
+			lc->status[i] = lane->recall_error;
 			lane->recall_error = 0;
-			fail_sequence(s, seq, layer, positions[i], status[i], NULL,
-				      (unsigned char *)out + i * q_row);
+			fail_sequence(s, seq, layer, lc->positions[i], lc->status[i], NULL, out_row);
 			continue;
 		}
 		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
 					      s->tails[seq] + ((uint64_t)layer * 2 + 1) * s->tile_bytes };
-		status[i] = kvr_pool_ingest(s->pool, seq, layer, positions[i], 1, k_host + i * kv_row,
-					    v_host + i * kv_row, &tail);
-		if (status[i]) {
-			zero_output(s, (unsigned char *)out + i * q_row);
+		lc->status[i] = kvr_pool_ingest(s->pool, seq, layer, lc->positions[i], 1,
+						lc->k_host + i * lc->kv_row, lc->v_host + i * lc->kv_row,
+						&tail);
+		if (lc->status[i]) {
+			zero_output(s, out_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
-			mark_failed(s, seq, layer, positions[i], status[i], kvr_pool_last_error(s->pool));
+			mark_failed(s, seq, layer, lc->positions[i], lc->status[i],
+				    kvr_pool_last_error(s->pool));
 			continue;
 		}
 		lane->appended_step = s->step_serial;
-		const uint32_t pages = (uint32_t)((positions[i] + 1) / p);
-		max_pages = pages > max_pages ? pages : max_pages;
+		const uint32_t pages = (uint32_t)((lc->positions[i] + 1) / s->c.page_tokens);
+		lc->max_pages = pages > lc->max_pages ? pages : lc->max_pages;
 	}
+}
 
-	/* Scratch of this layer (kept per layer: an asynchronous attention may
-	 * still read the previous layer's items). */
+/* The layer's scratch: kept per layer, since an asynchronous attention may
+ * still read the previous layer's items. */
+static int layer_scratch(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t batch = lc->batch, n_kv = lc->n_kv;
 	/* mixed pages: a selected K8V4 page is two segments (its halves) */
-	const uint32_t max_segs = max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
+	const uint32_t max_segs = lc->max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
 	size_t off[6], need = 0;
 	const size_t sizes[6] = {
 		(size_t)batch * n_kv * sizeof(struct kvr_attention_item),
@@ -328,137 +361,186 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		off[i] = need;
 		need += (sizes[i] + 63) & ~(size_t)63;
 	}
-	struct layer_scratch *ls = &s->scratch[layer];
+	struct layer_scratch *ls = &s->scratch[lc->layer];
 	if (kvr_sched_mapped_grow(s, &ls->mem, &ls->bytes, need) ||
 	    (s->separate && kvr_sched_device_grow(s, &ls->dev, &ls->dev_bytes, need))) {
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for the step's scratch");
 		return -ENOMEM;
 	}
 	unsigned char *mem = ls->mem;
-	struct kvr_attention_item *items = (void *)(mem + off[0]);
-	struct kvr_kv_segment *segs = (void *)(mem + off[1]);
-	struct entry *e = (void *)(mem + off[2]);
-	float *cosine = (void *)(mem + off[3]);
-	uint8_t *corrected = mem + off[4];
-	struct kvr_lane **att_lanes = (void *)(mem + off[5]);
+	lc->ls = ls;
+	lc->items = (void *)(mem + off[0]);
+	lc->segs = (void *)(mem + off[1]);
+	lc->e = (void *)(mem + off[2]);
+	lc->cosine = (void *)(mem + off[3]);
+	lc->corrected = mem + off[4];
+	lc->att_lanes = (void *)(mem + off[5]);
+	return 0;
+}
 
-	/* 2. Dense or sparse; which heads are corrected. */
-	for (uint32_t i = 0; i < batch; i++) {
-		e[i] = (struct entry){ SEQ_FAILED, 0, positions[i] + 1 };
-		if (status[i])
+/* freekv: which of entry i's KV heads moved below tau since the lane's
+ * previous query (the similarity kernel on the engine's inline stream). */
+static int check_similarity(struct layer_call *lc, uint32_t i, struct kvr_lane *lane,
+			    uint8_t *corr)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t seq = lc->seqs[i], n_kv = lc->n_kv;
+	const uint64_t t0 = kvr_now_ns();
+	struct kvr_similarity_item *si = &s->engine_items->similarity;
+	*si = (struct kvr_similarity_item){ lc->q_dev + i * lc->q_row, lane->prev_q,
+					    lc->cosine + (uint64_t)i * n_kv, corr };
+	int err = kvr_sched_items_to_device(s, s->engine_inline, &s->engine_items_dev->similarity,
+					    si, sizeof(*si));
+	if (!err)
+		err = kvr_dev_similarity(s->dev, &s->shape, &s->engine_items_dev->similarity, 1,
+					 s->engine_inline);
+	if (!err && s->separate) /* the host reads corr */
+		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
+	if (err) {
+		snprintf(s->last_error, sizeof(s->last_error), "similarity: %s",
+			 kvr_dev_last_error(s->dev));
+		return err;
+	}
+	uint32_t n_corr = 0;
+	for (uint32_t m = 0; m < n_kv; m++) {
+		n_corr += corr[m];
+		if (corr[m]) /* a statistic read by kvr_get_head_corrections: relaxed */
+			atomic_fetch_add_explicit(&s->head_corrections[(uint64_t)seq * n_kv + m], 1,
+						  memory_order_relaxed);
+	}
+	count(s, seq, KVR_C_CHECKED_HEADS, n_kv);
+	count(s, seq, KVR_C_CORRECTED_HEADS, n_corr);
+	if (lc->tr)
+		kvr_trace_span(lc->tr, "correction check", KVR_TRACK_ENGINE, seq, lc->layer, n_corr,
+			       t0, kvr_now_ns());
+	return 0;
+}
+
+/* 2. Dense or sparse; which heads are corrected. */
+static int layer_corrections(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	const struct kvr_config *c = &s->c;
+	const int dense_layer = kvr_layer_dense(s, lc->layer);
+	for (uint32_t i = 0; i < lc->batch; i++) {
+		struct entry *e = &lc->e[i];
+		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1 };
+		if (lc->status[i])
 			continue;
-		const uint32_t seq = seqs[i];
-		struct kvr_lane *lane = lane_of(s, seq, layer);
-		uint8_t *corr = corrected + (uint64_t)i * n_kv;
-		memset(corr, 0, n_kv);
-		if (dense_layer || e[i].n_tokens <= c->budget_tokens) {
-			e[i].kind = SEQ_DENSE;
+		struct kvr_lane *lane = lane_of(s, lc->seqs[i], lc->layer);
+		uint8_t *corr = lc->corrected + (uint64_t)i * lc->n_kv;
+		memset(corr, 0, lc->n_kv);
+		if (dense_layer || e->n_tokens <= c->budget_tokens) {
+			e->kind = SEQ_DENSE;
 			lane->has_prev = 0; /* the first sparse step selects afresh */
 			continue;
 		}
-		e[i].kind = SEQ_SPARSE;
-		if (!kk)
+		e->kind = SEQ_SPARSE;
+		if (!lc->kk)
 			continue; /* sink + window only: nothing to select */
 		if (c->mode == KVR_MODE_BLOCKING || !lane->has_prev) {
-			memset(corr, 1, n_kv);
+			memset(corr, 1, lc->n_kv);
 		} else if (c->mode == KVR_MODE_FREEKV) {
-			const uint64_t t0 = kvr_now_ns();
-			struct kvr_similarity_item *si = &s->engine_items->similarity;
-			*si = (struct kvr_similarity_item){ q_dev + i * q_row, lane->prev_q,
-							    cosine + (uint64_t)i * n_kv, corr };
-			int err = kvr_sched_items_to_device(s, s->engine_inline,
-							    &s->engine_items_dev->similarity, si,
-							    sizeof(*si));
-			if (!err)
-				err = kvr_dev_similarity(s->dev, &s->shape,
-							 &s->engine_items_dev->similarity, 1,
-							 s->engine_inline);
-			if (!err && s->separate) /* the host reads corr */
-				err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
-			if (err) {
-				snprintf(s->last_error, sizeof(s->last_error), "similarity: %s",
-					 kvr_dev_last_error(s->dev));
+			int err = check_similarity(lc, i, lane, corr);
+			if (err)
 				return err;
-			}
-			uint32_t n_corr = 0;
-			for (uint32_t m = 0; m < n_kv; m++) {
-				n_corr += corr[m];
-				if (corr[m])
-					atomic_fetch_add_explicit(
-						&s->head_corrections[(uint64_t)seq * n_kv + m], 1,
-						memory_order_relaxed);
-			}
-			count(s, seq, KVR_C_CHECKED_HEADS, n_kv);
-			count(s, seq, KVR_C_CORRECTED_HEADS, n_corr);
-			if (tr)
-				kvr_trace_span(tr, "correction check", KVR_TRACK_ENGINE, seq, layer, n_corr,
-					       t0, kvr_now_ns());
 		}
-		for (uint32_t m = 0; m < n_kv; m++)
-			e[i].any_corrected |= corr[m];
-		if (e[i].any_corrected)
-			e[i].kind = SEQ_CORRECTED;
+		for (uint32_t m = 0; m < lc->n_kv; m++)
+			e->any_corrected |= corr[m];
+		if (e->any_corrected)
+			e->kind = SEQ_CORRECTED;
 	}
+	return 0;
+}
 
-	/* 3. Attention for the sequences with nothing to correct, first. */
-	uint32_t n_items = 0, n_segs = 0, n_att = 0;
+/* Entry i's attention items, one per KV head, over the segments each head
+ * reads: head m's pages are now_sel's when corr[m] (a correction), else the
+ * lane's selection; `first_err` (an urgent recall's failure) fails it at
+ * once. On failure nothing of entry i stays queued (items, segments, pins)
+ * and the error is returned for the caller to fail the sequence. */
+static int queue_items(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, int dense,
+		       int slots, const int32_t *now_sel, const uint8_t *corr, int first_err)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t items_before = lc->n_items, segs_before = lc->n_segs, kk = lc->kk;
+	const size_t pins_before = s->n_step_pins;
+	const unsigned char *qi = lc->q_dev + i * lc->q_row;
+	unsigned char *out_row = (unsigned char *)lc->out + i * lc->q_row;
+	const uint64_t n_tokens = lc->e[i].n_tokens;
+	int seg_err = first_err;
+	for (uint32_t m = 0; m < lc->n_kv && !seg_err; m++) {
+		const int32_t *sel = now_sel && corr[m] ? now_sel + (uint64_t)m * kk
+							: lane->selected + (uint64_t)m * kk;
+		const uint32_t n = kvr_sched_build_segments(s, lane, m, n_tokens, dense, sel, slots,
+							    lc->segs + lc->n_segs, &seg_err);
+		lc->items[lc->n_items++] = (struct kvr_attention_item){
+			qi + m * lc->head_q_bytes, out_row + m * lc->head_q_bytes,
+			kvr_importance_item(s, lane, m, n_tokens, n), lc->n_segs, n };
+		lc->n_segs += n;
+	}
+	if (seg_err) { /* spill tier: a page it reads in place did not fit in RAM */
+		lc->n_items = items_before, lc->n_segs = segs_before;
+		kvr_sched_unpin_from(s, pins_before); /* its pins must not fail the others */
+		lc->status[i] = seg_err;
+		lc->e[i].kind = SEQ_FAILED;
+		return seg_err;
+	}
+	lc->att_lanes[lc->n_att++] = lane;
+	count(s, lc->seqs[i], KVR_C_LAYER_DECODES, 1);
+	return 0;
+}
+
+/* 3. Attention for the sequences with nothing to correct, first, so a
+ * correction in one sequence does not hold back the others. */
+static int attend_uncorrected(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
 	int err = 0;
-	for (uint32_t i = 0; i < batch && !err; i++) {
-		if (e[i].kind != SEQ_DENSE && e[i].kind != SEQ_SPARSE)
+	for (uint32_t i = 0; i < lc->batch && !err; i++) {
+		if (lc->e[i].kind != SEQ_DENSE && lc->e[i].kind != SEQ_SPARSE)
 			continue;
-		struct kvr_lane *lane = lane_of(s, seqs[i], layer);
-		const int dense = e[i].kind == SEQ_DENSE;
-		const int slots = !dense && kk && s->recall == KVR_RECALL_STREAMED;
+		struct kvr_lane *lane = lane_of(s, lc->seqs[i], lc->layer);
+		const int dense = lc->e[i].kind == SEQ_DENSE;
+		const int slots = !dense && lc->kk && s->recall == KVR_RECALL_STREAMED;
 		if (slots)
 			err = wait_recall(s, lane, 0);
-		const uint32_t items_before = n_items, segs_before = n_segs;
-		const size_t pins_before = s->n_step_pins;
-		int seg_err = 0;
-		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
-			const uint32_t n = kvr_sched_build_segments(
-				s, lane, m, e[i].n_tokens, dense, lane->selected + (uint64_t)m * kk,
-				slots, segs + n_segs, &seg_err);
-			items[n_items++] = (struct kvr_attention_item){
-				q_dev + i * q_row + m * head_q_bytes,
-				(unsigned char *)out + i * q_row + m * head_q_bytes,
-				kvr_importance_item(s, lane, m, e[i].n_tokens, n), n_segs, n };
-			n_segs += n;
-		}
-		if (seg_err) { /* spill tier: a page it reads in place did not fit in RAM */
-			n_items = items_before, n_segs = segs_before;
-			kvr_sched_unpin_from(s, pins_before); /* its pins must not fail the others */
-			status[i] = seg_err;
-			e[i].kind = SEQ_FAILED;
-			fail_sequence(s, seqs[i], layer, positions[i], seg_err, s->last_error,
-				      (unsigned char *)out + i * q_row);
-			continue;
-		}
-		att_lanes[n_att++] = lane;
-		count(s, seqs[i], KVR_C_LAYER_DECODES, 1);
-		count(s, seqs[i], KVR_C_DENSE_DECODES, (uint64_t)dense);
+		const int seg_err = queue_items(lc, i, lane, dense, slots, NULL, NULL, 0);
+		if (seg_err)
+			fail_sequence(s, lc->seqs[i], lc->layer, lc->positions[i], seg_err,
+				      s->last_error, (unsigned char *)lc->out + i * lc->q_row);
+		else
+			count(s, lc->seqs[i], KVR_C_DENSE_DECODES, (uint64_t)dense);
 	}
 	if (!err)
-		err = run_attention(s, layer, ls, items, n_items, segs, 0, n_segs, att_lanes, n_att);
+		err = run_attention(s, lc->layer, lc->ls, lc->items, lc->n_items, lc->segs, 0,
+				    lc->n_segs, lc->att_lanes, lc->n_att);
+	return err;
+}
 
-	/* 4. Sequences with corrected heads: select now, recall, attend. */
-	const uint32_t first_item = n_items, first_att = n_att, first_seg = n_segs;
-	for (uint32_t i = 0; i < batch && !err; i++) {
-		if (e[i].kind != SEQ_CORRECTED)
+/* 4. Sequences with corrected heads: select now with q_i, recall the
+ * corrected heads' misses (streamed: an urgent controller job the engine
+ * waits for), attend. */
+static int attend_corrected(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t layer = lc->layer, n_kv = lc->n_kv, kk = lc->kk;
+	const uint32_t first_item = lc->n_items, first_att = lc->n_att, first_seg = lc->n_segs;
+	int err = 0;
+	for (uint32_t i = 0; i < lc->batch && !err; i++) {
+		if (lc->e[i].kind != SEQ_CORRECTED)
 			continue;
-		const uint32_t seq = seqs[i];
+		const uint32_t seq = lc->seqs[i];
 		struct kvr_lane *lane = lane_of(s, seq, layer);
-		const unsigned char *qi = q_dev + i * q_row;
-		const uint8_t *corr = corrected + (uint64_t)i * n_kv;
+		const uint8_t *corr = lc->corrected + (uint64_t)i * n_kv;
 		int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
 		const uint64_t t0 = kvr_now_ns();
 		/* the selection serves step i+1 too (but in blocking mode, which
 		 * selects again): its candidates are those of step i+1, a superset
 		 * of step i's, so a page leaving the window stays covered */
-		err = kvr_select_pages(s, lane, q_dev + i * q_row, e[i].n_tokens,
-				       c->mode != KVR_MODE_BLOCKING, now_sel,
-				       s->engine_inline, &s->engine_items->score,
-				       &s->engine_items_dev->score, &s->engine_scores,
-				       &s->engine_scores_bytes);
+		err = kvr_select_pages(s, lane, lc->q_dev + i * lc->q_row, lc->e[i].n_tokens,
+				       s->c.mode != KVR_MODE_BLOCKING, now_sel, s->engine_inline,
+				       &s->engine_items->score, &s->engine_items_dev->score,
+				       &s->engine_scores, &s->engine_scores_bytes);
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error), "selection: %s",
 				 kvr_dev_last_error(s->dev));
@@ -466,9 +548,9 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		count(s, seq, KVR_C_SELECTIONS, 1);
 		const uint64_t t1 = kvr_now_ns();
-		if (tr)
-			kvr_trace_span(tr, "select now (correction)", KVR_TRACK_ENGINE, seq, layer, n_kv,
-				       t0, t1);
+		if (lc->tr)
+			kvr_trace_span(lc->tr, "select now (correction)", KVR_TRACK_ENGINE, seq, layer,
+				       n_kv, t0, t1);
 		if (s->recall == KVR_RECALL_STREAMED) {
 			/* the corrected heads' misses, before attention: an urgent job */
 			memcpy(lane->selected, now_sel, (size_t)n_kv * kk * sizeof(int32_t));
@@ -477,76 +559,54 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			kvr_controller_post(s, lane, 1);
 			kvr_lane_acquire(s, lane);
 			err = wait_recall(s, lane, 1);
-			if (tr)
-				kvr_trace_span(tr, "wait urgent recall", KVR_TRACK_ENGINE, seq, layer, 0, t1,
-					       kvr_now_ns());
+			if (lc->tr)
+				kvr_trace_span(lc->tr, "wait urgent recall", KVR_TRACK_ENGINE, seq, layer,
+					       0, t1, kvr_now_ns());
 		}
 		count(s, seq, KVR_C_CORRECTION_WAITS, 1);
 		count(s, seq, KVR_C_CORRECTION_WAIT_NS, kvr_now_ns() - t0);
-		const uint32_t items_before = n_items, segs_before = n_segs;
-		const size_t pins_before = s->n_step_pins;
 		const int recall_err = lane->recall_error; /* the urgent recall failed */
-		int seg_err = recall_err;
 		lane->recall_error = 0;
-		for (uint32_t m = 0; m < n_kv && !seg_err; m++) {
-			const int32_t *sel = corr[m] ? now_sel + (uint64_t)m * kk
-						     : lane->selected + (uint64_t)m * kk;
-			const uint32_t n = kvr_sched_build_segments(
-				s, lane, m, e[i].n_tokens, 0, sel, s->recall == KVR_RECALL_STREAMED,
-				segs + n_segs, &seg_err);
-			items[n_items++] = (struct kvr_attention_item){
-				qi + m * head_q_bytes, (unsigned char *)out + i * q_row + m * head_q_bytes,
-				kvr_importance_item(s, lane, m, e[i].n_tokens, n), n_segs, n };
-			n_segs += n;
-		}
-		if (seg_err) {
-			n_items = items_before, n_segs = segs_before;
-			kvr_sched_unpin_from(s, pins_before);
-			status[i] = seg_err;
-			e[i].kind = SEQ_FAILED;
-			fail_sequence(s, seq, layer, positions[i], seg_err,
+		const int seg_err = queue_items(lc, i, lane, 0, s->recall == KVR_RECALL_STREAMED,
+						now_sel, corr, recall_err);
+		if (seg_err)
+			fail_sequence(s, seq, layer, lc->positions[i], seg_err,
 				      recall_err ? s->urgent_message : s->last_error,
-				      (unsigned char *)out + i * q_row);
-			continue;
-		}
-		att_lanes[n_att++] = lane;
-		count(s, seq, KVR_C_LAYER_DECODES, 1);
+				      (unsigned char *)lc->out + i * lc->q_row);
 	}
 	if (!err)
-		err = run_attention(s, layer, ls, items + first_item, n_items - first_item, segs,
-				    first_seg, n_segs, att_lanes + first_att, n_att - first_att);
-	/* the attention has run when it is synchronous: its pages may leave RAM
-	 * (and mixed pages' window pages be demoted below) */
-	if (!s->hooks.async_compute && !s->separate)
-		kvr_sched_unpin_step(s);
-	if (err) {
-		if (!s->last_error[0])
-			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
-		return err;
-	}
+		err = run_attention(s, layer, lc->ls, lc->items + first_item,
+				    lc->n_items - first_item, lc->segs, first_seg, lc->n_segs,
+				    lc->att_lanes + first_att, lc->n_att - first_att);
+	return err;
+}
 
-	/* 5. Keep q_i; post the next step's work (mixed pages: judge those the
-	 * next selection may name for the first time, before it can). */
-	for (uint32_t i = 0; i < batch; i++) {
-		if (e[i].kind == SEQ_FAILED)
+/* 5. Keep q_i; post the next step's work (mixed pages: judge those the next
+ * selection may name for the first time, before it can). */
+static void post_next_step(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t n_kv = lc->n_kv, kk = lc->kk;
+	for (uint32_t i = 0; i < lc->batch; i++) {
+		const struct entry *e = &lc->e[i];
+		if (e->kind == SEQ_FAILED)
 			continue;
-		const uint32_t seq = seqs[i];
-		struct kvr_lane *lane = lane_of(s, seq, layer);
-		kvr_importance_judge(s, lane, e[i].n_tokens);
-		if ((e[i].kind != SEQ_SPARSE && e[i].kind != SEQ_CORRECTED) || !kk)
+		struct kvr_lane *lane = lane_of(s, lc->seqs[i], lc->layer);
+		kvr_importance_judge(s, lane, e->n_tokens);
+		if ((e->kind != SEQ_SPARSE && e->kind != SEQ_CORRECTED) || !kk)
 			continue;
-		memcpy(lane->prev_q, q_host + i * q_row, q_row);
+		memcpy(lane->prev_q, lc->q_host + i * lc->q_row, lc->q_row);
 		lane->has_prev = 1;
-		if (c->mode == KVR_MODE_BLOCKING)
+		if (s->c.mode == KVR_MODE_BLOCKING)
 			continue; /* selects again at the next step */
-		lane->job_n_tokens = e[i].n_tokens;
-		if (e[i].kind == SEQ_CORRECTED) {
+		lane->job_n_tokens = e->n_tokens;
+		if (e->kind == SEQ_CORRECTED) {
 			/* one selection per step: the corrected one serves the next step */
 			const int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
 			memcpy(lane->selected, now_sel, (size_t)n_kv * kk * sizeof(int32_t));
 			if (s->recall != KVR_RECALL_STREAMED)
 				continue;
-			const uint8_t *corr = corrected + (uint64_t)i * n_kv;
+			const uint8_t *corr = lc->corrected + (uint64_t)i * n_kv;
 			uint32_t rest = 0;
 			for (uint32_t m = 0; m < n_kv; m++)
 				rest += (lane->job_heads[m] = !corr[m]);
@@ -559,27 +619,78 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		}
 		kvr_controller_post(s, lane, 0);
 	}
+}
+
+/* The engine's stream after the layer's attention; the critical-path time. */
+static int layer_finish(struct layer_call *lc, struct kvr_stream *engine_stream)
+{
+	struct kvr_sched *s = lc->s;
 	if (engine_stream) {
 		/* the engine's next kernels read `out` */
-		int err2 = kvr_dev_event_record(s->dev, s->layer_done, s->compute);
-		if (!err2)
-			err2 = kvr_dev_stream_wait_event(s->dev, engine_stream, s->layer_done);
-		if (err2) {
+		int err = kvr_dev_event_record(s->dev, s->layer_done, s->compute);
+		if (!err)
+			err = kvr_dev_stream_wait_event(s->dev, engine_stream, s->layer_done);
+		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error), "ordering the engine's stream: %s",
 				 kvr_dev_last_error(s->dev));
-			return err2;
+			return err;
 		}
 	}
-	const uint64_t t_leave = kvr_now_ns();
-	for (uint32_t i = 0; i < batch; i++)
-		atomic_fetch_add_explicit(&s->seq_counters[(uint64_t)seqs[i] * KVR_C_COUNT + KVR_C_CRITICAL_NS],
-					  (t_leave - t_enter) / batch, memory_order_relaxed);
-	atomic_fetch_add_explicit(&s->counters[KVR_C_CRITICAL_NS], t_leave - t_enter,
-				  memory_order_relaxed);
-	if (tr)
-		kvr_trace_span(tr, "decode layer", KVR_TRACK_ENGINE, batch == 1 ? seqs[0] : UINT32_MAX,
-			       layer, batch, t_enter, t_leave);
+	const uint64_t t_leave = kvr_now_ns(), spent = t_leave - lc->t_enter;
+	/* statistics read by kvr_get_stats: relaxed */
+	for (uint32_t i = 0; i < lc->batch; i++)
+		atomic_fetch_add_explicit(
+			&s->seq_counters[(uint64_t)lc->seqs[i] * KVR_C_COUNT + KVR_C_CRITICAL_NS],
+			spent / lc->batch, memory_order_relaxed);
+	atomic_fetch_add_explicit(&s->counters[KVR_C_CRITICAL_NS], spent, memory_order_relaxed);
+	if (lc->tr)
+		kvr_trace_span(lc->tr, "decode layer", KVR_TRACK_ENGINE,
+			       lc->batch == 1 ? lc->seqs[0] : UINT32_MAX, lc->layer, lc->batch,
+			       lc->t_enter, t_leave);
 	return 0;
+}
+
+int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
+			   const uint32_t *seqs, const uint64_t *positions, const void *q,
+			   const void *k, const void *v, void *out, int32_t *status,
+			   struct kvr_stream *engine_stream)
+{
+	struct layer_call lc = {
+		.s = s,
+		.layer = layer,
+		.batch = batch,
+		.seqs = seqs,
+		.positions = positions,
+		.out = out,
+		.status = status,
+		.tr = trace_of(s),
+		.t_enter = kvr_now_ns(),
+		.n_kv = s->c.n_kv_heads,
+		.kk = s->k,
+		.q_row = s->q_row,
+		.kv_row = s->kv_row,
+		.head_q_bytes = (uint64_t)s->G * s->c.head_dim * s->eb,
+	};
+	int err = layer_inputs(&lc, q, k, v, engine_stream);
+	if (err)
+		return err;
+	layer_append(&lc);
+	if ((err = layer_scratch(&lc)) || (err = layer_corrections(&lc)))
+		return err;
+	err = attend_uncorrected(&lc);
+	if (!err)
+		err = attend_corrected(&lc);
+	/* the attention has run when it is synchronous: its pages may leave RAM
+	 * (and mixed pages' window pages be demoted below) */
+	if (!s->hooks.async_compute && !s->separate)
+		kvr_sched_unpin_step(s);
+	if (err) {
+		if (!s->last_error[0])
+			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
+		return err;
+	}
+	post_next_step(&lc);
+	return layer_finish(&lc, engine_stream);
 }
 
 void kvr_sched_step_abandon(struct kvr_sched *s, uint32_t batch, const uint32_t *seqs,
