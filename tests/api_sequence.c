@@ -360,6 +360,8 @@ static int even(const struct mseq *s)
 
 static void lkv_append(struct lkv *L, const float *k, const float *v, uint64_t n)
 {
+	if (!n)
+		return; /* a fork of an empty layer: nothing to copy, and L->k may be NULL */
 	if (L->n + n > L->cap) {
 		uint64_t cap = L->cap ? L->cap : 64;
 		while (cap < L->n + n)
