@@ -166,19 +166,23 @@ struct options {
 	uint64_t pool_bytes;
 	uint32_t reps;
 	uint32_t skip_selection;
+	uint32_t softmax_candidates; /* 1: each head's softmax over the candidates only */
+	int isa;                     /* -1: the best the CPU has */
 	const char *json_path;
 };
 
 static void usage(void)
 {
 	fprintf(stderr, "usage: kernels_bench [--threads 1,2] [--budget 2048] [--batch 8] "
-			"[--pool-mib 256] [--reps 9] [--skip-selection] [--json FILE]\n");
+			"[--pool-mib 256] [--reps 9] [--skip-selection] [--isa scalar|avx2|avx512] "
+			"[--softmax all|candidates] [--json FILE]\n");
 }
 
 
 int main(int argc, char **argv)
 {
-	struct options opt = { .budget_tokens = 2048, .batch = 8, .pool_bytes = 256ull << 20, .reps = 9 };
+	struct options opt = { .budget_tokens = 2048, .batch = 8, .pool_bytes = 256ull << 20, .reps = 9,
+			       .isa = -1 };
 	opt.threads[0] = 1, opt.threads[1] = 2, opt.n_threads = 2;
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -196,6 +200,21 @@ int main(int argc, char **argv)
 			opt.reps = (uint32_t)atoi(v), i++;
 		} else if (!strcmp(a, "--skip-selection")) {
 			opt.skip_selection = 1;
+		} else if (!strcmp(a, "--isa") && v) {
+			/* every kernel path, not only the best this CPU has */
+			opt.isa = !strcmp(v, "scalar") ? KVR_CONVERT_SCALAR
+				: !strcmp(v, "avx2")   ? KVR_CONVERT_AVX2
+				: !strcmp(v, "avx512") ? KVR_CONVERT_AVX512
+						       : -2;
+			if (opt.isa == -2)
+				return usage(), 2;
+			i++;
+		} else if (!strcmp(a, "--softmax") && v) {
+			/* the group-consistency domain (issue 19 item 5): every page
+			 * (what the scheduler does) or the candidates only */
+			if (strcmp(v, "all") && strcmp(v, "candidates"))
+				return usage(), 2;
+			opt.softmax_candidates = !strcmp(v, "candidates"), i++;
 		} else if (!strcmp(a, "--json") && v) {
 			opt.json_path = v, i++;
 		} else {
@@ -204,6 +223,11 @@ int main(int argc, char **argv)
 	}
 	if (opt.reps < 3)
 		opt.reps = 3;
+	if (opt.isa >= 0 && kvr_convert_isa_force((enum kvr_convert_isa)opt.isa) != (enum kvr_convert_isa)opt.isa) {
+		fprintf(stderr, "kernels_bench: this CPU lacks %s\n",
+			kvr_convert_isa_name((enum kvr_convert_isa)opt.isa));
+		return 1;
+	}
 	const uint32_t n_kv = 8, n_qo = 32, d = 128, p = 32;
 	const uint32_t t = KVR_ELEM_F16;
 	const uint64_t head_bytes = 2ull * p * d * 2, page_bytes = head_bytes * n_kv;
@@ -257,8 +281,10 @@ int main(int argc, char **argv)
 		sys.cpu_model, sys.n_cores, (unsigned long long)sys.l3_bytes,
 		kvr_convert_isa_name(kvr_convert_isa_active()));
 	fprintf(json, "  \"shape\": {\"n_kv_heads\": %u, \"n_qo_heads\": %u, \"head_dim\": %u, \"page_tokens\": %u, "
-		      "\"dtype\": \"f16\", \"budget_tokens\": %u, \"batch\": %u, \"pool_bytes\": %llu},\n",
-		n_kv, n_qo, d, p, opt.budget_tokens, opt.batch, (unsigned long long)opt.pool_bytes);
+		      "\"dtype\": \"f16\", \"budget_tokens\": %u, \"batch\": %u, \"pool_bytes\": %llu, "
+		      "\"softmax\": \"%s\"},\n",
+		n_kv, n_qo, d, p, opt.budget_tokens, opt.batch, (unsigned long long)opt.pool_bytes,
+		opt.softmax_candidates ? "candidates" : "all");
 	fprintf(json, "  \"attention\": [\n");
 
 	double attention_1t_s = 0;
@@ -346,10 +372,11 @@ int main(int argc, char **argv)
 	int32_t *selected = calloc((size_t)n_kv * (k ? k : 1), sizeof(int32_t));
 	for (uint32_t c = 0; c < (opt.skip_selection ? 0 : n_ctx); c++) {
 		const uint32_t pages = contexts[c] / p;
-		/* as the scheduler scores: each head's softmax over every page */
+		/* as the scheduler scores: each head's softmax over every page
+		 * (norm_end = 0: over the candidates, the alternative) */
 		struct kvr_score_item it = { q, summaries, scores, selected, sink_pages,
 					     pages > window_pages ? pages - window_pages : sink_pages, k,
-					     pages };
+					     opt.softmax_candidates ? 0 : pages };
 		if (it.cand_end < it.cand_begin)
 			it.cand_end = it.cand_begin;
 		double *tsc = calloc(opt.reps, sizeof(double)), *tse = calloc(opt.reps, sizeof(double));
