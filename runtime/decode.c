@@ -165,7 +165,7 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 				"decode_layer: layer %u was already decoded in this step (its tokens are "
 				"stored); the step is unchanged", layer);
 	struct kvr_stream *engine_stream = NULL;
-	if (!kvr_sched_separate_memory(ctx->sched)) {
+	if (kvr_dev_host_visible(ctx->dev)) {
 		if (stream)
 			return kvr_fail(ctx, -EINVAL,
 					"decode_layer: the %s backend takes no stream (pass NULL)",

@@ -34,7 +34,7 @@ struct kvr_sequence {
 	_Atomic int in_step; /* named by the open decode step: calls that change its
 	                        tokens or free it are refused (-EBUSY) */
 	unsigned char *tails; /* per layer: the partial tail page's NHD K tile then V tile,
-	                         host-addressable (kvr_sched_tile_alloc) */
+	                         host-addressable (kvr_tile_alloc) */
 };
 
 /* The open decode step (decode.c; the engine's thread). */

@@ -20,6 +20,7 @@
 
 #include "../gpu/backend.h"
 #include "../gpu/fault.h"
+#include "../gpu/memory.h"
 #include "../host/pool.h"
 #include "../layouts/kvquant.h"
 #include "../layouts/transpose.h"
@@ -97,7 +98,7 @@ static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, u
 	pthread_mutex_unlock(&ctx->seq_lock);
 
 	void *tails = NULL;
-	int err = kvr_sched_tile_alloc(ctx->sched, (size_t)ctx->config.n_layers * 2 * ctx->tile_bytes,
+	int err = kvr_tile_alloc(ctx->dev, (size_t)ctx->config.n_layers * 2 * ctx->tile_bytes,
 				       &tails);
 	if (err)
 		kvr_fail(ctx, err, "%s: device memory for the tail pages: %s", op,
@@ -110,7 +111,7 @@ static int seq_claim(struct kvr_context *ctx, const char *op, int open_tables, u
 			kvr_pool_seq_close(ctx->pool, id);
 	}
 	if (err) {
-		kvr_sched_tile_free(ctx->sched, tails);
+		kvr_tile_free(ctx->dev, tails);
 		pthread_mutex_lock(&ctx->seq_lock);
 		ctx->seqs[id].alive = 0;
 		ctx->device_used_bytes -= ctx->device_seq_bytes;
@@ -127,7 +128,7 @@ static void seq_release(struct kvr_context *ctx, uint32_t id, int close_tables)
 	kvr_sched_seq_close(ctx->sched, id); /* waits for the sequence's controller jobs */
 	if (close_tables)
 		kvr_pool_seq_close(ctx->pool, id);
-	kvr_sched_tile_free(ctx->sched, ctx->seqs[id].tails);
+	kvr_tile_free(ctx->dev, ctx->seqs[id].tails);
 	pthread_mutex_lock(&ctx->seq_lock);
 	ctx->seqs[id].tails = NULL;
 	ctx->seqs[id].alive = 0;

@@ -45,8 +45,7 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	int err = 0;
 	if (lane->job == LANE_JOB_SELECT) {
 		err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
-				       s->ctl_inline, s->ctl_items, s->ctl_items_dev, &s->ctl_scores,
-				       &s->ctl_scores_bytes);
+				       &s->rec.ctl_sel);
 		if (err) {
 			char what[224];
 			snprintf(what, sizeof(what), "controller: selection of sequence %u layer %u: %s",
@@ -109,54 +108,54 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 static void *controller_main(void *arg)
 {
 	struct kvr_sched *s = arg;
-	pthread_mutex_lock(&s->lock);
+	pthread_mutex_lock(&s->queue.lock);
 	for (;;) {
-		while (!s->urgent_head && !s->normal_head && !s->quit)
-			pthread_cond_wait(&s->work, &s->lock);
-		struct kvr_lane *lane = s->urgent_head;
+		while (!s->queue.urgent_head && !s->queue.normal_head && !s->queue.quit)
+			pthread_cond_wait(&s->queue.work, &s->queue.lock);
+		struct kvr_lane *lane = s->queue.urgent_head;
 		if (lane) {
-			s->urgent_head = lane->next;
-			if (!s->urgent_head)
-				s->urgent_tail = NULL;
-		} else if ((lane = s->normal_head)) {
-			s->normal_head = lane->next;
-			if (!s->normal_head)
-				s->normal_tail = NULL;
+			s->queue.urgent_head = lane->next;
+			if (!s->queue.urgent_head)
+				s->queue.urgent_tail = NULL;
+		} else if ((lane = s->queue.normal_head)) {
+			s->queue.normal_head = lane->next;
+			if (!s->queue.normal_head)
+				s->queue.normal_tail = NULL;
 		} else {
 			break; /* quit with empty queues */
 		}
-		pthread_mutex_unlock(&s->lock);
+		pthread_mutex_unlock(&s->queue.lock);
 		run_job(s, lane);
 		/* release pairs with the acquire loads in kvr_lane_acquire: the
 		 * engine sees the job's results (selected, slot_page, events) */
 		atomic_store_explicit(&lane->in_flight, 0, memory_order_release);
-		pthread_mutex_lock(&s->lock);
-		if (s->engine_waiting)
-			pthread_cond_broadcast(&s->done);
+		pthread_mutex_lock(&s->queue.lock);
+		if (s->queue.engine_waiting)
+			pthread_cond_broadcast(&s->queue.done);
 	}
-	pthread_mutex_unlock(&s->lock);
+	pthread_mutex_unlock(&s->queue.lock);
 	return NULL;
 }
 
 int kvr_controller_start(struct kvr_sched *s)
 {
-	int err = kvr_pthread_create(&s->thread, NULL, controller_main, s);
+	int err = kvr_pthread_create(&s->queue.thread, NULL, controller_main, s);
 	if (err)
 		return -err;
-	s->thread_started = 1;
+	s->queue.thread_started = 1;
 	return 0;
 }
 
 void kvr_controller_stop(struct kvr_sched *s)
 {
-	if (!s->thread_started)
+	if (!s->queue.thread_started)
 		return;
-	pthread_mutex_lock(&s->lock);
-	s->quit = 1;
-	pthread_cond_signal(&s->work);
-	pthread_mutex_unlock(&s->lock);
-	pthread_join(s->thread, NULL);
-	s->thread_started = 0;
+	pthread_mutex_lock(&s->queue.lock);
+	s->queue.quit = 1;
+	pthread_cond_signal(&s->queue.work);
+	pthread_mutex_unlock(&s->queue.lock);
+	pthread_join(s->queue.thread, NULL);
+	s->queue.thread_started = 0;
 }
 
 int kvr_sched_jobs_inline(const struct kvr_sched *s)
@@ -175,16 +174,16 @@ void kvr_controller_post(struct kvr_sched *s, struct kvr_lane *lane, int urgent)
 	atomic_store_explicit(&lane->in_flight, 1, memory_order_relaxed);
 	lane->job_urgent = (uint32_t)urgent;
 	lane->next = NULL;
-	pthread_mutex_lock(&s->lock);
-	struct kvr_lane **head = urgent ? &s->urgent_head : &s->normal_head;
-	struct kvr_lane **tail = urgent ? &s->urgent_tail : &s->normal_tail;
+	pthread_mutex_lock(&s->queue.lock);
+	struct kvr_lane **head = urgent ? &s->queue.urgent_head : &s->queue.normal_head;
+	struct kvr_lane **tail = urgent ? &s->queue.urgent_tail : &s->queue.normal_tail;
 	if (*tail)
 		(*tail)->next = lane;
 	else
 		*head = lane;
 	*tail = lane;
-	pthread_cond_signal(&s->work);
-	pthread_mutex_unlock(&s->lock);
+	pthread_cond_signal(&s->queue.work);
+	pthread_mutex_unlock(&s->queue.lock);
 }
 
 uint64_t kvr_lane_acquire(struct kvr_sched *s, struct kvr_lane *lane)
@@ -200,11 +199,11 @@ uint64_t kvr_lane_acquire(struct kvr_sched *s, struct kvr_lane *lane)
 		__builtin_ia32_pause();
 #endif
 	}
-	pthread_mutex_lock(&s->lock);
-	s->engine_waiting++;
+	pthread_mutex_lock(&s->queue.lock);
+	s->queue.engine_waiting++;
 	while (atomic_load_explicit(&lane->in_flight, memory_order_acquire))
-		pthread_cond_wait(&s->done, &s->lock);
-	s->engine_waiting--;
-	pthread_mutex_unlock(&s->lock);
+		pthread_cond_wait(&s->queue.done, &s->queue.lock);
+	s->queue.engine_waiting--;
+	pthread_mutex_unlock(&s->queue.lock);
 	return kvr_now_ns() - t0;
 }

@@ -69,7 +69,7 @@ int kvr_importance_lane_open(struct kvr_sched *s, struct kvr_lane *lane)
 	im->win_seg = kvr_calloc(s->c.n_kv_heads, sizeof(uint32_t));
 	if (!im->n_segs || !im->win_seg)
 		return -ENOMEM;
-	return kvr_sched_mapped_grow(s, (void **)&im->lse, &im->lse_bytes,
+	return kvr_mapped_grow(s->dev, (void **)&im->lse, &im->lse_bytes,
 				     (size_t)s->c.n_kv_heads * s->G * im->stride * sizeof(float));
 }
 
@@ -78,7 +78,7 @@ void kvr_importance_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 	struct lane_importance *im = lane->imp;
 	if (!im)
 		return;
-	kvr_sched_mapped_free(s, im->lse); /* kvr_sched_mapped_grow's buffer */
+	kvr_mapped_free(s->dev, im->lse); /* kvr_mapped_grow's buffer */
 	free(im->n_segs), free(im->win_seg), free(im->mass), free(im->obs);
 	free(im);
 	lane->imp = NULL;
@@ -114,7 +114,7 @@ float *kvr_importance_item(struct kvr_sched *s, struct kvr_lane *lane, uint32_t 
 		 * old buffer (the previous step's was harvested before this one's
 		 * items) */
 		const uint32_t stride = (max_segs + 63) & ~63u;
-		if (kvr_sched_mapped_grow(s, (void **)&im->lse, &im->lse_bytes,
+		if (kvr_mapped_grow(s->dev, (void **)&im->lse, &im->lse_bytes,
 					  (size_t)s->c.n_kv_heads * s->G * stride * sizeof(float)))
 			return NULL;
 		im->stride = stride;

@@ -37,8 +37,8 @@ static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
 	kvr_importance_lane_free(s, lane);
 	free(lane->slot_fmt);
 	lane->slot_fmt = NULL;
-	kvr_sched_mapped_free(s, lane->prev_q);
-	kvr_sched_mapped_free(s, lane->selected);
+	kvr_mapped_free(s->dev, lane->prev_q);
+	kvr_mapped_free(s->dev, lane->selected);
 	free(lane->slot_page);
 	free(lane->job_heads);
 	lane->prev_q = NULL;
@@ -69,9 +69,9 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		memset(lane, 0, sizeof(*lane));
 		lane->seq = seq;
 		lane->layer = l;
-		int err = kvr_sched_mapped_alloc(s, s->q_row, (void **)&lane->prev_q);
+		int err = kvr_mapped_alloc(s->dev, s->q_row, (void **)&lane->prev_q);
 		if (!err)
-			err = kvr_sched_mapped_alloc(s, n_sel * sizeof(int32_t), (void **)&lane->selected);
+			err = kvr_mapped_alloc(s->dev, n_sel * sizeof(int32_t), (void **)&lane->selected);
 		lane->job_heads = kvr_malloc(s->c.n_kv_heads);
 		if (!err && !lane->job_heads)
 			err = -ENOMEM;

@@ -26,34 +26,30 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 	/* queries in groups, so the segment lists stay a few MiB at long contexts */
 	const uint32_t group = 32;
 	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
-	struct layer_scratch *ls = &s->scratch[layer];
+	struct layer_scratch *ls = &s->eng.scratch[layer];
 	struct kvr_lane *plane = lane_of(s, seq, layer);
 	const size_t items_bytes = ((size_t)group * n_kv * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
 	const size_t rows_bytes = (size_t)group * s->q_row;
 	const size_t scratch_bytes = items_bytes + (size_t)group * n_kv * max_segs * sizeof(struct kvr_kv_segment);
-	if (kvr_sched_mapped_grow(s, &ls->mem, &ls->bytes, scratch_bytes) ||
-	    (s->separate && kvr_sched_device_grow(s, &ls->dev, &ls->dev_bytes, scratch_bytes)) ||
-	    (s->separate && (kvr_sched_device_grow(s, &s->prefill_q, &s->prefill_q_bytes, rows_bytes) ||
-			     kvr_sched_device_grow(s, &s->prefill_out, &s->prefill_out_bytes, rows_bytes)))) {
+	if (kvr_mirror_grow(s->dev, &ls->m, scratch_bytes) ||
+	    kvr_stage_grow(s->dev, &s->eng.prefill_q, &s->eng.prefill_q_bytes, rows_bytes) ||
+	    kvr_stage_grow(s->dev, &s->eng.prefill_out, &s->eng.prefill_out_bytes, rows_bytes)) {
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
 		return -ENOMEM;
 	}
-	struct kvr_attention_item *items = ls->mem;
-	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->mem + items_bytes);
+	struct kvr_attention_item *items = ls->m.host;
+	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->m.host + items_bytes);
 	struct kvr_stream *st = s->engine_inline;
 	for (uint32_t at = 0; at < n_tokens; at += group) {
 		const uint32_t n_q = n_tokens - at < group ? n_tokens - at : group;
-		/* q and out are host arrays: on a separate-memory device the group's
-		 * rows go through device buffers */
-		const unsigned char *q_rows = (const unsigned char *)q + (uint64_t)at * s->q_row;
-		unsigned char *out_rows = (unsigned char *)out + (uint64_t)at * s->q_row;
-		int err = 0;
-		if (s->separate) {
-			err = kvr_dev_memcpy_async(s->dev, s->prefill_q, q_rows, n_q * s->q_row,
-						   KVR_COPY_H2D, st);
-			q_rows = s->prefill_q;
-			out_rows = s->prefill_out;
-		}
+		/* q and out are host arrays: the group's rows as the kernels see
+		 * them (through device stages where the device has its own memory) */
+		const void *q_view = NULL;
+		unsigned char *out_host = (unsigned char *)out + (uint64_t)at * s->q_row;
+		int err = kvr_stage_in(s->dev, s->eng.prefill_q, (const unsigned char *)q + (uint64_t)at * s->q_row,
+				       n_q * s->q_row, st, &q_view);
+		const unsigned char *q_rows = q_view;
+		unsigned char *out_rows = kvr_stage_out_view(s->dev, s->eng.prefill_out, out_host);
 		uint32_t n_items = 0, n_segs = 0;
 		int pin_err = 0; /* spill tier: a page that could not be pinned (message set) */
 		if (s->spill) {
@@ -75,7 +71,7 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 				kvr_sched_unpin_step(s);
 				return pin_err;
 			}
-			s->suppress_segment_pins = 1;
+			s->eng.suppress_segment_pins = 1;
 		}
 		for (uint32_t t = 0; t < n_q; t++) {
 			const uint64_t pos = first_position + at + t; /* attends tokens 0..pos */
@@ -100,25 +96,20 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 										NULL, first, n_segs - first };
 			}
 		}
-		s->suppress_segment_pins = 0;
-		const struct kvr_attention_item *items_k = items;
-		const struct kvr_kv_segment *segs_k = segs;
-		if (!err && s->separate) {
-			err = kvr_sched_items_to_device(s, st, ls->dev, items, n_items * sizeof(*items));
-			if (!err)
-				err = kvr_sched_items_to_device(s, st, (unsigned char *)ls->dev + items_bytes,
-								segs, n_segs * sizeof(*segs));
-			items_k = ls->dev;
-			segs_k = (const void *)((unsigned char *)ls->dev + items_bytes);
-		}
+		s->eng.suppress_segment_pins = 0;
 		if (!err)
-			err = kvr_dev_attention(s->dev, &s->head_shape, items_k, n_items, segs_k, n_segs, st);
-		if (!err && s->separate)
-			err = kvr_dev_memcpy_async(s->dev, (unsigned char *)out + (uint64_t)at * s->q_row,
-						   s->prefill_out, n_q * s->q_row, KVR_COPY_D2H, st);
-		/* the next group rewrites the items (and, separate, the rows);
-		 * with a spill tier, the pages it pinned are released after it */
-		if (!err && (s->separate || s->spill))
+			err = kvr_mirror_to_device(s->dev, &ls->m, items, n_items * sizeof(*items), st);
+		if (!err)
+			err = kvr_mirror_to_device(s->dev, &ls->m, segs, n_segs * sizeof(*segs), st);
+		if (!err)
+			err = kvr_dev_attention(s->dev, &s->head_shape, kvr_mirror_dev_at(&ls->m, items), n_items,
+						kvr_mirror_dev_at(&ls->m, segs), n_segs, st);
+		if (!err)
+			err = kvr_stage_out(s->dev, out_host, out_rows, n_q * s->q_row, st);
+		/* the next group rewrites the items (and the stages); with a spill
+		 * tier, the pages it pinned are released after it (nothing to wait
+		 * for on an inline stream) */
+		if (!err)
 			err = kvr_dev_stream_synchronize(s->dev, st);
 		kvr_sched_unpin_step(s);
 		if (err) {

@@ -84,15 +84,15 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	if (!ret)
 		ret = kvr_dev_stream_create(s->dev, KVR_STREAM_WORKER, &s->convert);
 	/* quantised pages are copied straight into their slots: no staging */
-	s->n_staging = s->kv_format ? 0 : s->c.recall_buffers;
-	s->chunk_pages = s->c.recall_chunk_pages;
+	s->rec.n_staging = s->kv_format ? 0 : s->c.recall_buffers;
+	s->rec.chunk_pages = s->c.recall_chunk_pages;
 	/* mixed pages: a K8V4 page moves as two halves of four pieces each */
 	const size_t descs_per_page = s->units_per_slot > 1 ? 8 : 1;
-	if (!ret && !(s->recall_descs = kvr_malloc(s->chunk_pages * descs_per_page * sizeof(struct kvr_copy_desc))))
+	if (!ret && !(s->rec.recall_descs = kvr_malloc(s->rec.chunk_pages * descs_per_page * sizeof(struct kvr_copy_desc))))
 		ret = -ENOMEM;
-	for (uint32_t b = 0; !ret && b < s->n_staging; b++) {
-		struct staging *st = &s->staging[b];
-		ret = kvr_dev_alloc(s->dev, s->chunk_pages * s->head_bytes, (void **)&st->runs);
+	for (uint32_t b = 0; !ret && b < s->rec.n_staging; b++) {
+		struct staging *st = &s->rec.staging[b];
+		ret = kvr_dev_alloc(s->dev, s->rec.chunk_pages * s->head_bytes, (void **)&st->runs);
 		if (!ret)
 			ret = kvr_dev_event_create(s->dev, &st->staged);
 		if (!ret)
@@ -105,22 +105,22 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	for (uint32_t b = 0; !ret && s->spill && !s->spill_direct && b < 2; b++) {
 		/* the spill tier's bounces: runs read from RAM or the file land
 		 * here, registered so the copy to the device can be asynchronous */
-		const size_t bytes = ((size_t)s->chunk_pages * s->head_bytes + 4095) & ~(size_t)4095;
-		if (posix_memalign((void **)&s->bounce[b], 4096, bytes)) {
-			s->bounce[b] = NULL;
+		const size_t bytes = ((size_t)s->rec.chunk_pages * s->head_bytes + 4095) & ~(size_t)4095;
+		if (posix_memalign((void **)&s->rec.bounce[b], 4096, bytes)) {
+			s->rec.bounce[b] = NULL;
 			snprintf(err, err_bytes, "recall: out of memory for the spill tier's bounce");
 			return -ENOMEM;
 		}
-		ret = kvr_dev_host_register(s->dev, s->bounce[b], bytes);
+		ret = kvr_dev_host_register(s->dev, s->rec.bounce[b], bytes);
 		if (ret == -ENODEV || ret == -ENOTSUP || ret == -EOPNOTSUPP)
 			ret = 0; /* host memory the device reads as is */
 		if (!ret)
-			ret = kvr_dev_event_create(s->dev, &s->bounce_done[b]);
+			ret = kvr_dev_event_create(s->dev, &s->rec.bounce_done[b]);
 	}
 	if (!ret && s->spill) {
-		s->bounce_pages = kvr_malloc(s->chunk_pages * sizeof(uint32_t));
-		s->bounce_heads = kvr_malloc(s->chunk_pages * sizeof(uint32_t));
-		if (!s->bounce_pages || !s->bounce_heads)
+		s->rec.bounce_pages = kvr_malloc(s->rec.chunk_pages * sizeof(uint32_t));
+		s->rec.bounce_heads = kvr_malloc(s->rec.chunk_pages * sizeof(uint32_t));
+		if (!s->rec.bounce_pages || !s->rec.bounce_heads)
 			ret = -ENOMEM;
 	}
 	if (ret) {
@@ -128,19 +128,19 @@ int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 		return ret;
 	}
 	const size_t n_miss = (size_t)(s->k ? s->k : 1) * (s->kv_format ? s->c.n_kv_heads : 1);
-	s->recall_misses = kvr_malloc(n_miss * sizeof(struct miss));
+	s->rec.recall_misses = kvr_malloc(n_miss * sizeof(struct miss));
 	if (s->kv_format) {
-		s->recall_need = kvr_malloc(s->c.n_kv_heads * sizeof(uint32_t));
-		s->recall_unit_slots = kvr_malloc(n_miss * 2 * sizeof(uint32_t));
-		s->recall_release = kvr_malloc(s->c.n_kv_heads * sizeof(uint32_t));
-		s->recall_release_slots = kvr_malloc(n_miss * sizeof(uint32_t));
-		if (!s->recall_need || !s->recall_unit_slots || !s->recall_release || !s->recall_release_slots) {
+		s->rec.recall_need = kvr_malloc(s->c.n_kv_heads * sizeof(uint32_t));
+		s->rec.recall_unit_slots = kvr_malloc(n_miss * 2 * sizeof(uint32_t));
+		s->rec.recall_release = kvr_malloc(s->c.n_kv_heads * sizeof(uint32_t));
+		s->rec.recall_release_slots = kvr_malloc(n_miss * sizeof(uint32_t));
+		if (!s->rec.recall_need || !s->rec.recall_unit_slots || !s->rec.recall_release || !s->rec.recall_release_slots) {
 			snprintf(err, err_bytes, "recall: out of memory");
 			return -ENOMEM;
 		}
 	}
-	s->recall_flags = kvr_malloc(2 * (s->k ? s->k : 1));
-	if (!s->recall_misses || !s->recall_flags) {
+	s->rec.recall_flags = kvr_malloc(2 * (s->k ? s->k : 1));
+	if (!s->rec.recall_misses || !s->rec.recall_flags) {
 		snprintf(err, err_bytes, "recall: out of memory");
 		return -ENOMEM;
 	}
@@ -154,37 +154,37 @@ void kvr_recall_teardown(struct kvr_sched *s)
 	if (s->convert)
 		kvr_dev_stream_synchronize(s->dev, s->convert);
 	for (uint32_t b = 0; b < 2; b++) {
-		struct staging *st = &s->staging[b];
+		struct staging *st = &s->rec.staging[b];
 		kvr_dev_free(s->dev, st->runs);
 		kvr_dev_event_destroy(s->dev, st->staged);
 		kvr_dev_event_destroy(s->dev, st->drained);
 		memset(st, 0, sizeof(*st));
 	}
 	for (uint32_t b = 0; b < 2; b++) {
-		if (s->bounce[b]) {
-			kvr_dev_host_unregister(s->dev, s->bounce[b]);
-			free(s->bounce[b]);
+		if (s->rec.bounce[b]) {
+			kvr_dev_host_unregister(s->dev, s->rec.bounce[b]);
+			free(s->rec.bounce[b]);
 		}
-		kvr_dev_event_destroy(s->dev, s->bounce_done[b]);
-		s->bounce[b] = NULL;
-		s->bounce_done[b] = NULL;
+		kvr_dev_event_destroy(s->dev, s->rec.bounce_done[b]);
+		s->rec.bounce[b] = NULL;
+		s->rec.bounce_done[b] = NULL;
 	}
-	free(s->bounce_pages);
-	free(s->bounce_heads);
-	s->bounce_pages = s->bounce_heads = NULL;
+	free(s->rec.bounce_pages);
+	free(s->rec.bounce_heads);
+	s->rec.bounce_pages = s->rec.bounce_heads = NULL;
 	kvr_dev_stream_destroy(s->dev, s->copy);
 	kvr_dev_stream_destroy(s->dev, s->convert);
-	free(s->recall_misses);
-	free(s->recall_need);
-	free(s->recall_unit_slots);
-	free(s->recall_release);
-	free(s->recall_release_slots);
-	s->recall_need = s->recall_unit_slots = s->recall_release = s->recall_release_slots = NULL;
-	free(s->recall_flags);
-	free(s->recall_descs);
-	s->recall_descs = NULL;
-	s->recall_misses = NULL;
-	s->recall_flags = NULL;
+	free(s->rec.recall_misses);
+	free(s->rec.recall_need);
+	free(s->rec.recall_unit_slots);
+	free(s->rec.recall_release);
+	free(s->rec.recall_release_slots);
+	s->rec.recall_need = s->rec.recall_unit_slots = s->rec.recall_release = s->rec.recall_release_slots = NULL;
+	free(s->rec.recall_flags);
+	free(s->rec.recall_descs);
+	s->rec.recall_descs = NULL;
+	s->rec.recall_misses = NULL;
+	s->rec.recall_flags = NULL;
 	s->copy = s->convert = NULL;
 }
 
@@ -210,15 +210,8 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 	if (!ret)
 		ret = kvr_dev_alloc(s->dev, bytes, (void **)&lane->slot_v);
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, (size_t)s->c.n_kv_heads * s->k *
-							sizeof(struct kvr_scatter_item),
-					     (void **)&lane->recall_items);
-	lane->recall_items_dev = lane->recall_items;
-	if (!ret && s->separate) {
-		lane->recall_items_dev = NULL;
-		ret = kvr_dev_alloc(s->dev, (size_t)s->c.n_kv_heads * s->k * sizeof(struct kvr_scatter_item),
-				    (void **)&lane->recall_items_dev);
-	}
+		ret = kvr_mirror_grow(s->dev, &lane->recall_items,
+				      (size_t)s->c.n_kv_heads * s->k * sizeof(struct kvr_scatter_item));
 	return ret;
 }
 
@@ -228,10 +221,7 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 	kvr_dev_free(s->dev, lane->slot_v);
 	free(lane->slot_unit); /* its units went back with the sequence (kvr_units_seq_close) */
 	lane->slot_unit = NULL;
-	if (s->separate)
-		kvr_dev_free(s->dev, lane->recall_items_dev);
-	kvr_sched_mapped_free(s, lane->recall_items);
-	lane->recall_items = lane->recall_items_dev = NULL;
+	kvr_mirror_free(s->dev, &lane->recall_items);
 	kvr_dev_event_destroy(s->dev, lane->recall_done);
 	kvr_dev_event_destroy(s->dev, lane->attn_done);
 	lane->slot_k = lane->slot_v = NULL;
@@ -296,7 +286,7 @@ static uint32_t plan_head(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m
 	const uint32_t k = s->k;
 	int32_t *slots = lane->slot_page + (uint64_t)m * k;
 	const int32_t *want = lane->selected + (uint64_t)m * k;
-	uint8_t *keep = s->recall_flags, *placed = s->recall_flags + k;
+	uint8_t *keep = s->rec.recall_flags, *placed = s->rec.recall_flags + k;
 	memset(keep, 0, k);
 	memset(placed, 0, k);
 	for (uint32_t j = 0; j < k; j++) {
@@ -353,10 +343,10 @@ static int read_chunk(struct kvr_sched *s, struct kvr_lane *lane, const struct m
 		      unsigned char *dst)
 {
 	for (uint32_t i = 0; i < n; i++) {
-		s->bounce_pages[i] = ms[i].page_id;
-		s->bounce_heads[i] = ms[i].head;
+		s->rec.bounce_pages[i] = ms[i].page_id;
+		s->rec.bounce_heads[i] = ms[i].head;
 	}
-	int err = kvr_pool_read_runs(s->pool, s->bounce_pages, s->bounce_heads, n, dst, NULL);
+	int err = kvr_pool_read_runs(s->pool, s->rec.bounce_pages, s->rec.bounce_heads, n, dst, NULL);
 	if (err)
 		lane->recall_error = err;
 	return err;
@@ -367,11 +357,11 @@ static int read_chunk(struct kvr_sched *s, struct kvr_lane *lane, const struct m
 static const unsigned char *bounce_fill(struct kvr_sched *s, struct kvr_lane *lane, const struct miss *ms,
 					uint32_t n, int *err)
 {
-	const uint32_t b = s->next_bounce++ % 2;
-	*err = kvr_dev_event_synchronize(s->dev, s->bounce_done[b]);
+	const uint32_t b = s->rec.next_bounce++ % 2;
+	*err = kvr_dev_event_synchronize(s->dev, s->rec.bounce_done[b]);
 	if (!*err)
-		*err = read_chunk(s, lane, ms, n, s->bounce[b]);
-	return *err ? NULL : s->bounce[b];
+		*err = read_chunk(s, lane, ms, n, s->rec.bounce[b]);
+	return *err ? NULL : s->rec.bounce[b];
 }
 
 /* Units slot entry (j, h) of head m: j·units_per_slot + h. */
@@ -397,14 +387,14 @@ static uint32_t miss_format(struct kvr_sched *s, const struct miss *ms)
  * (kvquant.h). There is no layout to convert, so no staging. */
 static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads)
 {
-	struct miss *misses = s->recall_misses;
-	struct kvr_copy_desc *descs = s->recall_descs;
+	struct miss *misses = s->rec.recall_misses;
+	struct kvr_copy_desc *descs = s->rec.recall_descs;
 	struct kvr_stream *copy = s->copy;
 	const uint32_t n_kv = s->c.n_kv_heads, ups = s->units_per_slot;
 	uint64_t hits = 0, bytes_moved = 0;
 	uint32_t n_miss = 0, n_need = 0, n_release = 0;
 	for (uint32_t m = 0; m < n_kv; m++) {
-		s->recall_need[m] = s->recall_release[m] = 0;
+		s->rec.recall_need[m] = s->rec.recall_release[m] = 0;
 		if (!heads[m])
 			continue;
 		const uint32_t first = n_miss;
@@ -415,11 +405,11 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 			for (uint32_t h = 0; h < ups; h++) {
 				const uint32_t entry = misses[i].slot * ups + h;
 				if (h < want && units[h] < 0) {
-					s->recall_unit_slots[n_need++] = entry;
-					s->recall_need[m]++;
+					s->rec.recall_unit_slots[n_need++] = entry;
+					s->rec.recall_need[m]++;
 				} else if (h >= want && units[h] >= 0) {
-					s->recall_release_slots[n_release++] = entry;
-					s->recall_release[m]++;
+					s->rec.recall_release_slots[n_release++] = entry;
+					s->rec.recall_release[m]++;
 				}
 			}
 		}
@@ -427,17 +417,17 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 	/* admission reserved the units, so a failure here is a device failure
 	 * (recorded with its reason); the controller then forgets the lane's
 	 * slots, and its next step recalls afresh */
-	int err = n_release ? kvr_units_release(s, lane, s->recall_release, s->recall_release_slots) : 0;
+	int err = n_release ? kvr_units_release(s, lane, s->rec.recall_release, s->rec.recall_release_slots) : 0;
 	if (!err && n_need)
-		err = kvr_units_fill(s, lane, s->recall_need, s->recall_unit_slots);
+		err = kvr_units_fill(s, lane, s->rec.recall_need, s->rec.recall_unit_slots);
 	if (!err)
 		err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
 	/* mixed: a K8V4 run and its halves (geometry_init writes both fully) */
 	struct kvr_quant_geometry g8, gh;
 	kvr_quant_geometry_init(&g8, s->c.page_tokens, s->c.head_dim, 1, KVR_KV_K8V4);
 	kvr_quant_geometry_init(&gh, s->c.page_tokens, s->c.head_dim, 1, KVR_KV_K8V4_HALF);
-	for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
-		const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
+	for (uint32_t at = 0; at < n_miss && !err; at += s->rec.chunk_pages) {
+		const uint32_t n = n_miss - at < s->rec.chunk_pages ? n_miss - at : s->rec.chunk_pages;
 		/* the runs: in the pool (RAM), or read into a bounce (spill tier) */
 		const unsigned char *bounce = s->spill ? bounce_fill(s, lane, misses + at, n, &err) : NULL;
 		if (err)
@@ -484,7 +474,7 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 		err = kvr_dev_memcpy_batch_async(s->dev, dst_base, src_base, descs, n_descs, KVR_COPY_H2D, copy);
 		kvr_stream_span_end(s, copy, sp);
 		if (!err && bounce)
-			err = kvr_dev_event_record(s->dev, s->bounce_done[(s->next_bounce - 1) % 2], copy);
+			err = kvr_dev_event_record(s->dev, s->rec.bounce_done[(s->rec.next_bounce - 1) % 2], copy);
 	}
 	if (!err)
 		err = kvr_dev_event_record(s->dev, lane->recall_done, copy);
@@ -504,7 +494,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			kvr_dev_event_synchronize(s->dev, lane->recall_done);
 		return recall_quantised(s, lane, heads);
 	}
-	struct miss *misses = s->recall_misses;
+	struct miss *misses = s->rec.recall_misses;
 	uint64_t hits = 0, n_miss_total = 0;
 	struct kvr_stream *copy = s->copy, *convert = s->convert;
 	int first_scatter = 1, err = 0;
@@ -521,17 +511,17 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			continue;
 		const uint32_t n_miss = plan_head(s, lane, m, misses, &hits);
 		n_miss_total += n_miss;
-		for (uint32_t at = 0; at < n_miss && !err; at += s->chunk_pages) {
-			const uint32_t n = n_miss - at < s->chunk_pages ? n_miss - at : s->chunk_pages;
-			const uint32_t b = s->next_buffer++ % s->n_staging;
-			struct staging *st = &s->staging[b];
+		for (uint32_t at = 0; at < n_miss && !err; at += s->rec.chunk_pages) {
+			const uint32_t n = n_miss - at < s->rec.chunk_pages ? n_miss - at : s->rec.chunk_pages;
+			const uint32_t b = s->rec.next_buffer++ % s->rec.n_staging;
+			struct staging *st = &s->rec.staging[b];
 			/* this chunk's scatter items: the lane's own array (its previous
 			 * recall has run, above); staging-buffer reuse is ordered on the
 			 * copy stream by the buffer's `drained` event, not on the host */
-			struct kvr_scatter_item *items = lane->recall_items + n_items_used;
+			struct kvr_scatter_item *items = (struct kvr_scatter_item *)lane->recall_items.host + n_items_used;
 			n_items_used += n;
 			/* copies: one HND run per miss, from the pool into the staging buffer */
-			struct kvr_copy_desc *descs = s->recall_descs;
+			struct kvr_copy_desc *descs = s->rec.recall_descs;
 			/* spill tier: where the device reads host memory, the runs go
 			 * straight into the staging buffer once the scatter of its
 			 * previous chunk is done; elsewhere through a bounce */
@@ -589,7 +579,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 								 KVR_COPY_H2D, copy);
 			kvr_stream_span_end(s, copy, sp);
 			if (!err && bounce)
-				err = kvr_dev_event_record(s->dev, s->bounce_done[(s->next_bounce - 1) % 2], copy);
+				err = kvr_dev_event_record(s->dev, s->rec.bounce_done[(s->rec.next_bounce - 1) % 2], copy);
 			if (!err)
 				err = kvr_dev_event_record(s->dev, st->staged, copy);
 			/* conversion into the slots, after the copy and after the lane's
@@ -603,11 +593,12 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			kvr_sched_hook_on_stream(s, convert, KVR_HOOK_CONVERT);
 			sp = kvr_stream_span_begin(s, convert, "scatter chunk", KVR_TRACK_CONVERT,
 						   lane->seq, lane->layer, n);
-			struct kvr_scatter_item *items_dev = lane->recall_items_dev + (items - lane->recall_items);
 			if (!err)
-				err = kvr_sched_items_to_device(s, convert, items_dev, items, n * sizeof(*items));
+				err = kvr_mirror_to_device(s->dev, &lane->recall_items, items, n * sizeof(*items),
+							   convert);
 			if (!err)
-				err = kvr_dev_scatter(s->dev, &s->shape, items_dev, n, convert);
+				err = kvr_dev_scatter(s->dev, &s->shape, kvr_mirror_dev_at(&lane->recall_items, items), n,
+						      convert);
 			kvr_stream_span_end(s, convert, sp);
 			if (!err)
 				err = kvr_dev_event_record(s->dev, st->drained, convert);

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * resident.c — on a separate-memory device (cuda), device copies of the pages
+ * resident.c — on a device with memory of its own (cuda), device copies of the pages
  * every step attends: each sparse lane's sink and window pages, and every page
  * of a dense layer (DESIGN.md: "their KV stays resident"). Without them
  * attention would read those pages from the pinned pool over the bus at every
@@ -38,6 +38,15 @@
 
 enum { RES_CHUNK_PAGES = 16 };
 
+/* The one question resident.c asks the device. It is a policy (which pages
+ * to keep near the kernels), not where a buffer may live (gpu/memory.h):
+ * where the device addresses host memory at host speed, a copy buys
+ * nothing. */
+static int device_has_own_memory(const struct kvr_sched *s)
+{
+	return !kvr_dev_host_visible(s->dev);
+}
+
 static int lane_is_dense(const struct kvr_sched *s, uint32_t layer)
 {
 	return s->c.mode == KVR_MODE_DENSE || (s->c.dense_layers[layer / 64] >> (layer % 64) & 1);
@@ -45,7 +54,7 @@ static int lane_is_dense(const struct kvr_sched *s, uint32_t layer)
 
 int kvr_resident_enabled(const struct kvr_sched *s)
 {
-	return s->separate && s->pool_layout == KVR_POOL_LAYOUT_HND;
+	return device_has_own_memory(s) && s->pool_layout == KVR_POOL_LAYOUT_HND;
 }
 
 uint64_t kvr_resident_lane_bytes(const struct kvr_config *c)
@@ -155,7 +164,7 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
 				   struct kvr_stream *stream)
 {
 	const void *host = kvr_pool_summary(s->pool, lane->seq, lane->layer, 0);
-	if (!s->separate || !host || !n_pages)
+	if (!device_has_own_memory(s) || !host || !n_pages)
 		return host;
 	const uint64_t one = 2ull * s->c.n_kv_heads * s->c.head_dim * s->eb;
 	if (n_pages > lane->sum_cap) {

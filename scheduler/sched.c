@@ -30,7 +30,6 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->dev = params->dev;
 	s->pool_layout = params->pool_layout;
 	s->recall = params->recall;
-	s->separate = !kvr_dev_host_visible(s->dev);
 	s->jobs_inline = c->controller == KVR_CONTROLLER_INLINE;
 	if (params->hooks)
 		s->hooks = *params->hooks;
@@ -54,60 +53,51 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->lse_shape.flags = KVR_SHAPE_SEGMENT_LSE;
 	for (uint32_t w = 0; w < 4; w++)
 		s->hook_args[w] = (struct hook_arg){ s, w };
-	pthread_mutex_init(&s->lock, NULL);
-	pthread_cond_init(&s->work, NULL);
-	pthread_cond_init(&s->done, NULL);
+	pthread_mutex_init(&s->queue.lock, NULL);
+	pthread_cond_init(&s->queue.work, NULL);
+	pthread_cond_init(&s->queue.done, NULL);
 	pthread_mutex_init(&s->error_lock, NULL);
 
 	int ret = 0;
 	const size_t n_lanes = (size_t)c->max_sequences * c->n_layers;
 	s->lanes = kvr_calloc(n_lanes, sizeof(*s->lanes));
 	s->tails = kvr_calloc(c->max_sequences, sizeof(*s->tails));
-	s->scratch = kvr_calloc(c->n_layers, sizeof(*s->scratch));
+	s->eng.scratch = kvr_calloc(c->n_layers, sizeof(*s->eng.scratch));
 	s->seq_counters = kvr_calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
 	s->head_corrections = kvr_calloc((size_t)c->max_sequences * c->n_kv_heads,
 				     sizeof(*s->head_corrections));
-	s->step_fail = kvr_calloc(c->max_sequences, sizeof(*s->step_fail));
-	s->step_fail_pos = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_pos));
-	s->step_serial = 1; /* lanes start at appended_step 0: never */
-	s->step_failed = kvr_calloc(c->max_sequences, sizeof(*s->step_failed));
-	s->step_fail_layer = kvr_calloc(c->max_sequences, sizeof(*s->step_fail_layer));
-	s->step_fail_message = kvr_calloc(c->max_sequences, KVR_SCHED_MESSAGE);
-	if (!s->lanes || !s->tails || !s->scratch || !s->seq_counters || !s->head_corrections ||
-	    !s->step_fail || !s->step_fail_pos || !s->step_failed || !s->step_fail_layer ||
-	    !s->step_fail_message) {
+	s->eng.step_fail = kvr_calloc(c->max_sequences, sizeof(*s->eng.step_fail));
+	s->eng.step_fail_pos = kvr_calloc(c->max_sequences, sizeof(*s->eng.step_fail_pos));
+	s->eng.step_serial = 1; /* lanes start at appended_step 0: never */
+	s->eng.step_failed = kvr_calloc(c->max_sequences, sizeof(*s->eng.step_failed));
+	s->eng.step_fail_layer = kvr_calloc(c->max_sequences, sizeof(*s->eng.step_fail_layer));
+	s->eng.step_fail_message = kvr_calloc(c->max_sequences, KVR_SCHED_MESSAGE);
+	if (!s->lanes || !s->tails || !s->eng.scratch || !s->seq_counters || !s->head_corrections ||
+	    !s->eng.step_fail || !s->eng.step_fail_pos || !s->eng.step_failed || !s->eng.step_fail_layer ||
+	    !s->eng.step_fail_message) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
-	if (!ret && (!(s->seg_pages = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_pages))) ||
-		     !(s->seg_slots = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->seg_slots))))) {
+	if (!ret && (!(s->eng.seg_pages = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->eng.seg_pages))) ||
+		     !(s->eng.seg_slots = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->eng.seg_slots))))) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, (size_t)c->max_batch * c->n_kv_heads * (s->k ? s->k : 1) *
-							sizeof(int32_t), (void **)&s->now_sel);
+		ret = kvr_mapped_alloc(s->dev, (size_t)c->max_batch * c->n_kv_heads * (s->k ? s->k : 1) *
+							sizeof(int32_t), (void **)&s->eng.now_sel);
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, sizeof(*s->engine_items), (void **)&s->engine_items);
+		ret = kvr_mirror_grow(s->dev, &s->eng.engine_sel.item, sizeof(struct kvr_score_item));
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, sizeof(*s->ctl_items), (void **)&s->ctl_items);
-	s->engine_items_dev = s->engine_items;
-	s->ctl_items_dev = s->ctl_items;
-	if (!ret && s->separate) {
-		s->engine_items_dev = NULL;
-		s->ctl_items_dev = NULL;
-		ret = kvr_dev_alloc(s->dev, sizeof(*s->engine_items_dev), (void **)&s->engine_items_dev);
-		if (!ret)
-			ret = kvr_dev_alloc(s->dev, sizeof(*s->ctl_items_dev), (void **)&s->ctl_items_dev);
-	}
-	if (!ret && s->separate) {
-		if (!(s->zero_row = kvr_calloc(1, s->q_row)))
-			ret = -ENOMEM;
-		if (!ret)
-			ret = kvr_dev_event_create(s->dev, &s->engine_ready);
-		if (!ret)
-			ret = kvr_dev_event_create(s->dev, &s->layer_done);
-	}
+		ret = kvr_mirror_grow(s->dev, &s->rec.ctl_sel.item, sizeof(struct kvr_score_item));
+	if (!ret)
+		ret = kvr_mirror_grow(s->dev, &s->eng.similarity, sizeof(struct kvr_similarity_item));
+	if (!ret && !(s->eng.zero_row = kvr_calloc(1, s->q_row)))
+		ret = -ENOMEM;
+	if (!ret)
+		ret = kvr_dev_event_create(s->dev, &s->eng.engine_ready);
+	if (!ret)
+		ret = kvr_dev_event_create(s->dev, &s->eng.layer_done);
 	if (ret && !err[0])
 		snprintf(err, err_bytes, "scheduler: %s",
 			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
@@ -115,6 +105,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	    (ret = kvr_dev_stream_create(s->dev, s->hooks.async_compute ? KVR_STREAM_WORKER : 0,
 					 &s->compute)) == 0)
 		ret = kvr_dev_stream_create(s->dev, 0, &s->ctl_inline);
+	s->eng.engine_sel.stream = s->engine_inline;
+	s->rec.ctl_sel.stream = s->ctl_inline;
 	if (ret && !err[0])
 		snprintf(err, err_bytes, "scheduler: %s", kvr_dev_last_error(s->dev));
 	if (!ret)
@@ -146,45 +138,40 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	if (s->compute)
 		kvr_dev_stream_synchronize(s->dev, s->compute);
 	kvr_sched_unpin_step(s);
-	free(s->step_pins);
+	free(s->eng.step_pins);
 	kvr_dev_stream_destroy(s->dev, s->engine_inline);
 	kvr_dev_stream_destroy(s->dev, s->compute);
 	kvr_dev_stream_destroy(s->dev, s->ctl_inline);
-	if (s->scratch)
-		for (uint32_t l = 0; l < s->c.n_layers; l++) {
-			kvr_sched_mapped_free(s, s->scratch[l].mem);
-			kvr_sched_device_free(s, s->scratch[l].dev);
-		}
-	if (s->separate) {
-		kvr_dev_free(s->dev, s->engine_items_dev);
-		kvr_dev_free(s->dev, s->ctl_items_dev);
-	}
-	free(s->scratch);
+	if (s->eng.scratch)
+		for (uint32_t l = 0; l < s->c.n_layers; l++)
+			kvr_mirror_free(s->dev, &s->eng.scratch[l].m);
+	free(s->eng.scratch);
 	free(s->lanes);
 	free(s->tails);
-	free(s->step_fail);
-	free(s->step_fail_pos);
-	free(s->step_failed);
-	free(s->step_fail_layer);
-	free(s->step_fail_message);
-	free(s->seg_pages);
-	free(s->seg_slots);
-	kvr_sched_mapped_free(s, s->now_sel);
-	kvr_sched_mapped_free(s, s->engine_items);
-	kvr_sched_mapped_free(s, s->ctl_items);
-	kvr_sched_mapped_free(s, s->mirror);
-	kvr_sched_device_free(s, s->engine_scores);
-	kvr_sched_device_free(s, s->ctl_scores);
-	kvr_sched_device_free(s, s->prefill_q);
-	kvr_sched_device_free(s, s->prefill_out);
-	free(s->zero_row);
-	kvr_dev_event_destroy(s->dev, s->engine_ready);
-	kvr_dev_event_destroy(s->dev, s->layer_done);
+	free(s->eng.step_fail);
+	free(s->eng.step_fail_pos);
+	free(s->eng.step_failed);
+	free(s->eng.step_fail_layer);
+	free(s->eng.step_fail_message);
+	free(s->eng.seg_pages);
+	free(s->eng.seg_slots);
+	kvr_mapped_free(s->dev, s->eng.now_sel);
+	kvr_mirror_free(s->dev, &s->eng.engine_sel.item);
+	kvr_mirror_free(s->dev, &s->rec.ctl_sel.item);
+	kvr_mirror_free(s->dev, &s->eng.similarity);
+	kvr_mapped_free(s->dev, s->eng.inputs_stage);
+	kvr_scratch_free(s->dev, s->eng.engine_sel.scores);
+	kvr_scratch_free(s->dev, s->rec.ctl_sel.scores);
+	kvr_stage_free(s->dev, s->eng.prefill_q);
+	kvr_stage_free(s->dev, s->eng.prefill_out);
+	free(s->eng.zero_row);
+	kvr_dev_event_destroy(s->dev, s->eng.engine_ready);
+	kvr_dev_event_destroy(s->dev, s->eng.layer_done);
 	free((void *)s->seq_counters);
 	free((void *)s->head_corrections);
-	pthread_mutex_destroy(&s->lock);
-	pthread_cond_destroy(&s->work);
-	pthread_cond_destroy(&s->done);
+	pthread_mutex_destroy(&s->queue.lock);
+	pthread_cond_destroy(&s->queue.work);
+	pthread_cond_destroy(&s->queue.done);
 	pthread_mutex_destroy(&s->error_lock);
 	free(s);
 }

@@ -17,6 +17,7 @@
 #include <stdatomic.h>
 
 #include "../gpu/backend.h"
+#include "../gpu/memory.h"
 #include "../host/pool.h"
 #include "scheduler.h"
 #include "trace.h"
@@ -47,12 +48,11 @@ struct kvr_lane {
 	                             none; mixed: two for a K8V4 page (its halves), one
 	                             for a K4V2 page */
 	struct lane_importance *imp; /* mixed pages: attention received (importance.c) */
-	struct kvr_scatter_item *recall_items; /* [n_kv][k]: the lane's recall (mapped) */
-	struct kvr_scatter_item *recall_items_dev; /* their device copy (separate memory) */
+	struct kvr_mirror recall_items; /* [n_kv][k] kvr_scatter_item: the lane's recall */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
 	struct kvr_event *attn_done;   /* recorded on the compute stream after the lane's attention */
-	/* separate memory: device copies of the pages every step attends
-	 * (resident.c); engine-owned */
+	/* a device with memory of its own: device copies of the pages every
+	 * step attends (resident.c); engine-owned */
 	unsigned char **res_chunks;
 	int32_t *res_held;        /* [res_cap_chunks * chunk pages]: logical page per slot */
 	uint32_t res_n_chunks, res_cap_chunks;
@@ -82,14 +82,21 @@ struct staging {
 	struct kvr_event *drained;          /* convert stream: runs were scattered */
 };
 
-/* The engine's scratch for one layer call (mapped: attention reads its items),
- * kept per layer so that an asynchronous attention may still read the
+/* The engine's scratch for one layer call (a mirror: attention reads its
+ * items), kept per layer so that an asynchronous attention may still read the
  * previous layer's items. */
 struct layer_scratch {
-	void *mem;
-	size_t bytes;
-	void *dev; /* separate memory: the items' device copy, same offsets */
-	size_t dev_bytes;
+	struct kvr_mirror m;
+};
+
+/* What one thread (the engine, the controller) selects with: its inline
+ * stream, its score item (a mirror: the kernels read it) and its score
+ * buffer (kernel scratch, grown as needed). */
+struct kvr_selector {
+	struct kvr_stream *stream;
+	struct kvr_mirror item; /* one struct kvr_score_item */
+	float *scores;
+	size_t scores_bytes;
 };
 
 struct kvr_sched {
@@ -97,7 +104,6 @@ struct kvr_sched {
 	struct kvr_pool *pool;
 	struct kvr_dev *dev;
 	uint32_t pool_layout, recall;
-	int separate;                /* device memory is not host-addressable (memory.c) */
 	int jobs_inline;             /* controller jobs run on the posting thread */
 	uint32_t k, G, eb;
 	uint32_t kv_format;          /* enum kvr_kv_format of the pool's pages */
@@ -110,94 +116,100 @@ struct kvr_sched {
 	kvr_sched_log_fn log_fn;
 	void *log_user;
 
-	struct kvr_stream *engine_inline; /* the engine's host-synchronous kernels */
-	struct kvr_stream *compute;       /* attention: inline, or a worker (test hook) */
-	struct kvr_stream *ctl_inline;    /* the controller's kernels */
-	struct kvr_stream *copy;          /* streamed recall: pool -> staging */
-	struct kvr_stream *convert;       /* streamed recall: staging -> slots */
-	struct staging staging[2];
+	/* streams: created at start, then used by the thread named */
+	struct kvr_stream *engine_inline; /* engine: its host-synchronous kernels */
+	struct kvr_stream *compute;       /* engine queues attention: inline, or a worker (test hook) */
+	struct kvr_stream *ctl_inline;    /* controller: its kernels */
+	struct kvr_stream *copy;          /* controller queues: streamed recall, pool -> staging */
+	struct kvr_stream *convert;       /* controller queues: streamed recall, staging -> slots */
 	/* spill tier (the pool has a spill file): recall reads runs through the
-	 * pool (RAM or file) into a host bounce, then copies it to the device */
+	 * pool (RAM or file) into a host bounce, then copies it to the device;
+	 * fixed at start */
 	int spill;
 	int spill_direct;                /* plain pages, host-visible device: no bounce */
-	unsigned char *bounce[2];        /* chunk_pages runs each, host memory (registered) */
-	struct kvr_event *bounce_done[2]; /* copy stream: the copy out of bounce[b] is done */
-	uint32_t next_bounce;            /* controller */
-	uint32_t *bounce_pages, *bounce_heads; /* controller: [chunk_pages] */
-	/* engine: pool pages attention reads in place this step, pinned until
-	 * the step's attention is done (kvr_sched_step_end) */
-	uint32_t *step_pins;
-	size_t n_step_pins, step_pins_cap;
-	int suppress_segment_pins;       /* engine: prefill attention pinned its pages already */
-	/* engine: sequences whose step failed in some layer this step: the
-	 * later layers fail them too, and step_end takes back the token the
-	 * earlier layers appended, so every layer keeps one length */
-	int32_t *step_fail;              /* [max_sequences] the error, 0 = none */
-	uint64_t *step_fail_pos;         /* [max_sequences] the step's position */
-	uint32_t *step_fail_layer;       /* [max_sequences] the layer it failed at */
-	char *step_fail_message;         /* [max_sequences][KVR_SCHED_MESSAGE] its reason,
-	                                    "sequence S layer L: ..." */
-	uint32_t *step_failed;           /* the sequences with step_fail set */
-	uint32_t n_step_failed;
-	uint64_t step_serial;            /* engine: the open step's number, from 1 (a lane's
-	                                    appended_step 0 = never) */
-	struct kvr_units *units;         /* quantised pages: the shared device page cache (units.c) */
-	uint32_t n_staging, chunk_pages;
-	uint32_t next_buffer;            /* controller: the staging buffer of the next chunk */
-	void *recall_misses;             /* controller: [k] misses of one head; quantised
-	                                    pages: [n_kv][k], every head's */
-	uint32_t *recall_need;           /* controller, quantised: [n_kv] units to take */
-	uint32_t *recall_unit_slots;     /* controller, quantised: [n_kv·k·2] their slot entries */
-	uint32_t *recall_release;        /* controller, mixed: [n_kv] units to give back */
-	uint32_t *recall_release_slots;  /* controller, mixed: [n_kv·k] their slot entries */
-	uint8_t *recall_flags;           /* controller: [2k] plan flags */
-	struct kvr_copy_desc *recall_descs; /* controller: [chunk_pages] */
+	struct kvr_units *units;         /* quantised pages: the shared device page cache
+	                                    (units.c, its own lock) */
 	struct hook_arg {
 		struct kvr_sched *s;
 		uint32_t where;
-	} hook_args[4];
+	} hook_args[4];                  /* fixed at start; read by stream workers */
+	struct kvr_lane *lanes;          /* [max_sequences][n_layers]; each lane owned as
+	                                    scheduler.h says (in_flight) */
+	unsigned char **tails;           /* [max_sequences]: the runtime's tail tiles */
 
-	struct kvr_lane *lanes;        /* [max_sequences][n_layers] */
-	unsigned char **tails;         /* [max_sequences]: the runtime's tail tiles */
-	struct layer_scratch *scratch; /* [n_layers] */
-	int32_t *now_sel;              /* [max_batch][n_kv][k]: the engine's selections (mapped) */
-	int32_t *seg_pages;            /* engine: [k] one head's slots' pages, sorted (segments) */
-	uint32_t *seg_slots;           /* engine: [k] the slots beside them */
-	float *engine_scores;          /* grown: the engine's score buffer (device) */
-	size_t engine_scores_bytes;
-	float *ctl_scores;             /* grown: the controller's score buffer (device) */
-	size_t ctl_scores_bytes;
-	/* single items of the engine's and the controller's kernels (mapped) */
-	struct engine_items {
-		struct kvr_similarity_item similarity;
-		struct kvr_score_item score;
-	} *engine_items;
-	struct kvr_score_item *ctl_items;
-	/* their device copies (separate memory; else the same pointers) */
-	struct engine_items *engine_items_dev;
-	struct kvr_score_item *ctl_items_dev;
-	/* separate memory: the layer's q, k, v copied to the host ([batch] rows
-	 * each; mapped), the events ordering a layer against the engine's stream,
-	 * a row of zeros for failed sequences' outputs, prefill attention's device
-	 * buffers */
-	unsigned char *mirror;
-	size_t mirror_bytes;
-	struct kvr_event *engine_ready;  /* recorded on the engine's stream at a layer's start */
-	struct kvr_event *layer_done;    /* recorded on compute at a layer's end */
-	void *zero_row;
-	void *prefill_q, *prefill_out;
-	size_t prefill_q_bytes, prefill_out_bytes;
+	/* The engine thread's own state: the open step and its layer calls. */
+	struct kvr_sched_engine {
+		/* pool pages attention reads in place this step, pinned until the
+		 * step's attention is done (kvr_sched_step_end) */
+		uint32_t *step_pins;
+		size_t n_step_pins, step_pins_cap;
+		int suppress_segment_pins;   /* prefill attention pinned its pages already */
+		/* sequences whose step failed in some layer this step: the later
+		 * layers fail them too, and step_end takes back the token the
+		 * earlier layers appended, so every layer keeps one length */
+		int32_t *step_fail;          /* [max_sequences] the error, 0 = none */
+		uint64_t *step_fail_pos;     /* [max_sequences] the step's position */
+		uint32_t *step_fail_layer;   /* [max_sequences] the layer it failed at */
+		char *step_fail_message;     /* [max_sequences][KVR_SCHED_MESSAGE] its reason,
+		                                "sequence S layer L: ..." */
+		uint32_t *step_failed;       /* the sequences with step_fail set */
+		uint32_t n_step_failed;
+		uint64_t step_serial;        /* the open step's number, from 1 (a lane's
+		                                appended_step 0 = never) */
+		struct layer_scratch *scratch; /* [n_layers] */
+		int32_t *now_sel;            /* [max_batch][n_kv][k]: the step's selections (mapped) */
+		int32_t *seg_pages;          /* [k] one head's slots' pages, sorted (segments) */
+		uint32_t *seg_slots;         /* [k] the slots beside them */
+		struct kvr_selector engine_sel;
+		struct kvr_mirror similarity; /* the similarity item */
+		/* the layer's q, k, v as the host reads them where it cannot
+		 * address device memory ([batch] rows each; mapped;
+		 * kvr_host_view), the events ordering a layer against the
+		 * engine's stream, a row of zeros for failed sequences' outputs,
+		 * prefill attention's staging of its rows */
+		unsigned char *inputs_stage;
+		size_t inputs_stage_bytes;
+		struct kvr_event *engine_ready; /* recorded on the engine's stream at a layer's start */
+		struct kvr_event *layer_done;   /* recorded on compute after a layer's attention */
+		void *zero_row;
+		void *prefill_q, *prefill_out;
+		size_t prefill_q_bytes, prefill_out_bytes;
+	} eng;
 
-	/* the controller */
-	pthread_t thread;
-	int thread_started;
-	pthread_mutex_t lock;          /* guards the queues, quit, busy */
-	pthread_cond_t work;           /* controller waits for jobs */
-	pthread_cond_t done;           /* the engine waits for a lane */
-	struct kvr_lane *urgent_head, *urgent_tail;
-	struct kvr_lane *normal_head, *normal_tail;
-	uint32_t engine_waiting;       /* guarded by lock: someone sleeps on `done` */
-	int quit;
+	/* The controller thread's recall state (and what it queues on the copy
+	 * and convert streams, ordered there by the staging buffers' events). */
+	struct kvr_sched_recall {
+		struct staging staging[2];
+		uint32_t n_staging, chunk_pages;
+		uint32_t next_buffer;        /* the staging buffer of the next chunk */
+		void *recall_misses;         /* [k] misses of one head; quantised pages:
+		                                [n_kv][k], every head's */
+		uint32_t *recall_need;       /* quantised: [n_kv] units to take */
+		uint32_t *recall_unit_slots; /* quantised: [n_kv·k·2] their slot entries */
+		uint32_t *recall_release;    /* mixed: [n_kv] units to give back */
+		uint32_t *recall_release_slots; /* mixed: [n_kv·k] their slot entries */
+		uint8_t *recall_flags;       /* [2k] plan flags */
+		struct kvr_copy_desc *recall_descs; /* [chunk_pages] */
+		unsigned char *bounce[2];    /* spill: chunk_pages runs each, host memory (registered) */
+		struct kvr_event *bounce_done[2]; /* copy stream: the copy out of bounce[b] is done */
+		uint32_t next_bounce;
+		uint32_t *bounce_pages, *bounce_heads; /* [chunk_pages] */
+		struct kvr_selector ctl_sel;
+	} rec;
+
+	/* The controller's queues, shared by the engine and the controller
+	 * under `lock`. */
+	struct kvr_sched_queue {
+		pthread_t thread;
+		int thread_started;
+		pthread_mutex_t lock;        /* guards the queues, quit, busy */
+		pthread_cond_t work;         /* controller waits for jobs */
+		pthread_cond_t done;         /* the engine waits for a lane */
+		struct kvr_lane *urgent_head, *urgent_tail;
+		struct kvr_lane *normal_head, *normal_tail;
+		uint32_t engine_waiting;     /* someone sleeps on `done` */
+		int quit;
+	} queue;
 
 	_Atomic(struct kvr_trace *) trace; /* acquire by recorders, release by the runtime */
 
@@ -310,18 +322,6 @@ struct kvr_trace_span *kvr_stream_span_begin(struct kvr_sched *s, struct kvr_str
 void kvr_stream_span_end(struct kvr_sched *s, struct kvr_stream *stream,
 			 struct kvr_trace_span *span);
 
-/* memory.c */
-int kvr_sched_mapped_alloc(struct kvr_sched *s, size_t bytes, void **out);
-void kvr_sched_mapped_free(struct kvr_sched *s, void *p);
-int kvr_sched_mapped_grow(struct kvr_sched *s, void **buf, size_t *bytes, size_t need);
-int kvr_sched_device_grow(struct kvr_sched *s, void **buf, size_t *bytes, size_t need);
-void kvr_sched_device_free(struct kvr_sched *s, void *p);
-/* Kernels read item arrays from device memory: on a separate-memory device
- * copy `bytes` of host items to their device copy on `stream` (ordered before
- * the kernel that follows); elsewhere nothing. */
-int kvr_sched_items_to_device(struct kvr_sched *s, struct kvr_stream *stream, void *dev,
-			      const void *host, size_t bytes);
-
 /* importance.c (kv_format mixed; everything a no-op for other lanes) */
 int kvr_importance_enabled(const struct kvr_sched *s, uint32_t layer);
 int kvr_importance_lane_open(struct kvr_sched *s, struct kvr_lane *lane);
@@ -357,13 +357,10 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
 
 /* select.c: selection of one lane with query q (device-readable) against the
  * window of a layer holding n_tokens tokens at the next step (next = 1) or now
- * (next = 0), into `selected` (mapped). stream is the calling thread's inline
- * stream, item its mapped score item and item_dev the item's device copy, scores a device buffer of the caller's
- * (grown as needed). `selected` is readable by the host on return. */
-int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
-		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
-		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
-		     size_t *scores_bytes);
+ * (next = 0), into `selected` (mapped), with the calling thread's selector.
+ * `selected` is readable by the host on return. */
+int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
+		     int next, int32_t *selected, struct kvr_selector *sel);
 
 /* Dense path for this layer: mode dense, or a layer the config keeps dense. */
 static inline int kvr_layer_dense(const struct kvr_sched *s, uint32_t layer)

@@ -125,14 +125,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			   const uint32_t *seqs, const uint64_t *positions, const void *q,
 			   const void *k, const void *v, void *out, int32_t *status,
 			   struct kvr_stream *engine_stream);
-/* Tail tiles: device memory where the host can address it, mapped host
- * memory on a separate-memory device (the host appends and offloads them). */
-int kvr_sched_tile_alloc(struct kvr_sched *s, size_t bytes, void **out);
-void kvr_sched_tile_free(struct kvr_sched *s, void *p);
 /* 1 when controller jobs run on the engine's thread (config controller). */
 int kvr_sched_jobs_inline(const struct kvr_sched *s);
-/* 1 when the device's memory is not host-addressable (cuda). */
-int kvr_sched_separate_memory(const struct kvr_sched *s);
 /* Causal attention of n_tokens queries at positions first_position.. over
  * the layer's tokens 0..position each, reading pool pages and the tail tile;
  * the tokens must be ingested already. Engine's thread, synchronous. */

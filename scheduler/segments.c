@@ -20,17 +20,17 @@
  * attention is done (unpin_step). Engine thread. */
 int kvr_sched_pin_in_place(struct kvr_sched *s, uint32_t id)
 {
-	if (s->n_step_pins == s->step_pins_cap) {
-		const size_t cap = s->step_pins_cap ? 2 * s->step_pins_cap : 256;
-		uint32_t *grown = kvr_realloc(s->step_pins, cap * sizeof(*grown));
+	if (s->eng.n_step_pins == s->eng.step_pins_cap) {
+		const size_t cap = s->eng.step_pins_cap ? 2 * s->eng.step_pins_cap : 256;
+		uint32_t *grown = kvr_realloc(s->eng.step_pins, cap * sizeof(*grown));
 		if (!grown)
 			return -ENOMEM;
-		s->step_pins = grown;
-		s->step_pins_cap = cap;
+		s->eng.step_pins = grown;
+		s->eng.step_pins_cap = cap;
 	}
 	int err = kvr_pool_pin(s->pool, &id, 1);
 	if (!err)
-		s->step_pins[s->n_step_pins++] = id;
+		s->eng.step_pins[s->eng.n_step_pins++] = id;
 	return err;
 }
 
@@ -39,9 +39,9 @@ int kvr_sched_pin_in_place(struct kvr_sched *s, uint32_t id)
  * sequence freed or truncated while the step was open) is skipped. */
 void kvr_sched_unpin_from(struct kvr_sched *s, size_t mark)
 {
-	if (s->n_step_pins > mark)
-		kvr_pool_unpin_live(s->pool, s->step_pins + mark, (uint32_t)(s->n_step_pins - mark));
-	s->n_step_pins = mark;
+	if (s->eng.n_step_pins > mark)
+		kvr_pool_unpin_live(s->pool, s->eng.step_pins + mark, (uint32_t)(s->eng.n_step_pins - mark));
+	s->eng.n_step_pins = mark;
 }
 
 void kvr_sched_unpin_step(struct kvr_sched *s)
@@ -50,7 +50,7 @@ void kvr_sched_unpin_step(struct kvr_sched *s)
 }
 
 /* One KV head's run of pool page `logical` as an attention segment: the
- * lane's device copy when `resident` (separate memory, resident.c), else the
+ * lane's device copy when `resident` (resident.c), else the
  * pool page in place. With a spill tier the page is pinned (read back from
  * the file when it is there); a failure sets *err and gives an empty segment. */
 struct kvr_kv_segment kvr_sched_pool_segment(struct kvr_sched *s, struct kvr_lane *lane,
@@ -58,7 +58,7 @@ struct kvr_kv_segment kvr_sched_pool_segment(struct kvr_sched *s, struct kvr_lan
 {
 	uint32_t id = 0;
 	kvr_pool_lookup(s->pool, lane->seq, lane->layer, logical, &id);
-	if (s->spill && !*err && !s->suppress_segment_pins) {
+	if (s->spill && !*err && !s->eng.suppress_segment_pins) {
 		*err = kvr_sched_pin_in_place(s, id);
 		if (*err)
 			snprintf(s->last_error, sizeof(s->last_error), "page %u: %s", logical,
@@ -130,8 +130,8 @@ uint32_t kvr_sched_build_segments(struct kvr_sched *s, struct kvr_lane *lane, ui
 			out[n++] = kvr_sched_pool_segment(s, lane, j, m, res, err);
 		if (from_slots) {
 			/* every slot of the head (k of them), in page order */
-			int32_t *pages = s->seg_pages;
-			uint32_t *slots = s->seg_slots, n_sel = 0;
+			int32_t *pages = s->eng.seg_pages;
+			uint32_t *slots = s->eng.seg_slots, n_sel = 0;
 			const int32_t *sp = lane->slot_page + (uint64_t)m * s->k;
 			for (uint32_t j = 0; j < s->k; j++)
 				if (sp[j] >= 0 && (uint32_t)sp[j] >= sink && (uint32_t)sp[j] < win_first) {

@@ -19,11 +19,11 @@
 #include "../gpu/fault.h"
 #include "sched_impl.h"
 
-int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
-		     uint64_t n_tokens, int next, int32_t *selected, struct kvr_stream *stream,
-		     struct kvr_score_item *item, struct kvr_score_item *item_dev, float **scores,
-		     size_t *scores_bytes)
+int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
+		     int next, int32_t *selected, struct kvr_selector *sel)
 {
+	struct kvr_stream *stream = sel->stream;
+	struct kvr_score_item *item = sel->item.host;
 	const uint32_t sink = s->c.sink_tokens / s->c.page_tokens;
 	/* the window as it will be at step i+1 (one more token) when the
 	 * selection serves that step, so a page leaving the window is a
@@ -42,11 +42,11 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 	const uint32_t with_summary = n_tokens ? (uint32_t)((n_tokens - 1) / s->c.page_tokens) : 0;
 	const uint32_t norm_end = with_summary > cand_end ? with_summary : cand_end;
 	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
-	if (kvr_sched_device_grow(s, (void **)scores, scores_bytes, need))
+	if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes, need))
 		return -ENOMEM;
 	const void *summaries = kvr_resident_summaries(s, lane, norm_end, stream);
-	if (!summaries && s->separate && kvr_pool_summary(s->pool, lane->seq, lane->layer, 0))
-		return -ENOMEM; /* no device memory for the summaries */
+	if (!summaries && kvr_pool_summary(s->pool, lane->seq, lane->layer, 0))
+		return -ENOMEM; /* the pool has summaries: no device memory for their copy */
 	if (!summaries) {
 		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
 			selected[i] = -1;
@@ -54,19 +54,20 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q,
 	}
 	*item = (struct kvr_score_item){ .q = q,
 					 .summaries = summaries,
-					 .scores = *scores,
+					 .scores = sel->scores,
 					 .selected = selected,
 					 .cand_begin = cand_begin,
 					 .cand_end = cand_end,
 					 .k = s->k,
 					 .norm_end = norm_end };
-	int err = kvr_sched_items_to_device(s, stream, item_dev, item, sizeof(*item));
+	int err = kvr_mirror_to_device(s->dev, &sel->item, item, sizeof(*item), stream);
 	if (!err)
-		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
+		err = kvr_dev_score(s->dev, &s->shape, sel->item.dev, 1, stream);
 	if (!err)
-		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
-	/* the host plans with `selected` (and reuses the item and the scores) */
-	if (!err && s->separate)
+		err = kvr_dev_select(s->dev, &s->shape, sel->item.dev, 1, stream);
+	/* the host plans with `selected` (and reuses the item and the scores);
+	 * the inline streams of host-addressable devices have run it already */
+	if (!err)
 		err = kvr_dev_stream_synchronize(s->dev, stream);
 	return err;
 }

@@ -51,15 +51,15 @@ static void zero_output(struct kvr_sched *s, void *out_row);
 static void mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
 			const char *reason)
 {
-	if (s->step_fail[seq])
+	if (s->eng.step_fail[seq])
 		return;
-	s->step_fail[seq] = err;
-	s->step_fail_pos[seq] = position;
-	s->step_fail_layer[seq] = layer;
-	s->step_failed[s->n_step_failed++] = seq;
+	s->eng.step_fail[seq] = err;
+	s->eng.step_fail_pos[seq] = position;
+	s->eng.step_fail_layer[seq] = layer;
+	s->eng.step_failed[s->eng.n_step_failed++] = seq;
 	char subject[48];
 	snprintf(subject, sizeof(subject), "sequence %u layer %u: ", seq, layer);
-	char *message = s->step_fail_message + (size_t)seq * KVR_SCHED_MESSAGE;
+	char *message = s->eng.step_fail_message + (size_t)seq * KVR_SCHED_MESSAGE;
 	if (!strncmp(reason, subject, strlen(subject)))
 		snprintf(message, KVR_SCHED_MESSAGE, "%s", reason);
 	else
@@ -92,29 +92,29 @@ static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, uin
 /* Step end: every layer of a failed sequence back at its step's position. */
 static void settle_failed(struct kvr_sched *s)
 {
-	for (uint32_t i = 0; i < s->n_step_failed; i++) {
-		const uint32_t seq = s->step_failed[i];
+	for (uint32_t i = 0; i < s->eng.n_step_failed; i++) {
+		const uint32_t seq = s->eng.step_failed[i];
 		/* Only the layers this step appended to are taken back: a layer the
 		 * step failed at (a position below its length, say) keeps what it
 		 * held before the step. */
 		int appended = 0;
 		for (uint32_t l = 0; l < s->c.n_layers; l++)
-			appended |= lane_of(s, seq, l)->appended_step == s->step_serial;
+			appended |= lane_of(s, seq, l)->appended_step == s->eng.step_serial;
 		if (appended) {
 			/* the layers that did decode posted their next step's work */
 			kvr_sched_seq_quiesce(s, seq);
 			for (uint32_t l = 0; l < s->c.n_layers; l++) {
 				struct kvr_lane *lane = lane_of(s, seq, l);
-				if (lane->appended_step == s->step_serial) {
-					kvr_pool_truncate(s->pool, seq, l, s->step_fail_pos[seq]);
+				if (lane->appended_step == s->eng.step_serial) {
+					kvr_pool_truncate(s->pool, seq, l, s->eng.step_fail_pos[seq]);
 					lane->appended_step = 0;
 				}
 				kvr_sched_lane_forget(s, lane);
 			}
 		}
-		s->step_fail[seq] = 0;
+		s->eng.step_fail[seq] = 0;
 	}
-	s->n_step_failed = 0;
+	s->eng.n_step_failed = 0;
 }
 
 /* ------------------------------------------------------------------ one layer */
@@ -157,9 +157,9 @@ static int wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correctio
 }
 
 /* Attention over `n_items` items, then record attn_done of each listed lane.
- * The items and segments sit in the layer's scratch `ls`; segments from
- * seg_begin on are this call's (on a separate-memory device they are copied to
- * the scratch's device twin first). */
+ * The items and segments sit in the host view of the layer's scratch `ls`;
+ * segments from seg_begin on are this call's (they reach the kernels' view
+ * first). */
 static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scratch *ls,
 			 const struct kvr_attention_item *items, uint32_t n_items,
 			 const struct kvr_kv_segment *segs, uint32_t seg_begin, uint32_t n_segs,
@@ -168,20 +168,12 @@ static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scrat
 	if (!n_items)
 		return 0;
 	const uint64_t t0 = kvr_now_ns();
-	int err = 0;
-	if (s->separate) {
-		unsigned char *dev = ls->dev;
-		const size_t item_off = (size_t)((const unsigned char *)items - (unsigned char *)ls->mem);
-		const size_t seg_off = (size_t)((const unsigned char *)segs - (unsigned char *)ls->mem);
-		err = kvr_sched_items_to_device(s, s->compute, dev + item_off, items,
-						n_items * sizeof(*items));
-		if (!err)
-			err = kvr_sched_items_to_device(s, s->compute, dev + seg_off + seg_begin * sizeof(*segs),
-							segs + seg_begin,
-							(n_segs - seg_begin) * sizeof(*segs));
-		items = (const void *)(dev + item_off);
-		segs = (const void *)(dev + seg_off);
-	}
+	int err = kvr_mirror_to_device(s->dev, &ls->m, items, n_items * sizeof(*items), s->compute);
+	if (!err)
+		err = kvr_mirror_to_device(s->dev, &ls->m, segs + seg_begin, (n_segs - seg_begin) * sizeof(*segs),
+					   s->compute);
+	items = kvr_mirror_dev_at(&ls->m, items);
+	segs = kvr_mirror_dev_at(&ls->m, segs);
 	kvr_sched_hook_on_stream(s, s->compute, KVR_HOOK_COMPUTE);
 	struct kvr_trace_span *sp = NULL;
 	if (s->hooks.async_compute)
@@ -200,44 +192,10 @@ static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scrat
 	return err;
 }
 
-/* Separate memory: order the layer's work after the engine's stream and bring
- * q, k, v to the host (the append and the previous query are host work). */
-static int fetch_inputs(struct kvr_sched *s, uint32_t batch, const void *q, const void *k,
-			const void *v, struct kvr_stream *engine_stream)
-{
-	const size_t q_bytes = (size_t)batch * s->q_row, kv_bytes = (size_t)batch * s->kv_row;
-	int err = kvr_sched_mapped_grow(s, (void **)&s->mirror, &s->mirror_bytes,
-					(size_t)s->c.max_batch * (s->q_row + 2 * s->kv_row));
-	if (err)
-		return err;
-	if (engine_stream) {
-		err = kvr_dev_event_record(s->dev, s->engine_ready, engine_stream);
-		if (!err)
-			err = kvr_dev_stream_wait_event(s->dev, s->engine_inline, s->engine_ready);
-		if (!err)
-			err = kvr_dev_stream_wait_event(s->dev, s->compute, s->engine_ready);
-		if (err)
-			return err;
-	}
-	err = kvr_dev_memcpy_async(s->dev, s->mirror, q, q_bytes, KVR_COPY_D2H, s->engine_inline);
-	if (!err)
-		err = kvr_dev_memcpy_async(s->dev, s->mirror + q_bytes, k, kv_bytes, KVR_COPY_D2H,
-					   s->engine_inline);
-	if (!err)
-		err = kvr_dev_memcpy_async(s->dev, s->mirror + q_bytes + kv_bytes, v, kv_bytes,
-					   KVR_COPY_D2H, s->engine_inline);
-	if (!err)
-		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
-	return err;
-}
-
-/* A failed sequence's output rows: zeros. */
+/* A failed sequence's output rows: zeros, after the attention queued before. */
 static void zero_output(struct kvr_sched *s, void *out_row)
 {
-	if (!s->separate)
-		memset(out_row, 0, s->q_row);
-	else
-		kvr_dev_memcpy_async(s->dev, out_row, s->zero_row, s->q_row, KVR_COPY_H2D, s->compute);
+	kvr_dev_memcpy_async(s->dev, out_row, s->eng.zero_row, s->q_row, KVR_COPY_H2D, s->compute);
 }
 
 /* One layer call's state, shared by its phases (engine thread). */
@@ -266,26 +224,46 @@ struct layer_call {
 	uint32_t n_items, n_segs, n_att;
 };
 
-/* Separate memory: the layer's q, k, v on the host (fetch_inputs). */
+/* Order the layer's work after the engine's stream and give the host its
+ * view of q, k, v (the append and the previous query are host work). */
 static int layer_inputs(struct layer_call *lc, const void *q, const void *k, const void *v,
 			struct kvr_stream *engine_stream)
 {
 	struct kvr_sched *s = lc->s;
-	lc->q_dev = lc->q_host = q;
-	lc->k_host = k;
-	lc->v_host = v;
-	if (!s->separate)
-		return 0;
-	int err = fetch_inputs(s, lc->batch, q, k, v, engine_stream);
+	const size_t q_bytes = (size_t)lc->batch * s->q_row, kv_bytes = (size_t)lc->batch * s->kv_row;
+	lc->q_dev = q;
+	int err = kvr_mapped_grow(s->dev, (void **)&s->eng.inputs_stage, &s->eng.inputs_stage_bytes,
+				  (size_t)s->c.max_batch * (s->q_row + 2 * s->kv_row));
 	if (err) {
-		snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: %s",
-			 kvr_dev_last_error(s->dev));
+		snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: out of memory");
 		return err;
 	}
-	lc->q_host = s->mirror;
-	lc->k_host = s->mirror + (size_t)lc->batch * lc->q_row;
-	lc->v_host = lc->k_host + (size_t)lc->batch * lc->kv_row;
-	return 0;
+	if (engine_stream) {
+		err = kvr_dev_event_record(s->dev, s->eng.engine_ready, engine_stream);
+		if (!err)
+			err = kvr_dev_stream_wait_event(s->dev, s->engine_inline, s->eng.engine_ready);
+		if (!err)
+			err = kvr_dev_stream_wait_event(s->dev, s->compute, s->eng.engine_ready);
+		if (err)
+			goto fail;
+	}
+	const void *view = NULL;
+	unsigned char *stage = s->eng.inputs_stage;
+	err = kvr_host_view(s->dev, stage, q, q_bytes, s->engine_inline, &view);
+	lc->q_host = view;
+	if (!err)
+		err = kvr_host_view(s->dev, stage + q_bytes, k, kv_bytes, s->engine_inline, &view);
+	lc->k_host = view;
+	if (!err)
+		err = kvr_host_view(s->dev, stage + q_bytes + kv_bytes, v, kv_bytes, s->engine_inline, &view);
+	lc->v_host = view;
+	if (!err)
+		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
+	if (!err)
+		return 0;
+fail:
+	snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: %s", kvr_dev_last_error(s->dev));
+	return err;
 }
 
 /* 1. Acquire the lanes, append the tokens; a sequence that fails here gets
@@ -307,8 +285,8 @@ static void layer_append(struct layer_call *lc)
 					       kvr_now_ns() - waited, kvr_now_ns());
 		}
 		kvr_importance_harvest(s, lane); /* before this step overwrites its lse */
-		if (s->step_fail[seq]) { /* an earlier layer of this step failed it */
-			lc->status[i] = s->step_fail[seq];
+		if (s->eng.step_fail[seq]) { /* an earlier layer of this step failed it */
+			lc->status[i] = s->eng.step_fail[seq];
 			zero_output(s, out_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
 			continue;
@@ -334,7 +312,7 @@ static void layer_append(struct layer_call *lc)
 				    kvr_pool_last_error(s->pool));
 			continue;
 		}
-		lane->appended_step = s->step_serial;
+		lane->appended_step = s->eng.step_serial;
 		const uint32_t pages = (uint32_t)((lc->positions[i] + 1) / s->c.page_tokens);
 		lc->max_pages = pages > lc->max_pages ? pages : lc->max_pages;
 	}
@@ -361,13 +339,12 @@ static int layer_scratch(struct layer_call *lc)
 		off[i] = need;
 		need += (sizes[i] + 63) & ~(size_t)63;
 	}
-	struct layer_scratch *ls = &s->scratch[lc->layer];
-	if (kvr_sched_mapped_grow(s, &ls->mem, &ls->bytes, need) ||
-	    (s->separate && kvr_sched_device_grow(s, &ls->dev, &ls->dev_bytes, need))) {
+	struct layer_scratch *ls = &s->eng.scratch[lc->layer];
+	if (kvr_mirror_grow(s->dev, &ls->m, need)) {
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for the step's scratch");
 		return -ENOMEM;
 	}
-	unsigned char *mem = ls->mem;
+	unsigned char *mem = ls->m.host;
 	lc->ls = ls;
 	lc->items = (void *)(mem + off[0]);
 	lc->segs = (void *)(mem + off[1]);
@@ -386,15 +363,13 @@ static int check_similarity(struct layer_call *lc, uint32_t i, struct kvr_lane *
 	struct kvr_sched *s = lc->s;
 	const uint32_t seq = lc->seqs[i], n_kv = lc->n_kv;
 	const uint64_t t0 = kvr_now_ns();
-	struct kvr_similarity_item *si = &s->engine_items->similarity;
+	struct kvr_similarity_item *si = s->eng.similarity.host;
 	*si = (struct kvr_similarity_item){ lc->q_dev + i * lc->q_row, lane->prev_q,
 					    lc->cosine + (uint64_t)i * n_kv, corr };
-	int err = kvr_sched_items_to_device(s, s->engine_inline, &s->engine_items_dev->similarity,
-					    si, sizeof(*si));
+	int err = kvr_mirror_to_device(s->dev, &s->eng.similarity, si, sizeof(*si), s->engine_inline);
 	if (!err)
-		err = kvr_dev_similarity(s->dev, &s->shape, &s->engine_items_dev->similarity, 1,
-					 s->engine_inline);
-	if (!err && s->separate) /* the host reads corr */
+		err = kvr_dev_similarity(s->dev, &s->shape, s->eng.similarity.dev, 1, s->engine_inline);
+	if (!err) /* the host reads corr (an inline stream has run it already) */
 		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
 	if (err) {
 		snprintf(s->last_error, sizeof(s->last_error), "similarity: %s",
@@ -463,7 +438,7 @@ static int queue_items(struct layer_call *lc, uint32_t i, struct kvr_lane *lane,
 {
 	struct kvr_sched *s = lc->s;
 	const uint32_t items_before = lc->n_items, segs_before = lc->n_segs, kk = lc->kk;
-	const size_t pins_before = s->n_step_pins;
+	const size_t pins_before = s->eng.n_step_pins;
 	const unsigned char *qi = lc->q_dev + i * lc->q_row;
 	unsigned char *out_row = (unsigned char *)lc->out + i * lc->q_row;
 	const uint64_t n_tokens = lc->e[i].n_tokens;
@@ -532,15 +507,13 @@ static int attend_corrected(struct layer_call *lc)
 		const uint32_t seq = lc->seqs[i];
 		struct kvr_lane *lane = lane_of(s, seq, layer);
 		const uint8_t *corr = lc->corrected + (uint64_t)i * n_kv;
-		int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
+		int32_t *now_sel = s->eng.now_sel + (uint64_t)i * n_kv * kk;
 		const uint64_t t0 = kvr_now_ns();
 		/* the selection serves step i+1 too (but in blocking mode, which
 		 * selects again): its candidates are those of step i+1, a superset
 		 * of step i's, so a page leaving the window stays covered */
 		err = kvr_select_pages(s, lane, lc->q_dev + i * lc->q_row, lc->e[i].n_tokens,
-				       s->c.mode != KVR_MODE_BLOCKING, now_sel, s->engine_inline,
-				       &s->engine_items->score, &s->engine_items_dev->score,
-				       &s->engine_scores, &s->engine_scores_bytes);
+				       s->c.mode != KVR_MODE_BLOCKING, now_sel, &s->eng.engine_sel);
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error), "selection: %s",
 				 kvr_dev_last_error(s->dev));
@@ -602,7 +575,7 @@ static void post_next_step(struct layer_call *lc)
 		lane->job_n_tokens = e->n_tokens;
 		if (e->kind == SEQ_CORRECTED) {
 			/* one selection per step: the corrected one serves the next step */
-			const int32_t *now_sel = s->now_sel + (uint64_t)i * n_kv * kk;
+			const int32_t *now_sel = s->eng.now_sel + (uint64_t)i * n_kv * kk;
 			memcpy(lane->selected, now_sel, (size_t)n_kv * kk * sizeof(int32_t));
 			if (s->recall != KVR_RECALL_STREAMED)
 				continue;
@@ -626,10 +599,9 @@ static int layer_finish(struct layer_call *lc, struct kvr_stream *engine_stream)
 {
 	struct kvr_sched *s = lc->s;
 	if (engine_stream) {
-		/* the engine's next kernels read `out` */
-		int err = kvr_dev_event_record(s->dev, s->layer_done, s->compute);
-		if (!err)
-			err = kvr_dev_stream_wait_event(s->dev, engine_stream, s->layer_done);
+		/* the engine's next kernels read `out` (layer_done: recorded after
+		 * the attention, the compute stream's last work of the layer) */
+		int err = kvr_dev_stream_wait_event(s->dev, engine_stream, s->eng.layer_done);
 		if (err) {
 			snprintf(s->last_error, sizeof(s->last_error), "ordering the engine's stream: %s",
 				 kvr_dev_last_error(s->dev));
@@ -680,9 +652,12 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	err = attend_uncorrected(&lc);
 	if (!err)
 		err = attend_corrected(&lc);
-	/* the attention has run when it is synchronous: its pages may leave RAM
-	 * (and mixed pages' window pages be demoted below) */
-	if (!s->hooks.async_compute && !s->separate)
+	/* layer_done marks the layer's attention on the compute stream; where it
+	 * has run already (an inline stream) its pages may leave RAM now (and
+	 * mixed pages' window pages be demoted below), else at the step's end */
+	if (!err)
+		err = kvr_dev_event_record(s->dev, s->eng.layer_done, s->compute);
+	if (!err && kvr_dev_event_query(s->dev, s->eng.layer_done) == 0)
 		kvr_sched_unpin_step(s);
 	if (err) {
 		if (!s->last_error[0])
@@ -703,19 +678,17 @@ void kvr_sched_step_abandon(struct kvr_sched *s, uint32_t batch, const uint32_t 
 int kvr_sched_step_failure(const struct kvr_sched *s, uint32_t seq, uint32_t *layer,
 			   const char **message)
 {
-	*layer = s->step_fail_layer[seq];
-	*message = s->step_fail_message + (size_t)seq * KVR_SCHED_MESSAGE;
-	return s->step_fail[seq];
+	*layer = s->eng.step_fail_layer[seq];
+	*message = s->eng.step_fail_message + (size_t)seq * KVR_SCHED_MESSAGE;
+	return s->eng.step_fail[seq];
 }
 
 int kvr_sched_step_end(struct kvr_sched *s)
 {
 	/* the next step rewrites the layers' mapped scratch the attention reads */
-	int err = 0;
-	if (s->hooks.async_compute || s->separate)
-		err = kvr_dev_stream_synchronize(s->dev, s->compute);
+	int err = kvr_dev_stream_synchronize(s->dev, s->compute); /* nothing on an inline stream */
 	kvr_sched_unpin_step(s); /* the step's attention has read its pages */
 	settle_failed(s);
-	s->step_serial++;
+	s->eng.step_serial++;
 	return err;
 }

@@ -33,7 +33,7 @@
  *
  * The ring (ids, counters) is device memory; the round's counts, offsets,
  * page ids and status are mapped memory the host fills and reads; the item
- * has a device twin on separate-memory devices. Threads: the engine (open,
+ * is a mirror (gpu/memory.h). Threads: the engine (open,
  * close) and the controller (recall) call in; `lock` serialises the rounds,
  * each of which runs on the pool's own stream and is waited for before the
  * lock is released (the host needs the ids to plan the copies).
@@ -57,7 +57,7 @@ struct kvr_units {
 	uint32_t capacity;         /* ring size: per_chunk · max_chunks ids */
 	uint32_t *ids;             /* device: the ring */
 	uint64_t *counters;        /* device: start, end */
-	struct kvr_freelist_item *item, *item_dev; /* mapped; its device twin */
+	struct kvr_mirror item;    /* one struct kvr_freelist_item */
 	uint32_t max_units, max_pages; /* of one round */
 	uint32_t *counts;          /* mapped [max_units] */
 	uint64_t *offsets;         /* mapped [max_units] */
@@ -112,12 +112,13 @@ unsigned char *kvr_units_addr(const struct kvr_sched *s, uint32_t id)
  * reports errors). */
 static int run_round(struct kvr_sched *s, struct kvr_units *u, uint32_t op, uint32_t n_units, uint64_t total)
 {
-	*u->item = (struct kvr_freelist_item){ u->ids, u->counters, u->counts, u->offsets, u->pages,
-					       u->status, u->capacity, n_units, op, u->max_pages };
+	struct kvr_freelist_item *item = u->item.host;
+	*item = (struct kvr_freelist_item){ u->ids, u->counters, u->counts, u->offsets, u->pages,
+					    u->status, u->capacity, n_units, op, u->max_pages };
 	*u->status = KVR_FREELIST_BAD;
-	int err = kvr_sched_items_to_device(s, u->stream, u->item_dev, u->item, sizeof(*u->item));
+	int err = kvr_mirror_to_device(s->dev, &u->item, item, sizeof(*item), u->stream);
 	if (!err)
-		err = kvr_dev_freelist(s->dev, u->item_dev, 1, u->stream);
+		err = kvr_dev_freelist(s->dev, u->item.dev, 1, u->stream);
 	if (!err)
 		err = kvr_dev_stream_synchronize(s->dev, u->stream);
 	if (err) {
@@ -163,20 +164,15 @@ int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 	if (!ret)
 		ret = kvr_dev_alloc(s->dev, 2 * sizeof(uint64_t), (void **)&u->counters);
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, sizeof(*u->item), (void **)&u->item);
-	u->item_dev = u->item;
-	if (!ret && s->separate) {
-		u->item_dev = NULL;
-		ret = kvr_dev_alloc(s->dev, sizeof(*u->item_dev), (void **)&u->item_dev);
-	}
+		ret = kvr_mirror_grow(s->dev, &u->item, sizeof(struct kvr_freelist_item));
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, (size_t)u->max_units * sizeof(uint32_t), (void **)&u->counts);
+		ret = kvr_mapped_alloc(s->dev, (size_t)u->max_units * sizeof(uint32_t), (void **)&u->counts);
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, (size_t)u->max_units * sizeof(uint64_t), (void **)&u->offsets);
+		ret = kvr_mapped_alloc(s->dev, (size_t)u->max_units * sizeof(uint64_t), (void **)&u->offsets);
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, (size_t)u->max_pages * sizeof(uint32_t), (void **)&u->pages);
+		ret = kvr_mapped_alloc(s->dev, (size_t)u->max_pages * sizeof(uint32_t), (void **)&u->pages);
 	if (!ret)
-		ret = kvr_sched_mapped_alloc(s, sizeof(*u->status), (void **)&u->status);
+		ret = kvr_mapped_alloc(s->dev, sizeof(*u->status), (void **)&u->status);
 	/* an empty ring: start = end = 0 (ids arrive with the chunks) */
 	static const uint64_t empty[2] = { 0, 0 };
 	if (!ret)
@@ -201,13 +197,11 @@ void kvr_units_teardown(struct kvr_sched *s)
 	free(u->chunks);
 	kvr_dev_free(s->dev, u->ids);
 	kvr_dev_free(s->dev, u->counters);
-	if (s->separate)
-		kvr_dev_free(s->dev, u->item_dev);
-	kvr_sched_mapped_free(s, u->item);
-	kvr_sched_mapped_free(s, u->counts);
-	kvr_sched_mapped_free(s, u->offsets);
-	kvr_sched_mapped_free(s, u->pages);
-	kvr_sched_mapped_free(s, u->status);
+	kvr_mirror_free(s->dev, &u->item);
+	kvr_mapped_free(s->dev, u->counts);
+	kvr_mapped_free(s->dev, u->offsets);
+	kvr_mapped_free(s->dev, u->pages);
+	kvr_mapped_free(s->dev, u->status);
 	kvr_dev_stream_destroy(s->dev, u->stream);
 	pthread_mutex_destroy(&u->lock);
 	free(u);
