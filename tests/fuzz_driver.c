@@ -42,6 +42,7 @@
 #include <unistd.h>
 
 #include "fuzz.h"
+#include "helpers.h"
 
 /* ---- what the parent sees of the child ------------------------------------ */
 
@@ -178,10 +179,7 @@ static uint64_t rng_state;
 
 static uint64_t rnd(void)
 {
-	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull); /* splitmix64 */
-	z = (z ^ z >> 30) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ z >> 27) * 0x94d049bb133111ebull;
-	return z ^ z >> 31;
+	return th_splitmix64(&rng_state);
 }
 
 static size_t below(size_t n)

@@ -36,6 +36,7 @@
 #include "freelist.h"
 #include "half.h"
 #include "reference.h"
+#include "helpers.h"
 
 /* cudaemu's test hooks (gpu/cudaemu/cudaemu.h), weak so that the suite links
  * without cudaemu: its thread-order knob, and its count of launches that
@@ -88,10 +89,7 @@ struct rng {
 
 static uint64_t rng_next(struct rng *r)
 {
-	uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
+	return th_splitmix64(&r->s);
 }
 
 static double rng_uniform(struct rng *r, double lo, double hi)

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "kvrecall.h"
+#include "helpers.h"
 
 #define P 16
 #define N_KV 2
@@ -26,8 +27,7 @@
 static uint64_t rng_state = 0x1234567887654321ull;
 static float frand(void)
 {
-	rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-	return (float)((int32_t)(rng_state >> 33) % 2000 - 1000) / 1000.0f;
+	return (float)((int32_t)(th_lcg64(&rng_state) >> 33) % 2000 - 1000) / 1000.0f;
 }
 
 static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint32_t sink, uint32_t window,

@@ -21,6 +21,7 @@
 #include "../host/spill.h"
 #include "internal.h"
 #include "kvrecall.h"
+#include "helpers.h"
 
 #define P 16
 #define N_KV 2
@@ -35,8 +36,7 @@
 static uint64_t rng_state;
 static float frand(void)
 {
-	rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-	return (float)((int32_t)(rng_state >> 33) % 2000 - 1000) / 1000.0f;
+	return (float)((int32_t)(th_lcg64(&rng_state) >> 33) % 2000 - 1000) / 1000.0f;
 }
 
 /* ram_pages 0: no spill tier (streamed recall all the same). */

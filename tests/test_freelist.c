@@ -17,16 +17,14 @@
 #include <string.h>
 
 #include "freelist.h"
+#include "helpers.h"
 
 #define FREE_PAGE UINT32_MAX
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 static uint32_t rnd(uint32_t n)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (uint32_t)((rng_state >> 33) % n);
+	return (uint32_t)((th_xorshift64(&rng_state) >> 33) % n);
 }
 
 struct shadow {

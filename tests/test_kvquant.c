@@ -15,14 +15,12 @@
 #include <string.h>
 
 #include "kvquant.h"
+#include "helpers.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static double urand(void) /* [0, 1) */
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (double)(rng_state >> 11) * 0x1p-53;
+	return (double)(th_xorshift64(&rng_state) >> 11) * 0x1p-53;
 }
 
 /* Vectors the quantiser must handle: ordinary, heavy-tailed (one outlier

@@ -19,6 +19,7 @@
 
 #include "convert.h"
 #include "half.h"
+#include "helpers.h"
 #include "kvquant.h"
 #include "pool.h"
 #include "summary.h"
@@ -28,10 +29,7 @@
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint32_t rng(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (uint32_t)(rng_state >> 11);
+	return (uint32_t)(th_xorshift64(&rng_state) >> 11);
 }
 
 static void fill_bytes(void *dst, size_t n)

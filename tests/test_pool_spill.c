@@ -38,6 +38,7 @@
 #include "kvquant.h"
 #include "pool.h"
 #include "spill.h"
+#include "helpers.h"
 
 /* The page shape of every test: 2 KV heads of d = 64, 16 tokens, f16: a
  * 4 KiB run per KV head, 8 KiB pages. */
@@ -50,10 +51,7 @@ enum { P = 16, D = 64, NKV = 2, EB = 2 };
 static uint64_t rng_state = 0x8f3a1c5be2d47a19ull;
 static uint32_t rnd(uint32_t n)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (uint32_t)((rng_state >> 33) % n);
+	return (uint32_t)((th_xorshift64(&rng_state) >> 33) % n);
 }
 
 static void fill_random(void *dst, size_t n)

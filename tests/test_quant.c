@@ -21,8 +21,7 @@
  *    untouched), errors;
  *  - the real model's Q4_1 and Q8_0 tensors when the file is there.
  *
- * `KQ_BENCH=1 build/tests/test_quant --filter 'bench/gbps' -j1` prints the
- * single-thread GB/s of each path on the model's two matrix shapes.
+ * The speed of each path is bench/quant_bench.c's to measure.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -31,20 +30,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "gguf.h"
 #include "half.h"
 #include "quant.h"
+#include "helpers.h"
 
 /* xorshift64*: the same sequence everywhere for a seed */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 2685821657736338717ull;
+	return th_xorshift64star(&rng_state);
 }
 
 static float uniform(float lo, float hi)
@@ -326,10 +322,7 @@ static void rand_row(uint32_t type, uint8_t *dst, uint64_t n)
 	}
 }
 
-static int same_bits(float a, float b)
-{
-	return !memcmp(&a, &b, sizeof(a));
-}
+#define same_bits th_same_bits
 
 /* ------------------------------------------------- dequantisation */
 
@@ -1039,93 +1032,4 @@ Test(model, real_q4_1_and_q8_0_tensors)
 		free(y);
 	}
 	gguf_close(g);
-}
-
-/* ------------------------------------------------------- benchmark */
-
-/* Thread CPU time: the build machines are shared, and time spent descheduled
- * is not the kernel's. */
-static double now_s(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-	return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-struct bench_case {
-	uint32_t type;
-	uint64_t rows, cols, wrow;
-	const char *what;
-	uint8_t *w, *xq;
-	float *y;
-	double best[KQ_ISA_COUNT];
-};
-
-static void bench_setup(struct bench_case *c)
-{
-	uint64_t xbytes;
-	kq_row_bytes(c->type, c->cols, &c->wrow);
-	kq_row_bytes((uint32_t)kq_matvec_act_type(c->type), c->cols, &xbytes);
-	c->w = xmalloc(c->rows * c->wrow);
-	c->xq = xmalloc(xbytes);
-	c->y = xmalloc(c->rows * 4);
-	float *x = xmalloc(c->cols * 4);
-	for (uint64_t r = 0; r < c->rows; r++)
-		rand_row(c->type, c->w + r * c->wrow, c->cols);
-	for (uint64_t i = 0; i < c->cols; i++)
-		x[i] = uniform(-1, 1);
-	if (c->type == KQ_TYPE_Q4_1)
-		kq_quantize_row_q8_1(x, c->xq, c->cols);
-	else
-		kq_quantize_row_q8_0(x, c->xq, c->cols);
-	free(x);
-	for (int k = 0; k < KQ_ISA_COUNT; k++)
-		c->best[k] = 1e30;
-}
-
-/* Single-thread weight bytes per second of the model's matrix shapes on each
- * path: rounds over paths and shapes interleaved (so a busy neighbour hits
- * them alike), the best time of each, ~20 ms of work per timing. */
-Test(bench, gbps, .timeout = 600)
-{
-	if (!getenv("KQ_BENCH"))
-		cr_skip_test("set KQ_BENCH=1 (and run with -j1) to measure");
-	struct bench_case cs[] = {
-		{ .type = KQ_TYPE_Q4_1, .rows = 1536, .cols = 576, .what = "q4_1 576x1536 (ffn_gate/up, L2)" },
-		{ .type = KQ_TYPE_Q4_1, .rows = 576, .cols = 1536, .what = "q4_1 1536x576 (ffn_down, L2)" },
-		{ .type = KQ_TYPE_Q8_0, .rows = 49152, .cols = 576, .what = "q8_0 576x49152 (logits, 30 MB)" },
-		{ .type = KQ_TYPE_Q8_0, .rows = 1024, .cols = 576, .what = "q8_0 576x1024 (L2)" },
-	};
-	const int n_cases = (int)(sizeof(cs) / sizeof(cs[0]));
-	for (int k = 0; k < n_cases; k++)
-		bench_setup(&cs[k]);
-	enum kq_isa isas[KQ_ISA_COUNT];
-	const int n_isa = isa_list(isas);
-	const int rounds = getenv("KQ_BENCH_ROUNDS") ? atoi(getenv("KQ_BENCH_ROUNDS")) : 8;
-	for (int round = 0; round < rounds; round++)
-		for (int i = 0; i < n_isa; i++) {
-			kq_isa_force(isas[i]);
-			for (int k = 0; k < n_cases; k++) {
-				struct bench_case *c = &cs[k];
-				double t0 = now_s();
-				int reps = 0;
-				do { /* ~20 ms */
-					kq_matvec(c->type, c->w, c->wrow, c->rows, c->cols, c->xq, NULL, c->y, 0, c->rows);
-					reps++;
-				} while (now_s() - t0 < 0.02);
-				const double dt = (now_s() - t0) / reps;
-				c->best[isas[i]] = dt < c->best[isas[i]] ? dt : c->best[isas[i]];
-			}
-		}
-	for (int k = 0; k < n_cases; k++) {
-		struct bench_case *c = &cs[k];
-		printf("quant bench %-32s", c->what);
-		for (int i = 0; i < n_isa; i++)
-			printf("  %s %6.2f GB/s", kq_isa_name(isas[i]), (double)(c->rows * c->wrow) / c->best[isas[i]] * 1e-9);
-		printf("\n");
-		free(c->w);
-		free(c->xq);
-		free(c->y);
-	}
-	fflush(stdout);
 }

@@ -30,6 +30,7 @@
 #include "cpu_backend.h"
 #include "half.h"
 #include "kmath.h"
+#include "helpers.h"
 
 static const enum kvr_convert_isa all_isas[] = { KVR_CONVERT_SCALAR, KVR_CONVERT_AVX2,
 						 KVR_CONVERT_AVX512 };
@@ -40,10 +41,7 @@ static const char *const type_names[] = { "f16", "bf16", "f32" };
 static uint64_t rng_state;
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 2685821657736338717ull;
+	return th_xorshift64star(&rng_state);
 }
 
 static float uniform(float lo, float hi)

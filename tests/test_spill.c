@@ -33,6 +33,7 @@
 
 #include "crc32c.h"
 #include "spill.h"
+#include "helpers.h"
 
 #ifndef KVR_TEST_HAVE_LIBURING
 #define KVR_TEST_HAVE_LIBURING 0
@@ -41,10 +42,7 @@
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 static uint32_t rnd(uint32_t n)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (uint32_t)((rng_state >> 33) % n);
+	return (uint32_t)((th_xorshift64(&rng_state) >> 33) % n);
 }
 
 static void fill_random(unsigned char *p, size_t n)
