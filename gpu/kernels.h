@@ -205,6 +205,29 @@ struct kvr_freelist_item { /* freelist: one list's round */
 	uint32_t pages_capacity; /* entries `pages` holds */
 };
 
+/*
+ * Every pointer field of every item the kernels take, declared once:
+ * KVR_ITEM_POINTERS_<struct>(X) expands X(field) for each, and
+ * KVR_ITEM_STRUCTS(S) expands S(struct) for every item struct. Generated from
+ * them: the conformance suite's host-to-device item translators
+ * (tests/test_conformance.c), cudaemu-strict's table of the pointer fields
+ * its extent checks must name (gpu/cudaemu/backend.c; test_cudaemu_strict
+ * fails on a field no check covers) and the layout-ABI test's check that
+ * each is in its table (tests/layout_abi_c.c). A pointer field added to an
+ * item is added here, or all three see it.
+ */
+#define KVR_ITEM_POINTERS_kvr_scatter_item(X) X(run) X(k_tile) X(v_tile)
+#define KVR_ITEM_POINTERS_kvr_page_item(X) X(k_rows) X(v_rows) X(hnd_page) X(summary)
+#define KVR_ITEM_POINTERS_kvr_score_item(X) X(q) X(summaries) X(scores) X(selected)
+#define KVR_ITEM_POINTERS_kvr_similarity_item(X) X(q) X(q_prev) X(cosine) X(corrected)
+#define KVR_ITEM_POINTERS_kvr_kv_segment(X) X(k) X(v)
+#define KVR_ITEM_POINTERS_kvr_attention_item(X) X(q) X(out) X(segment_lse)
+#define KVR_ITEM_POINTERS_kvr_dense_item(X) X(q) X(k) X(v) X(out)
+#define KVR_ITEM_POINTERS_kvr_freelist_item(X) X(ids) X(counters) X(counts) X(offsets) X(pages) X(status)
+#define KVR_ITEM_STRUCTS(S)                                                                        \
+	S(kvr_scatter_item) S(kvr_page_item) S(kvr_score_item) S(kvr_similarity_item)            \
+	S(kvr_kv_segment) S(kvr_attention_item) S(kvr_dense_item) S(kvr_freelist_item)
+
 /* Shape of a call, common to the kernels. */
 struct kvr_shape {
 	uint32_t n_qo_heads;

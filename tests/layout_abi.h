@@ -16,6 +16,13 @@ struct kvr_abi_row {
 	size_t b;         /* alignof(struct) or sizeof(field) */
 };
 
+/* An item struct and its pointer fields (gpu/kernels.h, KVR_ITEM_POINTERS_*). */
+struct kvr_abi_pointers {
+	const char *name;
+	const char *const *fields; /* NULL-terminated */
+};
+const struct kvr_abi_pointers *kvr_abi_item_pointers(size_t *n_structs);
+
 /* Rows as the C11 compiler sees them. */
 const struct kvr_abi_row *kvr_abi_table_c(size_t *n_rows);
 /* Rows as the CUDA (or, without nvcc, C++) compiler sees them. */

@@ -23,3 +23,15 @@ const struct kvr_abi_row *kvr_abi_table_c(size_t *n_rows)
 	*n_rows = sizeof(rows) / sizeof(rows[0]);
 	return rows;
 }
+
+/* gpu/kernels.h's item pointer fields, as "struct.field" (a list the ABI
+ * table must contain: test_layout_abi.c). */
+#define POINTER_NAME(f) #f,
+#define POINTER_ROW(T) { #T, (const char *const[]){ KVR_ITEM_POINTERS_##T(POINTER_NAME) NULL } },
+static const struct kvr_abi_pointers pointer_rows[] = { KVR_ITEM_STRUCTS(POINTER_ROW) };
+
+const struct kvr_abi_pointers *kvr_abi_item_pointers(size_t *n_structs)
+{
+	*n_structs = sizeof(pointer_rows) / sizeof(pointer_rows[0]);
+	return pointer_rows;
+}

@@ -454,96 +454,29 @@ static void expect_same_bits(const char *what, const void *got, const void *want
 /* ------------------------------------------------------------------ item translation */
 
 /* Copies of host item arrays with every pointer translated to device memory,
- * themselves copied to the device: what the kernels take. */
-
-static const void *dev_scatter_items(struct dctx *c, const struct kvr_scatter_item *it, uint32_t n)
-{
-	struct kvr_scatter_item *d = halloc(n * sizeof(*d));
-	for (uint32_t i = 0; i < n; i++) {
-		d[i] = it[i];
-		d[i].run = dev_of(c, it[i].run);
-		d[i].k_tile = dev_of(c, it[i].k_tile);
-		d[i].v_tile = dev_of(c, it[i].v_tile);
+ * themselves copied to the device: what the kernels take. Generated from
+ * gpu/kernels.h's list of item pointer fields, so a field added there is
+ * translated here. */
+#define TRANSLATE_FIELD(f) d[i].f = dev_of(c, it[i].f);
+#define DEV_ITEMS(name, T)                                                                         \
+	static const void *name(struct dctx *c, const struct T *it, uint32_t n)                   \
+	{                                                                                          \
+		struct T *d = halloc(n * sizeof(*d));                                              \
+		for (uint32_t i = 0; i < n; i++) {                                                 \
+			d[i] = it[i];                                                              \
+			KVR_ITEM_POINTERS_##T(TRANSLATE_FIELD)                                     \
+		}                                                                                  \
+		return put(c, d, n * sizeof(*d));                                                  \
 	}
-	return put(c, d, n * sizeof(*d));
-}
-
-static const void *dev_page_items(struct dctx *c, const struct kvr_page_item *it, uint32_t n)
-{
-	struct kvr_page_item *d = halloc(n * sizeof(*d));
-	for (uint32_t i = 0; i < n; i++) {
-		d[i] = it[i];
-		d[i].k_rows = dev_of(c, it[i].k_rows);
-		d[i].v_rows = dev_of(c, it[i].v_rows);
-		d[i].hnd_page = dev_of(c, it[i].hnd_page);
-		d[i].summary = dev_of(c, it[i].summary);
-	}
-	return put(c, d, n * sizeof(*d));
-}
-
-static const void *dev_score_items(struct dctx *c, const struct kvr_score_item *it, uint32_t n)
-{
-	struct kvr_score_item *d = halloc(n * sizeof(*d));
-	for (uint32_t i = 0; i < n; i++) {
-		d[i] = it[i];
-		d[i].q = dev_of(c, it[i].q);
-		d[i].summaries = dev_of(c, it[i].summaries);
-		d[i].scores = dev_of(c, it[i].scores);
-		d[i].selected = dev_of(c, it[i].selected);
-	}
-	return put(c, d, n * sizeof(*d));
-}
-
-static const void *dev_similarity_items(struct dctx *c, const struct kvr_similarity_item *it,
-					uint32_t n)
-{
-	struct kvr_similarity_item *d = halloc(n * sizeof(*d));
-	for (uint32_t i = 0; i < n; i++) {
-		d[i] = it[i];
-		d[i].q = dev_of(c, it[i].q);
-		d[i].q_prev = dev_of(c, it[i].q_prev);
-		d[i].cosine = dev_of(c, it[i].cosine);
-		d[i].corrected = dev_of(c, it[i].corrected);
-	}
-	return put(c, d, n * sizeof(*d));
-}
-
-static const void *dev_attention_items(struct dctx *c, const struct kvr_attention_item *it,
-				       uint32_t n)
-{
-	struct kvr_attention_item *d = halloc(n * sizeof(*d));
-	for (uint32_t i = 0; i < n; i++) {
-		d[i] = it[i];
-		d[i].q = dev_of(c, it[i].q);
-		d[i].out = dev_of(c, it[i].out);
-		d[i].segment_lse = dev_of(c, it[i].segment_lse);
-	}
-	return put(c, d, n * sizeof(*d));
-}
-
-static const void *dev_segments(struct dctx *c, const struct kvr_kv_segment *s, uint32_t n)
-{
-	struct kvr_kv_segment *d = halloc(n * sizeof(*d));
-	for (uint32_t i = 0; i < n; i++) {
-		d[i] = s[i];
-		d[i].k = dev_of(c, s[i].k);
-		d[i].v = dev_of(c, s[i].v);
-	}
-	return put(c, d, n * sizeof(*d));
-}
-
-static const void *dev_dense_items(struct dctx *c, const struct kvr_dense_item *it, uint32_t n)
-{
-	struct kvr_dense_item *d = halloc(n * sizeof(*d));
-	for (uint32_t i = 0; i < n; i++) {
-		d[i] = it[i];
-		d[i].q = dev_of(c, it[i].q);
-		d[i].k = dev_of(c, it[i].k);
-		d[i].v = dev_of(c, it[i].v);
-		d[i].out = dev_of(c, it[i].out);
-	}
-	return put(c, d, n * sizeof(*d));
-}
+DEV_ITEMS(dev_scatter_items, kvr_scatter_item)
+DEV_ITEMS(dev_page_items, kvr_page_item)
+DEV_ITEMS(dev_score_items, kvr_score_item)
+DEV_ITEMS(dev_similarity_items, kvr_similarity_item)
+DEV_ITEMS(dev_attention_items, kvr_attention_item)
+DEV_ITEMS(dev_segments, kvr_kv_segment)
+DEV_ITEMS(dev_dense_items, kvr_dense_item)
+#undef DEV_ITEMS
+#undef TRANSLATE_FIELD
 
 /* ------------------------------------------------------------------ attention checks */
 

@@ -665,6 +665,70 @@ Test(cudaemu_strict, dense_extents)
 		     "dense: item 1 out", "runs past the end");
 }
 
+/* ------------------------------------------------------------------ coverage */
+
+/*
+ * One legal call of every kernel, each reaching every check its items have
+ * (a scatter item in range, candidates to score, tokens to attend, segment
+ * LSEs asked for): afterwards every item pointer field gpu/kernels.h lists
+ * must have been named by an extent check. A field added there without a
+ * check in gpu/cudaemu/backend.c fails here.
+ */
+Test(cudaemu_strict, every_item_pointer_field_has_an_extent_check)
+{
+	const size_t run = 2ull * P * D * EB, tile = (size_t)P * ROW * EB, qb = (size_t)NQO * D * EB;
+	struct kvr_scatter_item sc = { drand(&T, run, 1), dalloc(&T, tile), dalloc(&T, tile), 0, 0 };
+	expect_ok(&T, kvr_dev_scatter(T.dev, &shape, items_of(&sc, sizeof(sc)), 1, T.s), "scatter");
+
+	const size_t rows = (size_t)P * ROW * EB, page = 2ull * NKV * P * D * EB;
+	struct kvr_page_item pg = { drand(&T, rows, 2), drand(&T, rows, 3), dalloc(&T, page),
+				    dalloc(&T, 2ull * NKV * D * EB), ROW, 0 };
+	expect_ok(&T, kvr_dev_offload(T.dev, &shape, items_of(&pg, sizeof(pg)), 1, T.s), "offload");
+	expect_ok(&T, kvr_dev_summarize(T.dev, &shape, items_of(&pg, sizeof(pg)), 1, T.s), "summarize");
+
+	const uint32_t n_pages = 8, k = 2;
+	struct kvr_score_item so = { drand(&T, qb, 4), drand(&T, n_pages * 2ull * NKV * D * EB, 5),
+				     dalloc(&T, (size_t)NKV * n_pages * sizeof(float)),
+				     dalloc(&T, (size_t)NKV * k * sizeof(int32_t)), 0, n_pages, k, 0 };
+	expect_ok(&T, kvr_dev_score(T.dev, &shape, items_of(&so, sizeof(so)), 1, T.s), "score");
+	expect_ok(&T, kvr_dev_select(T.dev, &shape, items_of(&so, sizeof(so)), 1, T.s), "select");
+
+	struct kvr_similarity_item si = { drand(&T, qb, 6), drand(&T, qb, 7),
+					  dalloc(&T, NKV * sizeof(float)), dalloc(&T, NKV) };
+	expect_ok(&T, kvr_dev_similarity(T.dev, &shape, items_of(&si, sizeof(si)), 1, T.s),
+		  "similarity");
+
+	struct kvr_shape lse_shape = shape;
+	lse_shape.flags |= KVR_SHAPE_SEGMENT_LSE;
+	const uint32_t n_tokens = 20;
+	const size_t kv = (size_t)n_tokens * ROW * EB;
+	struct kvr_kv_segment sg = { drand(&T, kv, 8), drand(&T, kv, 9), n_tokens, { ROW }, D, 0 };
+	struct kvr_attention_item at = { drand(&T, qb, 10), dalloc(&T, qb), dalloc(&T, NQO * sizeof(float)),
+					 0, 1 };
+	expect_ok(&T, kvr_dev_attention(T.dev, &lse_shape, items_of(&at, sizeof(at)), 1,
+					items_of(&sg, sizeof(sg)), 1, T.s),
+		  "attention");
+
+	struct kvr_dense_item de = { drand(&T, qb, 11), drand(&T, kv, 12), drand(&T, kv, 13), dalloc(&T, qb),
+				     n_tokens, ROW };
+	expect_ok(&T, kvr_dev_dense(T.dev, &shape, items_of(&de, sizeof(de)), 1, T.s), "dense");
+
+	/* a free round of one unit returning nothing, on an empty list of 4 ids */
+	const uint64_t counters[2] = { 0, 0 };
+	const uint32_t count0 = 0;
+	struct kvr_freelist_item fl = { dalloc(&T, 4 * sizeof(uint32_t)), dput(&T, counters, sizeof(counters)),
+					dput(&T, &count0, sizeof(count0)), dalloc(&T, sizeof(uint64_t)),
+					dalloc(&T, 4 * sizeof(uint32_t)), dalloc(&T, sizeof(int32_t)),
+					4, 1, KVR_FREELIST_FREE, 4 };
+	expect_ok(&T, kvr_dev_freelist(T.dev, items_of(&fl, sizeof(fl)), 1, T.s), "freelist");
+	sync_clean();
+	cr_assert_eq(violations(), 0);
+
+	char unchecked[512];
+	const uint32_t n = kvr_cudaemu_strict_unchecked_fields(unchecked, sizeof(unchecked));
+	cr_assert_eq(n, 0, "item pointer fields no extent check names: %s", unchecked);
+}
+
 /* ------------------------------------------------------------------ copies */
 
 Test(cudaemu_strict, copy_directions)

@@ -5,6 +5,7 @@
  * C11 compiler; the other from nvcc in CUDA builds (the C++ compiler otherwise).
  */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "layout_abi.h"
@@ -54,4 +55,26 @@ Test(layout_abi, fields_cover_structs)
 		cr_expect_eq(covered, s->a, "%s: fields cover %zu of %zu bytes", s->name, covered,
 			     s->a);
 	}
+}
+
+/* The item pointer fields gpu/kernels.h declares once (the list the
+ * conformance translators and cudaemu-strict's checks are generated from)
+ * are in the ABI table, each pointer-sized: the lists cannot drift apart. */
+Test(layout_abi, item_pointer_list_matches_table)
+{
+	size_t n = 0, n_structs = 0;
+	const struct kvr_abi_row *r = kvr_abi_table_c(&n);
+	const struct kvr_abi_pointers *p = kvr_abi_item_pointers(&n_structs);
+	cr_assert_gt(n_structs, 0);
+	for (size_t t = 0; t < n_structs; t++)
+		for (const char *const *f = p[t].fields; *f; f++) {
+			char name[128];
+			snprintf(name, sizeof(name), "%s.%s", p[t].name, *f);
+			size_t i = 0;
+			while (i < n && strcmp(r[i].name, name))
+				i++;
+			cr_expect_lt(i, n, "%s is not in the ABI table (tests/layout_abi_fields.h)", name);
+			if (i < n)
+				cr_expect_eq(r[i].b, sizeof(void *), "%s is %zu bytes, not a pointer", name, r[i].b);
+		}
 }

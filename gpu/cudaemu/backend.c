@@ -239,7 +239,61 @@ struct check {
 	const struct strict_map *map;
 	const char *op;
 	char msg[224];
+	int item_struct; /* ITEM_<struct> of the kernel's items, -1: none */
 };
+
+/*
+ * gpu/kernels.h declares every item pointer field once; this table, built
+ * from that list, records which of them the extent checks below have named
+ * (any device, any thread). test_cudaemu_strict runs one legal call of every
+ * kernel and asks kvr_cudaemu_strict_unchecked_fields() for the rest: a
+ * pointer field added to an item without a check here fails it.
+ */
+#define ITEM_INDEX(T) ITEM_##T,
+enum { KVR_ITEM_STRUCTS(ITEM_INDEX) N_ITEM_STRUCTS };
+#undef ITEM_INDEX
+#define FIELD_NAME(f) #f,
+#define STRUCT_FIELDS(T) { #T, (const char *const[]){ KVR_ITEM_POINTERS_##T(FIELD_NAME) NULL } },
+static const struct {
+	const char *name;
+	const char *const *fields;
+} item_pointers[N_ITEM_STRUCTS] = { KVR_ITEM_STRUCTS(STRUCT_FIELDS) };
+#undef STRUCT_FIELDS
+#undef FIELD_NAME
+/* bit f: field f of the struct was named; relaxed (coverage bits only,
+ * read by a test after its calls returned) */
+static _Atomic uint32_t fields_checked[N_ITEM_STRUCTS];
+
+static void note_checked(int item_struct, const char *field)
+{
+	if (item_struct < 0)
+		return;
+	const char *const *f = item_pointers[item_struct].fields;
+	for (uint32_t i = 0; f[i]; i++)
+		if (!strcmp(f[i], field)) {
+			atomic_fetch_or_explicit(&fields_checked[item_struct], 1u << i, memory_order_relaxed);
+			return;
+		}
+}
+
+uint32_t kvr_cudaemu_strict_unchecked_fields(char *names, size_t bytes)
+{
+	uint32_t n = 0;
+	size_t at = 0;
+	if (bytes)
+		names[0] = 0;
+	for (int t = 0; t < N_ITEM_STRUCTS; t++) {
+		const uint32_t got = atomic_load_explicit(&fields_checked[t], memory_order_relaxed);
+		for (uint32_t i = 0; item_pointers[t].fields[i]; i++)
+			if (!(got >> i & 1)) {
+				n++;
+				if (at < bytes)
+					at += (size_t)snprintf(names + at, bytes - at, "%s%s.%s", n > 1 ? " " : "",
+							       item_pointers[t].name, item_pointers[t].fields[i]);
+			}
+	}
+	return n;
+}
 
 /* "<op>: <label> <index> <field>" or "<op>: <field>" when label is NULL. */
 static int where(const struct check *c, char *buf, size_t bytes, const char *label, uint64_t index,
@@ -318,6 +372,7 @@ static int check_not_device(struct check *c, const char *label, uint64_t index,
 static int check_data(struct check *c, const char *label, uint32_t index, const char *field,
 		      const void *base, uint64_t offset, uint64_t bytes)
 {
+	note_checked(label && !strcmp(label, "segment") ? ITEM_kvr_kv_segment : c->item_struct, field);
 	if (!bytes)
 		return 0;
 	return check_range(c, label, index, field, (uintptr_t)base + (uintptr_t)offset, bytes, 1);
@@ -371,6 +426,14 @@ static int check_items(struct check *c, const struct emu_op *op)
 	const uint64_t n_kv = sh->n_kv_heads, n_qo = sh->n_qo_heads;
 	const uint64_t q_bytes = n_qo * d * eb;
 	int err = 0;
+	static const int item_struct_of[] = {
+		[EMU_SCATTER] = ITEM_kvr_scatter_item,       [EMU_OFFLOAD] = ITEM_kvr_page_item,
+		[EMU_SUMMARIZE] = ITEM_kvr_page_item,        [EMU_SCORE] = ITEM_kvr_score_item,
+		[EMU_SELECT] = ITEM_kvr_score_item,          [EMU_SIMILARITY] = ITEM_kvr_similarity_item,
+		[EMU_ATTENTION] = ITEM_kvr_attention_item,   [EMU_DENSE] = ITEM_kvr_dense_item,
+		[EMU_FREELIST] = ITEM_kvr_freelist_item,
+	};
+	c->item_struct = item_struct_of[op->kernel];
 	switch (op->kernel) {
 	case EMU_SCATTER: {
 		const struct kvr_scatter_item *it = op->items;
@@ -529,7 +592,7 @@ static void run_emu(struct kvr_dev *dev, void *ctx)
 	const struct kvr_shape *sh = &op->shape;
 	if (op->check_when_run) {
 		/* cudaemu-strict, worker stream: the items are final only now */
-		struct check c = { map_of(dev), kernel_names[op->kernel], "" };
+		struct check c = { map_of(dev), kernel_names[op->kernel], "", -1 };
 		pthread_rwlock_rdlock(&map_of(dev)->lock);
 		int err = check_arrays(&c, op);
 		if (!err)
@@ -596,7 +659,7 @@ static int enqueue(struct kvr_dev *dev, struct kvr_stream *s, const struct kvr_s
 	struct strict_map *m = map_of(dev);
 	if (m) {
 		const int when_run = kvr_cpu_stream_is_worker(s);
-		struct check c = { m, kernel_names[kernel], "" };
+		struct check c = { m, kernel_names[kernel], "", -1 };
 		pthread_rwlock_rdlock(&m->lock);
 		int err = check_arrays(&c, &op);
 		if (!err && !when_run)
@@ -772,7 +835,7 @@ static int strict_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, 
 	struct strict_map *m = map_of(dev);
 	char op[48];
 	snprintf(op, sizeof(op), "memcpy_async (%s)", copy_kind_names[kind]);
-	struct check c = { m, op, "" };
+	struct check c = { m, op, "", -1 };
 	pthread_rwlock_rdlock(&m->lock);
 	const int err = check_copy(&c, NULL, 0, (uintptr_t)dst, (uintptr_t)src, bytes, kind);
 	pthread_rwlock_unlock(&m->lock);
@@ -788,7 +851,7 @@ static int strict_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const 
 	struct strict_map *m = map_of(dev);
 	char op[48];
 	snprintf(op, sizeof(op), "memcpy_batch_async (%s)", copy_kind_names[kind]);
-	struct check c = { m, op, "" };
+	struct check c = { m, op, "", -1 };
 	int err = 0;
 	pthread_rwlock_rdlock(&m->lock);
 	for (size_t i = 0; i < n && !err; i++)

@@ -22,6 +22,10 @@ unsigned kvr_cudaemu_strict_violations(void);
 /* The most recent violation's message (as kvr_dev_last_error() gave it, for
  * one returned by the enqueue). */
 void kvr_cudaemu_strict_last_violation(char *buf, size_t bytes);
+/* Item pointer fields (gpu/kernels.h, KVR_ITEM_POINTERS_*) that no extent
+ * check of a strict device has named so far in this process: their number,
+ * and "struct.field" names, space-separated, in `names`. */
+uint32_t kvr_cudaemu_strict_unchecked_fields(char *names, size_t bytes);
 /* Thread order inside blocks for launches on the calling thread: 0 = natural,
  * any other value a seeded shuffle per barrier phase (gpu/cudaemu/shim.cc). */
 void kvr_emu_set_order_seed(uint64_t seed);
