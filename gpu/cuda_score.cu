@@ -119,13 +119,6 @@ KVR_DEV void quest_scores(const void *summaries, uint64_t row, bool valid, uint3
 	}
 }
 
-/* The pages one softmax spans, kvr_score_domain (kernels.h) on the device. */
-KVR_DEV void score_domain(const struct kvr_score_item &it, uint32_t *begin, uint32_t *end)
-{
-	*begin = it.norm_end ? 0u : it.cand_begin;
-	*end = it.norm_end > it.cand_end ? it.norm_end : it.cand_end;
-}
-
 /* The pages [*r_begin, *r_end) (counted from the first of n) of split b of
  * `splits`: contiguous chunks of a multiple of SCORE_GROUPS pages. */
 KVR_DEV void score_chunk(uint32_t n, uint32_t splits, uint32_t b, uint32_t *r_begin,
@@ -156,7 +149,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	if (it.cand_end <= it.cand_begin)
 		return; /* no candidates: nothing to write (whole block) */
 	uint32_t dom_begin, dom_end;
-	score_domain(it, &dom_begin, &dom_end);
+	kvr_score_domain(&it, &dom_begin, &dom_end);
 	const uint32_t n_dom = dom_end - dom_begin;
 	uint32_t r_begin, r_end;
 	score_chunk(n_dom, plan.splits, b, &r_begin, &r_end);
@@ -231,7 +224,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 	if (it.cand_end <= it.cand_begin)
 		return;
 	uint32_t dom_begin, dom_end;
-	score_domain(it, &dom_begin, &dom_end);
+	kvr_score_domain(&it, &dom_begin, &dom_end);
 	const uint32_t n_dom = dom_end - dom_begin;
 	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
 	const bool cached = n_dom <= plan.cache;
@@ -314,7 +307,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 		return;
 	const uint32_t n_cand = it.cand_end - it.cand_begin;
 	uint32_t dom_begin, dom_end;
-	score_domain(it, &dom_begin, &dom_end);
+	kvr_score_domain(&it, &dom_begin, &dom_end);
 	uint32_t r_begin, r_end;
 	score_chunk(n_cand, plan.splits, b, &r_begin, &r_end);
 	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;

@@ -101,6 +101,7 @@
 
 #include <stdint.h>
 
+#include "../layouts/hd.h"
 #include "../layouts/kvquant.h"
 #include "../layouts/page.h"
 
@@ -136,8 +137,9 @@ struct kvr_score_item {
 	uint32_t norm_end;     /* softmax over pages [0, norm_end); 0: over the candidates */
 };
 
-/* The pages a score item's per-head softmax spans (see score above). */
-static inline void kvr_score_domain(const struct kvr_score_item *it, uint32_t *begin,
+/* The pages a score item's per-head softmax spans (see score above); the
+ * cpu kernels, the CUDA kernels and cudaemu-strict's checks all call it. */
+static inline KVR_HD void kvr_score_domain(const struct kvr_score_item *it, uint32_t *begin,
 				    uint32_t *end)
 {
 	*begin = it->norm_end ? 0 : it->cand_begin;

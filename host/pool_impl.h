@@ -25,9 +25,11 @@
  * RAM without a write). A page gets a frame when it is written or pinned;
  * when none is free, evict_locked runs CLOCK over the frames — skipping
  * pinned pages, and touched ones once, clearing their bit — and writes the
- * victims that are dirty in one batch. The I/O runs under the pool's lock:
- * it is what makes an eviction and a reader's pin exclusive; readers copy
- * outside it, holding pins.
+ * victims that are dirty in one batch. Eviction's writes and a pin's
+ * read-back run under the pool's lock: it is what makes an eviction and a
+ * reader's pin exclusive (docs/architecture.md, "Spill I/O and the pool's
+ * lock", says why this stays); recall's reads (kvr_pool_read_runs) pin under
+ * it and read outside it, and readers copy outside it, holding pins.
  *
  * Threads: `lock` guards the allocator, refcounts, sequence tables, the
  * spill tier's maps and the stats; every function declared here expects it
