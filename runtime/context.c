@@ -183,6 +183,8 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 			      : c.backend == KVR_BACKEND_CUDA ? KVR_DEV_CUDA : KVR_DEV_CPU;
 	const struct kvr_dev_params dp = { .kind = kind,
 					   .threads = c.threads,
+					   .parallel_for = c.parallel_for,
+					   .parallel_user = c.parallel_user,
 					   .alloc_fn = c.device_alloc,
 					   .free_fn = c.device_free,
 					   .alloc_user = c.device_alloc_user };

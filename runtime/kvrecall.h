@@ -40,7 +40,7 @@ extern "C" {
  * ------------------------------------------------------------------------- */
 
 #define KVR_VERSION_MAJOR 0
-#define KVR_VERSION_MINOR 5
+#define KVR_VERSION_MINOR 6
 #define KVR_VERSION_PATCH 0
 /* One integer, comparable: major * 10000 + minor * 100 + patch. */
 #define KVR_VERSION_NUMBER \
@@ -159,6 +159,15 @@ enum kvr_backend {
 typedef int (*kvr_device_alloc_fn)(void *user, size_t bytes, void **ptr);
 typedef void (*kvr_device_free_fn)(void *user, void *ptr);
 
+/* A parallel-for: run task(arg, i) for every i in [0, n), in any order and on
+ * any threads, and return only when all have run. kvrecall calls a
+ * configured one (kvr_config.parallel_for) from the engine's thread and from
+ * its controller thread, possibly at the same time: it must allow that (run
+ * a second caller's tasks on that caller, as kvr_thread_pool_parallel_for
+ * does, or on other workers). */
+typedef void (*kvr_task_fn)(void *arg, uint32_t index);
+typedef void (*kvr_parallel_for_fn)(void *user, kvr_task_fn task, void *arg, uint32_t n);
+
 /*
  * Context configuration. Always start from kvr_config_init(), then change the
  * fields you need. Every field has a fixed width; units are in the comments.
@@ -233,6 +242,16 @@ struct kvr_config {
 	                               streamed recall (auto resolves to it). Default 0. */
 	char spill_dir[256];        /* directory of the spill file, NUL-terminated; "" =
 	                               $TMPDIR, else /var/tmp. */
+
+	/* Added in 0.6 (an older config, without them, takes their defaults):
+	 * the engine's own workers for the cpu backend's kernels, so that an
+	 * engine and kvrecall share one pool of threads instead of each
+	 * starting cores − 1 (kvr_thread_pool below is one such pool). Set, the
+	 * cpu backend starts no threads and runs every parallel loop through
+	 * it; `threads` then says how many threads it runs tasks on besides the
+	 * caller's (it sizes the work split). Ignored by the cuda backend. */
+	kvr_parallel_for_fn parallel_for; /* NULL = the backend's own workers. Default NULL. */
+	void *parallel_user;              /* passed back to parallel_for untouched */
 };
 
 /*
@@ -619,6 +638,31 @@ struct kvr_spill_dir_info {
  * and kvr_last_error(NULL) saying which.
  */
 KVR_API int kvr_spill_dir_query(const char *dir, struct kvr_spill_dir_info *info);
+
+/* ---------------------------------------------------------------------------
+ * Thread pool: the cpu backend's fork-join workers, for an engine to share
+ * (kvr_config.parallel_for = kvr_thread_pool_parallel_for, parallel_user =
+ * the pool, threads = kvr_thread_pool_threads(pool)). Workers spin briefly
+ * for the next job before they sleep, so back-to-back small jobs (a decode
+ * step's) find them awake.
+ * ------------------------------------------------------------------------ */
+
+struct kvr_thread_pool;
+
+/* Start `threads` workers besides the caller's thread (0: none, every task
+ * runs on the caller; KVR_THREADS_AUTO: one per online core − 1). Returns 0,
+ * -EINVAL (out NULL, threads over 1024), -ENOMEM or -EAGAIN (a thread could
+ * not start), with kvr_last_error(NULL) saying which. */
+KVR_API int kvr_thread_pool_create(uint32_t threads, struct kvr_thread_pool **out);
+/* Stop and join the workers. No call may be running on the pool. NULL-safe. */
+KVR_API void kvr_thread_pool_destroy(struct kvr_thread_pool *pool);
+/* Its workers besides the caller's thread. */
+KVR_API uint32_t kvr_thread_pool_threads(const struct kvr_thread_pool *pool);
+/* A kvr_parallel_for_fn over `pool` (a struct kvr_thread_pool *): task(arg,
+ * i) for i in [0, n) on the caller and the workers. Any thread may call it;
+ * while another call is running, this one runs its tasks on its caller alone
+ * (no nesting, no waiting). A NULL pool runs them on the caller. */
+KVR_API void kvr_thread_pool_parallel_for(void *pool, kvr_task_fn task, void *arg, uint32_t n);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,8 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -539,4 +541,145 @@ Test(decode, a_bad_position_takes_back_only_what_the_step_stored)
 	}
 	free(h.k), free(h.v);
 	kvr_context_destroy(ctx);
+}
+
+/* ------------------------------------------------- the engine's parallel-for */
+
+/* A kvr_parallel_for_fn that counts its calls, then runs them on a public
+ * thread pool (an engine's pool shared with kvrecall). */
+struct counted_pool {
+	struct kvr_thread_pool *pool;
+	_Atomic uint64_t calls; /* relaxed: read after the context's calls returned */
+};
+
+static void counted_parallel_for(void *user, kvr_task_fn task, void *arg, uint32_t n)
+{
+	struct counted_pool *cp = user;
+	atomic_fetch_add_explicit(&cp->calls, 1, memory_order_relaxed);
+	kvr_thread_pool_parallel_for(cp->pool, task, arg, n);
+}
+
+/* Prefill 100 tokens into one sequence, then 20 decode steps; the outputs. */
+static void decode_run(struct kvr_config *c, float *outs /* [20][2][Q_ROW] */)
+{
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(c, &ctx), 0, "%s", kvr_last_error(NULL));
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+	rng_state = 0x5eed;
+	struct history h;
+	history_prefill(ctx, seq, &h, 100);
+	for (uint32_t step = 0; step < 20; step++) {
+		float q[Q_ROW], k[KV_ROW], v[KV_ROW];
+		for (int i = 0; i < Q_ROW; i++)
+			q[i] = frand();
+		for (int i = 0; i < KV_ROW; i++)
+			k[i] = frand(), v[i] = frand();
+		const uint64_t pos = 100 + step;
+		int32_t status = -1;
+		cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0, "%s", kvr_last_error(ctx));
+		for (uint32_t l = 0; l < 2; l++) {
+			cr_assert_eq(kvr_decode_layer(ctx, l, q, k, v, outs + ((size_t)step * 2 + l) * Q_ROW,
+						      &status, NULL),
+				     0, "%s", kvr_last_error(ctx));
+			cr_assert_eq(status, 0);
+		}
+		cr_assert_eq(kvr_decode_end(ctx), 0);
+	}
+	free(h.k);
+	free(h.v);
+	kvr_context_destroy(ctx);
+}
+
+/* kvr_config.parallel_for: the cpu backend runs its kernels through the
+ * engine's parallel-for (and starts no workers of its own), with the same
+ * outputs bit for bit as on its own workers. */
+Test(decode, engine_parallel_for_runs_the_kernels)
+{
+	struct counted_pool cp = { NULL, 0 };
+	cr_assert_eq(kvr_thread_pool_create(1, &cp.pool), 0, "%s", kvr_last_error(NULL));
+	cr_assert_eq(kvr_thread_pool_threads(cp.pool), 1);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = 2;
+	c.n_qo_heads = N_QO;
+	c.n_kv_heads = N_KV;
+	c.head_dim = D;
+	c.dtype = KVR_DTYPE_F32;
+	c.page_tokens = P;
+	c.sink_tokens = P;
+	c.window_tokens = P;
+	c.budget_tokens = 4 * P;
+	c.mode = KVR_MODE_FREEKV;
+	c.dense_layers[0] = 0;
+	c.max_sequences = 1;
+	c.max_batch = 1;
+	c.threads = 1;
+	c.pool_bytes = 256 * 2ull * P * D * N_KV * 4;
+	static float own[20 * 2 * Q_ROW], engine[20 * 2 * Q_ROW];
+	decode_run(&c, own);
+	c.parallel_for = counted_parallel_for;
+	c.parallel_user = &cp;
+	c.threads = kvr_thread_pool_threads(cp.pool);
+	decode_run(&c, engine);
+	cr_expect_gt(atomic_load_explicit(&cp.calls, memory_order_relaxed), 0,
+		     "the cpu backend never called the engine's parallel-for");
+	cr_expect_eq(memcmp(own, engine, sizeof(own)), 0, "outputs differ with the engine's workers");
+	kvr_thread_pool_destroy(cp.pool);
+}
+
+/* The public pool runs every task exactly once, with 0 to 3 workers, and
+ * while another thread's call holds the workers (that call's tasks then run
+ * on its caller). */
+struct pool_count {
+	_Atomic uint32_t *hits;
+};
+
+static void hit(void *arg, uint32_t index)
+{
+	struct pool_count *pc = arg;
+	atomic_fetch_add_explicit(&pc->hits[index], 1, memory_order_relaxed);
+}
+
+struct pool_caller {
+	struct kvr_thread_pool *pool;
+	_Atomic uint32_t hits[257];
+};
+
+static void *pool_call_many(void *arg)
+{
+	struct pool_caller *pc = arg;
+	struct pool_count count = { pc->hits };
+	for (int r = 0; r < 200; r++)
+		kvr_thread_pool_parallel_for(pc->pool, hit, &count, 257);
+	return NULL;
+}
+
+Test(decode, thread_pool_runs_every_task_once)
+{
+	for (uint32_t threads = 0; threads <= 3; threads++) {
+		struct kvr_thread_pool *pool = NULL;
+		cr_assert_eq(kvr_thread_pool_create(threads, &pool), 0, "%s", kvr_last_error(NULL));
+		cr_assert_eq(kvr_thread_pool_threads(pool), threads);
+		static struct pool_caller callers[2];
+		pthread_t t[2];
+		for (int i = 0; i < 2; i++) {
+			callers[i].pool = pool;
+			for (int j = 0; j < 257; j++)
+				atomic_store(&callers[i].hits[j], 0);
+			cr_assert_eq(pthread_create(&t[i], NULL, pool_call_many, &callers[i]), 0);
+		}
+		for (int i = 0; i < 2; i++)
+			pthread_join(t[i], NULL);
+		for (int i = 0; i < 2; i++)
+			for (int j = 0; j < 257; j++)
+				cr_assert_eq(atomic_load(&callers[i].hits[j]), 200, "threads %u caller %d task %d",
+					     threads, i, j);
+		kvr_thread_pool_destroy(pool);
+	}
+	struct kvr_thread_pool *pool = NULL;
+	cr_expect_eq(kvr_thread_pool_create(2000, &pool), -EINVAL);
+	cr_expect(strstr(kvr_last_error(NULL), "threads") != NULL, "%s", kvr_last_error(NULL));
+	cr_expect_eq(kvr_thread_pool_create(1, NULL), -EINVAL);
+	kvr_thread_pool_destroy(NULL); /* NULL-safe */
 }

@@ -129,31 +129,3 @@ Test(ops, swiglu)
 	cr_expect(fabsf(g[2] - -3.0f / (1.0f + expf(3.0f)) * 2.0f) < 1e-6f);
 }
 
-struct share_arg {
-	_Atomic uint64_t sum;
-	_Atomic uint32_t calls;
-};
-
-static void share(void *arg, uint32_t index, uint32_t count)
-{
-	struct share_arg *a = arg;
-	atomic_fetch_add(&a->sum, (uint64_t)index + 1000u * count);
-	atomic_fetch_add(&a->calls, 1);
-}
-
-Test(ops, pool_runs_every_share_once)
-{
-	for (uint32_t threads = 0; threads <= 3; threads++) {
-		struct op_pool *p;
-		cr_assert_eq(op_pool_create(threads, &p), 0);
-		cr_assert_eq(op_pool_size(p), threads + 1);
-		for (int run = 0; run < 500; run++) {
-			struct share_arg a = { 0, 0 };
-			op_pool_run(p, share, &a);
-			const uint32_t n = threads + 1;
-			cr_assert_eq(atomic_load(&a.calls), n);
-			cr_assert_eq(atomic_load(&a.sum), (uint64_t)n * (n - 1) / 2 + 1000ull * n * n);
-		}
-		op_pool_destroy(p);
-	}
-}

@@ -10,7 +10,8 @@
  * to kvrecall and the queries are f16, like llama.cpp's default KV cache.
  *
  * Threads: one driving thread per model; matrix rows are split over the
- * model's op_pool.
+ * model's kvr_thread_pool, which the runner hands to its kvrecall contexts
+ * too (kvr_config.parallel_for): one pool of workers, not two.
  */
 #include "model.h"
 
@@ -36,7 +37,7 @@ struct model {
 	struct model_hparams hp;
 	struct layer_w *layers;
 	const struct gguf_tensor *token_embd, *output_norm, *output;
-	struct op_pool *pool;
+	struct kvr_thread_pool *pool;
 	/* scratch, one row per token of a chunk ([PREFILL_CHUNK][...]) */
 	float *x;             /* residual stream, n_embd */
 	float *in;            /* a matrix product's f32 input, widest */
@@ -244,8 +245,8 @@ static int open_model(struct model *m, int rc, uint32_t threads, struct model **
 		rc = load_hparams(m, err, eb);
 	if (!rc)
 		rc = load_tensors(m, err, eb);
-	if (!rc && (rc = op_pool_create(threads, &m->pool)))
-		fail(err, eb, rc, "model: cannot start %u worker threads", threads);
+	if (!rc && (rc = kvr_thread_pool_create(threads, &m->pool)))
+		fail(err, eb, rc, "model: %s", kvr_last_error(NULL));
 	if (!rc) {
 		const struct model_hparams *hp = &m->hp;
 		const size_t qd = (size_t)hp->n_head * hp->head_dim, kvd = (size_t)hp->n_head_kv * hp->head_dim;
@@ -303,13 +304,18 @@ void model_close(struct model *m)
 {
 	if (!m)
 		return;
-	op_pool_destroy(m->pool);
+	kvr_thread_pool_destroy(m->pool);
 	gguf_close(m->g);
 	free(m->layers);
 	free(m->x), free(m->in), free(m->q), free(m->k), free(m->v);
 	free(m->hb), free(m->hb2), free(m->out), free(m->act);
 	free(m->q16), free(m->k16), free(m->v16), free(m->o16);
 	free(m);
+}
+
+struct kvr_thread_pool *model_thread_pool(const struct model *m)
+{
+	return m->pool;
 }
 
 const struct model_hparams *model_hparams(const struct model *m)
@@ -356,11 +362,11 @@ struct mm_job {
 	float *y;             /* Y rows, stride y_stride floats */
 	size_t y_stride;
 	_Atomic int rc;       /* relaxed: read after the pool's join, which orders it */
+	uint32_t parts;       /* row chunks: one per thread of the pool */
 };
 
-static void mm_task(void *arg, uint32_t index, uint32_t count)
+static void mm_part(struct mm_job *j, uint32_t index, uint32_t count)
 {
-	struct mm_job *j = arg;
 	const uint64_t rows = j->w->ne[1];
 	/* rows in multiples of 16 so no two threads write one cache line of y */
 	const uint64_t per = ((rows + count - 1) / count + 15) & ~15ull;
@@ -377,6 +383,13 @@ static void mm_task(void *arg, uint32_t index, uint32_t count)
 				atomic_store_explicit(&j->rc, rc, memory_order_relaxed);
 		}
 	}
+}
+
+/* One chunk of a product's rows (a kvr_task_fn over the pool). */
+static void mm_task(void *arg, uint32_t index)
+{
+	struct mm_job *j = arg;
+	mm_part(j, index, j->parts);
 }
 
 /* Products streaming fewer weight bytes than this run on the caller alone. */
@@ -411,17 +424,17 @@ static int matmul(struct model *m, const struct gguf_tensor *w, uint32_t n, int 
 			return rc;
 	}
 	struct mm_job j = { w,     gguf_row_bytes(w->type, w->ne[0]), n, m->act, m->act_stride, m->in,
-			    m->widest, y, y_stride, 0 };
+			    m->widest, y, y_stride, 0, kvr_thread_pool_threads(m->pool) + 1 };
 	/* Waking the pool costs tens of µs on a busy machine, more than a decode
 	 * step's small products take alone (SmolLM2's 576x1536 Q4_1 matrix, 0.5 MiB:
 	 * ~20 µs on one core). Measured on the 2-core CI machine: decode at 2K
 	 * tokens ran at 87 tokens/s on one thread and 43 with the pool waking for
 	 * every product. So only products that stream at least MM_PARALLEL_BYTES
 	 * of weights (the logits, prefill chunks) are split. */
-	if ((uint64_t)j.row_bytes * w->ne[1] * n >= MM_PARALLEL_BYTES && op_pool_size(m->pool) > 1)
-		op_pool_run(m->pool, mm_task, &j);
+	if ((uint64_t)j.row_bytes * w->ne[1] * n >= MM_PARALLEL_BYTES && j.parts > 1)
+		kvr_thread_pool_parallel_for(m->pool, mm_task, &j, j.parts);
 	else
-		mm_task(&j, 0, 1);
+		mm_part(&j, 0, 1);
 	return atomic_load_explicit(&j.rc, memory_order_relaxed);
 }
 

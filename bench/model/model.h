@@ -42,6 +42,9 @@ int model_open_memory(const void *data, size_t size, uint32_t threads, struct mo
 		      char *err, size_t err_bytes);
 void model_close(struct model *m);
 const struct model_hparams *model_hparams(const struct model *m);
+/* The model's worker pool (its matrix products run there); a kvrecall
+ * context of the same run takes it as kvr_config.parallel_for. */
+struct kvr_thread_pool *model_thread_pool(const struct model *m);
 const struct gguf *model_gguf(const struct model *m);
 
 /* Fill the shape fields of a kvrecall config for this model (n_layers, heads,

@@ -1,20 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * ops.c — RMSNorm, RoPE, SwiGLU, half/bfloat16 conversion and the fork-join
- * pool of the real-model runner (ops.h).
+ * ops.c — RMSNorm, RoPE, SwiGLU and half/bfloat16 conversion of the
+ * real-model runner (ops.h). (Its matrix products run on kvrecall's public
+ * thread pool, shared with the cpu backend: model.c.)
  *
- * The pool is deliberately plain (one mutex, two condition variables, a
- * generation counter): a decode step runs a few hundred matrix products of
- * ~0.1-30 MB each, so a wake-up of a few microseconds is noise, and a simple
- * protocol is easy to check under TSan.
- *
- * Threads: op_pool_run on the pool's owner thread; the workers are the pool's.
+ * Threads: the functions are pure.
  */
 #include "ops.h"
 
-#include <errno.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -107,117 +101,4 @@ uint16_t op_f32_to_bf16(float f)
 float op_bf16_to_f32(uint16_t h)
 {
 	return float_of((uint32_t)h << 16);
-}
-
-/* ------------------------------------------------------------------ pool */
-
-struct op_pool {
-	pthread_mutex_t lock;
-	pthread_cond_t start; /* workers wait for a new generation */
-	pthread_cond_t done;  /* the owner waits for the workers */
-	uint64_t generation;  /* guarded by lock */
-	uint32_t pending;     /* workers still running this generation; lock */
-	int quit;             /* lock */
-	op_task_fn fn;        /* lock (read by workers after seeing the generation) */
-	void *arg;
-	uint32_t n_workers;
-	pthread_t *workers;
-	struct worker_arg {
-		struct op_pool *p;
-		uint32_t index;
-	} *args;
-};
-
-static void *worker_main(void *v)
-{
-	struct worker_arg *wa = v;
-	struct op_pool *p = wa->p;
-	uint64_t seen = 0;
-	pthread_mutex_lock(&p->lock);
-	for (;;) {
-		while (p->generation == seen && !p->quit)
-			pthread_cond_wait(&p->start, &p->lock);
-		if (p->quit)
-			break;
-		seen = p->generation;
-		const op_task_fn fn = p->fn;
-		void *arg = p->arg;
-		pthread_mutex_unlock(&p->lock);
-		fn(arg, wa->index, p->n_workers + 1);
-		pthread_mutex_lock(&p->lock);
-		if (--p->pending == 0)
-			pthread_cond_signal(&p->done);
-	}
-	pthread_mutex_unlock(&p->lock);
-	return NULL;
-}
-
-int op_pool_create(uint32_t threads, struct op_pool **out)
-{
-	struct op_pool *p = calloc(1, sizeof(*p));
-	if (!p)
-		return -ENOMEM;
-	pthread_mutex_init(&p->lock, NULL);
-	pthread_cond_init(&p->start, NULL);
-	pthread_cond_init(&p->done, NULL);
-	p->workers = calloc(threads ? threads : 1, sizeof(*p->workers));
-	p->args = calloc(threads ? threads : 1, sizeof(*p->args));
-	if (!p->workers || !p->args) {
-		op_pool_destroy(p);
-		return -ENOMEM;
-	}
-	for (uint32_t i = 0; i < threads; i++) {
-		p->args[i] = (struct worker_arg){ p, i + 1 };
-		const int err = pthread_create(&p->workers[i], NULL, worker_main, &p->args[i]);
-		if (err) {
-			op_pool_destroy(p);
-			return -err;
-		}
-		p->n_workers++;
-	}
-	*out = p;
-	return 0;
-}
-
-void op_pool_destroy(struct op_pool *p)
-{
-	if (!p)
-		return;
-	pthread_mutex_lock(&p->lock);
-	p->quit = 1;
-	pthread_cond_broadcast(&p->start);
-	pthread_mutex_unlock(&p->lock);
-	for (uint32_t i = 0; i < p->n_workers; i++)
-		pthread_join(p->workers[i], NULL);
-	pthread_mutex_destroy(&p->lock);
-	pthread_cond_destroy(&p->start);
-	pthread_cond_destroy(&p->done);
-	free(p->workers);
-	free(p->args);
-	free(p);
-}
-
-uint32_t op_pool_size(const struct op_pool *p)
-{
-	return p->n_workers + 1;
-}
-
-void op_pool_run(struct op_pool *p, op_task_fn fn, void *arg)
-{
-	if (p->n_workers) {
-		pthread_mutex_lock(&p->lock);
-		p->fn = fn;
-		p->arg = arg;
-		p->pending = p->n_workers;
-		p->generation++;
-		pthread_cond_broadcast(&p->start);
-		pthread_mutex_unlock(&p->lock);
-	}
-	fn(arg, 0, p->n_workers + 1);
-	if (p->n_workers) {
-		pthread_mutex_lock(&p->lock);
-		while (p->pending)
-			pthread_cond_wait(&p->done, &p->lock);
-		pthread_mutex_unlock(&p->lock);
-	}
 }

@@ -419,7 +419,10 @@ static int make_context(const struct model *m, const struct opts *o, uint32_t mo
 	c.window_tokens = o->have_window ? o->window : (quarter < 512 ? quarter : 512);
 	if (o->have_tau)
 		c.tau = o->tau;
-	c.threads = o->threads;
+	/* kvrecall's cpu kernels run on the model's workers: one pool, not two */
+	c.parallel_for = kvr_thread_pool_parallel_for;
+	c.parallel_user = model_thread_pool(m);
+	c.threads = kvr_thread_pool_threads(model_thread_pool(m));
 	/* the pool holds this run's pages: every layer of every token, twice over */
 	const uint64_t page_bytes = 2ull * c.page_tokens * c.head_dim * c.n_kv_heads * 2;
 	c.pool_bytes = ((tokens + 2 * c.page_tokens) / c.page_tokens + 4) * c.n_layers * page_bytes * 2;
