@@ -159,19 +159,7 @@ static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *ro
 #define FOLD16(v) fold16_avx512(v)
 #define HSUM4(a, b, c, d, out) hsum4_avx512(a, b, c, d, out)
 #define HMAX16(v) _mm512_reduce_max_ps((__m512)(v))
-#include "cpu_kernels_isa.h"
-#undef ISA
-#undef F16TOF32
-#undef CODES16
-#undef LOAD16
-#undef FMA16
-#undef HSUM16
-#undef SPLAT16
-#undef FOLD16
-#undef HSUM4
-#undef HMAX16
-#undef MAX16
-#undef FOLD16X16
+#include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -273,19 +261,7 @@ static inline __attribute__((always_inline)) vf codes16_avx2(const uint8_t *row,
 #define FOLD16(v) fold16_avx2(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_avx2)
 #define HMAX16(v) hmax16_generic(v)
-#include "cpu_kernels_isa.h"
-#undef ISA
-#undef F16TOF32
-#undef CODES16
-#undef LOAD16
-#undef FMA16
-#undef HSUM16
-#undef SPLAT16
-#undef FOLD16
-#undef HSUM4
-#undef HMAX16
-#undef MAX16
-#undef FOLD16X16
+#include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -353,19 +329,7 @@ static inline __attribute__((always_inline)) vf codes16_base(const uint8_t *row,
 #define FOLD16(v) fold16_base(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_base)
 #define HMAX16(v) hmax16_generic(v)
-#include "cpu_kernels_isa.h"
-#undef ISA
-#undef F16TOF32
-#undef CODES16
-#undef LOAD16
-#undef FMA16
-#undef HSUM16
-#undef SPLAT16
-#undef FOLD16
-#undef HSUM4
-#undef HMAX16
-#undef MAX16
-#undef FOLD16X16
+#include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 
 /* ------------------------------------------------------------------ page kernels */
 

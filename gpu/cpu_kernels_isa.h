@@ -467,3 +467,16 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef ISA_FN
 #undef KVR_ISA_FN1
 #undef KVR_ISA_FN2
+/* the including file's parameters, so the next inclusion defines its own */
+#undef ISA
+#undef F16TOF32
+#undef CODES16
+#undef LOAD16
+#undef FMA16
+#undef HSUM16
+#undef SPLAT16
+#undef FOLD16
+#undef HSUM4
+#undef HMAX16
+#undef MAX16
+#undef FOLD16X16

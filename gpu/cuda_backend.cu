@@ -287,38 +287,46 @@ static int op_host_unregister(struct kvr_dev *dev, void *ptr)
 
 /* ------------------------------------------------------- streams and events */
 
-static int op_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out)
+/* A stream wrapper: a new non-blocking CUDA stream (native NULL, owned) or
+ * the engine's `native` one (borrowed: destroy frees the wrapper only), with
+ * its completion event and top-k scratch. `what` names the caller in errors. */
+static int stream_open(struct kvr_dev *dev, const char *what, bool borrowed, cudaStream_t native,
+		       struct kvr_stream **out)
 {
-	(void)flags; /* KVR_STREAM_WORKER: CUDA streams are always asynchronous */
 	device_scope scope(impl(dev)->device);
 	int rc = enter(dev, scope);
 	if (rc)
 		return rc;
 	struct cuda_stream *cs =
 		static_cast<struct cuda_stream *>(calloc(1, sizeof(struct cuda_stream)));
-	if (!cs)
-		return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of host memory");
-	cs->topk = kvr_cuda_topk_create();
-	if (!cs->topk) {
+	if (!cs || !(cs->topk = kvr_cuda_topk_create())) {
 		free(cs);
-		return kvr_dev_fail(dev, -ENOMEM, "stream_create: out of host memory");
+		return kvr_dev_fail(dev, -ENOMEM, "%s: out of host memory", what);
 	}
-	cudaError_t e = cudaStreamCreateWithFlags(&cs->s, cudaStreamNonBlocking);
-	if (e != cudaSuccess) {
-		kvr_cuda_topk_destroy(cs->topk, NULL);
-		free(cs);
-		return cuda_fail(dev, e, "cudaStreamCreateWithFlags");
+	cs->s = native;
+	cs->borrowed = borrowed;
+	cudaError_t e = borrowed ? cudaSuccess : cudaStreamCreateWithFlags(&cs->s, cudaStreamNonBlocking);
+	const char *failed = "cudaStreamCreateWithFlags";
+	if (e == cudaSuccess) {
+		e = cudaEventCreateWithFlags(&cs->done, cudaEventDisableTiming | cudaEventBlockingSync);
+		failed = "cudaEventCreateWithFlags";
+		if (e != cudaSuccess && !borrowed)
+			(void)cudaStreamDestroy(cs->s);
 	}
-	e = cudaEventCreateWithFlags(&cs->done, cudaEventDisableTiming | cudaEventBlockingSync);
 	if (e != cudaSuccess) {
-		rc = cuda_fail(dev, e, "cudaEventCreateWithFlags");
-		(void)cudaStreamDestroy(cs->s);
+		rc = cuda_fail(dev, e, failed);
 		kvr_cuda_topk_destroy(cs->topk, NULL);
 		free(cs);
 		return rc;
 	}
 	*out = reinterpret_cast<struct kvr_stream *>(cs);
 	return 0;
+}
+
+static int op_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_stream **out)
+{
+	(void)flags; /* KVR_STREAM_WORKER: CUDA streams are always asynchronous */
+	return stream_open(dev, "stream_create", false, NULL, out);
 }
 
 /* Returns at once; CUDA releases the stream when its queued work is done. */
@@ -341,30 +349,7 @@ static void op_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream)
  * NULL is the legacy default stream. */
 static int op_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream **out)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
-	struct cuda_stream *cs =
-		static_cast<struct cuda_stream *>(calloc(1, sizeof(struct cuda_stream)));
-	if (!cs)
-		return kvr_dev_fail(dev, -ENOMEM, "stream_wrap: out of host memory");
-	cs->topk = kvr_cuda_topk_create();
-	if (!cs->topk) {
-		free(cs);
-		return kvr_dev_fail(dev, -ENOMEM, "stream_wrap: out of host memory");
-	}
-	cs->s = static_cast<cudaStream_t>(native);
-	cs->borrowed = true;
-	cudaError_t e =
-		cudaEventCreateWithFlags(&cs->done, cudaEventDisableTiming | cudaEventBlockingSync);
-	if (e != cudaSuccess) {
-		kvr_cuda_topk_destroy(cs->topk, NULL);
-		free(cs);
-		return cuda_fail(dev, e, "cudaEventCreateWithFlags");
-	}
-	*out = reinterpret_cast<struct kvr_stream *>(cs);
-	return 0;
+	return stream_open(dev, "stream_wrap", true, static_cast<cudaStream_t>(native), out);
 }
 
 /* 1 while the stream is being captured into a graph, 0 when not. */

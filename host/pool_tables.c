@@ -218,29 +218,31 @@ int kvr_pool_truncate(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint6
 	return err;
 }
 
-int kvr_pool_n_pages(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t *n_pages)
+/* A layer table's page and token counts, read under the lock (either may be NULL). */
+static int table_counts(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t *n_pages,
+			uint64_t *n_tokens)
 {
 	struct kvr_pool *mpool = (struct kvr_pool *)pool; /* lock and message only */
 	struct layer_table *t = NULL; /* set by table_get on success */
 	pthread_mutex_lock(&mpool->lock);
 	int err = pool_table_get(mpool, seq, layer, &t);
-	if (!err)
+	if (!err && n_pages)
 		*n_pages = t->n_pages;
+	if (!err && n_tokens)
+		*n_tokens = t->n_tokens;
 	pthread_mutex_unlock(&mpool->lock);
 	return err;
+}
+
+int kvr_pool_n_pages(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t *n_pages)
+{
+	return table_counts(pool, seq, layer, n_pages, NULL);
 }
 
 int kvr_pool_n_tokens(const struct kvr_pool *pool, uint32_t seq, uint32_t layer,
 		      uint64_t *n_tokens)
 {
-	struct kvr_pool *mpool = (struct kvr_pool *)pool;
-	struct layer_table *t = NULL; /* set by table_get on success */
-	pthread_mutex_lock(&mpool->lock);
-	int err = pool_table_get(mpool, seq, layer, &t);
-	if (!err)
-		*n_tokens = t->n_tokens;
-	pthread_mutex_unlock(&mpool->lock);
-	return err;
+	return table_counts(pool, seq, layer, NULL, n_tokens);
 }
 
 int kvr_pool_lookup(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t logical,

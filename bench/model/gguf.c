@@ -1069,52 +1069,50 @@ static int integer(const struct gguf *g, const struct gguf_kv *kv, bool *neg, ui
 	return 0;
 }
 
-int gguf_get_u32(const struct gguf *g, const char *key, uint32_t *out)
+/* The integer under `key` as a sign and magnitude: 0, -ENOENT (no key) or
+ * -EINVAL (not an integer). */
+static int integer_of(const struct gguf *g, const char *key, bool *neg, uint64_t *mag)
 {
 	const struct gguf_kv *kv = lookup(g, key);
-	bool neg;
-	uint64_t mag;
 	if (!kv)
 		return -ENOENT;
-	if (integer(g, kv, &neg, &mag) < 0)
-		return -EINVAL;
-	if (neg || mag > UINT32_MAX)
-		return -ERANGE;
-	if (out)
+	return integer(g, kv, neg, mag) < 0 ? -EINVAL : 0;
+}
+
+int gguf_get_u32(const struct gguf *g, const char *key, uint32_t *out)
+{
+	bool neg;
+	uint64_t mag;
+	int rc = integer_of(g, key, &neg, &mag);
+	if (!rc && (neg || mag > UINT32_MAX))
+		rc = -ERANGE;
+	if (!rc && out)
 		*out = (uint32_t)mag;
-	return 0;
+	return rc;
 }
 
 int gguf_get_u64(const struct gguf *g, const char *key, uint64_t *out)
 {
-	const struct gguf_kv *kv = lookup(g, key);
 	bool neg;
 	uint64_t mag;
-	if (!kv)
-		return -ENOENT;
-	if (integer(g, kv, &neg, &mag) < 0)
-		return -EINVAL;
-	if (neg)
-		return -ERANGE;
-	if (out)
+	int rc = integer_of(g, key, &neg, &mag);
+	if (!rc && neg)
+		rc = -ERANGE;
+	if (!rc && out)
 		*out = mag;
-	return 0;
+	return rc;
 }
 
 int gguf_get_i64(const struct gguf *g, const char *key, int64_t *out)
 {
-	const struct gguf_kv *kv = lookup(g, key);
 	bool neg;
 	uint64_t mag;
-	if (!kv)
-		return -ENOENT;
-	if (integer(g, kv, &neg, &mag) < 0)
-		return -EINVAL;
-	if (!neg && mag > INT64_MAX)
-		return -ERANGE;
-	if (out)
+	int rc = integer_of(g, key, &neg, &mag);
+	if (!rc && !neg && mag > INT64_MAX) /* a negative one came from an int64 */
+		rc = -ERANGE;
+	if (!rc && out)
 		*out = neg ? (int64_t)(0 - mag) : (int64_t)mag;
-	return 0;
+	return rc;
 }
 
 int gguf_get_f32(const struct gguf *g, const char *key, float *out)

@@ -693,6 +693,25 @@ int kq_isa_force(enum kq_isa isa)
 	return 0;
 }
 
+/* name_<isa>(args) on the active SIMD path, `scalar`(args) on the scalar one. */
+#define DEQUANT_ON_ACTIVE_PATH(name, scalar, ...)                                                  \
+	do {                                                                                       \
+		switch (kq_isa_active()) {                                                         \
+		case KQ_ISA_AVX512VNNI:                                                            \
+			name##_avx512vnni(__VA_ARGS__);                                            \
+			break;                                                                     \
+		case KQ_ISA_AVX512BW:                                                              \
+			name##_avx512bw(__VA_ARGS__);                                              \
+			break;                                                                     \
+		case KQ_ISA_AVX2:                                                                  \
+			name##_avx2(__VA_ARGS__);                                                  \
+			break;                                                                     \
+		default:                                                                           \
+			scalar(__VA_ARGS__);                                                       \
+			break;                                                                     \
+		}                                                                                  \
+	} while (0)
+
 /* ------------------------------------------------------ dequantisation */
 
 int kq_dequantize_row(uint32_t type, const void *src, float *dst, uint64_t n)
@@ -721,20 +740,7 @@ int kq_dequantize_row(uint32_t type, const void *src, float *dst, uint64_t n)
 		deq_q4_0(s, dst, nb32);
 		break;
 	case KQ_TYPE_Q4_1:
-		switch (kq_isa_active()) {
-		case KQ_ISA_AVX512VNNI:
-			dequant_q4_1_avx512vnni(s, dst, nb32);
-			break;
-		case KQ_ISA_AVX512BW:
-			dequant_q4_1_avx512bw(s, dst, nb32);
-			break;
-		case KQ_ISA_AVX2:
-			dequant_q4_1_avx2(s, dst, nb32);
-			break;
-		default:
-			deq_q4_1(s, dst, nb32);
-			break;
-		}
+		DEQUANT_ON_ACTIVE_PATH(dequant_q4_1, deq_q4_1, s, dst, nb32);
 		break;
 	case KQ_TYPE_Q5_0:
 		deq_q5_0(s, dst, nb32);
@@ -743,20 +749,7 @@ int kq_dequantize_row(uint32_t type, const void *src, float *dst, uint64_t n)
 		deq_q5_1(s, dst, nb32);
 		break;
 	case KQ_TYPE_Q8_0:
-		switch (kq_isa_active()) {
-		case KQ_ISA_AVX512VNNI:
-			dequant_q8_0_avx512vnni(s, dst, nb32);
-			break;
-		case KQ_ISA_AVX512BW:
-			dequant_q8_0_avx512bw(s, dst, nb32);
-			break;
-		case KQ_ISA_AVX2:
-			dequant_q8_0_avx2(s, dst, nb32);
-			break;
-		default:
-			deq_q8_0(s, dst, nb32);
-			break;
-		}
+		DEQUANT_ON_ACTIVE_PATH(dequant_q8_0, deq_q8_0, s, dst, nb32);
 		break;
 	case KQ_TYPE_Q8_1:
 		deq_q8_1(s, dst, nb32);
