@@ -16,9 +16,7 @@
  * Threads: kvr_controller_post and kvr_lane_acquire on the engine's thread;
  * controller_main on the controller thread.
  */
-#include <errno.h>
 #include <stdio.h>
-#include <string.h>
 
 #include "../gpu/fault.h"
 #include "sched_impl.h"

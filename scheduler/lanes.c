@@ -9,7 +9,6 @@
  * waited for first (kvr_sched_seq_quiesce).
  */
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -7,12 +7,8 @@
  * Threads: the engine's thread, outside an open decode step.
  */
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t layer,

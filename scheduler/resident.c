@@ -31,7 +31,6 @@
  */
 #include <errno.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "../gpu/fault.h"
 #include "sched_impl.h"

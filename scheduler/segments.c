@@ -8,10 +8,7 @@
  * Threads: the engine's thread (the decode step and prefill attention).
  */
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "../gpu/fault.h"
 #include "sched_impl.h"

@@ -11,12 +11,7 @@
  * while the lane's job is in flight); `stream` is that thread's stream.
  */
 #include <errno.h>
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "../gpu/fault.h"
 #include "sched_impl.h"
 
 int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,

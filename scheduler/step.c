@@ -35,12 +35,9 @@
  * Threads: the engine's thread (one step at a time per context).
  */
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "../gpu/fault.h"
 #include "sched_impl.h"
 static void zero_output(struct kvr_sched *s, void *out_row);
 

@@ -41,7 +41,6 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "../layouts/freelist.h"
 #include "../gpu/fault.h"
