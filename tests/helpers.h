@@ -36,13 +36,29 @@ static inline uint64_t th_xorshift64star(uint64_t *state)
 	return x * 2685821657736338717ull;
 }
 
+/* splitmix64's output function of x: a stateless hash of a counter. */
+static inline uint64_t th_mix64(uint64_t x)
+{
+	x += 0x9e3779b97f4a7c15ull;
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
 /* splitmix64: any seed, including 0, gives a full-period sequence. */
 static inline uint64_t th_splitmix64(uint64_t *state)
 {
-	uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
+	const uint64_t z = th_mix64(*state);
+	*state += 0x9e3779b97f4a7c15ull;
+	return z;
+}
+
+/* A value in [-1, 1] on a grid of 1/256, a pure function of its arguments
+ * (exact in every dtype, so expected outputs can be recomputed anywhere). */
+static inline float th_grid_value(uint64_t a, uint64_t b, uint64_t c)
+{
+	const uint64_t x = th_mix64(a ^ th_mix64(b * 0x100000001b3ull ^ th_mix64(c)));
+	return (float)((int64_t)(x % 513) - 256) / 256.0f;
 }
 
 /* Knuth's MMIX linear congruential step (the state itself is the output). */
@@ -62,5 +78,26 @@ static inline int th_same_bits(float a, float b)
 {
 	return !memcmp(&a, &b, sizeof(a));
 }
+
+#ifdef KVRECALL_H
+/* kvr_config_init's defaults with the given shape and selection sizes: the
+ * block every decode suite starts its config with (include kvrecall.h
+ * first). */
+static inline void th_config(struct kvr_config *c, uint32_t n_layers, uint32_t n_qo_heads,
+			     uint32_t n_kv_heads, uint32_t head_dim, uint32_t dtype, uint32_t page_tokens,
+			     uint32_t sink_tokens, uint32_t window_tokens, uint32_t budget_tokens)
+{
+	kvr_config_init(c);
+	c->n_layers = n_layers;
+	c->n_qo_heads = n_qo_heads;
+	c->n_kv_heads = n_kv_heads;
+	c->head_dim = head_dim;
+	c->dtype = dtype;
+	c->page_tokens = page_tokens;
+	c->sink_tokens = sink_tokens;
+	c->window_tokens = window_tokens;
+	c->budget_tokens = budget_tokens;
+}
+#endif
 
 #endif

@@ -27,6 +27,7 @@
 #include "half.h"
 #include "internal.h"
 #include "kvrecall.h"
+#include "helpers.h"
 
 #define P 16
 #define N_KV 2
@@ -56,18 +57,10 @@ static int passed, failed;
 		}                                                                   \
 	} while (0)
 
-static uint64_t mix(uint64_t x)
-{
-	x += 0x9e3779b97f4a7c15ull;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-	return x ^ (x >> 31);
-}
-
 static uint64_t rng_state;
 static uint32_t urand(uint32_t n) /* [0, n) */
 {
-	return (uint32_t)(mix(rng_state++) % n);
+	return (uint32_t)(th_mix64(rng_state++) % n);
 }
 static float frand(void) /* [-1, 1] */
 {
@@ -80,7 +73,7 @@ static void delay(void *user, uint32_t where)
 {
 	(void)user;
 	(void)where;
-	usleep((useconds_t)(mix(atomic_fetch_add(&delay_counter, 1) ^ 0xd1ce) % 60));
+	usleep((useconds_t)(th_mix64(atomic_fetch_add(&delay_counter, 1) ^ 0xd1ce) % 60));
 }
 
 static void fill(void *dst, size_t n, uint32_t dtype, float scale)
@@ -131,16 +124,7 @@ static void run_round(uint32_t round)
 	const uint32_t dtype = urand(2) ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
 	const uint32_t eb = dtype == KVR_DTYPE_F32 ? 4 : 2;
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_layers = NL;
-	c.n_qo_heads = N_QO;
-	c.n_kv_heads = N_KV;
-	c.head_dim = D;
-	c.dtype = dtype;
-	c.page_tokens = P;
-	c.sink_tokens = 32;
-	c.window_tokens = 32;
-	c.budget_tokens = 128;
+	th_config(&c, NL, N_QO, N_KV, D, dtype, P, 32, 32, 128);
 	c.mode = mode;
 	c.recall = recall;
 	c.tau = 0.9f;
@@ -306,7 +290,7 @@ int main(int argc, char **argv)
 {
 	const uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 0) : 20240611;
 	const uint32_t rounds = argc > 2 ? (uint32_t)strtoul(argv[2], NULL, 0) : 12;
-	rng_state = mix(seed);
+	rng_state = th_mix64(seed);
 	printf("stress_decode: seed %llu, %u rounds\n", (unsigned long long)seed, rounds);
 	for (uint32_t r = 0; r < rounds; r++)
 		run_round(r);

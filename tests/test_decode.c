@@ -36,16 +36,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint32_t sin
 				    uint64_t pool_pages, float tau)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_layers = 2;
-	c.n_qo_heads = N_QO;
-	c.n_kv_heads = N_KV;
-	c.head_dim = D;
-	c.dtype = KVR_DTYPE_F32;
-	c.page_tokens = P;
-	c.sink_tokens = sink;
-	c.window_tokens = window;
-	c.budget_tokens = budget;
+	th_config(&c, 2, N_QO, N_KV, D, KVR_DTYPE_F32, P, sink, window, budget);
 	c.mode = mode;
 	c.tau = tau;
 	c.dense_layers[0] = 0; /* both layers may be sparse */
@@ -600,16 +591,7 @@ Test(decode, engine_parallel_for_runs_the_kernels)
 	cr_assert_eq(kvr_thread_pool_create(1, &cp.pool), 0, "%s", kvr_last_error(NULL));
 	cr_assert_eq(kvr_thread_pool_threads(cp.pool), 1);
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_layers = 2;
-	c.n_qo_heads = N_QO;
-	c.n_kv_heads = N_KV;
-	c.head_dim = D;
-	c.dtype = KVR_DTYPE_F32;
-	c.page_tokens = P;
-	c.sink_tokens = P;
-	c.window_tokens = P;
-	c.budget_tokens = 4 * P;
+	th_config(&c, 2, N_QO, N_KV, D, KVR_DTYPE_F32, P, P, P, 4 * P);
 	c.mode = KVR_MODE_FREEKV;
 	c.dense_layers[0] = 0;
 	c.max_sequences = 1;

@@ -43,16 +43,7 @@ static float frand(void)
 static struct kvr_context *make_ctx(uint32_t mode, uint32_t kv_format, uint32_t ram_pages)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_layers = LAYERS;
-	c.n_qo_heads = N_QO;
-	c.n_kv_heads = N_KV;
-	c.head_dim = D;
-	c.dtype = KVR_DTYPE_F32;
-	c.page_tokens = P;
-	c.sink_tokens = 16;
-	c.window_tokens = 16;
-	c.budget_tokens = 64;
+	th_config(&c, LAYERS, N_QO, N_KV, D, KVR_DTYPE_F32, P, 16, 16, 64);
 	c.mode = mode;
 	c.kv_format = kv_format;
 	c.dense_layers[0] = 0;

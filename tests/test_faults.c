@@ -51,6 +51,7 @@
 #include "backend.h"
 #include "internal.h"
 #include "kvrecall.h"
+#include "helpers.h"
 
 #define P 16
 #define N_KV 2
@@ -88,28 +89,13 @@ struct run {
 
 /* ------------------------------------------------------------------ data */
 
-static uint64_t mix(uint64_t x)
-{
-	x += 0x9e3779b97f4a7c15ull;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-	return x ^ (x >> 31);
-}
-
-/* A value in [-1, 1] on a grid of 1/256, a pure function of its arguments. */
-static float gval(uint64_t a, uint64_t b, uint64_t c)
-{
-	const uint64_t x = mix(a ^ mix(b * 0x100000001b3ull ^ mix(c)));
-	return (float)((int64_t)(x % 513) - 256) / 256.0f;
-}
-
 /* Token `pos` of logical sequence s in layer l. C continues A's history, so
  * its tokens past the fork point differ by seed. */
 static void token_kv(uint32_t s, uint32_t l, uint64_t pos, float *k, float *v)
 {
 	for (uint32_t c = 0; c < KV_ROW; c++) {
-		k[c] = gval(100 + s, 2 * l, pos * KV_ROW + c);
-		v[c] = gval(100 + s, 2 * l + 1, pos * KV_ROW + c);
+		k[c] = th_grid_value(100 + s, 2 * l, pos * KV_ROW + c);
+		v[c] = th_grid_value(100 + s, 2 * l + 1, pos * KV_ROW + c);
 	}
 }
 
@@ -119,7 +105,7 @@ static void token_q(uint32_t s, uint32_t l, uint64_t pos, float *q)
 {
 	const float eps = pos % 3 == 0 ? 1.0f : 0.125f;
 	for (uint32_t c = 0; c < Q_ROW; c++)
-		q[c] = 2.0f * gval(7 + s, l, c) + eps * gval(9 + s, l, pos * Q_ROW + c);
+		q[c] = 2.0f * th_grid_value(7 + s, l, c) + eps * th_grid_value(9 + s, l, pos * Q_ROW + c);
 }
 
 /* ------------------------------------------------------------------ checks */
@@ -180,16 +166,7 @@ static void poll_async(struct run *r, uint32_t step)
 static void context_open(struct run *r)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_layers = NL;
-	c.n_qo_heads = N_QO;
-	c.n_kv_heads = N_KV;
-	c.head_dim = D;
-	c.dtype = KVR_DTYPE_F32;
-	c.page_tokens = P;
-	c.sink_tokens = 32;
-	c.window_tokens = 32;
-	c.budget_tokens = 128; /* k = 4 pages per KV head */
+	th_config(&c, NL, N_QO, N_KV, D, KVR_DTYPE_F32, P, 32, 32, 128); /* k = 4 pages per KV head */
 	c.mode = r->v->mode;
 	c.recall = r->v->recall;
 	c.dense_layers[0] = 0; /* both layers sparse */

@@ -40,6 +40,7 @@
 #include "half.h"
 #include "internal.h"
 #include "kvrecall.h"
+#include "helpers.h"
 
 #define P 16
 #define N_KV 2
@@ -62,21 +63,6 @@ static uint32_t model_win = 32;
 
 /* ------------------------------------------------------------------ randomness */
 
-static uint64_t mix(uint64_t x)
-{
-	x += 0x9e3779b97f4a7c15ull;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-	return x ^ (x >> 31);
-}
-
-/* A value in [-1, 1] on a grid of 1/256, a pure function of its arguments. */
-static float gval(uint64_t seed, uint64_t a, uint64_t b)
-{
-	const uint64_t x = mix(seed ^ mix(a * 0x100000001b3ull ^ mix(b)));
-	return (float)((int64_t)(x % 513) - 256) / 256.0f;
-}
-
 struct rng {
 	uint64_t s;
 };
@@ -84,7 +70,7 @@ struct rng {
 /* Uniform in [-1, 1). */
 static float rnd(struct rng *r)
 {
-	return (float)(mix(r->s++) >> 40) * (2.0f / 16777216.0f) - 1.0f;
+	return (float)(th_mix64(r->s++) >> 40) * (2.0f / 16777216.0f) - 1.0f;
 }
 
 /* ------------------------------------------------------------------ hooks */
@@ -100,7 +86,7 @@ static void hook_delay(void *user, uint32_t where)
 	if (where < 4)
 		atomic_fetch_add_explicit(&hook_calls[where], 1, memory_order_relaxed);
 	const uint64_t x =
-		mix(hook_seed ^ atomic_fetch_add_explicit(&hook_counter, 1, memory_order_relaxed));
+		th_mix64(hook_seed ^ atomic_fetch_add_explicit(&hook_counter, 1, memory_order_relaxed));
 	usleep((useconds_t)(x % 301));
 }
 
@@ -159,16 +145,7 @@ static const char *dev_name(uint32_t kind)
 
 static void config_of(const struct opts *o, struct kvr_config *c)
 {
-	kvr_config_init(c);
-	c->n_layers = NL;
-	c->n_qo_heads = N_QO;
-	c->n_kv_heads = N_KV;
-	c->head_dim = D;
-	c->dtype = o->dtype;
-	c->page_tokens = P;
-	c->sink_tokens = SINK;
-	c->window_tokens = WIN;
-	c->budget_tokens = BUDGET;
+	th_config(c, NL, N_QO, N_KV, D, o->dtype, P, SINK, WIN, BUDGET);
 	c->mode = o->mode;
 	c->recall = o->recall;
 	c->tau = o->tau;
@@ -325,8 +302,8 @@ static void tseq_fini(struct tseq *t)
 static void token_kv(const struct tseq *t, uint32_t l, uint64_t pos, float *k, float *v)
 {
 	for (uint32_t c = 0; c < KV_ROW; c++) {
-		k[c] = gval(t->gen, 2 * l, pos * KV_ROW + c);
-		v[c] = gval(t->gen, 2 * l + 1, pos * KV_ROW + c);
+		k[c] = th_grid_value(t->gen, 2 * l, pos * KV_ROW + c);
+		v[c] = th_grid_value(t->gen, 2 * l + 1, pos * KV_ROW + c);
 	}
 	if (t->anti_q && pos >= t->anti_from)
 		for (uint32_t m = 0; m < N_KV; m++)
@@ -1392,16 +1369,7 @@ static void big_budget_run(uint32_t recall, uint32_t budget, float *outs, uint32
 {
 	enum { BP = 32, BD = 32, BKV = 1, BQO = 2, BN = 34 * 1024 };
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_layers = 1;
-	c.n_kv_heads = BKV;
-	c.n_qo_heads = BQO;
-	c.head_dim = BD;
-	c.dtype = KVR_DTYPE_F32;
-	c.page_tokens = BP;
-	c.sink_tokens = 512;
-	c.window_tokens = 512;
-	c.budget_tokens = budget;
+	th_config(&c, 1, BQO, BKV, BD, KVR_DTYPE_F32, BP, 512, 512, budget);
 	c.mode = KVR_MODE_FREEKV;
 	c.recall = recall;
 	c.dense_layers[0] = 0;

@@ -16,6 +16,7 @@
 #include "../host/pool.h"
 #include "internal.h"
 #include "kvrecall.h"
+#include "helpers.h"
 
 #define P 16
 #define N_KV 2
@@ -27,16 +28,8 @@ static uint32_t pool_layout = KVR_POOL_HND; /* make_ctx's pool layout */
 static struct kvr_context *make_ctx(uint32_t max_seqs, uint64_t pool_pages)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
+	th_config(&c, 2, 4, N_KV, D, KVR_DTYPE_F32, P, 32, 32, 128);
 	c.pool_layout = pool_layout;
-	c.n_layers = 2;
-	c.n_qo_heads = 4;
-	c.n_kv_heads = N_KV;
-	c.head_dim = D;
-	c.dtype = KVR_DTYPE_F32;
-	c.page_tokens = P;
-	c.sink_tokens = c.window_tokens = 32;
-	c.budget_tokens = 128;
 	c.max_sequences = max_seqs;
 	c.max_batch = 1;
 	c.threads = 0;

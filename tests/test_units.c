@@ -26,6 +26,7 @@
 #include "cudaemu.h"
 #include "internal.h"
 #include "kvrecall.h"
+#include "helpers.h"
 
 enum { NL = 2, N_KV = 2, D = 64, P = 16, K_PAGES = 4 };
 
@@ -60,16 +61,7 @@ static void gate_open(struct gate *g)
 static struct kvr_context *open_mixed(int dev_kind)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_layers = NL;
-	c.n_qo_heads = N_KV;
-	c.n_kv_heads = N_KV;
-	c.head_dim = D;
-	c.dtype = KVR_DTYPE_F16;
-	c.page_tokens = P;
-	c.sink_tokens = P;
-	c.window_tokens = P;
-	c.budget_tokens = (2 + K_PAGES) * P; /* k = 4 pages per KV head */
+	th_config(&c, NL, N_KV, N_KV, D, KVR_DTYPE_F16, P, P, P, (2 + K_PAGES) * P); /* k = 4 pages per KV head */
 	c.dense_layers[0] = 0;
 	c.max_sequences = 2;
 	c.max_batch = 2;
