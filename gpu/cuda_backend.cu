@@ -733,6 +733,17 @@ static int op_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 					  cd->sm_count, cs->s));
 }
 
+/* The attention family's split scratch for n items on the stream; without
+ * it (out of device memory) the launcher runs one block per item and KV head,
+ * so only a poisoned context is an error. */
+static int attention_scratch(struct kvr_dev *dev, struct cuda_stream *cs, const struct kvr_shape *shape,
+			     uint32_t n)
+{
+	const size_t bytes = KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, impl(dev)->sm_count);
+	const int rc = stream_scratch(dev, cs, bytes);
+	return rc == -ENOTRECOVERABLE ? rc : 0;
+}
+
 static int op_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		    const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream)
 {
@@ -740,13 +751,10 @@ static int op_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 	struct cuda_dev *cd = impl(dev);
 	device_scope scope(cd->device);
 	int rc = enqueue_begin(dev, scope, cs->s, "dense");
+	if (!rc)
+		rc = attention_scratch(dev, cs, shape, n);
 	if (rc)
 		return rc;
-	/* without the scratch, the launcher runs one block per item and KV head */
-	if (stream_scratch(dev, cs,
-			   KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, cd->sm_count)) ==
-	    -ENOTRECOVERABLE)
-		return -ENOTRECOVERABLE;
 	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_dense_scratch)(
 					  shape, items, n, cs->scratch, cs->scratch_bytes,
 					  cd->sm_count, cs->s));
@@ -754,17 +762,24 @@ static int op_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 
 /* The ops table passes device items only, so kvr_cuda_select_topk has no
  * host-side sizes and runs the hand-written twin. */
-static int op_select(struct kvr_dev *dev, const struct kvr_shape *shape,
-		     const struct kvr_score_item *items, uint32_t n, struct kvr_stream *stream)
+static int select_on(struct kvr_dev *dev, const struct kvr_shape *shape, const struct kvr_score_item *items,
+		     const struct kvr_score_item *items_host, uint32_t n, struct kvr_stream *stream,
+		     const char *what)
 {
 	struct cuda_stream *cs = as_stream(stream);
 	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "select");
+	int rc = enqueue_begin(dev, scope, cs->s, what);
 	if (rc)
 		return rc;
 	char msg[KVR_DEV_MESSAGE_BYTES];
-	rc = kvr_cuda_select_topk(shape, items, NULL, n, cs->topk, cs->s, msg, sizeof(msg));
+	rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg, sizeof(msg));
 	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
+}
+
+static int op_select(struct kvr_dev *dev, const struct kvr_shape *shape,
+		     const struct kvr_score_item *items, uint32_t n, struct kvr_stream *stream)
+{
+	return select_on(dev, shape, items, NULL, n, stream, "select");
 }
 
 /*
@@ -781,14 +796,7 @@ extern "C" int kvr_cuda_dev_select_cub(struct kvr_dev *dev, const struct kvr_sha
 {
 	if (!dev || dev->kind != KVR_DEV_CUDA || !shape || !items || !items_host || !stream)
 		return -EINVAL;
-	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "select (CUB)");
-	if (rc)
-		return rc;
-	char msg[KVR_DEV_MESSAGE_BYTES];
-	rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg, sizeof(msg));
-	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
+	return select_on(dev, shape, items, items_host, n, stream, "select (CUB)");
 }
 
 static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
@@ -800,13 +808,10 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 	struct cuda_dev *cd = impl(dev);
 	device_scope scope(cd->device);
 	int rc = enqueue_begin(dev, scope, cs->s, "attention");
+	if (!rc)
+		rc = attention_scratch(dev, cs, shape, n);
 	if (rc)
 		return rc;
-	/* without the scratch, the launcher runs one block per item and KV head */
-	if (stream_scratch(dev, cs,
-			   KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, cd->sm_count)) ==
-	    -ENOTRECOVERABLE)
-		return -ENOTRECOVERABLE;
 	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_attention_scratch)(
 					  shape, items, n, segments, n_segments, cs->scratch,
 					  cs->scratch_bytes, cd->sm_count, cs->s));
