@@ -172,14 +172,21 @@ static void capture(void *user, enum kvr_log_level level, const char *message)
 	strncpy(last_message, message, sizeof(last_message) - 1);
 }
 
-Test(context, errors_reach_log_callback)
+/* A config creation refuses (tau 2), logging errors to capture(user). */
+static struct kvr_config invalid_logged(void *user)
 {
 	struct kvr_config c = base();
-	int token;
 	c.log_fn = capture;
-	c.log_user = &token;
+	c.log_user = user;
 	c.log_level = KVR_LOG_ERROR;
 	c.tau = 2.0f;
+	return c;
+}
+
+Test(context, errors_reach_log_callback)
+{
+	int token;
+	struct kvr_config c = invalid_logged(&token);
 	struct kvr_context *ctx = NULL;
 	cr_assert_eq(kvr_context_create(&c, &ctx), -EINVAL);
 	cr_expect_eq(n_logged, 1);
@@ -314,12 +321,8 @@ Test(context, getters_refuse_null_with_a_message)
  * log_user) still gets its log callback when creation fails. */
 Test(context, old_config_still_logs_its_failure)
 {
-	struct kvr_config c = base();
 	int token;
-	c.log_fn = capture;
-	c.log_user = &token;
-	c.log_level = KVR_LOG_ERROR;
-	c.tau = 2.0f;
+	struct kvr_config c = invalid_logged(&token);
 	c.size = (uint32_t)offsetof(struct kvr_config, recall);
 	n_logged = 0;
 	struct kvr_context *ctx = NULL;

@@ -242,17 +242,24 @@ Test(model, logits_match_llama_cpp, .init = open_model, .fini = close_model, .ti
 	cr_expect_lt(max_rel, 0.08, "logits differ from llama.cpp's by up to %.4f (relative)", max_rel);
 }
 
+/* The eval tests' text (skip without Debian's GPL-3) and an empty temporary
+ * file for their JSON, named from the template `json`. */
+static void eval_prepare(char *json)
+{
+	if (access("/usr/share/common-licenses/GPL-3", R_OK))
+		cr_skip_test("/usr/share/common-licenses/GPL-3 is missing (Debian's base-files)");
+	const int fd = mkstemp(json);
+	cr_assert_geq(fd, 0);
+	close(fd);
+}
+
 /* `kvrecall eval` end to end on a short window of the GPL-3: dense agrees
  * with itself everywhere, every mode's perplexity is finite and close to
  * dense's, and the JSON names every mode requested. */
 Test(model, eval_reports_every_mode, .init = open_model, .fini = close_model, .timeout = 300)
 {
-	if (access("/usr/share/common-licenses/GPL-3", R_OK))
-		cr_skip_test("/usr/share/common-licenses/GPL-3 is missing (Debian's base-files)");
 	char json[] = "/tmp/kvr-eval-XXXXXX";
-	const int fd = mkstemp(json);
-	cr_assert_geq(fd, 0);
-	close(fd);
+	eval_prepare(json);
 	char modes[] = "blocking,speculative,freekv";
 	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "384", "--prefill",
 			 "256",      "--budget", "256", "--sink", "64", "--window", "64", "--modes", modes,
@@ -296,12 +303,8 @@ static double eval_ppl(const char *buf, const char *mode, const char *format)
  * 5 or more under ASan+UBSan on 2 busy cores (CI) */
 Test(model, eval_quantised_pages, .init = open_model, .fini = close_model, .timeout = 900)
 {
-	if (access("/usr/share/common-licenses/GPL-3", R_OK))
-		cr_skip_test("/usr/share/common-licenses/GPL-3 is missing (Debian's base-files)");
 	char json[] = "/tmp/kvr-eval-XXXXXX";
-	const int fd = mkstemp(json);
-	cr_assert_geq(fd, 0);
-	close(fd);
+	eval_prepare(json);
 	char modes[] = "freekv", formats[] = "k8v4,k4v2,mixed";
 	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "640", "--prefill",
 			 "256",      "--budget", "256", "--sink", "64", "--window", "64", "--modes", modes,

@@ -326,6 +326,22 @@ static void rand_row(uint32_t type, uint8_t *dst, uint64_t n)
 
 /* ------------------------------------------------- dequantisation */
 
+
+/* A zeroed Q4_K/Q5_K block of 256 elements with the header the K-quant test
+ * reads: d = 1, dmin = 0.5, sub-block 0 scale 5 min 3, sub-block 5 scale 63
+ * min 33 (the 6-bit scales split across bytes 1, 5 and 9). */
+static void k_quant_header(uint8_t *b)
+{
+	memset(b, 0, 256);
+	put16(b, 0x3c00);
+	put16(b + 2, 0x3800);
+	b[4 + 0] = 5;
+	b[4 + 4] = 3;
+	b[4 + 9] = 0x1f;
+	b[4 + 1] = 0xc0;
+	b[4 + 5] = 0x80;
+}
+
 Test(dequant, hand_built_blocks)
 {
 	uint8_t b[256];
@@ -437,14 +453,7 @@ Test(dequant, hand_built_blocks)
 	 * bits), min 33 = 1 | 2<<4 (byte 9 high nibble, byte 5 top bits).
 	 * element 0 = nibble 15 -> 5·15 - 1.5; element 160 is sub-block 5's
 	 * first (group 2, high nibbles of qs[64..]) with nibble 2 -> 63·2 - 16.5 */
-	memset(b, 0, sizeof(b));
-	put16(b, 0x3c00);
-	put16(b + 2, 0x3800);
-	b[4 + 0] = 5;
-	b[4 + 4] = 3;
-	b[4 + 9] = 0x1f;
-	b[4 + 1] = 0xc0;
-	b[4 + 5] = 0x80;
+	k_quant_header(b);
 	b[16 + 0] = 0x0f;
 	b[16 + 64] = 0x20;
 	cr_assert_eq(kq_dequantize_row(KQ_TYPE_Q4_K, b, y, 256), 0);
@@ -455,14 +464,7 @@ Test(dequant, hand_built_blocks)
 
 	/* Q5_K: the same scales; qh[0] bit 0 adds 16 to element 0, qh[0] bit 5
 	 * adds 16 to element 160 */
-	memset(b, 0, sizeof(b));
-	put16(b, 0x3c00);
-	put16(b + 2, 0x3800);
-	b[4 + 0] = 5;
-	b[4 + 4] = 3;
-	b[4 + 9] = 0x1f;
-	b[4 + 1] = 0xc0;
-	b[4 + 5] = 0x80;
+	k_quant_header(b);
 	b[16 + 0] = 0x21;
 	b[48 + 0] = 0x0f;
 	b[48 + 64] = 0x20;
