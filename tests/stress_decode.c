@@ -6,7 +6,10 @@
  * freekv, blocking), recall kind (zero-copy, streamed), dtype, pool layout,
  * staging buffers and chunk size, the spill tier (a RAM budget below what the
  * sequences hold), and test hooks (asynchronous compute, small
- * random delays in the controller and on the streams), then decodes random
+ * random delays in the controller and on the streams), the cpu backend on
+ * its own workers or on a public kvr_thread_pool shared by every round's
+ * context (kvr_config.parallel_for: the engine's and the controller's
+ * threads then call into one pool at once), then decodes random
  * batches of sequences of random lengths —
  * some at most B tokens (dense path), some beyond — while sequences are
  * forked, truncated, freed and created between steps. Every status must be
@@ -116,6 +119,9 @@ static int create(struct kvr_context *ctx, struct sseq *seqs, uint32_t dtype)
 	return -1;
 }
 
+/* The engine's pool the rounds may hand to their contexts (main creates it). */
+static struct kvr_thread_pool *shared_pool;
+
 static void run_round(uint32_t round)
 {
 	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
@@ -147,6 +153,12 @@ static void run_round(uint32_t round)
 		c.pool_ram_bytes = 96ull * 2 * P * KV_ROW * eb;
 		c.dense_layers[0] = 0;
 	}
+	const int shared = urand(2);
+	if (shared) {
+		c.parallel_for = kvr_thread_pool_parallel_for;
+		c.parallel_user = shared_pool;
+		c.threads = kvr_thread_pool_threads(shared_pool);
+	}
 	const struct kvr_sched_hooks hooks = { urand(2) ? delay : NULL, NULL, urand(2), 0 };
 	struct kvr_context *ctx = NULL;
 	int r = kvr_context_create_internal(&c, 0, &hooks, &ctx);
@@ -154,10 +166,10 @@ static void run_round(uint32_t round)
 	if (r)
 		return;
 	printf("round %u: %s, %s, %s, %s pool, %s pages, dense layer 0 %d, chunk %u, buffers %u, async %u, "
-	       "delays %d, spill %d\n",
+	       "delays %d, spill %d, shared pool %d\n",
 	       round, kvr_mode_name(mode), kvr_recall_name(recall), kvr_dtype_name(dtype),
 	       c.pool_layout == KVR_POOL_NHD ? "NHD" : "HND", kvr_kv_format_name(c.kv_format), (int)c.dense_layers[0],
-	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL, spill);
+	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL, spill, shared);
 
 	struct sseq seqs[MAX_SEQS];
 	memset(seqs, 0, sizeof(seqs));
@@ -292,8 +304,13 @@ int main(int argc, char **argv)
 	const uint32_t rounds = argc > 2 ? (uint32_t)strtoul(argv[2], NULL, 0) : 12;
 	rng_state = th_mix64(seed);
 	printf("stress_decode: seed %llu, %u rounds\n", (unsigned long long)seed, rounds);
+	if (kvr_thread_pool_create(1, &shared_pool)) {
+		printf("thread pool: %s\n", kvr_last_error(NULL));
+		return 1;
+	}
 	for (uint32_t r = 0; r < rounds; r++)
 		run_round(r);
+	kvr_thread_pool_destroy(shared_pool);
 	printf("%d passed, %d failed\n", passed, failed);
 	return failed ? 1 : 0;
 }
