@@ -72,7 +72,7 @@ void kvr_config_device_bytes(const struct kvr_config *c, uint32_t recall, uint64
 	if (c->backend != KVR_BACKEND_CUDA) {
 		*per_seq += 2 * tile * c->n_layers;
 	} else {
-		/* the tail tiles are pinned host memory (scheduler/memory.c); each
+		/* the tail tiles are pinned host memory (gpu/memory.h); each
 		 * sparse layer keeps its sink and window pages on the device
 		 * (resident.c). A dense layer's resident pages grow with the
 		 * sequence and are not budgeted in this version. */

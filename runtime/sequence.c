@@ -9,7 +9,7 @@
  * page and has already reserved the one the tail will fill. The host writes
  * the tiles directly: on the cpu backend they are device memory, which is host
  * memory; on a separate-memory device (cuda) they are pinned host memory the
- * device reads through unified addressing (scheduler/memory.c).
+ * device reads through unified addressing (gpu/memory.h, kvr_tile_alloc).
  *
  * Threads: the caller's. seq_lock guards the alive flags only; a sequence's
  * data is used by one thread at a time (kvrecall.h).

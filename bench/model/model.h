@@ -10,7 +10,7 @@
  * expects) -> attention (kvrecall, f16 KV) -> output projection, residual ->
  * RMSNorm -> SwiGLU feed-forward, residual; then the final RMSNorm and the
  * output matrix (token_embd when the file ties them). Matrix products are
- * quant.h's, split by rows over an op_pool.
+ * quant.h's, split by rows over the model's kvr_thread_pool.
  *
  * Threads: a model is driven by one thread at a time (it owns scratch and a
  * worker pool); the weights are read-only and could be shared.
