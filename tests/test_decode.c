@@ -100,6 +100,16 @@ static void reference(const struct history *h, const float *q, const uint8_t *us
 	}
 }
 
+/* A dense context (B = 64) with one sequence holding n random tokens in both
+ * layers (h keeps them; the caller frees h.k and h.v). */
+static struct kvr_context *dense_with_history(uint32_t *seq, struct history *h, uint64_t n)
+{
+	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
+	cr_assert_eq(kvr_seq_create(ctx, seq), 0);
+	history_prefill(ctx, *seq, h, n);
+	return ctx;
+}
+
 /* One decode step of one sequence on both layers; appends to h. */
 static void step(struct kvr_context *ctx, uint32_t seq, struct history *h, const float *q,
 		 float out[2][Q_ROW])
@@ -130,11 +140,9 @@ static void random_q(float *q)
 
 Test(decode, dense_matches_reference)
 {
-	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
 	uint32_t seq;
-	cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
 	struct history h;
-	history_prefill(ctx, seq, &h, 100);
+	struct kvr_context *ctx = dense_with_history(&seq, &h, 100);
 	for (int i = 0; i < 20; i++) { /* crosses a page boundary */
 		float q[Q_ROW], out[2][Q_ROW], want[Q_ROW];
 		random_q(q);
@@ -450,11 +458,9 @@ Test(decode, open_step_refuses_calls_that_change_its_sequences)
  * sequence failing in layer 0 keeps layer 0's message through layer 1. */
 Test(decode, a_failure_is_one_sentence)
 {
-	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
 	uint32_t a;
-	cr_assert_eq(kvr_seq_create(ctx, &a), 0);
 	struct history h;
-	history_prefill(ctx, a, &h, 20);
+	struct kvr_context *ctx = dense_with_history(&a, &h, 20);
 	float q[Q_ROW] = { 0 }, k[KV_ROW] = { 0 }, v[KV_ROW] = { 0 }, out[Q_ROW];
 	const uint64_t wrong = 21; /* the layers hold 20 tokens */
 	cr_assert_eq(kvr_decode_begin(ctx, &a, &wrong, 1), 0);
@@ -477,11 +483,9 @@ Test(decode, a_failure_is_one_sentence)
 /* Prefill attention at positions that would wrap around 2^64 is refused. */
 Test(decode, prefill_attention_positions_do_not_wrap)
 {
-	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
 	uint32_t a;
-	cr_assert_eq(kvr_seq_create(ctx, &a), 0);
 	struct history h;
-	history_prefill(ctx, a, &h, 20);
+	struct kvr_context *ctx = dense_with_history(&a, &h, 20);
 	float q[2 * Q_ROW] = { 0 }, out[2 * Q_ROW];
 	for (uint32_t i = 0; i < 2 * Q_ROW; i++)
 		out[i] = 7.0f;
@@ -502,11 +506,9 @@ Test(decode, prefill_attention_positions_do_not_wrap)
  * nothing either. */
 Test(decode, a_bad_position_takes_back_only_what_the_step_stored)
 {
-	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
 	uint32_t s;
-	cr_assert_eq(kvr_seq_create(ctx, &s), 0);
 	struct history h;
-	history_prefill(ctx, s, &h, 18);
+	struct kvr_context *ctx = dense_with_history(&s, &h, 18);
 	cr_assert_eq(kvr_prefill(ctx, s, 1, 18, 1, h.k, h.v), 0, "%s", kvr_last_error(ctx));
 	float q[Q_ROW], k[KV_ROW], v[KV_ROW], out[Q_ROW];
 	random_q(q);
