@@ -63,7 +63,9 @@ enum kvr_stream_flags {
 };
 
 /* A parallel-for an engine may supply: run task(arg, i) for i in [0, n), may
- * return only when all are done. */
+ * return only when all are done. The same two typedefs as the public header's
+ * (kvrecall.h, kvr_config.parallel_for; C11 allows the identical repeat):
+ * gpu/ does not include the public header. */
 typedef void (*kvr_task_fn)(void *arg, uint32_t index);
 typedef void (*kvr_parallel_for_fn)(void *user, kvr_task_fn task, void *arg, uint32_t n);
 

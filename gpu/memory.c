@@ -137,35 +137,33 @@ int kvr_mirror_to_device(struct kvr_dev *dev, const struct kvr_mirror *m, const 
 	return kvr_dev_memcpy_async(dev, kvr_mirror_dev_at(m, host_at), host_at, bytes, KVR_COPY_H2D, stream);
 }
 
-int kvr_host_view(struct kvr_dev *dev, void *stage, const void *src, size_t bytes, struct kvr_stream *stream,
-		  const void **view)
+int kvr_host_view(struct kvr_dev *dev, void *stage, size_t off, const void *src, size_t bytes,
+		  struct kvr_stream *stream, const void **view)
 {
 	if (!apart(dev)) {
 		*view = src;
 		return 0;
 	}
-	*view = stage;
-	return bytes ? kvr_dev_memcpy_async(dev, stage, src, bytes, KVR_COPY_D2H, stream) : 0;
+	unsigned char *at = (unsigned char *)stage + off; /* a stage exists only here */
+	*view = at;
+	return bytes ? kvr_dev_memcpy_async(dev, at, src, bytes, KVR_COPY_D2H, stream) : 0;
 }
 
 int kvr_stage_grow(struct kvr_dev *dev, void **stage, size_t *bytes, size_t need)
 {
-	if (!apart(dev) || (need <= *bytes && *stage))
-		return 0;
-	void *p = NULL;
-	int err = kvr_dev_alloc(dev, need, &p);
-	if (err)
-		return err;
-	kvr_dev_free(dev, *stage);
-	*stage = p;
-	*bytes = need;
-	return 0;
+	/* device memory where the device has its own (kernel scratch there) */
+	return apart(dev) ? kvr_scratch_grow(dev, stage, bytes, need) : 0;
 }
 
 void kvr_stage_free(struct kvr_dev *dev, void *stage)
 {
 	if (stage)
-		kvr_dev_free(dev, stage);
+		kvr_scratch_free(dev, stage);
+}
+
+int kvr_host_stage_grow(struct kvr_dev *dev, void **stage, size_t *bytes, size_t need)
+{
+	return apart(dev) ? kvr_mapped_grow(dev, stage, bytes, need) : 0;
 }
 
 int kvr_stage_in(struct kvr_dev *dev, void *stage, const void *src, size_t bytes, struct kvr_stream *stream,

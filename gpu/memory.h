@@ -84,10 +84,12 @@ int kvr_mirror_to_device(struct kvr_dev *dev, const struct kvr_mirror *m, const 
 
 /* The host's view of `bytes` of kernel memory at `src` (a kernel's input the
  * host must also read): `src` itself where the host addresses device memory;
- * else `stage` (mapped memory of at least `bytes`), filled by a copy queued on
- * `stream` that the caller synchronises before reading. */
-int kvr_host_view(struct kvr_dev *dev, void *stage, const void *src, size_t bytes, struct kvr_stream *stream,
-		  const void **view);
+ * else `stage` + `off` (mapped memory from kvr_host_stage_grow, which
+ * allocates nothing elsewhere; freed with kvr_mapped_free), filled by a copy
+ * queued on `stream` that the caller synchronises before reading. */
+int kvr_host_stage_grow(struct kvr_dev *dev, void **stage, size_t *bytes, size_t need);
+int kvr_host_view(struct kvr_dev *dev, void *stage, size_t off, const void *src, size_t bytes,
+		  struct kvr_stream *stream, const void **view);
 
 /* Host arrays kernels read or write (prefill's query and output rows):
  * where the device addresses host memory the kernels take the host array

@@ -172,6 +172,8 @@ void pool_page_unref_locked(struct kvr_pool *pool, uint32_t id);
 
 /* pool_tables.c (lock held) */
 int pool_table_get(struct kvr_pool *pool, uint32_t seq, uint32_t layer, struct layer_table **out);
+int pool_table_page_get(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t logical,
+			struct layer_table **out);
 void pool_table_shrink(struct kvr_pool *pool, struct layer_table *t, uint32_t keep);
 int pool_reserve_locked(struct kvr_pool *pool, struct layer_table *t, uint32_t n_pages);
 

@@ -85,11 +85,7 @@ int kvr_pool_write_page(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uin
 	unsigned char *page = NULL, *summary = NULL;
 	uint32_t id = 0;
 	pthread_mutex_lock(&pool->lock);
-	int err = pool_table_get(pool, seq, layer, &t);
-	if (!err && logical >= t->n_pages)
-		err = pool_fail(pool, -EINVAL,
-			        "pool: logical page %u of sequence %u layer %u is not reserved (%u pages)",
-			        logical, seq, layer, t->n_pages);
+	int err = pool_table_page_get(pool, seq, layer, logical, &t);
 	if (!err && (!k_rows || !v_rows))
 		err = pool_fail(pool, -EINVAL, "pool: keys or values are NULL");
 	if (!err && row_stride < (uint64_t)pool->g.n_kv_heads * pool->g.head_dim)

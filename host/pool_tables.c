@@ -26,6 +26,18 @@ int pool_table_get(struct kvr_pool *pool, uint32_t seq, uint32_t layer, struct l
 	return 0;
 }
 
+/* Lock held. pool_table_get, and `logical` must be one of its reserved pages. */
+int pool_table_page_get(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint32_t logical,
+			struct layer_table **out)
+{
+	int err = pool_table_get(pool, seq, layer, out);
+	if (!err && logical >= (*out)->n_pages)
+		err = pool_fail(pool, -EINVAL,
+			        "pool: logical page %u of sequence %u layer %u is not reserved (%u pages)",
+			        logical, seq, layer, (*out)->n_pages);
+	return err;
+}
+
 int kvr_pool_seq_open(struct kvr_pool *pool, uint32_t seq)
 {
 	int err = 0;
@@ -251,11 +263,7 @@ int kvr_pool_lookup(const struct kvr_pool *pool, uint32_t seq, uint32_t layer, u
 	struct kvr_pool *mpool = (struct kvr_pool *)pool;
 	struct layer_table *t = NULL; /* set by table_get on success */
 	pthread_mutex_lock(&mpool->lock);
-	int err = pool_table_get(mpool, seq, layer, &t);
-	if (!err && logical >= t->n_pages)
-		err = pool_fail(mpool, -EINVAL,
-			        "pool: logical page %u of sequence %u layer %u is not reserved (%u pages)",
-			        logical, seq, layer, t->n_pages);
+	int err = pool_table_page_get(mpool, seq, layer, logical, &t);
 	if (!err)
 		*page_id = t->pages[logical];
 	pthread_mutex_unlock(&mpool->lock);

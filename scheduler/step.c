@@ -229,8 +229,8 @@ static int layer_inputs(struct layer_call *lc, const void *q, const void *k, con
 	struct kvr_sched *s = lc->s;
 	const size_t q_bytes = (size_t)lc->batch * s->q_row, kv_bytes = (size_t)lc->batch * s->kv_row;
 	lc->q_dev = q;
-	int err = kvr_mapped_grow(s->dev, (void **)&s->eng.inputs_stage, &s->eng.inputs_stage_bytes,
-				  (size_t)s->c.max_batch * (s->q_row + 2 * s->kv_row));
+	int err = kvr_host_stage_grow(s->dev, (void **)&s->eng.inputs_stage, &s->eng.inputs_stage_bytes,
+				      (size_t)s->c.max_batch * (s->q_row + 2 * s->kv_row));
 	if (err) {
 		snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: out of memory");
 		return err;
@@ -245,14 +245,14 @@ static int layer_inputs(struct layer_call *lc, const void *q, const void *k, con
 			goto fail;
 	}
 	const void *view = NULL;
-	unsigned char *stage = s->eng.inputs_stage;
-	err = kvr_host_view(s->dev, stage, q, q_bytes, s->engine_inline, &view);
+	void *stage = s->eng.inputs_stage; /* NULL where the host reads q, k, v in place */
+	err = kvr_host_view(s->dev, stage, 0, q, q_bytes, s->engine_inline, &view);
 	lc->q_host = view;
 	if (!err)
-		err = kvr_host_view(s->dev, stage + q_bytes, k, kv_bytes, s->engine_inline, &view);
+		err = kvr_host_view(s->dev, stage, q_bytes, k, kv_bytes, s->engine_inline, &view);
 	lc->k_host = view;
 	if (!err)
-		err = kvr_host_view(s->dev, stage + q_bytes + kv_bytes, v, kv_bytes, s->engine_inline, &view);
+		err = kvr_host_view(s->dev, stage, q_bytes + kv_bytes, v, kv_bytes, s->engine_inline, &view);
 	lc->v_host = view;
 	if (!err)
 		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
