@@ -955,6 +955,75 @@ static int32_t *device_select(struct dctx *c, const struct kvr_shape *sh,
 	return got;
 }
 
+/* One select item of the tie tests: candidates [begin, begin + n_cand), k. */
+struct select_case {
+	uint32_t begin, n_cand, k, mode; /* mode 0: few values; 1: all equal; 2: distinct */
+};
+
+/* The items of a select_case list for n_kv heads, over one scores buffer and
+ * one selected buffer (each item's k·n_kv entries then SEL_GUARD sentinels). */
+struct select_set {
+	const struct select_case *spec;
+	uint32_t n, n_kv;
+	struct kvr_score_item *items;
+	float *scores;
+	int32_t *sel;
+	size_t n_scores, n_sel, *k_at;
+};
+
+/* Scores drawn from a few tie-prone values (signed zeros included), all
+ * equal (mode 1) or distinct in [lo, hi) (mode 2); `selected` all sentinels. */
+static struct select_set select_set_build(struct rng *r, const struct select_case *spec,
+					  uint32_t n, uint32_t n_kv, double lo, double hi)
+{
+	static const float few[] = { -1.5f, -0.0f, 0.0f, 0.25f, 1.0f, 3.0f, 1e-3f };
+	struct select_set set = { .spec = spec, .n = n, .n_kv = n_kv };
+	set.items = halloc(n * sizeof(*set.items));
+	set.k_at = halloc(n * sizeof(*set.k_at));
+	size_t *s_at = halloc(n * sizeof(*s_at));
+	for (uint32_t i = 0; i < n; i++) {
+		s_at[i] = set.n_scores;
+		set.k_at[i] = set.n_sel;
+		set.n_scores += (size_t)n_kv * spec[i].n_cand;
+		set.n_sel += (size_t)n_kv * spec[i].k + SEL_GUARD;
+	}
+	set.n_scores++; /* never empty */
+	set.scores = halloc(set.n_scores * sizeof(float));
+	set.sel = halloc(set.n_sel * sizeof(int32_t));
+	for (size_t x = 0; x < set.n_sel; x++)
+		set.sel[x] = SEL_SENTINEL;
+	for (uint32_t i = 0; i < n; i++) {
+		for (size_t x = 0; x < (size_t)n_kv * spec[i].n_cand; x++) {
+			float v = few[rng_below(r, ARRAY_LEN(few))];
+			if (spec[i].mode == 1)
+				v = 0.5f;
+			else if (spec[i].mode == 2)
+				v = (float)rng_uniform(r, lo, hi);
+			set.scores[s_at[i] + x] = v;
+		}
+		set.items[i] = (struct kvr_score_item){
+			.scores = set.scores + s_at[i], .selected = set.sel + set.k_at[i],
+			.cand_begin = spec[i].begin, .cand_end = spec[i].begin + spec[i].n_cand,
+			.k = spec[i].k };
+	}
+	return set;
+}
+
+/* got (a device's output over set->sel) against set->sel, which ref_select
+ * has filled, item by item with its guard entries. */
+static void select_set_expect(const struct select_set *set, const int32_t *got, const char *label)
+{
+	for (uint32_t i = 0; i < set->n; i++) {
+		const struct select_case *sc = &set->spec[i];
+		char what[200];
+		snprintf(what, sizeof(what),
+			 "%s n_kv %u item %u (pages %u..%u, k %u; then %u guard entries)", label,
+			 set->n_kv, i, sc->begin, sc->begin + sc->n_cand, sc->k, SEL_GUARD);
+		expect_same_bits(what, got + set->k_at[i], set->sel + set->k_at[i],
+				 ((size_t)set->n_kv * sc->k + SEL_GUARD) * sizeof(int32_t), 4);
+	}
+}
+
 /*
  * Random scores full of ties (drawn from a few values, signed zeros
  * included), all-equal scores, and distinct ones; k from 0 past n_cand, an
@@ -966,56 +1035,22 @@ CONFORMANCE_TEST(select_ties_and_k)
 {
 	struct dctx *c = &e->main;
 	struct rng r = { 0x5e1ec7 };
-	static const struct {
-		uint32_t begin, n_cand, k, mode; /* mode 0: few values; 1: all equal; 2: distinct */
-	} spec[] = {
+	static const struct select_case spec[] = {
 		{ 0, 1, 1, 0 },    { 2, 7, 3, 0 },   { 1, 40, 1, 0 },   { 4, 40, 39, 0 },
 		{ 0, 40, 40, 0 },  { 7, 40, 45, 0 }, { 0, 300, 17, 2 }, { 3, 300, 0, 0 },
 		{ 9, 0, 3, 0 },    { 0, 12, 5, 1 },  { 6, 33, 16, 0 },  { 0, 260, 250, 0 },
 	};
-	static const float few[] = { -1.5f, -0.0f, 0.0f, 0.25f, 1.0f, 3.0f, 1e-3f };
-	enum { N = ARRAY_LEN(spec) };
 	for (uint32_t n_kv = 1; n_kv <= 3; n_kv += 2) {
 		const struct shape_cfg cfg = { n_kv, n_kv, 64, 16, 0 };
 		const struct kvr_shape sh = make_shape(&cfg, KVR_ELEM_F32);
-		struct kvr_score_item items[N];
-		size_t n_scores = 0, n_sel = 0, s_at[N], k_at[N];
-		for (uint32_t i = 0; i < N; i++) {
-			s_at[i] = n_scores;
-			k_at[i] = n_sel;
-			n_scores += (size_t)n_kv * spec[i].n_cand;
-			n_sel += (size_t)n_kv * spec[i].k + SEL_GUARD;
-		}
-		float *scores = halloc((n_scores + 1) * sizeof(float));
-		int32_t *sel = halloc(n_sel * sizeof(int32_t));
-		for (size_t x = 0; x < n_sel; x++)
-			sel[x] = SEL_SENTINEL;
-		for (uint32_t i = 0; i < N; i++) {
-			for (size_t x = 0; x < (size_t)n_kv * spec[i].n_cand; x++) {
-				float v = few[rng_below(&r, ARRAY_LEN(few))];
-				if (spec[i].mode == 1)
-					v = 0.5f;
-				else if (spec[i].mode == 2)
-					v = (float)rng_uniform(&r, 0.0, 1.0);
-				scores[s_at[i] + x] = v;
-			}
-			items[i] = (struct kvr_score_item){
-				.scores = scores + s_at[i], .selected = sel + k_at[i],
-				.cand_begin = spec[i].begin, .cand_end = spec[i].begin + spec[i].n_cand,
-				.k = spec[i].k };
-		}
-		int32_t *got = device_select(c, &sh, items, N, scores, n_scores + 1, sel, n_sel);
-		ref_select(&sh, items, N);
-		for (uint32_t i = 0; i < N; i++) {
-			char what[160];
-			snprintf(what, sizeof(what),
-				 "%s: select n_kv %u item %u (pages %u..%u, k %u; then %u guard "
-				 "entries)",
-				 c->name, n_kv, i, spec[i].begin, spec[i].begin + spec[i].n_cand,
-				 spec[i].k, SEL_GUARD);
-			expect_same_bits(what, got + k_at[i], sel + k_at[i],
-					 ((size_t)n_kv * spec[i].k + SEL_GUARD) * sizeof(int32_t), 4);
-		}
+		const struct select_set set =
+			select_set_build(&r, spec, ARRAY_LEN(spec), n_kv, 0.0, 1.0);
+		int32_t *got = device_select(c, &sh, set.items, set.n, set.scores, set.n_scores,
+					     set.sel, set.n_sel);
+		ref_select(&sh, set.items, set.n);
+		char label[64];
+		snprintf(label, sizeof(label), "%s: select", c->name);
+		select_set_expect(&set, got, label);
 	}
 }
 
@@ -1033,80 +1068,41 @@ static void t_select_cub_path(struct env *e)
 	if (!kvr_cuda_dev_select_cub)
 		cr_skip_test("%s: kvr_cuda_dev_select_cub is not linked (no CUDA backend)", c->name);
 	struct rng r = { 0xc0b5e1 };
-	static const struct {
-		uint32_t begin, n_cand, k, mode; /* mode 0: few values; 1: all equal; 2: distinct */
-	} spec[] = {
+	static const struct select_case spec[] = {
 		{ 0, 1, 1, 0 },     { 2, 7, 3, 0 },       { 1, 40, 1, 0 },    { 4, 40, 39, 0 },
 		{ 0, 40, 40, 0 },   { 7, 40, 45, 0 },     { 0, 300, 17, 2 },  { 3, 300, 0, 0 },
 		{ 9, 0, 3, 0 },     { 0, 12, 5, 1 },      { 6, 33, 16, 0 },   { 0, 260, 250, 0 },
 		{ 16, 4064, 32, 2 }, { 5, 5000, 700, 0 }, { 0, 70000, 33, 2 }, { 1, 9000, 64, 1 },
 	};
-	static const float few[] = { -1.5f, -0.0f, 0.0f, 0.25f, 1.0f, 3.0f, 1e-3f };
-	enum { N = ARRAY_LEN(spec) };
 	for (uint32_t n_kv = 1; n_kv <= 3; n_kv += 2) {
 		fresh(e);
 		const struct shape_cfg cfg = { n_kv, n_kv, 64, 16, 0 };
 		const struct kvr_shape sh = make_shape(&cfg, KVR_ELEM_F32);
-		struct kvr_score_item items[N];
-		size_t n_scores = 0, n_sel = 0, s_at[N], k_at[N];
-		for (uint32_t i = 0; i < N; i++) {
-			s_at[i] = n_scores;
-			k_at[i] = n_sel;
-			n_scores += (size_t)n_kv * spec[i].n_cand;
-			n_sel += (size_t)n_kv * spec[i].k + SEL_GUARD;
-		}
-		float *scores = halloc((n_scores + 1) * sizeof(float));
-		int32_t *sel = halloc(n_sel * sizeof(int32_t));
-		for (size_t x = 0; x < n_sel; x++)
-			sel[x] = SEL_SENTINEL;
-		for (uint32_t i = 0; i < N; i++) {
-			for (size_t x = 0; x < (size_t)n_kv * spec[i].n_cand; x++) {
-				float v = few[rng_below(&r, ARRAY_LEN(few))];
-				if (spec[i].mode == 1)
-					v = 0.5f;
-				else if (spec[i].mode == 2)
-					v = (float)rng_uniform(&r, -4.0, 4.0);
-				scores[s_at[i] + x] = v;
-			}
-			items[i] = (struct kvr_score_item){
-				.scores = scores + s_at[i], .selected = sel + k_at[i],
-				.cand_begin = spec[i].begin, .cand_end = spec[i].begin + spec[i].n_cand,
-				.k = spec[i].k };
-		}
-		put(c, scores, (n_scores + 1) * sizeof(float));
-		put(c, sel, n_sel * sizeof(int32_t));
-		const void *dev_items = dev_score_items(c, items, N);
-		DEV_OK(c, kvr_cuda_dev_select_cub(c->dev, &sh, dev_items, items, N, c->s));
-		int32_t *got = halloc(n_sel * sizeof(int32_t));
-		get(c, got, sel, n_sel * sizeof(int32_t));
+		const struct select_set set =
+			select_set_build(&r, spec, ARRAY_LEN(spec), n_kv, -4.0, 4.0);
+		put(c, set.scores, set.n_scores * sizeof(float));
+		put(c, set.sel, set.n_sel * sizeof(int32_t));
+		const void *dev_items = dev_score_items(c, set.items, set.n);
+		DEV_OK(c, kvr_cuda_dev_select_cub(c->dev, &sh, dev_items, set.items, set.n, c->s));
+		int32_t *got = halloc(set.n_sel * sizeof(int32_t));
+		get(c, got, set.sel, set.n_sel * sizeof(int32_t));
 		/* the twin, into a second copy of the sentinels */
-		int32_t *sel2 = halloc(n_sel * sizeof(int32_t));
-		for (size_t x = 0; x < n_sel; x++)
+		int32_t *sel2 = halloc(set.n_sel * sizeof(int32_t));
+		for (size_t x = 0; x < set.n_sel; x++)
 			sel2[x] = SEL_SENTINEL;
-		struct kvr_score_item items2[N];
-		for (uint32_t i = 0; i < N; i++) {
-			items2[i] = items[i];
-			items2[i].selected = sel2 + k_at[i];
+		struct kvr_score_item *items2 = halloc(set.n * sizeof(*items2));
+		for (uint32_t i = 0; i < set.n; i++) {
+			items2[i] = set.items[i];
+			items2[i].selected = sel2 + set.k_at[i];
 		}
-		put(c, sel2, n_sel * sizeof(int32_t));
-		DEV_OK(c, kvr_dev_select(c->dev, &sh, dev_score_items(c, items2, N), N, c->s));
-		int32_t *got2 = halloc(n_sel * sizeof(int32_t));
-		get(c, got2, sel2, n_sel * sizeof(int32_t));
-		ref_select(&sh, items, N);
-		for (uint32_t i = 0; i < N; i++) {
-			char what[160];
-			snprintf(what, sizeof(what),
-				 "%s: CUB select n_kv %u item %u (pages %u..%u, k %u; then %u guard "
-				 "entries)",
-				 c->name, n_kv, i, spec[i].begin, spec[i].begin + spec[i].n_cand,
-				 spec[i].k, SEL_GUARD);
-			expect_same_bits(what, got + k_at[i], sel + k_at[i],
-					 ((size_t)n_kv * spec[i].k + SEL_GUARD) * sizeof(int32_t), 4);
-			snprintf(what, sizeof(what), "%s: select (twin) n_kv %u item %u", c->name,
-				 n_kv, i);
-			expect_same_bits(what, got2 + k_at[i], sel + k_at[i],
-					 ((size_t)n_kv * spec[i].k + SEL_GUARD) * sizeof(int32_t), 4);
-		}
+		int32_t *got2 = device_select(c, &sh, items2, set.n, set.scores, set.n_scores, sel2,
+					      set.n_sel);
+		ref_select(&sh, set.items, set.n);
+		char label[64];
+		snprintf(label, sizeof(label), "%s: CUB select", c->name);
+		select_set_expect(&set, got, label);
+		snprintf(label, sizeof(label), "%s: select (twin)", c->name);
+		select_set_expect(&set, got2, label);
 	}
 }
 

@@ -693,26 +693,37 @@ int kq_isa_force(enum kq_isa isa)
 	return 0;
 }
 
-/* name_<isa>(args) on the active SIMD path, `scalar`(args) on the scalar one. */
-#define DEQUANT_ON_ACTIVE_PATH(name, scalar, ...)                                                  \
-	do {                                                                                       \
-		switch (kq_isa_active()) {                                                         \
-		case KQ_ISA_AVX512VNNI:                                                            \
-			name##_avx512vnni(__VA_ARGS__);                                            \
-			break;                                                                     \
-		case KQ_ISA_AVX512BW:                                                              \
-			name##_avx512bw(__VA_ARGS__);                                              \
-			break;                                                                     \
-		case KQ_ISA_AVX2:                                                                  \
-			name##_avx2(__VA_ARGS__);                                                  \
-			break;                                                                     \
-		default:                                                                           \
-			scalar(__VA_ARGS__);                                                       \
-			break;                                                                     \
-		}                                                                                  \
-	} while (0)
-
 /* ------------------------------------------------------ dequantisation */
+
+/* nb blocks (elements for f32/f16/bf16) from s into y */
+typedef void dequant_fn(const uint8_t *s, float *y, uint64_t nb);
+
+static void deq_f32(const uint8_t *s, float *y, uint64_t n)
+{
+	memcpy(y, s, n * sizeof(float));
+}
+
+/* The active path's dequantiser: SIMD for the two weight types the model
+ * runner dequantises in bulk (Q4_1, Q8_0), the scalar reference otherwise. */
+static dequant_fn *dequantizer(uint32_t type)
+{
+	static dequant_fn *const simd[][KQ_ISA_COUNT] = {
+		{ NULL, dequant_q4_1_avx2, dequant_q4_1_avx512bw, dequant_q4_1_avx512vnni },
+		{ NULL, dequant_q8_0_avx2, dequant_q8_0_avx512bw, dequant_q8_0_avx512vnni },
+	};
+	static dequant_fn *const scalar[] = {
+		[KQ_TYPE_F32] = deq_f32,   [KQ_TYPE_F16] = deq_f16,   [KQ_TYPE_BF16] = deq_bf16,
+		[KQ_TYPE_Q4_0] = deq_q4_0, [KQ_TYPE_Q4_1] = deq_q4_1, [KQ_TYPE_Q5_0] = deq_q5_0,
+		[KQ_TYPE_Q5_1] = deq_q5_1, [KQ_TYPE_Q8_0] = deq_q8_0, [KQ_TYPE_Q8_1] = deq_q8_1,
+		[KQ_TYPE_Q4_K] = deq_q4_k, [KQ_TYPE_Q5_K] = deq_q5_k, [KQ_TYPE_Q6_K] = deq_q6_k,
+	};
+	dequant_fn *fast = NULL;
+	if (type == KQ_TYPE_Q4_1 || type == KQ_TYPE_Q8_0)
+		fast = simd[type == KQ_TYPE_Q8_0][kq_isa_active()];
+	if (fast)
+		return fast;
+	return type < sizeof(scalar) / sizeof(scalar[0]) ? scalar[type] : NULL;
+}
 
 int kq_dequantize_row(uint32_t type, const void *src, float *dst, uint64_t n)
 {
@@ -724,48 +735,10 @@ int kq_dequantize_row(uint32_t type, const void *src, float *dst, uint64_t n)
 		return 0;
 	if (!src || !dst)
 		return -EINVAL;
-	const uint8_t *s = src;
-	const uint64_t nb32 = n / KQ_QK, nbk = n / KQ_QK_K;
-	switch (type) {
-	case KQ_TYPE_F32:
-		memcpy(dst, src, n * sizeof(float));
-		break;
-	case KQ_TYPE_F16:
-		deq_f16(s, dst, n);
-		break;
-	case KQ_TYPE_BF16:
-		deq_bf16(s, dst, n);
-		break;
-	case KQ_TYPE_Q4_0:
-		deq_q4_0(s, dst, nb32);
-		break;
-	case KQ_TYPE_Q4_1:
-		DEQUANT_ON_ACTIVE_PATH(dequant_q4_1, deq_q4_1, s, dst, nb32);
-		break;
-	case KQ_TYPE_Q5_0:
-		deq_q5_0(s, dst, nb32);
-		break;
-	case KQ_TYPE_Q5_1:
-		deq_q5_1(s, dst, nb32);
-		break;
-	case KQ_TYPE_Q8_0:
-		DEQUANT_ON_ACTIVE_PATH(dequant_q8_0, deq_q8_0, s, dst, nb32);
-		break;
-	case KQ_TYPE_Q8_1:
-		deq_q8_1(s, dst, nb32);
-		break;
-	case KQ_TYPE_Q4_K:
-		deq_q4_k(s, dst, nbk);
-		break;
-	case KQ_TYPE_Q5_K:
-		deq_q5_k(s, dst, nbk);
-		break;
-	case KQ_TYPE_Q6_K:
-		deq_q6_k(s, dst, nbk);
-		break;
-	default:
+	dequant_fn *const fn = dequantizer(type);
+	if (!fn)
 		return -ENOTSUP;
-	}
+	fn(src, dst, n / kq_block_elems(type));
 	return 0;
 }
 
