@@ -73,6 +73,21 @@ static inline float th_uniform(uint64_t bits, float lo, float hi)
 	return lo + (hi - lo) * (float)(bits >> 40) * 0x1p-24f;
 }
 
+/* The bits of a float, and the float of given bits. */
+static inline uint32_t th_f32_bits(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, sizeof(u));
+	return u;
+}
+
+static inline float th_bits_f32(uint32_t u)
+{
+	float f;
+	memcpy(&f, &u, sizeof(f));
+	return f;
+}
+
 /* Bit-for-bit equality of two floats (NaNs with the same payload equal). */
 static inline int th_same_bits(float a, float b)
 {

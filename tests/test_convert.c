@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "convert.h"
+#include "helpers.h"
 #include "half.h"
 #include "page.h"
 #include "summary.h"
@@ -29,26 +30,13 @@ static uint32_t rng(void)
 	return rng_state;
 }
 
-static float f32_of(uint32_t u)
-{
-	float f;
-	memcpy(&f, &u, 4);
-	return f;
-}
-static uint32_t bits_of(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return u;
-}
-
 /* ---- independent references ---- */
 
 static uint16_t ref_f32_to_f16(float x)
 {
-	_Float16 h = (_Float16)x; /* libgcc __truncsfhf2: round to nearest even */
+	const _Float16 h = (_Float16)x; /* libgcc __truncsfhf2: round to nearest even */
 	uint16_t u;
-	memcpy(&u, &h, 2);
+	memcpy(&u, &h, sizeof(u));
 	return u;
 }
 
@@ -61,18 +49,18 @@ static float ref_f16_to_f32(uint16_t u)
 
 static uint16_t ref_f32_to_bf16(float x)
 {
-	const uint32_t u = bits_of(x);
+	const uint32_t u = th_f32_bits(x);
 	if (isnan(x))
 		return 0; /* callers check NaN-ness only */
 	const uint32_t lo = u & 0xffff0000u, hi = lo + 0x10000u;
-	const double dl = f32_of(lo), dh = f32_of(hi), dx = x;
+	const double dl = th_bits_f32(lo), dh = th_bits_f32(hi), dx = x;
 	if (isinf(x))
 		return (uint16_t)(u >> 16);
 	const double el = fabs(dx - dl), eh = isinf(dh) ? INFINITY : fabs(dh - dx);
 	/* dh may be infinite when rounding up overflows: compare against the
 	 * midpoint instead (as round-to-nearest does) */
 	if (isinf(dh)) {
-		const double mid = fabs((double)f32_of(lo)) + ldexp(1.0, ilogb(f32_of(lo)) - 8);
+		const double mid = fabs((double)th_bits_f32(lo)) + ldexp(1.0, ilogb(th_bits_f32(lo)) - 8);
 		return (uint16_t)((fabs(dx) >= fabs(mid) && !(fabs(dx) == fabs(mid) && !((lo >> 16) & 1)))
 					  ? hi >> 16
 					  : lo >> 16);
@@ -94,7 +82,7 @@ Test(convert, f16_to_f32_all_values)
 			cr_assert(isnan(got), "0x%04x: NaN expected", u);
 			continue;
 		}
-		cr_assert_eq(bits_of(got), bits_of(want), "0x%04x: got %a want %a", u, (double)got,
+		cr_assert_eq(th_f32_bits(got), th_f32_bits(want), "0x%04x: got %a want %a", u, (double)got,
 			     (double)want);
 		/* round trip is exact for every non-NaN value */
 		cr_assert_eq(kvr_f32_to_f16(got), u, "0x%04x does not round-trip", u);
@@ -112,7 +100,7 @@ static float interesting_f32(uint32_t i)
 	case 2: /* near overflow */
 		return 65504.0f + (float)(rng() % 64) - 32.0f;
 	default:
-		return f32_of(rng());
+		return th_bits_f32(rng());
 	}
 }
 
@@ -133,7 +121,7 @@ Test(convert, bf16_matches_reference)
 {
 	for (uint32_t u = 0; u < 65536; u++) {
 		const float x = kvr_bf16_to_f32((uint16_t)u);
-		cr_assert_eq(bits_of(x), u << 16);
+		cr_assert_eq(th_f32_bits(x), u << 16);
 		if (!isnan(x))
 			cr_assert_eq(kvr_f32_to_bf16(x), u);
 	}
@@ -170,7 +158,7 @@ Test(convert, vector_paths_bit_identical)
 			kvr_convert_to_f32(got, h, t, n);
 			kvr_convert_from_f32(back, f, t, n);
 			for (size_t i = 0; i < n; i++) {
-				cr_assert_eq(bits_of(got[i]), bits_of(ref[i]),
+				cr_assert_eq(th_f32_bits(got[i]), th_f32_bits(ref[i]),
 					     "%s %s to_f32[%zu] of 0x%04x", kvr_convert_isa_name(all_isas[k]),
 					     t ? "bf16" : "f16", i, h[i]);
 				cr_assert_eq(back[i], back_ref[i], "%s %s from_f32[%zu] of %a",
@@ -195,7 +183,7 @@ static double ref_load(const void *row, uint32_t t, size_t i)
 	if (t == KVR_ELEM_F32)
 		return ((const float *)row)[i];
 	const uint16_t u = ((const uint16_t *)row)[i];
-	return t == KVR_ELEM_F16 ? (double)ref_f16_to_f32(u) : (double)f32_of((uint32_t)u << 16);
+	return t == KVR_ELEM_F16 ? (double)ref_f16_to_f32(u) : (double)th_bits_f32((uint32_t)u << 16);
 }
 
 Test(convert, summaries_match_reference)

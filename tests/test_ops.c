@@ -10,21 +10,8 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "helpers.h"
 #include "ops.h"
-
-static uint32_t fbits(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return u;
-}
-
-static float ffrom(uint32_t u)
-{
-	float f;
-	memcpy(&f, &u, 4);
-	return f;
-}
 
 static uint16_t hbits(_Float16 h)
 {
@@ -44,7 +31,7 @@ Test(ops, every_half_round_trips_and_widens_like_the_compiler)
 			cr_assert(isnan(got), "half 0x%04x", h);
 			continue;
 		}
-		cr_assert_eq(fbits(got), fbits(want), "half 0x%04x: %a, want %a", h, got, want);
+		cr_assert_eq(th_f32_bits(got), th_f32_bits(want), "half 0x%04x: %a, want %a", h, got, want);
 		cr_assert_eq(op_f32_to_f16(got), hh, "half 0x%04x does not round-trip", h);
 	}
 }
@@ -58,7 +45,7 @@ Test(ops, float_to_half_rounds_like_the_compiler)
 		/* bias towards the half range and its edges */
 		if (i % 2)
 			u = (u & 0x80000000u) | (0x33000000u + (u % 0x14800000u));
-		const float f = ffrom(u);
+		const float f = th_bits_f32(u);
 		if (isnan(f))
 			continue;
 		const uint16_t want = hbits((_Float16)f), got = op_f32_to_f16(f);
@@ -72,11 +59,11 @@ Test(ops, float_to_half_rounds_like_the_compiler)
 Test(ops, bfloat16_rounds_to_nearest_even)
 {
 	cr_expect_eq(op_f32_to_bf16(1.0f), 0x3f80);
-	cr_expect_eq(op_f32_to_bf16(ffrom(0x3f808000u)), 0x3f80); /* tie, even stays */
-	cr_expect_eq(op_f32_to_bf16(ffrom(0x3f818000u)), 0x3f82); /* tie, odd rounds up */
-	cr_expect_eq(op_f32_to_bf16(ffrom(0x3f808001u)), 0x3f81);
+	cr_expect_eq(op_f32_to_bf16(th_bits_f32(0x3f808000u)), 0x3f80); /* tie, even stays */
+	cr_expect_eq(op_f32_to_bf16(th_bits_f32(0x3f818000u)), 0x3f82); /* tie, odd rounds up */
+	cr_expect_eq(op_f32_to_bf16(th_bits_f32(0x3f808001u)), 0x3f81);
 	cr_expect(isnan(op_bf16_to_f32(op_f32_to_bf16(NAN))));
-	cr_expect_eq(op_bf16_to_f32(0x4049), ffrom(0x40490000u));
+	cr_expect_eq(op_bf16_to_f32(0x4049), th_bits_f32(0x40490000u));
 }
 
 Test(ops, rmsnorm_matches_the_formula)

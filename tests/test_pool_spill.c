@@ -164,6 +164,29 @@ static void validate(struct kvr_pool *pool, const char *where)
 	cr_assert_eq(kvr_pool_validate(pool, NULL), 0, "%s: %s", where, kvr_pool_last_error(pool));
 }
 
+/* A one-layer pool spilling into a fresh directory, sequence 0 open: how
+ * most tests here start. */
+static struct kvr_pool *open_spilling(char dir[PATH_MAX], uint64_t capacity_pages,
+				      uint64_t ram_pages, uint32_t max_seqs)
+{
+	dir_make(dir, PATH_MAX);
+	struct kvr_pool *pool = make_pool(dir, capacity_pages, ram_pages, max_seqs, 1, 0);
+	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	return pool;
+}
+
+/* How they end: the pool still valid, then destroyed, the expected pages
+ * freed and the directory removed. */
+static void close_spilling(struct kvr_pool *pool, const char *dir, unsigned char **expect,
+			   uint32_t n_expect)
+{
+	validate(pool, "end");
+	kvr_pool_destroy(pool);
+	for (uint32_t i = 0; i < n_expect; i++)
+		free(expect[i]);
+	dir_remove(dir);
+}
+
 /* ------------------------------------------------------------------ pages */
 
 /* The HND page [n_kv][2][p][d] that p NHD rows (row t at t·stride elements)
@@ -917,9 +940,7 @@ Test(pool_spill, clean_pages_not_rewritten)
 {
 	enum { CAP = 64, FRAMES = 8, N = 20 };
 	char dir[PATH_MAX];
-	dir_make(dir, sizeof(dir));
-	struct kvr_pool *pool = make_pool(dir, CAP, FRAMES, 1, 1, 0);
-	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	struct kvr_pool *pool = open_spilling(dir, CAP, FRAMES, 1);
 	unsigned char *expect[N];
 	uint32_t ids[N];
 	append_pages(pool, 0, 0, N, expect, ids);
@@ -972,11 +993,7 @@ Test(pool_spill, clean_pages_not_rewritten)
 	cr_assert_eq(spill_stats_of(pool).slots_used, N, "the rewritten page's old slot was not freed");
 	for (uint32_t i = 0; i < N; i++)
 		check_page_runs(pool, ids[i], expect[i], "after rewrite");
-	validate(pool, "end");
-	kvr_pool_destroy(pool);
-	for (uint32_t i = 0; i < N; i++)
-		free(expect[i]);
-	dir_remove(dir);
+	close_spilling(pool, dir, expect, N);
 }
 
 /* ================================================================== 3. pins */
@@ -985,9 +1002,7 @@ Test(pool_spill, pin_limits)
 {
 	enum { F = KVR_POOL_MIN_FRAMES, CAP = 64, N = 24 };
 	char dir[PATH_MAX];
-	dir_make(dir, sizeof(dir));
-	struct kvr_pool *pool = make_pool(dir, CAP, F, 1, 1, 0);
-	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	struct kvr_pool *pool = open_spilling(dir, CAP, F, 1);
 	unsigned char *expect[N];
 	uint32_t ids[N];
 	append_pages(pool, 0, 0, N, expect, ids);
@@ -1106,11 +1121,7 @@ Test(pool_spill, pin_limits)
 	cr_assert_eq(kvr_pool_read_runs(pool, rp, rh, 0, dst, NULL), 0, "no runs");
 	free(dst);
 
-	validate(pool, "end");
-	kvr_pool_destroy(pool);
-	for (uint32_t i = 0; i < N; i++)
-		free(expect[i]);
-	dir_remove(dir);
+	close_spilling(pool, dir, expect, N);
 }
 
 /* ================================================================== 4. eviction order */
@@ -1123,9 +1134,7 @@ Test(pool_spill, eviction_order)
 {
 	enum { CAP = 1024, F = 256 };
 	char dir[PATH_MAX];
-	dir_make(dir, sizeof(dir));
-	struct kvr_pool *pool = make_pool(dir, CAP, F, 1, 1, 0);
-	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	struct kvr_pool *pool = open_spilling(dir, CAP, F, 1);
 	append_pages(pool, 0, 0, F, NULL, NULL);
 	cr_assert_eq(stats_of(pool).resident_pages, F);
 	cr_assert_eq(stats_of(pool).evictions, 0, "RAM not full yet");
@@ -1192,9 +1201,7 @@ Test(pool_spill, eviction_order)
 				     "page %u read by read_runs before each write was evicted", left[i]);
 		free(dst);
 	}
-	validate(pool, "end");
-	kvr_pool_destroy(pool);
-	dir_remove(dir);
+	close_spilling(pool, dir, NULL, 0);
 }
 
 /* ================================================================== 5. faults */
@@ -1247,9 +1254,7 @@ Test(pool_spill, read_faults)
 {
 	enum { CAP = 64, F = KVR_POOL_MIN_FRAMES, N = 16 };
 	char dir[PATH_MAX];
-	dir_make(dir, sizeof(dir));
-	struct kvr_pool *pool = make_pool(dir, CAP, F, 1, 1, 0);
-	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	struct kvr_pool *pool = open_spilling(dir, CAP, F, 1);
 	unsigned char *expect[N];
 	uint32_t ids[N];
 	append_pages(pool, 0, 0, N, expect, ids);
@@ -1321,11 +1326,7 @@ Test(pool_spill, read_faults)
 	}
 	for (uint32_t i = 0; i < N; i++)
 		check_page_runs(pool, ids[i], expect[i], "end");
-	validate(pool, "end");
-	kvr_pool_destroy(pool);
-	for (uint32_t i = 0; i < N; i++)
-		free(expect[i]);
-	dir_remove(dir);
+	close_spilling(pool, dir, expect, N);
 }
 
 /* Writes that fail leave the pages in RAM, whole, and count as errors. */
@@ -1333,9 +1334,7 @@ Test(pool_spill, write_faults_keep_pages)
 {
 	enum { CAP = 64, F = 12, N = 10 };
 	char dir[PATH_MAX];
-	dir_make(dir, sizeof(dir));
-	struct kvr_pool *pool = make_pool(dir, CAP, F, 1, 1, 0);
-	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	struct kvr_pool *pool = open_spilling(dir, CAP, F, 1);
 	unsigned char *expect[N];
 	uint32_t ids[N];
 	append_pages(pool, 0, 0, N, expect, ids);
@@ -1360,11 +1359,7 @@ Test(pool_spill, write_faults_keep_pages)
 	cr_assert_eq(kvr_pool_spill_all(pool), N);
 	for (uint32_t i = 0; i < N; i++)
 		check_page_runs(pool, ids[i], expect[i], "spilled after the faults");
-	validate(pool, "end");
-	kvr_pool_destroy(pool);
-	for (uint32_t i = 0; i < N; i++)
-		free(expect[i]);
-	dir_remove(dir);
+	close_spilling(pool, dir, expect, N);
 }
 
 /* ================================================================== 6. parameters */
@@ -1638,9 +1633,7 @@ Test(pool_spill, failed_writes_change_nothing)
 {
 	enum { F = KVR_POOL_MIN_FRAMES, CAP = 64, N = 16, M = 4 };
 	char dir[PATH_MAX];
-	dir_make(dir, sizeof(dir));
-	struct kvr_pool *pool = make_pool(dir, CAP, F, 3, 1, 0);
-	cr_assert_eq(kvr_pool_seq_open(pool, 0), 0);
+	struct kvr_pool *pool = open_spilling(dir, CAP, F, 3);
 	cr_assert_eq(kvr_pool_seq_open(pool, 2), 0);
 	unsigned char *expect[N], *own[M];
 	uint32_t ids[N], own_ids[M];
