@@ -100,43 +100,30 @@ struct fma_job {
 	float sink[64];
 };
 
-__attribute__((target("avx512f"))) static float fma_chains_avx512(uint64_t n)
-{
-	__m512 a[FMA_CHAINS];
-	for (int i = 0; i < FMA_CHAINS; i++)
-		a[i] = _mm512_set1_ps(1.0f + (float)i * 1e-7f);
-	const __m512 b = _mm512_set1_ps(0.9999999f), c = _mm512_set1_ps(1e-7f);
-	for (uint64_t i = 0; i < n; i++) {
-		/* unrolled, so the chains live in registers: a loop over an array
-		 * would go through memory and measure store forwarding instead */
-		_Pragma("GCC unroll 16")
-		for (int j = 0; j < FMA_CHAINS; j++)
-			a[j] = _mm512_fmadd_ps(a[j], b, c);
+/* One chain kernel per vector width. The chains are unrolled so they live in
+ * registers: a loop over an array would go through memory and measure store
+ * forwarding instead. The result only keeps the work alive. */
+#define FMA_CHAINS_FN(name, target_isa, vec, set1, fmadd, add, first_lane)                  \
+	__attribute__((target(target_isa))) static float name(uint64_t n)                   \
+	{                                                                                   \
+		vec a[FMA_CHAINS];                                                          \
+		for (int i = 0; i < FMA_CHAINS; i++)                                        \
+			a[i] = set1(1.0f + (float)i * 1e-7f);                               \
+		const vec b = set1(0.9999999f), c = set1(1e-7f);                            \
+		for (uint64_t i = 0; i < n; i++) {                                          \
+			_Pragma("GCC unroll 16") for (int j = 0; j < FMA_CHAINS; j++)       \
+				a[j] = fmadd(a[j], b, c);                                   \
+		}                                                                           \
+		vec r = a[0];                                                               \
+		for (int j = 1; j < FMA_CHAINS; j++)                                        \
+			r = add(r, a[j]);                                                   \
+		return first_lane(r);                                                       \
 	}
-	__m512 r = a[0];
-	for (int j = 1; j < FMA_CHAINS; j++)
-		r = _mm512_add_ps(r, a[j]);
-	return _mm512_reduce_add_ps(r);
-}
-
-__attribute__((target("avx2,fma"))) static float fma_chains_avx2(uint64_t n)
-{
-	__m256 a[FMA_CHAINS];
-	for (int i = 0; i < FMA_CHAINS; i++)
-		a[i] = _mm256_set1_ps(1.0f + (float)i * 1e-7f);
-	const __m256 b = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
-	for (uint64_t i = 0; i < n; i++) {
-		_Pragma("GCC unroll 16")
-		for (int j = 0; j < FMA_CHAINS; j++)
-			a[j] = _mm256_fmadd_ps(a[j], b, c);
-	}
-	__m256 r = a[0];
-	for (int j = 1; j < FMA_CHAINS; j++)
-		r = _mm256_add_ps(r, a[j]);
-	float o[8];
-	_mm256_storeu_ps(o, r);
-	return o[0];
-}
+FMA_CHAINS_FN(fma_chains_avx512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps,
+	      _mm512_add_ps, _mm512_cvtss_f32)
+FMA_CHAINS_FN(fma_chains_avx2, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps,
+	      _mm256_add_ps, _mm256_cvtss_f32)
+#undef FMA_CHAINS_FN
 
 static void fma_task(void *arg, uint32_t t)
 {

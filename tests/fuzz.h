@@ -68,4 +68,24 @@ fuzz_check_failed(const char *file, int line, const char *cond, const char *fmt,
 			fuzz_check_failed(__FILE__, __LINE__, #cond, __VA_ARGS__);       \
 	} while (0)
 
+/* GPT-2's byte-level character for byte c, as UTF-8 in out; returns its
+ * length. Written from the scheme's rule (printable Latin-1 bytes map to
+ * themselves, the others to U+0100 on, in byte order), not from the
+ * tokenizer under test. */
+static inline size_t fuzz_byte_char(unsigned c, char *out)
+{
+	unsigned next = 0x100, cp = 0;
+	for (unsigned b = 0; b <= c; b++) {
+		const int printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
+		cp = printable ? b : next++;
+	}
+	if (cp < 0x80) {
+		out[0] = (char)cp;
+		return 1;
+	}
+	out[0] = (char)(0xc0 | cp >> 6);
+	out[1] = (char)(0x80 | (cp & 0x3f));
+	return 2;
+}
+
 #endif /* KVR_TESTS_FUZZ_H */

@@ -523,23 +523,6 @@ static void w_tensors(struct wbuf *b, const struct tensor_spec *t, size_t n, uin
 		put_le(b, (k * 7 + 3) & 0x3f, 1); /* small values: f32/f16 stay finite */
 }
 
-/* GPT-2's byte-level character for byte c, as UTF-8 in out; returns its length. */
-static size_t byte_char(unsigned c, char *out)
-{
-	unsigned next = 0x100, cp = 0;
-	for (unsigned b = 0; b <= c; b++) {
-		bool printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
-		cp = printable ? b : next++;
-	}
-	if (cp < 0x80) {
-		out[0] = (char)cp;
-		return 1;
-	}
-	out[0] = (char)(0xc0 | cp >> 6);
-	out[1] = (char)(0x80 | (cp & 0x3f));
-	return 2;
-}
-
 /* Every value type, arrays of each, tensors of many types, alignment 64. */
 static void seed_values(struct wbuf *b)
 {
@@ -667,7 +650,7 @@ static void seed_vocab(struct wbuf *b)
 	put_str(b, "<s>", 3), put_str(b, "<tool>", 6);
 	for (unsigned c = 0; c < 256; c++) {
 		char s[2];
-		put_str(b, s, byte_char(c, s));
+		put_str(b, s, fuzz_byte_char(c, s));
 	}
 	for (size_t m = 0; m < n_merges; m++) {
 		char s[16];

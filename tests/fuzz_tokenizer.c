@@ -51,23 +51,6 @@ static bool is_hole(unsigned char c)
 	return c == 0xff || c == 0x00 || c == 'q';
 }
 
-/* GPT-2's byte-level character for byte c, as UTF-8 in out; returns its length. */
-static size_t byte_char(unsigned c, char *out)
-{
-	unsigned next = 0x100, cp = 0;
-	for (unsigned b = 0; b <= c; b++) {
-		bool printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
-		cp = printable ? b : next++;
-	}
-	if (cp < 0x80) {
-		out[0] = (char)cp;
-		return 1;
-	}
-	out[0] = (char)(0xc0 | cp >> 6);
-	out[1] = (char)(0x80 | (cp & 0x3f));
-	return 2;
-}
-
 /* ---- the built-in vocabularies ------------------------------------------- */
 
 /* Each side is a byte-level character or an earlier merge's result. */
@@ -108,7 +91,7 @@ static struct tok *make_builtin(bool holes, bool gpt2)
 	for (unsigned c = 0; c < 256; c++) {
 		if (holes && is_hole((unsigned char)c))
 			continue;
-		tokens[n] = (struct tok_str){ text[n], byte_char(c, text[n]) };
+		tokens[n] = (struct tok_str){ text[n], fuzz_byte_char(c, text[n]) };
 		types[n++] = TOK_TYPE_NORMAL;
 	}
 	for (size_t m = 0; m < N_BUILTIN_MERGES; m++, n++) {
@@ -185,7 +168,7 @@ static struct tok *make_own(uint8_t flags, const uint8_t *hdr, const char **text
 	v.merges = calloc(n_merges ? n_merges : 1, sizeof(*v.merges));
 	FUZZ_CHECK(v.tokens && v.types && v.merges, "out of memory for %zu tokens", n_tok);
 	for (size_t c = 0; c < n_bytes; c++) {
-		v.tokens[c] = (struct tok_str){ v.bytes[c], byte_char((unsigned)c, v.bytes[c]) };
+		v.tokens[c] = (struct tok_str){ v.bytes[c], fuzz_byte_char((unsigned)c, v.bytes[c]) };
 		v.types[c] = TOK_TYPE_NORMAL;
 	}
 	split_lines(p, tok_end, v.tokens + n_bytes);
