@@ -426,37 +426,21 @@ static void sweep(const struct variant *v)
 
 TestSuite(faults, .timeout = 1200);
 
-Test(faults, cpu_freekv_zero_copy)
-{
-	static const struct variant v = { "cpu freekv zero-copy", KVR_DEV_CPU, KVR_MODE_FREEKV,
-					   KVR_RECALL_ZERO_COPY, 0 };
-	sweep(&v);
-}
+/* One test per variant: the sweep over every fault class. */
+#define FAULT_SWEEP(test, label, dev_kind, mode, recall, spill)                                 \
+	Test(faults, test)                                                                      \
+	{                                                                                       \
+		static const struct variant v = { label, dev_kind, mode, recall, spill };       \
+		sweep(&v);                                                                      \
+	}
+FAULT_SWEEP(cpu_freekv_zero_copy, "cpu freekv zero-copy", KVR_DEV_CPU, KVR_MODE_FREEKV,
+	    KVR_RECALL_ZERO_COPY, 0)
+FAULT_SWEEP(cpu_freekv_streamed, "cpu freekv streamed", KVR_DEV_CPU, KVR_MODE_FREEKV,
+	    KVR_RECALL_STREAMED, 0)
+FAULT_SWEEP(cpu_blocking_streamed, "cpu blocking streamed", KVR_DEV_CPU, KVR_MODE_BLOCKING,
+	    KVR_RECALL_STREAMED, 0)
+FAULT_SWEEP(cpu_blocking_zero_copy, "cpu blocking zero-copy", KVR_DEV_CPU, KVR_MODE_BLOCKING,
+	    KVR_RECALL_ZERO_COPY, 0)
+FAULT_SWEEP(cpu_freekv_spill, "cpu freekv streamed spill", KVR_DEV_CPU, KVR_MODE_FREEKV,
+	    KVR_RECALL_STREAMED, 1)
 
-Test(faults, cpu_freekv_streamed)
-{
-	static const struct variant v = { "cpu freekv streamed", KVR_DEV_CPU, KVR_MODE_FREEKV,
-					   KVR_RECALL_STREAMED, 0 };
-	sweep(&v);
-}
-
-Test(faults, cpu_blocking_streamed)
-{
-	static const struct variant v = { "cpu blocking streamed", KVR_DEV_CPU, KVR_MODE_BLOCKING,
-					   KVR_RECALL_STREAMED, 0 };
-	sweep(&v);
-}
-
-Test(faults, cpu_blocking_zero_copy)
-{
-	static const struct variant v = { "cpu blocking zero-copy", KVR_DEV_CPU, KVR_MODE_BLOCKING,
-					   KVR_RECALL_ZERO_COPY, 0 };
-	sweep(&v);
-}
-
-Test(faults, cpu_freekv_spill)
-{
-	static const struct variant v = { "cpu freekv streamed spill", KVR_DEV_CPU, KVR_MODE_FREEKV,
-					   KVR_RECALL_STREAMED, 1 };
-	sweep(&v);
-}
