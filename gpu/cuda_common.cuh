@@ -314,6 +314,23 @@ static inline int grid_size(uint32_t n, uint64_t per_item, const char *what, uin
 	return 0;
 }
 
+/* The prologue of a launcher over n items: the shape checked (page_tokens
+ * too, for the page kernels), then one block per item or per item and KV
+ * head. *grid = 0, with 0 returned, when there is nothing to launch. */
+static inline int items_grid(const struct kvr_shape *s, uint32_t n, bool per_kv_head,
+			     bool needs_page_tokens, const char *what, uint32_t *grid)
+{
+	*grid = 0;
+	const int rc = check_shape(s, what);
+	if (rc)
+		return rc;
+	if (needs_page_tokens && s->page_tokens == 0)
+		return kernel_fail(-EINVAL, "%s: page_tokens is 0", what);
+	if (n == 0)
+		return 0;
+	return grid_size(n, per_kv_head ? s->n_kv_heads : 1, what, grid);
+}
+
 #define KVR_LAUNCH_TYPED(kernel, et, grid, block, smem, stream, ...)                       \
 	do {                                                                                 \
 		switch (et) {                                                                \

@@ -101,15 +101,9 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_scatter)(const struct kvr_shape *shape,
 						 const struct kvr_scatter_item *items, uint32_t n,
 						 void *stream)
 {
-	int rc = check_shape(shape, "scatter");
-	if (rc)
-		return rc;
-	if (shape->page_tokens == 0)
-		return kernel_fail(-EINVAL, "scatter: page_tokens is 0");
-	if (n == 0)
-		return 0;
-	uint32_t grid = 0;
-	if ((rc = grid_size(n, 1, "scatter", &grid)))
+	uint32_t grid;
+	const int rc = items_grid(shape, n, false, true, "scatter", &grid);
+	if (rc || !grid)
 		return rc;
 	KVR_LAUNCH(scatter_kernel, grid, COPY_THREADS, 0, stream, *shape, items);
 	return launch_status("scatter");
@@ -119,15 +113,9 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_offload)(const struct kvr_shape *shape,
 						 const struct kvr_page_item *items, uint32_t n,
 						 void *stream)
 {
-	int rc = check_shape(shape, "offload");
-	if (rc)
-		return rc;
-	if (shape->page_tokens == 0)
-		return kernel_fail(-EINVAL, "offload: page_tokens is 0");
-	if (n == 0)
-		return 0;
-	uint32_t grid = 0;
-	if ((rc = grid_size(n, shape->n_kv_heads, "offload", &grid)))
+	uint32_t grid;
+	const int rc = items_grid(shape, n, true, true, "offload", &grid);
+	if (rc || !grid)
 		return rc;
 	KVR_LAUNCH(offload_kernel, grid, COPY_THREADS, 0, stream, *shape, items);
 	return launch_status("offload");
@@ -137,19 +125,15 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_summarize)(const struct kvr_shape *shape
 						   const struct kvr_page_item *items, uint32_t n,
 						   void *stream)
 {
-	int rc = check_shape(shape, "summarize");
-	if (rc)
+	uint32_t grid;
+	int rc = items_grid(shape, n, false, true, "summarize", &grid);
+	if (rc || !grid)
 		return rc;
-	if (shape->page_tokens == 0)
-		return kernel_fail(-EINVAL, "summarize: page_tokens is 0");
-	if (n == 0)
-		return 0;
 	const uint64_t cols = (uint64_t)shape->n_kv_heads * shape->head_dim;
 	if (cols > 0xffffffffull)
 		return kernel_fail(-EINVAL, "summarize: n_kv·d = %llu is too large",
 				   (unsigned long long)cols);
 	const uint32_t col_blocks = (uint32_t)((cols + SUMMARY_THREADS - 1) / SUMMARY_THREADS);
-	uint32_t grid = 0;
 	if ((rc = grid_size(n, col_blocks, "summarize", &grid)))
 		return rc;
 	KVR_LAUNCH_TYPED(summarize_kernel, shape->elem_type, grid, SUMMARY_THREADS, 0, stream,

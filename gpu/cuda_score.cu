@@ -665,13 +665,9 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_select)(const struct kvr_shape *shape,
 						const struct kvr_score_item *items, uint32_t n,
 						void *stream)
 {
-	int rc = check_shape(shape, "select");
-	if (rc)
-		return rc;
-	if (n == 0)
-		return 0;
-	uint32_t grid = 0;
-	if ((rc = grid_size(n, shape->n_kv_heads, "select", &grid)))
+	uint32_t grid;
+	const int rc = items_grid(shape, n, true, false, "select", &grid);
+	if (rc || !grid)
 		return rc;
 	KVR_LAUNCH(select_kernel, grid, SELECT_THREADS, 0, stream, *shape, items);
 	return launch_status("select");
@@ -681,13 +677,9 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_similarity)(const struct kvr_shape *shap
 						    const struct kvr_similarity_item *items,
 						    uint32_t n, void *stream)
 {
-	int rc = check_shape(shape, "similarity");
-	if (rc)
-		return rc;
-	if (n == 0)
-		return 0;
-	uint32_t grid = 0;
-	if ((rc = grid_size(n, shape->n_kv_heads, "similarity", &grid)))
+	uint32_t grid;
+	const int rc = items_grid(shape, n, true, false, "similarity", &grid);
+	if (rc || !grid)
 		return rc;
 	KVR_LAUNCH_TYPED(similarity_kernel, shape->elem_type, grid, SIM_THREADS, 0, stream, *shape,
 			 items);

@@ -82,6 +82,20 @@ static inline __mmask16 ISA_FN(quad_mask)(unsigned nv)
 	return (__mmask16)(((1u << nv) - 1) * 0x1111u);
 }
 
+/* Row g's blocks from b of a quad tile, after a prefetch of `lines` cache
+ * lines of the row KQ_PREFETCH_ROWS below (an address that may be past the
+ * end: prefetches do not fault). */
+static inline __attribute__((always_inline)) const uint8_t *
+ISA_FN(quad_row)(const uint8_t *w, uint64_t row_bytes, unsigned g, uint64_t b, unsigned block_bytes,
+		 unsigned lines)
+{
+	const uint8_t *wq = w + g * row_bytes + b * block_bytes;
+	const uintptr_t ahead = (uintptr_t)wq + KQ_PREFETCH_ROWS * row_bytes;
+	for (unsigned i = 0; i < lines; i++)
+		_mm_prefetch((const char *)(ahead + 64 * i), _MM_HINT_T1);
+	return wq;
+}
+
 /*
  * A quad tile of Q4_1: rows w + g·row_bytes (g < nr), blocks [b, b + nv) of
  * the chunk, against the prepared activation: r = fma(d_w·d_x, P, m_w·s_x)
@@ -107,10 +121,7 @@ ISA_FN(quad_q4_1)(const uint8_t *w, uint64_t row_bytes, const struct kq_act *xa,
 			p[g] = l[g] = _mm512_setzero_si512();
 			continue;
 		}
-		const uint8_t *wq = w + g * row_bytes + b * KQ_Q4_1_BYTES;
-		const uintptr_t ahead = (uintptr_t)wq + KQ_PREFETCH_ROWS * row_bytes; /* may be past the end */
-		_mm_prefetch((const char *)ahead, _MM_HINT_T1);
-		_mm_prefetch((const char *)(ahead + 64), _MM_HINT_T1);
+		const uint8_t *wq = ISA_FN(quad_row)(w, row_bytes, g, b, KQ_Q4_1_BYTES, 2);
 		__m512i lo, hi;
 		if (nv >= 4) {
 			lo = _mm512_loadu_si512(wq);
@@ -173,11 +184,7 @@ ISA_FN(quad_q8_0)(const uint8_t *w, uint64_t row_bytes, const struct kq_act *xa,
 			p[g] = _mm512_setzero_si512();
 			continue;
 		}
-		const uint8_t *wq = w + g * row_bytes + b * KQ_Q8_0_BYTES;
-		const uintptr_t ahead = (uintptr_t)wq + KQ_PREFETCH_ROWS * row_bytes; /* may be past the end */
-		_mm_prefetch((const char *)ahead, _MM_HINT_T1);
-		_mm_prefetch((const char *)(ahead + 64), _MM_HINT_T1);
-		_mm_prefetch((const char *)(ahead + 128), _MM_HINT_T1);
+		const uint8_t *wq = ISA_FN(quad_row)(w, row_bytes, g, b, KQ_Q8_0_BYTES, 3);
 		__m512i a0, a64, a8, a72;
 		if (nv >= 4) {
 			a0 = _mm512_loadu_si512(wq);
