@@ -115,4 +115,42 @@ static inline void th_config(struct kvr_config *c, uint32_t n_layers, uint32_t n
 }
 #endif
 
+#ifdef CRITERION_H_
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <unistd.h>
+
+/* The running test's spill directory, for the suite's .fini (th_test_dir_fini)
+ * to remove when a failed assertion ends the test early: the spill files in
+ * it are unlinked by then, so it is empty. */
+static char th_test_dir[PATH_MAX] __attribute__((unused));
+
+static inline void th_test_dir_fini(void)
+{
+	if (th_test_dir[0])
+		rmdir(th_test_dir);
+	th_test_dir[0] = '\0';
+}
+
+/* A fresh directory <parent>/<prefix>XXXXXX (under /tmp when parent refuses). */
+static inline void th_dir_make(char *path, size_t bytes, const char *parent, const char *prefix)
+{
+	snprintf(path, bytes, "%s/%sXXXXXX", parent, prefix);
+	if (!mkdtemp(path)) {
+		snprintf(path, bytes, "/tmp/%sXXXXXX", prefix);
+		cr_assert_not_null(mkdtemp(path), "mkdtemp %s: %s", path, strerror(errno));
+	}
+	snprintf(th_test_dir, sizeof(th_test_dir), "%s", path);
+}
+
+/* rmdir fails (ENOTEMPTY) when a spill file was left behind. */
+static inline void th_dir_remove(const char *path)
+{
+	cr_assert_eq(rmdir(path), 0, "rmdir %s: %s (a spill file left behind?)", path,
+		     strerror(errno));
+	th_test_dir[0] = '\0';
+}
+#endif
+
 #endif

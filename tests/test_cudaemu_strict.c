@@ -281,6 +281,15 @@ static void att_output(struct tdev *t, struct att *a, unsigned char *out)
 	d2h(t, out, a->out, Q_BYTES);
 }
 
+/* A fresh attention setup and its correct output in ref: what a test
+ * changes is then compared against it. */
+static void att_good_run(struct tdev *t, struct att *a, unsigned char *ref)
+{
+	att_setup(t, a);
+	expect_ok(t, att_launch(t, a, t->s), "attention");
+	att_output(t, a, ref);
+}
+
 static void expect_untouched(const unsigned char *out)
 {
 	for (size_t i = 0; i < Q_BYTES; i++)
@@ -419,9 +428,7 @@ Test(cudaemu_strict, registered_host_memory_is_kernel_data_not_items)
 {
 	static unsigned char dev_out[Q_BYTES], host_out[Q_BYTES];
 	struct att a;
-	att_setup(&T, &a);
-	expect_ok(&T, att_launch(&T, &a, T.s), "attention");
-	att_output(&T, &a, dev_out);
+	att_good_run(&T, &a, dev_out);
 
 	/* B's keys and values from pinned, mapped host memory */
 	const size_t b_bytes = (size_t)B_TOKENS * ROW * EB;
@@ -464,9 +471,7 @@ Test(cudaemu_strict, worker_stream_checks_items_when_run)
 {
 	static unsigned char ref[Q_BYTES], out[Q_BYTES];
 	struct att a;
-	att_setup(&T, &a);
-	expect_ok(&T, att_launch(&T, &a, T.s), "attention");
-	att_output(&T, &a, ref);
+	att_good_run(&T, &a, ref);
 
 	const size_t stall = (size_t)16 << 20;
 	void *s0 = dalloc(&T, stall), *s1 = dalloc(&T, stall);

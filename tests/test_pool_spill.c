@@ -68,29 +68,11 @@ static unsigned char sentinel(size_t i)
 
 /* ------------------------------------------------------------------ directories */
 
-static char test_dir[PATH_MAX];
-
-static void remove_test_dir(void)
-{
-	if (test_dir[0])
-		rmdir(test_dir);
-	test_dir[0] = '\0';
-}
-
-TestSuite(pool_spill, .fini = remove_test_dir);
+TestSuite(pool_spill, .fini = th_test_dir_fini);
 
 static void dir_make(char *path, size_t bytes)
 {
-	snprintf(path, bytes, "/var/tmp/kvr-test-pool-spill-XXXXXX");
-	cr_assert_not_null(mkdtemp(path), "mkdtemp %s: %s", path, strerror(errno));
-	snprintf(test_dir, sizeof(test_dir), "%s", path);
-}
-
-/* rmdir fails (ENOTEMPTY) when the pool's spill file was left behind. */
-static void dir_remove(const char *path)
-{
-	cr_assert_eq(rmdir(path), 0, "rmdir %s: %s (a spill file left behind?)", path, strerror(errno));
-	test_dir[0] = '\0';
+	th_dir_make(path, bytes, "/var/tmp", "kvr-test-pool-spill-");
 }
 
 /* ------------------------------------------------------------------ pools */
@@ -184,7 +166,7 @@ static void close_spilling(struct kvr_pool *pool, const char *dir, unsigned char
 	kvr_pool_destroy(pool);
 	for (uint32_t i = 0; i < n_expect; i++)
 		free(expect[i]);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ------------------------------------------------------------------ pages */
@@ -918,7 +900,7 @@ static void run_shadow(uint32_t spill_flags, uint64_t seed, uint32_t n_ops)
 			free(sh.page[s][l]), free(sh.summary[s][l]);
 		}
 	free(sh.live), free(sh.written), free(sh.has_slot), free(sh.res), free(sh.long_pins);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 Test(pool_spill, shadow_round_trip)
@@ -1458,7 +1440,7 @@ Test(pool_spill, bad_params)
 		cr_assert_eq(kvr_pool_page_resident(pool, id), 1);
 		kvr_pool_destroy(pool);
 	}
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ================================================================== 7. capacity */
@@ -1540,7 +1522,7 @@ Test(pool_spill, capacity_beyond_ram)
 	for (uint32_t s = 1; s < SEQS; s++)
 		for (uint32_t i = 0; i < N / SEQS; i++)
 			free(expect[s][i]);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ================================================================== quantised pages */
@@ -1610,7 +1592,7 @@ Test(pool_spill, quantised_pages_spill)
 		validate(pool, "quantised");
 		kvr_pool_destroy(pool);
 		kvr_pool_destroy(ref);
-		dir_remove(dir);
+		th_dir_remove(dir);
 	}
 }
 
@@ -1725,7 +1707,7 @@ Test(pool_spill, failed_writes_change_nothing)
 		free(own[i]);
 	for (uint32_t i = 0; i < F; i++)
 		free(fresh[i]);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ================================================================== mixed pages */
@@ -1799,5 +1781,5 @@ Test(pool_spill, demote_dirties_a_clean_page)
 	validate(pool, "end");
 	kvr_pool_destroy(pool);
 	kvr_pool_destroy(ref);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }

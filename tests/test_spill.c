@@ -65,36 +65,11 @@ static void fill_sentinel(unsigned char *p, size_t n)
 
 /* ------------------------------------------------------------------ directories */
 
-/* The test's directory, for the suite's fini to remove when a failed
- * assertion ends the test early (the spill files in it are unlinked, so it
- * is empty then too). */
-static char test_dir[PATH_MAX];
+TestSuite(spill, .fini = th_test_dir_fini);
 
-static void remove_test_dir(void)
-{
-	if (test_dir[0])
-		rmdir(test_dir);
-	test_dir[0] = '\0';
-}
-
-TestSuite(spill, .fini = remove_test_dir);
-
-/* A fresh directory for one test's spill files. */
 static void dir_make(char *path, size_t bytes)
 {
-	snprintf(path, bytes, "%s/kvr-test-spill-XXXXXX", kvr_spill_default_dir());
-	if (!mkdtemp(path)) {
-		snprintf(path, bytes, "/tmp/kvr-test-spill-XXXXXX");
-		cr_assert_not_null(mkdtemp(path), "mkdtemp %s: %s", path, strerror(errno));
-	}
-	snprintf(test_dir, sizeof(test_dir), "%s", path);
-}
-
-/* rmdir fails (ENOTEMPTY) when a spill left a file behind. */
-static void dir_remove(const char *path)
-{
-	cr_assert_eq(rmdir(path), 0, "rmdir %s: %s (a spill file left behind?)", path, strerror(errno));
-	test_dir[0] = '\0';
+	th_dir_make(path, bytes, kvr_spill_default_dir(), "kvr-test-spill-");
 }
 
 /* ------------------------------------------------------------------ creating */
@@ -564,7 +539,7 @@ Test(spill, round_trip_shadow)
 	dir_make(dir, sizeof(dir));
 	for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
 		round_trip(dir, &shapes[i], 300);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* Runs of one and of many staging batches, each run read once: dst order is
@@ -593,7 +568,7 @@ Test(spill, read_order_across_batches)
 	sh_check_stats_clean(sh, "after");
 	kvr_spill_destroy(sp);
 	sh_delete(sh);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ------------------------------------------------------------------ refusals */
@@ -738,7 +713,7 @@ Test(spill, bad_inputs)
 	sh_check_stats_clean(sh, "at the end");
 	kvr_spill_destroy(sp);
 	sh_delete(sh);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ------------------------------------------------------------------ faults */
@@ -1020,7 +995,7 @@ Test(spill, faults)
 	dir_make(dir, sizeof(dir));
 	faults_with(dir, 0);
 	faults_with(dir, KVR_SPILL_SYNC);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* A flipped bit in a run much smaller than its padded stride is still in the
@@ -1046,7 +1021,7 @@ Test(spill, read_corrupt_small_run)
 		kvr_spill_destroy(sp);
 		sh_delete(sh);
 	}
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ------------------------------------------------------------------ max_bytes */
@@ -1093,7 +1068,7 @@ Test(spill, max_bytes_full)
 		kvr_spill_destroy(sp);
 		sh_delete(sh);
 	}
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ------------------------------------------------------------------ the file behind the spill's back */
@@ -1168,7 +1143,7 @@ Test(spill, on_disk_corruption)
 	dir_make(dir, sizeof(dir));
 	on_disk_with(dir, 0);
 	on_disk_with(dir, KVR_SPILL_SYNC | KVR_SPILL_BUFFERED);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ------------------------------------------------------------------ threads */
@@ -1322,7 +1297,7 @@ Test(spill, concurrent)
 		cr_assert_eq(st.io_errors + st.checksum_errors, 0);
 		kvr_spill_destroy(sp);
 	}
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
 
 /* ------------------------------------------------------------------ probing */
@@ -1376,5 +1351,5 @@ Test(spill, probe_dir)
 	cr_assert_eq(rc, -ENOENT, "probe of a missing directory: %d", rc);
 	cr_assert_str_not_empty(reason);
 	cr_assert_eq(direct, 0);
-	dir_remove(dir);
+	th_dir_remove(dir);
 }
