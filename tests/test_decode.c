@@ -101,13 +101,21 @@ static void reference(const struct history *h, const float *q, const uint8_t *us
 }
 
 /* A dense context (B = 64) with one sequence holding n random tokens in both
- * layers (h keeps them; the caller frees h.k and h.v). */
+ * layers (h keeps them; history_done frees them and the context). */
 static struct kvr_context *dense_with_history(uint32_t *seq, struct history *h, uint64_t n)
 {
 	struct kvr_context *ctx = make_ctx(KVR_MODE_DENSE, 64, 16, 16, 64, 0.9f);
 	cr_assert_eq(kvr_seq_create(ctx, seq), 0);
 	history_prefill(ctx, *seq, h, n);
 	return ctx;
+}
+
+/* The end of a test on dense_with_history: the history freed, the context
+ * destroyed. */
+static void history_done(struct history *h, struct kvr_context *ctx)
+{
+	free(h->k), free(h->v);
+	kvr_context_destroy(ctx);
 }
 
 /* One decode step of one sequence on both layers; appends to h. */
@@ -153,8 +161,7 @@ Test(decode, dense_matches_reference)
 			cr_assert_float_eq(out[1][j], want[j], 2e-5, "layer 1");
 		}
 	}
-	free(h.k), free(h.v);
-	kvr_context_destroy(ctx);
+	history_done(&h, ctx);
 }
 
 /* With B >= L every mode attends to everything: outputs identical to dense. */
@@ -182,8 +189,7 @@ Test(decode, every_mode_equals_dense_when_budget_covers_context)
 				cr_assert_eq(memcmp(out, dense_out[i], sizeof(out)), 0, "mode %u step %d",
 					     modes[mode_i], i);
 		}
-		free(h.k), free(h.v);
-		kvr_context_destroy(ctx);
+		history_done(&h, ctx);
 	}
 }
 
@@ -232,8 +238,7 @@ Test(decode, sparse_modes_attend_sink_pages_and_window)
 				free(use);
 			}
 		cr_expect(matched, "mode %u: output matches no sink + 2 pages + window set", modes[mode_i]);
-		free(h.k), free(h.v);
-		kvr_context_destroy(ctx);
+		history_done(&h, ctx);
 	}
 }
 
@@ -377,8 +382,8 @@ Test(decode, prefill_attention_is_causal_dense_attention)
 	cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0);
 	cr_expect_eq(kvr_prefill_attention(ctx, seq, 1, 0, 4, q, out), -EBUSY);
 	kvr_decode_end(ctx);
-	free(q), free(out), free(h.k), free(h.v);
-	kvr_context_destroy(ctx);
+	free(q), free(out);
+	history_done(&h, ctx);
 }
 
 /* The open step guards its sequences (issue 19): a sequence named by the step
@@ -450,8 +455,7 @@ Test(decode, open_step_refuses_calls_that_change_its_sequences)
 	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
 	/* freeing with the step closed works, and the id is reusable */
 	cr_expect_eq(kvr_seq_free(ctx, a), 0);
-	free(h.k), free(h.v);
-	kvr_context_destroy(ctx);
+	history_done(&h, ctx);
 }
 
 /* A failure reads as one sentence: the call, the subject once, the reason. A
@@ -476,8 +480,7 @@ Test(decode, a_failure_is_one_sentence)
 			 "decode_layer: sequence 0 layer 0: tokens must arrive in order: expected "
 			 "position 20, got 21");
 	cr_assert_eq(kvr_decode_end(ctx), 0);
-	free(h.k), free(h.v);
-	kvr_context_destroy(ctx);
+	history_done(&h, ctx);
 }
 
 /* Prefill attention at positions that would wrap around 2^64 is refused. */
@@ -494,8 +497,7 @@ Test(decode, prefill_attention_positions_do_not_wrap)
 	cr_expect_eq(kvr_prefill_attention(ctx, a, 0, UINT64_MAX - 5, 10, q, out), -EINVAL);
 	for (uint32_t i = 0; i < 2 * Q_ROW; i++)
 		cr_expect_eq(out[i], 7.0f, "nothing written");
-	free(h.k), free(h.v);
-	kvr_context_destroy(ctx);
+	history_done(&h, ctx);
 }
 
 /* A step at a position a layer is not at fails the sequence there and takes
@@ -532,8 +534,7 @@ Test(decode, a_bad_position_takes_back_only_what_the_step_stored)
 		cr_expect_eq(len[1], 19, "round %u: layer 1 holds %llu tokens, held 19", round,
 			     (unsigned long long)len[1]);
 	}
-	free(h.k), free(h.v);
-	kvr_context_destroy(ctx);
+	history_done(&h, ctx);
 }
 
 /* ------------------------------------------------- the engine's parallel-for */

@@ -7,6 +7,7 @@
  * model is not in the cache (bench/model/fetch_model.sh).
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -253,6 +254,20 @@ static void eval_prepare(char *json)
 	close(fd);
 }
 
+/* runner_eval(argv), whose last argument is the JSON file eval_prepare made;
+ * the JSON it wrote, in buf (the file removed). */
+static void eval_json(int argc, char **argv, char *buf, size_t cap)
+{
+	const char *json = argv[argc - 1];
+	cr_assert_eq(runner_eval(argc, argv), 0);
+	FILE *f = fopen(json, "r");
+	cr_assert(f, "%s: %s", json, strerror(errno));
+	const size_t got = fread(buf, 1, cap - 1, f);
+	fclose(f);
+	unlink(json);
+	buf[got] = 0;
+}
+
 /* `kvrecall eval` end to end on a short window of the GPL-3: dense agrees
  * with itself everywhere, every mode's perplexity is finite and close to
  * dense's, and the JSON names every mode requested. */
@@ -264,14 +279,8 @@ Test(model, eval_reports_every_mode, .init = open_model, .fini = close_model, .t
 	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "384", "--prefill",
 			 "256",      "--budget", "256", "--sink", "64", "--window", "64", "--modes", modes,
 			 "--threads", "1", "--quiet", "--json", json };
-	cr_assert_eq(runner_eval((int)(sizeof(argv) / sizeof(argv[0])), argv), 0);
-	FILE *f = fopen(json, "r");
-	cr_assert(f);
-	char buf[4096] = "";
-	const size_t got = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	unlink(json);
-	buf[got] = 0;
+	char buf[4096];
+	eval_json((int)(sizeof(argv) / sizeof(argv[0])), argv, buf, sizeof(buf));
 	for (const char *md = "dense\0blocking\0speculative\0freekv\0"; *md; md += strlen(md) + 1) {
 		char key[64];
 		snprintf(key, sizeof(key), "\"mode\": \"%s\", \"kv_format\": \"f16\", \"perplexity\": ", md);
@@ -309,14 +318,8 @@ Test(model, eval_quantised_pages, .init = open_model, .fini = close_model, .time
 	char *argv[] = { "--file",   "/usr/share/common-licenses/GPL-3", "--context", "640", "--prefill",
 			 "256",      "--budget", "256", "--sink", "64", "--window", "64", "--modes", modes,
 			 "--kv-formats", formats, "--threads", "1", "--quiet", "--json", json };
-	cr_assert_eq(runner_eval((int)(sizeof(argv) / sizeof(argv[0])), argv), 0);
-	FILE *f = fopen(json, "r");
-	cr_assert(f);
-	char buf[8192] = "";
-	const size_t got = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	unlink(json);
-	buf[got] = 0;
+	char buf[8192];
+	eval_json((int)(sizeof(argv) / sizeof(argv[0])), argv, buf, sizeof(buf));
 	const double f16 = eval_ppl(buf, "dense", "f16"), k8 = eval_ppl(buf, "dense", "k8v4");
 	const double k4 = eval_ppl(buf, "dense", "k4v2");
 	const double fk8 = eval_ppl(buf, "freekv", "k8v4"), fk4 = eval_ppl(buf, "freekv", "k4v2");
