@@ -902,6 +902,13 @@ static void first_difference(const struct drift *a, const struct drift *b, const
 		}
 }
 
+/* A test running fn(dev_kind, n_seqs, n_steps): one per device kind. */
+#define ON_DEVICE(test, fn, dev_kind, n_seqs, n_steps, timeout_s)                               \
+	Test(scheduler, test, .timeout = timeout_s)                                             \
+	{                                                                                       \
+		fn(dev_kind, n_seqs, n_steps);                                                  \
+	}
+
 /*
  * Tests 1 and 2 on one device: per mode (speculative, freekv, blocking) and
  * recall kind (zero-copy, streamed), a run without hooks and one with random
@@ -949,24 +956,15 @@ static void ordering_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 	free(plain.outs), free(delayed.outs), free(zc.outs);
 }
 
-Test(scheduler, ordering_under_random_delays_cpu, .timeout = 120)
-{
-	ordering_on(KVR_DEV_CPU, 2, 40);
-}
-
-Test(scheduler, ordering_under_random_delays_cudaemu, .timeout = 240)
-{
-	ordering_on(KVR_DEV_CUDAEMU, 1, 6);
-}
+ON_DEVICE(ordering_under_random_delays_cpu, ordering_on, KVR_DEV_CPU, 2, 40, 120)
+ON_DEVICE(ordering_under_random_delays_cudaemu, ordering_on, KVR_DEV_CUDAEMU, 1, 6, 240)
 
 /* The same on a device whose memory the host cannot address (the cuda
  * backend's situation): every kernel's items and buffers, and every copy's
  * direction, are checked by cudaemu-strict; any host pointer handed to a
  * kernel fails the launch. */
-Test(scheduler, ordering_under_random_delays_cudaemu_strict, .timeout = 240)
-{
-	ordering_on(KVR_DEV_CUDAEMU_STRICT, 1, 6);
-}
+ON_DEVICE(ordering_under_random_delays_cudaemu_strict, ordering_on, KVR_DEV_CUDAEMU_STRICT, 1, 6,
+	  240)
 
 /* The cuda backend on a GPU: skipped, with the reason, without one (CI has
  * none); on a GPU the same checks as cudaemu-strict run on real streams. */
@@ -1111,25 +1109,10 @@ static void mixed_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 	free(zc.outs), free(st.outs);
 }
 
-Test(scheduler, mixed_pages_cpu, .timeout = 120)
-{
-	mixed_on(KVR_DEV_CPU, 2, 200);
-}
-
-Test(scheduler, mixed_pages_cudaemu_strict, .timeout = 300)
-{
-	mixed_on(KVR_DEV_CUDAEMU_STRICT, 1, 120);
-}
-
-Test(scheduler, quantised_pages_cpu, .timeout = 120)
-{
-	quantised_on(KVR_DEV_CPU, 2, 40);
-}
-
-Test(scheduler, quantised_pages_cudaemu_strict, .timeout = 240)
-{
-	quantised_on(KVR_DEV_CUDAEMU_STRICT, 1, 6);
-}
+ON_DEVICE(mixed_pages_cpu, mixed_on, KVR_DEV_CPU, 2, 200, 120)
+ON_DEVICE(mixed_pages_cudaemu_strict, mixed_on, KVR_DEV_CUDAEMU_STRICT, 1, 120, 300)
+ON_DEVICE(quantised_pages_cpu, quantised_on, KVR_DEV_CPU, 2, 40, 120)
+ON_DEVICE(quantised_pages_cudaemu_strict, quantised_on, KVR_DEV_CUDAEMU_STRICT, 1, 6, 240)
 
 Test(scheduler, quantised_pages_cuda, .timeout = 240)
 {
