@@ -278,7 +278,5 @@ int bench_cache(int argc, char **argv)
 	}
 	fprintf(f, "  ]\n");
 	bench_json_close(f);
-	if (f != stdout)
-		fclose(f);
 	return 0;
 }

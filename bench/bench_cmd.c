@@ -105,8 +105,8 @@ static void pci_attribute(const char *bus_id, const char *attr, char *out, size_
 }
 
 /* The envelope's opening: schema, benchmark, command line, time, machine,
- * build and backend; the caller writes "results" and closes with
- * bench_json_close. */
+ * build and backend; the caller writes "results" and ends with
+ * bench_json_close, which closes f unless it is stdout. */
 void bench_json_open(FILE *f, const char *benchmark, const char *backend, int argc, char **argv)
 {
 	struct kvr_system_info s = { .size = sizeof(s) };
@@ -177,6 +177,8 @@ void bench_json_open(FILE *f, const char *benchmark, const char *backend, int ar
 void bench_json_close(FILE *f)
 {
 	fprintf(f, "}\n");
+	if (f != stdout)
+		fclose(f);
 }
 
 /* A progress line on stderr when it is a terminal: "label [#####.....] 42%". */
@@ -393,8 +395,6 @@ int bench_copy(int argc, char **argv)
 			fprintf(f, "  ],\n  \"summary\": {\"peak_h2d_pinned_gbps\": %.4f, \"peak_transfer_bytes\": %llu}\n",
 				peak, (unsigned long long)peak_size);
 			bench_json_close(f);
-			if (f != stdout)
-				fclose(f);
 		}
 	}
 	if (e.host[MEM_PINNED] && !rc)

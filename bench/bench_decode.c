@@ -508,7 +508,5 @@ int bench_decode(int argc, char **argv)
 	bench_progress("decode", total, total);
 	fprintf(json, "\n  ]\n");
 	bench_json_close(json);
-	if (json != stdout)
-		fclose(json);
 	return 0;
 }

@@ -237,8 +237,6 @@ int bench_freelist(int argc, char **argv)
 			i + 1 < n_units ? "," : "");
 	fprintf(f, "  ]\n");
 	bench_json_close(f);
-	if (f != stdout)
-		fclose(f);
 	return 0;
 usage:
 	fprintf(stderr, "usage: kvrecall bench freelist [--backend cpu|cuda|auto] [--units 32,256,2048,16384,131072] "

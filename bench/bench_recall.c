@@ -613,8 +613,6 @@ int bench_recall(int argc, char **argv)
 						bi + 1 < n_budgets || fmt < KVR_KV_FORMAT_K4V2 ? "," : "");
 			fprintf(f, "  ],\n  \"summary\": {\"peak_h2d_pinned_gbps\": %.4f}\n", peak);
 			bench_json_close(f);
-			if (f != stdout)
-				fclose(f);
 		}
 	}
 	for (int b = 0; b < 2; b++) {

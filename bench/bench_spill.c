@@ -449,8 +449,6 @@ int bench_spill(int argc, char **argv)
 			(unsigned long long)pool_pts[i].read_through, i + 1 < n_spilled ? "," : "");
 	fprintf(f, "  ]}\n");
 	bench_json_close(f);
-	if (f != stdout)
-		fclose(f);
 	return 0;
 usage:
 	fprintf(stderr, "usage: kvrecall bench spill [--dir DIR] [--run-kib 4,16,64] [--queue-depths 1,4,16,64] "

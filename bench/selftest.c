@@ -625,7 +625,5 @@ int selftest_main(int argc, char **argv, const char *self)
 	}
 	fprintf(f, "  ]\n");
 	bench_json_close(f);
-	if (f != stdout)
-		fclose(f);
 	return r.failed ? 1 : 0;
 }
