@@ -1,4 +1,10 @@
 /* SPDX-License-Identifier: MIT */
+/* The kernel ops of kvr_dev_ops: X(name) for each, so a backend that brings
+ * its own kernels sets them all in one line (and cannot forget one). */
+#define KVR_DEV_KERNEL_OPS(X) \
+	X(scatter) X(offload) X(summarize) X(score) X(select) X(similarity) X(attention) X(dense) \
+	X(freelist)
+
 /*
  * backend_impl.h — how a backend plugs into backend.h: a table of operations
  * and the common part of a device. device.c validates arguments and

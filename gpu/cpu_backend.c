@@ -517,15 +517,9 @@ static const struct kvr_dev_ops cpu_ops = {
 	.event_synchronize = cpu_event_synchronize,
 	.memcpy_async = cpu_memcpy_async,
 	.memcpy_batch_async = cpu_memcpy_batch_async,
-	.scatter = cpu_scatter,
-	.offload = cpu_offload,
-	.summarize = cpu_summarize,
-	.score = cpu_score,
-	.select = cpu_select,
-	.similarity = cpu_similarity,
-	.attention = cpu_attention,
-	.dense = cpu_dense,
-	.freelist = cpu_freelist,
+#define CPU_KERNEL_OP(name) .name = cpu_##name,
+	KVR_DEV_KERNEL_OPS(CPU_KERNEL_OP)
+#undef CPU_KERNEL_OP
 	.host_fn = cpu_host_fn,
 };
 

@@ -865,15 +865,9 @@ static struct kvr_dev_ops make_cuda_ops(void)
 	o.event_synchronize = op_event_synchronize;
 	o.memcpy_async = op_memcpy_async;
 	o.memcpy_batch_async = op_memcpy_batch_async;
-	o.scatter = op_scatter;
-	o.offload = op_offload;
-	o.summarize = op_summarize;
-	o.score = op_score;
-	o.select = op_select;
-	o.similarity = op_similarity;
-	o.attention = op_attention;
-	o.dense = op_dense;
-	o.freelist = op_freelist;
+#define SET_KERNEL_OP(name) o.name = op_##name;
+	KVR_DEV_KERNEL_OPS(SET_KERNEL_OP)
+#undef SET_KERNEL_OP
 	o.host_fn = op_host_fn;
 	return o;
 }

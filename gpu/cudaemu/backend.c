@@ -885,15 +885,9 @@ static void emu_ops_init(void)
 {
 	emu_ops = *kvr_cpu_ops();
 	emu_ops.name = "cudaemu";
-	emu_ops.scatter = emu_scatter;
-	emu_ops.offload = emu_offload;
-	emu_ops.summarize = emu_summarize;
-	emu_ops.score = emu_score;
-	emu_ops.select = emu_select;
-	emu_ops.similarity = emu_similarity;
-	emu_ops.attention = emu_attention;
-	emu_ops.dense = emu_dense;
-	emu_ops.freelist = emu_freelist;
+#define SET_KERNEL_OP(name) emu_ops.name = emu_##name;
+	KVR_DEV_KERNEL_OPS(SET_KERNEL_OP)
+#undef SET_KERNEL_OP
 
 	/* the kernels check themselves when dev->strict is set (enqueue) */
 	strict_ops = emu_ops;
