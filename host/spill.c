@@ -392,9 +392,10 @@ static void give_back(struct kvr_spill *sp, uint32_t slot)
 
 /* ---- the I/O engine ---- */
 
-/* Grow-only scratch: `array` with room for n elements of `elem` bytes (it
- * may move), or NULL when memory runs out (then `array` is unchanged). */
-static void *reserve_scratch(void *array, uint32_t *cap, uint32_t n, size_t elem)
+/* Grow-only scratch: `array`, or a larger copy of it, with room for n
+ * elements of `elem` bytes; when memory runs out, `array` as it was and *cap
+ * unchanged (so below n). */
+static void *grow_scratch(void *array, uint32_t *cap, uint32_t n, size_t elem)
 {
 	if (n <= *cap && array)
 		return array;
@@ -402,19 +403,18 @@ static void *reserve_scratch(void *array, uint32_t *cap, uint32_t n, size_t elem
 	while (want < n)
 		want *= 2;
 	void *grown = realloc(array, (size_t)want * elem);
-	if (grown)
-		*cap = (uint32_t)(want > UINT32_MAX ? UINT32_MAX : want);
+	if (!grown)
+		return array;
+	*cap = (uint32_t)(want > UINT32_MAX ? UINT32_MAX : want);
 	return grown;
 }
 
-static int reserve_reqs(struct kvr_spill *sp, uint32_t n)
-{
-	struct io_req *r = reserve_scratch(sp->reqs, &sp->reqs_cap, n, sizeof(*r));
-	if (!r)
-		return -ENOMEM;
-	sp->reqs = r;
-	return 0;
-}
+/* sp->reqs and sp->extents with room for n: 0, or -ENOMEM */
+#define RESERVE_SCRATCH(sp, field, n)                                                       \
+	((sp)->field = grow_scratch((sp)->field, &(sp)->field##_cap, (n), sizeof(*(sp)->field)), \
+	 (sp)->field && (sp)->field##_cap >= (n) ? 0 : -ENOMEM)
+#define reserve_reqs(sp, n) RESERVE_SCRATCH(sp, reqs, n)
+#define reserve_extents(sp, n) RESERVE_SCRATCH(sp, extents, n)
 
 static void engine_reset(struct kvr_spill *sp)
 {
@@ -978,15 +978,6 @@ static int read_extents(struct kvr_spill *sp, uint32_t n_ext, unsigned char *con
 			results[i] = err;
 	free(batch_end);
 	return err ? err : first_fail;
-}
-
-static int reserve_extents(struct kvr_spill *sp, uint32_t n)
-{
-	struct read_extent *x = reserve_scratch(sp->extents, &sp->extents_cap, n, sizeof(*x));
-	if (!x)
-		return -ENOMEM;
-	sp->extents = x;
-	return 0;
 }
 
 /* Read runs[i] into dsts[i] (or dst + i·dst_stride when dsts is NULL). */
