@@ -13,62 +13,58 @@
 
 #define PREFETCH_BLOCK 1024u /* bytes of the next run prefetched per block copied */
 
-__attribute__((target("avx512f"))) static void copy_avx512(unsigned char *dst,
-							    const unsigned char *src, size_t bytes,
-							    const unsigned char *next)
+/* One step of each ISA's loop: 4 full-width loads, then 4 streaming stores. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+step_avx512(unsigned char *dst, const unsigned char *src)
 {
-	for (size_t off = 0; off < bytes; off += PREFETCH_BLOCK) {
-		const size_t end = off + PREFETCH_BLOCK < bytes ? off + PREFETCH_BLOCK : bytes;
-		if (next)
-			for (size_t l = off; l < end; l += 64)
-				_mm_prefetch((const char *)next + l, _MM_HINT_T0);
-		for (size_t i = off; i < end; i += 256) {
-			const __m512i a = _mm512_load_si512(src + i), b = _mm512_load_si512(src + i + 64);
-			const __m512i c = _mm512_load_si512(src + i + 128),
-				      d = _mm512_load_si512(src + i + 192);
-			_mm512_stream_si512((__m512i *)(dst + i), a);
-			_mm512_stream_si512((__m512i *)(dst + i + 64), b);
-			_mm512_stream_si512((__m512i *)(dst + i + 128), c);
-			_mm512_stream_si512((__m512i *)(dst + i + 192), d);
-		}
-	}
+	const __m512i a = _mm512_load_si512(src), b = _mm512_load_si512(src + 64);
+	const __m512i c = _mm512_load_si512(src + 128), d = _mm512_load_si512(src + 192);
+	_mm512_stream_si512((__m512i *)dst, a);
+	_mm512_stream_si512((__m512i *)(dst + 64), b);
+	_mm512_stream_si512((__m512i *)(dst + 128), c);
+	_mm512_stream_si512((__m512i *)(dst + 192), d);
 }
 
-__attribute__((target("avx2"))) static void copy_avx2(unsigned char *dst, const unsigned char *src,
-						       size_t bytes, const unsigned char *next)
+__attribute__((target("avx2"), always_inline)) static inline void step_avx2(unsigned char *dst,
+									    const unsigned char *src)
 {
-	for (size_t off = 0; off < bytes; off += PREFETCH_BLOCK) {
-		const size_t end = off + PREFETCH_BLOCK < bytes ? off + PREFETCH_BLOCK : bytes;
-		if (next)
-			for (size_t l = off; l < end; l += 64)
-				_mm_prefetch((const char *)next + l, _MM_HINT_T0);
-		for (size_t i = off; i < end; i += 128) {
-			const __m256i a = _mm256_load_si256((const __m256i *)(src + i));
-			const __m256i b = _mm256_load_si256((const __m256i *)(src + i + 32));
-			const __m256i c = _mm256_load_si256((const __m256i *)(src + i + 64));
-			const __m256i d = _mm256_load_si256((const __m256i *)(src + i + 96));
-			_mm256_stream_si256((__m256i *)(dst + i), a);
-			_mm256_stream_si256((__m256i *)(dst + i + 32), b);
-			_mm256_stream_si256((__m256i *)(dst + i + 64), c);
-			_mm256_stream_si256((__m256i *)(dst + i + 96), d);
-		}
-	}
+	const __m256i a = _mm256_load_si256((const __m256i *)src);
+	const __m256i b = _mm256_load_si256((const __m256i *)(src + 32));
+	const __m256i c = _mm256_load_si256((const __m256i *)(src + 64));
+	const __m256i d = _mm256_load_si256((const __m256i *)(src + 96));
+	_mm256_stream_si256((__m256i *)dst, a);
+	_mm256_stream_si256((__m256i *)(dst + 32), b);
+	_mm256_stream_si256((__m256i *)(dst + 64), c);
+	_mm256_stream_si256((__m256i *)(dst + 96), d);
 }
 
-static void copy_sse2(unsigned char *dst, const unsigned char *src, size_t bytes,
-		      const unsigned char *next)
+static inline __attribute__((always_inline)) void step_sse2(unsigned char *dst,
+							    const unsigned char *src)
 {
-	for (size_t off = 0; off < bytes; off += PREFETCH_BLOCK) {
-		const size_t end = off + PREFETCH_BLOCK < bytes ? off + PREFETCH_BLOCK : bytes;
-		if (next)
-			for (size_t l = off; l < end; l += 64)
-				_mm_prefetch((const char *)next + l, _MM_HINT_T0);
-		for (size_t i = off; i < end; i += 64)
-			for (size_t j = 0; j < 64; j += 16)
-				_mm_stream_si128((__m128i *)(dst + i + j),
-						 _mm_load_si128((const __m128i *)(src + i + j)));
-	}
+	for (size_t j = 0; j < 64; j += 16)
+		_mm_stream_si128((__m128i *)(dst + j), _mm_load_si128((const __m128i *)(src + j)));
 }
+
+/* The copy loop of one ISA: blocks of PREFETCH_BLOCK bytes, each after a
+ * prefetch of the same block of the next run. */
+#define STREAM_COPY_FN(name, target_attr, step, step_bytes)                                   \
+	target_attr static void name(unsigned char *dst, const unsigned char *src, size_t bytes, \
+				     const unsigned char *next)                                  \
+	{                                                                                        \
+		for (size_t off = 0; off < bytes; off += PREFETCH_BLOCK) {                       \
+			const size_t end =                                                       \
+				off + PREFETCH_BLOCK < bytes ? off + PREFETCH_BLOCK : bytes;     \
+			if (next)                                                                \
+				for (size_t l = off; l < end; l += 64)                           \
+					_mm_prefetch((const char *)next + l, _MM_HINT_T0);       \
+			for (size_t i = off; i < end; i += step_bytes)                           \
+				step(dst + i, src + i);                                          \
+		}                                                                                \
+	}
+STREAM_COPY_FN(copy_avx512, __attribute__((target("avx512f"))), step_avx512, 256)
+STREAM_COPY_FN(copy_avx2, __attribute__((target("avx2"))), step_avx2, 128)
+STREAM_COPY_FN(copy_sse2, , step_sse2, 64)
+#undef STREAM_COPY_FN
 
 static void copy_one(void *dst, const void *src, size_t bytes, const void *next)
 {
