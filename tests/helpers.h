@@ -67,6 +67,13 @@ static inline uint64_t th_lcg64(uint64_t *state)
 	return *state = *state * 6364136223846793005ull + 1442695040888963407ull;
 }
 
+/* A value in [-1, 1) on a grid of 1/1000 from th_lcg64's high bits: the
+ * inputs of the decode suites. */
+static inline float th_lcg_milli(uint64_t *state)
+{
+	return (float)((int32_t)(th_lcg64(state) >> 33) % 2000 - 1000) / 1000.0f;
+}
+
 /* A float in [lo, hi) from the top 24 bits of `bits`. */
 static inline float th_uniform(uint64_t bits, float lo, float hi)
 {
@@ -93,6 +100,18 @@ static inline int th_same_bits(float a, float b)
 {
 	return !memcmp(&a, &b, sizeof(a));
 }
+
+/* The small shape the decode suites share (pages of 16 tokens, 2 KV heads,
+ * 4 query heads, d 32): a suite defines TH_SMALL_SHAPE before including
+ * this header. */
+#ifdef TH_SMALL_SHAPE
+#define P 16
+#define N_KV 2
+#define N_QO 4
+#define D 32
+#define KV_ROW (N_KV * D)
+#define Q_ROW (N_QO * D)
+#endif
 
 #ifdef KVRECALL_H
 /* kvr_config_init's defaults with the given shape and selection sizes: the

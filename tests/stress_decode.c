@@ -30,15 +30,10 @@
 #include "half.h"
 #include "internal.h"
 #include "kvrecall.h"
+#define TH_SMALL_SHAPE
 #include "helpers.h"
 
-#define P 16
-#define N_KV 2
-#define N_QO 4
-#define D 32
 #define NL 2
-#define KV_ROW (N_KV * D)
-#define Q_ROW (N_QO * D)
 #define MAX_SEQS 6
 #define MAX_BATCH 4
 #define STEPS 36

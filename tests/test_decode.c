@@ -17,19 +17,14 @@
 #include <string.h>
 
 #include "kvrecall.h"
+#define TH_SMALL_SHAPE
 #include "helpers.h"
 
-#define P 16
-#define N_KV 2
-#define N_QO 4
-#define D 32
-#define KV_ROW (N_KV * D)
-#define Q_ROW (N_QO * D)
 
 static uint64_t rng_state = 0x1234567887654321ull;
 static float frand(void)
 {
-	return (float)((int32_t)(th_lcg64(&rng_state) >> 33) % 2000 - 1000) / 1000.0f;
+	return th_lcg_milli(&rng_state);
 }
 
 static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint32_t sink, uint32_t window,

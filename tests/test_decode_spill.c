@@ -21,14 +21,9 @@
 #include "../host/spill.h"
 #include "internal.h"
 #include "kvrecall.h"
+#define TH_SMALL_SHAPE
 #include "helpers.h"
 
-#define P 16
-#define N_KV 2
-#define N_QO 4
-#define D 32
-#define KV_ROW (N_KV * D)
-#define Q_ROW (N_QO * D)
 #define LAYERS 2
 #define PREFILL 400
 #define STEPS 24
@@ -36,7 +31,7 @@
 static uint64_t rng_state;
 static float frand(void)
 {
-	return (float)((int32_t)(th_lcg64(&rng_state) >> 33) % 2000 - 1000) / 1000.0f;
+	return th_lcg_milli(&rng_state);
 }
 
 /* ram_pages 0: no spill tier (streamed recall all the same). */

@@ -51,15 +51,10 @@
 #include "backend.h"
 #include "internal.h"
 #include "kvrecall.h"
+#define TH_SMALL_SHAPE
 #include "helpers.h"
 
-#define P 16
-#define N_KV 2
-#define N_QO 4
-#define D 32
 #define NL 2
-#define KV_ROW (N_KV * D)
-#define Q_ROW (N_QO * D)
 #define NSEQ 3   /* logical sequences: A, B, and C forked from A */
 #define NSTEP 7  /* decode steps of the script */
 #define CHUNK 100 /* prefill chunk, tokens */
