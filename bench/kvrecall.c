@@ -41,16 +41,9 @@ static void usage(FILE *f)
 
 static void json_string(FILE *f, const char *key, const char *value, int last)
 {
-	fprintf(f, "  \"%s\": \"", key);
-	for (const char *s = value; *s; s++) {
-		if (*s == '"' || *s == '\\')
-			fprintf(f, "\\%c", *s);
-		else if ((unsigned char)*s < 0x20)
-			fprintf(f, "\\u%04x", *s);
-		else
-			fputc(*s, f);
-	}
-	fprintf(f, "\"%s\n", last ? "" : ",");
+	fprintf(f, "  \"%s\": ", key);
+	bench_json_string(f, value);
+	fprintf(f, "%s\n", last ? "" : ",");
 }
 
 static int cmd_info(int argc, char **argv)

@@ -31,14 +31,10 @@ int __attribute__((format(printf, 3, 4))) pool_fail(struct kvr_pool *pool, int e
 
 void __attribute__((format(printf, 2, 3))) pool_warn(struct kvr_pool *pool, const char *fmt, ...)
 {
-	if (!pool->params.log_fn)
-		return;
-	char line[256];
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(line, sizeof(line), fmt, ap);
+	kvr_host_vlog(pool->params.log_fn, pool->params.log_user, 1 /* KVR_LOG_WARN */, fmt, ap);
 	va_end(ap);
-	pool->params.log_fn(pool->params.log_user, 1 /* KVR_LOG_WARN */, line);
 }
 
 const char *kvr_pool_last_error(const struct kvr_pool *pool)

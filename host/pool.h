@@ -45,6 +45,7 @@
 #include <stdint.h>
 
 #include "../layouts/page.h"
+#include "log.h"
 
 enum kvr_pool_layout {
 	KVR_POOL_LAYOUT_HND = 0, /* one contiguous run per KV head: one copy per recall */
@@ -59,7 +60,7 @@ enum kvr_pool_flags {
 #define KVR_POOL_NO_PAGE UINT32_MAX
 #define KVR_POOL_DEFAULT_CHUNK_BYTES (32ull << 20)
 
-typedef void (*kvr_pool_log_fn)(void *user, int level, const char *message);
+typedef kvr_host_log_fn kvr_pool_log_fn;
 
 struct kvr_pool_params {
 	struct kvr_page_geometry geometry; /* of one layer's page */

@@ -125,14 +125,10 @@ static void spill_log(struct kvr_spill *sp, int level, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static void spill_log(struct kvr_spill *sp, int level, const char *fmt, ...)
 {
-	if (!sp->log_fn)
-		return;
-	char line[256];
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(line, sizeof(line), fmt, ap);
+	kvr_host_vlog(sp->log_fn, sp->log_user, level, fmt, ap);
 	va_end(ap);
-	sp->log_fn(sp->log_user, level, line);
 }
 
 static uint64_t round_up(uint64_t x, uint64_t a)

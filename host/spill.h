@@ -39,6 +39,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "log.h"
+
 #define KVR_SPILL_NO_SLOT UINT32_MAX
 #define KVR_SPILL_DEFAULT_QUEUE_DEPTH 32u
 #define KVR_SPILL_DEFAULT_STAGING_BYTES (4ull << 20)
@@ -50,7 +52,7 @@ enum kvr_spill_flags {
 	KVR_SPILL_UNREGISTERED = 1u << 3,   /* io_uring without registered buffers */
 };
 
-typedef void (*kvr_spill_log_fn)(void *user, int level, const char *message);
+typedef kvr_host_log_fn kvr_spill_log_fn;
 
 struct kvr_spill_params {
 	const char *dir;        /* directory for the file; NULL or "": kvr_spill_default_dir() */
