@@ -110,6 +110,15 @@ static struct rng case_rng(uint64_t seed, uint32_t config, uint32_t type_index)
 	return (struct rng){ seed * 1000003u + config * 16u + type_index };
 }
 
+/* The start of a case function (e, ci, ti) over shapes[ci] and
+ * all_types[ti]: the main device c, the case's rng r, the element type and
+ * the shape sh. */
+#define CASE_SETUP(shapes, seed)                                                                \
+	struct dctx *c = &e->main;                                                              \
+	struct rng r = case_rng(seed, ci, ti);                                                  \
+	const uint32_t type = all_types[ti];                                                    \
+	struct kvr_shape sh = make_shape(&(shapes)[ci], type)
+
 /* ------------------------------------------------------------------ device contexts */
 
 /* A device with an inline and a worker stream, and the host buffers mirrored
@@ -861,10 +870,7 @@ static int force_isa(enum kvr_convert_isa isa)
  */
 static void score_select_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0x5c03e, ci, ti);
-	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	CASE_SETUP(numeric_shapes, 0x5c03e);
 	const uint32_t n_kv = sh.n_kv_heads;
 	struct score_case sc;
 	build_score_case(&r, &sh, &sc, ci == 2);
@@ -1290,10 +1296,7 @@ static void check_similarity(const struct env *e, const char *what, const struct
  */
 static void similarity_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0xc051, ci, ti);
-	const uint32_t type = all_types[ti];
-	struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
+	CASE_SETUP(numeric_shapes, 0xc051);
 	const uint32_t n_kv = sh.n_kv_heads;
 	struct sim_case sc;
 	build_sim_case(&r, &sh, &sc);
@@ -1412,11 +1415,8 @@ static void attention_and_check(struct env *e, struct dctx *c, const char *what,
  */
 static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0xa77e, ci, ti);
+	CASE_SETUP(numeric_shapes, 0xa77e);
 	enum { PAGES = 5, TILES = 3, ITEMS = 7 };
-	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
 	const uint32_t p = sh.page_tokens;
 	const uint64_t page = 2ull * sh.n_kv_heads * p * sh.head_dim,
 		       tile = (uint64_t)p * sh.n_kv_heads * sh.head_dim;
@@ -1482,11 +1482,8 @@ CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
  */
 static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0x9a7e, ci, ti);
+	CASE_SETUP(numeric_shapes, 0x9a7e);
 	enum { ITEMS = 7 };
-	const uint32_t type = all_types[ti];
-	struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
 	sh.flags = KVR_SHAPE_SEGMENT_LSE; /* and check each segment's log-sum-exp */
 	const uint32_t p = sh.page_tokens, n_kv = sh.n_kv_heads, row = n_kv * sh.head_dim;
 	const size_t eb = ebytes(type);
@@ -1667,11 +1664,8 @@ static void dense_and_check(struct env *e, struct dctx *c, const char *what,
 
 static void dense_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0xde05e, ci, ti);
+	CASE_SETUP(numeric_shapes, 0xde05e);
 	enum { ITEMS = 4 };
-	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = make_shape(&numeric_shapes[ci], type);
 	const uint32_t row = sh.n_kv_heads * sh.head_dim;
 	const uint32_t tokens[ITEMS] = { 0, 1, sh.page_tokens, 37 };
 	const uint32_t pad[ITEMS] = { 0, 16, 0, 48 };
@@ -1709,11 +1703,8 @@ static const struct shape_cfg sparse_shapes[] = { { 8, 2, 64, 16, 0 }, { 3, 1, 1
 
 static void sparse_equals_dense_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0x5a45e, ci, ti);
+	CASE_SETUP(sparse_shapes, 0x5a45e);
 	enum { FULL = 4, TAIL = 5 };
-	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = make_shape(&sparse_shapes[ci], type);
 	const uint32_t p = sh.page_tokens, row = sh.n_kv_heads * sh.head_dim;
 	const uint32_t L = FULL * p + TAIL;
 	const uint64_t page = 2ull * row * p, per = (uint64_t)sh.n_qo_heads * sh.head_dim;
@@ -1798,11 +1789,8 @@ static const struct shape_cfg nonfinite_shapes[] = { { 8, 2, 64, 16, 0 }, { 3, 3
 
 static void nonfinite_propagation_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0x4a4e, ci, ti);
+	CASE_SETUP(nonfinite_shapes, 0x4a4e);
 	enum { PAGES = 4, ITEMS = 4 };
-	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = make_shape(&nonfinite_shapes[ci], type);
 	const uint32_t p = sh.page_tokens, d = sh.head_dim, G = sh.n_qo_heads / sh.n_kv_heads;
 	const uint64_t page = 2ull * sh.n_kv_heads * p * d, tile = (uint64_t)p * sh.n_kv_heads * d;
 	const uint64_t per = (uint64_t)sh.n_qo_heads * d;
