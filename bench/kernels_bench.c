@@ -166,6 +166,22 @@ static void usage(void)
 }
 
 
+/* A cpu device running its kernels on `threads` threads (the caller's and
+ * threads - 1 workers), with one stream; nonzero after a message. */
+static int open_cpu(uint32_t threads, struct kvr_dev **dev, struct kvr_stream **stream)
+{
+	struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = threads ? threads - 1 : 0 };
+	char err[256] = "out of memory";
+	if (kvr_dev_create(&dp, dev, err, sizeof(err)) == 0) {
+		if (kvr_dev_stream_create(*dev, 0, stream) == 0)
+			return 0;
+		snprintf(err, sizeof(err), "%s", kvr_dev_last_error(*dev));
+		kvr_dev_destroy(*dev);
+	}
+	fprintf(stderr, "kernels_bench: %s\n", err);
+	return 1;
+}
+
 int main(int argc, char **argv)
 {
 	struct options opt = { .budget_tokens = 2048, .batch = 8, .pool_bytes = 256ull << 20, .reps = 9,
@@ -278,14 +294,10 @@ int main(int argc, char **argv)
 	double attention_last_gbps = 0; /* with the thread count selection runs with */
 	for (uint32_t ti = 0; ti < opt.n_threads; ti++) {
 		const uint32_t threads = opt.threads[ti];
-		struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = threads ? threads - 1 : 0 };
 		struct kvr_dev *dev;
 		struct kvr_stream *stream;
-		char err[256];
-		if (kvr_dev_create(&dp, &dev, err, sizeof(err)) || kvr_dev_stream_create(dev, 0, &stream)) {
-			fprintf(stderr, "kernels_bench: %s\n", err);
+		if (open_cpu(threads, &dev, &stream))
 			return 1;
-		}
 		struct read_job gather = { runs, n_segs * n_kv, head_bytes, threads, { 0 } };
 		const unsigned char *seq_runs[1] = { seq_buf };
 		struct read_job seq = { seq_runs, 1, kv_bytes, 1, { 0 } };
@@ -340,14 +352,10 @@ int main(int argc, char **argv)
 	fprintf(json, "  ],\n  \"selection\": [\n");
 
 	/* Selection: one sequence, all 8 KV heads, contexts 2K..1M tokens. */
-	struct kvr_dev_params dp = { .kind = KVR_DEV_CPU, .threads = opt.threads[opt.n_threads - 1] - 1 };
 	struct kvr_dev *dev;
 	struct kvr_stream *stream;
-	char err[256];
-	if (kvr_dev_create(&dp, &dev, err, sizeof(err)) || kvr_dev_stream_create(dev, 0, &stream)) {
-		fprintf(stderr, "kernels_bench: %s\n", err);
+	if (open_cpu(opt.threads[opt.n_threads - 1], &dev, &stream))
 		return 1;
-	}
 	const uint32_t sink_pages = 512 / p, window_pages = 512 / p, k = (opt.budget_tokens - 1024) / p;
 	static const uint32_t contexts[] = { 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576 };
 	const uint32_t n_ctx = sizeof(contexts) / sizeof(contexts[0]);
@@ -388,7 +396,7 @@ int main(int argc, char **argv)
 		fprintf(json, "    {\"context_tokens\": %u, \"candidate_pages\": %u, \"threads\": %u, \"score_us\": %.2f, "
 			      "\"select_us\": %.2f, \"ns_per_page_head\": %.2f, \"summary_gbps\": %.3f, "
 			      "\"per_byte_vs_attention\": %.4f}%s\n",
-			contexts[c], cand, dp.threads + 1, sc * 1e6, se * 1e6,
+			contexts[c], cand, opt.threads[opt.n_threads - 1], sc * 1e6, se * 1e6,
 			cand ? (sc + se) / cand / n_kv * 1e9 : 0.0, sel_gbps, per_byte, c + 1 < n_ctx ? "," : "");
 		free(tsc), free(tse);
 	}

@@ -976,6 +976,18 @@ static int read_extents(struct kvr_spill *sp, uint32_t n_ext, unsigned char *con
 	return err ? err : first_fail;
 }
 
+/* The end of a read call, under sp->lock: a refusal before any read is
+ * every result; the lock released, the destinations array freed. */
+static int read_end(struct kvr_spill *sp, int refused, int err, unsigned char **dsts,
+		    int32_t *results, uint32_t n)
+{
+	for (uint32_t i = 0; refused && results && i < n; i++)
+		results[i] = refused;
+	free(dsts);
+	pthread_mutex_unlock(&sp->lock);
+	return err;
+}
+
 /* Read runs[i] into dsts[i] (or dst + i·dst_stride when dsts is NULL). */
 static int read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n,
 		     void *const *dsts_in, unsigned char *dst, uint64_t dst_stride, int32_t *results)
@@ -996,19 +1008,15 @@ static int read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, uin
 		if (!dsts || reserve_extents(sp, n))
 			err = spill_fail(sp, -ENOMEM, "spill: out of memory");
 	}
+	const int refused = err; /* before any read */
 	if (!err && n) {
 		for (uint32_t i = 0; i < n; i++) {
 			sp->extents[i] = (struct read_extent){ runs[i].slot, runs[i].run, 1, i };
 			dsts[i] = dsts_in ? (unsigned char *)dsts_in[i] : dst + (uint64_t)i * dst_stride;
 		}
 		err = read_extents(sp, n, dsts, results, n);
-	} else if (err && results) {
-		for (uint32_t i = 0; i < n; i++)
-			results[i] = err;
 	}
-	free(dsts);
-	pthread_mutex_unlock(&sp->lock);
-	return err;
+	return read_end(sp, refused, err, dsts, results, n);
 }
 
 int kvr_spill_read_runs(struct kvr_spill *sp, const struct kvr_spill_run *runs, uint32_t n, void *dst,
@@ -1046,6 +1054,7 @@ int kvr_spill_read_pages(struct kvr_spill *sp, const uint32_t *slots, uint32_t n
 		if (!dsts || reserve_extents(sp, n))
 			err = spill_fail(sp, -ENOMEM, "spill: out of memory");
 	}
+	const int refused = err; /* before any read */
 	if (!err && n) {
 		for (uint32_t i = 0; i < n; i++) {
 			sp->extents[i] = (struct read_extent){ slots[i], 0, rpp, i * rpp };
@@ -1064,13 +1073,8 @@ int kvr_spill_read_pages(struct kvr_spill *sp, const uint32_t *slots, uint32_t n
 			}
 		}
 		free(run_res);
-	} else if (err && results) {
-		for (uint32_t i = 0; i < n; i++)
-			results[i] = err;
 	}
-	free(dsts);
-	pthread_mutex_unlock(&sp->lock);
-	return err;
+	return read_end(sp, refused, err, dsts, results, n);
 }
 
 int kvr_spill_free(struct kvr_spill *sp, uint32_t slot)
