@@ -1097,21 +1097,42 @@ static int busy(uint32_t seq)
 	return M.step_open && M.seq[seq].in_step;
 }
 
+/* A call on a dead id, with a NULL context null_percent % of the time: refused
+ * with -EINVAL, logged when the context is there. */
+static void refuse_dead_id(const char *op, uint32_t null_percent,
+			   int (*call)(struct kvr_context *, uint32_t))
+{
+	const uint32_t id = dead_id();
+	const int nul = chance(null_percent);
+	struct kvr_context *ctx = nul ? NULL : M.ctx;
+	arm(ctx, op);
+	say("%s(%s%u)", op, nul ? "NULL ctx, " : "", id);
+	expect_fail(call(ctx, id), -EINVAL, ctx, op, !nul && M.log_on, 0);
+}
+
+static int truncate_to_zero(struct kvr_context *ctx, uint32_t id)
+{
+	return kvr_seq_truncate(ctx, id, 0);
+}
+
+/* A live sequence to free or truncate: one in the open step only while that
+ * case is still to be seen; UINT32_MAX when there is none. */
+static uint32_t pick_seq_to_change(void)
+{
+	const uint32_t id = pick_seq(0, 1);
+	if (busy(id) && !known_case(K_STEP_MEMBER))
+		return pick_seq(0, 0);
+	return id;
+}
+
 static void op_seq_free(void)
 {
 	T.op = "seq_free";
 	if (chance(10) || !M.n_alive) {
-		const uint32_t id = dead_id();
-		const int nul = chance(20);
-		arm(nul ? NULL : M.ctx, "seq_free");
-		say("seq_free(%s%u)", nul ? "NULL ctx, " : "", id);
-		expect_fail(kvr_seq_free(nul ? NULL : M.ctx, id), -EINVAL, nul ? NULL : M.ctx, "seq_free",
-			    !nul && M.log_on, 0);
+		refuse_dead_id("seq_free", 20, kvr_seq_free);
 		return;
 	}
-	uint32_t id = pick_seq(0, 1);
-	if (busy(id) && !known_case(K_STEP_MEMBER))
-		id = pick_seq(0, 0);
+	const uint32_t id = pick_seq_to_change();
 	if (id == UINT32_MAX)
 		return;
 	arm(M.ctx, "seq_free");
@@ -1181,17 +1202,10 @@ static void op_seq_truncate(void)
 {
 	T.op = "seq_truncate";
 	if (chance(8) || !M.n_alive) {
-		const int nul = chance(25);
-		const uint32_t id = dead_id();
-		arm(nul ? NULL : M.ctx, "seq_truncate");
-		say("seq_truncate(%s%u)", nul ? "NULL ctx, " : "", id);
-		expect_fail(kvr_seq_truncate(nul ? NULL : M.ctx, id, 0), -EINVAL, nul ? NULL : M.ctx,
-			    "seq_truncate", !nul && M.log_on, 0);
+		refuse_dead_id("seq_truncate", 25, truncate_to_zero);
 		return;
 	}
-	uint32_t id = pick_seq(0, 1);
-	if (busy(id) && !known_case(K_STEP_MEMBER))
-		id = pick_seq(0, 0);
+	const uint32_t id = pick_seq_to_change();
 	if (id == UINT32_MAX)
 		return;
 	const uint64_t have = min_len(&M.seq[id]);
