@@ -217,6 +217,60 @@ static uint8_t pattern(int t, uint64_t j)
 
 #define SYN_N_KV 24
 
+/* The synthetic file's scalar values, one of every type (in file order). */
+struct syn_scalar {
+	const char *key;
+	uint32_t type;
+	uint64_t bits; /* integers and bool, as their two's complement */
+	double real;   /* floats */
+};
+static const struct syn_scalar syn_scalars[] = {
+	{ "test.u8", GGUF_TYPE_UINT8, 200, 0 },
+	{ "test.i8", GGUF_TYPE_INT8, (uint8_t)-5, 0 },
+	{ "test.u16", GGUF_TYPE_UINT16, 60000, 0 },
+	{ "test.i16", GGUF_TYPE_INT16, (uint16_t)-30000, 0 },
+	{ "test.u32", GGUF_TYPE_UINT32, 4000000000u, 0 },
+	{ "test.i32", GGUF_TYPE_INT32, (uint32_t)-2000000000, 0 },
+	{ "test.i32_positive", GGUF_TYPE_INT32, 123, 0 },
+	{ "test.f32", GGUF_TYPE_FLOAT32, 0, 1.5 },
+	{ "test.bool", GGUF_TYPE_BOOL, 1, 0 },
+	{ "test.u64", GGUF_TYPE_UINT64, UINT64_C(1) << 40, 0 },
+	{ "test.u64_max", GGUF_TYPE_UINT64, UINT64_MAX, 0 },
+	{ "test.i64", GGUF_TYPE_INT64, (uint64_t)-(INT64_C(1) << 40), 0 },
+	{ "test.i64_small", GGUF_TYPE_INT64, 7, 0 },
+	{ "test.f64", GGUF_TYPE_FLOAT64, 0, 2.25 },
+	{ "test.f64_big", GGUF_TYPE_FLOAT64, 0, 1e300 },
+};
+
+static void kv_scalar(struct wbuf *b, const struct syn_scalar *v)
+{
+	w_key(b, v->key, v->type);
+	switch (v->type) {
+	case GGUF_TYPE_UINT8:
+	case GGUF_TYPE_INT8:
+	case GGUF_TYPE_BOOL:
+		put_u8(b, (uint8_t)v->bits);
+		break;
+	case GGUF_TYPE_UINT16:
+	case GGUF_TYPE_INT16:
+		put_u16(b, (uint16_t)v->bits);
+		break;
+	case GGUF_TYPE_UINT32:
+	case GGUF_TYPE_INT32:
+		put_u32(b, (uint32_t)v->bits);
+		break;
+	case GGUF_TYPE_FLOAT32:
+		put_f32(b, (float)v->real);
+		break;
+	case GGUF_TYPE_FLOAT64:
+		put_f64(b, v->real);
+		break;
+	default:
+		put_u64(b, v->bits);
+		break;
+	}
+}
+
 static void build_synth(struct synth *s)
 {
 	memset(s, 0, sizeof(*s));
@@ -230,35 +284,8 @@ static void build_synth(struct synth *s)
 	w_hdr(b, 3, SYN_TENSORS, SYN_N_KV);
 	kv_str(b, "general.architecture", "llama");
 	kv_u32(b, "general.alignment", SYN_ALIGN);
-	w_key(b, "test.u8", GGUF_TYPE_UINT8);
-	put_u8(b, 200);
-	w_key(b, "test.i8", GGUF_TYPE_INT8);
-	put_u8(b, (uint8_t)-5);
-	w_key(b, "test.u16", GGUF_TYPE_UINT16);
-	put_u16(b, 60000);
-	w_key(b, "test.i16", GGUF_TYPE_INT16);
-	put_u16(b, (uint16_t)-30000);
-	kv_u32(b, "test.u32", 4000000000u);
-	w_key(b, "test.i32", GGUF_TYPE_INT32);
-	put_u32(b, (uint32_t)-2000000000);
-	w_key(b, "test.i32_positive", GGUF_TYPE_INT32);
-	put_u32(b, 123);
-	w_key(b, "test.f32", GGUF_TYPE_FLOAT32);
-	put_f32(b, 1.5f);
-	w_key(b, "test.bool", GGUF_TYPE_BOOL);
-	put_u8(b, 1);
-	w_key(b, "test.u64", GGUF_TYPE_UINT64);
-	put_u64(b, UINT64_C(1) << 40);
-	w_key(b, "test.u64_max", GGUF_TYPE_UINT64);
-	put_u64(b, UINT64_MAX);
-	w_key(b, "test.i64", GGUF_TYPE_INT64);
-	put_u64(b, (uint64_t)-(INT64_C(1) << 40));
-	w_key(b, "test.i64_small", GGUF_TYPE_INT64);
-	put_u64(b, 7);
-	w_key(b, "test.f64", GGUF_TYPE_FLOAT64);
-	put_f64(b, 2.25);
-	w_key(b, "test.f64_big", GGUF_TYPE_FLOAT64);
-	put_f64(b, 1e300);
+	for (size_t i = 0; i < sizeof(syn_scalars) / sizeof(syn_scalars[0]); i++)
+		kv_scalar(b, &syn_scalars[i]);
 	kv_str(b, "test.empty_str", "");
 	w_arr(b, "test.arr_i32", GGUF_TYPE_INT32, 7);
 	put(b, syn_i32, sizeof(syn_i32));
