@@ -607,29 +607,20 @@ static void run_emu(struct kvr_dev *dev, void *ctx)
 	}
 	int rc = 0;
 	switch (op->kernel) {
-	case EMU_SCATTER:
-		rc = kvr_emu_launch_scatter(sh, op->items, op->n, NULL);
+#define LAUNCH_ITEMS(id, name)                                                                 \
+	case id:                                                                               \
+		rc = kvr_emu_launch_##name(sh, op->items, op->n, NULL);                        \
 		break;
-	case EMU_OFFLOAD:
-		rc = kvr_emu_launch_offload(sh, op->items, op->n, NULL);
-		break;
-	case EMU_SUMMARIZE:
-		rc = kvr_emu_launch_summarize(sh, op->items, op->n, NULL);
-		break;
-	case EMU_SCORE:
-		rc = kvr_emu_launch_score(sh, op->items, op->n, NULL);
-		break;
-	case EMU_SELECT:
-		rc = kvr_emu_launch_select(sh, op->items, op->n, NULL);
-		break;
-	case EMU_SIMILARITY:
-		rc = kvr_emu_launch_similarity(sh, op->items, op->n, NULL);
-		break;
+		LAUNCH_ITEMS(EMU_SCATTER, scatter)
+		LAUNCH_ITEMS(EMU_OFFLOAD, offload)
+		LAUNCH_ITEMS(EMU_SUMMARIZE, summarize)
+		LAUNCH_ITEMS(EMU_SCORE, score)
+		LAUNCH_ITEMS(EMU_SELECT, select)
+		LAUNCH_ITEMS(EMU_SIMILARITY, similarity)
+		LAUNCH_ITEMS(EMU_DENSE, dense)
+#undef LAUNCH_ITEMS
 	case EMU_ATTENTION:
 		rc = kvr_emu_launch_attention(sh, op->items, op->n, op->segments, op->n_segments, NULL);
-		break;
-	case EMU_DENSE:
-		rc = kvr_emu_launch_dense(sh, op->items, op->n, NULL);
 		break;
 	case EMU_FREELIST:
 		rc = kvr_emu_launch_freelist(op->items, op->n, NULL);
