@@ -369,6 +369,13 @@ KVR_API int kvr_config_validate(const struct kvr_config *cfg, char *message, siz
 	return err;
 }
 
+/* The enums' names: names[v], or "?" for a value without one. */
+#define NAMES_LEN(names) (sizeof(names) / sizeof((names)[0]))
+static const char *name_in(const char *const *names, size_t n, uint32_t v)
+{
+	return v < n && names[v] ? names[v] : "?";
+}
+
 static const char *const mode_names[] = {
 	[KVR_MODE_AUTO] = "auto",
 	[KVR_MODE_DENSE] = "dense",
@@ -379,7 +386,7 @@ static const char *const mode_names[] = {
 
 KVR_API const char *kvr_mode_name(uint32_t mode)
 {
-	return mode < sizeof(mode_names) / sizeof(mode_names[0]) ? mode_names[mode] : "?";
+	return name_in(mode_names, NAMES_LEN(mode_names), mode);
 }
 
 KVR_API int kvr_mode_parse(const char *name, uint32_t *mode)
@@ -396,46 +403,37 @@ KVR_API int kvr_mode_parse(const char *name, uint32_t *mode)
 			name);
 }
 
+static const char *const dtype_names[] = {
+	[KVR_DTYPE_F16] = "f16",
+	[KVR_DTYPE_BF16] = "bf16",
+	[KVR_DTYPE_F32] = "f32",
+};
+
 KVR_API const char *kvr_dtype_name(uint32_t dtype)
 {
-	switch (dtype) {
-	case KVR_DTYPE_F16:
-		return "f16";
-	case KVR_DTYPE_BF16:
-		return "bf16";
-	case KVR_DTYPE_F32:
-		return "f32";
-	default:
-		return "?";
-	}
+	return name_in(dtype_names, NAMES_LEN(dtype_names), dtype);
 }
+
+static const char *const recall_names[] = {
+	[KVR_RECALL_AUTO] = "auto",
+	[KVR_RECALL_ZERO_COPY] = "zero-copy",
+	[KVR_RECALL_STREAMED] = "streamed",
+};
 
 KVR_API const char *kvr_recall_name(uint32_t recall)
 {
-	switch (recall) {
-	case KVR_RECALL_AUTO:
-		return "auto";
-	case KVR_RECALL_ZERO_COPY:
-		return "zero-copy";
-	case KVR_RECALL_STREAMED:
-		return "streamed";
-	default:
-		return "?";
-	}
+	return name_in(recall_names, NAMES_LEN(recall_names), recall);
 }
+
+static const char *const controller_names[] = {
+	[KVR_CONTROLLER_AUTO] = "auto",
+	[KVR_CONTROLLER_THREAD] = "thread",
+	[KVR_CONTROLLER_INLINE] = "inline",
+};
 
 KVR_API const char *kvr_controller_name(uint32_t controller)
 {
-	switch (controller) {
-	case KVR_CONTROLLER_AUTO:
-		return "auto";
-	case KVR_CONTROLLER_THREAD:
-		return "thread";
-	case KVR_CONTROLLER_INLINE:
-		return "inline";
-	default:
-		return "?";
-	}
+	return name_in(controller_names, NAMES_LEN(controller_names), controller);
 }
 
 static const char *const kv_format_names[] = {
@@ -447,9 +445,7 @@ static const char *const kv_format_names[] = {
 
 KVR_API const char *kvr_kv_format_name(uint32_t kv_format)
 {
-	return kv_format < sizeof(kv_format_names) / sizeof(kv_format_names[0])
-		       ? kv_format_names[kv_format]
-		       : "?";
+	return name_in(kv_format_names, NAMES_LEN(kv_format_names), kv_format);
 }
 
 KVR_API int kvr_kv_format_parse(const char *name, uint32_t *kv_format)
@@ -471,16 +467,13 @@ KVR_API int kvr_kv_format_parse(const char *name, uint32_t *kv_format)
 			name);
 }
 
+static const char *const backend_names[] = {
+	[KVR_BACKEND_AUTO] = "auto",
+	[KVR_BACKEND_CPU] = "cpu",
+	[KVR_BACKEND_CUDA] = "cuda",
+};
+
 KVR_API const char *kvr_backend_name(uint32_t backend)
 {
-	switch (backend) {
-	case KVR_BACKEND_AUTO:
-		return "auto";
-	case KVR_BACKEND_CPU:
-		return "cpu";
-	case KVR_BACKEND_CUDA:
-		return "cuda";
-	default:
-		return "?";
-	}
+	return name_in(backend_names, NAMES_LEN(backend_names), backend);
 }

@@ -1079,13 +1079,22 @@ static int integer_of(const struct gguf *g, const char *key, bool *neg, uint64_t
 	return integer(g, kv, neg, mag) < 0 ? -EINVAL : 0;
 }
 
+/* The integer at key when it lies in [-neg_limit, pos_limit] (as sign and
+ * magnitude): 0, -ENOENT, -EINVAL (not an integer) or -ERANGE. */
+static int integer_within(const struct gguf *g, const char *key, uint64_t neg_limit,
+			  uint64_t pos_limit, bool *neg, uint64_t *mag)
+{
+	const int rc = integer_of(g, key, neg, mag);
+	if (!rc && *mag > (*neg ? neg_limit : pos_limit))
+		return -ERANGE;
+	return rc;
+}
+
 int gguf_get_u32(const struct gguf *g, const char *key, uint32_t *out)
 {
 	bool neg;
 	uint64_t mag;
-	int rc = integer_of(g, key, &neg, &mag);
-	if (!rc && (neg || mag > UINT32_MAX))
-		rc = -ERANGE;
+	const int rc = integer_within(g, key, 0, UINT32_MAX, &neg, &mag);
 	if (!rc && out)
 		*out = (uint32_t)mag;
 	return rc;
@@ -1095,9 +1104,7 @@ int gguf_get_u64(const struct gguf *g, const char *key, uint64_t *out)
 {
 	bool neg;
 	uint64_t mag;
-	int rc = integer_of(g, key, &neg, &mag);
-	if (!rc && neg)
-		rc = -ERANGE;
+	const int rc = integer_within(g, key, 0, UINT64_MAX, &neg, &mag);
 	if (!rc && out)
 		*out = mag;
 	return rc;
@@ -1107,9 +1114,8 @@ int gguf_get_i64(const struct gguf *g, const char *key, int64_t *out)
 {
 	bool neg;
 	uint64_t mag;
-	int rc = integer_of(g, key, &neg, &mag);
-	if (!rc && !neg && mag > INT64_MAX) /* a negative one came from an int64 */
-		rc = -ERANGE;
+	/* a negative value came from an int64, so it fits */
+	const int rc = integer_within(g, key, UINT64_MAX, INT64_MAX, &neg, &mag);
 	if (!rc && out)
 		*out = neg ? (int64_t)(0 - mag) : (int64_t)mag;
 	return rc;
