@@ -224,6 +224,18 @@ static int enqueue_begin(struct kvr_dev *dev, device_scope &scope, cudaStream_t 
 	return 0;
 }
 
+/* An enqueueing op on `stream`: enqueue_begin, then body(cs, cd) with the
+ * device current for the whole body. */
+template <typename Body>
+static int enqueue_on(struct kvr_dev *dev, struct kvr_stream *stream, const char *op, Body body)
+{
+	struct cuda_stream *cs = as_stream(stream);
+	struct cuda_dev *cd = impl(dev);
+	device_scope scope(cd->device);
+	const int rc = enqueue_begin(dev, scope, cs->s, op);
+	return rc ? rc : body(cs, cd);
+}
+
 /* ------------------------------------------------------------------ memory */
 
 static int op_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
@@ -428,25 +440,19 @@ static void op_event_destroy(struct kvr_dev *dev, struct kvr_event *event)
 
 static int op_event_record(struct kvr_dev *dev, struct kvr_event *event, struct kvr_stream *stream)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "event_record");
-	if (rc)
-		return rc;
-	const cudaError_t e = cudaEventRecord(as_event(event), cs->s);
-	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaEventRecord");
+	return enqueue_on(dev, stream, "event_record", [&](struct cuda_stream *cs, struct cuda_dev *) {
+		const cudaError_t e = cudaEventRecord(as_event(event), cs->s);
+		return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaEventRecord");
+	});
 }
 
 static int op_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *stream,
 				struct kvr_event *event)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "stream_wait_event");
-	if (rc)
-		return rc;
-	const cudaError_t e = cudaStreamWaitEvent(cs->s, as_event(event), cudaEventWaitDefault);
-	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaStreamWaitEvent");
+	return enqueue_on(dev, stream, "stream_wait_event", [&](struct cuda_stream *cs, struct cuda_dev *) {
+		const cudaError_t e = cudaStreamWaitEvent(cs->s, as_event(event), cudaEventWaitDefault);
+		return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaStreamWaitEvent");
+	});
 }
 
 static int op_event_query(struct kvr_dev *dev, struct kvr_event *event)
@@ -520,15 +526,13 @@ static int order_pageable_source(struct kvr_dev *dev, struct cuda_stream *cs, co
 static int op_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size_t bytes,
 			   uint32_t kind, struct kvr_stream *stream)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "memcpy_async");
-	if (rc)
-		return rc;
-	if ((rc = order_pageable_source(dev, cs, src, kind)))
-		return rc;
-	const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, copy_kind(kind), cs->s);
-	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaMemcpyAsync");
+	return enqueue_on(dev, stream, "memcpy_async", [&](struct cuda_stream *cs, struct cuda_dev *) {
+		const int rc = order_pageable_source(dev, cs, src, kind);
+		if (rc)
+			return rc;
+		const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, copy_kind(kind), cs->s);
+		return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaMemcpyAsync");
+	});
 }
 
 /* Descriptors [i, n) one cudaMemcpyAsync each. */
@@ -652,12 +656,9 @@ static int kernel_result(struct kvr_dev *dev, int rc)
 	static int op_##op(struct kvr_dev *dev, const struct kvr_shape *shape,               \
 			   const struct item_type *items, uint32_t n, struct kvr_stream *stream) \
 	{                                                                                   \
-		struct cuda_stream *cs = as_stream(stream);                                 \
-		device_scope scope(impl(dev)->device);                                      \
-		int rc = enqueue_begin(dev, scope, cs->s, #op);                             \
-		if (rc)                                                                     \
-			return rc;                                                          \
-		return kernel_result(dev, launcher(shape, items, n, cs->s));                \
+		return enqueue_on(dev, stream, #op, [&](struct cuda_stream *cs, struct cuda_dev *) { \
+			return kernel_result(dev, launcher(shape, items, n, cs->s));        \
+		});                                                                         \
 	}
 
 KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter))
@@ -668,12 +669,9 @@ KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity))
 static int op_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		       struct kvr_stream *stream)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "freelist");
-	if (rc)
-		return rc;
-	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_freelist)(items, n, cs->s));
+	return enqueue_on(dev, stream, "freelist", [&](struct cuda_stream *cs, struct cuda_dev *) {
+		return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_freelist)(items, n, cs->s));
+	});
 }
 
 /*
@@ -747,17 +745,14 @@ static int attention_scratch(struct kvr_dev *dev, struct cuda_stream *cs, const 
 static int op_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		    const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	struct cuda_dev *cd = impl(dev);
-	device_scope scope(cd->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "dense");
-	if (!rc)
-		rc = attention_scratch(dev, cs, shape, n);
-	if (rc)
-		return rc;
-	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_dense_scratch)(
-					  shape, items, n, cs->scratch, cs->scratch_bytes,
-					  cd->sm_count, cs->s));
+	return enqueue_on(dev, stream, "dense", [&](struct cuda_stream *cs, struct cuda_dev *cd) {
+		const int rc = attention_scratch(dev, cs, shape, n);
+		if (rc)
+			return rc;
+		return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_dense_scratch)(
+						  shape, items, n, cs->scratch, cs->scratch_bytes,
+						  cd->sm_count, cs->s));
+	});
 }
 
 /* The ops table passes device items only, so kvr_cuda_select_topk has no
@@ -766,14 +761,12 @@ static int select_on(struct kvr_dev *dev, const struct kvr_shape *shape, const s
 		     const struct kvr_score_item *items_host, uint32_t n, struct kvr_stream *stream,
 		     const char *what)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, what);
-	if (rc)
-		return rc;
-	char msg[KVR_DEV_MESSAGE_BYTES];
-	rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg, sizeof(msg));
-	return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
+	return enqueue_on(dev, stream, what, [&](struct cuda_stream *cs, struct cuda_dev *) {
+		char msg[KVR_DEV_MESSAGE_BYTES];
+		const int rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg,
+						    sizeof(msg));
+		return rc ? kvr_dev_fail(dev, rc, "%s", msg) : 0;
+	});
 }
 
 static int op_select(struct kvr_dev *dev, const struct kvr_shape *shape,
@@ -804,17 +797,14 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_kv_segment *segments, uint32_t n_segments,
 			struct kvr_stream *stream)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	struct cuda_dev *cd = impl(dev);
-	device_scope scope(cd->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "attention");
-	if (!rc)
-		rc = attention_scratch(dev, cs, shape, n);
-	if (rc)
-		return rc;
-	return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_attention_scratch)(
-					  shape, items, n, segments, n_segments, cs->scratch,
-					  cs->scratch_bytes, cd->sm_count, cs->s));
+	return enqueue_on(dev, stream, "attention", [&](struct cuda_stream *cs, struct cuda_dev *cd) {
+		const int rc = attention_scratch(dev, cs, shape, n);
+		if (rc)
+			return rc;
+		return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_attention_scratch)(
+						  shape, items, n, segments, n_segments, cs->scratch,
+						  cs->scratch_bytes, cd->sm_count, cs->s));
+	});
 }
 
 /* The host function runs on a CUDA runtime thread in stream order; work
@@ -823,13 +813,10 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 static int op_host_fn(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
 		      void *arg)
 {
-	struct cuda_stream *cs = as_stream(stream);
-	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "host_fn");
-	if (rc)
-		return rc;
-	const cudaError_t e = cudaLaunchHostFunc(cs->s, fn, arg);
-	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaLaunchHostFunc");
+	return enqueue_on(dev, stream, "host_fn", [&](struct cuda_stream *cs, struct cuda_dev *) {
+		const cudaError_t e = cudaLaunchHostFunc(cs->s, fn, arg);
+		return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaLaunchHostFunc");
+	});
 }
 
 /* ------------------------------------------------------------------ device */
