@@ -819,10 +819,19 @@ int kq_matvec_act_type(uint32_t type)
  * activation is prepared (vector paths) once per chunk of KQ_ACT_CHUNK
  * blocks, a multiple of 16, so block b keeps lane b mod 16 across chunks. */
 #define KQ_ROW_TILE 64u
+typedef void rows_fn(const uint8_t *w, uint64_t row_bytes, const struct kq_act *xa, uint64_t nb,
+		     float *acc, uint64_t nrows, bool first, float *y);
 static void matvec_int(uint32_t type, const uint8_t *w, uint64_t row_bytes, uint64_t nb,
 		       const uint8_t *x, float *y, uint64_t r0, uint64_t r1)
 {
 	const enum kq_isa isa = kq_isa_active();
+	/* the vector paths' row functions, [isa][type is Q8_0] */
+	static rows_fn *const vector_rows[KQ_ISA_COUNT][2] = {
+		[KQ_ISA_AVX2] = { rows_q4_1_avx2, rows_q8_0_avx2 },
+		[KQ_ISA_AVX512BW] = { rows_q4_1_avx512bw, rows_q8_0_avx512bw },
+		[KQ_ISA_AVX512VNNI] = { rows_q4_1_avx512vnni, rows_q8_0_avx512vnni },
+	};
+	rows_fn *const rows = vector_rows[isa][type == KQ_TYPE_Q8_0];
 	const uint32_t wbytes = type == KQ_TYPE_Q4_1 ? KQ_Q4_1_BYTES : KQ_Q8_0_BYTES;
 	const uint32_t xbytes = type == KQ_TYPE_Q4_1 ? KQ_Q8_1_BYTES : KQ_Q8_0_BYTES;
 	float acc[KQ_ROW_TILE * 16];
@@ -853,26 +862,7 @@ static void matvec_int(uint32_t type, const uint8_t *w, uint64_t row_bytes, uint
 			float *yt = c0 + cn == nb ? y + t0 : NULL; /* the last chunk folds into y */
 			if (!one_chunk)
 				act_prepare(type, x + c0 * xbytes, cn, &act);
-			switch (isa * 2 + (type == KQ_TYPE_Q8_0)) {
-			case KQ_ISA_AVX512VNNI * 2:
-				rows_q4_1_avx512vnni(wt, row_bytes, &act, cn, acc, n, first, yt);
-				break;
-			case KQ_ISA_AVX512VNNI * 2 + 1:
-				rows_q8_0_avx512vnni(wt, row_bytes, &act, cn, acc, n, first, yt);
-				break;
-			case KQ_ISA_AVX512BW * 2:
-				rows_q4_1_avx512bw(wt, row_bytes, &act, cn, acc, n, first, yt);
-				break;
-			case KQ_ISA_AVX512BW * 2 + 1:
-				rows_q8_0_avx512bw(wt, row_bytes, &act, cn, acc, n, first, yt);
-				break;
-			case KQ_ISA_AVX2 * 2:
-				rows_q4_1_avx2(wt, row_bytes, &act, cn, acc, n, first, yt);
-				break;
-			default:
-				rows_q8_0_avx2(wt, row_bytes, &act, cn, acc, n, first, yt);
-				break;
-			}
+			rows(wt, row_bytes, &act, cn, acc, n, first, yt);
 		}
 	}
 }
