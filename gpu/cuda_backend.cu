@@ -203,6 +203,16 @@ static int enter(struct kvr_dev *dev, device_scope &scope)
 	return 0;
 }
 
+/* The op's device made current for the rest of the op (scope's lifetime),
+ * or the op returns enter's error. */
+#define ENTER_DEVICE(dev)                                                                   \
+	device_scope scope(impl(dev)->device);                                              \
+	do {                                                                                \
+		const int enter_rc = enter(dev, scope);                                     \
+		if (enter_rc)                                                               \
+			return enter_rc;                                                    \
+	} while (0)
+
 /* Every enqueueing op starts here: the device, then a refusal while the stream
  * is being captured (a captured op would silently become part of someone's
  * graph instead of running). A context broken by an earlier kernel shows up
@@ -240,10 +250,7 @@ static int enqueue_on(struct kvr_dev *dev, struct kvr_stream *stream, const char
 
 static int op_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
+	ENTER_DEVICE(dev);
 	void *p = NULL;
 	const cudaError_t e = cudaMalloc(&p, bytes);
 	if (e != cudaSuccess)
@@ -263,10 +270,7 @@ static void op_free(struct kvr_dev *dev, void *ptr)
 
 static int op_host_register(struct kvr_dev *dev, void *ptr, size_t bytes)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
+	ENTER_DEVICE(dev);
 	/* Portable: usable by every device of the process; Mapped: device code
 	 * can read it (device-side recall planning, zero-copy attention). */
 	const cudaError_t e =
@@ -283,10 +287,7 @@ static int op_host_register(struct kvr_dev *dev, void *ptr, size_t bytes)
 
 static int op_host_unregister(struct kvr_dev *dev, void *ptr)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
+	ENTER_DEVICE(dev);
 	const cudaError_t e = cudaHostUnregister(ptr);
 	if (e == cudaErrorHostMemoryNotRegistered) {
 		(void)cudaGetLastError();
@@ -305,10 +306,7 @@ static int op_host_unregister(struct kvr_dev *dev, void *ptr)
 static int stream_open(struct kvr_dev *dev, const char *what, bool borrowed, cudaStream_t native,
 		       struct kvr_stream **out)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
+	ENTER_DEVICE(dev);
 	struct cuda_stream *cs =
 		static_cast<struct cuda_stream *>(calloc(1, sizeof(struct cuda_stream)));
 	if (!cs || !(cs->topk = kvr_cuda_topk_create())) {
@@ -326,7 +324,7 @@ static int stream_open(struct kvr_dev *dev, const char *what, bool borrowed, cud
 			(void)cudaStreamDestroy(cs->s);
 	}
 	if (e != cudaSuccess) {
-		rc = cuda_fail(dev, e, failed);
+		const int rc = cuda_fail(dev, e, failed);
 		kvr_cuda_topk_destroy(cs->topk, NULL);
 		free(cs);
 		return rc;
@@ -418,10 +416,7 @@ static int op_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *stream)
 
 static int op_event_create(struct kvr_dev *dev, struct kvr_event **out)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
+	ENTER_DEVICE(dev);
 	cudaEvent_t ev;
 	const cudaError_t e =
 		cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
@@ -457,10 +452,7 @@ static int op_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *stream,
 
 static int op_event_query(struct kvr_dev *dev, struct kvr_event *event)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
+	ENTER_DEVICE(dev);
 	const cudaError_t e = cudaEventQuery(as_event(event));
 	if (e == cudaSuccess)
 		return 0;
@@ -473,10 +465,7 @@ static int op_event_query(struct kvr_dev *dev, struct kvr_event *event)
 
 static int op_event_synchronize(struct kvr_dev *dev, struct kvr_event *event)
 {
-	device_scope scope(impl(dev)->device);
-	int rc = enter(dev, scope);
-	if (rc)
-		return rc;
+	ENTER_DEVICE(dev);
 	const cudaError_t e = wait_event(as_event(event));
 	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "event_synchronize");
 }
