@@ -1,308 +1,358 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * bench_recall.c — `kvrecall bench recall`: how long one layer's recall takes
- * on this machine, for a model shape, budget, batch size and miss rate.
+ * on this machine, for a model shape, budget, batch size and miss rate,
+ * measured on the scheduler's own recall code (scheduler/recall.c).
  *
- * One layer's recall moves, for each of `batch` sequences and each KV head,
- * the missed pages among the k = (B − S − W)/p it selected: misses =
- * batch · n_kv · k · miss_rate HND runs of 2·p·d elements, from random pages
- * of a pinned host pool several times the last-level cache into random slots
- * of the device page cache (NHD tiles). It is done the way the scheduler does
- * it (scheduler/recall.c): chunks of `chunk` runs are copied into a staging
- * buffer on the copy stream (one batched copy per chunk; with the NHD pool
- * layout 2·p row copies per run) and scattered into their slots on the
- * convert stream; with two buffers the copy of chunk c+1 overlaps the scatter
- * of chunk c, ordered by `staged`/`drained` events. Zero-copy (HND pool only)
- * scatters straight from the pool, with no staging and no copy call.
- * Quantised pools (K8V4, K4V2: layouts/kvquant.h) recall as the scheduler
- * does them: each chunk's runs copied straight into their slots (no staging,
- * nothing to convert), so their time shows what the smaller runs buy.
+ * For each pool format (f16 pages in HND, the NHD-pool ablation, K8V4, K4V2)
+ * a one-layer context is made with `batch` sequences, streamed recall and the
+ * largest budget asked for, and every sequence is prefilled with distinct
+ * random keys and values until the pool holds --pool-mib (beyond any
+ * last-level cache). Then, for each budget B (k = (B − S − W)/p pages a head),
+ * staging-buffer count and chunk size, the bench writes each lane's selection
+ * as the controller's select kernel would (k ascending pages per KV head) and
+ * calls kvr_recall_issue on every lane, as the controller does: it plans hits
+ * and misses against the lane's slot table, then moves the misses in chunks
+ * through the staging buffers (copy stream) into their slots (convert stream),
+ * or for quantised pages straight into the device page cache's units. A timed
+ * round first swaps round(k · miss rate) of each head's pages for pages it
+ * does not hold, so misses = batch · KV heads · that; the time runs from the
+ * first issue to the last lane's recall_done event.
  *
- * Every variant is first run once into scribbled slots and every recalled
- * row is compared byte for byte with the pool; a mismatch fails the command
- * before anything is timed. Then: the latency of one layer's recall (enqueue
- * all chunks, synchronise the convert stream), the median of --reps runs,
- * its bandwidth, and that bandwidth ÷ the peak pinned host->device copy rate
- * measured in the same run (as `bench copy` measures it).
+ * Before anything is timed, every variant recalls a fresh selection and then
+ * one round of misses, and after each every slot is read back and compared
+ * byte for byte with its page in the pool; a mismatch fails the command.
+ * Reported: the median of --reps rounds, its bandwidth, and that bandwidth ÷
+ * the peak pinned host->device copy rate measured in the same run (as
+ * `bench copy` measures it).
  *
- * --trace FILE: after timing, each variant's layer runs once more with host
- * functions stamping every chunk's copy and scatter on their streams; the
- * spans go to a Chrome trace-event file, one "process" per variant.
+ * --trace FILE: the scheduler's own trace (kvr_trace_start) of one more round
+ * of the two-buffer HND variant at the first budget and chunk size: each
+ * chunk's copy and scatter on its stream.
  *
- * Threads: the caller's; the cpu backend's copy and convert streams are
- * worker streams (as in the scheduler), so they overlap there too; --trace's
- * stamps run on whichever thread runs each stream's host functions.
+ * Threads: the caller's, which plays the controller (no decode step runs, so
+ * it owns every lane); the copy and convert streams are the scheduler's
+ * worker streams, so they overlap on the cpu backend too.
  */
 #include <errno.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
 #include "bench_common.h"
 #include "bench_shape.h"
 #include "../gpu/backend.h"
+#include "../host/pool.h"
+#include "../layouts/half.h"
+#include "../layouts/kvquant.h"
+#include "../runtime/internal.h"
+#include "../scheduler/sched_impl.h"
 
-enum { POOL_HND, POOL_NHD, POOL_ZERO_COPY, POOL_K8V4, POOL_K4V2 };
+enum { POOL_HND, POOL_NHD, POOL_K8V4, POOL_K4V2, N_POOLS };
 
-static int layout_quantised(uint32_t l)
+static const char *const pool_names[N_POOLS] = { "hnd", "nhd", "k8v4", "k4v2" };
+
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+static uint64_t rng(void)
 {
-	return l == POOL_K8V4 || l == POOL_K4V2;
+	return bench_xorshift(&rng_state);
 }
 
-struct recall_env {
-	struct kvr_dev *dev;
-	struct bench_shape sh;
-	struct kvr_shape kshape;
-	uint64_t run_bytes, page_bytes, tile_bytes, row_bytes;
-	unsigned char *pool[2]; /* [POOL_HND], [POOL_NHD]: the same pages in each layout */
-	uint64_t pool_pages;
-	/* quantised pools ([0] K8V4, [1] K4V2; pool_pages pages of random bytes:
-	 * recall moves bytes, so their values do not matter) and run sizes */
-	unsigned char *qpool[2];
-	uint64_t qrun_bytes[2];
-	unsigned char *slots;   /* device: n_tiles K/V tile pairs */
-	uint32_t n_tiles;
-	unsigned char *staging[2];
-	struct kvr_stream *copy, *convert;
-	struct kvr_event *staged[2], *drained[2];
-	/* this budget's misses: pool page, head and slot tile of each */
-	uint32_t n_miss, *miss_page, *miss_head, *miss_tile;
-	struct kvr_copy_desc *descs;       /* host, one chunk's */
-	struct kvr_scatter_item *items;    /* host, every miss's item */
-	struct kvr_scatter_item *items_dev; /* device twin, per variant */
-	uint32_t reps;
-	struct span *spans;     /* --trace: this layer's chunk spans, or NULL */
-	uint32_t n_spans, max_spans;
+/* One pool format's context, its sequences prefilled; the caller's thread
+ * plays the controller on its lanes. */
+struct format_env {
+	uint32_t pool;
+	struct kvr_context *ctx;
+	struct kvr_sched *s;
+	uint32_t batch, n_pages; /* sequences, full pages in each */
+	uint8_t *all_heads;      /* [n_kv] all 1: recall every head */
+	unsigned char *back;     /* a slot or unit read back */
 };
 
-/* --trace: one copy or scatter chunk as its stream ran it, stamped by host
- * functions the stream runs before and after it (as the scheduler's own
- * trace does). The stamps are written on the stream's host-function thread
- * and read after the stream is synchronised, which orders them. */
-struct span {
-	const char *name;
-	uint32_t track; /* 0 copy stream, 1 convert stream */
-	uint32_t count; /* runs */
-	_Atomic double begin, end;
-};
-
-static void stamp_begin(void *arg)
+static int sched_fail(const struct format_env *f, const char *what, int err)
 {
-	/* relaxed: read after a stream synchronise (see struct span) */
-	atomic_store_explicit(&((struct span *)arg)->begin, bench_now_s(), memory_order_relaxed);
+	const char *why = f->s->last_error[0] ? f->s->last_error : kvr_dev_last_error(f->s->dev);
+	fprintf(stderr, "kvrecall bench recall: %s pool: %s: %s (%d)\n", pool_names[f->pool], what,
+		why[0] ? why : "failed", err);
+	return err ? err : -EIO;
 }
 
-static void stamp_end(void *arg)
+/* Distinct random f16 values in [-1, 1], two per row stamped with the token's
+ * position so that no two rows of a sequence are alike. */
+static void fill_rows(uint16_t *rows, uint64_t first_pos, uint32_t n_tokens, uint32_t row_elems,
+		      uint32_t salt)
 {
-	atomic_store_explicit(&((struct span *)arg)->end, bench_now_s(), memory_order_relaxed);
-}
-
-/* Bracket the work enqueued between span_open and span_close on `stream`. */
-static struct span *span_open(struct recall_env *e, struct kvr_stream *stream, const char *name, uint32_t track,
-			      uint32_t count)
-{
-	if (!e->spans || e->n_spans == e->max_spans)
-		return NULL;
-	struct span *sp = &e->spans[e->n_spans++];
-	sp->name = name, sp->track = track, sp->count = count;
-	atomic_store_explicit(&sp->begin, 0.0, memory_order_relaxed);
-	atomic_store_explicit(&sp->end, 0.0, memory_order_relaxed);
-	return kvr_dev_host_fn(e->dev, stream, stamp_begin, sp) ? NULL : sp;
-}
-
-static void span_close(struct recall_env *e, struct kvr_stream *stream, struct span *sp)
-{
-	if (sp)
-		kvr_dev_host_fn(e->dev, stream, stamp_end, sp);
-}
-
-static int fail(struct recall_env *e, const char *what)
-{
-	fprintf(stderr, "kvrecall bench recall: %s: %s\n", what, kvr_dev_last_error(e->dev));
-	return -EIO;
-}
-
-/* Enqueue one layer's recall in `layout`, `buffers` and `chunk`; the caller
- * synchronises the convert stream. */
-static int recall_layer(struct recall_env *e, uint32_t layout, uint32_t buffers, uint32_t chunk)
-{
-	const uint32_t p = e->sh.page_tokens, n_kv = e->sh.n_kv_heads;
-	if (layout_quantised(layout)) {
-		/* as scheduler/recall.c's recall_quantised: runs straight into their
-		 * slots (tile j holds n_kv runs), one batched copy per chunk on the
-		 * copy stream; the convert stream waits for it so that callers
-		 * synchronise one stream for every variant */
-		const uint32_t q = layout == POOL_K4V2;
-		const uint64_t rb = e->qrun_bytes[q];
-		/* the slots' last user is the convert stream (as a lane's last
-		 * attention is for the scheduler): the copies wait for it */
-		if (kvr_dev_event_record(e->dev, e->drained[0], e->convert) ||
-		    kvr_dev_stream_wait_event(e->dev, e->copy, e->drained[0]))
-			return fail(e, "quantised recall's event");
-		for (uint32_t at = 0; at < e->n_miss; at += chunk) {
-			const uint32_t n = e->n_miss - at < chunk ? e->n_miss - at : chunk;
-			for (uint32_t i = 0; i < n; i++)
-				e->descs[i] = (struct kvr_copy_desc){
-					(e->miss_page[at + i] * n_kv + e->miss_head[at + i]) * rb,
-					((uint64_t)e->miss_tile[at + i] * n_kv + e->miss_head[at + i]) * rb, rb };
-			struct span *sp = span_open(e, e->copy, "copy chunk", 0, n);
-			const int err = kvr_dev_memcpy_batch_async(e->dev, e->slots, e->qpool[q], e->descs, n,
-								   KVR_COPY_H2D, e->copy);
-			span_close(e, e->copy, sp);
-			if (err)
-				return fail(e, "quantised copy");
-		}
-		if (kvr_dev_event_record(e->dev, e->staged[0], e->copy) ||
-		    kvr_dev_stream_wait_event(e->dev, e->convert, e->staged[0]))
-			return fail(e, "quantised recall's event");
-		return 0;
+	for (uint32_t t = 0; t < n_tokens; t++) {
+		uint16_t *r = rows + (uint64_t)t * row_elems;
+		for (uint32_t i = 0; i < row_elems; i++)
+			r[i] = kvr_f32_to_f16((float)(int32_t)(rng() % 2001 - 1000) / 1000.0f);
+		const uint64_t pos = first_pos + t;
+		r[0] = kvr_f32_to_f16((float)(pos & 1023));
+		r[1] = kvr_f32_to_f16((float)((pos >> 10 & 1023) ^ salt));
 	}
-	/* the items: from staging (chunk-relative) or, zero-copy, the pool */
-	for (uint32_t i = 0; i < e->n_miss; i++) {
-		const unsigned char *run =
-			layout == POOL_ZERO_COPY
-				? e->pool[POOL_HND] + e->miss_page[i] * e->page_bytes + e->miss_head[i] * e->run_bytes
-				: e->staging[(i / chunk) % buffers] + (uint64_t)(i % chunk) * e->run_bytes;
-		unsigned char *tile = e->slots + (uint64_t)e->miss_tile[i] * 2 * e->tile_bytes;
-		e->items[i] = (struct kvr_scatter_item){ run, tile, tile + e->tile_bytes, e->miss_head[i], 0 };
-	}
-	if (kvr_dev_memcpy_async(e->dev, e->items_dev, e->items, e->n_miss * sizeof(*e->items), KVR_COPY_H2D,
-				 e->convert))
-		return fail(e, "item upload");
-	if (layout == POOL_ZERO_COPY) {
-		struct span *sp = span_open(e, e->convert, "zero-copy scatter", 1, e->n_miss);
-		const int err = kvr_dev_scatter(e->dev, &e->kshape, e->items_dev, e->n_miss, e->convert);
-		span_close(e, e->convert, sp);
-		return err ? fail(e, "scatter") : 0;
-	}
-	for (uint32_t at = 0, c = 0; at < e->n_miss; at += chunk, c++) {
-		const uint32_t n = e->n_miss - at < chunk ? e->n_miss - at : chunk, b = c % buffers;
-		int err = kvr_dev_stream_wait_event(e->dev, e->copy, e->drained[b]);
-		struct span *sp = err ? NULL : span_open(e, e->copy, "copy chunk", 0, n);
-		if (!err && layout == POOL_HND) {
-			for (uint32_t i = 0; i < n; i++)
-				e->descs[i] = (struct kvr_copy_desc){
-					e->miss_page[at + i] * e->page_bytes + e->miss_head[at + i] * e->run_bytes,
-					(uint64_t)i * e->run_bytes, e->run_bytes };
-			err = kvr_dev_memcpy_batch_async(e->dev, e->staging[b], e->pool[POOL_HND], e->descs, n,
-							 KVR_COPY_H2D, e->copy);
-		} else if (!err) { /* token-major pages: 2·p rows per run */
-			for (uint32_t i = 0; i < n && !err; i++) {
-				const unsigned char *page = e->pool[POOL_NHD] + e->miss_page[at + i] * e->page_bytes;
-				for (uint32_t r = 0; r < 2 * p && !err; r++)
-					err = kvr_dev_memcpy_async(e->dev, e->staging[b] + i * e->run_bytes + r * e->row_bytes,
-								   page + ((uint64_t)r * n_kv + e->miss_head[at + i]) * e->row_bytes,
-								   e->row_bytes, KVR_COPY_H2D, e->copy);
-			}
-		}
-		span_close(e, e->copy, sp);
-		if (!err)
-			err = kvr_dev_event_record(e->dev, e->staged[b], e->copy);
-		if (!err)
-			err = kvr_dev_stream_wait_event(e->dev, e->convert, e->staged[b]);
-		sp = err ? NULL : span_open(e, e->convert, "scatter chunk", 1, n);
-		if (!err)
-			err = kvr_dev_scatter(e->dev, &e->kshape, e->items_dev + at, n, e->convert);
-		span_close(e, e->convert, sp);
-		if (!err)
-			err = kvr_dev_event_record(e->dev, e->drained[b], e->convert);
-		if (err)
-			return fail(e, "recall chunk");
-	}
-	return 0;
 }
 
-/* Scribble the slots, recall once, read every recalled row back and compare
- * it with the pool. 0 when byte-exact. */
-static int check_layer(struct recall_env *e, uint32_t layout, uint32_t buffers, uint32_t chunk)
+static void format_close(struct format_env *f)
 {
-	const uint64_t slot_bytes = (uint64_t)e->n_tiles * 2 * e->tile_bytes;
-	unsigned char *back = malloc(slot_bytes);
-	if (!back)
+	kvr_context_destroy(f->ctx);
+	free(f->all_heads);
+	free(f->back);
+	memset(f, 0, sizeof(*f));
+}
+
+/* The context of pool format f->pool, its sequences prefilled with n_pages
+ * full pages each. */
+static int format_open(struct format_env *f, const char *backend, const struct bench_shape *sh,
+		       uint32_t batch, uint32_t budget, uint32_t sink, uint32_t window, uint32_t n_pages)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_layers = 1, c.n_qo_heads = sh->n_qo_heads, c.n_kv_heads = sh->n_kv_heads;
+	c.head_dim = sh->head_dim, c.page_tokens = sh->page_tokens, c.dtype = KVR_DTYPE_F16;
+	c.budget_tokens = budget, c.sink_tokens = sink, c.window_tokens = window;
+	c.mode = KVR_MODE_BLOCKING, c.recall = KVR_RECALL_STREAMED;
+	c.max_sequences = c.max_batch = batch;
+	c.pool_layout = f->pool == POOL_NHD ? KVR_POOL_NHD : KVR_POOL_HND;
+	c.kv_format = f->pool == POOL_K8V4   ? KVR_KV_FORMAT_K8V4
+		      : f->pool == POOL_K4V2 ? KVR_KV_FORMAT_K4V2
+					     : KVR_KV_FORMAT_PLAIN;
+	c.dense_layers[0] = 0; /* the one layer is sparse: it has a page cache */
+	c.backend = !strcmp(backend, "cpu") ? KVR_BACKEND_CPU : !strcmp(backend, "cuda") ? KVR_BACKEND_CUDA : KVR_BACKEND_AUTO;
+	if (c.backend == KVR_BACKEND_AUTO && strcmp(backend, "auto")) {
+		fprintf(stderr, "kvrecall bench recall: unknown backend '%s' (auto, cpu, cuda)\n", backend);
+		return -EINVAL;
+	}
+	const uint64_t token_bytes = 2ull * sh->n_kv_heads * sh->head_dim * 2;
+	c.pool_bytes = (uint64_t)batch * (n_pages + 2) * sh->page_tokens * token_bytes;
+	int err = kvr_context_create(&c, &f->ctx);
+	if (err) {
+		fprintf(stderr, "kvrecall bench recall: %s pool: %s\n", pool_names[f->pool], kvr_last_error(NULL));
+		return err;
+	}
+	f->s = f->ctx->sched;
+	f->batch = batch, f->n_pages = n_pages;
+	f->all_heads = malloc(sh->n_kv_heads);
+	f->back = malloc(f->s->tile_bytes > f->s->head_bytes ? f->s->tile_bytes : f->s->head_bytes);
+	if (!f->all_heads || !f->back)
 		return -ENOMEM;
-	memset(back, 0xa5, slot_bytes);
-	int err = kvr_dev_memcpy_async(e->dev, e->slots, back, slot_bytes, KVR_COPY_H2D, e->convert) ? fail(e, "scribble") : 0;
-	if (!err)
-		err = recall_layer(e, layout, buffers, chunk);
-	if (!err && kvr_dev_memcpy_async(e->dev, back, e->slots, slot_bytes, KVR_COPY_D2H, e->convert))
-		err = fail(e, "read-back");
-	if (!err && kvr_dev_stream_synchronize(e->dev, e->convert))
-		err = fail(e, "synchronise");
-	const uint32_t p = e->sh.page_tokens, n_kv = e->sh.n_kv_heads;
-	for (uint32_t i = 0; !err && layout_quantised(layout) && i < e->n_miss; i++) {
-		const uint32_t q = layout == POOL_K4V2;
-		const uint64_t rb = e->qrun_bytes[q];
-		if (memcmp(e->qpool[q] + (e->miss_page[i] * n_kv + e->miss_head[i]) * rb,
-			   back + ((uint64_t)e->miss_tile[i] * n_kv + e->miss_head[i]) * rb, rb)) {
-			fprintf(stderr, "kvrecall bench recall: recalled %s run %u (page %u, head %u) differs from "
-					"the pool\n", layout == POOL_K4V2 ? "K4V2" : "K8V4", i, e->miss_page[i],
-				e->miss_head[i]);
-			err = -EIO;
+	memset(f->all_heads, 1, sh->n_kv_heads);
+	const uint32_t row_elems = sh->n_kv_heads * sh->head_dim, chunk = 4 * sh->page_tokens;
+	uint16_t *k = malloc((size_t)chunk * row_elems * 2), *v = malloc((size_t)chunk * row_elems * 2);
+	if (!k || !v)
+		err = -ENOMEM;
+	for (uint32_t q = 0; !err && q < batch; q++) {
+		uint32_t seq;
+		if ((err = kvr_seq_create(f->ctx, &seq)))
+			break;
+		const uint64_t tokens = (uint64_t)n_pages * sh->page_tokens;
+		for (uint64_t at = 0; !err && at < tokens; at += chunk) {
+			const uint32_t n = (uint32_t)(tokens - at < chunk ? tokens - at : chunk);
+			fill_rows(k, at, n, row_elems, 2 * q);
+			fill_rows(v, at, n, row_elems, 2 * q + 1);
+			err = kvr_prefill(f->ctx, seq, 0, at, n, k, v);
 		}
 	}
-	for (uint32_t i = 0; !err && !layout_quantised(layout) && i < e->n_miss; i++) {
-		/* HND source: run = keys rows then values rows of this head */
-		const unsigned char *run = e->pool[POOL_HND] + e->miss_page[i] * e->page_bytes + e->miss_head[i] * e->run_bytes;
-		const unsigned char *tile = back + (uint64_t)e->miss_tile[i] * 2 * e->tile_bytes;
-		for (uint32_t r = 0; r < 2 * p; r++) {
-			const unsigned char *got = tile + (r >= p ? e->tile_bytes : 0) +
-						   ((uint64_t)(r % p) * n_kv + e->miss_head[i]) * e->row_bytes;
-			if (memcmp(run + r * e->row_bytes, got, e->row_bytes)) {
-				fprintf(stderr, "kvrecall bench recall: recalled bytes differ from the pool: run %u "
-						"(page %u, head %u), row %u\n",
-					i, e->miss_page[i], e->miss_head[i], r);
-				err = -EIO;
-				break;
-			}
-		}
-	}
-	free(back);
+	free(k), free(v);
+	if (err)
+		fprintf(stderr, "kvrecall bench recall: %s pool: prefill: %s\n", pool_names[f->pool],
+			kvr_last_error(f->ctx));
 	return err;
 }
 
-static int time_layer(struct recall_env *e, uint32_t layout, uint32_t buffers, uint32_t chunk, double *seconds)
+/* ------------------------------------------------------------------ selections */
+
+static int has_page(const int32_t *sel, uint32_t k, int32_t page)
 {
-	double t[32];
-	for (uint32_t r = 0; r <= e->reps; r++) {
-		const double t0 = bench_now_s();
-		int err = recall_layer(e, layout, buffers, chunk);
-		if (!err && kvr_dev_stream_synchronize(e->dev, e->convert))
-			err = fail(e, "synchronise");
-		if (err)
-			return err;
-		if (r)
-			t[r - 1] = bench_now_s() - t0;
-	}
-	*seconds = bench_median(t, e->reps);
+	for (uint32_t j = 0; j < k; j++)
+		if (sel[j] == page)
+			return 1;
 	return 0;
 }
 
-/* The peak pinned host->device rate in this run: batched copies of 16 KiB to
- * 4 MiB transfers over the pool, as `bench copy` measures it. */
-static double copy_peak_gbps(struct recall_env *e, unsigned char *dst, uint64_t dst_bytes)
+static int by_page(const void *a, const void *b)
 {
-	double best = 0;
-	for (uint64_t size = 16384; size <= (4u << 20) && size <= dst_bytes; size *= 4) {
-		const uint32_t n = (uint32_t)(dst_bytes / size);
-		double t[32];
-		for (uint32_t r = 0; r <= e->reps; r++) {
-			for (uint32_t i = 0; i < n; i++)
-				e->descs[i] = (struct kvr_copy_desc){ (uint64_t)i * size * 3 % (e->pool_pages * e->page_bytes - size),
-								      (uint64_t)i * size, size };
-			const double t0 = bench_now_s();
-			if (kvr_dev_memcpy_batch_async(e->dev, dst, e->pool[POOL_HND], e->descs, n, KVR_COPY_H2D, e->copy) ||
-			    kvr_dev_stream_synchronize(e->dev, e->copy))
-				return 0;
-			if (r)
-				t[r - 1] = bench_now_s() - t0;
+	const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+	return (x > y) - (x < y);
+}
+
+/* Each lane's selection as the select kernel writes it: k_b distinct pages a
+ * KV head, ascending, then -1 up to s->k. fresh: all new; otherwise n_swap
+ * of the held pages swapped for pages not held. */
+static void write_selections(struct format_env *f, uint32_t k_b, uint32_t n_swap, int fresh)
+{
+	const uint32_t n_kv = f->s->c.n_kv_heads, k = f->s->k;
+	for (uint32_t q = 0; q < f->batch; q++) {
+		struct kvr_lane *lane = lane_of(f->s, q, 0);
+		for (uint32_t m = 0; m < n_kv; m++) {
+			int32_t *sel = lane->selected + (uint64_t)m * k;
+			if (fresh)
+				for (uint32_t j = 0; j < k; j++)
+					sel[j] = -1;
+			for (uint32_t i = 0; i < (fresh ? k_b : n_swap); i++) {
+				int32_t page;
+				do
+					page = (int32_t)(rng() % f->n_pages);
+				while (has_page(sel, k_b, page));
+				sel[fresh ? i : (uint32_t)(rng() % k_b)] = page;
+			}
+			qsort(sel, k_b, sizeof(*sel), by_page);
 		}
-		const double gbps = (double)n * (double)size / bench_median(t, e->reps) / 1e9;
-		best = gbps > best ? gbps : best;
 	}
+}
+
+/* Every lane's recall issued as the controller issues it, then waited for:
+ * the seconds from the first issue to the last recall_done. */
+static int recall_round(struct format_env *f, double *seconds)
+{
+	const double t0 = bench_now_s();
+	for (uint32_t q = 0; q < f->batch; q++) {
+		const int err = kvr_recall_issue(f->s, lane_of(f->s, q, 0), f->all_heads);
+		if (err)
+			return sched_fail(f, "recall", err);
+	}
+	for (uint32_t q = 0; q < f->batch; q++) {
+		const int err = kvr_dev_event_synchronize(f->s->dev, lane_of(f->s, q, 0)->recall_done);
+		if (err)
+			return sched_fail(f, "recall_done", err);
+	}
+	if (seconds)
+		*seconds = bench_now_s() - t0;
+	return 0;
+}
+
+/* ------------------------------------------------------------------ checks */
+
+/* len bytes of device memory at src into f->back. */
+static int read_back(struct format_env *f, const void *src, size_t len)
+{
+	int err = kvr_dev_memcpy_async(f->s->dev, f->back, src, len, KVR_COPY_D2H, f->s->convert);
+	if (!err)
+		err = kvr_dev_stream_synchronize(f->s->dev, f->s->convert);
+	return err ? sched_fail(f, "reading a slot back", err) : 0;
+}
+
+/* Row r (< 2p: keys, then values) of KV head m in a pool page. */
+static const unsigned char *pool_row(const struct format_env *f, const unsigned char *page, uint32_t m,
+				     uint32_t r)
+{
+	const struct kvr_sched *s = f->s;
+	const uint64_t row = (uint64_t)s->c.head_dim * s->eb;
+	if (f->pool == POOL_NHD) /* token-major: key rows of every head, then value rows */
+		return page + ((uint64_t)r * s->c.n_kv_heads + m) * row;
+	return page + (uint64_t)m * s->head_bytes + (uint64_t)r * row;
+}
+
+/* Slot j of head m of one lane holds its page: tiles (plain pages: head m's
+ * column of the key and value tiles) or the unit's run (quantised). */
+static int check_slot(struct format_env *f, struct kvr_lane *lane, uint32_t m, uint32_t j)
+{
+	struct kvr_sched *s = f->s;
+	const int32_t logical = lane->slot_page[(uint64_t)m * s->k + j];
+	uint32_t id;
+	if (logical < 0)
+		return 0;
+	if (kvr_pool_lookup(s->pool, lane->seq, 0, (uint32_t)logical, &id))
+		return sched_fail(f, "a slot holds a page the sequence does not have", -EINVAL);
+	const unsigned char *page = kvr_pool_page_data(s->pool, id);
+	int err = 0;
+	if (s->kv_format) {
+		const int32_t unit = lane->slot_unit[((uint64_t)m * s->k + j) * s->units_per_slot];
+		const uint64_t run = kvr_kv_run_bytes(s->kv_format, s->c.page_tokens, s->c.head_dim, s->eb);
+		if (unit < 0)
+			return sched_fail(f, "a held page has no unit", -EINVAL);
+		if (!(err = read_back(f, kvr_units_addr(s, (uint32_t)unit), run)) &&
+		    memcmp(f->back, page + (uint64_t)m * run, run))
+			err = -EBADMSG;
+	} else {
+		const uint64_t row = (uint64_t)s->c.head_dim * s->eb, p = s->c.page_tokens;
+		for (uint32_t half = 0; !err && half < 2; half++) {
+			const unsigned char *tile = (half ? lane->slot_v : lane->slot_k) + (uint64_t)j * s->tile_bytes;
+			if ((err = read_back(f, tile, s->tile_bytes)))
+				break;
+			for (uint32_t t = 0; t < p && !err; t++)
+				if (memcmp(f->back + ((uint64_t)t * s->c.n_kv_heads + m) * row,
+					   pool_row(f, page, m, half * (uint32_t)p + t), row))
+					err = -EBADMSG;
+		}
+	}
+	if (err == -EBADMSG)
+		fprintf(stderr, "kvrecall bench recall: %s pool: sequence %u head %u slot %u does not hold "
+				"page %d as the pool has it\n",
+			pool_names[f->pool], lane->seq, m, j, logical);
+	return err;
+}
+
+/* Every slot of every lane against the pool, and the selection held whole. */
+static int check_slots(struct format_env *f, uint32_t k_b)
+{
+	struct kvr_sched *s = f->s;
+	for (uint32_t q = 0; q < f->batch; q++) {
+		struct kvr_lane *lane = lane_of(s, q, 0);
+		for (uint32_t m = 0; m < s->c.n_kv_heads; m++) {
+			const int32_t *sel = lane->selected + (uint64_t)m * s->k;
+			for (uint32_t w = 0; w < k_b; w++)
+				if (!has_page(lane->slot_page + (uint64_t)m * s->k, s->k, sel[w]))
+					return sched_fail(f, "a selected page was not recalled", -EINVAL);
+			for (uint32_t j = 0; j < s->k; j++) {
+				const int err = check_slot(f, lane, m, j);
+				if (err)
+					return err;
+			}
+		}
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------------ peak copy */
+
+/* The peak pinned host->device rate in this run: batched copies of 16 KiB to
+ * 4 MiB transfers out of 256 MiB of registered memory, as `bench copy`
+ * measures it. */
+static double copy_peak_gbps(const char *backend, uint32_t reps)
+{
+	struct kvr_dev *dev;
+	const char *name;
+	if (bench_open_device(backend, &dev, &name))
+		return 0;
+	const uint64_t src_bytes = 256ull << 20, dst_bytes = 64ull << 20;
+	unsigned char *src = bench_huge_alloc("kvrecall bench recall", src_bytes), *dst = NULL;
+	struct kvr_stream *stream = NULL;
+	struct kvr_copy_desc *descs = calloc(dst_bytes / 16384, sizeof(*descs));
+	double best = 0;
+	if (src && descs && !kvr_dev_host_register(dev, src, src_bytes) &&
+	    !kvr_dev_alloc(dev, dst_bytes, (void **)&dst) && !kvr_dev_stream_create(dev, 0, &stream)) {
+		memset(src, 0x5a, src_bytes);
+		for (uint64_t size = 16384; size <= (4u << 20); size *= 4) {
+			const uint32_t n = (uint32_t)(dst_bytes / size);
+			double t[32];
+			for (uint32_t i = 0; i < n; i++)
+				descs[i] = (struct kvr_copy_desc){ (uint64_t)i * size * 3 % (src_bytes - size),
+								   (uint64_t)i * size, size };
+			for (uint32_t r = 0; r <= reps; r++) {
+				const double t0 = bench_now_s();
+				if (kvr_dev_memcpy_batch_async(dev, dst, src, descs, n, KVR_COPY_H2D, stream) ||
+				    kvr_dev_stream_synchronize(dev, stream))
+					goto out;
+				if (r)
+					t[r - 1] = bench_now_s() - t0;
+			}
+			const double gbps = (double)n * (double)size / bench_median(t, reps) / 1e9;
+			best = gbps > best ? gbps : best;
+		}
+	}
+out:
+	if (stream)
+		kvr_dev_stream_destroy(dev, stream);
+	if (dst)
+		kvr_dev_free(dev, dst);
+	if (src) {
+		kvr_dev_host_unregister(dev, src);
+		free(src);
+	}
+	free(descs);
+	kvr_dev_destroy(dev);
 	return best;
 }
 
@@ -323,332 +373,230 @@ static uint64_t cache_bytes(const struct bench_shape *sh, uint32_t budget, uint3
 	return kvr_device_bytes_needed(&c, NULL, &per_seq) ? 0 : per_seq;
 }
 
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-static uint64_t rng(void)
-{
-	return bench_xorshift(&rng_state);
-}
-
-static const char *layout_name(uint32_t l)
-{
-	return l == POOL_HND ? "hnd" : l == POOL_NHD ? "nhd" : l == POOL_ZERO_COPY ? "zero-copy" : l == POOL_K8V4 ? "k8v4" : "k4v2";
-}
+/* ------------------------------------------------------------------ the command */
 
 struct recall_row {
-	uint32_t budget, layout, buffers, chunk, misses;
+	uint32_t budget, pool, buffers, chunk, misses;
 	uint64_t run_bytes;
 	double us, gbps;
 };
 
+struct recall_opts {
+	const char *backend, *json_path, *trace_path;
+	struct bench_shape sh;
+	uint32_t budgets[8], n_budgets, chunks[8], n_chunks;
+	uint32_t batch, reps, sink, window, pool_mib;
+	double miss_rate;
+};
+
+/* Every (budget, buffers, chunk) variant of one pool format into rows. */
+static int run_format(struct format_env *f, const struct recall_opts *o, struct recall_row *rows,
+		      uint32_t *n_rows, uint32_t total, int *traced)
+{
+	struct kvr_sched *s = f->s;
+	const uint32_t p = o->sh.page_tokens;
+	const uint64_t run_bytes = s->kv_format ? kvr_kv_run_bytes(s->kv_format, p, o->sh.head_dim, s->eb)
+						: s->head_bytes;
+	for (uint32_t bi = 0; bi < o->n_budgets; bi++) {
+		const uint32_t k_b = (o->budgets[bi] - o->sink - o->window) / p;
+		uint32_t n_swap = (uint32_t)((double)k_b * o->miss_rate + 0.5);
+		n_swap = n_swap ? n_swap : 1;
+		/* quantised runs go straight into units: no staging, "buffers" 0 */
+		for (uint32_t buffers = s->kv_format ? 0u : 1u; buffers <= (s->kv_format ? 0u : 2u); buffers++)
+			for (uint32_t ci = 0; ci < o->n_chunks; ci++) {
+				bench_progress("recall", *n_rows, total);
+				char why[256] = "";
+				int err = kvr_recall_reconfigure(s, buffers ? buffers : 1, o->chunks[ci], why,
+								 sizeof(why));
+				if (err) {
+					fprintf(stderr, "kvrecall bench recall: %s\n", why);
+					return err;
+				}
+				/* byte-exact after a fresh selection and after a round of misses */
+				write_selections(f, k_b, 0, 1);
+				if ((err = recall_round(f, NULL)) || (err = check_slots(f, k_b)))
+					return err;
+				write_selections(f, k_b, n_swap, 0);
+				if ((err = recall_round(f, NULL)) || (err = check_slots(f, k_b)))
+					return err;
+				double t[32];
+				for (uint32_t r = 0; r < o->reps; r++) {
+					write_selections(f, k_b, n_swap, 0);
+					if ((err = recall_round(f, &t[r])))
+						return err;
+				}
+				const double sec = bench_median(t, o->reps);
+				const uint32_t misses = f->batch * s->c.n_kv_heads * n_swap;
+				rows[(*n_rows)++] = (struct recall_row){ o->budgets[bi], f->pool, buffers,
+									 o->chunks[ci], misses, run_bytes, sec * 1e6,
+									 (double)misses * (double)run_bytes / sec / 1e9 };
+				if (o->trace_path && !*traced && f->pool == POOL_HND && buffers == 2) {
+					write_selections(f, k_b, n_swap, 0);
+					if ((err = kvr_trace_start(f->ctx, 1u << 14)) || (err = recall_round(f, NULL)) ||
+					    (err = kvr_trace_write(f->ctx, o->trace_path))) {
+						fprintf(stderr, "kvrecall bench recall: trace: %s\n", kvr_last_error(f->ctx));
+						return err;
+					}
+					*traced = 1;
+				}
+			}
+	}
+	return 0;
+}
+
+static void write_json(FILE *f, const struct recall_opts *o, const char *backend_name, int argc, char **argv,
+		       const struct recall_row *rows, uint32_t n_rows, uint64_t pool_bytes, double peak)
+{
+	bench_json_open(f, "recall", backend_name, argc, argv);
+	fprintf(f, "  \"shape\": ");
+	bench_shape_json(f, &o->sh);
+	fprintf(f, ",\n  \"params\": {\"batch\": %u, \"miss_rate\": %.4f, \"sink_tokens\": %u, "
+		   "\"window_tokens\": %u, \"reps\": %u, \"pool_bytes\": %llu, \"code\": \"scheduler/recall.c\", "
+		   "\"byte_exact\": true},\n",
+		o->batch, o->miss_rate, o->sink, o->window, o->reps, (unsigned long long)pool_bytes);
+	fprintf(f, "  \"results\": [\n");
+	for (uint32_t i = 0; i < n_rows; i++)
+		fprintf(f, "    {\"budget_tokens\": %u, \"misses\": %u, \"run_bytes\": %llu, \"bytes\": %llu, "
+			   "\"pool\": \"%s\", \"buffers\": %u, \"chunk_pages\": %u, \"us_per_layer\": %.3f, "
+			   "\"gbps\": %.4f, \"ratio_to_copy_peak\": %.4f}%s\n",
+			rows[i].budget, rows[i].misses, (unsigned long long)rows[i].run_bytes,
+			(unsigned long long)rows[i].misses * rows[i].run_bytes, pool_names[rows[i].pool],
+			rows[i].buffers, rows[i].chunk, rows[i].us, rows[i].gbps, peak > 0 ? rows[i].gbps / peak : 0,
+			i + 1 < n_rows ? "," : "");
+	fprintf(f, "  ],\n  \"device_cache\": [\n");
+	for (uint32_t bi = 0; bi < o->n_budgets; bi++)
+		for (uint32_t fmt = KVR_KV_FORMAT_PLAIN; fmt <= KVR_KV_FORMAT_K4V2; fmt++)
+			fprintf(f, "    {\"budget_tokens\": %u, \"kv_format\": \"%s\", \"per_sequence_bytes\": %llu}%s\n",
+				o->budgets[bi], fmt ? kvr_kv_format_name(fmt) : "f16",
+				(unsigned long long)cache_bytes(&o->sh, o->budgets[bi], o->sink, o->window, fmt),
+				bi + 1 < o->n_budgets || fmt < KVR_KV_FORMAT_K4V2 ? "," : "");
+	fprintf(f, "  ],\n  \"summary\": {\"peak_h2d_pinned_gbps\": %.4f}\n", peak);
+	bench_json_close(f);
+}
+
 int bench_recall(int argc, char **argv)
 {
-	const char *backend = "auto", *json_path = NULL, *trace_path = NULL;
-	struct bench_shape sh = bench_presets[0];
-	uint32_t budgets[8] = { 1024, 2048, 4096 }, n_budgets = 3, chunks[8] = { 8, 32 }, n_chunks = 2;
-	uint32_t batch = 1, reps = 7, sink = 0, window = 0;
-	double miss_rate = 0.25;
+	struct recall_opts o = { .backend = "auto", .sh = bench_presets[0], .budgets = { 1024, 2048, 4096 },
+				 .n_budgets = 3, .chunks = { 8, 32 }, .n_chunks = 2, .batch = 1, .reps = 7,
+				 .pool_mib = 512, .miss_rate = 0.25 };
 	for (int i = 0; i < argc; i++) {
-		const int shape_flag = bench_shape_flag(argc, argv, &i, &sh);
+		const int shape_flag = bench_shape_flag(argc, argv, &i, &o.sh);
 		if (shape_flag < 0)
 			return 2;
 		if (shape_flag)
 			continue;
 		if (!strcmp(argv[i], "--backend") && i + 1 < argc)
-			backend = argv[++i];
+			o.backend = argv[++i];
 		else if (!strcmp(argv[i], "--json") && i + 1 < argc)
-			json_path = argv[++i];
+			o.json_path = argv[++i];
 		else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
-			trace_path = argv[++i];
+			o.trace_path = argv[++i];
 		else if (!strcmp(argv[i], "--budget") && i + 1 < argc) {
-			if (bench_parse_list(argv[++i], budgets, 8, &n_budgets))
+			if (bench_parse_list(argv[++i], o.budgets, 8, &o.n_budgets))
 				goto usage;
 		} else if (!strcmp(argv[i], "--chunk-pages") && i + 1 < argc) {
-			if (bench_parse_list(argv[++i], chunks, 8, &n_chunks))
+			if (bench_parse_list(argv[++i], o.chunks, 8, &o.n_chunks))
 				goto usage;
 		} else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
-			batch = (uint32_t)strtoul(argv[++i], NULL, 10);
+			o.batch = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--miss-rate") && i + 1 < argc)
-			miss_rate = strtod(argv[++i], NULL);
+			o.miss_rate = strtod(argv[++i], NULL);
 		else if (!strcmp(argv[i], "--sink") && i + 1 < argc)
-			sink = (uint32_t)strtoul(argv[++i], NULL, 10);
+			o.sink = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--window") && i + 1 < argc)
-			window = (uint32_t)strtoul(argv[++i], NULL, 10);
+			o.window = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-			reps = (uint32_t)strtoul(argv[++i], NULL, 10);
+			o.reps = (uint32_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--pool-mib") && i + 1 < argc)
+			o.pool_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--quick"))
-			reps = 3, n_chunks = 1, chunks[0] = 8, n_budgets = 1, budgets[0] = 1024;
+			o.reps = 3, o.n_chunks = 1, o.chunks[0] = 8, o.n_budgets = 1, o.budgets[0] = 1024,
+			o.pool_mib = 64;
 		else
 			goto usage;
 	}
-	if (batch < 1 || batch > 256 || reps < 1 || reps > 31 || !(miss_rate > 0 && miss_rate <= 1)) {
+	if (o.batch < 1 || o.batch > 256 || o.reps < 1 || o.reps > 31 || !(o.miss_rate > 0 && o.miss_rate <= 1) ||
+	    o.pool_mib < 1 || o.pool_mib > (1u << 20)) {
 		fprintf(stderr, "kvrecall bench recall: need 1 <= --batch <= 256, 1 <= --reps <= 31, "
-				"0 < --miss-rate <= 1\n");
+				"0 < --miss-rate <= 1, 1 <= --pool-mib <= 1048576\n");
 		return 2;
 	}
-	const uint32_t p = sh.page_tokens;
-	for (uint32_t b = 0; b < n_budgets; b++)
-		if (budgets[b] % p || budgets[b] < sink + window + p) {
+	const uint32_t p = o.sh.page_tokens;
+	uint32_t max_budget = 0;
+	for (uint32_t b = 0; b < o.n_budgets; b++) {
+		if (o.budgets[b] % p || o.budgets[b] < o.sink + o.window + p) {
 			fprintf(stderr, "kvrecall bench recall: budget %u must be a multiple of p = %u and hold "
-					"sink + window + one page\n", budgets[b], p);
+					"sink + window + one page\n", o.budgets[b], p);
 			return 2;
 		}
-
-	struct recall_env e = { .sh = sh, .reps = reps };
-	const char *backend_name;
-	if (bench_open_device(backend, &e.dev, &backend_name))
-		return 1;
-	e.kshape = (struct kvr_shape){ sh.n_qo_heads, sh.n_kv_heads, sh.head_dim, p, 0, 1.0f, 0.9f, 0 };
-	e.row_bytes = (uint64_t)sh.head_dim * 2;
-	e.run_bytes = 2ull * p * e.row_bytes;
-	e.page_bytes = e.run_bytes * sh.n_kv_heads;
-	e.tile_bytes = (uint64_t)p * sh.n_kv_heads * e.row_bytes;
-	e.qrun_bytes[0] = kvr_kv_run_bytes(KVR_KV_K8V4, p, sh.head_dim, 2);
-	e.qrun_bytes[1] = kvr_kv_run_bytes(KVR_KV_K4V2, p, sh.head_dim, 2);
-	if (!e.qrun_bytes[0]) {
+		max_budget = o.budgets[b] > max_budget ? o.budgets[b] : max_budget;
+	}
+	if (!kvr_kv_run_bytes(KVR_KV_K8V4, p, o.sh.head_dim, 2)) {
 		fprintf(stderr, "kvrecall bench recall: quantised pages need a head dim that is a multiple of 16\n");
-		kvr_dev_destroy(e.dev);
 		return 2;
 	}
-	uint32_t max_budget = 0, max_chunk = 0;
-	for (uint32_t b = 0; b < n_budgets; b++)
-		max_budget = budgets[b] > max_budget ? budgets[b] : max_budget;
-	for (uint32_t c = 0; c < n_chunks; c++)
-		max_chunk = chunks[c] > max_chunk ? chunks[c] : max_chunk;
-	const uint32_t max_k = (max_budget - sink - window) / p;
-	const uint32_t max_miss = (uint32_t)((double)batch * sh.n_kv_heads * max_k * miss_rate + 0.5);
-	/* a pool of at least 512 MiB (beyond any last-level cache) and 4x the misses */
-	e.pool_pages = ((512ull << 20) + e.page_bytes - 1) / e.page_bytes;
-	if (e.pool_pages < 4ull * max_miss)
-		e.pool_pages = 4ull * max_miss;
-	const uint64_t pool_bytes = e.pool_pages * e.page_bytes;
-	e.n_tiles = batch * max_k;
-	int rc = 0;
-	for (int l = 0; !rc && l < 2; l++) {
-		e.pool[l] = bench_huge_alloc("kvrecall bench recall", pool_bytes);
-		rc = kvr_dev_host_register(e.dev, e.pool[l], pool_bytes) ? fail(&e, "registering the pool") : 0;
+	/* pages a sequence: --pool-mib of f16 pages over the batch, and room for
+	 * the largest selection to swap in pages it does not hold */
+	const uint64_t page_bytes = 2ull * p * o.sh.n_kv_heads * o.sh.head_dim * 2;
+	const uint32_t max_k = (max_budget - o.sink - o.window) / p;
+	uint64_t n_pages = ((uint64_t)o.pool_mib << 20) / page_bytes / o.batch;
+	if (n_pages < 2ull * max_k + 2)
+		n_pages = 2ull * max_k + 2;
+	if (n_pages > UINT32_MAX / p) {
+		fprintf(stderr, "kvrecall bench recall: --pool-mib is too large for this batch\n");
+		return 2;
 	}
-	for (int q = 0; !rc && q < 2; q++) {
-		const uint64_t bytes = e.pool_pages * sh.n_kv_heads * e.qrun_bytes[q];
-		e.qpool[q] = bench_huge_alloc("kvrecall bench recall", bytes);
-		rc = kvr_dev_host_register(e.dev, e.qpool[q], bytes) ? fail(&e, "registering a quantised pool") : 0;
-		for (uint64_t i = 0; !rc && i < bytes / 8; i++)
-			((uint64_t *)e.qpool[q])[i] = rng();
-	}
-	if (!rc) { /* random bytes in HND, the same elements token-major in NHD */
-		uint64_t *w = (uint64_t *)e.pool[POOL_HND];
-		for (uint64_t i = 0; i < pool_bytes / 8; i++)
-			w[i] = rng();
-		const uint32_t rows = 2 * p;
-		for (uint64_t pg = 0; pg < e.pool_pages; pg++)
-			for (uint32_t h = 0; h < sh.n_kv_heads; h++)
-				for (uint32_t r = 0; r < rows; r++)
-					memcpy(e.pool[POOL_NHD] + pg * e.page_bytes + ((uint64_t)r * sh.n_kv_heads + h) * e.row_bytes,
-					       e.pool[POOL_HND] + pg * e.page_bytes + h * e.run_bytes + r * e.row_bytes,
-					       e.row_bytes);
-	}
-	if (!rc && (kvr_dev_alloc(e.dev, (uint64_t)e.n_tiles * 2 * e.tile_bytes, (void **)&e.slots) ||
-		    kvr_dev_alloc(e.dev, (uint64_t)max_chunk * e.run_bytes, (void **)&e.staging[0]) ||
-		    kvr_dev_alloc(e.dev, (uint64_t)max_chunk * e.run_bytes, (void **)&e.staging[1]) ||
-		    kvr_dev_alloc(e.dev, (max_miss + 1) * sizeof(*e.items), (void **)&e.items_dev) ||
-		    kvr_dev_stream_create(e.dev, KVR_STREAM_WORKER, &e.copy) ||
-		    kvr_dev_stream_create(e.dev, KVR_STREAM_WORKER, &e.convert)))
-		rc = fail(&e, "device buffers and streams");
-	for (int b = 0; !rc && b < 2; b++)
-		if (kvr_dev_event_create(e.dev, &e.staged[b]) || kvr_dev_event_create(e.dev, &e.drained[b]))
-			rc = fail(&e, "events");
-	e.miss_page = calloc(max_miss + 1, sizeof(uint32_t));
-	e.miss_head = calloc(max_miss + 1, sizeof(uint32_t));
-	e.miss_tile = calloc(max_miss + 1, sizeof(uint32_t));
-	e.items = calloc(max_miss + 1, sizeof(*e.items));
-	const uint64_t peak_bytes = 64ull << 20;
-	e.descs = calloc((peak_bytes / 16384 > max_chunk ? peak_bytes / 16384 : max_chunk), sizeof(*e.descs));
-	unsigned char *peak_dst = NULL;
-	if (!rc && (!e.miss_page || !e.miss_head || !e.miss_tile || !e.items || !e.descs))
-		rc = -ENOMEM;
-	if (!rc && kvr_dev_alloc(e.dev, peak_bytes, (void **)&peak_dst))
-		rc = fail(&e, "peak copy buffer");
-	const double peak = rc ? 0 : copy_peak_gbps(&e, peak_dst, peak_bytes);
-	if (peak_dst)
-		kvr_dev_free(e.dev, peak_dst);
-	struct recall_row rows[8 * 11];
-	uint32_t n_rows = 0, total = n_budgets * (2 * 2 * n_chunks + 1 + 2 * n_chunks);
-	/* --trace: each variant's layer once more, its chunks stamped on the
-	 * streams, one Chrome trace "process" per variant */
-	FILE *trace = NULL;
-	const double trace_t0 = bench_now_s();
-	int trace_events = 0;
-	if (!rc && trace_path) {
-		e.max_spans = 2 * (max_miss + 1);
-		e.spans = calloc(e.max_spans, sizeof(*e.spans));
-		trace = e.spans ? fopen(trace_path, "w") : NULL;
-		if (!trace) {
-			fprintf(stderr, "kvrecall bench recall: cannot write %s: %s\n", trace_path, strerror(errno));
-			rc = -EIO;
-		} else {
-			fprintf(trace, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
+	const uint64_t pool_bytes = n_pages * o.batch * page_bytes;
+	const double peak = copy_peak_gbps(o.backend, o.reps);
+	struct recall_row rows[N_POOLS * 8 * 8 * 2];
+	uint32_t n_rows = 0;
+	const uint32_t total = o.n_budgets * o.n_chunks * (2 * 2 + 2);
+	int rc = 0, traced = 0;
+	const char *device_name = "?"; /* "cpu", "cuda" */
+	for (uint32_t pool = 0; !rc && pool < N_POOLS; pool++) {
+		struct format_env f = { .pool = pool };
+		rc = format_open(&f, o.backend, &o.sh, o.batch, max_budget, o.sink, o.window, (uint32_t)n_pages);
+		if (!rc) {
+			device_name = kvr_dev_name(f.s->dev);
+			rc = run_format(&f, &o, rows, &n_rows, total, &traced);
 		}
-	}
-	for (uint32_t bi = 0; !rc && bi < n_budgets; bi++) {
-		const uint32_t k = (budgets[bi] - sink - window) / p;
-		e.n_miss = (uint32_t)((double)batch * sh.n_kv_heads * k * miss_rate + 0.5);
-		if (!e.n_miss)
-			e.n_miss = 1;
-		/* distinct slots: miss i goes to (tile, head) pairs in a shuffled order */
-		for (uint32_t i = 0; i < e.n_miss; i++) {
-			e.miss_page[i] = (uint32_t)(rng() % e.pool_pages);
-			e.miss_head[i] = i % sh.n_kv_heads;
-			e.miss_tile[i] = i / sh.n_kv_heads;
-		}
-		for (uint32_t i = e.n_miss - 1; i > 0; i--) { /* shuffle which (tile, head) each run takes */
-			const uint32_t j = (uint32_t)(rng() % (i + 1)), h = e.miss_head[i], t = e.miss_tile[i];
-			e.miss_head[i] = e.miss_head[j], e.miss_tile[i] = e.miss_tile[j];
-			e.miss_head[j] = h, e.miss_tile[j] = t;
-		}
-		for (uint32_t layout = POOL_HND; !rc && layout <= POOL_K4V2; layout++)
-			/* quantised runs need no staging: "buffers" 0 */
-			for (uint32_t buffers = layout_quantised(layout) ? 0u : 1u;
-			     !rc && buffers <= (layout >= POOL_ZERO_COPY ? (layout_quantised(layout) ? 0u : 1u) : 2u);
-			     buffers++)
-				for (uint32_t ci = 0; !rc && ci < (layout == POOL_ZERO_COPY ? 1 : n_chunks); ci++) {
-					const uint32_t chunk = layout == POOL_ZERO_COPY ? e.n_miss : chunks[ci];
-					bench_progress("recall", n_rows, total);
-					if ((rc = check_layer(&e, layout, buffers, chunk)))
-						break;
-					double s;
-					if ((rc = time_layer(&e, layout, buffers, chunk, &s)))
-						break;
-					const uint64_t rb = layout_quantised(layout) ? e.qrun_bytes[layout == POOL_K4V2]
-										     : e.run_bytes;
-					rows[n_rows++] = (struct recall_row){ budgets[bi], layout, buffers,
-									      layout == POOL_ZERO_COPY ? 0 : chunk, e.n_miss, rb,
-									      s * 1e6, (double)e.n_miss * (double)rb / s / 1e9 };
-					if (trace) {
-						struct span *keep = e.spans;
-						e.n_spans = 0;
-						rc = recall_layer(&e, layout, buffers, chunk);
-						if (!rc && kvr_dev_stream_synchronize(e.dev, e.convert))
-							rc = fail(&e, "synchronise");
-						if (!rc && kvr_dev_stream_synchronize(e.dev, e.copy))
-							rc = fail(&e, "synchronise");
-						const uint32_t pid = n_rows;
-						fprintf(trace, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %u, "
-							       "\"args\": {\"name\": \"B=%u %s, %u buffer%s, chunks of %u\"}}",
-							trace_events++ ? ",\n" : "", pid, budgets[bi], layout_name(layout), buffers,
-							buffers > 1 ? "s" : "", chunk);
-						for (uint32_t t = 0; t < 2; t++)
-							fprintf(trace, ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %u, "
-								       "\"tid\": %u, \"args\": {\"name\": \"%s stream\"}}",
-								pid, t, t ? "convert" : "copy");
-						for (uint32_t k = 0; k < e.n_spans; k++) {
-							const double b0 = atomic_load_explicit(&keep[k].begin, memory_order_relaxed);
-							const double b1 = atomic_load_explicit(&keep[k].end, memory_order_relaxed);
-							if (b0 <= 0 || b1 < b0)
-								continue;
-							fprintf(trace, ",\n{\"ph\": \"X\", \"name\": \"%s\", \"pid\": %u, \"tid\": %u, "
-								       "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"runs\": %u}}",
-								keep[k].name, pid, keep[k].track, (b0 - trace_t0) * 1e6, (b1 - b0) * 1e6,
-								keep[k].count);
-						}
-					}
-				}
+		format_close(&f);
 	}
 	bench_progress("recall", total, total);
-	if (trace) {
-		fprintf(trace, "\n]}\n");
-		fclose(trace);
-		if (!rc)
-			fprintf(stderr, "kvrecall bench recall: trace of every variant's layer in %s\n", trace_path);
+	if (rc)
+		return 1;
+	if (o.trace_path)
+		fprintf(stderr, "kvrecall bench recall: trace of one HND two-buffer layer in %s\n", o.trace_path);
+	fprintf(stderr, "kvrecall bench recall: scheduler/recall.c on the %s device; %s shape (%u KV heads, "
+			"d = %u, p = %u), batch %u, miss rate %.2f, S = %u, W = %u, pool %.0f MiB; peak pinned H2D "
+			"copy %.2f GB/s; every slot byte-exact\n",
+		device_name, o.sh.preset, o.sh.n_kv_heads, o.sh.head_dim, p, o.batch, o.miss_rate,
+		o.sink, o.window, pool_bytes / 1048576.0, peak);
+	for (uint32_t bi = 0; bi < o.n_budgets; bi++)
+		fprintf(stderr, "B = %u: one sequence's device page cache (cuda, streamed): f16 %.1f MiB, "
+				"K8V4 %.1f MiB, K4V2 %.1f MiB\n",
+			o.budgets[bi], cache_bytes(&o.sh, o.budgets[bi], o.sink, o.window, 0) / 1048576.0,
+			cache_bytes(&o.sh, o.budgets[bi], o.sink, o.window, 1) / 1048576.0,
+			cache_bytes(&o.sh, o.budgets[bi], o.sink, o.window, 2) / 1048576.0);
+	fprintf(stderr, "%-7s %-7s %-6s %-8s %-6s %9s %10s %8s %8s\n", "budget", "misses", "pool", "buffers",
+		"chunk", "B/run", "us/layer", "GB/s", "÷ peak");
+	for (uint32_t i = 0; i < n_rows; i++)
+		fprintf(stderr, "%-7u %-7u %-6s %-8u %-6u %9llu %10.1f %8.2f %8.3f\n", rows[i].budget, rows[i].misses,
+			pool_names[rows[i].pool], rows[i].buffers, rows[i].chunk,
+			(unsigned long long)rows[i].run_bytes, rows[i].us, rows[i].gbps,
+			peak > 0 ? rows[i].gbps / peak : 0);
+	FILE *f = o.json_path ? fopen(o.json_path, "w") : stdout;
+	if (!f) {
+		fprintf(stderr, "kvrecall bench recall: cannot write %s: %s\n", o.json_path, strerror(errno));
+		return 1;
 	}
-	free(e.spans);
-	e.spans = NULL;
-	if (!rc) {
-		fprintf(stderr, "kvrecall bench recall: %s backend (%s); %s shape (%u KV heads, d = %u, p = %u), "
-				"batch %u, miss rate %.2f, S = %u, W = %u; peak pinned H2D copy %.2f GB/s; all "
-				"variants byte-exact\n",
-			backend_name, kvr_dev_name(e.dev), sh.preset, sh.n_kv_heads, sh.head_dim, p, batch,
-			miss_rate, sink, window, peak);
-		for (uint32_t bi = 0; bi < n_budgets; bi++)
-			fprintf(stderr, "B = %u: one sequence's device page cache (cuda, streamed): f16 %.1f MiB, "
-					"K8V4 %.1f MiB, K4V2 %.1f MiB\n",
-				budgets[bi], cache_bytes(&sh, budgets[bi], sink, window, 0) / 1048576.0,
-				cache_bytes(&sh, budgets[bi], sink, window, 1) / 1048576.0,
-				cache_bytes(&sh, budgets[bi], sink, window, 2) / 1048576.0);
-		fprintf(stderr, "%-7s %-7s %-10s %-8s %-6s %9s %10s %8s %8s\n", "budget", "misses", "pool", "buffers",
-			"chunk", "B/run", "us/layer", "GB/s", "÷ peak");
-		for (uint32_t i = 0; i < n_rows; i++)
-			fprintf(stderr, "%-7u %-7u %-10s %-8u %-6u %9llu %10.1f %8.2f %8.3f\n", rows[i].budget,
-				rows[i].misses, layout_name(rows[i].layout), rows[i].buffers, rows[i].chunk,
-				(unsigned long long)rows[i].run_bytes, rows[i].us, rows[i].gbps,
-				peak > 0 ? rows[i].gbps / peak : 0);
-		FILE *f = json_path ? fopen(json_path, "w") : stdout;
-		if (!f) {
-			fprintf(stderr, "kvrecall bench recall: cannot write %s: %s\n", json_path, strerror(errno));
-			rc = -errno;
-		} else {
-			bench_json_open(f, "recall", backend_name, argc, argv);
-			fprintf(f, "  \"shape\": ");
-			bench_shape_json(f, &sh);
-			fprintf(f, ",\n  \"params\": {\"batch\": %u, \"miss_rate\": %.4f, \"sink_tokens\": %u, "
-				   "\"window_tokens\": %u, \"reps\": %u, \"run_bytes\": %llu, \"pool_bytes\": %llu, "
-				   "\"byte_exact\": true},\n",
-				batch, miss_rate, sink, window, reps, (unsigned long long)e.run_bytes,
-				(unsigned long long)pool_bytes);
-			fprintf(f, "  \"results\": [\n");
-			for (uint32_t i = 0; i < n_rows; i++)
-				fprintf(f, "    {\"budget_tokens\": %u, \"misses\": %u, \"run_bytes\": %llu, \"bytes\": %llu, "
-					   "\"pool\": \"%s\", "
-					   "\"buffers\": %u, \"chunk_pages\": %u, \"us_per_layer\": %.3f, \"gbps\": %.4f, "
-					   "\"ratio_to_copy_peak\": %.4f}%s\n",
-					rows[i].budget, rows[i].misses, (unsigned long long)rows[i].run_bytes,
-					(unsigned long long)rows[i].misses * rows[i].run_bytes,
-					layout_name(rows[i].layout), rows[i].buffers, rows[i].chunk, rows[i].us, rows[i].gbps,
-					peak > 0 ? rows[i].gbps / peak : 0, i + 1 < n_rows ? "," : "");
-			fprintf(f, "  ],\n  \"device_cache\": [\n");
-			for (uint32_t bi = 0; bi < n_budgets; bi++)
-				for (uint32_t fmt = KVR_KV_FORMAT_PLAIN; fmt <= KVR_KV_FORMAT_K4V2; fmt++)
-					fprintf(f, "    {\"budget_tokens\": %u, \"kv_format\": \"%s\", "
-						   "\"per_sequence_bytes\": %llu}%s\n",
-						budgets[bi], fmt ? kvr_kv_format_name(fmt) : "f16",
-						(unsigned long long)cache_bytes(&sh, budgets[bi], sink, window, fmt),
-						bi + 1 < n_budgets || fmt < KVR_KV_FORMAT_K4V2 ? "," : "");
-			fprintf(f, "  ],\n  \"summary\": {\"peak_h2d_pinned_gbps\": %.4f}\n", peak);
-			bench_json_close(f);
-		}
-	}
-	for (int b = 0; b < 2; b++) {
-		if (e.staged[b])
-			kvr_dev_event_destroy(e.dev, e.staged[b]);
-		if (e.drained[b])
-			kvr_dev_event_destroy(e.dev, e.drained[b]);
-		if (e.staging[b])
-			kvr_dev_free(e.dev, e.staging[b]);
-	}
-	if (e.copy)
-		kvr_dev_stream_destroy(e.dev, e.copy);
-	if (e.convert)
-		kvr_dev_stream_destroy(e.dev, e.convert);
-	if (e.slots)
-		kvr_dev_free(e.dev, e.slots);
-	if (e.items_dev)
-		kvr_dev_free(e.dev, e.items_dev);
-	for (int l = 0; l < 2; l++) {
-		if (e.pool[l]) {
-			kvr_dev_host_unregister(e.dev, e.pool[l]);
-			free(e.pool[l]);
-		}
-		if (e.qpool[l]) {
-			kvr_dev_host_unregister(e.dev, e.qpool[l]);
-			free(e.qpool[l]);
-		}
-	}
-	free(e.miss_page), free(e.miss_head), free(e.miss_tile), free(e.items), free(e.descs);
-	kvr_dev_destroy(e.dev);
-	return rc ? 1 : 0;
+	write_json(f, &o, device_name, argc, argv, rows, n_rows, pool_bytes, peak);
+	return 0;
 usage:
 	fprintf(stderr,
 		"usage: kvrecall bench recall [--backend auto|cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
 		"         [--kv-heads N --qo-heads N --head-dim D --layers N --page-tokens P]\n"
 		"         [--budget 1024,2048,4096] [--sink S] [--window W] [--batch 1] [--miss-rate 0.25]\n"
-		"         [--chunk-pages 8,32] [--reps 7] [--quick] [--json FILE] [--trace FILE]\n");
+		"         [--chunk-pages 8,32] [--pool-mib 512] [--reps 7] [--quick] [--json FILE] [--trace FILE]\n");
 	return 2;
 }

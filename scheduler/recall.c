@@ -188,6 +188,21 @@ void kvr_recall_teardown(struct kvr_sched *s)
 	s->copy = s->convert = NULL;
 }
 
+int kvr_recall_reconfigure(struct kvr_sched *s, uint32_t buffers, uint32_t chunk_pages, char *err,
+			   size_t err_bytes)
+{
+	if (s->recall != KVR_RECALL_STREAMED || buffers < 1 || buffers > 2 || chunk_pages < 1 ||
+	    chunk_pages > 4096) {
+		snprintf(err, err_bytes, "recall: %u buffers of %u pages: not a streamed-recall setting",
+			 buffers, chunk_pages);
+		return -EINVAL;
+	}
+	kvr_recall_teardown(s); /* drains both streams first */
+	s->c.recall_buffers = buffers;
+	s->c.recall_chunk_pages = chunk_pages;
+	return kvr_recall_setup(s, err, err_bytes);
+}
+
 int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 {
 	int ret = kvr_dev_event_create(s->dev, &lane->recall_done);

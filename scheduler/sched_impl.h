@@ -282,6 +282,12 @@ void kvr_sched_record_async_error(struct kvr_sched *s, int err, const char *what
 /* recall.c */
 int kvr_recall_setup(struct kvr_sched *s, char *err, size_t err_bytes);
 void kvr_recall_teardown(struct kvr_sched *s);
+/* bench recall's variants: streamed recall's staging buffers and chunk size
+ * changed between recalls, on a context with no decode step and no
+ * controller job in flight (the caller's thread owns every lane). Its
+ * device memory is not admitted against device_bytes. */
+int kvr_recall_reconfigure(struct kvr_sched *s, uint32_t buffers, uint32_t chunk_pages, char *err,
+			   size_t err_bytes);
 int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane);
 void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane);
 /* Plan and issue the recall of heads[m] != 0 so that their slots hold

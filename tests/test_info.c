@@ -213,22 +213,23 @@ Test(bench, copy_writes_schema_json, .timeout = 120)
 }
 
 /* `kvrecall bench recall`: every variant (HND and NHD pool with one and two
- * buffers, zero-copy, K8V4 and K4V2 runs) recalled byte-exact (the command fails otherwise) and
- * timed; misses follow batch x KV heads x k x miss rate. */
+ * buffers, K8V4 and K4V2 runs) recalled by the scheduler's own code byte-exact
+ * (the command fails otherwise) and timed; misses follow batch x KV heads x
+ * round(k x miss rate). */
 Test(bench, recall_writes_schema_json, .timeout = 120)
 {
 	bench_json_check(
 		"bench recall --backend cpu --preset smollm2-135m --budget 512,1024 --sink 128 --window 128 "
-		"--batch 2 --miss-rate 0.5 --chunk-pages 4 --reps 1",
+		"--batch 2 --miss-rate 0.5 --chunk-pages 4 --reps 1 --pool-mib 4",
 		"assert d['benchmark'] == 'recall' and d['shape']['n_kv_heads'] == 3 and d['shape']['head_dim'] == 64\n"
-		"assert d['params']['byte_exact'] is True and d['params']['run_bytes'] == 2 * 32 * 64 * 2\n"
+		"assert d['params']['byte_exact'] is True and d['params']['code'] == 'scheduler/recall.c'\n"
 		"rows = d['results']\n"
-		"want = {(b, pl, bu) for b in (512, 1024) for pl, bu in (('hnd', 1), ('hnd', 2), ('nhd', 1), ('nhd', 2), ('zero-copy', 1), ('k8v4', 0), ('k4v2', 0))}\n"
+		"want = {(b, pl, bu) for b in (512, 1024) for pl, bu in (('hnd', 1), ('hnd', 2), ('nhd', 1), ('nhd', 2), ('k8v4', 0), ('k4v2', 0))}\n"
 		"got = {(r['budget_tokens'], r['pool'], r['buffers']) for r in rows}\n"
 		"assert got == want and len(rows) == len(want), (len(rows), want ^ got)\n"
 		"for r in rows:\n"
 		"    k = (r['budget_tokens'] - 256) // 32\n"
-		"    assert r['misses'] == round(2 * 3 * k * 0.5), r\n"
+		"    assert r['misses'] == 2 * 3 * round(k * 0.5), r\n"
 		"    # a K8V4 run: 8-bit keys, 4-bit values, f16 (s, z) per token for each; K4V2 half the codes\n"
 		"    assert r['run_bytes'] == {'k8v4': 32 * (64 + 32 + 8), 'k4v2': 32 * (32 + 16 + 8)}.get(r['pool'], 2 * 32 * 64 * 2), r\n"
 		"    assert r['bytes'] == r['misses'] * r['run_bytes'] and r['us_per_layer'] > 0 and r['gbps'] > 0, r\n"
@@ -348,7 +349,7 @@ Test(bench, traces_are_chrome_json, .timeout = 300)
 	trace_check("bench decode --preset smollm2-135m --budget 512 --sink 128 --window 128 --steps 6 "
 		    "--trace-context 4096",
 		    "attention");
-	trace_check("bench recall --backend cpu --quick --reps 1 --json /dev/null", "scatter chunk");
+	trace_check("bench recall --backend cpu --quick --reps 1 --pool-mib 8 --json /dev/null", "scatter chunk");
 }
 
 /* `kvrecall selftest`: passes on this machine's cpu backend with one JSON
