@@ -179,11 +179,7 @@ int bench_cache(int argc, char **argv)
 	if (bench_shape_preset("smollm2-135m", &o.sh))
 		return 2;
 	for (int i = 0; i < argc; i++) {
-		const int shape_flag = bench_shape_flag(argc, argv, &i, &o.sh);
-		if (shape_flag < 0)
-			return 2;
-		if (shape_flag)
-			continue;
+		BENCH_TAKE_SHAPE_FLAG(argc, argv, i, &o.sh)
 		const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--quick")) {
 			o.sequences = 4, o.long_context = 4096, o.short_context = 512, o.steps = 2, o.sh.n_layers = 4;

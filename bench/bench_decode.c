@@ -324,11 +324,7 @@ int bench_decode(int argc, char **argv)
 	for (int i = 0; i < argc; i++) {
 		if (!strcmp(argv[i], "--layers"))
 			layers_given = 1;
-		const int shape_flag = bench_shape_flag(argc, argv, &i, &g.sh);
-		if (shape_flag < 0)
-			return 2;
-		if (shape_flag)
-			continue;
+		BENCH_TAKE_SHAPE_FLAG(argc, argv, i, &g.sh)
 		const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!val && strcmp(a, "--quick"))
 			return usage();

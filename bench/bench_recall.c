@@ -480,11 +480,7 @@ int bench_recall(int argc, char **argv)
 				 .n_budgets = 3, .chunks = { 8, 32 }, .n_chunks = 2, .batch = 1, .reps = 7,
 				 .pool_mib = 512, .miss_rate = 0.25 };
 	for (int i = 0; i < argc; i++) {
-		const int shape_flag = bench_shape_flag(argc, argv, &i, &o.sh);
-		if (shape_flag < 0)
-			return 2;
-		if (shape_flag)
-			continue;
+		BENCH_TAKE_SHAPE_FLAG(argc, argv, i, &o.sh)
 		if (!strcmp(argv[i], "--backend") && i + 1 < argc)
 			o.backend = argv[++i];
 		else if (!strcmp(argv[i], "--json") && i + 1 < argc)

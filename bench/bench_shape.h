@@ -67,6 +67,17 @@ static inline int bench_shape_flag(int argc, char **argv, int *i, struct bench_s
 	return 1;
 }
 
+/* In a command's argument loop: a shape flag is consumed (continue), a bad
+ * one ends the command (return 2). */
+#define BENCH_TAKE_SHAPE_FLAG(argc, argv, i, shape)                                            \
+	{                                                                                    \
+		const int taken = bench_shape_flag(argc, argv, &(i), shape);                 \
+		if (taken < 0)                                                               \
+			return 2;                                                            \
+		if (taken)                                                                   \
+			continue;                                                            \
+	}
+
 static inline void bench_shape_json(FILE *f, const struct bench_shape *s)
 {
 	fprintf(f, "{\"preset\": \"%s\", \"n_kv_heads\": %u, \"n_qo_heads\": %u, \"head_dim\": %u, "

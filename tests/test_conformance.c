@@ -584,16 +584,21 @@ static struct kvr_shape page_shape(const struct page_cfg *pc, uint32_t type)
 
 /* ================================================================== scatter */
 
+/* The same for the page kernels' cases over page_shapes[ci]: pc, and sh
+ * from it. */
+#define PAGE_CASE_SETUP(seed)                                                                   \
+	struct dctx *c = &e->main;                                                              \
+	struct rng r = case_rng(seed, ci, ti);                                                  \
+	const struct page_cfg *pc = &page_shapes[ci];                                           \
+	const uint32_t type = all_types[ti];                                                    \
+	const struct kvr_shape sh = page_shape(pc, type)
+
 /* Several HND runs into two NHD tile pairs, heads in reverse item order:
  * every column of tile 0, all but column 0 of tile 1 (which must keep its old
  * bits); bit-exact, on random bit patterns (NaN payloads included). */
 static void scatter_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0x5ca7, ci, ti);
-	const struct page_cfg *pc = &page_shapes[ci];
-	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = page_shape(pc, type);
+	PAGE_CASE_SETUP(0x5ca7);
 	const uint64_t run = 2ull * pc->p * pc->d, tile = (uint64_t)pc->p * pc->n_kv * pc->d;
 	const size_t eb = ebytes(type);
 	const uint32_t n = 2 * pc->n_kv - (pc->n_kv > 1 ? 1 : 0);
@@ -640,12 +645,8 @@ CONFORMANCE_CASES(scatter, ARRAY_LEN(page_shapes))
  * rows in some shapes) into HND pages, bit-exact. */
 static void offload_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0x0ff1, ci, ti);
+	PAGE_CASE_SETUP(0x0ff1);
 	enum { PAGES = 3 };
-	const struct page_cfg *pc = &page_shapes[ci];
-	const uint32_t type = all_types[ti];
-	const struct kvr_shape sh = page_shape(pc, type);
 	const uint32_t stride = pc->n_kv * pc->d + pc->pad;
 	const uint64_t rows = (uint64_t)PAGES * pc->p * stride;
 	const uint64_t page = 2ull * pc->n_kv * pc->p * pc->d;
@@ -692,12 +693,9 @@ CONFORMANCE_CASES(offload, ARRAY_LEN(page_shapes))
  */
 static void summarize_case(struct env *e, uint32_t ci, uint32_t ti)
 {
-	struct dctx *c = &e->main;
-	struct rng r = case_rng(0x5e33, ci, ti);
+	PAGE_CASE_SETUP(0x5e33);
 	enum { PAGES = 3 };
-	const struct page_cfg *pc = &page_shapes[ci];
-	const uint32_t type = all_types[ti], d = pc->d, n_kv = pc->n_kv;
-	const struct kvr_shape sh = page_shape(pc, type);
+	const uint32_t d = pc->d, n_kv = pc->n_kv;
 	const uint32_t stride = n_kv * d + pc->pad;
 	const uint64_t rows = (uint64_t)PAGES * pc->p * stride, sum = 2ull * n_kv * d;
 	const size_t eb = ebytes(type);
