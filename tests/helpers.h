@@ -132,6 +132,15 @@ static inline void th_config(struct kvr_config *c, uint32_t n_layers, uint32_t n
 	c->window_tokens = window_tokens;
 	c->budget_tokens = budget_tokens;
 }
+
+/* Every layer sparse, n_seqs sequences that may all decode in one batch, one
+ * cpu thread: the run most decode tests ask for. */
+static inline void th_config_sparse(struct kvr_config *c, uint32_t n_seqs)
+{
+	c->dense_layers[0] = 0;
+	c->max_sequences = c->max_batch = n_seqs;
+	c->threads = 1;
+}
 #endif
 
 #ifdef CRITERION_H_

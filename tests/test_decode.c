@@ -34,10 +34,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t budget, uint32_t sin
 	th_config(&c, 2, N_QO, N_KV, D, KVR_DTYPE_F32, P, sink, window, budget);
 	c.mode = mode;
 	c.tau = tau;
-	c.dense_layers[0] = 0; /* both layers may be sparse */
-	c.max_sequences = 4;
-	c.max_batch = 4;
-	c.threads = 1;
+	th_config_sparse(&c, 4);
 	if (getenv("KVR_TEST_RECALL")) /* meson runs the suite once per recall kind */
 		c.recall = (uint32_t)atoi(getenv("KVR_TEST_RECALL"));
 	c.pool_bytes = pool_pages * 2ull * P * D * N_KV * 4;
@@ -591,10 +588,7 @@ Test(decode, engine_parallel_for_runs_the_kernels)
 	struct kvr_config c;
 	th_config(&c, 2, N_QO, N_KV, D, KVR_DTYPE_F32, P, P, P, 4 * P);
 	c.mode = KVR_MODE_FREEKV;
-	c.dense_layers[0] = 0;
-	c.max_sequences = 1;
-	c.max_batch = 1;
-	c.threads = 1;
+	th_config_sparse(&c, 1);
 	c.pool_bytes = 256 * 2ull * P * D * N_KV * 4;
 	static float own[20 * 2 * Q_ROW], engine[20 * 2 * Q_ROW];
 	decode_run(&c, own);

@@ -41,10 +41,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t kv_format, uint32_t 
 	th_config(&c, LAYERS, N_QO, N_KV, D, KVR_DTYPE_F32, P, 16, 16, 64);
 	c.mode = mode;
 	c.kv_format = kv_format;
-	c.dense_layers[0] = 0;
-	c.max_sequences = 4;
-	c.max_batch = 4;
-	c.threads = 1;
+	th_config_sparse(&c, 4);
 	c.recall = KVR_RECALL_STREAMED;
 	const uint64_t f32_page = 2ull * P * D * N_KV * 4;
 	/* a K8V4 run at p = 16, d = 32: 512 B of key codes, 256 of value codes,

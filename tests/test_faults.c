@@ -164,10 +164,7 @@ static void context_open(struct run *r)
 	th_config(&c, NL, N_QO, N_KV, D, KVR_DTYPE_F32, P, 32, 32, 128); /* k = 4 pages per KV head */
 	c.mode = r->v->mode;
 	c.recall = r->v->recall;
-	c.dense_layers[0] = 0; /* both layers sparse */
-	c.max_sequences = 4;
-	c.max_batch = 4;
-	c.threads = 1;
+	th_config_sparse(&c, 4);
 	c.recall_chunk_pages = 2; /* several chunks per recall */
 	c.controller = KVR_CONTROLLER_THREAD;
 	const uint64_t page = 2ull * P * N_KV * D * 4;

@@ -314,6 +314,17 @@ static void build_synth(struct synth *s)
 
 static volatile uint64_t sink;
 
+/* One of each getter's outputs. */
+struct getter_outs {
+	uint32_t u32;
+	uint64_t u64;
+	int64_t i64;
+	float f;
+	bool bl;
+	const char *p;
+	size_t len;
+};
+
 /* Read every byte the accessors hand out, and check the reader's invariants;
  * `all_data` reads all tensor data, else its first and last byte. */
 static void walk(const struct gguf *g, const uint8_t *base, size_t size, bool all_data)
@@ -327,26 +338,20 @@ static void walk(const struct gguf *g, const uint8_t *base, size_t size, bool al
 		cr_assert_eq(gguf_find_key(g, key), (int64_t)i, "key %s", key);
 		uint32_t type = gguf_key_type(g, key);
 		cr_assert_eq(type, gguf_key_type_at(g, i));
-		uint32_t u32;
-		uint64_t u64;
-		int64_t i64;
-		float f;
-		bool bl;
-		const char *p;
-		size_t len;
-		int rc = gguf_get_u32(g, key, &u32);
+		struct getter_outs o;
+		int rc = gguf_get_u32(g, key, &o.u32);
 		if (rc < 0)
 			rc = gguf_key_error(g, key, rc, "uint32", msg, sizeof(msg));
-		acc += rc == 0 ? u32 : strlen(msg);
-		acc += gguf_get_u64(g, key, &u64) == 0 ? u64 : 1;
-		acc += gguf_get_i64(g, key, &i64) == 0 ? (uint64_t)i64 : 1;
-		acc += gguf_get_f32(g, key, &f) == 0 ? (uint64_t)isnan(f) : 1;
-		acc += gguf_get_bool(g, key, &bl) == 0 ? bl : 1;
-		if (gguf_get_str(g, key, &p, &len) == 0) {
-			const uint8_t *q = (const uint8_t *)p;
-			cr_assert(q >= base && q + len <= base + size);
-			for (size_t k = 0; k < len; k++)
-				acc += (uint8_t)p[k];
+		acc += rc == 0 ? o.u32 : strlen(msg);
+		acc += gguf_get_u64(g, key, &o.u64) == 0 ? o.u64 : 1;
+		acc += gguf_get_i64(g, key, &o.i64) == 0 ? (uint64_t)o.i64 : 1;
+		acc += gguf_get_f32(g, key, &o.f) == 0 ? (uint64_t)isnan(o.f) : 1;
+		acc += gguf_get_bool(g, key, &o.bl) == 0 ? o.bl : 1;
+		if (gguf_get_str(g, key, &o.p, &o.len) == 0) {
+			const uint8_t *q = (const uint8_t *)o.p;
+			cr_assert(q >= base && q + o.len <= base + size);
+			for (size_t k = 0; k < o.len; k++)
+				acc += (uint8_t)o.p[k];
 		}
 		uint32_t et;
 		uint64_t count;
@@ -355,11 +360,11 @@ static void walk(const struct gguf *g, const uint8_t *base, size_t size, bool al
 			if (et == GGUF_TYPE_STRING) {
 				cr_assert_null(data);
 				for (uint64_t k = 0; k < count; k++) {
-					cr_assert_eq(gguf_get_arr_str(g, key, k, &p, &len), 0);
-					for (size_t m = 0; m < len; m++)
-						acc += (uint8_t)p[m];
+					cr_assert_eq(gguf_get_arr_str(g, key, k, &o.p, &o.len), 0);
+					for (size_t m = 0; m < o.len; m++)
+						acc += (uint8_t)o.p[m];
 				}
-				cr_assert_eq(gguf_get_arr_str(g, key, count, &p, &len), -ERANGE);
+				cr_assert_eq(gguf_get_arr_str(g, key, count, &o.p, &o.len), -ERANGE);
 			} else {
 				static const uint8_t sz[] = { 1, 1, 2, 2, 4, 4, 4,
 							      1, 0, 0, 8, 8, 8 };
@@ -581,44 +586,38 @@ Test(gguf, getters_check_type_and_range_with_messages)
 	build_synth(&s);
 	uint8_t *copy;
 	struct gguf *g = open_ok(&s.b, &copy);
-	uint32_t u32 = 77;
-	uint64_t u64;
-	int64_t i64;
-	float f;
-	bool bl;
-	const char *p;
-	size_t len;
+	struct getter_outs o = { .u32 = 77 };
 	char msg[256];
 
-	cr_expect_eq(gguf_get_u32(g, "test.i8", &u32), -ERANGE);
-	cr_expect_eq(u32, 77, "output written on failure");
+	cr_expect_eq(gguf_get_u32(g, "test.i8", &o.u32), -ERANGE);
+	cr_expect_eq(o.u32, 77, "output written on failure");
 	cr_expect_eq(gguf_key_error(g, "test.i8", -ERANGE, "uint32", msg, sizeof(msg)), -ERANGE);
 	cr_expect(strstr(msg, "test.i8") && strstr(msg, "-5") && strstr(msg, "uint32") &&
 			  strstr(msg, "byte"),
 		  "%s", msg);
-	cr_expect_eq(gguf_get_u32(g, "test.u64", &u32), -ERANGE);
-	cr_expect_eq(gguf_get_u64(g, "test.i64", &u64), -ERANGE);
-	cr_expect_eq(gguf_get_i64(g, "test.u64_max", &i64), -ERANGE);
-	cr_expect_eq(gguf_get_f32(g, "test.f64_big", &f), -ERANGE);
-	cr_expect_eq(gguf_get_u32(g, "test.f32", &u32), -EINVAL);
-	cr_expect_eq(gguf_get_u32(g, "test.bool", &u32), -EINVAL);
-	cr_expect_eq(gguf_get_f32(g, "test.u32", &f), -EINVAL);
-	cr_expect_eq(gguf_get_bool(g, "test.u8", &bl), -EINVAL);
-	cr_expect_eq(gguf_get_str(g, "test.u32", &p, &len), -EINVAL);
+	cr_expect_eq(gguf_get_u32(g, "test.u64", &o.u32), -ERANGE);
+	cr_expect_eq(gguf_get_u64(g, "test.i64", &o.u64), -ERANGE);
+	cr_expect_eq(gguf_get_i64(g, "test.u64_max", &o.i64), -ERANGE);
+	cr_expect_eq(gguf_get_f32(g, "test.f64_big", &o.f), -ERANGE);
+	cr_expect_eq(gguf_get_u32(g, "test.f32", &o.u32), -EINVAL);
+	cr_expect_eq(gguf_get_u32(g, "test.bool", &o.u32), -EINVAL);
+	cr_expect_eq(gguf_get_f32(g, "test.u32", &o.f), -EINVAL);
+	cr_expect_eq(gguf_get_bool(g, "test.u8", &o.bl), -EINVAL);
+	cr_expect_eq(gguf_get_str(g, "test.u32", &o.p, &o.len), -EINVAL);
 	cr_expect_eq(gguf_key_error(g, "test.u32", -EINVAL, "a string", msg, sizeof(msg)), -EINVAL);
 	cr_expect(strstr(msg, "test.u32") && strstr(msg, "uint32") && strstr(msg, "a string"), "%s",
 		  msg);
 	cr_expect_eq(gguf_get_arr(g, "test.u32", NULL, NULL, NULL), -EINVAL);
-	cr_expect_eq(gguf_get_arr_str(g, "test.arr_i32", 0, &p, &len), -EINVAL);
+	cr_expect_eq(gguf_get_arr_str(g, "test.arr_i32", 0, &o.p, &o.len), -EINVAL);
 	cr_expect_eq(gguf_key_error(g, "test.arr_i32", -EINVAL, "a string array", msg, sizeof(msg)),
 		     -EINVAL);
 	cr_expect(strstr(msg, "array of 7 int32"), "%s", msg);
-	cr_expect_eq(gguf_get_arr_str(g, "tokenizer.ggml.tokens", 5, &p, &len), -ERANGE);
-	cr_expect_eq(gguf_get_arr_str(g, "test.arr_str_empty", 0, &p, &len), -ERANGE);
-	cr_expect_eq(gguf_get_u32(g, "absent", &u32), -ENOENT);
-	cr_expect_eq(gguf_get_str(g, "absent", &p, &len), -ENOENT);
+	cr_expect_eq(gguf_get_arr_str(g, "tokenizer.ggml.tokens", 5, &o.p, &o.len), -ERANGE);
+	cr_expect_eq(gguf_get_arr_str(g, "test.arr_str_empty", 0, &o.p, &o.len), -ERANGE);
+	cr_expect_eq(gguf_get_u32(g, "absent", &o.u32), -ENOENT);
+	cr_expect_eq(gguf_get_str(g, "absent", &o.p, &o.len), -ENOENT);
 	cr_expect_eq(gguf_get_arr(g, "absent", NULL, NULL, NULL), -ENOENT);
-	cr_expect_eq(gguf_get_arr_str(g, "absent", 0, &p, &len), -ENOENT);
+	cr_expect_eq(gguf_get_arr_str(g, "absent", 0, &o.p, &o.len), -ENOENT);
 	cr_expect_eq(gguf_key_error(g, "absent", -ENOENT, "uint32", msg, sizeof(msg)), -ENOENT);
 	cr_expect(strstr(msg, "'absent' is absent"), "%s", msg);
 	gguf_close(g);

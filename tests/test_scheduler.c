@@ -1355,10 +1355,7 @@ static void big_budget_run(uint32_t recall, uint32_t budget, float *outs, uint32
 	th_config(&c, 1, BQO, BKV, BD, KVR_DTYPE_F32, BP, 512, 512, budget);
 	c.mode = KVR_MODE_FREEKV;
 	c.recall = recall;
-	c.dense_layers[0] = 0;
-	c.max_sequences = 1;
-	c.max_batch = 1;
-	c.threads = 1;
+	th_config_sparse(&c, 1);
 	c.backend = KVR_BACKEND_CPU;
 	struct kvr_context *ctx = NULL;
 	cr_assert_eq(kvr_context_create(&c, &ctx), 0, "%s", kvr_last_error(NULL));

@@ -62,10 +62,7 @@ static struct kvr_context *open_mixed(int dev_kind)
 {
 	struct kvr_config c;
 	th_config(&c, NL, N_KV, N_KV, D, KVR_DTYPE_F16, P, P, P, (2 + K_PAGES) * P); /* k = 4 pages per KV head */
-	c.dense_layers[0] = 0;
-	c.max_sequences = 2;
-	c.max_batch = 2;
-	c.threads = 1;
+	th_config_sparse(&c, 2);
 	c.recall = KVR_RECALL_STREAMED;
 	c.kv_format = KVR_KV_MIXED;
 	c.pool_bytes = 64ull << 20;
