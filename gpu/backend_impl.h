@@ -1,6 +1,12 @@
 /* SPDX-License-Identifier: MIT */
-/* The kernel ops of kvr_dev_ops: X(name) for each, so a backend that brings
- * its own kernels sets them all in one line (and cannot forget one). */
+/* The required ops of kvr_dev_ops, by group: X(name) for each, so a backend
+ * sets a whole group in one line (and cannot forget one). The memory ops,
+ * the stream, event and copy ops, and the kernel ops. */
+#define KVR_DEV_MEMORY_OPS(X) X(alloc) X(free) X(host_register) X(host_unregister)
+#define KVR_DEV_STREAM_OPS(X)                                                                     \
+	X(stream_create) X(stream_destroy) X(stream_synchronize) X(event_create) X(event_destroy) \
+	X(event_record) X(stream_wait_event) X(event_query) X(event_synchronize) X(memcpy_async) \
+	X(memcpy_batch_async) X(host_fn)
 #define KVR_DEV_KERNEL_OPS(X) \
 	X(scatter) X(offload) X(summarize) X(score) X(select) X(similarity) X(attention) X(dense) \
 	X(freelist)

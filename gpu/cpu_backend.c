@@ -502,25 +502,11 @@ static void cpu_destroy(struct kvr_dev *dev)
 static const struct kvr_dev_ops cpu_ops = {
 	.name = "cpu",
 	.destroy = cpu_destroy,
-	.alloc = cpu_alloc,
-	.free = cpu_free,
-	.host_register = cpu_host_register,
-	.host_unregister = cpu_host_unregister,
-	.stream_create = cpu_stream_create,
-	.stream_destroy = cpu_stream_destroy,
-	.stream_synchronize = cpu_stream_synchronize,
-	.event_create = cpu_event_create,
-	.event_destroy = cpu_event_destroy,
-	.event_record = cpu_event_record,
-	.stream_wait_event = cpu_stream_wait_event,
-	.event_query = cpu_event_query,
-	.event_synchronize = cpu_event_synchronize,
-	.memcpy_async = cpu_memcpy_async,
-	.memcpy_batch_async = cpu_memcpy_batch_async,
-#define CPU_KERNEL_OP(name) .name = cpu_##name,
-	KVR_DEV_KERNEL_OPS(CPU_KERNEL_OP)
-#undef CPU_KERNEL_OP
-	.host_fn = cpu_host_fn,
+#define CPU_OP(name) .name = cpu_##name,
+	KVR_DEV_MEMORY_OPS(CPU_OP)
+	KVR_DEV_STREAM_OPS(CPU_OP)
+	KVR_DEV_KERNEL_OPS(CPU_OP)
+#undef CPU_OP
 };
 
 const struct kvr_dev_ops *kvr_cpu_ops(void)

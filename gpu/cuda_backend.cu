@@ -824,27 +824,13 @@ static struct kvr_dev_ops make_cuda_ops(void)
 	memset(&o, 0, sizeof(o));
 	o.name = "cuda";
 	o.destroy = op_destroy;
-	o.alloc = op_alloc;
-	o.free = op_free;
-	o.host_register = op_host_register;
-	o.host_unregister = op_host_unregister;
-	o.stream_create = op_stream_create;
-	o.stream_destroy = op_stream_destroy;
+#define SET_OP(name) o.name = op_##name;
+	KVR_DEV_MEMORY_OPS(SET_OP)
+	KVR_DEV_STREAM_OPS(SET_OP)
+	KVR_DEV_KERNEL_OPS(SET_OP)
+#undef SET_OP
 	o.stream_wrap = op_stream_wrap;
 	o.stream_capturing = op_stream_capturing;
-	o.stream_synchronize = op_stream_synchronize;
-	o.event_create = op_event_create;
-	o.event_destroy = op_event_destroy;
-	o.event_record = op_event_record;
-	o.stream_wait_event = op_stream_wait_event;
-	o.event_query = op_event_query;
-	o.event_synchronize = op_event_synchronize;
-	o.memcpy_async = op_memcpy_async;
-	o.memcpy_batch_async = op_memcpy_batch_async;
-#define SET_KERNEL_OP(name) o.name = op_##name;
-	KVR_DEV_KERNEL_OPS(SET_KERNEL_OP)
-#undef SET_KERNEL_OP
-	o.host_fn = op_host_fn;
 	return o;
 }
 

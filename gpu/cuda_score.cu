@@ -65,6 +65,19 @@ struct score_plan {
 	uint64_t off_stat, off_cache; /* floats into the scratch */
 };
 
+/* Block (item·n_kv + m)·splits + b of passes 1 and 3: split b of KV head m
+ * of the item. */
+struct split_block {
+	uint32_t split, item, kv_head;
+};
+
+static __device__ __forceinline__ struct split_block split_block_of(const struct score_plan &plan,
+								     uint32_t n_kv)
+{
+	const uint32_t im = blockIdx.x / plan.splits;
+	return { blockIdx.x % plan.splits, im / n_kv, im % n_kv };
+}
+
 /* each(g, s_g) for g = 0 .. gc-1 in order (gc <= NH), s_g = scale · Σ_c
  * max(q_gc·min_c, q_gc·max_c) for the page whose summary (min row then max
  * row) starts at element `row` of `summaries`; all 32 lanes of the warp call
@@ -141,10 +154,9 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	__shared__ float q_s[NH * SCORE_MAX_DIM];
 	__shared__ float red_s[NH * SCORE_THREADS];
 
-	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads;
-	const uint32_t G = n_qo / n_kv;
-	const uint32_t b = blockIdx.x % plan.splits, im = blockIdx.x / plan.splits;
-	const uint32_t item = im / n_kv, m = im % n_kv;
+	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads, G = n_qo / n_kv;
+	const struct split_block blk = split_block_of(plan, n_kv);
+	const uint32_t b = blk.split, item = blk.item, m = blk.kv_head;
 	const struct kvr_score_item it = items[item];
 	if (it.cand_end <= it.cand_begin)
 		return; /* no candidates: nothing to write (whole block) */
@@ -157,7 +169,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	const uint64_t page_elems = (uint64_t)n_kv * 2u * d;
 	const uint64_t head_off = (uint64_t)m * 2u * d;
 	const bool cached = n_dom <= plan.cache;
-	float *pmax = scratch + ((uint64_t)im * plan.splits + b) * G;
+	float *pmax = scratch + (((uint64_t)item * n_kv + m) * plan.splits + b) * G;
 	float *cache = scratch + plan.off_cache + ((uint64_t)item * n_qo + m * G) * plan.cache;
 
 	for (uint32_t g0 = 0; g0 < G; g0 += NH) {
@@ -298,13 +310,12 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 	__shared__ float max_s[SCORE_HEADS];
 	__shared__ float inv_s[SCORE_HEADS];
 
-	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads;
-	const uint32_t G = n_qo / n_kv;
-	const uint32_t b = blockIdx.x % plan.splits, im = blockIdx.x / plan.splits;
-	const uint32_t item = im / n_kv, m = im % n_kv;
+	const uint32_t n_kv = shape.n_kv_heads, d = shape.head_dim, n_qo = shape.n_qo_heads, G = n_qo / n_kv;
+	const struct split_block blk = split_block_of(plan, n_kv);
+	const uint32_t b = blk.split, item = blk.item, m = blk.kv_head;
 	const struct kvr_score_item it = items[item];
 	if (it.cand_end <= it.cand_begin)
-		return;
+		return; /* as in pass 1 */
 	const uint32_t n_cand = it.cand_end - it.cand_begin;
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(&it, &dom_begin, &dom_end);

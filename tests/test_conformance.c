@@ -1379,6 +1379,17 @@ static void *new_outputs(const struct kvr_shape *sh, uint32_t n)
 	return o;
 }
 
+/* Item i: query and output i of q and out (per elements each), over
+ * segments [first[i], first[i] + count[i]). */
+static void attention_items(struct kvr_attention_item *items, uint32_t n, void *q, void *out,
+			    uint32_t type, uint64_t per, const uint32_t *first, const uint32_t *count)
+{
+	for (uint32_t i = 0; i < n; i++)
+		items[i] = (struct kvr_attention_item){
+			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
+			.first_segment = first[i], .n_segments = count[i] };
+}
+
 /* Run attention on c and compare every item with the reference. */
 static void attention_and_check(struct env *e, struct dctx *c, const char *what,
 				const struct kvr_shape *sh, const struct kvr_attention_item *items,
@@ -1454,10 +1465,7 @@ static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 	for (uint64_t x = 0; x < per; x++) /* item 5: 40x queries */
 		ref_store(q, type, 5 * per + x, 40.0 * ref_load(q, type, 2 * per + x));
 	struct kvr_attention_item items[ITEMS];
-	for (uint32_t i = 0; i < ITEMS; i++)
-		items[i] = (struct kvr_attention_item){
-			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
-			.first_segment = first[i], .n_segments = count[i] };
+	attention_items(items, ITEMS, q, out, type, per, first, count);
 	char what[96];
 	snprintf(what, sizeof(what), "attention config %u", ci);
 	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
@@ -1816,10 +1824,7 @@ static void nonfinite_propagation_case(struct env *e, uint32_t ci, uint32_t ti)
 	const uint32_t inf_head = G > 1 ? 1 : 0;
 	ref_store(q, type, 2 * per + (uint64_t)inf_head * d + 5, INFINITY);
 	struct kvr_attention_item items[ITEMS];
-	for (uint32_t i = 0; i < ITEMS; i++)
-		items[i] = (struct kvr_attention_item){
-			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
-			.first_segment = first[i], .n_segments = count[i] };
+	attention_items(items, ITEMS, q, out, type, per, first, count);
 	char what[96];
 	snprintf(what, sizeof(what), "non-finite attention config %u", ci);
 	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);

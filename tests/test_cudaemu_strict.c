@@ -565,26 +565,26 @@ Test(cudaemu_strict, offload_and_summarize_extents)
 	const size_t page = 2ull * NKV * P * D * EB, summary = 2ull * NKV * D * EB;
 	struct kvr_page_item it = { drand(&T, rows, 1), drand(&T, rows, 2), dalloc(&T, page), NULL,
 				    rs, 0 };
-	expect_ok(&T, kvr_dev_offload(T.dev, &shape, items_of(&it, sizeof(it)), 1, T.s), "offload");
 	struct kvr_page_item sit = { it.k_rows, NULL, NULL, dalloc(&T, summary), rs, 0 };
-	expect_ok(&T, kvr_dev_summarize(T.dev, &shape, items_of(&sit, sizeof(sit)), 1, T.s),
-		  "summarize");
+#define OFFLOAD(item) kvr_dev_offload(T.dev, &shape, items_of(&(item), sizeof(item)), 1, T.s)
+#define SUMMARIZE(item) kvr_dev_summarize(T.dev, &shape, items_of(&(item), sizeof(item)), 1, T.s)
+	expect_ok(&T, OFFLOAD(it), "offload");
+	expect_ok(&T, SUMMARIZE(sit), "summarize");
 	sync_clean();
 
+	/* each buffer one element short, in turn */
 	it.hnd_page = dalloc(&T, page - EB);
-	expect_fault(&T, kvr_dev_offload(T.dev, &shape, items_of(&it, sizeof(it)), 1, T.s), 0,
-		     "offload: item 0 hnd_page", "runs past the end");
+	expect_fault(&T, OFFLOAD(it), 0, "offload: item 0 hnd_page", "runs past the end");
 	it.hnd_page = dalloc(&T, page);
 	it.v_rows = dalloc(&T, rows - EB);
-	expect_fault(&T, kvr_dev_offload(T.dev, &shape, items_of(&it, sizeof(it)), 1, T.s), 1,
-		     "offload: item 0 v_rows", "runs past the end");
+	expect_fault(&T, OFFLOAD(it), 1, "offload: item 0 v_rows", "runs past the end");
 	sit.summary = dalloc(&T, summary - EB);
-	expect_fault(&T, kvr_dev_summarize(T.dev, &shape, items_of(&sit, sizeof(sit)), 1, T.s), 2,
-		     "summarize: item 0 summary", "runs past the end");
+	expect_fault(&T, SUMMARIZE(sit), 2, "summarize: item 0 summary", "runs past the end");
 	sit.summary = dalloc(&T, summary);
 	sit.k_rows = dalloc(&T, rows - EB);
-	expect_fault(&T, kvr_dev_summarize(T.dev, &shape, items_of(&sit, sizeof(sit)), 1, T.s), 3,
-		     "summarize: item 0 k_rows", "runs past the end");
+	expect_fault(&T, SUMMARIZE(sit), 3, "summarize: item 0 k_rows", "runs past the end");
+#undef OFFLOAD
+#undef SUMMARIZE
 }
 
 Test(cudaemu_strict, score_and_select_extents)

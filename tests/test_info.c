@@ -147,9 +147,9 @@ Test(info, command_json_and_errors)
 
 /* ------------------------------------------------------------------ kvrecall bench */
 
-/* Run `kvrecall <args> <flag> FILE`, then the Python program `check` on FILE
- * (Python's json module is an independent parser; the program gets FILE as
- * sys.argv[1] and prints "ok" or fails with why). Skips without python3. */
+/* Run `kvrecall <args> <flag> FILE`, then the Python program `check` with
+ * FILE parsed as d (Python's json module is an independent parser) and FILE
+ * as sys.argv[1]; it prints "ok" or fails with why. Skips without python3. */
 static void output_check(const char *args, const char *flag, const char *check)
 {
 	if (system("python3 -c 'import json' > /dev/null 2>&1") != 0)
@@ -164,7 +164,11 @@ static void output_check(const char *args, const char *flag, const char *check)
 	run(cmd, out, sizeof(out), &status);
 	cr_assert_eq(status, 0, "%s:\n%s", cmd, out);
 	char script[4096];
-	snprintf(script, sizeof(script), "python3 - '%s' 2>&1 <<'PY'\n%s\nprint('ok')\nPY", path, check);
+	/* the output file's JSON as d, then the check */
+	snprintf(script, sizeof(script),
+		 "python3 - '%s' 2>&1 <<'PY'\nimport json, sys, itertools\nd = json.load(open(sys.argv[1]))\n"
+		 "%s\nprint('ok')\nPY",
+		 path, check);
 	FILE *f = popen(script, "r");
 	cr_assert_not_null(f);
 	char verdict[2048];
@@ -182,8 +186,6 @@ static void bench_json_check(const char *args, const char *python_check)
 {
 	char check[3072];
 	snprintf(check, sizeof(check),
-		 "import json, sys, itertools\n"
-		 "d = json.load(open(sys.argv[1]))\n"
 		 "assert d['schema'] == 'kvrecall-bench/1', d['schema']\n"
 		 "prefix = 'kvrecall ' + ('' if d['benchmark'] == 'selftest' else 'bench ') + d['benchmark']\n"
 		 "assert d['command'].startswith(prefix), d['command']\n"
@@ -332,8 +334,6 @@ static void trace_check(const char *args, const char *want)
 {
 	char check[1024];
 	snprintf(check, sizeof(check),
-		 "import json, sys\n"
-		 "d = json.load(open(sys.argv[1]))\n"
 		 "ev = d['traceEvents'] if isinstance(d, dict) else d\n"
 		 "x = [e for e in ev if e['ph'] == 'X']\n"
 		 "assert x and all(e['dur'] >= 0 and e['ts'] >= 0 for e in x), len(x)\n"

@@ -48,8 +48,7 @@ static struct kvr_context *context(uint32_t mode, uint32_t budget, uint32_t sink
 	c.budget_tokens = budget;
 	c.sink_tokens = sink;
 	c.window_tokens = window;
-	c.max_sequences = 1;
-	c.max_batch = 1;
+	c.max_sequences = c.max_batch = 1;
 	c.threads = 1;
 	c.pool_bytes = 64ull << 20;
 	struct kvr_context *ctx = NULL;

@@ -303,31 +303,25 @@ static inline int32_t isum_q8_0(const uint8_t *w, const uint8_t *x)
 	return p;
 }
 
-/* quant.h's reference definitions, rows [r0, r1), continuing acc (16 lanes
- * a row) over one chunk of nb blocks (chunks start at multiples of 16). */
-static void rows_q4_1_scalar(const uint8_t *w, uint64_t row_bytes, const uint8_t *x,
-			     uint64_t nb, float *acc, uint64_t r0, uint64_t r1)
+/* quant.h's reference definitions, rows [r0, r1) of a Q4_1 or Q8_0 matrix,
+ * continuing acc (16 lanes a row) over one chunk of nb blocks (chunks start
+ * at multiples of 16). */
+static void rows_scalar(uint32_t type, const uint8_t *w, uint64_t row_bytes, const uint8_t *x,
+			uint64_t nb, float *acc, uint64_t r0, uint64_t r1)
 {
+	const bool q4_1 = type == KQ_TYPE_Q4_1;
+	const uint32_t wbytes = q4_1 ? KQ_Q4_1_BYTES : KQ_Q8_0_BYTES;
+	const uint32_t xbytes = q4_1 ? KQ_Q8_1_BYTES : KQ_Q8_0_BYTES;
 	for (uint64_t r = r0; r < r1; r++) {
 		const uint8_t *wr = w + r * row_bytes;
 		float *a = acc + (r - r0) * 16;
 		for (uint64_t b = 0; b < nb; b++) {
-			const uint8_t *wb = wr + b * KQ_Q4_1_BYTES, *xb = x + b * KQ_Q8_1_BYTES;
-			const int32_t p = isum_q4_1(wb, xb);
-			a[b % 16] += fmaf(kq_h(wb) * kq_h(xb), (float)p, kq_h(wb + 2) * kq_h(xb + 2));
-		}
-	}
-}
-
-static void rows_q8_0_scalar(const uint8_t *w, uint64_t row_bytes, const uint8_t *x,
-			     uint64_t nb, float *acc, uint64_t r0, uint64_t r1)
-{
-	for (uint64_t r = r0; r < r1; r++) {
-		const uint8_t *wr = w + r * row_bytes;
-		float *a = acc + (r - r0) * 16;
-		for (uint64_t b = 0; b < nb; b++) {
-			const uint8_t *wb = wr + b * KQ_Q8_0_BYTES, *xb = x + b * KQ_Q8_0_BYTES;
-			a[b % 16] = fmaf(kq_h(wb) * kq_h(xb), (float)isum_q8_0(wb, xb), a[b % 16]);
+			const uint8_t *wb = wr + b * wbytes, *xb = x + b * xbytes;
+			if (q4_1)
+				a[b % 16] += fmaf(kq_h(wb) * kq_h(xb), (float)isum_q4_1(wb, xb),
+						  kq_h(wb + 2) * kq_h(xb + 2));
+			else
+				a[b % 16] = fmaf(kq_h(wb) * kq_h(xb), (float)isum_q8_0(wb, xb), a[b % 16]);
 		}
 	}
 }
@@ -846,10 +840,7 @@ static void matvec_int(uint32_t type, const uint8_t *w, uint64_t row_bytes, uint
 			for (uint64_t c0 = 0; c0 < nb; c0 += KQ_ACT_CHUNK) {
 				const uint64_t cn = nb - c0 < KQ_ACT_CHUNK ? nb - c0 : KQ_ACT_CHUNK;
 				const uint8_t *wt = w + t0 * row_bytes + c0 * wbytes;
-				if (type == KQ_TYPE_Q4_1)
-					rows_q4_1_scalar(wt, row_bytes, x + c0 * xbytes, cn, acc, 0, n);
-				else
-					rows_q8_0_scalar(wt, row_bytes, x + c0 * xbytes, cn, acc, 0, n);
+				rows_scalar(type, wt, row_bytes, x + c0 * xbytes, cn, acc, 0, n);
 			}
 			for (uint64_t r = 0; r < n; r++)
 				y[t0 + r] = kvr_fold_lanes(acc + r * 16, 16);

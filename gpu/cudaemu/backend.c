@@ -884,10 +884,9 @@ static void emu_ops_init(void)
 	strict_ops = emu_ops;
 	strict_ops.name = "cudaemu-strict";
 	strict_ops.destroy = strict_destroy;
-	strict_ops.alloc = strict_alloc;
-	strict_ops.free = strict_free;
-	strict_ops.host_register = strict_host_register;
-	strict_ops.host_unregister = strict_host_unregister;
+#define STRICT_OP(name) strict_ops.name = strict_##name;
+	KVR_DEV_MEMORY_OPS(STRICT_OP)
+#undef STRICT_OP
 	strict_ops.memcpy_async = strict_memcpy_async;
 	strict_ops.memcpy_batch_async = strict_memcpy_batch_async;
 	strict_ops.track_alloc = strict_track_alloc;
