@@ -1390,17 +1390,21 @@ static void attention_items(struct kvr_attention_item *items, uint32_t n, void *
 			.first_segment = first[i], .n_segments = count[i] };
 }
 
-/* Run attention on c and compare every item with the reference. */
-static void attention_and_check(struct env *e, struct dctx *c, const char *what,
-				const struct kvr_shape *sh, const struct kvr_attention_item *items,
-				uint32_t n, const struct kvr_kv_segment *segs, uint32_t n_segs,
-				void *q, void *out)
+/* Run attention (att, over segs) or dense attention (dense) on c, and
+ * compare every item's output with the reference. */
+static void run_and_check(struct env *e, struct dctx *c, const char *what,
+			  const struct kvr_shape *sh, uint32_t n, void *q, void *out,
+			  const struct kvr_attention_item *att, const struct kvr_kv_segment *segs,
+			  uint32_t n_segs, const struct kvr_dense_item *dense)
 {
 	const size_t per = (size_t)sh->n_qo_heads * sh->head_dim, eb = ebytes(sh->elem_type);
 	put(c, q, n * per * eb);
 	put(c, out, n * per * eb);
-	DEV_OK(c, kvr_dev_attention(c->dev, sh, dev_attention_items(c, items, n), n,
-				    dev_segments(c, segs, n_segs), n_segs, c->s));
+	if (att)
+		DEV_OK(c, kvr_dev_attention(c->dev, sh, dev_attention_items(c, att, n), n,
+					    dev_segments(c, segs, n_segs), n_segs, c->s));
+	else
+		DEV_OK(c, kvr_dev_dense(c->dev, sh, dev_dense_items(c, dense, n), n, c->s));
 	void *got = halloc(n * per * eb);
 	get(c, got, out, n * per * eb);
 	double *ref = halloc(per * sizeof(double));
@@ -1408,9 +1412,20 @@ static void attention_and_check(struct env *e, struct dctx *c, const char *what,
 	for (uint32_t i = 0; i < n; i++) {
 		char w[128];
 		snprintf(w, sizeof(w), "%s item %u", what, i);
-		ref_attention(sh, &items[i], segs, ref, scale);
+		if (att)
+			ref_attention(sh, &att[i], segs, ref, scale);
+		else
+			ref_dense(sh, &dense[i], ref, scale);
 		check_heads(e, w, sh, (unsigned char *)got + i * per * eb, ref, scale);
 	}
+}
+
+static void attention_and_check(struct env *e, struct dctx *c, const char *what,
+				const struct kvr_shape *sh, const struct kvr_attention_item *items,
+				uint32_t n, const struct kvr_kv_segment *segs, uint32_t n_segs,
+				void *q, void *out)
+{
+	run_and_check(e, c, what, sh, n, q, out, items, segs, n_segs, NULL);
 }
 
 /*
@@ -1652,20 +1667,7 @@ static void dense_and_check(struct env *e, struct dctx *c, const char *what,
 			    const struct kvr_shape *sh, const struct kvr_dense_item *items,
 			    uint32_t n, void *q, void *out)
 {
-	const size_t per = (size_t)sh->n_qo_heads * sh->head_dim, eb = ebytes(sh->elem_type);
-	put(c, q, n * per * eb);
-	put(c, out, n * per * eb);
-	DEV_OK(c, kvr_dev_dense(c->dev, sh, dev_dense_items(c, items, n), n, c->s));
-	void *got = halloc(n * per * eb);
-	get(c, got, out, n * per * eb);
-	double *ref = halloc(per * sizeof(double));
-	struct ref_head_scale *scale = halloc(sh->n_qo_heads * sizeof(*scale));
-	for (uint32_t i = 0; i < n; i++) {
-		char w[128];
-		snprintf(w, sizeof(w), "%s item %u", what, i);
-		ref_dense(sh, &items[i], ref, scale);
-		check_heads(e, w, sh, (unsigned char *)got + i * per * eb, ref, scale);
-	}
+	run_and_check(e, c, what, sh, n, q, out, NULL, NULL, 0, items);
 }
 
 static void dense_case(struct env *e, uint32_t ci, uint32_t ti)

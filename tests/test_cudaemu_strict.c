@@ -296,6 +296,14 @@ static void expect_untouched(const unsigned char *out)
 		cr_assert_eq(out[i], SENTINEL, "output byte %zu was written: the kernel ran", i);
 }
 
+/* The attention's output, read back, as the sentinels left it. */
+static void expect_output_untouched(struct tdev *t, struct att *a)
+{
+	unsigned char out[Q_BYTES];
+	att_output(t, a, out);
+	expect_untouched(out);
+}
+
 static void expect_ran(const unsigned char *out)
 {
 	size_t same = 0;
@@ -362,9 +370,7 @@ Test(cudaemu_strict, attention_segment_k_in_host_memory)
 	const int rc = att_launch(&T, &a, T.s);
 	expect_fault(&T, rc, 0, "attention: segment 1 k",
 		     "is neither device memory nor registered host memory");
-	unsigned char out[Q_BYTES];
-	att_output(&T, &a, out);
-	expect_untouched(out);
+	expect_output_untouched(&T, &a);
 	free(host_k);
 }
 
@@ -376,9 +382,7 @@ Test(cudaemu_strict, attention_segment_past_its_allocation)
 	const int rc = att_launch(&T, &a, T.s);
 	expect_fault(&T, rc, 0, "attention: segment 4 k",
 		     "runs past the end of its device allocation");
-	unsigned char out[Q_BYTES];
-	att_output(&T, &a, out);
-	expect_untouched(out);
+	expect_output_untouched(&T, &a);
 	/* V alone past its end */
 	att_setup(&T, &a);
 	a.segs[4].v = (const char *)a.segs[4].v + EB;
@@ -395,9 +399,7 @@ Test(cudaemu_strict, attention_segment_in_freed_memory)
 	kvr_dev_free(T.dev, kc);
 	const int rc = att_launch(&T, &a, T.s);
 	expect_fault(&T, rc, 0, "attention: segment 2 k", "freed device memory");
-	unsigned char out[Q_BYTES];
-	att_output(&T, &a, out);
-	expect_untouched(out);
+	expect_output_untouched(&T, &a);
 }
 
 Test(cudaemu_strict, attention_item_segments_past_the_list)

@@ -463,69 +463,54 @@ static inline float fold16_avx2(const float *a)
 }
 
 /* One row's 16 lanes at a, over the chunk's nb blocks of the row at wr
- * (the blocks in 8s, then one at a time). */
-static inline __attribute__((always_inline)) void row_q4_1_avx2(const uint8_t *wr,
-							      const struct kq_act *xa, uint64_t nb,
-							      float *a)
+ * (the blocks in 8s, then one at a time); q4_1 a constant where it is
+ * inlined, so each type gets its own loop. */
+static inline __attribute__((always_inline)) void row_avx2(const bool q4_1, const uint8_t *wr,
+							 const struct kq_act *xa, uint64_t nb, float *a)
 {
+	const uint32_t wbytes = q4_1 ? KQ_Q4_1_BYTES : KQ_Q8_0_BYTES;
 	const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
 	uint64_t b = 0;
 	for (; b + 8 <= nb; b += 8) {
-		const uint8_t *wb = wr + b * KQ_Q4_1_BYTES;
+		const uint8_t *wb = wr + b * wbytes;
 		const int8_t *xq = xa->q + b * KQ_QK; /* two groups of 4 */
 		__m256i p[4];
+		uint16_t dh[8]; /* Q8_0: the blocks' scales */
 		_Pragma("GCC unroll 4")
-		for (int k = 0; k < 4; k++)
-			p[k] = pair_q4_1_avx2(wb + 2 * k * KQ_Q4_1_BYTES, xq + k / 2 * 128 + k % 2 * 32,
-					      xq + k / 2 * 128 + 64 + k % 2 * 32);
+		for (int k = 0; k < 4; k++) {
+			const int8_t *x0 = xq + k / 2 * 128 + k % 2 * 32;
+			if (q4_1) {
+				p[k] = pair_q4_1_avx2(wb + 2 * k * KQ_Q4_1_BYTES, x0, x0 + 64);
+			} else {
+				p[k] = pair_q8_0_avx2(wb + 2 * k * KQ_Q8_0_BYTES, x0, x0 + 64);
+				memcpy(&dh[2 * k], wb + 2 * k * KQ_Q8_0_BYTES, 2);
+				memcpy(&dh[2 * k + 1], wb + (2 * k + 1) * KQ_Q8_0_BYTES, 2);
+			}
+		}
 		/* per 128-bit half: the sums of blocks (0,2,4,6) | (1,3,5,7) */
 		const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
 		const __m256 pf = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(s, perm));
-		__m256 dw, mw;
-		dm8_q4_1_avx2(wb, &dw, &mw);
-		const __m256 dd = _mm256_mul_ps(dw, _mm256_load_ps(xa->d + b));
-		const __m256 ms = _mm256_mul_ps(mw, _mm256_load_ps(xa->s + b));
 		float *al = a + b % 16;
-		_mm256_storeu_ps(al, _mm256_add_ps(_mm256_loadu_ps(al), _mm256_fmadd_ps(dd, pf, ms)));
-	}
-	for (; b < nb; b++) {
-		const uint8_t *wb = wr + b * KQ_Q4_1_BYTES;
-		const int8_t *xq = xa->q + b / 4 * 128 + b % 4 * 16;
-		const int32_t p = one_q4_1_avx2(wb, xq, xq + 64);
-		a[b % 16] += fmaf(h_f16c(wb) * xa->d[b], (float)p, h_f16c(wb + 2) * xa->s[b]);
-	}
-}
-
-static inline __attribute__((always_inline)) void row_q8_0_avx2(const uint8_t *wr,
-							      const struct kq_act *xa, uint64_t nb,
-							      float *a)
-{
-	const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-	uint64_t b = 0;
-	for (; b + 8 <= nb; b += 8) {
-		const uint8_t *wb = wr + b * KQ_Q8_0_BYTES;
-		const int8_t *xq = xa->q + b * KQ_QK;
-		__m256i p[4];
-		uint16_t dh[8];
-		_Pragma("GCC unroll 4")
-		for (int k = 0; k < 4; k++) {
-			p[k] = pair_q8_0_avx2(wb + 2 * k * KQ_Q8_0_BYTES, xq + k / 2 * 128 + k % 2 * 32,
-					      xq + k / 2 * 128 + 64 + k % 2 * 32);
-			memcpy(&dh[2 * k], wb + 2 * k * KQ_Q8_0_BYTES, 2);
-			memcpy(&dh[2 * k + 1], wb + (2 * k + 1) * KQ_Q8_0_BYTES, 2);
+		if (q4_1) {
+			__m256 dw, mw;
+			dm8_q4_1_avx2(wb, &dw, &mw);
+			const __m256 dd = _mm256_mul_ps(dw, _mm256_load_ps(xa->d + b));
+			const __m256 ms = _mm256_mul_ps(mw, _mm256_load_ps(xa->s + b));
+			_mm256_storeu_ps(al, _mm256_add_ps(_mm256_loadu_ps(al), _mm256_fmadd_ps(dd, pf, ms)));
+		} else {
+			const __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)),
+							_mm256_load_ps(xa->d + b));
+			_mm256_storeu_ps(al, _mm256_fmadd_ps(dd, pf, _mm256_loadu_ps(al)));
 		}
-		const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-		const __m256 pf = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(s, perm));
-		const __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)),
-						_mm256_load_ps(xa->d + b));
-		float *al = a + b % 16;
-		_mm256_storeu_ps(al, _mm256_fmadd_ps(dd, pf, _mm256_loadu_ps(al)));
 	}
 	for (; b < nb; b++) {
-		const uint8_t *wb = wr + b * KQ_Q8_0_BYTES;
+		const uint8_t *wb = wr + b * wbytes;
 		const int8_t *xq = xa->q + b / 4 * 128 + b % 4 * 16;
-		const int32_t p = one_q8_0_avx2(wb, xq, xq + 64);
-		a[b % 16] = fmaf(h_f16c(wb) * xa->d[b], (float)p, a[b % 16]);
+		if (q4_1)
+			a[b % 16] += fmaf(h_f16c(wb) * xa->d[b], (float)one_q4_1_avx2(wb, xq, xq + 64),
+					  h_f16c(wb + 2) * xa->s[b]);
+		else
+			a[b % 16] = fmaf(h_f16c(wb) * xa->d[b], (float)one_q8_0_avx2(wb, xq, xq + 64), a[b % 16]);
 	}
 }
 
@@ -533,7 +518,7 @@ static inline __attribute__((always_inline)) void row_q8_0_avx2(const uint8_t *w
  * chunk's nb blocks; row r's 16 lanes at acc + 16r start at +0 (first) or
  * continue, and are folded into y[r] at the end when y is not NULL (the
  * last chunk). */
-#define ROWS_AVX2(name, row)                                                                     \
+#define ROWS_AVX2(name, q4_1)                                                                    \
 	static void name(const uint8_t *w, uint64_t row_bytes, const struct kq_act *xa, uint64_t nb, \
 			 float *acc, uint64_t nrows, bool first, float *y)                           \
 	{                                                                                        \
@@ -541,13 +526,13 @@ static inline __attribute__((always_inline)) void row_q8_0_avx2(const uint8_t *w
 			float *a = acc + r * 16;                                                 \
 			if (first)                                                               \
 				memset(a, 0, 16 * sizeof(float));                                \
-			row(w + r * row_bytes, xa, nb, a);                                       \
+			row_avx2(q4_1, w + r * row_bytes, xa, nb, a);                            \
 			if (y)                                                                   \
 				y[r] = fold16_avx2(a);                                           \
 		}                                                                                \
 	}
-ROWS_AVX2(rows_q4_1_avx2, row_q4_1_avx2)
-ROWS_AVX2(rows_q8_0_avx2, row_q8_0_avx2)
+ROWS_AVX2(rows_q4_1_avx2, true)
+ROWS_AVX2(rows_q8_0_avx2, false)
 #undef ROWS_AVX2
 
 static void dequant_q4_1_avx2(const uint8_t *s, float *y, uint64_t nb)
