@@ -1379,6 +1379,15 @@ static void *new_outputs(const struct kvr_shape *sh, uint32_t n)
 	return o;
 }
 
+/* Query `to` (of per elements) becomes query `from` times factor: large
+ * logits, which an unsafe softmax would overflow. */
+static void scaled_query(void *q, uint32_t type, uint64_t per, uint32_t to, uint32_t from,
+			 double factor)
+{
+	for (uint64_t x = 0; x < per; x++)
+		ref_store(q, type, to * per + x, factor * ref_load(q, type, from * per + x));
+}
+
 /* Item i: query and output i of q and out (per elements each), over
  * segments [first[i], first[i] + count[i]). */
 static void attention_items(struct kvr_attention_item *items, uint32_t n, void *q, void *out,
@@ -1477,8 +1486,7 @@ static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 	static const uint32_t count[ITEMS] = { 0, 1, 5, 3, 1, 5, 2 };
 	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
 	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
-	for (uint64_t x = 0; x < per; x++) /* item 5: 40x queries */
-		ref_store(q, type, 5 * per + x, 40.0 * ref_load(q, type, 2 * per + x));
+	scaled_query(q, type, per, 5, 2, 40.0); /* item 5: item 2's query x40 */
 	struct kvr_attention_item items[ITEMS];
 	attention_items(items, ITEMS, q, out, type, per, first, count);
 	char what[96];
@@ -1590,8 +1598,7 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 	static const uint32_t count[ITEMS] = { 1, 5, 5, 2, 2, 3, 3 };
 	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
 	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
-	for (uint64_t x = 0; x < per; x++) /* item 2: 40x queries */
-		ref_store(q, type, 2 * per + x, 40.0 * ref_load(q, type, 1 * per + x));
+	scaled_query(q, type, per, 2, 1, 40.0); /* item 2: item 1's query x40 */
 	struct kvr_attention_item items[ITEMS];
 	float *lse[ITEMS];
 	for (uint32_t i = 0; i < ITEMS; i++) {

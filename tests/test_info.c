@@ -5,6 +5,7 @@
  * reason when there is none, and CPU/topology facts match the OS's.
  */
 #include <criterion/criterion.h>
+#include <stdarg.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -147,11 +148,17 @@ Test(info, command_json_and_errors)
 
 /* ------------------------------------------------------------------ kvrecall bench */
 
-/* Run `kvrecall <args> <flag> FILE`, then the Python program `check` with
+/* Run `kvrecall <args> <flag> FILE`, then the Python program check_fmt's with
  * FILE parsed as d (Python's json module is an independent parser) and FILE
  * as sys.argv[1]; it prints "ok" or fails with why. Skips without python3. */
-static void output_check(const char *args, const char *flag, const char *check)
+static void __attribute__((format(printf, 3, 4)))
+output_check(const char *args, const char *flag, const char *check_fmt, ...)
 {
+	char check[3072];
+	va_list ap;
+	va_start(ap, check_fmt);
+	vsnprintf(check, sizeof(check), check_fmt, ap);
+	va_end(ap);
 	if (system("python3 -c 'import json' > /dev/null 2>&1") != 0)
 		cr_skip_test("python3 is not installed: cannot parse the JSON independently");
 	char path[] = "/tmp/kvr_bench_out_XXXXXX";
@@ -182,18 +189,17 @@ static void output_check(const char *args, const char *flag, const char *check)
 
 /* The JSON envelope every benchmark shares (schema kvrecall-bench/1), then
  * the benchmark's own `python_check`. */
+static const char envelope_check[] =
+	"assert d['schema'] == 'kvrecall-bench/1', d['schema']\n"
+	"prefix = 'kvrecall ' + ('' if d['benchmark'] == 'selftest' else 'bench ') + d['benchmark']\n"
+	"assert d['command'].startswith(prefix), d['command']\n"
+	"assert d['machine']['cores'] >= 1 and d['machine']['memory_bytes'] > 0\n"
+	"assert d['build']['version'] and d['build']['git_revision'] and d['build']['build_type']\n"
+	"%s";
+
 static void bench_json_check(const char *args, const char *python_check)
 {
-	char check[3072];
-	snprintf(check, sizeof(check),
-		 "assert d['schema'] == 'kvrecall-bench/1', d['schema']\n"
-		 "prefix = 'kvrecall ' + ('' if d['benchmark'] == 'selftest' else 'bench ') + d['benchmark']\n"
-		 "assert d['command'].startswith(prefix), d['command']\n"
-		 "assert d['machine']['cores'] >= 1 and d['machine']['memory_bytes'] > 0\n"
-		 "assert d['build']['version'] and d['build']['git_revision'] and d['build']['build_type']\n"
-		 "%s",
-		 python_check);
-	output_check(args, "--json", check);
+	output_check(args, "--json", envelope_check, python_check);
 }
 
 /* `kvrecall bench copy`: the documented envelope (docs/benchmarks.md, schema
@@ -330,16 +336,15 @@ Test(bench, spill_writes_schema_json, .timeout = 120)
 
 /* Run `kvrecall <args> --trace FILE` and check FILE is Chrome trace-event
  * JSON with complete ("X") events named `want`. */
+static const char trace_events_check[] =
+	"ev = d['traceEvents'] if isinstance(d, dict) else d\n"
+	"x = [e for e in ev if e['ph'] == 'X']\n"
+	"assert x and all(e['dur'] >= 0 and e['ts'] >= 0 for e in x), len(x)\n"
+	"assert '%s' in {e['name'] for e in x}, sorted({e['name'] for e in x})";
+
 static void trace_check(const char *args, const char *want)
 {
-	char check[1024];
-	snprintf(check, sizeof(check),
-		 "ev = d['traceEvents'] if isinstance(d, dict) else d\n"
-		 "x = [e for e in ev if e['ph'] == 'X']\n"
-		 "assert x and all(e['dur'] >= 0 and e['ts'] >= 0 for e in x), len(x)\n"
-		 "assert '%s' in {e['name'] for e in x}, sorted({e['name'] for e in x})",
-		 want);
-	output_check(args, "--trace", check);
+	output_check(args, "--trace", trace_events_check, want);
 }
 
 /* --trace writes Chrome trace events: decode's engine and controller spans,
