@@ -967,17 +967,25 @@ uint32_t gguf_version(const struct gguf *g)
 	return 3;
 }
 
-/* gguf.h's getters of the file's own fields */
-#define GGUF_FIELD(type, getter, field)                                                        \
-	type gguf_##getter(const struct gguf *g)                                               \
-	{                                                                                      \
-		return g->field;                                                               \
-	}
-GGUF_FIELD(uint32_t, alignment, alignment)
-GGUF_FIELD(uint64_t, data_offset, data_offset)
-GGUF_FIELD(uint64_t, file_size, size)
-GGUF_FIELD(const void *, file_data, base)
-#undef GGUF_FIELD
+uint32_t gguf_alignment(const struct gguf *g)
+{
+	return g->alignment;
+}
+
+uint64_t gguf_data_offset(const struct gguf *g)
+{
+	return g->data_offset;
+}
+
+uint64_t gguf_file_size(const struct gguf *g)
+{
+	return g->size;
+}
+
+const void *gguf_file_data(const struct gguf *g)
+{
+	return g->base;
+}
 
 /* ---- metadata ----------------------------------------------------------- */
 

@@ -942,18 +942,25 @@ int tok_chat_template(const struct tok_message *msgs, size_t n, int add_generati
 	return w.len > out_bytes ? -ENOSPC : 0;
 }
 
-/* tokenizer.h's getters of the vocabulary's own fields */
-#define TOK_FIELD(type, getter, field)                                                         \
-	type tok_##getter(const struct tok *t)                                                 \
-	{                                                                                      \
-		return t->field;                                                               \
-	}
-TOK_FIELD(size_t, n_tokens, n_tokens)
-TOK_FIELD(int32_t, bos, bos)
-TOK_FIELD(int32_t, eos, eos)
-TOK_FIELD(int, add_bos, add_bos)
-TOK_FIELD(size_t, max_piece_bytes, max_piece)
-#undef TOK_FIELD
+size_t tok_n_tokens(const struct tok *t)
+{
+	return t->n_tokens;
+}
+
+int32_t tok_bos(const struct tok *t)
+{
+	return t->bos;
+}
+
+int32_t tok_eos(const struct tok *t)
+{
+	return t->eos;
+}
+
+int tok_add_bos(const struct tok *t)
+{
+	return t->add_bos;
+}
 
 int tok_type(const struct tok *t, int32_t id)
 {
@@ -962,3 +969,7 @@ int tok_type(const struct tok *t, int32_t id)
 	return t->type[id];
 }
 
+size_t tok_max_piece_bytes(const struct tok *t)
+{
+	return t->max_piece;
+}
