@@ -31,6 +31,7 @@
 
 #include "kvrecall.h"
 #include "bench_common.h"
+#include "bench_shape.h"
 #include "../gpu/backend.h"
 #include "../gpu/cpu_backend.h"
 #include "../layouts/convert.h"
@@ -155,14 +156,16 @@ struct options {
 	uint32_t skip_selection;
 	uint32_t softmax_candidates; /* 1: each head's softmax over the candidates only */
 	int isa;                     /* -1: the best the CPU has */
+	struct bench_shape sh;       /* --preset or the shape flags (bench_shape.h) */
 	const char *json_path;
 };
 
 static void usage(void)
 {
-	fprintf(stderr, "usage: kernels_bench [--threads 1,2] [--budget 2048] [--batch 8] "
-			"[--pool-mib 256] [--reps 9] [--skip-selection] [--isa scalar|avx2|avx512] "
-			"[--softmax all|candidates] [--json FILE]\n");
+	fprintf(stderr, "usage: kernels_bench [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m] "
+			"[--kv-heads N --qo-heads N --head-dim D --page-tokens P] [--threads 1,2] "
+			"[--budget 2048] [--batch 8] [--pool-mib 256] [--reps 9] [--skip-selection] "
+			"[--isa scalar|avx2|avx512] [--softmax all|candidates] [--json FILE]\n");
 }
 
 
@@ -185,9 +188,14 @@ static int open_cpu(uint32_t threads, struct kvr_dev **dev, struct kvr_stream **
 int main(int argc, char **argv)
 {
 	struct options opt = { .budget_tokens = 2048, .batch = 8, .pool_bytes = 256ull << 20, .reps = 9,
-			       .isa = -1 };
+			       .isa = -1, .sh = bench_presets[0] };
 	opt.threads[0] = 1, opt.threads[1] = 2, opt.n_threads = 2;
 	for (int i = 1; i < argc; i++) {
+		const int shape_flag = bench_shape_flag(argc, argv, &i, &opt.sh);
+		if (shape_flag < 0)
+			return usage(), 2;
+		if (shape_flag)
+			continue;
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--threads") && v) {
 			if (bench_parse_list(v, opt.threads, 4, &opt.n_threads))
@@ -231,7 +239,15 @@ int main(int argc, char **argv)
 			kvr_convert_isa_name((enum kvr_convert_isa)opt.isa));
 		return 1;
 	}
-	const uint32_t n_kv = 8, n_qo = 32, d = 128, p = 32;
+	const uint32_t n_kv = opt.sh.n_kv_heads, n_qo = opt.sh.n_qo_heads, d = opt.sh.head_dim;
+	const uint32_t p = opt.sh.page_tokens;
+	if (!n_kv || n_qo % n_kv || n_qo / n_kv > KVR_MAX_GROUP || d % 32 || d > 256 || !p ||
+	    opt.budget_tokens < 1024 + p || opt.budget_tokens % p) {
+		fprintf(stderr, "kernels_bench: shape %u/%u heads, d %u, p %u with B %u: need groups of at most "
+				"%u, d a multiple of 32 up to 256, and B a multiple of p above 1024\n",
+			n_qo, n_kv, d, p, opt.budget_tokens, KVR_MAX_GROUP);
+		return 2;
+	}
 	const uint32_t t = KVR_ELEM_F16;
 	const uint64_t head_bytes = 2ull * p * d * 2, page_bytes = head_bytes * n_kv;
 	const uint32_t n_pages = (uint32_t)(opt.pool_bytes / page_bytes);
@@ -283,10 +299,10 @@ int main(int argc, char **argv)
 	fprintf(json, "  \"machine\": {\"cpu\": \"%s\", \"cores\": %u, \"llc_bytes\": %llu, \"isa\": \"%s\"},\n",
 		sys.cpu_model, sys.n_cores, (unsigned long long)sys.l3_bytes,
 		kvr_convert_isa_name(kvr_convert_isa_active()));
-	fprintf(json, "  \"shape\": {\"n_kv_heads\": %u, \"n_qo_heads\": %u, \"head_dim\": %u, \"page_tokens\": %u, "
-		      "\"dtype\": \"f16\", \"budget_tokens\": %u, \"batch\": %u, \"pool_bytes\": %llu, "
+	fprintf(json, "  \"shape\": {\"preset\": \"%s\", \"n_kv_heads\": %u, \"n_qo_heads\": %u, \"head_dim\": %u, "
+		      "\"page_tokens\": %u, \"dtype\": \"f16\", \"budget_tokens\": %u, \"batch\": %u, \"pool_bytes\": %llu, "
 		      "\"softmax\": \"%s\"},\n",
-		n_kv, n_qo, d, p, opt.budget_tokens, opt.batch, (unsigned long long)opt.pool_bytes,
+		opt.sh.preset, n_kv, n_qo, d, p, opt.budget_tokens, opt.batch, (unsigned long long)opt.pool_bytes,
 		opt.softmax_candidates ? "candidates" : "all");
 	fprintf(json, "  \"attention\": [\n");
 
