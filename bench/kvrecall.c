@@ -93,6 +93,8 @@ static int cmd_info(int argc, char **argv)
 		printf("  \"avx2\": %s,\n  \"avx512\": %s,\n  \"f16c\": %s,\n",
 		       s.cpu_avx2 ? "true" : "false", s.cpu_avx512 ? "true" : "false",
 		       s.cpu_f16c ? "true" : "false");
+		json_string(stdout, "cpu_kernels", s.cpu_kernels, 0);
+		json_string(stdout, "cpu_kernels_note", s.cpu_kernels_note, 0);
 		printf("  \"numa_nodes\": %u,\n  \"cores\": %u,\n  \"hardware_threads\": %u,\n",
 		       s.n_numa_nodes, s.n_cores, s.n_pus);
 		printf("  \"memory_bytes\": %llu,\n  \"last_level_cache_bytes\": %llu,\n",
@@ -126,8 +128,9 @@ static int cmd_info(int argc, char **argv)
 	printf("; liburing %s\n", s.liburing_compiled ? "yes" : "no");
 	printf("  gpu       %s\n", gpu_line);
 	printf("  cpu       %s\n", s.cpu_model[0] ? s.cpu_model : "(unknown model)");
-	printf("  simd      AVX2 %s, AVX-512 %s, F16C %s\n", s.cpu_avx2 ? "yes" : "no",
-	       s.cpu_avx512 ? "yes" : "no", s.cpu_f16c ? "yes" : "no");
+	printf("  simd      AVX2 %s, AVX-512 %s, F16C %s; kernels %s%s%s%s\n", s.cpu_avx2 ? "yes" : "no",
+	       s.cpu_avx512 ? "yes" : "no", s.cpu_f16c ? "yes" : "no", s.cpu_kernels,
+	       s.cpu_kernels_note[0] ? " (" : "", s.cpu_kernels_note, s.cpu_kernels_note[0] ? ")" : "");
 	printf("  topology  %u NUMA node%s, %u cores, %u hardware threads, last-level cache %.0f MiB\n",
 	       s.n_numa_nodes, s.n_numa_nodes == 1 ? "" : "s", s.n_cores, s.n_pus,
 	       (double)s.l3_bytes / (1024.0 * 1024.0));

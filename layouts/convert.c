@@ -9,10 +9,13 @@
  * matches `x < mn ? x : mn`, with NaN tracked separately so it propagates.
  *
  * Threads: any. The dispatch choice is a relaxed atomic written once at first
- * use (or by kvr_convert_isa_force in tests) and read on every call.
+ * use (the best path the CPU has, or the one KVR_CPU_ISA names; or by
+ * kvr_convert_isa_force in tests) and read on every call.
  */
 #include <immintrin.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "convert.h"
@@ -34,11 +37,44 @@ static enum kvr_convert_isa isa_best(void)
 	return KVR_CONVERT_SCALAR;
 }
 
+/* KVR_CPU_ISA's request: the path named, clamped to what the CPU has; the
+ * best path when it is unset or names none (kvr_convert_isa_request says
+ * which, for `kvrecall info`). */
+static enum kvr_convert_isa isa_initial(void)
+{
+	enum kvr_convert_isa want;
+	if (kvr_convert_isa_request(&want, NULL, 0) <= 0)
+		return isa_best();
+	return want < isa_best() ? want : isa_best();
+}
+
+int kvr_convert_isa_request(enum kvr_convert_isa *isa, char *why, size_t why_bytes)
+{
+	const char *env = getenv("KVR_CPU_ISA");
+	if (why && why_bytes)
+		why[0] = '\0';
+	if (!env || !*env)
+		return 0;
+	static const char *const names[] = { "scalar", "avx2", "avx512" };
+	for (int i = 0; i < 3; i++)
+		if (!strcmp(env, names[i])) {
+			*isa = (enum kvr_convert_isa)i;
+			if (why && why_bytes)
+				snprintf(why, why_bytes, "KVR_CPU_ISA=%s%s", env,
+					 *isa > isa_best() ? ": this CPU lacks it" : "");
+			return 1;
+		}
+	if (why && why_bytes)
+		snprintf(why, why_bytes, "KVR_CPU_ISA=%.32s names no path (scalar, avx2, avx512): ignored",
+			 env);
+	return -1;
+}
+
 enum kvr_convert_isa kvr_convert_isa_active(void)
 {
 	int v = atomic_load_explicit(&isa_choice, memory_order_relaxed);
 	if (v < 0) {
-		v = (int)isa_best();
+		v = (int)isa_initial();
 		atomic_store_explicit(&isa_choice, v, memory_order_relaxed);
 	}
 	return (enum kvr_convert_isa)v;

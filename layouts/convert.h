@@ -25,8 +25,13 @@ void kvr_convert_to_f32(float *dst, const void *src, uint32_t elem_type, size_t 
 /* n f32 -> elem_type, round to nearest even. */
 void kvr_convert_from_f32(void *dst, const float *src, uint32_t elem_type, size_t n);
 
-/* The ISA the conversions use now. */
+/* The ISA the conversions and the cpu backend's kernels use now: the best
+ * the CPU has, or the environment's KVR_CPU_ISA=scalar|avx2|avx512 (clamped
+ * to what the CPU has), read at first use. */
 enum kvr_convert_isa kvr_convert_isa_active(void);
+/* KVR_CPU_ISA as read: 1 and *isa when it names a path, 0 when unset, -1
+ * when it names none; why (may be NULL) says so in words for reports. */
+int kvr_convert_isa_request(enum kvr_convert_isa *isa, char *why, size_t why_bytes);
 /* Force an ISA (tests compare every path); the request is clamped to what the
  * CPU supports. Returns the ISA actually set. Not thread-safe w.r.t. running
  * conversions: call it before starting work. */

@@ -40,7 +40,7 @@ extern "C" {
  * ------------------------------------------------------------------------- */
 
 #define KVR_VERSION_MAJOR 0
-#define KVR_VERSION_MINOR 6
+#define KVR_VERSION_MINOR 7
 #define KVR_VERSION_PATCH 0
 /* One integer, comparable: major * 10000 + minor * 100 + patch. */
 #define KVR_VERSION_NUMBER \
@@ -606,10 +606,16 @@ struct kvr_system_info {
 	/* I/O. */
 	uint32_t io_uring_available; /* 1 when an io_uring instance could be created */
 	char io_uring_reason[128];   /* why not, or "" */
+
+	/* Since 0.7.0 (a 0.6 caller's smaller size is accepted; these are not
+	 * written then). */
+	char cpu_kernels[16];        /* the cpu kernels' path in use: "avx512", "avx2", "scalar" */
+	char cpu_kernels_note[96];   /* why not the best the CPU has (KVR_CPU_ISA), or "" */
 };
 
 /*
- * Fill *info with facts about this build and machine. info->size must be set.
+ * Fill *info with facts about this build and machine. info->size must be set
+ * (sizeof, or 0.6's size, which leaves the newer fields out).
  * Probes the GPU (which may take a second on a machine with a driver) and the
  * kernel's io_uring support. Returns 0, -EINVAL (info NULL or size too small), or
  * -EIO when hwloc cannot read the topology (the other fields are still filled).

@@ -5,12 +5,14 @@
  * vector extensions). Threads: any.
  */
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "../gpu/gpu.h"
 #include "../host/spill.h"
 #include "../host/topology.h"
+#include "../layouts/convert.h"
 #include "../layouts/isa.h"
 #include "internal.h"
 
@@ -18,12 +20,15 @@ KVR_API int kvr_system_query(struct kvr_system_info *info)
 {
 	if (!info)
 		return kvr_fail(NULL, -EINVAL, "info: is NULL");
-	if (info->size < sizeof(*info))
+	/* 0.6's struct ended at io_uring_reason: its callers are still served */
+	const size_t size_060 = offsetof(struct kvr_system_info, cpu_kernels);
+	if (info->size != sizeof(*info) && info->size != size_060)
 		return kvr_fail(NULL, -EINVAL,
 				"size: must be sizeof(struct kvr_system_info) = %zu (got %u)",
 				sizeof(*info), info->size);
-	memset(info, 0, sizeof(*info));
-	info->size = sizeof(*info);
+	const int has_kernels = info->size == sizeof(*info);
+	memset(info, 0, info->size);
+	info->size = has_kernels ? sizeof(*info) : (uint32_t)size_060;
 	info->version_number = KVR_VERSION_NUMBER;
 
 	struct kvr_gpu_probe probe;
@@ -41,6 +46,12 @@ KVR_API int kvr_system_query(struct kvr_system_info *info)
 	info->cpu_avx2 = isa->avx2;
 	info->cpu_avx512 = isa->avx512;
 	info->cpu_f16c = isa->f16c;
+	if (has_kernels) {
+		const enum kvr_convert_isa active = kvr_convert_isa_active();
+		snprintf(info->cpu_kernels, sizeof(info->cpu_kernels), "%s", kvr_convert_isa_name(active));
+		enum kvr_convert_isa asked;
+		kvr_convert_isa_request(&asked, info->cpu_kernels_note, sizeof(info->cpu_kernels_note));
+	}
 
 #ifdef KVR_HAVE_LIBURING
 	info->liburing_compiled = 1;

@@ -5,6 +5,7 @@
  * reason when there is none, and CPU/topology facts match the OS's.
  */
 #include <criterion/criterion.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -103,6 +104,44 @@ static size_t run(const char *args, char *out, size_t out_bytes, int *status)
 	out[n] = '\0';
 	*status = pclose(f);
 	return n;
+}
+
+/* KVR_CPU_ISA picks the cpu kernels' path (issue 21): honoured by the
+ * library (kvr_system_query in this process, set before first use) and by
+ * `kvrecall info`, with the request reported; a name that is no path is
+ * ignored, saying so. A 0.6 caller's smaller struct is still filled, and the
+ * newer fields past its end are left alone. */
+Test(info, cpu_isa_override_is_honoured_and_reported)
+{
+	setenv("KVR_CPU_ISA", "scalar", 1);
+	struct kvr_system_info s = { .size = sizeof(s) };
+	cr_assert_eq(kvr_system_query(&s), 0, "%s", kvr_last_error(NULL));
+	cr_expect_str_eq(s.cpu_kernels, "scalar");
+	cr_expect_str_eq(s.cpu_kernels_note, "KVR_CPU_ISA=scalar");
+	char out[8192];
+	int status;
+	setenv("KVR_CPU_ISA", "avx2", 1);
+	run("info --json", out, sizeof(out), &status);
+	cr_expect_eq(status, 0, "%s", out);
+	cr_expect(strstr(out, s.cpu_avx2 && s.cpu_f16c ? "\"cpu_kernels\": \"avx2\"" : "\"cpu_kernels\": \"scalar\""),
+		  "%s", out);
+	cr_expect(strstr(out, "\"cpu_kernels_note\": \"KVR_CPU_ISA=avx2"), "%s", out);
+	setenv("KVR_CPU_ISA", "avx9", 1);
+	run("info", out, sizeof(out), &status);
+	cr_expect_eq(status, 0, "%s", out);
+	const char *best = s.cpu_avx512 && s.cpu_f16c ? "avx512" : s.cpu_avx2 && s.cpu_f16c ? "avx2" : "scalar";
+	char want[128];
+	snprintf(want, sizeof(want), "kernels %s (KVR_CPU_ISA=avx9 names no path", best);
+	cr_expect(strstr(out, want), "missing '%s' in:\n%s", want, out);
+	unsetenv("KVR_CPU_ISA");
+
+	struct kvr_system_info old;
+	memset(&old, 0x5a, sizeof(old));
+	old.size = (uint32_t)offsetof(struct kvr_system_info, cpu_kernels);
+	cr_assert_eq(kvr_system_query(&old), 0, "%s", kvr_last_error(NULL));
+	cr_expect_eq(old.size, offsetof(struct kvr_system_info, cpu_kernels));
+	cr_expect_eq(old.n_cores, s.n_cores);
+	cr_expect_eq((unsigned char)old.cpu_kernels[0], 0x5a, "a field past a 0.6 caller's struct was written");
 }
 
 Test(info, command_reports_gpu_truthfully)
