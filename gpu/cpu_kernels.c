@@ -159,6 +159,15 @@ static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *ro
 #define FOLD16(v) fold16_avx512(v)
 #define HSUM4(a, b, c, d, out) hsum4_avx512(a, b, c, d, out)
 #define HMAX16(v) _mm512_reduce_max_ps((__m512)(v))
+#define VA_T vf
+#define VA_LANES 16
+#define VA_MAX_CHUNKS 16
+#define LOADA LOAD16
+#define FMAA FMA16
+#define SPLATA SPLAT16
+#define HSUMA HSUM16
+#define HSUM4A HSUM4
+#define CODESA CODES16
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -249,6 +258,29 @@ static inline __attribute__((always_inline)) vf codes16_avx2(const uint8_t *row,
 	u.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
 	return u.v;
 }
+static inline __attribute__((always_inline)) float hsum8_avx2(__m256 s)
+{
+	__m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+	h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+	h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+	return _mm_cvtss_f32(h);
+}
+/* Four horizontal sums at once: pairwise hadds serve all four vectors. */
+static inline __attribute__((always_inline)) void hsum4x8_avx2(__m256 a, __m256 b, __m256 c, __m256 d,
+								float *out)
+{
+	const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+	const __m256 abcd = _mm256_hadd_ps(ab, cd); /* per 128-bit half: a b c d partials */
+	_mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+/* Codes 8c..8c+7 of a packed quantised row as floats. */
+static inline __attribute__((always_inline)) __m256 codes8_avx2(const uint8_t *row, uint32_t bits, uint32_t c)
+{
+	__m128i b = codes_bytes16(row, bits, c / 2);
+	if (c & 1)
+		b = _mm_srli_si128(b, 8);
+	return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
 #define ISA avx2
 #define CODES16(row, bits, c) codes16_avx2(row, bits, c)
 #define F16TOF32(h) _cvtsh_ss(h)
@@ -261,6 +293,16 @@ static inline __attribute__((always_inline)) vf codes16_avx2(const uint8_t *row,
 #define FOLD16(v) fold16_avx2(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_avx2)
 #define HMAX16(v) hmax16_generic(v)
+/* attention on native 8-float vectors */
+#define VA_T __m256
+#define VA_LANES 8
+#define VA_MAX_CHUNKS 32
+#define LOADA(row, t, i) load8_avx2(row, t, i)
+#define FMAA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SPLATA(x) _mm256_set1_ps(x)
+#define HSUMA(v) hsum8_avx2(v)
+#define HSUM4A(a, b, c, d, out) hsum4x8_avx2(a, b, c, d, out)
+#define CODESA(row, bits, c) codes8_avx2(row, bits, c)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -328,6 +370,15 @@ static inline __attribute__((always_inline)) vf codes16_base(const uint8_t *row,
 #define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
 #define FOLD16(v) fold16_base(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_base)
+#define VA_T vf
+#define VA_LANES 16
+#define VA_MAX_CHUNKS 16
+#define LOADA LOAD16
+#define FMAA FMA16
+#define SPLATA SPLAT16
+#define HSUMA HSUM16
+#define HSUM4A HSUM4
+#define CODESA CODES16
 #define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 

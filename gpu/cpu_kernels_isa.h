@@ -19,6 +19,12 @@
  *                         FOLD16(v[p]), each in the canonical order
  *   F16TOF32(h)           one f16 (bits) as a float (F16C where the ISA has it)
  *   CODES16(row, bits, c) codes 16c..16c+15 of a packed quantised row as floats
+ * and for attention's per-dimension vectors (its softmax works on 16 tokens
+ * at a time with the above), a native width that may be narrower:
+ *   VA_T, VA_LANES, VA_MAX_CHUNKS  the vector type, its lanes (16, or 8 on
+ *                         AVX2, where GCC turns 16-float vectors into poor
+ *                         code) and 256 / VA_LANES
+ *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, CODESA  the operations above on VA_T
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -232,21 +238,21 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
  * compiled straight. */
 static inline __attribute__((always_inline)) void
 ISA_FN(codes_row)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
-		  uint32_t chunks, const uint32_t bits, vf *out, float *s, float *z)
+		  uint32_t chunks, const uint32_t bits, VA_T *out, float *s, float *z)
 {
 	unsigned char *r = (unsigned char *)(uintptr_t)run;
 	const uint8_t *row = half ? kvr_quant_value_row(g, r, t) : kvr_quant_key_row(g, r, t);
 	const uint16_t *sz = half ? kvr_quant_value_sz(g, r, t) : kvr_quant_key_sz(g, r, t);
 	*s = F16TOF32(sz[0]);
 	*z = F16TOF32(sz[1]);
-	_Pragma("GCC unroll 16")
+	_Pragma("GCC unroll 32")
 	for (uint32_t c = 0; c < chunks; c++)
-		out[c] = CODES16(row, bits, c);
+		out[c] = CODESA(row, bits, c);
 }
 
 static inline __attribute__((always_inline)) void
 ISA_FN(codes_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
-		      uint32_t chunks, vf *out, float *s, float *z)
+		      uint32_t chunks, VA_T *out, float *s, float *z)
 {
 	if (g->key_bits == 8) /* K8V4, or half a K8V4 page */
 		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 4u : 8u, out, s, z);
@@ -255,7 +261,7 @@ ISA_FN(codes_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *r
 }
 
 /* Attention of KV head m of one item over its segments (kernels.h).
- * `chunks` (d / 16) is a compile-time constant in every caller (see
+ * `chunks` (d / VA_LANES) is a compile-time constant in every caller (see
  * attention_head below), so the per-head vectors — q, the accumulators — stay
  * in registers: with a run-time count they lived in memory and every FMA was
  * a load and a store. */
@@ -267,13 +273,13 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	enum { BLOCK = 16 };
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
 	const uint64_t eb = kvr_elem_bytes(t);
-	vf q[KVR_MAX_GROUP_CPU][16], acc[KVR_MAX_GROUP_CPU][16];
+	VA_T q[KVR_MAX_GROUP_CPU][VA_MAX_CHUNKS], acc[KVR_MAX_GROUP_CPU][VA_MAX_CHUNKS];
 	float run_max[KVR_MAX_GROUP_CPU], run_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
-		_Pragma("GCC unroll 16")
+		_Pragma("GCC unroll 32")
 		for (uint32_t c = 0; c < chunks; c++) {
-			q[g][c] = LOAD16(q_rows, t, (uint64_t)(m * G + g) * d + c * 16) * sh->scale;
-			acc[g][c] = SPLAT16(0.0f);
+			q[g][c] = LOADA(q_rows, t, (uint64_t)(m * G + g) * d + c * VA_LANES) * sh->scale;
+			acc[g][c] = SPLATA(0.0f);
 		}
 		run_max[g] = -INFINITY;
 		run_sum[g] = 0.0f;
@@ -282,10 +288,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	 * head, rescaled with acc (values; subtracted at the end) */
 	float q_sum[KVR_MAX_GROUP_CPU], z_acc[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
-		vf t16 = q[g][0];
+		VA_T t16 = q[g][0];
 		for (uint32_t c = 1; c < chunks; c++)
 			t16 = t16 + q[g][c];
-		q_sum[g] = HSUM16(t16);
+		q_sum[g] = HSUMA(t16);
 		z_acc[g] = 0.0f;
 	}
 
@@ -338,38 +344,38 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					__builtin_prefetch(nrun + (t0 + b) * 128u, 0, 2);
 					__builtin_prefetch(nrun + (t0 + b) * 128u + 64u, 0, 2);
 				}
-				vf k[16];
+				VA_T k[VA_MAX_CHUNKS];
 				float ks = 1.0f, kz = 0.0f;
 				if (fmt)
 					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 0, first + t0 + b, chunks, k, &ks, &kz);
 				else
-					_Pragma("GCC unroll 16")
+					_Pragma("GCC unroll 32")
 					for (uint32_t c = 0; c < chunks; c++)
-						k[c] = LOAD16(krow, t, c * 16);
+						k[c] = LOADA(krow, t, c * VA_LANES);
 				uint32_t g = 0;
 				for (; g + 4 <= G; g += 4) {
-					vf d0 = q[g][0] * k[0], d1 = q[g + 1][0] * k[0];
-					vf d2 = q[g + 2][0] * k[0], d3 = q[g + 3][0] * k[0];
-					_Pragma("GCC unroll 16")
+					VA_T d0 = q[g][0] * k[0], d1 = q[g + 1][0] * k[0];
+					VA_T d2 = q[g + 2][0] * k[0], d3 = q[g + 3][0] * k[0];
+					_Pragma("GCC unroll 32")
 					for (uint32_t c = 1; c < chunks; c++) {
-						d0 = FMA16(q[g][c], k[c], d0);
-						d1 = FMA16(q[g + 1][c], k[c], d1);
-						d2 = FMA16(q[g + 2][c], k[c], d2);
-						d3 = FMA16(q[g + 3][c], k[c], d3);
+						d0 = FMAA(q[g][c], k[c], d0);
+						d1 = FMAA(q[g + 1][c], k[c], d1);
+						d2 = FMAA(q[g + 2][c], k[c], d2);
+						d3 = FMAA(q[g + 3][c], k[c], d3);
 					}
 					float four[4];
-					HSUM4(d0, d1, d2, d3, four);
+					HSUM4A(d0, d1, d2, d3, four);
 					s[g][b] = four[0];
 					s[g + 1][b] = four[1];
 					s[g + 2][b] = four[2];
 					s[g + 3][b] = four[3];
 				}
 				for (; g < G; g++) {
-					vf d0 = q[g][0] * k[0];
-					_Pragma("GCC unroll 16")
+					VA_T d0 = q[g][0] * k[0];
+					_Pragma("GCC unroll 32")
 					for (uint32_t c = 1; c < chunks; c++)
-						d0 = FMA16(q[g][c], k[c], d0);
-					s[g][b] = HSUM16(d0);
+						d0 = FMAA(q[g][c], k[c], d0);
+					s[g][b] = HSUMA(d0);
 				}
 				if (fmt) /* the dot was over codes: s·(q·Q) − z·Σq */
 					for (uint32_t gg = 0; gg < G; gg++)
@@ -386,7 +392,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				const float psum = HSUM16(x);
 				const float alpha = kvr_softmax_rescale(run_max[g], new_max);
 				if (alpha != 1.0f) {
-					_Pragma("GCC unroll 16")
+					_Pragma("GCC unroll 32")
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
 					z_acc[g] *= alpha;
@@ -397,20 +403,20 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			}
 			/* V: convert the block once, then per (g, c) accumulate over its tokens
 			 * in registers (two chains), touching acc once per block. */
-			vf vs[BLOCK][16];
+			VA_T vs[BLOCK][VA_MAX_CHUNKS];
 			float v_s[BLOCK], v_z[BLOCK];
 			for (uint32_t b = 0; b < nb; b++) {
 				const unsigned char *vrow = vb + (t0 + b) * row;
 				if (fmt)
 					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 1, first + t0 + b, chunks, vs[b], &v_s[b], &v_z[b]);
 				else
-					_Pragma("GCC unroll 16")
+					_Pragma("GCC unroll 32")
 					for (uint32_t c = 0; c < chunks; c++)
-						vs[b][c] = LOAD16(vrow, t, c * 16);
+						vs[b][c] = LOADA(vrow, t, c * VA_LANES);
 			}
 			for (uint32_t g = 0; g < G; g++) {
-				vf a[16];
-				_Pragma("GCC unroll 16")
+				VA_T a[VA_MAX_CHUNKS];
+				_Pragma("GCC unroll 32")
 				for (uint32_t c = 0; c < chunks; c++)
 					a[c] = acc[g][c];
 				if (fmt) /* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
@@ -419,12 +425,12 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 						s[g][b] *= v_s[b];
 					}
 				for (uint32_t b = 0; b < nb; b++) {
-					const vf p = SPLAT16(s[g][b]);
-					_Pragma("GCC unroll 16")
+					const VA_T p = SPLATA(s[g][b]);
+					_Pragma("GCC unroll 32")
 					for (uint32_t c = 0; c < chunks; c++)
-						a[c] = FMA16(p, vs[b][c], a[c]);
+						a[c] = FMAA(p, vs[b][c], a[c]);
 				}
-				_Pragma("GCC unroll 16")
+				_Pragma("GCC unroll 32")
 				for (uint32_t c = 0; c < chunks; c++)
 					acc[g][c] = a[c];
 			}
@@ -439,11 +445,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
 		float row[256];
 		const float inv = run_sum[g] == 0.0f ? 0.0f : 1.0f / run_sum[g];
-		const vf zv = SPLAT16(z_acc[g]);
-		_Pragma("GCC unroll 16")
+		const VA_T zv = SPLATA(z_acc[g]);
+		_Pragma("GCC unroll 32")
 		for (uint32_t c = 0; c < chunks; c++) {
-			const vf o = (acc[g][c] - zv) * inv;
-			memcpy(row + c * 16, &o, sizeof(o));
+			const VA_T o = (acc[g][c] - zv) * inv;
+			memcpy(row + c * VA_LANES, &o, sizeof(o));
 		}
 		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, row, t, d);
 	}
@@ -452,15 +458,15 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse)
 {
-	switch (sh->head_dim / 16) { /* d is a multiple of 32 up to 256 */
-	case 2: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 2); break;
-	case 4: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 4); break;
-	case 6: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 6); break;
-	case 8: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 8); break;
-	case 10: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 10); break;
-	case 12: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 12); break;
-	case 14: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 14); break;
-	default: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 16); break;
+	switch (sh->head_dim) { /* a multiple of 32 up to 256 */
+	case 32: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 32 / VA_LANES); break;
+	case 64: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 64 / VA_LANES); break;
+	case 96: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 96 / VA_LANES); break;
+	case 128: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 128 / VA_LANES); break;
+	case 160: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 160 / VA_LANES); break;
+	case 192: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 192 / VA_LANES); break;
+	case 224: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 224 / VA_LANES); break;
+	default: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 256 / VA_LANES); break;
 	}
 }
 
@@ -480,3 +486,12 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef HMAX16
 #undef MAX16
 #undef FOLD16X16
+#undef VA_T
+#undef VA_LANES
+#undef VA_MAX_CHUNKS
+#undef LOADA
+#undef FMAA
+#undef SPLATA
+#undef HSUMA
+#undef HSUM4A
+#undef CODESA
