@@ -168,6 +168,9 @@ static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *ro
 #define HSUMA HSUM16
 #define HSUM4A HSUM4
 #define CODESA CODES16
+#define MAXA MAX16
+#define HMAXA HMAX16
+#define EXPA(x) ISA_FN(exp16)(x)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -273,6 +276,41 @@ static inline __attribute__((always_inline)) void hsum4x8_avx2(__m256 a, __m256 
 	const __m256 abcd = _mm256_hadd_ps(ab, cd); /* per 128-bit half: a b c d partials */
 	_mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 }
+/* The largest lane (no lane is NaN: MAXA passed NaN over). */
+static inline __attribute__((always_inline)) float hmax8_avx2(__m256 v)
+{
+	__m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+	h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+	h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+	return _mm_cvtss_f32(h);
+}
+/* exp16's formula (kvr_expf's) on 8 lanes. */
+static inline __attribute__((always_inline)) __m256 exp8_avx2(__m256 x)
+{
+	const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+	const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228317f), _CMP_GT_OQ);
+	const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-103.972084f), _CMP_LT_OQ);
+	const __m256 xc = _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_or_ps(_mm256_or_ps(big, small), is_nan));
+	const __m256 t = _mm256_mul_ps(xc, _mm256_set1_ps(1.44269502f));
+	const __m256 n = _mm256_sub_ps(_mm256_add_ps(t, _mm256_set1_ps(12582912.0f)), _mm256_set1_ps(12582912.0f));
+	__m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), xc);
+	r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+	__m256 p = _mm256_set1_ps(1.38888894e-03f);
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333377e-03f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666679e-02f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666672e-01f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	const __m256i e = _mm256_cvttps_epi32(n);
+	const __m256i e1 = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(-126)), _mm256_set1_epi32(127));
+	const __m256i bias = _mm256_set1_epi32(127);
+	p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, bias), 23)));
+	p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, e1), bias), 23)));
+	p = _mm256_blendv_ps(p, _mm256_setzero_ps(), small);
+	p = _mm256_blendv_ps(p, _mm256_set1_ps(INFINITY), big);
+	return _mm256_blendv_ps(p, x, is_nan);
+}
 /* Codes 8c..8c+7 of a packed quantised row as floats. */
 static inline __attribute__((always_inline)) __m256 codes8_avx2(const uint8_t *row, uint32_t bits, uint32_t c)
 {
@@ -303,6 +341,9 @@ static inline __attribute__((always_inline)) __m256 codes8_avx2(const uint8_t *r
 #define HSUMA(v) hsum8_avx2(v)
 #define HSUM4A(a, b, c, d, out) hsum4x8_avx2(a, b, c, d, out)
 #define CODESA(row, bits, c) codes8_avx2(row, bits, c)
+#define MAXA(a, b) _mm256_max_ps(a, b)
+#define HMAXA(v) hmax8_avx2(v)
+#define EXPA(x) exp8_avx2(x)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -379,6 +420,9 @@ static inline __attribute__((always_inline)) vf codes16_base(const uint8_t *row,
 #define HSUMA HSUM16
 #define HSUM4A HSUM4
 #define CODESA CODES16
+#define MAXA MAX16
+#define HMAXA HMAX16
+#define EXPA(x) ISA_FN(exp16)(x)
 #define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 

@@ -24,7 +24,8 @@
  *   VA_T, VA_LANES, VA_MAX_CHUNKS  the vector type, its lanes (16, or 8 on
  *                         AVX2, where GCC turns 16-float vectors into poor
  *                         code) and 256 / VA_LANES
- *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, CODESA  the operations above on VA_T
+ *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, CODESA, MAXA, HMAXA, EXPA  the
+ *                         operations above on VA_T (EXPA: kvr_expf's formula)
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -382,14 +383,26 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 						s[gg][b] = ks * s[gg][b] - kz * q_sum[gg];
 			}
 			for (uint32_t g = 0; g < G; g++) {
-				vf x = SPLAT16(-INFINITY);
-				memcpy(&x, s[g], nb * sizeof(float));
-				const float bmax = HMAX16(x); /* NaN: see below */
+				/* the block's BLOCK scores as VA_T parts, past nb at -inf */
+				for (uint32_t b = nb; b < BLOCK; b++)
+					s[g][b] = -INFINITY;
+				VA_T x[BLOCK / VA_LANES], vmx = SPLATA(-INFINITY);
+				_Pragma("GCC unroll 2")
+				for (uint32_t h = 0; h < BLOCK / VA_LANES; h++) {
+					memcpy(&x[h], s[g] + h * VA_LANES, sizeof(x[h]));
+					vmx = MAXA(x[h], vmx); /* a NaN score is passed over */
+				}
+				const float bmax = HMAXA(vmx);
 				const float new_max = bmax > run_max[g] ? bmax : run_max[g];
-				x = ISA_FN(exp16)(x - new_max);
-				memcpy(s[g], &x, nb * sizeof(float));
-				/* padded lanes are exp(-inf) = 0; a NaN score stays NaN here */
-				const float psum = HSUM16(x);
+				VA_T vsum = SPLATA(0.0f);
+				_Pragma("GCC unroll 2")
+				for (uint32_t h = 0; h < BLOCK / VA_LANES; h++) {
+					/* padded lanes are exp(-inf) = 0; a NaN score stays NaN here */
+					x[h] = EXPA(x[h] - new_max);
+					memcpy(s[g] + h * VA_LANES, &x[h], sizeof(x[h]));
+					vsum = vsum + x[h];
+				}
+				const float psum = HSUMA(vsum);
 				const float alpha = kvr_softmax_rescale(run_max[g], new_max);
 				if (alpha != 1.0f) {
 					_Pragma("GCC unroll 32")
@@ -495,3 +508,6 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef HSUMA
 #undef HSUM4A
 #undef CODESA
+#undef MAXA
+#undef HMAXA
+#undef EXPA
