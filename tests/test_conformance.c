@@ -1669,7 +1669,7 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 
 CONFORMANCE_CASES(attention_quant, ARRAY_LEN(numeric_shapes))
 
-/* Dense items over NHD rows: 0, 1, p and 37 tokens, rows contiguous or padded. */
+/* Dense items over NHD rows: 0, 1, p, 37 and 1500 tokens, rows contiguous or padded. */
 static void dense_and_check(struct env *e, struct dctx *c, const char *what,
 			    const struct kvr_shape *sh, const struct kvr_dense_item *items,
 			    uint32_t n, void *q, void *out)
@@ -1680,10 +1680,12 @@ static void dense_and_check(struct env *e, struct dctx *c, const char *what,
 static void dense_case(struct env *e, uint32_t ci, uint32_t ti)
 {
 	CASE_SETUP(numeric_shapes, 0xde05e);
-	enum { ITEMS = 4 };
+	enum { ITEMS = 5 };
 	const uint32_t row = sh.n_kv_heads * sh.head_dim;
-	const uint32_t tokens[ITEMS] = { 0, 1, sh.page_tokens, 37 };
-	const uint32_t pad[ITEMS] = { 0, 16, 0, 48 };
+	/* the last: a long context, so the running max and sum are rescaled
+	 * over many blocks */
+	const uint32_t tokens[ITEMS] = { 0, 1, sh.page_tokens, 37, 1500 };
+	const uint32_t pad[ITEMS] = { 0, 16, 0, 48, 0 };
 	const size_t eb = ebytes(type);
 	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
 	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
