@@ -159,18 +159,6 @@ static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *ro
 #define FOLD16(v) fold16_avx512(v)
 #define HSUM4(a, b, c, d, out) hsum4_avx512(a, b, c, d, out)
 #define HMAX16(v) _mm512_reduce_max_ps((__m512)(v))
-#define VA_T vf
-#define VA_LANES 16
-#define VA_MAX_CHUNKS 16
-#define LOADA LOAD16
-#define FMAA FMA16
-#define SPLATA SPLAT16
-#define HSUMA HSUM16
-#define HSUM4A HSUM4
-#define CODESA CODES16
-#define MAXA MAX16
-#define HMAXA HMAX16
-#define EXPA(x) ISA_FN(exp16)(x)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -411,18 +399,6 @@ static inline __attribute__((always_inline)) vf codes16_base(const uint8_t *row,
 #define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
 #define FOLD16(v) fold16_base(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_base)
-#define VA_T vf
-#define VA_LANES 16
-#define VA_MAX_CHUNKS 16
-#define LOADA LOAD16
-#define FMAA FMA16
-#define SPLATA SPLAT16
-#define HSUMA HSUM16
-#define HSUM4A HSUM4
-#define CODESA CODES16
-#define MAXA MAX16
-#define HMAXA HMAX16
-#define EXPA(x) ISA_FN(exp16)(x)
 #define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 

@@ -25,13 +25,30 @@
  *                         AVX2, where GCC turns 16-float vectors into poor
  *                         code) and 256 / VA_LANES
  *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, CODESA, MAXA, HMAXA, EXPA  the
- *                         operations above on VA_T (EXPA: kvr_expf's formula)
+ *                         operations above on VA_T (EXPA: kvr_expf's formula);
+ *                         left undefined, they are the 16-float ones
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
  * canonical lane l), so every ISA — and the CUDA kernels — produce the same
  * bits and select the same pages. Attention is accurate, not bit-exact.
  */
+
+/* attention's vectors: the 16-float ones unless the including file chose */
+#ifndef VA_T
+#define VA_T vf
+#define VA_LANES 16
+#define VA_MAX_CHUNKS 16
+#define LOADA LOAD16
+#define FMAA FMA16
+#define SPLATA SPLAT16
+#define HSUMA HSUM16
+#define HSUM4A HSUM4
+#define CODESA CODES16
+#define MAXA MAX16
+#define HMAXA HMAX16
+#define EXPA(x) ISA_FN(exp16)(x)
+#endif
 
 #define KVR_ISA_FN2(name, isa) name##_##isa
 #define KVR_ISA_FN1(name, isa) KVR_ISA_FN2(name, isa)
