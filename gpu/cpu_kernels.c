@@ -232,14 +232,35 @@ static inline __attribute__((always_inline)) vf max16_avx2(vf a, vf b)
 	return r.v;
 }
 
+/* Sixteen canonical folds at once, as fold16x16_avx512 does with 8-lane
+ * halves: w = 8 adds a page's halves; w = 4 pairs two pages' 128-bit halves;
+ * w = 2 and w = 1 add within 128-bit lanes, two pages per shuffle. The
+ * pairings leave pages 8i + {0, 2, 4, 6 | 1, 3, 5, 7} in result i's lanes;
+ * one permute each restores page order. */
 static inline __attribute__((always_inline)) vf fold16x16_avx2(const vf *v)
 {
-	float f[16];
-	for (int p = 0; p < 16; p++)
-		f[p] = fold16_avx2(v[p]);
-	vf r;
-	memcpy(&r, f, sizeof(r));
-	return r;
+	__m256 h[16];
+	_Pragma("GCC unroll 16")
+	for (int p = 0; p < 16; p++) { /* w = 8 */
+		union v16_halves u = { v[p] };
+		h[p] = _mm256_add_ps(u.h[0], u.h[1]);
+	}
+	_Pragma("GCC unroll 8")
+	for (int k = 0; k < 8; k++) /* w = 4: [page 2k | page 2k+1], 4 lanes each */
+		h[k] = _mm256_add_ps(_mm256_permute2f128_ps(h[2 * k], h[2 * k + 1], 0x20),
+				     _mm256_permute2f128_ps(h[2 * k], h[2 * k + 1], 0x31));
+	_Pragma("GCC unroll 4")
+	for (int k = 0; k < 4; k++) /* w = 2: two lanes per page */
+		h[k] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * k], h[2 * k + 1], 0x44),
+				     _mm256_shuffle_ps(h[2 * k], h[2 * k + 1], 0xee));
+	const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+	union v16_halves r;
+	_Pragma("GCC unroll 2")
+	for (int k = 0; k < 2; k++) /* w = 1 */
+		r.h[k] = _mm256_permutevar8x32_ps(_mm256_add_ps(_mm256_shuffle_ps(h[2 * k], h[2 * k + 1], 0x88),
+								_mm256_shuffle_ps(h[2 * k], h[2 * k + 1], 0xdd)),
+						  order);
+	return r.v;
 }
 static inline __attribute__((always_inline)) vf codes16_avx2(const uint8_t *row, uint32_t bits, uint32_t c)
 {
@@ -484,27 +505,30 @@ static void score_task(void *arg, uint32_t index)
 		return;
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(it, &dom_begin, &dom_end);
-	/* scratch: G x 16 parked accumulators (vectors), then G rows of raw
-	 * scores over the softmax domain padded to whole vectors */
+	/* scratch: G x 16 parked accumulators (vectors), the group's queries as
+	 * floats, then G rows of raw scores over the softmax domain padded to
+	 * whole vectors */
 	const size_t park_bytes = (size_t)G * 16 * sizeof(vf);
+	const size_t q_bytes = ((size_t)G * sh->head_dim * sizeof(float) + 63) & ~(size_t)63;
 	const size_t raw_bytes = (size_t)G * ((dom_end - dom_begin + 15u) & ~15u) * sizeof(float);
-	unsigned char *tmp = aligned_alloc(64, (park_bytes + raw_bytes + 63) & ~(size_t)63);
+	unsigned char *tmp = aligned_alloc(64, (park_bytes + q_bytes + raw_bytes + 63) & ~(size_t)63);
 	if (!tmp) { /* cannot score: rank every candidate equal (lowest pages win) */
 		for (uint32_t j = 0; j < n_cand; j++)
 			it->scores[(uint64_t)m * n_cand + j] = 0.0f;
 		return;
 	}
 	vf *park = (vf *)(void *)tmp;
-	float *raw = (float *)(void *)(tmp + park_bytes);
+	void *qbuf = tmp + park_bytes;
+	float *raw = (float *)(void *)(tmp + park_bytes + q_bytes);
 	switch (job->isa) {
 	case KVR_CONVERT_AVX512:
-		score_head_avx512(sh, it, m, raw, park);
+		score_head_avx512(sh, it, m, raw, park, qbuf);
 		break;
 	case KVR_CONVERT_AVX2:
-		score_head_avx2(sh, it, m, raw, park);
+		score_head_avx2(sh, it, m, raw, park, qbuf);
 		break;
 	default:
-		score_head_base(sh, it, m, raw, park);
+		score_head_base(sh, it, m, raw, park, qbuf);
 		break;
 	}
 	free(tmp);

@@ -97,20 +97,59 @@ static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
  * pages are n_kv·2·d elements apart, too far for the hardware prefetcher. */
 #define KVR_SCORE_PREFETCH_PAGES 12u
 
+/* Query heads of a group scored together against one page's rows: their
+ * accumulators (2 native vectors each on AVX2) and the page's two rows stay in
+ * registers, the queries are read from L1. */
+#define KVR_SCORE_HEAD_BLOCK 4u
+
+/* The raw canonical accumulators of `n` query heads (q: their rows, each
+ * d / VA_LANES vectors) against one page's min and max rows (`sum`), parked
+ * in park[h * 16]. Lane l of the canonical 16-lane accumulator sums the terms
+ * of dimensions l, 16 + l, 32 + l, ... in that order (kmath.h); with 8-lane
+ * vectors it is kept as two halves, dimensions 16c..16c+7 and 16c+8..16c+15. */
+static inline __attribute__((always_inline)) void
+ISA_FN(score_page_heads)(const unsigned char *sum, uint32_t t, uint32_t d, const VA_T *q, vf *park,
+			 const uint32_t n)
+{
+	enum { per16 = 16 / VA_LANES };
+	const uint32_t dv = d / VA_LANES;
+	VA_T acc[KVR_SCORE_HEAD_BLOCK][per16];
+	_Pragma("GCC unroll 4")
+	for (uint32_t h = 0; h < n; h++)
+		for (uint32_t k = 0; k < per16; k++)
+			acc[h][k] = SPLATA(0.0f);
+	for (uint32_t c = 0; c < dv; c += per16) {
+		_Pragma("GCC unroll 2")
+		for (uint32_t k = 0; k < per16; k++) {
+			const VA_T mn = LOADA(sum, t, (c + k) * VA_LANES);
+			const VA_T mx = LOADA(sum, t, d + (c + k) * VA_LANES);
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < n; h++) {
+				const VA_T qv = q[h * dv + c + k];
+				acc[h][k] = acc[h][k] + MAXA(qv * mn, qv * mx);
+			}
+		}
+	}
+	_Pragma("GCC unroll 4")
+	for (uint32_t h = 0; h < n; h++)
+		memcpy(&park[h * 16], acc[h], sizeof(vf));
+}
+
 /*
  * Scores of KV head m of one item (kernels.h, "score"), bit for bit as
  * kmath.h's canonical orders give them, in three passes:
- *  1. raw scores: each page's min and max rows are converted once into
- *     registers and scored against every query head of the group; each
- *     head's 16-lane accumulator is parked, and 16 pages' accumulators are
- *     folded together (FOLD16X16: lane-wise adds of shuffled halves, each
- *     page's canonical order, a fifth of the work of 16 single folds), keeping
- *     a lane-wise running max for the softmax;
+ *  1. raw scores: each page's min and max rows are scored against the query
+ *     heads of the group, a block of KVR_SCORE_HEAD_BLOCK heads at a time
+ *     with the page's rows in registers (score_page_heads); each head's
+ *     16-lane accumulator is parked, and 16 pages' accumulators are folded
+ *     together (FOLD16X16: lane-wise adds of shuffled halves, each page's
+ *     canonical order, a fifth of the work of 16 single folds), keeping a
+ *     lane-wise running max for the softmax;
  *  2. per query head: kvr_expf of (score - max) in place, summed in the
  *     canonical 256 lanes (16 vectors) and folded;
  *  3. one pass writing the group mean.
  *
- * The quest term is MAX16(q·min, q·max): x86 max is `a > b ? a : b`, which is
+ * The quest term is MAXA(q·min, q·max): x86 max is `a > b ? a : b`, which is
  * kvr_quest_term itself, NaN and signed zeros included. (One multiply by the
  * bound that q's sign selects is exact for finite q and min <= max, but on
  * Zen 4 the select, the per-page check of min <= max and the extra load of
@@ -121,32 +160,21 @@ static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
  * candidates, a sub-range of the domain, are written out.
  *
  * raw: G rows of n_pad (n_dom rounded up to 16) floats; park: G x 16
- * vectors. `chunks` (d / 16) is a compile-time constant in every caller, so
- * the page's rows stay in registers.
+ * vectors; qbuf: G·d floats (the group's queries as floats, 64-byte aligned).
  */
+/* Pass 1 of score_head for one element type `t` (a constant at each call,
+ * so the page's loads compile straight): the raw scores of every domain page
+ * into raw (G rows of n_pad) and each head's lane-wise running max into vmax.
+ * Lanes past n_dom in the last batch are stored as -inf (no lane max) and
+ * zeroed after the exp. */
 static inline __attribute__((always_inline)) void
-ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t m,
-		   float *raw, vf *park, const uint32_t chunks)
+ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_t n_dom, uint32_t n_pad,
+		  const VA_T *qbuf, vf *park, float *raw, vf *vmax, const uint32_t t)
 {
-	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
-	uint32_t dom_begin, dom_end;
-	kvr_score_domain(it, &dom_begin, &dom_end);
-	const uint32_t n_dom = dom_end - dom_begin, n_pad = (n_dom + 15u) & ~15u;
-	const uint32_t n_cand = it->cand_end - it->cand_begin, cand_off = it->cand_begin - dom_begin;
-	const uint64_t eb = kvr_elem_bytes(t), page_elems = (uint64_t)sh->n_kv_heads * 2 * d;
-	vf q[KVR_MAX_GROUP_CPU][16];
-	for (uint32_t g = 0; g < G; g++)
-		_Pragma("GCC unroll 16")
-		for (uint32_t c = 0; c < chunks; c++)
-			q[g][c] = LOAD16(it->q, t, (uint64_t)(m * G + g) * d + c * 16);
-
-	vf vmax[KVR_MAX_GROUP_CPU];
-	for (uint32_t g = 0; g < G; g++)
-		vmax[g] = SPLAT16(-INFINITY);
+	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, dv = d / VA_LANES;
+	const uint64_t page_bytes = (uint64_t)sh->n_kv_heads * 2 * d * kvr_elem_bytes(t);
+	const uint64_t head_bytes = 2ull * d * kvr_elem_bytes(t);
 	const vf scale = SPLAT16(sh->scale);
-	const unsigned char *base = (const unsigned char *)it->summaries +
-				    ((uint64_t)dom_begin * page_elems + (uint64_t)m * 2 * d) * eb;
-	const uint64_t page_bytes = page_elems * eb, head_bytes = 2ull * d * eb;
 	for (uint32_t j0 = 0; j0 < n_dom; j0 += 16) {
 		const uint32_t nb = n_dom - j0 < 16 ? n_dom - j0 : 16;
 		for (uint32_t b = 0; b < nb; b++) {
@@ -155,32 +183,85 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 			if (j + KVR_SCORE_PREFETCH_PAGES < n_dom)
 				for (uint64_t l = 0; l < head_bytes; l += 64)
 					__builtin_prefetch(sum + KVR_SCORE_PREFETCH_PAGES * page_bytes + l, 0, 2);
-			vf mn[16], mx[16];
-			_Pragma("GCC unroll 16")
-			for (uint32_t c = 0; c < chunks; c++) {
-				mn[c] = LOAD16(sum, t, c * 16);
-				mx[c] = LOAD16(sum, t, d + c * 16);
-			}
-			for (uint32_t g = 0; g < G; g++) {
-				vf acc = SPLAT16(0.0f);
-				_Pragma("GCC unroll 16")
-				for (uint32_t c = 0; c < chunks; c++)
-					acc = acc + MAX16(q[g][c] * mn[c], q[g][c] * mx[c]);
-				park[g * 16 + b] = acc;
+			for (uint32_t g = 0; g < G; g += KVR_SCORE_HEAD_BLOCK) {
+				const VA_T *qg = qbuf + g * dv;
+				vf *pg = park + g * 16 + b;
+				switch (G - g) { /* a constant block size: accumulators in registers */
+				case 1: ISA_FN(score_page_heads)(sum, t, d, qg, pg, 1); break;
+				case 2: ISA_FN(score_page_heads)(sum, t, d, qg, pg, 2); break;
+				case 3: ISA_FN(score_page_heads)(sum, t, d, qg, pg, 3); break;
+				default: ISA_FN(score_page_heads)(sum, t, d, qg, pg, KVR_SCORE_HEAD_BLOCK); break;
+				}
 			}
 		}
 		for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past n_dom */
 			for (uint32_t g = 0; g < G; g++)
 				park[g * 16 + b] = SPLAT16(0.0f);
-		const vi valid = ISA_FN(lane_index)() < (int32_t)nb;
 		for (uint32_t g = 0; g < G; g++) {
 			vf s = scale * FOLD16X16(park + g * 16);
+			if (nb < 16)
+				s = blend(ISA_FN(lane_index)() < (int32_t)nb, s, SPLAT16(-INFINITY));
 			memcpy(raw + (uint64_t)g * n_pad + j0, &s, sizeof(s));
-			s = blend(valid, s, SPLAT16(-INFINITY));
 			vmax[g] = MAX16(s, vmax[g]); /* a NaN score is passed over, as in the scalar max */
 		}
 	}
+}
 
+/*
+ * Scores of KV head m of one item (kernels.h, "score"), bit for bit as
+ * kmath.h's canonical orders give them, in three passes:
+ *  1. raw scores (score_raw): each page's min and max rows are scored against
+ *     the query heads of the group, a block of KVR_SCORE_HEAD_BLOCK heads at
+ *     a time with the page's rows in registers (score_page_heads); each
+ *     head's 16-lane accumulator is parked, and 16 pages' accumulators are
+ *     folded together (FOLD16X16: lane-wise adds of shuffled halves, each
+ *     page's canonical order, a fifth of the work of 16 single folds),
+ *     keeping a lane-wise running max for the softmax;
+ *  2. per query head: kvr_expf of (score - max) in place, summed in the
+ *     canonical 256 lanes and folded;
+ *  3. one pass writing the group mean.
+ * Passes 2 and 3 run on the native vectors (VA_T): lane l of vector i is
+ * canonical lane i·VA_LANES + l, whatever the width.
+ *
+ * The quest term is MAXA(q·min, q·max): x86 max is `a > b ? a : b`, which is
+ * kvr_quest_term itself, NaN and signed zeros included. (One multiply by the
+ * bound that q's sign selects is exact for finite q and min <= max, but on
+ * Zen 4 the select, the per-page check of min <= max and the extra load of
+ * the sign masks cost as much as the multiply they save.)
+ *
+ * The softmax spans the item's domain (kvr_score_domain: every complete page
+ * when norm_end is set), so raw holds a score per domain page; only the
+ * candidates, a sub-range of the domain, are written out.
+ *
+ * raw: G rows of n_pad (n_dom rounded up to 16) floats; park: G x 16
+ * vectors; qbuf: G·d floats (the group's queries, 64-byte aligned).
+ */
+static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t m,
+			       float *raw, vf *park, VA_T *qbuf)
+{
+	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
+	uint32_t dom_begin, dom_end;
+	kvr_score_domain(it, &dom_begin, &dom_end);
+	const uint32_t n_dom = dom_end - dom_begin, n_pad = (n_dom + 15u) & ~15u;
+	const uint32_t n_cand = it->cand_end - it->cand_begin, cand_off = it->cand_begin - dom_begin;
+	const uint64_t eb = kvr_elem_bytes(t), page_elems = (uint64_t)sh->n_kv_heads * 2 * d;
+	const uint32_t dv = d / VA_LANES;
+	for (uint32_t g = 0; g < G; g++)
+		for (uint32_t c = 0; c < dv; c++)
+			qbuf[g * dv + c] = LOADA(it->q, t, (uint64_t)(m * G + g) * d + c * VA_LANES);
+
+	vf vmax[KVR_MAX_GROUP_CPU];
+	for (uint32_t g = 0; g < G; g++)
+		vmax[g] = SPLAT16(-INFINITY);
+	const unsigned char *base = (const unsigned char *)it->summaries +
+				    ((uint64_t)dom_begin * page_elems + (uint64_t)m * 2 * d) * eb;
+	switch (t) { /* the element type as a constant: its loads compile straight */
+	case KVR_ELEM_F16: ISA_FN(score_raw)(sh, base, n_dom, n_pad, qbuf, park, raw, vmax, KVR_ELEM_F16); break;
+	case KVR_ELEM_BF16: ISA_FN(score_raw)(sh, base, n_dom, n_pad, qbuf, park, raw, vmax, KVR_ELEM_BF16); break;
+	default: ISA_FN(score_raw)(sh, base, n_dom, n_pad, qbuf, park, raw, vmax, KVR_ELEM_F32); break;
+	}
+
+	enum { n_lanes = KVR_SUM_LANES / VA_LANES };
 	float inv[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
 		float *s = raw + (uint64_t)g * n_pad;
@@ -190,33 +271,39 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 		float mxs = -INFINITY;
 		for (int l = 0; l < 16; l++)
 			mxs = vmax[g][l] > mxs ? vmax[g][l] : mxs;
-		vf lanes[KVR_SUM_LANES / 16];
-		for (uint32_t l = 0; l < KVR_SUM_LANES / 16; l++)
-			lanes[l] = SPLAT16(0.0f);
-		for (uint32_t j = 0; j < n_pad; j += 16) {
-			vf x;
+		const VA_T vmxs = SPLATA(mxs);
+		VA_T lanes[n_lanes];
+		for (uint32_t l = 0; l < n_lanes; l++)
+			lanes[l] = SPLATA(0.0f);
+		for (uint32_t j = 0; j < n_pad; j += VA_LANES) {
+			VA_T x;
 			memcpy(&x, s + j, sizeof(x));
-			x = ISA_FN(exp16)(x - mxs);
-			if (j + 16 > n_dom) /* lanes past n_dom add +0: no change */
-				x = blend(ISA_FN(lane_index)() < (int32_t)(n_dom - j), x, SPLAT16(0.0f));
+			x = EXPA(x - vmxs);
 			memcpy(s + j, &x, sizeof(x));
-			lanes[(j / 16) % (KVR_SUM_LANES / 16)] = lanes[(j / 16) % (KVR_SUM_LANES / 16)] + x;
+			if (j + VA_LANES > n_dom) { /* lanes past n_dom add +0: no change */
+				for (uint32_t l = j < n_dom ? n_dom : j; l < j + VA_LANES; l++)
+					s[l] = 0.0f;
+				memcpy(&x, s + j, sizeof(x));
+			}
+			lanes[(j / VA_LANES) % n_lanes] = lanes[(j / VA_LANES) % n_lanes] + x;
 		}
 		/* kvr_fold_lanes over 256: halves 128, 64, 32, 16 lane-wise, then 16 */
-		for (uint32_t w = KVR_SUM_LANES / 32; w >= 1; w /= 2)
+		for (uint32_t w = n_lanes / 2; w >= 16 / VA_LANES; w /= 2)
 			for (uint32_t l = 0; l < w; l++)
 				lanes[l] = lanes[l] + lanes[l + w];
-		inv[g] = 1.0f / FOLD16(lanes[0]);
+		vf first16;
+		memcpy(&first16, lanes, sizeof(first16));
+		inv[g] = 1.0f / FOLD16(first16);
 	}
 
 	float *out = it->scores + (uint64_t)m * n_cand;
 	const float inv_g = 1.0f / (float)G;
 	raw += cand_off; /* the candidates' exps */
 	uint32_t j = 0;
-	for (; j + 16 <= n_cand; j += 16) {
-		vf o = SPLAT16(0.0f);
+	for (; j + VA_LANES <= n_cand; j += VA_LANES) {
+		VA_T o = SPLATA(0.0f);
 		for (uint32_t g = 0; g < G; g++) {
-			vf e;
+			VA_T e;
 			memcpy(&e, raw + (uint64_t)g * n_pad + j, sizeof(e));
 			o = o + e * inv[g];
 		}
@@ -228,21 +315,6 @@ ISA_FN(score_impl)(const struct kvr_shape *sh, const struct kvr_score_item *it, 
 		for (uint32_t g = 0; g < G; g++)
 			o = o + raw[(uint64_t)g * n_pad + j] * inv[g];
 		out[j] = o * inv_g;
-	}
-}
-
-static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_score_item *it,
-			       uint32_t m, float *raw, vf *park)
-{
-	switch (sh->head_dim / 16) { /* d is a multiple of 32 up to 256 */
-	case 2: ISA_FN(score_impl)(sh, it, m, raw, park, 2); break;
-	case 4: ISA_FN(score_impl)(sh, it, m, raw, park, 4); break;
-	case 6: ISA_FN(score_impl)(sh, it, m, raw, park, 6); break;
-	case 8: ISA_FN(score_impl)(sh, it, m, raw, park, 8); break;
-	case 10: ISA_FN(score_impl)(sh, it, m, raw, park, 10); break;
-	case 12: ISA_FN(score_impl)(sh, it, m, raw, park, 12); break;
-	case 14: ISA_FN(score_impl)(sh, it, m, raw, park, 14); break;
-	default: ISA_FN(score_impl)(sh, it, m, raw, park, 16); break;
 	}
 }
 

@@ -306,7 +306,22 @@ Test(score, gqa4_d128) { check_group(4, 128); }
 Test(score, gqa8_d64) { check_group(8, 64); }
 Test(score, gqa8_d128) { check_group(8, 128); }
 
-/* the other compiled head dims (d / 16 is a compile-time constant per case) */
+/* Odd group sizes, as the models have them (SmolLM2 G=3, d=64; Qwen-2.5-7B
+ * G=7): the kernels score the group in blocks of up to four heads, so every
+ * remainder (G mod 4 = 1, 2, 3) is a path of its own. */
+Test(score, gqa3_d64) { check_group(3, 64); }
+Test(score, gqa7_d128) { check_group(7, 128); }
+Test(score, gqa5_gqa6)
+{
+	struct kvr_dev *dev = cpu_dev();
+	for (uint32_t G = 5; G <= 6; G++)
+		for (uint32_t ti = 0; ti < 3; ti++)
+			for (uint32_t kind = 0; kind < N_INPUT_KINDS; kind++)
+				check_shape(dev, ti, G, G == 5 ? 128 : 64, 37, kind, 0x9a5 + 17 * G + 7 * kind + ti);
+	kvr_dev_destroy(dev);
+}
+
+/* the other head dims the cpu kernels accept */
 Test(score, other_head_dims)
 {
 	static const uint32_t dims[] = { 32, 96, 160, 192, 224, 256 };
