@@ -6,7 +6,10 @@
  *   attention  sparse decode attention over B tokens per KV head gathered from
  *              HND pages scattered over a pool of at least 128 MiB (Llama-3.1-8B
  *              shapes: 8 KV heads, 32 query heads, d = 128, f16, p = 32), a batch
- *              of sequences per call; bytes of K and V read per second divided by
+ *              of sequences per call (by default at least 8 and enough that the K
+ *              and V read per call span twice the last-level cache: a decode
+ *              step's layers read different pages, so the kernel meets DRAM,
+ *              not cache); bytes of K and V read per second divided by
  *              (a) a read-only pass over the same page list ("gather-read") and
  *              (b) a read-only pass over one contiguous buffer of the same size
  *              ("sequential read"), each with the same number of threads;
@@ -164,7 +167,7 @@ static void usage(void)
 {
 	fprintf(stderr, "usage: kernels_bench [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m] "
 			"[--kv-heads N --qo-heads N --head-dim D --page-tokens P] [--threads 1,2] "
-			"[--budget 2048] [--batch 8] [--pool-mib 256] [--reps 9] [--skip-selection] "
+			"[--budget 2048] [--batch N (default: 8, or more to span 2x the LLC)] [--pool-mib 256] [--reps 9] [--skip-selection] "
 			"[--isa scalar|avx2|avx512] [--softmax all|candidates] [--json FILE]\n");
 }
 
@@ -187,7 +190,7 @@ static int open_cpu(uint32_t threads, struct kvr_dev **dev, struct kvr_stream **
 
 int main(int argc, char **argv)
 {
-	struct options opt = { .budget_tokens = 2048, .batch = 8, .pool_bytes = 256ull << 20, .reps = 9,
+	struct options opt = { .budget_tokens = 2048, .batch = 0, .pool_bytes = 256ull << 20, .reps = 9,
 			       .isa = -1, .sh = bench_presets[0] };
 	opt.threads[0] = 1, opt.threads[1] = 2, opt.n_threads = 2;
 	for (int i = 1; i < argc; i++) {
@@ -255,6 +258,13 @@ int main(int argc, char **argv)
 
 	struct kvr_system_info sys = { .size = sizeof(sys) };
 	kvr_system_query(&sys);
+	if (!opt.batch) { /* small shapes (SmolLM2: 1.5 MiB per sequence) would sit in the LLC */
+		const uint64_t seq_bytes = (uint64_t)pages_per_seq * n_kv * head_bytes;
+		const uint64_t llc = sys.l3_bytes ? sys.l3_bytes : 32ull << 20;
+		opt.batch = (uint32_t)((2 * llc + seq_bytes - 1) / seq_bytes);
+		if (opt.batch < 8)
+			opt.batch = 8;
+	}
 	fprintf(stderr, "kernels_bench: %s, %u cores, pool %llu MiB (%u pages of %llu KiB), B=%u, batch %u, "
 			"kernels %s\n",
 		sys.cpu_model, sys.n_cores, (unsigned long long)(opt.pool_bytes >> 20), n_pages,

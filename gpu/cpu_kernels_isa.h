@@ -460,12 +460,26 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					s[g + 2][b] = four[2];
 					s[g + 3][b] = four[3];
 				}
-				for (; g < G; g++) {
+				if (G - g == 1) {
 					VA_T d0 = q[g][0] * k[0];
 					_Pragma("GCC unroll 32")
 					for (uint32_t c = 1; c < chunks; c++)
 						d0 = FMAA(q[g][c], k[c], d0);
 					s[g][b] = HSUMA(d0);
+				} else if (G > g) { /* two or three heads (SmolLM2: G = 3): one pass over k */
+					const uint32_t h2 = G - g == 3 ? g + 2 : g + 1;
+					VA_T d0 = q[g][0] * k[0], d1 = q[g + 1][0] * k[0], d2 = q[h2][0] * k[0];
+					_Pragma("GCC unroll 32")
+					for (uint32_t c = 1; c < chunks; c++) {
+						d0 = FMAA(q[g][c], k[c], d0);
+						d1 = FMAA(q[g + 1][c], k[c], d1);
+						d2 = FMAA(q[h2][c], k[c], d2);
+					}
+					float four[4];
+					HSUM4A(d0, d1, d2, SPLATA(0.0f), four);
+					s[g][b] = four[0];
+					s[g + 1][b] = four[1];
+					s[h2][b] = four[2];
 				}
 				if (fmt) /* the dot was over codes: s·(q·Q) − z·Σq */
 					for (uint32_t gg = 0; gg < G; gg++)
