@@ -216,13 +216,10 @@ int main(int argc, char **argv)
 			opt.skip_selection = 1;
 		} else if (!strcmp(a, "--isa") && v) {
 			/* every kernel path, not only the best this CPU has */
-			opt.isa = !strcmp(v, "scalar") ? KVR_CONVERT_SCALAR
-				: !strcmp(v, "avx2")   ? KVR_CONVERT_AVX2
-				: !strcmp(v, "avx512") ? KVR_CONVERT_AVX512
-						       : -2;
-			if (opt.isa == -2)
+			enum kvr_convert_isa isa;
+			if (kvr_convert_isa_parse(v, &isa))
 				return usage(), 2;
-			i++;
+			opt.isa = (int)isa, i++;
 		} else if (!strcmp(a, "--softmax") && v) {
 			/* the group-consistency domain (issue 19 item 5): every page
 			 * (what the scheduler does) or the candidates only */

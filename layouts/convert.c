@@ -12,6 +12,7 @@
  * use (the best path the CPU has, or the one KVR_CPU_ISA names; or by
  * kvr_convert_isa_force in tests) and read on every call.
  */
+#include <errno.h>
 #include <immintrin.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -55,15 +56,11 @@ int kvr_convert_isa_request(enum kvr_convert_isa *isa, char *why, size_t why_byt
 		why[0] = '\0';
 	if (!env || !*env)
 		return 0;
-	static const char *const names[] = { "scalar", "avx2", "avx512" };
-	for (int i = 0; i < 3; i++)
-		if (!strcmp(env, names[i])) {
-			*isa = (enum kvr_convert_isa)i;
-			if (why && why_bytes)
-				snprintf(why, why_bytes, "KVR_CPU_ISA=%s%s", env,
-					 *isa > isa_best() ? ": this CPU lacks it" : "");
-			return 1;
-		}
+	if (kvr_convert_isa_parse(env, isa) == 0) {
+		if (why && why_bytes)
+			snprintf(why, why_bytes, "KVR_CPU_ISA=%s%s", env, *isa > isa_best() ? ": this CPU lacks it" : "");
+		return 1;
+	}
 	if (why && why_bytes)
 		snprintf(why, why_bytes, "KVR_CPU_ISA=%.32s names no path (scalar, avx2, avx512): ignored",
 			 env);
@@ -89,16 +86,22 @@ enum kvr_convert_isa kvr_convert_isa_force(enum kvr_convert_isa want)
 	return want;
 }
 
+static const char *const isa_names[] = { [KVR_CONVERT_SCALAR] = "scalar", [KVR_CONVERT_AVX2] = "avx2",
+					 [KVR_CONVERT_AVX512] = "avx512" };
+
 const char *kvr_convert_isa_name(enum kvr_convert_isa isa)
 {
-	switch (isa) {
-	case KVR_CONVERT_AVX512:
-		return "avx512";
-	case KVR_CONVERT_AVX2:
-		return "avx2";
-	default:
-		return "scalar";
-	}
+	return (unsigned)isa < sizeof(isa_names) / sizeof(isa_names[0]) ? isa_names[isa] : "scalar";
+}
+
+int kvr_convert_isa_parse(const char *name, enum kvr_convert_isa *isa)
+{
+	for (unsigned i = 0; i < sizeof(isa_names) / sizeof(isa_names[0]); i++)
+		if (name && !strcmp(name, isa_names[i])) {
+			*isa = (enum kvr_convert_isa)i;
+			return 0;
+		}
+	return -EINVAL;
 }
 
 /* ------------------------------------------------------------------ scalar */

@@ -37,6 +37,9 @@ int kvr_convert_isa_request(enum kvr_convert_isa *isa, char *why, size_t why_byt
  * conversions: call it before starting work. */
 enum kvr_convert_isa kvr_convert_isa_force(enum kvr_convert_isa isa);
 const char *kvr_convert_isa_name(enum kvr_convert_isa isa);
+/* The ISA kvr_convert_isa_name calls `name` ("scalar", "avx2", "avx512"):
+ * 0 and *isa, or -EINVAL when it names none. */
+int kvr_convert_isa_parse(const char *name, enum kvr_convert_isa *isa);
 
 /* Summary of one KV head of one page: element-wise min and max over the page's
  * p keys. keys: p rows of d elements, row i at keys + i * key_stride elements

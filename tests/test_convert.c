@@ -8,6 +8,7 @@
  * AVX-512), on lengths that leave vector tails.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,6 +74,26 @@ static uint16_t ref_f32_to_bf16(float x)
 }
 
 /* ---- scalar half.h against the references ---- */
+
+/* The ISA names KVR_CPU_ISA and kernels_bench --isa accept: each path's own
+ * name round-trips; anything else is refused without touching *isa. */
+Test(convert, isa_names_parse)
+{
+	static const enum kvr_convert_isa all[] = { KVR_CONVERT_SCALAR, KVR_CONVERT_AVX2, KVR_CONVERT_AVX512 };
+	for (unsigned i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+		enum kvr_convert_isa got = (enum kvr_convert_isa)-1;
+		cr_assert_eq(kvr_convert_isa_parse(kvr_convert_isa_name(all[i]), &got), 0);
+		cr_assert_eq(got, all[i], "%s parsed as %d", kvr_convert_isa_name(all[i]), (int)got);
+	}
+	static const char *const bad[] = { "AVX2", "avx", "avx2 ", "", "neon", "avx512bw" };
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		enum kvr_convert_isa got = KVR_CONVERT_AVX2;
+		cr_assert_eq(kvr_convert_isa_parse(bad[i], &got), -EINVAL, "\"%s\" accepted", bad[i]);
+		cr_assert_eq(got, KVR_CONVERT_AVX2);
+	}
+	enum kvr_convert_isa got = KVR_CONVERT_AVX2;
+	cr_assert_eq(kvr_convert_isa_parse(NULL, &got), -EINVAL);
+}
 
 Test(convert, f16_to_f32_all_values)
 {
