@@ -166,7 +166,6 @@ static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *ro
 /* ------------------------------------------------------------------ AVX2 */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-typedef int32_t v8i __attribute__((vector_size(32)));
 union v16_halves {
 	vf v;
 	__m256 h[2];
@@ -181,6 +180,22 @@ static inline __m256 load8_avx2(const void *row, uint32_t t, uint64_t i)
 			_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))),
 			16));
 	return _mm256_loadu_ps((const float *)row + i);
+}
+
+static inline __attribute__((always_inline)) vf load16_avx2(const void *row, uint32_t t, uint64_t i)
+{
+	union v16_halves u;
+	u.h[0] = load8_avx2(row, t, i);
+	u.h[1] = load8_avx2(row, t, i + 8);
+	return u.v;
+}
+
+static inline __attribute__((always_inline)) vf fma16_avx2(vf a, vf b, vf c)
+{
+	union v16_halves x = { a }, y = { b }, z = { c }, r;
+	r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+	r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+	return r.v;
 }
 
 static inline __attribute__((always_inline)) vf splat16_avx2(float x)
@@ -268,13 +283,55 @@ static inline __attribute__((always_inline)) float hmax8_avx2(__m256 v)
 	h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
 	return _mm_cvtss_f32(h);
 }
+/* exp16's formula (kvr_expf's) on 8 lanes, in intrinsics: the same formula
+ * written once in generic vector operations over both widths doubled the
+ * attention kernel's stack traffic on AVX2 (GCC spilled around the generic
+ * compares and blends) and cost it 0.7-0.8x of its speed, so it stays here. */
+static inline __attribute__((always_inline)) __m256 exp8_avx2(__m256 x)
+{
+	const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+	const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228317f), _CMP_GT_OQ);
+	const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-103.972084f), _CMP_LT_OQ);
+	const __m256 xc = _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_or_ps(_mm256_or_ps(big, small), is_nan));
+	const __m256 t = _mm256_mul_ps(xc, _mm256_set1_ps(1.44269502f));
+	const __m256 n = _mm256_sub_ps(_mm256_add_ps(t, _mm256_set1_ps(12582912.0f)), _mm256_set1_ps(12582912.0f));
+	__m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), xc);
+	r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+	__m256 p = _mm256_set1_ps(1.38888894e-03f);
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333377e-03f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666679e-02f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666672e-01f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	const __m256i e = _mm256_cvttps_epi32(n);
+	const __m256i e1 = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(-126)), _mm256_set1_epi32(127));
+	const __m256i bias = _mm256_set1_epi32(127);
+	p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, bias), 23)));
+	p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, e1), bias), 23)));
+	p = _mm256_blendv_ps(p, _mm256_setzero_ps(), small);
+	p = _mm256_blendv_ps(p, _mm256_set1_ps(INFINITY), big);
+	return _mm256_blendv_ps(p, x, is_nan);
+}
+/* Codes 8c..8c+7 of a packed quantised row as floats. (Unpacking 16 codes
+ * once into two vectors through a 16-float value spilled like the exp above.) */
+static inline __attribute__((always_inline)) __m256 codes8_avx2(const uint8_t *row, uint32_t bits, uint32_t c)
+{
+	__m128i b = codes_bytes16(row, bits, c / 2);
+	if (c & 1)
+		b = _mm_srli_si128(b, 8);
+	return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
 #define ISA avx2
 #define CODES16(row, bits, c) codes16_avx2(row, bits, c)
 #define F16TOF32(h) _cvtsh_ss(h)
+#define LOAD16(row, t, i) load16_avx2(row, t, i)
 #define MAX16(a, b) max16_avx2(a, b)
 #define FOLD16X16(v) fold16x16_avx2(v)
+#define FMA16(a, b, c) fma16_avx2(a, b, c)
 #define SPLAT16(x) splat16_avx2(x)
 #define FOLD16(v) fold16_avx2(v)
+#define HMAX16(v) hmax16_generic(v)
 /* attention on native 8-float vectors */
 #define VA_T __m256
 #define VA_LANES 8
@@ -284,9 +341,10 @@ static inline __attribute__((always_inline)) float hmax8_avx2(__m256 v)
 #define SPLATA(x) _mm256_set1_ps(x)
 #define HSUMA(v) hsum8_avx2(v)
 #define HSUM4A(a, b, c, d, out) hsum4x8_avx2(a, b, c, d, out)
+#define CODESA(row, bits, c) codes8_avx2(row, bits, c)
 #define MAXA(a, b) _mm256_max_ps(a, b)
 #define HMAXA(v) hmax8_avx2(v)
-#define VA_I v8i
+#define EXPA(x) exp8_avx2(x)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"

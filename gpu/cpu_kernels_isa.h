@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * cpu_kernels_isa.h — the cpu backend's hot kernels (score, attention), written
- * once in GCC vector extensions and compiled three times by cpu_kernels.c: for
- * AVX-512, for AVX2+FMA+F16C, and for baseline x86-64. Most work runs on the
- * ISA's native vector (VA_T: 16 floats, or 8 on AVX2, where GCC turns 16-float
- * vectors into stack round trips); the score's canonical 16-lane accumulators
- * and folds use 16-float vectors (vf) whatever the width.
- * The including file defines ISA (a name suffix) and the primitives on vf:
+ * once over 16-float vectors (GCC vector extensions) and compiled three times
+ * by cpu_kernels.c: for AVX-512, for AVX2+FMA+F16C, and for baseline x86-64.
+ * The including file defines ISA (a name suffix) and the primitives:
+ *   LOAD16(row, type, i)  16 elements from element i of a row, as floats
+ *   FMA16(a, b, c)        a*b + c with a single rounding per lane
+ *   HSUM16(v)             the sum of the 16 lanes (any order: attention only)
+ *   HSUM4(a, b, c, d, out) the four lane sums into out[0..3] (attention only)
+ *   HMAX16(v)             the largest lane (attention only; NaN lanes ignored)
  *   FOLD16(v)             the sum of the 16 lanes in kmath.h's canonical order
  *                         (halves added lane-wise: 8, then 4, 2, 1)
  *   SPLAT16(x)            x in every lane (a broadcast: building the vector
@@ -15,18 +17,16 @@
  *                         NaN or both are zeros): kvr_quest_term's choice
  *   FOLD16X16(v)          of 16 vectors v[0..15], the vector whose lane p is
  *                         FOLD16(v[p]), each in the canonical order
- *   CODES16(row, bits, c) codes 16c..16c+15 of a packed quantised row as floats
  *   F16TOF32(h)           one f16 (bits) as a float (F16C where the ISA has it)
- * and the native vector's, when it is narrower than 16 (left undefined, they
- * are 16-float ones built from LOAD16, FMA16, HSUM16, HSUM4 and HMAX16):
- *   VA_T, VA_I, VA_LANES  the float and int32 vector types and their lanes
- *   VA_MAX_CHUNKS         256 / VA_LANES
- *   LOADA(row, type, i)   VA_LANES elements from element i of a row, as floats
- *   FMAA(a, b, c)         a*b + c with a single rounding per lane
- *   SPLATA(x), MAXA(a, b) as SPLAT16, MAX16
- *   HSUMA(v), HSUM4A(a, b, c, d, out)  lane sums, one or four at once (any
- *                         order: attention only)
- *   HMAXA(v)              the largest lane (attention only; NaN lanes ignored)
+ *   CODES16(row, bits, c) codes 16c..16c+15 of a packed quantised row as floats
+ * and for attention's per-dimension vectors (its softmax works on 16 tokens
+ * at a time with the above), a native width that may be narrower:
+ *   VA_T, VA_LANES, VA_MAX_CHUNKS  the vector type, its lanes (16, or 8 on
+ *                         AVX2, where GCC turns 16-float vectors into poor
+ *                         code) and 256 / VA_LANES
+ *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, CODESA, MAXA, HMAXA, EXPA  the
+ *                         operations above on VA_T (EXPA: kvr_expf's formula);
+ *                         left undefined, they are the 16-float ones
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -44,50 +44,45 @@
 #define SPLATA SPLAT16
 #define HSUMA HSUM16
 #define HSUM4A HSUM4
+#define CODESA CODES16
 #define MAXA MAX16
 #define HMAXA HMAX16
-#define VA_I vi
+#define EXPA(x) ISA_FN(exp16)(x)
 #endif
 
 #define KVR_ISA_FN2(name, isa) name##_##isa
 #define KVR_ISA_FN1(name, isa) KVR_ISA_FN2(name, isa)
 #define ISA_FN(name) KVR_ISA_FN1(name, ISA)
 
-/* kvr_expf on a native vector, bit-identical to the scalar function: the
- * same operations in the same order (rint by the 1.5·2^23 trick, which is
- * exact round-to-nearest-even for |t| < 2^22; out-of-range lanes are clamped
- * for the arithmetic and replaced at the end, as the scalar early returns
- * do). Written once in GCC's generic vector operations, so each width
- * compiles it natively. */
-static inline __attribute__((always_inline)) VA_T ISA_FN(blenda)(VA_I mask, VA_T a, VA_T b)
+/* kvr_expf on 16 lanes, bit-identical to the scalar function: the same
+ * operations in the same order (rint by the 1.5·2^23 trick, which is exact
+ * round-to-nearest-even for |t| < 2^22; out-of-range lanes are clamped for the
+ * arithmetic and replaced at the end, as the scalar early returns do). */
+static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 {
-	return (VA_T)((mask & (VA_I)a) | (~mask & (VA_I)b));
-}
-static inline __attribute__((always_inline)) VA_T ISA_FN(expa)(VA_T x)
-{
-	const VA_I is_nan = x != x;
-	const VA_I big = x > 88.7228317f;
-	const VA_I small = x < -103.972084f;
-	const VA_T xc = ISA_FN(blenda)(big | small | is_nan, SPLATA(0.0f), x);
-	const VA_T t = xc * 1.44269502f;
-	const VA_T n = (t + 12582912.0f) - 12582912.0f;
-	VA_T r = FMAA(-n, SPLATA(0.693145752f), xc);
-	r = FMAA(-n, SPLATA(1.42860677e-06f), r);
-	VA_T p = SPLATA(1.38888894e-03f);
-	p = FMAA(p, r, SPLATA(8.33333377e-03f));
-	p = FMAA(p, r, SPLATA(4.16666679e-02f));
-	p = FMAA(p, r, SPLATA(1.66666672e-01f));
-	p = FMAA(p, r, SPLATA(0.5f));
-	p = FMAA(p, r, SPLATA(1.0f));
-	p = FMAA(p, r, SPLATA(1.0f));
-	const VA_I e = __builtin_convertvector(n, VA_I);
-	const VA_I lo = e < -126, hi = e > 127;
-	const VA_I e1 = (lo & -126) | (hi & 127) | (~(lo | hi) & e);
-	p = p * (VA_T)((e1 + 127) << 23);
-	p = p * (VA_T)((e - e1 + 127) << 23); /* 2^0 = 1.0 exactly when e fits */
-	p = ISA_FN(blenda)(small, SPLATA(0.0f), p);
-	p = ISA_FN(blenda)(big, SPLATA(INFINITY), p);
-	return ISA_FN(blenda)(is_nan, x, p);
+	const vi is_nan = x != x;
+	const vi big = x > 88.7228317f;
+	const vi small = x < -103.972084f;
+	const vf xc = blend(big | small | is_nan, SPLAT16(0.0f), x);
+	const vf t = xc * 1.44269502f;
+	const vf n = (t + 12582912.0f) - 12582912.0f;
+	vf r = FMA16(-n, SPLAT16(0.693145752f), xc);
+	r = FMA16(-n, SPLAT16(1.42860677e-06f), r);
+	vf p = SPLAT16(1.38888894e-03f);
+	p = FMA16(p, r, SPLAT16(8.33333377e-03f));
+	p = FMA16(p, r, SPLAT16(4.16666679e-02f));
+	p = FMA16(p, r, SPLAT16(1.66666672e-01f));
+	p = FMA16(p, r, SPLAT16(0.5f));
+	p = FMA16(p, r, SPLAT16(1.0f));
+	p = FMA16(p, r, SPLAT16(1.0f));
+	const vi e = __builtin_convertvector(n, vi);
+	const vi lo = e < -126, hi = e > 127;
+	const vi e1 = (lo & -126) | (hi & 127) | (~(lo | hi) & e);
+	p = p * (vf)((e1 + 127) << 23);
+	p = p * (vf)((e - e1 + 127) << 23); /* 2^0 = 1.0 exactly when e fits */
+	p = blend(small, SPLAT16(0.0f), p);
+	p = blend(big, SPLAT16(INFINITY), p);
+	return blend(is_nan, x, p);
 }
 
 static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
@@ -283,7 +278,7 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 		for (uint32_t j = 0; j < n_pad; j += VA_LANES) {
 			VA_T x;
 			memcpy(&x, s + j, sizeof(x));
-			x = ISA_FN(expa)(x - vmxs);
+			x = EXPA(x - vmxs);
 			memcpy(s + j, &x, sizeof(x));
 			if (j + VA_LANES > n_dom) { /* lanes past n_dom add +0: no change */
 				for (uint32_t l = j < n_dom ? n_dom : j; l < j + VA_LANES; l++)
@@ -340,11 +335,9 @@ ISA_FN(codes_row)(const struct kvr_quant_geometry *g, const unsigned char *run, 
 	const uint16_t *sz = half ? kvr_quant_value_sz(g, r, t) : kvr_quant_key_sz(g, r, t);
 	*s = F16TOF32(sz[0]);
 	*z = F16TOF32(sz[1]);
-	_Pragma("GCC unroll 16")
-	for (uint32_t c16 = 0; c16 < chunks * VA_LANES / 16; c16++) { /* each 16 codes unpacked once */
-		const vf v = CODES16(row, bits, c16);
-		memcpy(&out[c16 * (16 / VA_LANES)], &v, sizeof(v));
-	}
+	_Pragma("GCC unroll 32")
+	for (uint32_t c = 0; c < chunks; c++)
+		out[c] = CODESA(row, bits, c);
 }
 
 static inline __attribute__((always_inline)) void
@@ -508,7 +501,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				_Pragma("GCC unroll 2")
 				for (uint32_t h = 0; h < BLOCK / VA_LANES; h++) {
 					/* padded lanes are exp(-inf) = 0; a NaN score stays NaN here */
-					x[h] = ISA_FN(expa)(x[h] - new_max);
+					x[h] = EXPA(x[h] - new_max);
 					memcpy(s[g] + h * VA_LANES, &x[h], sizeof(x[h]));
 					vsum = vsum + x[h];
 				}
@@ -617,6 +610,7 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef SPLATA
 #undef HSUMA
 #undef HSUM4A
+#undef CODESA
 #undef MAXA
 #undef HMAXA
-#undef VA_I
+#undef EXPA
