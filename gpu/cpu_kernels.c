@@ -259,14 +259,6 @@ static inline __attribute__((always_inline)) vf fold16x16_avx2(const vf *v)
 						  order);
 	return r.v;
 }
-static inline __attribute__((always_inline)) vf codes16_avx2(const uint8_t *row, uint32_t bits, uint32_t c)
-{
-	const __m128i b = codes_bytes16(row, bits, c);
-	union v16_halves u;
-	u.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-	u.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-	return u.v;
-}
 /* Four horizontal sums at once: pairwise hadds serve all four vectors. */
 static inline __attribute__((always_inline)) void hsum4x8_avx2(__m256 a, __m256 b, __m256 c, __m256 d,
 								float *out)
@@ -313,17 +305,16 @@ static inline __attribute__((always_inline)) __m256 exp8_avx2(__m256 x)
 	p = _mm256_blendv_ps(p, _mm256_set1_ps(INFINITY), big);
 	return _mm256_blendv_ps(p, x, is_nan);
 }
-/* Codes 8c..8c+7 of a packed quantised row as floats. (Unpacking 16 codes
- * once into two vectors through a 16-float value spilled like the exp above.) */
-static inline __attribute__((always_inline)) __m256 codes8_avx2(const uint8_t *row, uint32_t bits, uint32_t c)
+/* Codes 16c..16c+15 of a packed quantised row as two 8-float vectors, each
+ * group of 16 unpacked once. */
+static inline __attribute__((always_inline)) void codes16x2_avx2(const uint8_t *row, uint32_t bits, uint32_t c,
+								 __m256 *out)
 {
-	__m128i b = codes_bytes16(row, bits, c / 2);
-	if (c & 1)
-		b = _mm_srli_si128(b, 8);
-	return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+	const __m128i b = codes_bytes16(row, bits, c);
+	out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+	out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
 }
 #define ISA avx2
-#define CODES16(row, bits, c) codes16_avx2(row, bits, c)
 #define F16TOF32(h) _cvtsh_ss(h)
 #define LOAD16(row, t, i) load16_avx2(row, t, i)
 #define MAX16(a, b) max16_avx2(a, b)
@@ -341,7 +332,7 @@ static inline __attribute__((always_inline)) __m256 codes8_avx2(const uint8_t *r
 #define SPLATA(x) _mm256_set1_ps(x)
 #define HSUMA(v) hsum8_avx2(v)
 #define HSUM4A(a, b, c, d, out) hsum4x8_avx2(a, b, c, d, out)
-#define CODESA(row, bits, c) codes8_avx2(row, bits, c)
+#define CODES16A(row, bits, c, out) codes16x2_avx2(row, bits, c, out)
 #define MAXA(a, b) _mm256_max_ps(a, b)
 #define HMAXA(v) hmax8_avx2(v)
 #define EXPA(x) exp8_avx2(x)

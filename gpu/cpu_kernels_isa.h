@@ -24,8 +24,9 @@
  *   VA_T, VA_LANES, VA_MAX_CHUNKS  the vector type, its lanes (16, or 8 on
  *                         AVX2, where GCC turns 16-float vectors into poor
  *                         code) and 256 / VA_LANES
- *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, CODESA, MAXA, HMAXA, EXPA  the
- *                         operations above on VA_T (EXPA: kvr_expf's formula);
+ *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, MAXA, HMAXA, EXPA  the operations
+ *                         above on VA_T (EXPA: kvr_expf's formula);
+ *   CODES16A(row, bits, c16, out)  codes 16c16.. as 16 / VA_LANES vectors;
  *                         left undefined, they are the 16-float ones
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
@@ -44,7 +45,7 @@
 #define SPLATA SPLAT16
 #define HSUMA HSUM16
 #define HSUM4A HSUM4
-#define CODESA CODES16
+#define CODES16A(row, bits, c16, out) ((out)[0] = CODES16(row, bits, c16))
 #define MAXA MAX16
 #define HMAXA HMAX16
 #define EXPA(x) ISA_FN(exp16)(x)
@@ -335,9 +336,9 @@ ISA_FN(codes_row)(const struct kvr_quant_geometry *g, const unsigned char *run, 
 	const uint16_t *sz = half ? kvr_quant_value_sz(g, r, t) : kvr_quant_key_sz(g, r, t);
 	*s = F16TOF32(sz[0]);
 	*z = F16TOF32(sz[1]);
-	_Pragma("GCC unroll 32")
-	for (uint32_t c = 0; c < chunks; c++)
-		out[c] = CODESA(row, bits, c);
+	_Pragma("GCC unroll 16")
+	for (uint32_t c16 = 0; c16 < chunks * VA_LANES / 16; c16++) /* each group of 16 unpacked once */
+		CODES16A(row, bits, c16, out + c16 * (16 / VA_LANES));
 }
 
 static inline __attribute__((always_inline)) void
@@ -610,7 +611,7 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef SPLATA
 #undef HSUMA
 #undef HSUM4A
-#undef CODESA
+#undef CODES16A
 #undef MAXA
 #undef HMAXA
 #undef EXPA
