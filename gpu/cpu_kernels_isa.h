@@ -435,6 +435,13 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					__builtin_prefetch(nrun + (t0 + b) * 128u, 0, 2);
 					__builtin_prefetch(nrun + (t0 + b) * 128u + 64u, 0, 2);
 				}
+				/* This token's V row into L1 now, for the V pass after the
+				 * block's softmax: the next-segment prefetch above brought it
+				 * only to L2, and the V pass's loads waited on it (on
+				 * SmolLM2's shape a fifth of the kernel's samples). */
+				if (!fmt)
+					for (uint64_t l = 0; l < row_bytes; l += 64)
+						__builtin_prefetch(vb + (t0 + b) * row + l, 0, 3);
 				VA_T k[VA_MAX_CHUNKS];
 				float ks = 1.0f, kz = 0.0f;
 				if (fmt)
