@@ -182,22 +182,6 @@ static inline __m256 load8_avx2(const void *row, uint32_t t, uint64_t i)
 	return _mm256_loadu_ps((const float *)row + i);
 }
 
-static inline __attribute__((always_inline)) vf load16_avx2(const void *row, uint32_t t, uint64_t i)
-{
-	union v16_halves u;
-	u.h[0] = load8_avx2(row, t, i);
-	u.h[1] = load8_avx2(row, t, i + 8);
-	return u.v;
-}
-
-static inline __attribute__((always_inline)) vf fma16_avx2(vf a, vf b, vf c)
-{
-	union v16_halves x = { a }, y = { b }, z = { c }, r;
-	r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
-	r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
-	return r.v;
-}
-
 static inline __attribute__((always_inline)) vf splat16_avx2(float x)
 {
 	union v16_halves u;
@@ -316,13 +300,10 @@ static inline __attribute__((always_inline)) void codes16x2_avx2(const uint8_t *
 }
 #define ISA avx2
 #define F16TOF32(h) _cvtsh_ss(h)
-#define LOAD16(row, t, i) load16_avx2(row, t, i)
 #define MAX16(a, b) max16_avx2(a, b)
 #define FOLD16X16(v) fold16x16_avx2(v)
-#define FMA16(a, b, c) fma16_avx2(a, b, c)
 #define SPLAT16(x) splat16_avx2(x)
 #define FOLD16(v) fold16_avx2(v)
-#define HMAX16(v) hmax16_generic(v)
 /* attention on native 8-float vectors */
 #define VA_T __m256
 #define VA_LANES 8

@@ -25,9 +25,12 @@
  *                         AVX2, where GCC turns 16-float vectors into poor
  *                         code) and 256 / VA_LANES
  *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, MAXA, HMAXA, EXPA  the operations
- *                         above on VA_T (EXPA: kvr_expf's formula);
- *   CODES16A(row, bits, c16, out)  codes 16c16.. as 16 / VA_LANES vectors;
- *                         left undefined, they are the 16-float ones
+ *                         above on VA_T (EXPA: kvr_expf's formula)
+ *   CODES16A(row, bits, c16, out)  codes 16c16..16c16+15 as 16 / VA_LANES
+ *                         vectors into out
+ *                         left undefined, they are the 16-float ones (so an
+ *                         ISA that defines them needs no LOAD16, FMA16,
+ *                         HSUM16, HSUM4, HMAX16 or CODES16)
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -37,6 +40,7 @@
 
 /* attention's vectors: the 16-float ones unless the including file chose */
 #ifndef VA_T
+#define KVR_VA_DEFAULT 1
 #define VA_T vf
 #define VA_LANES 16
 #define VA_MAX_CHUNKS 16
@@ -55,6 +59,7 @@
 #define KVR_ISA_FN1(name, isa) KVR_ISA_FN2(name, isa)
 #define ISA_FN(name) KVR_ISA_FN1(name, ISA)
 
+#ifdef KVR_VA_DEFAULT /* EXPA; an ISA with its own vectors brings its own */
 /* kvr_expf on 16 lanes, bit-identical to the scalar function: the same
  * operations in the same order (rint by the 1.5·2^23 trick, which is exact
  * round-to-nearest-even for |t| < 2^22; out-of-range lanes are clamped for the
@@ -85,6 +90,7 @@ static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 	p = blend(big, SPLAT16(INFINITY), p);
 	return blend(is_nan, x, p);
 }
+#endif
 
 static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
 {
@@ -611,6 +617,7 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef MAX16
 #undef FOLD16X16
 #undef VA_T
+#undef KVR_VA_DEFAULT
 #undef VA_LANES
 #undef VA_MAX_CHUNKS
 #undef LOADA
