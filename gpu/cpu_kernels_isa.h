@@ -24,6 +24,10 @@
  *   VA_T, VA_LANES, VA_MAX_CHUNKS  the vector type, its lanes (16, or 8 on
  *                         AVX2, where GCC turns 16-float vectors into poor
  *                         code) and 256 / VA_LANES
+ *   VA_ACC_STRIP          how many VA_T accumulators (or key vectors) one
+ *                         head's pass keeps in registers (half the file)
+ *   VA_V_STRIP            vectors per head in the four-head V pass (its
+ *                         4·VA_V_STRIP accumulators stay in registers)
  *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, MAXA, HMAXA, EXPA  the operations
  *                         above on VA_T (EXPA: kvr_expf's formula)
  *   CODES16A(row, bits, c16, out)  codes 16c16..16c16+15 as 16 / VA_LANES
@@ -44,6 +48,8 @@
 #define VA_T vf
 #define VA_LANES 16
 #define VA_MAX_CHUNKS 16
+#define VA_ACC_STRIP 16
+#define VA_V_STRIP 4
 #define LOADA LOAD16
 #define FMAA FMA16
 #define SPLATA SPLAT16
@@ -357,6 +363,187 @@ ISA_FN(codes_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *r
 		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 2u : 4u, out, s, z);
 }
 
+/* The dots of query heads g..g+n−1 (n ≤ 4, a constant) with one key: a plain
+ * row converted strip by strip as it is used (from_row), or codes already
+ * unpacked in k. Strips of VA_ACC_STRIP keep the key and the n accumulators in
+ * registers (q is read from L1 by the FMAs): a whole converted row beside
+ * them (16 ymm on AVX2 at d = 128) spilled. */
+static inline __attribute__((always_inline)) void
+ISA_FN(key_dots_heads)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, const unsigned char *krow,
+		       uint32_t t, const VA_T *k, const int from_row, const uint32_t chunks, float (*s)[16], uint32_t b)
+{
+	VA_T dot[4];
+	_Pragma("GCC unroll 4")
+	for (uint32_t h = 0; h < 4; h++)
+		dot[h] = SPLATA(0.0f);
+	_Pragma("GCC unroll 4")
+	for (uint32_t c0 = 0; c0 < chunks; c0 += VA_ACC_STRIP) {
+		const uint32_t n_c = chunks - c0 < VA_ACC_STRIP ? chunks - c0 : VA_ACC_STRIP;
+		VA_T kc[VA_ACC_STRIP];
+		_Pragma("GCC unroll 16")
+		for (uint32_t c = 0; c < n_c; c++)
+			kc[c] = from_row ? LOADA(krow, t, (c0 + c) * VA_LANES) : k[c0 + c];
+		_Pragma("GCC unroll 16")
+		for (uint32_t c = 0; c < n_c; c++)
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < n; h++)
+				dot[h] = FMAA(q[g + h][c0 + c], kc[c], dot[h]);
+	}
+	if (n == 1) {
+		s[g][b] = HSUMA(dot[0]);
+		return;
+	}
+	float four[4];
+	HSUM4A(dot[0], dot[1], dot[2], dot[3], four);
+	_Pragma("GCC unroll 4")
+	for (uint32_t h = 0; h < n; h++)
+		s[g + h][b] = four[h];
+}
+
+/* The scores s[g][b] of all G query heads with one key: blocks of four
+ * heads, then the one to three left (SmolLM2: G = 3) in one pass. */
+static inline __attribute__((always_inline)) void
+ISA_FN(key_dots)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *krow, uint32_t t,
+		 const VA_T *k, const int from_row, const uint32_t chunks, float (*s)[16], uint32_t b)
+{
+	uint32_t g = 0;
+	for (; g + 4 <= G; g += 4)
+		ISA_FN(key_dots_heads)(q, g, 4, krow, t, k, from_row, chunks, s, b);
+	switch (G - g) {
+	case 1: ISA_FN(key_dots_heads)(q, g, 1, krow, t, k, from_row, chunks, s, b); break;
+	case 2: ISA_FN(key_dots_heads)(q, g, 2, krow, t, k, from_row, chunks, s, b); break;
+	case 3: ISA_FN(key_dots_heads)(q, g, 3, krow, t, k, from_row, chunks, s, b); break;
+	default: break;
+	}
+}
+
+/* What attention prefetches while it reads token `tok` of a segment (see
+ * attention_impl): the next segment's row tok (a plain page's K and V rows,
+ * or two lines of a quantised run) into L2, and this segment's V row (plain
+ * pages; vb NULL otherwise) into L1. */
+struct ISA_FN(token_prefetch) {
+	const unsigned char *nkb, *nvb, *nrun, *vb;
+	uint64_t nrow, nrun_bytes, row, row_bytes;
+	uint32_t n_next;
+};
+
+static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const struct ISA_FN(token_prefetch) *pf,
+									 uint32_t tok)
+{
+	if (tok < pf->n_next && pf->nkb)
+		for (uint64_t l = 0; l < pf->row_bytes; l += 64) {
+			__builtin_prefetch(pf->nkb + tok * pf->nrow + l, 0, 2);
+			__builtin_prefetch(pf->nvb + tok * pf->nrow + l, 0, 2);
+		}
+	else if (pf->nrun && tok * 128u < pf->nrun_bytes) {
+		__builtin_prefetch(pf->nrun + tok * 128u, 0, 2);
+		__builtin_prefetch(pf->nrun + tok * 128u + 64u, 0, 2);
+	}
+	/* This token's V row into L1 now, for the V pass after the block's
+	 * softmax: the next-segment prefetch brought it only to L2, and the V
+	 * pass's loads waited on it (on SmolLM2's shape a fifth of the kernel's
+	 * samples). */
+	if (pf->vb)
+		for (uint64_t l = 0; l < pf->row_bytes; l += 64)
+			__builtin_prefetch(pf->vb + tok * pf->row + l, 0, 3);
+}
+
+/* The dots of query heads g..g+n−1 (n ≤ 4, a constant) with two consecutive
+ * plain key rows (krow, krow + row): each query vector, read from L1 by the
+ * FMAs, serves both keys, and the 2n accumulators, the two key vectors and
+ * the query vector stay in registers (11 of AVX2's 16 at n = 4). */
+static inline __attribute__((always_inline)) void
+ISA_FN(key_pair_heads)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, const unsigned char *krow,
+		       uint64_t row, uint32_t t, const uint32_t chunks, float (*s)[16], uint32_t b)
+{
+	VA_T d0[4], d1[4];
+	_Pragma("GCC unroll 4")
+	for (uint32_t h = 0; h < 4; h++)
+		d0[h] = d1[h] = SPLATA(0.0f);
+	_Pragma("GCC unroll 32")
+	for (uint32_t c = 0; c < chunks; c++) {
+		const VA_T k0 = LOADA(krow, t, c * VA_LANES), k1 = LOADA(krow + row, t, c * VA_LANES);
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++) {
+			const VA_T qv = q[g + h][c];
+			d0[h] = FMAA(qv, k0, d0[h]);
+			d1[h] = FMAA(qv, k1, d1[h]);
+		}
+	}
+	float four[4];
+	if (n == 1) {
+		HSUM4A(d0[0], d1[0], d0[1], d0[1], four);
+		s[g][b] = four[0], s[g][b + 1] = four[1];
+	} else if (n == 2) {
+		HSUM4A(d0[0], d0[1], d1[0], d1[1], four);
+		s[g][b] = four[0], s[g + 1][b] = four[1];
+		s[g][b + 1] = four[2], s[g + 1][b + 1] = four[3];
+	} else {
+		HSUM4A(d0[0], d0[1], d0[2], d0[3], four);
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++)
+			s[g + h][b] = four[h];
+		HSUM4A(d1[0], d1[1], d1[2], d1[3], four);
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++)
+			s[g + h][b + 1] = four[h];
+	}
+}
+
+static inline __attribute__((always_inline)) void
+ISA_FN(key_pair_dots)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *krow, uint64_t row,
+		      uint32_t t, const uint32_t chunks, float (*s)[16], uint32_t b)
+{
+	uint32_t g = 0;
+	for (; g + 4 <= G; g += 4)
+		ISA_FN(key_pair_heads)(q, g, 4, krow, row, t, chunks, s, b);
+	switch (G - g) {
+	case 1: ISA_FN(key_pair_heads)(q, g, 1, krow, row, t, chunks, s, b); break;
+	case 2: ISA_FN(key_pair_heads)(q, g, 2, krow, row, t, chunks, s, b); break;
+	case 3: ISA_FN(key_pair_heads)(q, g, 3, krow, row, t, chunks, s, b); break;
+	default: break;
+	}
+}
+
+/* acc[g + h] += Σ_b p[g + h][b]·V_b for heads g..g+n−1 (n ≤ 4, a constant)
+ * over the block's nb plain value rows (vrow, vrow + row, ...): in strips of
+ * VA_V_STRIP vectors, with the heads innermost, so each value vector is
+ * converted once and feeds n FMAs; the n·VA_V_STRIP accumulators stay in
+ * registers for the block (8 of AVX2's 16 at n = 4). */
+static inline __attribute__((always_inline)) void
+ISA_FN(value_heads)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, const unsigned char *vrow,
+		    uint64_t row, uint32_t t, const float (*p)[16], uint32_t nb, const uint32_t chunks)
+{
+	_Pragma("GCC unroll 32")
+	for (uint32_t c0 = 0; c0 < chunks; c0 += VA_V_STRIP) {
+		const uint32_t n_c = chunks - c0 < VA_V_STRIP ? chunks - c0 : VA_V_STRIP;
+		VA_T a[4][VA_V_STRIP];
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++)
+			_Pragma("GCC unroll 8")
+			for (uint32_t c = 0; c < n_c; c++)
+				a[h][c] = acc[g + h][c0 + c];
+		for (uint32_t b = 0; b < nb; b++) {
+			VA_T v[VA_V_STRIP];
+			_Pragma("GCC unroll 8")
+			for (uint32_t c = 0; c < n_c; c++)
+				v[c] = LOADA(vrow + b * row, t, (c0 + c) * VA_LANES);
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < n; h++) {
+				const VA_T ph = SPLATA(p[g + h][b]);
+				_Pragma("GCC unroll 8")
+				for (uint32_t c = 0; c < n_c; c++)
+					a[h][c] = FMAA(ph, v[c], a[h][c]);
+			}
+		}
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++)
+			_Pragma("GCC unroll 8")
+			for (uint32_t c = 0; c < n_c; c++)
+				acc[g + h][c0 + c] = a[h][c];
+	}
+}
+
 /* Attention of KV head m of one item over its segments (kernels.h).
  * `chunks` (d / VA_LANES) is a compile-time constant in every caller (see
  * attention_head below), so the per-head vectors — q, the accumulators — stay
@@ -424,80 +611,38 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const unsigned char *nrun = next && next->format ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride : NULL;
 		const uint64_t nrun_bytes = nrun ? gq[next->format].head_bytes : 0;
 		const uint32_t n_next = next ? next->n_tokens : 0;
+		const struct ISA_FN(token_prefetch) pf = {
+			.nkb = nkb, .nvb = nvb, .nrow = nrow, .nrun = nrun, .nrun_bytes = nrun_bytes,
+			.vb = fmt ? NULL : vb, .row = row, .row_bytes = row_bytes, .n_next = n_next,
+		};
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
-			/* K: per token, convert the row once into registers and score it
-			 * against every query head of the group, four heads per combined
-			 * horizontal sum (prefetching the next segment's rows as we go). */
-			for (uint32_t b = 0; b < nb; b++) {
-				const unsigned char *krow = kb + (t0 + b) * row;
-				if (t0 + b < n_next && nkb)
-					for (uint64_t l = 0; l < row_bytes; l += 64) {
-						__builtin_prefetch(nkb + (t0 + b) * nrow + l, 0, 2);
-						__builtin_prefetch(nvb + (t0 + b) * nrow + l, 0, 2);
-					}
-				else if (nrun && (t0 + b) * 128u < nrun_bytes) {
-					__builtin_prefetch(nrun + (t0 + b) * 128u, 0, 2);
-					__builtin_prefetch(nrun + (t0 + b) * 128u + 64u, 0, 2);
-				}
-				/* This token's V row into L1 now, for the V pass after the
-				 * block's softmax: the next-segment prefetch above brought it
-				 * only to L2, and the V pass's loads waited on it (on
-				 * SmolLM2's shape a fifth of the kernel's samples). */
-				if (!fmt)
-					for (uint64_t l = 0; l < row_bytes; l += 64)
-						__builtin_prefetch(vb + (t0 + b) * row + l, 0, 3);
-				VA_T k[VA_MAX_CHUNKS];
-				float ks = 1.0f, kz = 0.0f;
-				if (fmt)
+			/* K (prefetching the next segment's rows as we go): plain rows two
+			 * tokens at a time, so each query vector read serves two keys;
+			 * quantised rows one token at a time, unpacked once into k. */
+			if (fmt) {
+				for (uint32_t b = 0; b < nb; b++) {
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+					VA_T k[VA_MAX_CHUNKS];
+					float ks, kz;
 					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 0, first + t0 + b, chunks, k, &ks, &kz);
-				else
-					_Pragma("GCC unroll 32")
-					for (uint32_t c = 0; c < chunks; c++)
-						k[c] = LOADA(krow, t, c * VA_LANES);
-				uint32_t g = 0;
-				for (; g + 4 <= G; g += 4) {
-					VA_T d0 = q[g][0] * k[0], d1 = q[g + 1][0] * k[0];
-					VA_T d2 = q[g + 2][0] * k[0], d3 = q[g + 3][0] * k[0];
-					_Pragma("GCC unroll 32")
-					for (uint32_t c = 1; c < chunks; c++) {
-						d0 = FMAA(q[g][c], k[c], d0);
-						d1 = FMAA(q[g + 1][c], k[c], d1);
-						d2 = FMAA(q[g + 2][c], k[c], d2);
-						d3 = FMAA(q[g + 3][c], k[c], d3);
-					}
-					float four[4];
-					HSUM4A(d0, d1, d2, d3, four);
-					s[g][b] = four[0];
-					s[g + 1][b] = four[1];
-					s[g + 2][b] = four[2];
-					s[g + 3][b] = four[3];
-				}
-				if (G - g == 1) {
-					VA_T d0 = q[g][0] * k[0];
-					_Pragma("GCC unroll 32")
-					for (uint32_t c = 1; c < chunks; c++)
-						d0 = FMAA(q[g][c], k[c], d0);
-					s[g][b] = HSUMA(d0);
-				} else if (G > g) { /* two or three heads (SmolLM2: G = 3): one pass over k */
-					const uint32_t h2 = G - g == 3 ? g + 2 : g + 1;
-					VA_T d0 = q[g][0] * k[0], d1 = q[g + 1][0] * k[0], d2 = q[h2][0] * k[0];
-					_Pragma("GCC unroll 32")
-					for (uint32_t c = 1; c < chunks; c++) {
-						d0 = FMAA(q[g][c], k[c], d0);
-						d1 = FMAA(q[g + 1][c], k[c], d1);
-						d2 = FMAA(q[h2][c], k[c], d2);
-					}
-					float four[4];
-					HSUM4A(d0, d1, d2, SPLATA(0.0f), four);
-					s[g][b] = four[0];
-					s[g + 1][b] = four[1];
-					s[h2][b] = four[2];
-				}
-				if (fmt) /* the dot was over codes: s·(q·Q) − z·Σq */
+					ISA_FN(key_dots)(q, G, NULL, t, k, 0, chunks, s, b);
+					/* the dot was over codes: s·(q·Q) − z·Σq */
 					for (uint32_t gg = 0; gg < G; gg++)
 						s[gg][b] = ks * s[gg][b] - kz * q_sum[gg];
+				}
+			} else {
+				uint32_t b = 0;
+				for (; b + 2 <= nb; b += 2) {
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+					ISA_FN(prefetch_token)(&pf, t0 + b + 1);
+					ISA_FN(key_pair_dots)(q, G, kb + (t0 + b) * row, row, t, chunks, s, b);
+				}
+				if (b < nb) {
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+					ISA_FN(key_dots)(q, G, kb + (t0 + b) * row, t, NULL, 1, chunks, s, b);
+				}
 			}
 			for (uint32_t g = 0; g < G; g++) {
 				/* the block's BLOCK scores as VA_T parts, past nb at -inf */
@@ -531,38 +676,53 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				seg_sum[g] = seg_sum[g] * alpha + psum;
 				run_max[g] = new_max;
 			}
-			/* V: convert the block once, then per (g, c) accumulate over its tokens
-			 * in registers (two chains), touching acc once per block. */
+			if (!fmt) {
+				/* V, plain rows: each value vector read once and used by
+				 * every head of a block of four */
+				uint32_t g = 0;
+				for (; g + 4 <= G; g += 4)
+					ISA_FN(value_heads)(acc, g, 4, vb + t0 * row, row, t, s, nb, chunks);
+				switch (G - g) {
+				case 1: ISA_FN(value_heads)(acc, g, 1, vb + t0 * row, row, t, s, nb, chunks); break;
+				case 2: ISA_FN(value_heads)(acc, g, 2, vb + t0 * row, row, t, s, nb, chunks); break;
+				case 3: ISA_FN(value_heads)(acc, g, 3, vb + t0 * row, row, t, s, nb, chunks); break;
+				default: break;
+				}
+				continue;
+			}
+			/* V, quantised rows: unpack the block once, then per head
+			 * accumulate over its tokens, touching acc once per block. */
 			VA_T vs[BLOCK][VA_MAX_CHUNKS];
 			float v_s[BLOCK], v_z[BLOCK];
-			for (uint32_t b = 0; b < nb; b++) {
-				const unsigned char *vrow = vb + (t0 + b) * row;
-				if (fmt)
-					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 1, first + t0 + b, chunks, vs[b], &v_s[b], &v_z[b]);
-				else
-					_Pragma("GCC unroll 32")
-					for (uint32_t c = 0; c < chunks; c++)
-						vs[b][c] = LOADA(vrow, t, c * VA_LANES);
-			}
+			for (uint32_t b = 0; b < nb; b++)
+				ISA_FN(codes_row_fmt)(&gq[fmt], kb, 1, first + t0 + b, chunks, vs[b], &v_s[b], &v_z[b]);
 			for (uint32_t g = 0; g < G; g++) {
-				VA_T a[VA_MAX_CHUNKS];
-				_Pragma("GCC unroll 32")
-				for (uint32_t c = 0; c < chunks; c++)
-					a[c] = acc[g][c];
-				if (fmt) /* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
-					for (uint32_t b = 0; b < nb; b++) {
-						z_acc[g] += s[g][b] * v_z[b];
-						s[g][b] *= v_s[b];
-					}
+				/* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
 				for (uint32_t b = 0; b < nb; b++) {
-					const VA_T p = SPLATA(s[g][b]);
-					_Pragma("GCC unroll 32")
-					for (uint32_t c = 0; c < chunks; c++)
-						a[c] = FMAA(p, vs[b][c], a[c]);
+					z_acc[g] += s[g][b] * v_z[b];
+					s[g][b] *= v_s[b];
 				}
-				_Pragma("GCC unroll 32")
-				for (uint32_t c = 0; c < chunks; c++)
-					acc[g][c] = a[c];
+				/* In strips of VA_ACC_STRIP accumulators: a whole head (16
+				 * on AVX2 at d = 128) plus p does not fit the register
+				 * file, and a spilled accumulator chains every token's
+				 * FMA through a store and a reload. */
+				_Pragma("GCC unroll 4")
+				for (uint32_t c0 = 0; c0 < chunks; c0 += VA_ACC_STRIP) {
+					const uint32_t n_c = chunks - c0 < VA_ACC_STRIP ? chunks - c0 : VA_ACC_STRIP;
+					VA_T a[VA_ACC_STRIP];
+					_Pragma("GCC unroll 16")
+					for (uint32_t c = 0; c < n_c; c++)
+						a[c] = acc[g][c0 + c];
+					for (uint32_t b = 0; b < nb; b++) {
+						const VA_T p = SPLATA(s[g][b]);
+						_Pragma("GCC unroll 16")
+						for (uint32_t c = 0; c < n_c; c++)
+							a[c] = FMAA(p, vs[b][c0 + c], a[c]);
+					}
+					_Pragma("GCC unroll 16")
+					for (uint32_t c = 0; c < n_c; c++)
+						acc[g][c0 + c] = a[c];
+				}
 			}
 		}
 		if (lse) /* log(0) = −inf for an empty segment */
@@ -620,6 +780,8 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef KVR_VA_DEFAULT
 #undef VA_LANES
 #undef VA_MAX_CHUNKS
+#undef VA_ACC_STRIP
+#undef VA_V_STRIP
 #undef LOADA
 #undef FMAA
 #undef SPLATA
