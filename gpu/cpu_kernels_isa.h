@@ -333,90 +333,6 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 
 /* ------------------------------------------------------------------ attention */
 
-/* Row t of a quantised run (keys: half 0): its codes as `chunks` vectors of
- * floats, and its scale and zero point. Attention folds s and z in per token
- * (q·(s·Q − z) = s·(q·Q) − z·Σq; Σ_t p·(s·Q − z) = Σ_t (p·s)·Q − Σ_t p·z), so
- * dequantising costs a conversion per 16 codes and no arithmetic. `bits` is
- * a constant at every call (codes_row_fmt): each format's unpacking is
- * compiled straight. */
-static inline __attribute__((always_inline)) void
-ISA_FN(codes_row)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
-		  uint32_t chunks, const uint32_t bits, VA_T *out, float *s, float *z)
-{
-	unsigned char *r = (unsigned char *)(uintptr_t)run;
-	const uint8_t *row = half ? kvr_quant_value_row(g, r, t) : kvr_quant_key_row(g, r, t);
-	const uint16_t *sz = half ? kvr_quant_value_sz(g, r, t) : kvr_quant_key_sz(g, r, t);
-	*s = F16TOF32(sz[0]);
-	*z = F16TOF32(sz[1]);
-	_Pragma("GCC unroll 16")
-	for (uint32_t c16 = 0; c16 < chunks * VA_LANES / 16; c16++) /* each group of 16 unpacked once */
-		CODES16A(row, bits, c16, out + c16 * (16 / VA_LANES));
-}
-
-static inline __attribute__((always_inline)) void
-ISA_FN(codes_row_fmt)(const struct kvr_quant_geometry *g, const unsigned char *run, int half, uint32_t t,
-		      uint32_t chunks, VA_T *out, float *s, float *z)
-{
-	if (g->key_bits == 8) /* K8V4, or half a K8V4 page */
-		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 4u : 8u, out, s, z);
-	else
-		ISA_FN(codes_row)(g, run, half, t, chunks, half ? 2u : 4u, out, s, z);
-}
-
-/* The dots of query heads g..g+n−1 (n ≤ 4, a constant) with one key: a plain
- * row converted strip by strip as it is used (from_row), or codes already
- * unpacked in k. Strips of VA_ACC_STRIP keep the key and the n accumulators in
- * registers (q is read from L1 by the FMAs): a whole converted row beside
- * them (16 ymm on AVX2 at d = 128) spilled. */
-static inline __attribute__((always_inline)) void
-ISA_FN(key_dots_heads)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, const unsigned char *krow,
-		       uint32_t t, const VA_T *k, const int from_row, const uint32_t chunks, float (*s)[16], uint32_t b)
-{
-	VA_T dot[4];
-	_Pragma("GCC unroll 4")
-	for (uint32_t h = 0; h < 4; h++)
-		dot[h] = SPLATA(0.0f);
-	_Pragma("GCC unroll 4")
-	for (uint32_t c0 = 0; c0 < chunks; c0 += VA_ACC_STRIP) {
-		const uint32_t n_c = chunks - c0 < VA_ACC_STRIP ? chunks - c0 : VA_ACC_STRIP;
-		VA_T kc[VA_ACC_STRIP];
-		_Pragma("GCC unroll 16")
-		for (uint32_t c = 0; c < n_c; c++)
-			kc[c] = from_row ? LOADA(krow, t, (c0 + c) * VA_LANES) : k[c0 + c];
-		_Pragma("GCC unroll 16")
-		for (uint32_t c = 0; c < n_c; c++)
-			_Pragma("GCC unroll 4")
-			for (uint32_t h = 0; h < n; h++)
-				dot[h] = FMAA(q[g + h][c0 + c], kc[c], dot[h]);
-	}
-	if (n == 1) {
-		s[g][b] = HSUMA(dot[0]);
-		return;
-	}
-	float four[4];
-	HSUM4A(dot[0], dot[1], dot[2], dot[3], four);
-	_Pragma("GCC unroll 4")
-	for (uint32_t h = 0; h < n; h++)
-		s[g + h][b] = four[h];
-}
-
-/* The scores s[g][b] of all G query heads with one key: blocks of four
- * heads, then the one to three left (SmolLM2: G = 3) in one pass. */
-static inline __attribute__((always_inline)) void
-ISA_FN(key_dots)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *krow, uint32_t t,
-		 const VA_T *k, const int from_row, const uint32_t chunks, float (*s)[16], uint32_t b)
-{
-	uint32_t g = 0;
-	for (; g + 4 <= G; g += 4)
-		ISA_FN(key_dots_heads)(q, g, 4, krow, t, k, from_row, chunks, s, b);
-	switch (G - g) {
-	case 1: ISA_FN(key_dots_heads)(q, g, 1, krow, t, k, from_row, chunks, s, b); break;
-	case 2: ISA_FN(key_dots_heads)(q, g, 2, krow, t, k, from_row, chunks, s, b); break;
-	case 3: ISA_FN(key_dots_heads)(q, g, 3, krow, t, k, from_row, chunks, s, b); break;
-	default: break;
-	}
-}
-
 /* What attention prefetches while it reads token `tok` of a segment (see
  * attention_impl): the next segment's row tok (a plain page's K and V rows,
  * or two lines of a quantised run) into L2, and this segment's V row (plain
@@ -448,30 +364,68 @@ static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const s
 			__builtin_prefetch(pf->vb + tok * pf->row + l, 0, 3);
 }
 
-/* The dots of query heads g..g+n−1 (n ≤ 4, a constant) with two consecutive
- * plain key rows (krow, krow + row): each query vector, read from L1 by the
- * FMAs, serves both keys, and the 2n accumulators, the two key vectors and
- * the query vector stay in registers (11 of AVX2's 16 at n = 4). */
-static inline __attribute__((always_inline)) void
-ISA_FN(key_pair_heads)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, const unsigned char *krow,
-		       uint64_t row, uint32_t t, const uint32_t chunks, float (*s)[16], uint32_t b)
+/* Quantised rows are read as codes: attention folds each token's scale s
+ * and zero point z in around the dot products (q·(s·Q − z) = s·(q·Q) − z·Σq;
+ * Σ_t p·(s·Q − z) = Σ_t (p·s)·Q − Σ_t p·z), so dequantising costs a
+ * conversion per code and no arithmetic. Every helper below takes `bits`, 0
+ * for a plain row of element type t or the code width, as a constant at each
+ * call (ATT_BITS_CASES): each format's loads are compiled straight. */
+
+/* Elements 16·c16 .. 16·c16 + 15 of a row as 16 / VA_LANES vectors. */
+static inline __attribute__((always_inline)) void ISA_FN(row16)(const unsigned char *row, uint32_t t,
+								const uint32_t bits, uint32_t c16, VA_T *out)
 {
+	if (bits) {
+		CODES16A(row, bits, c16, out);
+		return;
+	}
+	_Pragma("GCC unroll 2")
+	for (uint32_t k = 0; k < 16 / VA_LANES; k++)
+		out[k] = LOADA(row, t, c16 * 16u + k * VA_LANES);
+}
+
+/* The dots of query heads g..g+n−1 (n ≤ 4, a constant) with `n_keys` (1 or
+ * 2, a constant) consecutive key rows (krow, krow + stride), into s[g + h][b
+ * + key]. Each query vector, read from L1 by the FMAs, serves both keys; the
+ * accumulators (2n), the keys' vectors for 16 elements and the query vector
+ * stay in registers (13 of AVX2's 16 at n = 4). */
+static inline __attribute__((always_inline)) void
+ISA_FN(key_heads)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, const uint32_t n_keys,
+		  const unsigned char *krow, uint64_t stride, uint32_t t, const uint32_t bits, const uint32_t chunks,
+		  float (*s)[16], uint32_t b)
+{
+	enum { per16 = 16 / VA_LANES };
 	VA_T d0[4], d1[4];
 	_Pragma("GCC unroll 4")
 	for (uint32_t h = 0; h < 4; h++)
 		d0[h] = d1[h] = SPLATA(0.0f);
-	_Pragma("GCC unroll 32")
-	for (uint32_t c = 0; c < chunks; c++) {
-		const VA_T k0 = LOADA(krow, t, c * VA_LANES), k1 = LOADA(krow + row, t, c * VA_LANES);
-		_Pragma("GCC unroll 4")
-		for (uint32_t h = 0; h < n; h++) {
-			const VA_T qv = q[g + h][c];
-			d0[h] = FMAA(qv, k0, d0[h]);
-			d1[h] = FMAA(qv, k1, d1[h]);
-		}
+	_Pragma("GCC unroll 2")
+	for (uint32_t c16 = 0; c16 < chunks / per16; c16++) {
+		VA_T k0[per16], k1[per16];
+		ISA_FN(row16)(krow, t, bits, c16, k0);
+		if (n_keys == 2)
+			ISA_FN(row16)(krow + stride, t, bits, c16, k1);
+		_Pragma("GCC unroll 2")
+		for (uint32_t k = 0; k < per16; k++)
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < n; h++) {
+				const VA_T qv = q[g + h][c16 * per16 + k];
+				d0[h] = FMAA(qv, k0[k], d0[h]);
+				if (n_keys == 2)
+					d1[h] = FMAA(qv, k1[k], d1[h]);
+			}
 	}
 	float four[4];
-	if (n == 1) {
+	if (n_keys == 1) {
+		if (n == 1) {
+			s[g][b] = HSUMA(d0[0]);
+			return;
+		}
+		HSUM4A(d0[0], d0[1], d0[2], d0[3], four);
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++)
+			s[g + h][b] = four[h];
+	} else if (n == 1) {
 		HSUM4A(d0[0], d1[0], d0[1], d0[1], four);
 		s[g][b] = four[0], s[g][b + 1] = four[1];
 	} else if (n == 2) {
@@ -490,65 +444,114 @@ ISA_FN(key_pair_heads)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t g, const uint32_
 	}
 }
 
+/* The scores of all G query heads with n_keys keys: blocks of four heads,
+ * then the one to three left (SmolLM2: G = 3) in one pass. */
 static inline __attribute__((always_inline)) void
-ISA_FN(key_pair_dots)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *krow, uint64_t row,
-		      uint32_t t, const uint32_t chunks, float (*s)[16], uint32_t b)
+ISA_FN(key_dots)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t G, const uint32_t n_keys, const unsigned char *krow,
+		 uint64_t stride, uint32_t t, const uint32_t bits, const uint32_t chunks, float (*s)[16], uint32_t b)
 {
 	uint32_t g = 0;
 	for (; g + 4 <= G; g += 4)
-		ISA_FN(key_pair_heads)(q, g, 4, krow, row, t, chunks, s, b);
+		ISA_FN(key_heads)(q, g, 4, n_keys, krow, stride, t, bits, chunks, s, b);
 	switch (G - g) {
-	case 1: ISA_FN(key_pair_heads)(q, g, 1, krow, row, t, chunks, s, b); break;
-	case 2: ISA_FN(key_pair_heads)(q, g, 2, krow, row, t, chunks, s, b); break;
-	case 3: ISA_FN(key_pair_heads)(q, g, 3, krow, row, t, chunks, s, b); break;
+	case 1: ISA_FN(key_heads)(q, g, 1, n_keys, krow, stride, t, bits, chunks, s, b); break;
+	case 2: ISA_FN(key_heads)(q, g, 2, n_keys, krow, stride, t, bits, chunks, s, b); break;
+	case 3: ISA_FN(key_heads)(q, g, 3, n_keys, krow, stride, t, bits, chunks, s, b); break;
 	default: break;
 	}
 }
 
-/* acc[g + h] += Σ_b p[g + h][b]·V_b for heads g..g+n−1 (n ≤ 4, a constant)
- * over the block's nb plain value rows (vrow, vrow + row, ...): in strips of
- * VA_V_STRIP vectors, with the heads innermost, so each value vector is
- * converted once and feeds n FMAs; the n·VA_V_STRIP accumulators stay in
- * registers for the block (8 of AVX2's 16 at n = 4). */
+/* acc[g + h][c0 .. c0 + n_c) += Σ_b p[g + h][b]·V_b for heads g..g+n−1 (n ≤ 4,
+ * a constant) over the block's nb value rows (vrow, vrow + stride, ...), n_c
+ * (a constant multiple of 16 / VA_LANES) vectors from vector c0: with the
+ * heads innermost, each value vector is converted once and feeds n FMAs,
+ * and the n·n_c accumulators stay in registers for the block. */
+static inline __attribute__((always_inline)) void
+ISA_FN(value_strip)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, uint32_t c0, const uint32_t n_c,
+		    const unsigned char *vrow, uint64_t stride, uint32_t t, const uint32_t bits, const float (*p)[16],
+		    uint32_t nb)
+{
+	enum { per16 = 16 / VA_LANES };
+	VA_T a[4][VA_V_STRIP];
+	_Pragma("GCC unroll 4")
+	for (uint32_t h = 0; h < n; h++)
+		_Pragma("GCC unroll 8")
+		for (uint32_t c = 0; c < n_c; c++)
+			a[h][c] = acc[g + h][c0 + c];
+	for (uint32_t b = 0; b < nb; b++) {
+		VA_T v[VA_V_STRIP];
+		_Pragma("GCC unroll 8")
+		for (uint32_t c = 0; c < n_c; c += per16)
+			ISA_FN(row16)(vrow + b * stride, t, bits, (c0 + c) / per16, v + c);
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++) {
+			const VA_T ph = SPLATA(p[g + h][b]);
+			_Pragma("GCC unroll 8")
+			for (uint32_t c = 0; c < n_c; c++)
+				a[h][c] = FMAA(ph, v[c], a[h][c]);
+		}
+	}
+	_Pragma("GCC unroll 4")
+	for (uint32_t h = 0; h < n; h++)
+		_Pragma("GCC unroll 8")
+		for (uint32_t c = 0; c < n_c; c++)
+			acc[g + h][c0 + c] = a[h][c];
+}
+
+/* The value strips of heads g..g+n−1: VA_V_STRIP vectors at a time (4·VA_V_STRIP
+ * accumulators: 8 of AVX2's 16 registers, 16 of AVX-512's 32), then the
+ * remainder (d = 96, 160, 224 on AVX-512: 2 vectors). */
 static inline __attribute__((always_inline)) void
 ISA_FN(value_heads)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t g, const uint32_t n, const unsigned char *vrow,
-		    uint64_t row, uint32_t t, const float (*p)[16], uint32_t nb, const uint32_t chunks)
+		    uint64_t stride, uint32_t t, const uint32_t bits, const float (*p)[16], uint32_t nb,
+		    const uint32_t chunks)
 {
-	_Pragma("GCC unroll 32")
-	for (uint32_t c0 = 0; c0 < chunks; c0 += VA_V_STRIP) {
-		const uint32_t n_c = chunks - c0 < VA_V_STRIP ? chunks - c0 : VA_V_STRIP;
-		VA_T a[4][VA_V_STRIP];
-		_Pragma("GCC unroll 4")
-		for (uint32_t h = 0; h < n; h++)
-			_Pragma("GCC unroll 8")
-			for (uint32_t c = 0; c < n_c; c++)
-				a[h][c] = acc[g + h][c0 + c];
-		for (uint32_t b = 0; b < nb; b++) {
-			VA_T v[VA_V_STRIP];
-			_Pragma("GCC unroll 8")
-			for (uint32_t c = 0; c < n_c; c++)
-				v[c] = LOADA(vrow + b * row, t, (c0 + c) * VA_LANES);
-			_Pragma("GCC unroll 4")
-			for (uint32_t h = 0; h < n; h++) {
-				const VA_T ph = SPLATA(p[g + h][b]);
-				_Pragma("GCC unroll 8")
-				for (uint32_t c = 0; c < n_c; c++)
-					a[h][c] = FMAA(ph, v[c], a[h][c]);
-			}
-		}
-		_Pragma("GCC unroll 4")
-		for (uint32_t h = 0; h < n; h++)
-			_Pragma("GCC unroll 8")
-			for (uint32_t c = 0; c < n_c; c++)
-				acc[g + h][c0 + c] = a[h][c];
+	enum { per16 = 16 / VA_LANES };
+	uint32_t c0 = 0;
+	for (; c0 + VA_V_STRIP <= chunks; c0 += VA_V_STRIP)
+		ISA_FN(value_strip)(acc, g, n, c0, VA_V_STRIP, vrow, stride, t, bits, p, nb);
+	if (VA_V_STRIP > 2 * per16 && c0 < chunks) /* chunks is even, and a multiple of per16 */
+		ISA_FN(value_strip)(acc, g, n, c0, 2 * per16, vrow, stride, t, bits, p, nb);
+}
+
+static inline __attribute__((always_inline)) void
+ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *vrow, uint64_t stride, uint32_t t,
+		   const uint32_t bits, const float (*p)[16], uint32_t nb, const uint32_t chunks)
+{
+	uint32_t g = 0;
+	for (; g + 4 <= G; g += 4)
+		ISA_FN(value_heads)(acc, g, 4, vrow, stride, t, bits, p, nb, chunks);
+	switch (G - g) {
+	case 1: ISA_FN(value_heads)(acc, g, 1, vrow, stride, t, bits, p, nb, chunks); break;
+	case 2: ISA_FN(value_heads)(acc, g, 2, vrow, stride, t, bits, p, nb, chunks); break;
+	case 3: ISA_FN(value_heads)(acc, g, 3, vrow, stride, t, bits, p, nb, chunks); break;
+	default: break;
 	}
 }
 
-/* Attention of KV head m of one item over its segments (kernels.h).
- * `chunks` (d / VA_LANES) is a compile-time constant in every caller (see
- * attention_head below), so the per-head vectors — q, the accumulators — stay
- * in registers: with a run-time count they lived in memory and every FMA was
- * a load and a store. */
+/* `call` with its `bits` argument a constant: 0 for a plain segment, the
+ * key (K) or value (V) code width of each quantised format otherwise (K8V4
+ * and its halves: 8 and 4; K4V2: 4 and 2). */
+#define ATT_BITS_CASES(fmt, kv, call)                                                   \
+	do {                                                                            \
+		if (!(fmt)) {                                                           \
+			enum { bits = 0 };                                              \
+			call;                                                           \
+		} else if ((fmt) == KVR_KV_K4V2) {                                      \
+			enum { bits = (kv) == 'K' ? 4 : 2 };                            \
+			call;                                                           \
+		} else {                                                                \
+			enum { bits = (kv) == 'K' ? 8 : 4 };                            \
+			call;                                                           \
+		}                                                                       \
+	} while (0)
+
+/* Attention of KV head m of one item over its segments (kernels.h), in
+ * blocks of 16 tokens: their scores (key_dots), the block's online softmax,
+ * then the weighted values (value_dots). `chunks` = d / VA_LANES is a run-time
+ * count: the dot and value helpers keep a fixed set of accumulators in
+ * registers whatever d is, and q and acc are read from L1 (acc once per
+ * block), so one instantiation serves every head dimension. */
 static inline __attribute__((always_inline)) void
 ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 		       const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
@@ -599,6 +602,13 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const unsigned char *vb = (const unsigned char *)seg->v + head_off;
 		const uint64_t row = fmt ? 0 : (uint64_t)seg->row_stride * eb;
 		const uint32_t first = fmt ? seg->first_row : 0; /* quantised: rows from here */
+		/* the first K and V rows and their strides: NHD rows of a plain page,
+		 * the key and value code rows of a quantised run */
+		unsigned char *run = (unsigned char *)(uintptr_t)kb;
+		const unsigned char *krow0 = fmt ? kvr_quant_key_row(&gq[fmt], run, first) : kb;
+		const unsigned char *vrow0 = fmt ? kvr_quant_value_row(&gq[fmt], run, first) : vb;
+		const uint64_t kstride = fmt ? gq[fmt].key_row_bytes : row;
+		const uint64_t vstride = fmt ? gq[fmt].value_row_bytes : row;
 		/* Segments are scattered pages: no hardware prefetcher follows the jump
 		 * to the next one. Prefetch its row t while using our row t (a
 		 * quantised run: two lines per token), keeping one segment of loads
@@ -618,32 +628,29 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
-			/* K (prefetching the next segment's rows as we go): plain rows two
-			 * tokens at a time, so each query vector read serves two keys;
-			 * quantised rows one token at a time, unpacked once into k. */
-			if (fmt) {
-				for (uint32_t b = 0; b < nb; b++) {
-					ISA_FN(prefetch_token)(&pf, t0 + b);
-					VA_T k[VA_MAX_CHUNKS];
-					float ks, kz;
-					ISA_FN(codes_row_fmt)(&gq[fmt], kb, 0, first + t0 + b, chunks, k, &ks, &kz);
-					ISA_FN(key_dots)(q, G, NULL, t, k, 0, chunks, s, b);
-					/* the dot was over codes: s·(q·Q) − z·Σq */
-					for (uint32_t gg = 0; gg < G; gg++)
-						s[gg][b] = ks * s[gg][b] - kz * q_sum[gg];
-				}
-			} else {
+			/* K, two tokens at a time (prefetching the next segment's rows
+			 * as we go): each query vector read serves two keys. */
+			{
 				uint32_t b = 0;
 				for (; b + 2 <= nb; b += 2) {
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 					ISA_FN(prefetch_token)(&pf, t0 + b + 1);
-					ISA_FN(key_pair_dots)(q, G, kb + (t0 + b) * row, row, t, chunks, s, b);
+					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(q, G, 2, krow0 + (t0 + b) * kstride,
+										   kstride, t, bits, chunks, s, b));
 				}
 				if (b < nb) {
 					ISA_FN(prefetch_token)(&pf, t0 + b);
-					ISA_FN(key_dots)(q, G, kb + (t0 + b) * row, t, NULL, 1, chunks, s, b);
+					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(q, G, 1, krow0 + (t0 + b) * kstride,
+										   kstride, t, bits, chunks, s, b));
 				}
 			}
+			if (fmt) /* the dots were over codes: s·(q·Q) − z·Σq */
+				for (uint32_t b = 0; b < nb; b++) {
+					const uint16_t *sz = kvr_quant_key_sz(&gq[fmt], run, first + t0 + b);
+					const float ks = F16TOF32(sz[0]), kz = F16TOF32(sz[1]);
+					for (uint32_t g = 0; g < G; g++)
+						s[g][b] = ks * s[g][b] - kz * q_sum[g];
+				}
 			for (uint32_t g = 0; g < G; g++) {
 				/* the block's BLOCK scores as VA_T parts, past nb at -inf */
 				for (uint32_t b = nb; b < BLOCK; b++)
@@ -676,54 +683,19 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				seg_sum[g] = seg_sum[g] * alpha + psum;
 				run_max[g] = new_max;
 			}
-			if (!fmt) {
-				/* V, plain rows: each value vector read once and used by
-				 * every head of a block of four */
-				uint32_t g = 0;
-				for (; g + 4 <= G; g += 4)
-					ISA_FN(value_heads)(acc, g, 4, vb + t0 * row, row, t, s, nb, chunks);
-				switch (G - g) {
-				case 1: ISA_FN(value_heads)(acc, g, 1, vb + t0 * row, row, t, s, nb, chunks); break;
-				case 2: ISA_FN(value_heads)(acc, g, 2, vb + t0 * row, row, t, s, nb, chunks); break;
-				case 3: ISA_FN(value_heads)(acc, g, 3, vb + t0 * row, row, t, s, nb, chunks); break;
-				default: break;
-				}
-				continue;
-			}
-			/* V, quantised rows: unpack the block once, then per head
-			 * accumulate over its tokens, touching acc once per block. */
-			VA_T vs[BLOCK][VA_MAX_CHUNKS];
-			float v_s[BLOCK], v_z[BLOCK];
-			for (uint32_t b = 0; b < nb; b++)
-				ISA_FN(codes_row_fmt)(&gq[fmt], kb, 1, first + t0 + b, chunks, vs[b], &v_s[b], &v_z[b]);
-			for (uint32_t g = 0; g < G; g++) {
-				/* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
+			if (fmt) /* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
 				for (uint32_t b = 0; b < nb; b++) {
-					z_acc[g] += s[g][b] * v_z[b];
-					s[g][b] *= v_s[b];
-				}
-				/* In strips of VA_ACC_STRIP accumulators: a whole head (16
-				 * on AVX2 at d = 128) plus p does not fit the register
-				 * file, and a spilled accumulator chains every token's
-				 * FMA through a store and a reload. */
-				_Pragma("GCC unroll 4")
-				for (uint32_t c0 = 0; c0 < chunks; c0 += VA_ACC_STRIP) {
-					const uint32_t n_c = chunks - c0 < VA_ACC_STRIP ? chunks - c0 : VA_ACC_STRIP;
-					VA_T a[VA_ACC_STRIP];
-					_Pragma("GCC unroll 16")
-					for (uint32_t c = 0; c < n_c; c++)
-						a[c] = acc[g][c0 + c];
-					for (uint32_t b = 0; b < nb; b++) {
-						const VA_T p = SPLATA(s[g][b]);
-						_Pragma("GCC unroll 16")
-						for (uint32_t c = 0; c < n_c; c++)
-							a[c] = FMAA(p, vs[b][c0 + c], a[c]);
+					const uint16_t *sz = kvr_quant_value_sz(&gq[fmt], run, first + t0 + b);
+					const float vs = F16TOF32(sz[0]), vz = F16TOF32(sz[1]);
+					for (uint32_t g = 0; g < G; g++) {
+						z_acc[g] += s[g][b] * vz;
+						s[g][b] *= vs;
 					}
-					_Pragma("GCC unroll 16")
-					for (uint32_t c = 0; c < n_c; c++)
-						acc[g][c0 + c] = a[c];
 				}
-			}
+			/* V: each value vector read once and used by every head of a
+			 * block of four */
+			ATT_BITS_CASES(fmt, 'V', ISA_FN(value_dots)(acc, G, vrow0 + t0 * vstride, vstride, t, bits,
+								      (const float (*)[16])s, nb, chunks));
 		}
 		if (lse) /* log(0) = −inf for an empty segment */
 			for (uint32_t g = 0; g < G; g++)
@@ -748,16 +720,8 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse)
 {
-	switch (sh->head_dim) { /* a multiple of 32 up to 256 */
-	case 32: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 32 / VA_LANES); break;
-	case 64: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 64 / VA_LANES); break;
-	case 96: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 96 / VA_LANES); break;
-	case 128: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 128 / VA_LANES); break;
-	case 160: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 160 / VA_LANES); break;
-	case 192: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 192 / VA_LANES); break;
-	case 224: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 224 / VA_LANES); break;
-	default: ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, 256 / VA_LANES); break;
-	}
+	/* head_dim: a multiple of 32 up to 256 (value_heads relies on it) */
+	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES);
 }
 
 #undef ISA_FN
