@@ -364,7 +364,7 @@ int main(int argc, char **argv)
 	const uint64_t page_bytes = run_bytes * n_kv;         /* HND page = K tile + V tile */
 	const uint64_t tile_bytes = (uint64_t)p * n_kv * d * 2; /* one NHD tile */
 	const uint32_t n_pages = (uint32_t)(opt.pool_bytes / page_bytes);
-	const struct kvr_shape shape = { n_qo, n_kv, d, p, t, 1.0f / sqrtf((float)d), 0.9f, 0 };
+	const struct kvr_shape shape = { n_qo, n_kv, d, p, t, 1.0f / sqrtf((float)d), 0.9f, 0, 0, 0, 0 };
 	for (uint32_t i = 0; i < 2048; i++)
 		f16_table[i] = kvr_f32_to_f16((float)((int32_t)i - 1024) / 1024.0f);
 

@@ -295,7 +295,7 @@ int main(int argc, char **argv)
 		}
 	}
 	const uint64_t kv_bytes = (uint64_t)n_segs * n_kv * head_bytes;
-	const struct kvr_shape shape = { n_qo, n_kv, d, p, t, 1.0f / sqrtf((float)d), 0.9f, 0 };
+	const struct kvr_shape shape = { n_qo, n_kv, d, p, t, 1.0f / sqrtf((float)d), 0.9f, 0, 0, 0, 0 };
 
 	FILE *json = opt.json_path ? fopen(opt.json_path, "w") : stdout;
 	if (!json) {

@@ -204,7 +204,7 @@ enum { N_KV = 4, N_QO = 16, D = 64, P = 16, PAGES = 24, K_SEL = 6 };
 
 static int check_kernels(struct env *e)
 {
-	const struct kvr_shape sh = { N_QO, N_KV, D, P, KVR_ELEM_F16, 0.125f, 0.9f, 0 };
+	const struct kvr_shape sh = { N_QO, N_KV, D, P, KVR_ELEM_F16, 0.125f, 0.9f, 0, 0, 0, 0 };
 	const size_t row = (size_t)N_KV * D * 2, run = 2ull * P * D * 2, page = run * N_KV;
 	struct twin *rows_k = twin_new(e, PAGES * P * row), *rows_v = twin_new(e, PAGES * P * row);
 	struct twin *pages = twin_new(e, PAGES * page), *sums = twin_new(e, PAGES * 2 * row);
@@ -267,7 +267,7 @@ static int check_kernels(struct env *e)
 
 	/* attention: per KV head, its G query heads over every page (HND segments) */
 	const uint32_t G = N_QO / N_KV;
-	const struct kvr_shape hs = { G, 1, D, P, KVR_ELEM_F16, 0.125f, 0.9f, 0 };
+	const struct kvr_shape hs = { G, 1, D, P, KVR_ELEM_F16, 0.125f, 0.9f, 0, 0, 0, 0 };
 	struct twin *q = twin_new(e, (size_t)N_QO * D * 2), *out = twin_new(e, (size_t)N_QO * D * 2);
 	struct twin *segs = twin_new(e, (size_t)N_KV * PAGES * sizeof(struct kvr_kv_segment));
 	struct twin *aitems = twin_new(e, N_KV * sizeof(struct kvr_attention_item));

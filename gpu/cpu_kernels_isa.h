@@ -589,11 +589,21 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	kvr_quant_geometry_init(&gq[KVR_KV_K8V4], sh->page_tokens, d, 1, KVR_KV_K8V4);
 	kvr_quant_geometry_init(&gq[KVR_KV_K4V2], sh->page_tokens, d, 1, KVR_KV_K4V2);
 	kvr_quant_geometry_init(&gq[KVR_KV_K8V4_HALF], sh->page_tokens, d, 1, KVR_KV_K8V4_HALF);
+	/* KVR_SHAPE_CAUSAL: head g is query token g / hq at position pos0 + that,
+	 * and sees tokens 0 .. its position, counted over the segments (tok0) */
+	const int causal = (sh->flags & KVR_SHAPE_CAUSAL) != 0;
+	const uint32_t hq = causal ? sh->causal_heads_per_query : 1;
+	const uint64_t pos0 = sh->causal_first_position, last_pos = pos0 + G / hq - 1;
+	uint64_t seg_first_token = 0;
 	/* lse: each segment's sum of exp(logit − run_max), rescaled with run_sum */
 	float seg_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t si = 0; si < n_segs; si++) {
 		const struct kvr_kv_segment *seg = &segs[si];
 		const uint32_t fmt = seg->format;
+		const uint64_t seg_tok0 = seg_first_token;
+		seg_first_token += seg->n_tokens;
+		if (causal && seg_tok0 > last_pos) /* after every query of the block */
+			continue;
 		for (uint32_t g = 0; g < G; g++)
 			seg_sum[g] = 0.0f;
 		/* plain: element offsets; quantised: the head's run, byte offsets */
@@ -627,6 +637,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		};
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
+			const uint64_t tok0 = seg_tok0 + t0;
+			if (causal && tok0 > last_pos)
+				break;
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
 			/* K, two tokens at a time (prefetching the next segment's rows
 			 * as we go): each query vector read serves two keys. */
@@ -651,6 +664,13 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					for (uint32_t g = 0; g < G; g++)
 						s[g][b] = ks * s[g][b] - kz * q_sum[g];
 				}
+			if (causal && tok0 + nb - 1 > pos0) /* the diagonal: no query sees a later token */
+				for (uint32_t g = 0; g < G; g++) {
+					const uint64_t lim = pos0 + g / hq;
+					for (uint32_t b = 0; b < nb; b++)
+						if (tok0 + b > lim)
+							s[g][b] = -INFINITY;
+				}
 			for (uint32_t g = 0; g < G; g++) {
 				/* the block's BLOCK scores as VA_T parts, past nb at -inf */
 				for (uint32_t b = nb; b < BLOCK; b++)
@@ -663,6 +683,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				}
 				const float bmax = HMAXA(vmx);
 				const float new_max = bmax > run_max[g] ? bmax : run_max[g];
+				if (causal && new_max == -INFINITY) { /* nothing seen yet: weight 0, not NaN */
+					for (uint32_t b = 0; b < BLOCK; b++)
+						s[g][b] = 0.0f;
+					continue;
+				}
 				VA_T vsum = SPLATA(0.0f);
 				_Pragma("GCC unroll 2")
 				for (uint32_t h = 0; h < BLOCK / VA_LANES; h++) {

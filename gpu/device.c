@@ -378,6 +378,17 @@ int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 	KERNEL_PROLOGUE("attention", items, n, stream);
 	if (n_segments && !segments)
 		return kvr_dev_fail(dev, -EINVAL, "attention: segments is NULL");
+	if (shape->flags & KVR_SHAPE_CAUSAL) {
+		const uint32_t hq = shape->causal_heads_per_query;
+		if (dev->kind != KVR_DEV_CPU)
+			return kvr_dev_fail(dev, -ENOTSUP, "attention: causal query blocks run on the cpu backend only");
+		if (shape->flags & KVR_SHAPE_SEGMENT_LSE)
+			return kvr_dev_fail(dev, -EINVAL, "attention: causal query blocks give no segment_lse");
+		if (!hq || !shape->n_kv_heads || (shape->n_qo_heads / shape->n_kv_heads) % hq)
+			return kvr_dev_fail(dev, -EINVAL,
+					    "attention: causal_heads_per_query %u does not divide the group of %u query heads",
+					    hq, shape->n_kv_heads ? shape->n_qo_heads / shape->n_kv_heads : 0);
+	}
 	return dev->ops->attention(dev, shape, items, n, segments, n_segments, stream);
 }
 

@@ -240,6 +240,11 @@ struct kvr_shape {
 	float scale; /* attention and score scale, 1/sqrt(d) */
 	float tau;   /* similarity threshold */
 	uint32_t flags; /* enum kvr_shape_flags */
+	/* KVR_SHAPE_CAUSAL (attention): query heads per query token, and the
+	 * position of an item's first query token */
+	uint32_t causal_heads_per_query;
+	uint32_t reserved; /* zero; keeps causal_first_position aligned without padding */
+	uint64_t causal_first_position;
 };
 
 enum kvr_shape_flags {
@@ -247,6 +252,15 @@ enum kvr_shape_flags {
 	 * log-sum-exp of logits per query head (cuda then runs one block per
 	 * (item, KV head, head chunk): no split of the tokens) */
 	KVR_SHAPE_SEGMENT_LSE = 1u << 0,
+	/* attention, a block of queries of one sequence (prefill): query head
+	 * h of an item belongs to query token h / causal_heads_per_query, at
+	 * position causal_first_position + that; it attends only the tokens
+	 * whose index, counted over the item's segments in order from 0, is at
+	 * most its position (the causal mask of FlashAttention's diagonal
+	 * block). Each K and V row is then read once for all the block's
+	 * queries instead of once per query. cpu backend only (others:
+	 * -ENOTSUP); not with KVR_SHAPE_SEGMENT_LSE. */
+	KVR_SHAPE_CAUSAL = 1u << 1,
 };
 
 #ifdef __cplusplus

@@ -2,18 +2,147 @@
 /*
  * prefill.c — prefill attention: the queries of a chunk of new tokens attend
  * causally over every stored token of their sequence (pool pages and the
- * tail), through the attention kernel's segments.
+ * tail), through the attention kernel's segments: on the cpu backend in
+ * blocks of queries that share each page read (KVR_SHAPE_CAUSAL), elsewhere
+ * one item per query.
  *
  * Threads: the engine's thread, outside an open decode step.
  */
 #include <errno.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "sched_impl.h"
+
+/* The pages of the prefix up to position `last` for KV head m, in token order
+ * from token 0 (pool pages, the page holding `last` cut after it, or the
+ * tail), appended to segs. */
+static uint32_t prefix_segments(struct kvr_sched *s, struct kvr_lane *plane, uint32_t seq, uint32_t layer,
+				uint64_t last, uint32_t n_full, uint32_t m, struct kvr_kv_segment *segs, int *pin_err)
+{
+	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, d = s->c.head_dim;
+	const uint32_t whole = (uint32_t)((last + 1) / p), rest = (uint32_t)((last + 1) % p);
+	uint32_t n = 0;
+	for (uint32_t j = 0; j < whole; j++)
+		segs[n++] = kvr_sched_pool_segment(s, plane, j, m, 0, pin_err);
+	if (rest && whole < n_full) {
+		/* the page holding last is already in the pool: its first rows */
+		segs[n] = kvr_sched_pool_segment(s, plane, whole, m, 0, pin_err);
+		segs[n++].n_tokens = rest;
+	} else if (rest) {
+		const unsigned char *kt = s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes + (uint64_t)m * d * s->eb;
+		segs[n++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, rest, { n_kv * d }, 0, 0 };
+	}
+	return n;
+}
+
+/* Pins (spill tier) every page up to position `last`, which must then fit in
+ * RAM together; the segments built after it do not pin again. */
+static int pin_prefix(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t last, uint32_t n_full)
+{
+	const uint32_t p = s->c.page_tokens;
+	const uint32_t need = (uint32_t)((last + 1) / p) + ((last + 1) % p && (last + 1) / p < n_full);
+	for (uint32_t j = 0; j < need; j++) {
+		uint32_t id = 0;
+		kvr_pool_lookup(s->pool, seq, layer, j, &id);
+		const int err = kvr_sched_pin_in_place(s, id);
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error),
+				 "prefill attention of sequence %u layer %u: page %u of %u: %s", seq, layer, j, need,
+				 kvr_pool_last_error(s->pool));
+			kvr_sched_unpin_step(s);
+			return err;
+		}
+	}
+	s->eng.suppress_segment_pins = 1;
+	return 0;
+}
+
+/*
+ * The cpu backend: blocks of up to KVR_MAX_GROUP / G query tokens, one item
+ * per KV head whose n_q·G query heads (the block's queries, gathered head by
+ * head) attend causally (KVR_SHAPE_CAUSAL) over the prefix's pages. Each page
+ * is read once per block instead of once per query: the O(L²) bytes of the
+ * per-query items become O(L²/block), and the kernel runs from cache.
+ */
+static int prefill_query_blocks(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t first_position,
+				uint32_t n_tokens, const void *q, void *out)
+{
+	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, G = s->G;
+	uint64_t have = 0;
+	kvr_pool_n_tokens(s->pool, seq, layer, &have);
+	const uint32_t n_full = (uint32_t)(have / p);
+	const uint32_t block = KVR_MAX_GROUP / G;
+	const uint64_t group_bytes = (uint64_t)G * s->c.head_dim * s->eb; /* one token's heads of one KV head */
+	const uint64_t head_block_bytes = block * group_bytes;
+	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
+	struct layer_scratch *ls = &s->eng.scratch[layer];
+	struct kvr_lane *plane = lane_of(s, seq, layer);
+	const size_t items_bytes = ((size_t)n_kv * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
+	const size_t scratch_bytes = items_bytes + (size_t)n_kv * max_segs * sizeof(struct kvr_kv_segment);
+	if (kvr_mirror_grow(s->dev, &ls->m, scratch_bytes) ||
+	    kvr_scratch_grow(s->dev, &s->eng.prefill_q, &s->eng.prefill_q_bytes, n_kv * head_block_bytes) ||
+	    kvr_scratch_grow(s->dev, &s->eng.prefill_out, &s->eng.prefill_out_bytes, n_kv * head_block_bytes)) {
+		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
+		return -ENOMEM;
+	}
+	/* the gathered rows, in the stages (allocated even where the device is
+	 * host-visible: cpu device memory is host memory, and freed as stages) */
+	unsigned char *qg = s->eng.prefill_q, *og = s->eng.prefill_out;
+	struct kvr_attention_item *items = ls->m.host;
+	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->m.host + items_bytes);
+	struct kvr_stream *st = s->engine_inline;
+	for (uint32_t at = 0; at < n_tokens; at += block) {
+		const uint32_t n_q = n_tokens - at < block ? n_tokens - at : block;
+		const uint64_t last = first_position + at + n_q - 1;
+		for (uint32_t t = 0; t < n_q; t++)
+			for (uint32_t m = 0; m < n_kv; m++)
+				memcpy(qg + m * head_block_bytes + t * group_bytes,
+				       (const unsigned char *)q + (uint64_t)(at + t) * s->q_row + m * group_bytes,
+				       group_bytes);
+		int pin_err = s->spill ? pin_prefix(s, seq, layer, last, n_full) : 0;
+		if (pin_err)
+			return pin_err;
+		uint32_t n_segs = 0;
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const uint32_t first = n_segs;
+			n_segs += prefix_segments(s, plane, seq, layer, last, n_full, m, segs + n_segs, &pin_err);
+			items[m] = (struct kvr_attention_item){ qg + m * head_block_bytes, og + m * head_block_bytes,
+								NULL, first, n_segs - first };
+		}
+		s->eng.suppress_segment_pins = 0;
+		struct kvr_shape shape = s->head_shape;
+		shape.n_qo_heads = n_q * G;
+		shape.flags = KVR_SHAPE_CAUSAL;
+		shape.causal_heads_per_query = G;
+		shape.causal_first_position = first_position + at;
+		int err = kvr_mirror_to_device(s->dev, &ls->m, items, n_kv * sizeof(*items), st);
+		if (!err)
+			err = kvr_mirror_to_device(s->dev, &ls->m, segs, n_segs * sizeof(*segs), st);
+		if (!err)
+			err = kvr_dev_attention(s->dev, &shape, kvr_mirror_dev_at(&ls->m, items), n_kv,
+						kvr_mirror_dev_at(&ls->m, segs), n_segs, st);
+		if (!err)
+			err = kvr_dev_stream_synchronize(s->dev, st);
+		kvr_sched_unpin_step(s);
+		if (err) {
+			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
+			return err;
+		}
+		for (uint32_t t = 0; t < n_q; t++)
+			for (uint32_t m = 0; m < n_kv; m++)
+				memcpy((unsigned char *)out + (uint64_t)(at + t) * s->q_row + m * group_bytes,
+				       og + m * head_block_bytes + t * group_bytes, group_bytes);
+	}
+	return 0;
+}
 
 int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t layer,
 				uint64_t first_position, uint32_t n_tokens, const void *q, void *out)
 {
+	if (kvr_dev_kind_of(s->dev) == KVR_DEV_CPU)
+		return prefill_query_blocks(s, seq, layer, first_position, n_tokens, q, out);
+
 	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, d = s->c.head_dim;
 	uint64_t have = 0;
 	kvr_pool_n_tokens(s->pool, seq, layer, &have);

@@ -46,9 +46,9 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->units_per_slot = c->kv_format ? kvr_units_per_slot(c) : 0;
 	const float scale = 1.0f / sqrtf((float)c->head_dim);
 	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
-				       c->dtype, scale, c->tau, 0 };
+				       c->dtype, scale, c->tau, 0, 0, 0, 0 };
 	s->head_shape = (struct kvr_shape){ s->G, 1, c->head_dim, c->page_tokens, c->dtype, scale,
-					    c->tau, 0 };
+					    c->tau, 0, 0, 0, 0 };
 	s->lse_shape = s->head_shape;
 	s->lse_shape.flags = KVR_SHAPE_SEGMENT_LSE;
 	for (uint32_t w = 0; w < 4; w++)

@@ -114,7 +114,7 @@ static void *kernel_user(void *arg)
 		return NULL;
 	}
 	/* summaries of a constant page: min = max = the constant */
-	const struct kvr_shape shape = { 4, 2, 64, 16, KVR_ELEM_F32, 0.125f, 0.9f, 0 };
+	const struct kvr_shape shape = { 4, 2, 64, 16, KVR_ELEM_F32, 0.125f, 0.9f, 0, 0, 0, 0 };
 	float *rows = malloc(16 * 2 * 64 * sizeof(float)), *summary = malloc(2 * 2 * 64 * sizeof(float));
 	for (int i = 0; i < 16 * 2 * 64; i++)
 		rows[i] = 3.0f;

@@ -336,6 +336,42 @@ Test(decode, bad_input_and_per_sequence_failure)
 	kvr_context_destroy(ctx);
 }
 
+/* Prefill attention at the edges of a page and long: 1, p − 1, p, p + 1 and
+ * 3,000 tokens, in chunks of 37 (odd: the cpu backend's blocks of 64 / G
+ * queries end inside pages and inside chunks), every query against the
+ * double reference. */
+Test(decode, prefill_attention_edge_and_long_lengths, .timeout = 300)
+{
+	static const uint64_t lengths[] = { 1, P - 1, P, P + 1, 3000 };
+	for (uint32_t li = 0; li < sizeof(lengths) / sizeof(lengths[0]); li++) {
+		const uint64_t n = lengths[li];
+		struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, 64, 16, 16, 512, 0.9f) /* 2 layers of 188 pages */;
+		uint32_t seq;
+		cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
+		struct history h;
+		history_prefill(ctx, seq, &h, n);
+		float *q = malloc(n * Q_ROW * sizeof(float)), *out = malloc(n * Q_ROW * sizeof(float));
+		for (uint64_t i = 0; i < n * Q_ROW; i++)
+			q[i] = frand();
+		for (uint64_t at = 0; at < n; at += 37) {
+			const uint32_t c = n - at < 37 ? (uint32_t)(n - at) : 37;
+			cr_assert_eq(kvr_prefill_attention(ctx, seq, 1, at, c, q + at * Q_ROW, out + at * Q_ROW), 0,
+				     "%s", kvr_last_error(ctx));
+		}
+		for (uint64_t t = 0; t < n; t++) {
+			struct history upto = h;
+			upto.n = t + 1;
+			float ref[Q_ROW];
+			reference(&upto, q + t * Q_ROW, NULL, ref);
+			for (uint32_t i = 0; i < Q_ROW; i++)
+				cr_assert_float_eq(out[t * Q_ROW + i], ref[i], 1e-4, "length %llu query %llu element %u",
+						   (unsigned long long)n, (unsigned long long)t, i);
+		}
+		free(q), free(out), free(h.k), free(h.v);
+		kvr_context_destroy(ctx);
+	}
+}
+
 /* Prefill attention: each query attends causally to tokens 0..its position,
  * reading offloaded pages, pages partly needed (the query sits inside a page
  * already in the pool) and the tail tile; chunks of any size. */

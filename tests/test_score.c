@@ -234,7 +234,7 @@ static void check_shape_norm(struct kvr_dev *dev, uint32_t type_index, uint32_t 
 {
 	const uint32_t type = all_types[type_index], n_kv = 2, begin = 3, k = 7;
 	const uint32_t n_pages = norm_end > begin + n_cand ? norm_end : begin + n_cand;
-	const struct kvr_shape sh = { G * n_kv, n_kv, d, 32, type, 1.0f / sqrtf((float)d), 0.9f, 0 };
+	const struct kvr_shape sh = { G * n_kv, n_kv, d, 32, type, 1.0f / sqrtf((float)d), 0.9f, 0, 0, 0, 0 };
 	const size_t eb = kvr_elem_bytes(type);
 	rng_state = seed;
 	void *q = malloc((size_t)sh.n_qo_heads * d * eb);
@@ -371,7 +371,7 @@ Test(score, select_ties)
 		for (uint32_t b = 0; b < sizeof(ks) / sizeof(ks[0]); b++)
 			for (uint32_t spread = 2; spread <= 18; spread += 4) {
 				const uint32_t n = ns[a], k = ks[b], n_kv = 3;
-				const struct kvr_shape sh = { n_kv, n_kv, 64, 32, KVR_ELEM_F32, 0.125f, 0.9f, 0 };
+				const struct kvr_shape sh = { n_kv, n_kv, 64, 32, KVR_ELEM_F32, 0.125f, 0.9f, 0, 0, 0, 0 };
 				float *scores = malloc((size_t)n_kv * n * sizeof(float));
 				int32_t *want = malloc((size_t)n_kv * k * sizeof(int32_t));
 				int32_t *got = malloc((size_t)n_kv * k * sizeof(int32_t));
