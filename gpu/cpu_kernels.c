@@ -458,6 +458,7 @@ struct head_job {
 	const struct kvr_kv_segment *segments;
 	uint32_t n_segments;
 	enum kvr_convert_isa isa;
+	uint32_t parts; /* attention: tasks per (item, KV head); see kvr_cpu_attention */
 };
 
 static void score_task(void *arg, uint32_t index)
@@ -503,7 +504,7 @@ static void score_task(void *arg, uint32_t index)
 void kvr_cpu_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_score_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
 	kvr_cpu_parallel_for(dev, score_task, &job, n * shape->n_kv_heads);
 }
 
@@ -638,7 +639,7 @@ static void select_task(void *arg, uint32_t index)
 void kvr_cpu_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 		    const struct kvr_score_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
 	kvr_cpu_parallel_for(dev, select_task, &job, n * shape->n_kv_heads);
 }
 
@@ -674,7 +675,7 @@ static void similarity_task(void *arg, uint32_t index)
 void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_similarity_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
 	kvr_cpu_parallel_for(dev, similarity_task, &job, n * shape->n_kv_heads);
 }
 
@@ -700,8 +701,25 @@ static void attention_task(void *arg, uint32_t index)
 	const struct head_job *job = arg;
 	const struct kvr_shape *sh = job->shape;
 	const struct kvr_attention_item *it =
-		(const struct kvr_attention_item *)job->items + index / sh->n_kv_heads;
-	const uint32_t m = index % sh->n_kv_heads;
+		(const struct kvr_attention_item *)job->items + index / job->parts / sh->n_kv_heads;
+	const uint32_t m = index / job->parts % sh->n_kv_heads;
+	/* a part of a causal item (n_kv_heads 1): its query tokens t0..t1 − 1 as
+	 * an item of their own, positions shifted */
+	struct kvr_shape part = *sh;
+	const void *q = it->q;
+	void *out = it->out;
+	if (job->parts > 1) {
+		const uint32_t hq = sh->causal_heads_per_query, n_tok = sh->n_qo_heads / hq;
+		const uint32_t per = (n_tok + job->parts - 1) / job->parts, t0 = index % job->parts * per;
+		const uint32_t t1 = t0 + per < n_tok ? t0 + per : n_tok;
+		if (t0 >= t1)
+			return;
+		const uint64_t skip = (uint64_t)t0 * hq * sh->head_dim * kvr_elem_bytes(sh->elem_type);
+		part.n_qo_heads = (t1 - t0) * hq;
+		part.causal_first_position += t0;
+		q = (const unsigned char *)q + skip;
+		out = (unsigned char *)out + skip;
+	}
 	/* Items are device memory, written by work queued before this kernel, so
 	 * their ranges can only be checked now. A bad range poisons the item's
 	 * outputs (NaN) rather than reading outside the segment list, and so does
@@ -713,13 +731,13 @@ static void attention_task(void *arg, uint32_t index)
 					    kvr_kv_segment_rows(sg->format, sh->page_tokens);
 	}
 	if (bad) {
-		const uint32_t G = sh->n_qo_heads / sh->n_kv_heads;
+		const uint32_t G = part.n_qo_heads / part.n_kv_heads;
 		float nan_row[256];
 		for (uint32_t c = 0; c < sh->head_dim; c++)
 			nan_row[c] = NAN;
 		for (uint32_t g = 0; g < G; g++) {
-			kvr_convert_from_f32((unsigned char *)it->out + (uint64_t)(m * G + g) * sh->head_dim *
-									   kvr_elem_bytes(sh->elem_type),
+			kvr_convert_from_f32((unsigned char *)out + (uint64_t)(m * G + g) * sh->head_dim *
+									kvr_elem_bytes(sh->elem_type),
 					     nan_row, sh->elem_type, sh->head_dim);
 			for (uint32_t si = 0; (sh->flags & KVR_SHAPE_SEGMENT_LSE) && it->segment_lse &&
 					      si < it->n_segments; si++)
@@ -727,7 +745,7 @@ static void attention_task(void *arg, uint32_t index)
 		}
 		return;
 	}
-	attention_head(job->isa, sh, it->q, it->out, job->segments + it->first_segment, it->n_segments, m,
+	attention_head(job->isa, &part, q, out, job->segments + it->first_segment, it->n_segments, m,
 		       sh->flags & KVR_SHAPE_SEGMENT_LSE ? it->segment_lse : NULL);
 }
 
@@ -735,8 +753,20 @@ void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_attention_item *items, uint32_t n,
 		       const struct kvr_kv_segment *segments, uint32_t n_segments)
 {
-	struct head_job job = { shape, items, segments, n_segments, kvr_convert_isa_active() };
-	kvr_cpu_parallel_for(dev, attention_task, &job, n * shape->n_kv_heads);
+	struct head_job job = { shape, items, segments, n_segments, kvr_convert_isa_active(), 1 };
+	/* Causal query blocks (the scheduler's prefill: one KV head per item, as
+	 * many items as the model has KV heads, SmolLM2 3): each item's query
+	 * tokens in parts, about two tasks per thread, so the threads share the
+	 * work evenly; a part rereads the pages, from the cache its siblings
+	 * have just filled. */
+	if ((shape->flags & KVR_SHAPE_CAUSAL) && shape->n_kv_heads == 1) {
+		const uint32_t n_tok = shape->n_qo_heads / shape->causal_heads_per_query;
+		const uint32_t want = (2 * (kvr_cpu_threads(dev) + 1) + n - 1) / n;
+		job.parts = want < n_tok ? want : n_tok;
+		if (!job.parts)
+			job.parts = 1;
+	}
+	kvr_cpu_parallel_for(dev, attention_task, &job, n * shape->n_kv_heads * job.parts);
 }
 
 static void dense_task(void *arg, uint32_t index)
@@ -751,7 +781,7 @@ static void dense_task(void *arg, uint32_t index)
 void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_dense_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active() };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
 	kvr_cpu_parallel_for(dev, dense_task, &job, n * shape->n_kv_heads);
 }
 
