@@ -308,7 +308,6 @@ static inline __attribute__((always_inline)) void codes16x2_avx2(const uint8_t *
 #define VA_T __m256
 #define VA_LANES 8
 #define VA_MAX_CHUNKS 32
-#define VA_ACC_STRIP 8 /* of 16 ymm registers */
 #define VA_V_STRIP 2
 #define LOADA(row, t, i) load8_avx2(row, t, i)
 #define FMAA(a, b, c) _mm256_fmadd_ps(a, b, c)

@@ -24,8 +24,6 @@
  *   VA_T, VA_LANES, VA_MAX_CHUNKS  the vector type, its lanes (16, or 8 on
  *                         AVX2, where GCC turns 16-float vectors into poor
  *                         code) and 256 / VA_LANES
- *   VA_ACC_STRIP          how many VA_T accumulators (or key vectors) one
- *                         head's pass keeps in registers (half the file)
  *   VA_V_STRIP            vectors per head in the four-head V pass (its
  *                         4·VA_V_STRIP accumulators stay in registers)
  *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, MAXA, HMAXA, EXPA  the operations
@@ -48,7 +46,6 @@
 #define VA_T vf
 #define VA_LANES 16
 #define VA_MAX_CHUNKS 16
-#define VA_ACC_STRIP 16
 #define VA_V_STRIP 4
 #define LOADA LOAD16
 #define FMAA FMA16
@@ -769,7 +766,6 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef KVR_VA_DEFAULT
 #undef VA_LANES
 #undef VA_MAX_CHUNKS
-#undef VA_ACC_STRIP
 #undef VA_V_STRIP
 #undef LOADA
 #undef FMAA

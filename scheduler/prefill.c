@@ -58,6 +58,21 @@ static int pin_prefix(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_
 	return 0;
 }
 
+/* The items and segments to the device (the layer's mirror), then the
+ * attention kernel on them, queued on st. */
+static int mirror_and_attend(struct kvr_sched *s, struct layer_scratch *ls, const struct kvr_shape *shape,
+			     const struct kvr_attention_item *items, uint32_t n_items,
+			     const struct kvr_kv_segment *segs, uint32_t n_segs, struct kvr_stream *st)
+{
+	int err = kvr_mirror_to_device(s->dev, &ls->m, items, n_items * sizeof(*items), st);
+	if (!err)
+		err = kvr_mirror_to_device(s->dev, &ls->m, segs, n_segs * sizeof(*segs), st);
+	if (!err)
+		err = kvr_dev_attention(s->dev, shape, kvr_mirror_dev_at(&ls->m, items), n_items,
+					kvr_mirror_dev_at(&ls->m, segs), n_segs, st);
+	return err;
+}
+
 /*
  * The cpu backend: blocks of up to KVR_MAX_GROUP / G query tokens, one item
  * per KV head whose n_q·G query heads (the block's queries, gathered head by
@@ -116,12 +131,7 @@ static int prefill_query_blocks(struct kvr_sched *s, uint32_t seq, uint32_t laye
 		shape.flags = KVR_SHAPE_CAUSAL;
 		shape.causal_heads_per_query = G;
 		shape.causal_first_position = first_position + at;
-		int err = kvr_mirror_to_device(s->dev, &ls->m, items, n_kv * sizeof(*items), st);
-		if (!err)
-			err = kvr_mirror_to_device(s->dev, &ls->m, segs, n_segs * sizeof(*segs), st);
-		if (!err)
-			err = kvr_dev_attention(s->dev, &shape, kvr_mirror_dev_at(&ls->m, items), n_kv,
-						kvr_mirror_dev_at(&ls->m, segs), n_segs, st);
+		int err = mirror_and_attend(s, ls, &shape, items, n_kv, segs, n_segs, st);
 		if (!err)
 			err = kvr_dev_stream_synchronize(s->dev, st);
 		kvr_sched_unpin_step(s);
@@ -176,59 +186,22 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 		const unsigned char *q_rows = q_view;
 		unsigned char *out_rows = kvr_stage_out_view(s->dev, s->eng.prefill_out, out_host);
 		uint32_t n_items = 0, n_segs = 0;
-		int pin_err = 0; /* spill tier: a page that could not be pinned (message set) */
-		if (s->spill) {
-			/* the group's pages, each pinned once (the segments below do not
-			 * pin again): every page up to the last query's, which with a
-			 * spill tier must fit in RAM together */
-			const uint64_t last = first_position + at + n_q - 1;
-			const uint32_t need = (uint32_t)((last + 1) / p) + ((last + 1) % p && (last + 1) / p < n_full);
-			for (uint32_t j = 0; j < need && !pin_err; j++) {
-				uint32_t id = 0;
-				kvr_pool_lookup(s->pool, seq, layer, j, &id);
-				pin_err = kvr_sched_pin_in_place(s, id);
-				if (pin_err)
-					snprintf(s->last_error, sizeof(s->last_error),
-						 "prefill attention of sequence %u layer %u: page %u of %u: %s", seq,
-						 layer, j, need, kvr_pool_last_error(s->pool));
-			}
-			if (pin_err) {
-				kvr_sched_unpin_step(s);
-				return pin_err;
-			}
-			s->eng.suppress_segment_pins = 1;
-		}
-		for (uint32_t t = 0; t < n_q; t++) {
-			const uint64_t pos = first_position + at + t; /* attends tokens 0..pos */
-			const uint32_t whole = (uint32_t)((pos + 1) / p), rest = (uint32_t)((pos + 1) % p);
+		/* spill tier: the group's pages, each pinned once */
+		int pin_err = s->spill ? pin_prefix(s, seq, layer, first_position + at + n_q - 1, n_full) : 0;
+		if (pin_err)
+			return pin_err;
+		for (uint32_t t = 0; t < n_q; t++) /* query t attends tokens 0..its position */
 			for (uint32_t m = 0; m < n_kv; m++) {
 				const uint32_t first = n_segs;
-				for (uint32_t j = 0; j < whole; j++)
-					segs[n_segs++] = kvr_sched_pool_segment(s, plane, j, m, 0, &pin_err);
-				if (rest && whole < n_full) {
-					/* the page holding pos is already in the pool: its first rows */
-					segs[n_segs] = kvr_sched_pool_segment(s, plane, whole, m, 0, &pin_err);
-					segs[n_segs++].n_tokens = rest;
-				} else if (rest) {
-					const unsigned char *kt = s->tails[seq] +
-								  (uint64_t)layer * 2 * s->tile_bytes +
-								  (uint64_t)m * d * s->eb;
-					segs[n_segs++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, rest,
-										  { n_kv * d }, 0, 0 };
-				}
+				n_segs += prefix_segments(s, plane, seq, layer, first_position + at + t, n_full, m,
+							  segs + n_segs, &pin_err);
 				const uint64_t row = (uint64_t)t * s->q_row + m * head_q_bytes;
 				items[n_items++] = (struct kvr_attention_item){ q_rows + row, out_rows + row,
 										NULL, first, n_segs - first };
 			}
-		}
 		s->eng.suppress_segment_pins = 0;
 		if (!err)
-			err = kvr_mirror_to_device(s->dev, &ls->m, items, n_items * sizeof(*items), st);
-		if (!err)
-			err = kvr_mirror_to_device(s->dev, &ls->m, segs, n_segs * sizeof(*segs), st);
-		if (!err)
-			err = kvr_dev_attention(s->dev, &s->head_shape, kvr_mirror_dev_at(&ls->m, items), n_items,
-						kvr_mirror_dev_at(&ls->m, segs), n_segs, st);
+			err = mirror_and_attend(s, ls, &s->head_shape, items, n_items, segs, n_segs, st);
 		if (!err)
 			err = kvr_stage_out(s->dev, out_host, out_rows, n_q * s->q_row, st);
 		/* the next group rewrites the items (and the stages); with a spill

@@ -336,6 +336,21 @@ Test(decode, bad_input_and_per_sequence_failure)
 	kvr_context_destroy(ctx);
 }
 
+/* Output row t of prefill attention (out) is query t's attention over
+ * tokens 0..t of h, for each of the n queries. */
+static void assert_causal_outputs(const struct history *h, const float *q, const float *out, uint64_t n)
+{
+	for (uint64_t t = 0; t < n; t++) {
+		struct history upto = *h;
+		upto.n = t + 1;
+		float ref[Q_ROW];
+		reference(&upto, q + t * Q_ROW, NULL, ref);
+		for (uint32_t i = 0; i < Q_ROW; i++)
+			cr_assert_float_eq(out[t * Q_ROW + i], ref[i], 1e-4, "length %llu query %llu element %u",
+					   (unsigned long long)n, (unsigned long long)t, i);
+	}
+}
+
 /* Prefill attention at the edges of a page and long: 1, p − 1, p, p + 1 and
  * 3,000 tokens, in chunks of 37 (odd: the cpu backend's blocks of 64 / G
  * queries end inside pages and inside chunks), every query against the
@@ -345,7 +360,7 @@ Test(decode, prefill_attention_edge_and_long_lengths, .timeout = 300)
 	static const uint64_t lengths[] = { 1, P - 1, P, P + 1, 3000 };
 	for (uint32_t li = 0; li < sizeof(lengths) / sizeof(lengths[0]); li++) {
 		const uint64_t n = lengths[li];
-		struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, 64, 16, 16, 512, 0.9f) /* 2 layers of 188 pages */;
+		struct kvr_context *ctx = make_ctx(KVR_MODE_FREEKV, 64, 16, 16, 512, 0.9f); /* 2 layers of 188 pages */
 		uint32_t seq;
 		cr_assert_eq(kvr_seq_create(ctx, &seq), 0);
 		struct history h;
@@ -358,15 +373,7 @@ Test(decode, prefill_attention_edge_and_long_lengths, .timeout = 300)
 			cr_assert_eq(kvr_prefill_attention(ctx, seq, 1, at, c, q + at * Q_ROW, out + at * Q_ROW), 0,
 				     "%s", kvr_last_error(ctx));
 		}
-		for (uint64_t t = 0; t < n; t++) {
-			struct history upto = h;
-			upto.n = t + 1;
-			float ref[Q_ROW];
-			reference(&upto, q + t * Q_ROW, NULL, ref);
-			for (uint32_t i = 0; i < Q_ROW; i++)
-				cr_assert_float_eq(out[t * Q_ROW + i], ref[i], 1e-4, "length %llu query %llu element %u",
-						   (unsigned long long)n, (unsigned long long)t, i);
-		}
+		assert_causal_outputs(&h, q, out, n);
 		free(q), free(out), free(h.k), free(h.v);
 		kvr_context_destroy(ctx);
 	}
@@ -394,15 +401,7 @@ Test(decode, prefill_attention_is_causal_dense_attention)
 			     0, "%s", kvr_last_error(ctx));
 		at += chunks[c];
 	}
-	for (uint64_t t = 0; t < n; t++) {
-		struct history upto = h;
-		upto.n = t + 1;
-		float ref[Q_ROW];
-		reference(&upto, q + t * Q_ROW, NULL, ref);
-		for (uint32_t i = 0; i < Q_ROW; i++)
-			cr_assert_float_eq(out[t * Q_ROW + i], ref[i], 1e-4, "query %llu element %u",
-					   (unsigned long long)t, i);
-	}
+	assert_causal_outputs(&h, q, out, n);
 	/* positions not stored yet, and a step in progress, are refused */
 	cr_expect_eq(kvr_prefill_attention(ctx, seq, 1, 70, 8, q, out), -EINVAL);
 	cr_expect(strstr(kvr_last_error(ctx), "kvr_prefill first") != NULL, "%s", kvr_last_error(ctx));
