@@ -726,6 +726,127 @@ Test(matvec, columns_past_the_activation_chunk)
 	check_int_matvec(KQ_TYPE_Q4_1, 2, 512 * 32, 0, 1); /* exactly two chunks */
 }
 
+/* kq_matmul over n activation rows: each output row bit-identical to
+ * kq_matvec of that activation row alone, on every path; rows outside the
+ * range and the padding between output rows untouched. */
+static void check_int_matmul(uint32_t type, uint64_t rows, uint64_t cols, uint32_t n, uint64_t pad)
+{
+	enum kq_isa isas[KQ_ISA_COUNT];
+	const int n_isa = isa_list(isas);
+	const uint32_t act = (uint32_t)kq_matvec_act_type(type);
+	uint64_t wrow, xbytes;
+	cr_assert_eq(kq_row_bytes(type, cols, &wrow), 0);
+	cr_assert_eq(kq_row_bytes(act, cols, &xbytes), 0);
+	const uint64_t row_bytes = wrow + pad;
+	const size_t x_stride = xbytes + 8, y_stride = rows + 3;
+	uint8_t *w = xmalloc(rows * row_bytes), *xq = xmalloc(n * x_stride);
+	float *x = xmalloc(cols * sizeof(float)), *y = xmalloc(n * y_stride * sizeof(float));
+	float *want = xmalloc(n * rows * sizeof(float));
+	const size_t space_bytes = kq_matmul_workspace_bytes(type, cols, n);
+	cr_assert_gt(space_bytes, 0);
+	unsigned char *space = xmalloc(space_bytes + 1);
+	for (uint64_t r = 0; r < rows; r++)
+		rand_row(type, w + r * row_bytes, cols);
+	for (uint32_t t = 0; t < n; t++) {
+		for (uint64_t i = 0; i < cols; i++)
+			x[i] = uniform(-3, 3) * (float)(t + 1);
+		cr_assert_eq(act == KQ_TYPE_Q8_1 ? kq_quantize_row_q8_1(x, xq + t * x_stride, cols)
+						 : kq_quantize_row_q8_0(x, xq + t * x_stride, cols), 0);
+	}
+	const uint64_t ranges[][2] = { { 0, rows }, { rows / 3, rows - rows / 4 }, { rows - 1, rows } };
+	for (int k = 0; k < n_isa; k++) {
+		cr_assert_eq(kq_isa_force(isas[k]), 0);
+		for (uint32_t t = 0; t < n; t++)
+			cr_assert_eq(kq_matvec(type, w, row_bytes, rows, cols, xq + t * x_stride, NULL, want + t * rows,
+					       0, rows), 0);
+		for (int g = 0; g < 3; g++) {
+			const uint64_t r0 = ranges[g][0], r1 = ranges[g][1];
+			for (size_t i = 0; i < n * y_stride; i++)
+				y[i] = -7.0f;
+			/* an odd workspace address: any alignment is accepted */
+			cr_assert_eq(kq_matmul(type, w, row_bytes, rows, cols, xq, x_stride, NULL, 0, n, y, y_stride, r0,
+					       r1, space + 1, space_bytes), 0);
+			for (uint32_t t = 0; t < n; t++)
+				for (uint64_t r = 0; r < y_stride; r++) {
+					const float got = y[t * y_stride + r];
+					if (r < r0 || r >= r1)
+						cr_assert_eq(got, -7.0f, "row %lu outside the range written", (unsigned long)r);
+					else
+						cr_assert(same_bits(got, want[t * rows + r]),
+							  "%s %s %lux%lu n=%u token %u row %lu: %a, want %a",
+							  kq_type_name(type), kq_isa_name(isas[k]), (unsigned long)rows,
+							  (unsigned long)cols, n, t, (unsigned long)r, (double)got,
+							  (double)want[t * rows + r]);
+				}
+		}
+	}
+	free(w);
+	free(xq);
+	free(x);
+	free(y);
+	free(want);
+	free(space);
+}
+
+Test(matmul, every_path_bit_identical_to_matvec)
+{
+	/* odd and even token counts (the kernel pairs tokens), row counts around
+	 * its tile of 8, block counts around its groups of 8 and 16 (partial
+	 * pairs, partial groups in either half of the lanes) */
+	static const uint64_t cols[] = { 32, 64, 96, 256, 288, 512, 544, 576, 800, 1536, 4128 };
+	static const uint64_t rows[] = { 1, 7, 8, 9, 33 };
+	static const uint32_t tokens[] = { 2, 3, 32 };
+	for (size_t c = 0; c < sizeof(cols) / sizeof(cols[0]); c++)
+		for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++)
+			for (size_t t = 0; t < sizeof(tokens) / sizeof(tokens[0]); t++) {
+				check_int_matmul(KQ_TYPE_Q4_1, rows[r], cols[c], tokens[t], (r % 2) * 12);
+				check_int_matmul(KQ_TYPE_Q8_0, rows[r], cols[c], tokens[t], (c % 2) * 6);
+			}
+	kq_isa_force(KQ_ISA_SCALAR); /* leave a known path; other tests force their own */
+}
+
+Test(matmul, other_types_and_errors)
+{
+	enum { ROWS = 4, COLS = 256, N = 3 };
+	uint8_t w[ROWS * 210] = { 0 }, xq[N * 36 * 8] = { 0 };
+	float x[N * COLS], y[N * ROWS], want[ROWS];
+	unsigned char space[64];
+	for (int i = 0; i < N * COLS; i++)
+		x[i] = uniform(-1, 1);
+	for (int r = 0; r < ROWS; r++)
+		rand_row(KQ_TYPE_Q6_K, w + r * 210, COLS);
+	/* a type without the integer route: per row through kq_matvec, no workspace */
+	cr_assert_eq(kq_matmul_workspace_bytes(KQ_TYPE_Q6_K, COLS, N), 0);
+	cr_assert_eq(kq_matmul(KQ_TYPE_Q6_K, w, 210, ROWS, COLS, NULL, 0, x, COLS, N, y, ROWS, 0, ROWS, NULL, 0), 0);
+	for (int t = 0; t < N; t++) {
+		cr_assert_eq(kq_matvec(KQ_TYPE_Q6_K, w, 210, ROWS, COLS, NULL, x + t * COLS, want, 0, ROWS), 0);
+		for (int r = 0; r < ROWS; r++)
+			cr_assert(same_bits(y[t * ROWS + r], want[r]));
+	}
+	enum kq_isa isas[KQ_ISA_COUNT];
+	const int n_isa = isa_list(isas);
+	cr_assert_eq(kq_isa_force(isas[n_isa - 1]), 0); /* the fastest path checks first */
+	const size_t need = kq_matmul_workspace_bytes(KQ_TYPE_Q4_1, COLS, N);
+	unsigned char *big = xmalloc(need);
+	for (int i = 0; i < N * ROWS; i++)
+		y[i] = -7.0f;
+	cr_expect_eq(kq_matmul(KQ_TYPE_Q4_1, w, 160, ROWS, COLS, xq, 288, NULL, 0, N, y, ROWS, 0, ROWS, space,
+			       sizeof(space)), isas[n_isa - 1] == KQ_ISA_SCALAR ? 0 : -EINVAL); /* short workspace */
+	for (int i = 0; i < N * ROWS && isas[n_isa - 1] != KQ_ISA_SCALAR; i++)
+		cr_expect_eq(y[i], -7.0f, "nothing written on error");
+	cr_expect_eq(kq_matmul(KQ_TYPE_Q4_1, w, 160, ROWS, COLS, NULL, 288, NULL, 0, N, y, ROWS, 0, ROWS, big, need),
+		     -EINVAL); /* needs x_q */
+	cr_expect_eq(kq_matmul(KQ_TYPE_Q4_1, w, 160, ROWS, COLS - 1, xq, 288, NULL, 0, N, y, ROWS, 0, ROWS, big, need),
+		     -EINVAL); /* cols */
+	cr_expect_eq(kq_matmul(KQ_TYPE_Q4_1, w, 160, ROWS, COLS, xq, 288, NULL, 0, N, y, ROWS, 2, 1, big, need),
+		     -EINVAL); /* range */
+	cr_expect_eq(kq_matmul(KQ_TYPE_Q4_1, w, 159, ROWS, COLS, xq, 288, NULL, 0, N, y, ROWS, 0, ROWS, big, need),
+		     -EINVAL); /* row_bytes */
+	cr_expect_eq(kq_matmul(99, w, 160, ROWS, COLS, xq, 288, NULL, 0, N, y, ROWS, 0, ROWS, big, need), -ENOTSUP);
+	free(big);
+	kq_isa_force(KQ_ISA_SCALAR);
+}
+
 Test(matvec, q8_0_weight_minus_128)
 {
 	/* -128 weights against ±127 activations: |w| = 128 read unsigned */

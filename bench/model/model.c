@@ -47,6 +47,11 @@ struct model {
 	void *act;            /* quantised inputs, act_stride bytes per row */
 	size_t act_stride, widest;
 	uint16_t *q16, *k16, *v16, *o16; /* rows for kvrecall */
+	/* kq_matmul's workspaces, one per part of a product (the pool's threads
+	 * and the caller), each mm_space_bytes */
+	unsigned char *mm_space;
+	size_t mm_space_bytes;
+	uint32_t mm_parts;
 	uint64_t attn_ns[2];  /* decode, prefill */
 };
 
@@ -270,6 +275,12 @@ static int open_model(struct model *m, int rc, uint32_t threads, struct model **
 		m->k16 = zalloc(C * kvd * 2, &failed);
 		m->v16 = zalloc(C * kvd * 2, &failed);
 		m->o16 = zalloc(C * qd * 2, &failed);
+		/* the widest product input, at the type needing most space */
+		m->mm_parts = kvr_thread_pool_threads(m->pool) + 1;
+		m->mm_space_bytes = kq_matmul_workspace_bytes(KQ_TYPE_Q4_1, widest, PREFILL_CHUNK);
+		const size_t q8 = kq_matmul_workspace_bytes(KQ_TYPE_Q8_0, widest, PREFILL_CHUNK);
+		m->mm_space_bytes = ((q8 > m->mm_space_bytes ? q8 : m->mm_space_bytes) + 63) & ~(size_t)63;
+		m->mm_space = zalloc(m->mm_parts * m->mm_space_bytes, &failed);
 		if (failed)
 			rc = fail(err, eb, -ENOMEM, "model: out of memory for scratch");
 	}
@@ -309,7 +320,7 @@ void model_close(struct model *m)
 	free(m->layers);
 	free(m->x), free(m->in), free(m->q), free(m->k), free(m->v);
 	free(m->hb), free(m->hb2), free(m->out), free(m->act);
-	free(m->q16), free(m->k16), free(m->v16), free(m->o16);
+	free(m->q16), free(m->k16), free(m->v16), free(m->o16), free(m->mm_space);
 	free(m);
 }
 
@@ -363,6 +374,8 @@ struct mm_job {
 	size_t y_stride;
 	_Atomic int rc;       /* relaxed: read after the pool's join, which orders it */
 	uint32_t parts;       /* row chunks: one per thread of the pool */
+	unsigned char *space; /* kq_matmul workspaces, space_bytes per part */
+	size_t space_bytes;
 };
 
 static void mm_part(struct mm_job *j, uint32_t index, uint32_t count)
@@ -371,18 +384,15 @@ static void mm_part(struct mm_job *j, uint32_t index, uint32_t count)
 	/* rows in multiples of 16 so no two threads write one cache line of y */
 	const uint64_t per = ((rows + count - 1) / count + 15) & ~15ull;
 	const uint64_t r0 = (uint64_t)index * per, r1 = r0 + per < rows ? r0 + per : rows;
-	/* a block of weight rows that stays in L1/L2 while the chunk's rows use it */
-	const uint64_t block = j->n == 1 ? r1 - r0 : (uint64_t)(32768 / (j->row_bytes ? j->row_bytes : 1)) + 1;
-	for (uint64_t b0 = r0; b0 < r1; b0 += block) {
-		const uint64_t b1 = b0 + block < r1 ? b0 + block : r1;
-		for (uint32_t t = 0; t < j->n; t++) {
-			const int rc = kq_matvec(j->w->type, j->w->data, j->row_bytes, rows, j->w->ne[0],
-						 (const unsigned char *)j->xq + t * j->xq_stride,
-						 j->xf + t * j->xf_stride, j->y + t * j->y_stride, b0, b1);
-			if (rc)
-				atomic_store_explicit(&j->rc, rc, memory_order_relaxed);
-		}
-	}
+	if (r0 >= r1)
+		return;
+	/* kq_matmul unpacks each weight row once for every token of the chunk
+	 * (Q4_1, Q8_0) and streams the weights from memory once per chunk */
+	const int rc = kq_matmul(j->w->type, j->w->data, j->row_bytes, rows, j->w->ne[0], j->xq, j->xq_stride,
+				 j->xf, j->xf_stride, j->n, j->y, j->y_stride, r0, r1,
+				 j->space + (size_t)index * j->space_bytes, j->space_bytes);
+	if (rc)
+		atomic_store_explicit(&j->rc, rc, memory_order_relaxed);
 }
 
 /* One chunk of a product's rows (a kvr_task_fn over the pool). */
@@ -424,7 +434,7 @@ static int matmul(struct model *m, const struct gguf_tensor *w, uint32_t n, int 
 			return rc;
 	}
 	struct mm_job j = { w,     gguf_row_bytes(w->type, w->ne[0]), n, m->act, m->act_stride, m->in,
-			    m->widest, y, y_stride, 0, kvr_thread_pool_threads(m->pool) + 1 };
+			    m->widest, y, y_stride, 0, m->mm_parts, m->mm_space, m->mm_space_bytes };
 	/* Waking the pool costs tens of µs on a busy machine, more than a decode
 	 * step's small products take alone (SmolLM2's 576x1536 Q4_1 matrix, 0.5 MiB:
 	 * ~20 µs on one core). Measured on the 2-core CI machine: decode at 2K

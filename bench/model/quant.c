@@ -535,6 +535,226 @@ ROWS_AVX2(rows_q4_1_avx2, true)
 ROWS_AVX2(rows_q8_0_avx2, false)
 #undef ROWS_AVX2
 
+/*
+ * Many activation rows at once (kq_matmul): a row of weights is unpacked once
+ * into the layout the activations were prepared in (per pair of blocks, the
+ * 32 first-half quants of both blocks, then the 32 last-half ones; Q4_1's
+ * nibbles split, Q8_0's bytes as they are) with its scales widened to f32,
+ * and then meets every activation row of the call from L1. The per-token
+ * work left is the integer dots, one horizontal sum per 8 blocks and the
+ * block scaling; unpacking, scale conversion and the row's tail handling are
+ * paid once per weight row instead of once per token. Blocks are padded to
+ * a multiple of 8 with zero quants and zero scales, whose block values are
+ * +0: every group takes the 8-wide route, and a lane, which can never be -0
+ * (it starts at +0 and round-to-nearest sums are -0 only from two -0), is
+ * unchanged by them. So the bits are kq_matvec's.
+ */
+#define KQ_MM_GROUP 8u /* blocks per horizontal sum */
+
+/* Row wr's nb blocks, unpacked into wq (nbp/2 pairs of 64 bytes), dw and mw
+ * (nbp floats); blocks nb..nbp zero. */
+static void mm_unpack_row_avx2(bool q4_1, const uint8_t *wr, uint64_t nb, uint64_t nbp, uint8_t *wq,
+			       float *dw, float *mw)
+{
+	const uint32_t wbytes = q4_1 ? KQ_Q4_1_BYTES : KQ_Q8_0_BYTES;
+	const __m256i m = _mm256_set1_epi8(0x0f);
+	for (uint64_t b = 0; b < nbp; b += 2) {
+		__m128i a1 = _mm_setzero_si128(), a2 = a1, b1 = a1, b2 = a1;
+		const uint8_t *wa = wr + b * wbytes, *wb = wa + wbytes;
+		if (b < nb) {
+			a1 = _mm_loadu_si128((const __m128i *)(wa + (q4_1 ? 4 : 2)));
+			a2 = q4_1 ? a1 : _mm_loadu_si128((const __m128i *)(wa + 18));
+		}
+		if (b + 1 < nb) {
+			b1 = _mm_loadu_si128((const __m128i *)(wb + (q4_1 ? 4 : 2)));
+			b2 = q4_1 ? b1 : _mm_loadu_si128((const __m128i *)(wb + 18));
+		}
+		__m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(a1), b1, 1);
+		__m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(a2), b2, 1);
+		if (q4_1) {
+			hi = _mm256_and_si256(_mm256_srli_epi16(lo, 4), m);
+			lo = _mm256_and_si256(lo, m);
+		}
+		_mm256_store_si256((__m256i *)(wq + b * 32), lo);
+		_mm256_store_si256((__m256i *)(wq + b * 32 + 32), hi);
+		for (uint64_t k = b; k < b + 2; k++) {
+			const uint8_t *wk = wr + k * wbytes;
+			dw[k] = k < nb ? h_f16c(wk) : 0.0f;
+			mw[k] = k < nb && q4_1 ? h_f16c(wk + 2) : 0.0f;
+		}
+	}
+}
+
+/* Activation row x (nb blocks of Q8_1 or Q8_0) into the kq_act layout over
+ * nbp blocks: quants at q, scales at d, Q8_1 sums at s; padding zero. */
+static void mm_prepare_act_avx2(bool q4_1, const uint8_t *x, uint64_t nb, uint64_t nbp, int8_t *q,
+				float *d, float *s)
+{
+	const uint32_t xbytes = q4_1 ? KQ_Q8_1_BYTES : KQ_Q8_0_BYTES;
+	const uint32_t qoff = q4_1 ? 4 : 2;
+	for (uint64_t b = 0; b < nbp; b++) {
+		int8_t *qb = q + b / 4 * 128 + b % 4 * 16;
+		if (b < nb) {
+			const uint8_t *xb = x + b * xbytes;
+			d[b] = h_f16c(xb);
+			s[b] = q4_1 ? h_f16c(xb + 2) : 0.0f;
+			memcpy(qb, xb + qoff, 16);
+			memcpy(qb + 64, xb + qoff + 16, 16);
+		} else {
+			d[b] = s[b] = 0.0f;
+			memset(qb, 0, 16);
+			memset(qb + 64, 0, 16);
+		}
+	}
+}
+
+/* The exact block dots of one group of 8 blocks for one activation row (xq:
+ * the group's 256 prepared quants), in block order, as f32; only the first
+ * np pairs are computed (the rest are padding, whose dots are 0). */
+static inline __attribute__((always_inline)) __m256 mm_group_dots_avx2(bool q4_1, const uint8_t *wg,
+									 const int8_t *xq, int np)
+{
+	const __m256i one = _mm256_set1_epi16(1);
+	__m256i p[4];
+	_Pragma("GCC unroll 4")
+	for (int k = 0; k < 4; k++) {
+		if (k >= np) {
+			p[k] = _mm256_setzero_si256();
+			continue;
+		}
+		const __m256i w1 = _mm256_load_si256((const __m256i *)(wg + 64 * k));
+		const __m256i w2 = _mm256_load_si256((const __m256i *)(wg + 64 * k + 32));
+		const int8_t *x0 = xq + k / 2 * 128 + k % 2 * 32;
+		const __m256i x1 = _mm256_load_si256((const __m256i *)x0);
+		const __m256i x2 = _mm256_load_si256((const __m256i *)(x0 + 64));
+		if (q4_1)
+			p[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w1, x1),
+								  _mm256_maddubs_epi16(w2, x2)), one);
+		else
+			p[k] = _mm256_add_epi32(
+				_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), one),
+				_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w2, w2), _mm256_sign_epi8(x2, w2)), one));
+	}
+	const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+	const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+	return _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(s, perm));
+}
+
+/* One activation row's view in the workspace */
+struct mm_xrow {
+	const int8_t *q;
+	const float *d, *s;
+};
+
+/* acc (8 lanes) += the block values of the group at block b, of np pairs */
+static inline __attribute__((always_inline)) __m256 mm_group_avx2(bool q4_1, const uint8_t *wq, const float *dw,
+								  const float *mw, uint64_t b, int np,
+								  const struct mm_xrow *x, __m256 acc)
+{
+	const __m256 p = mm_group_dots_avx2(q4_1, wq + b * 32, x->q + b * 32, np);
+	const __m256 dd = _mm256_mul_ps(_mm256_load_ps(dw + b), _mm256_load_ps(x->d + b));
+	if (q4_1)
+		return _mm256_add_ps(acc, _mm256_fmadd_ps(dd, p, _mm256_mul_ps(_mm256_load_ps(mw + b),
+									       _mm256_load_ps(x->s + b))));
+	return _mm256_fmadd_ps(dd, p, acc);
+}
+
+static inline float mm_fold_avx2(__m256 lo, __m256 hi)
+{
+	_Alignas(32) float l[16];
+	_mm256_store_ps(l, lo);
+	_mm256_store_ps(l + 8, hi);
+	return fold16_avx2(l);
+}
+
+/* One unpacked weight row (nb blocks) against activation rows x0 (and x1
+ * when two): the 16 lanes of each stay in two registers for the whole row
+ * (groups alternate between the low and the high 8), then fold. */
+static inline __attribute__((always_inline)) void mm_row_avx2(bool q4_1, bool two, const uint8_t *wq,
+							      const float *dw, const float *mw, uint64_t nb,
+							      const struct mm_xrow *x0, const struct mm_xrow *x1,
+							      float *y0, float *y1)
+{
+	__m256 a0l = _mm256_setzero_ps(), a0h = a0l, a1l = a0l, a1h = a0l;
+	uint64_t b = 0;
+	for (; b + 2 * KQ_MM_GROUP <= nb; b += 2 * KQ_MM_GROUP) {
+		a0l = mm_group_avx2(q4_1, wq, dw, mw, b, 4, x0, a0l);
+		if (two)
+			a1l = mm_group_avx2(q4_1, wq, dw, mw, b, 4, x1, a1l);
+		a0h = mm_group_avx2(q4_1, wq, dw, mw, b + KQ_MM_GROUP, 4, x0, a0h);
+		if (two)
+			a1h = mm_group_avx2(q4_1, wq, dw, mw, b + KQ_MM_GROUP, 4, x1, a1h);
+	}
+	if (b < nb) { /* one group, maybe partial, in the low lanes */
+		const int np = nb - b >= KQ_MM_GROUP ? 4 : (int)((nb - b + 1) / 2);
+		a0l = mm_group_avx2(q4_1, wq, dw, mw, b, np, x0, a0l);
+		if (two)
+			a1l = mm_group_avx2(q4_1, wq, dw, mw, b, np, x1, a1l);
+		b += KQ_MM_GROUP;
+	}
+	if (b < nb) { /* then a partial one in the high lanes */
+		const int np = (int)((nb - b + 1) / 2);
+		a0h = mm_group_avx2(q4_1, wq, dw, mw, b, np, x0, a0h);
+		if (two)
+			a1h = mm_group_avx2(q4_1, wq, dw, mw, b, np, x1, a1h);
+	}
+	*y0 = mm_fold_avx2(a0l, a0h);
+	if (two)
+		*y1 = mm_fold_avx2(a1l, a1h);
+}
+
+/* The workspace's parts (kq_matmul_workspace_bytes): the n prepared
+ * activation rows, then the unpacked weights of one tile of rows. */
+#define KQ_MM_ROWS 8u
+struct mm_space {
+	int8_t *xq;    /* n rows of nbp*32 quants */
+	float *xd, *xs; /* n rows of nbp */
+	uint8_t *wq;   /* KQ_MM_ROWS rows of nbp*32 */
+	float *dw, *mw; /* KQ_MM_ROWS rows of nbp */
+};
+
+static inline __attribute__((always_inline)) void
+mm_rows_avx2(bool q4_1, const uint8_t *w, uint64_t row_bytes, uint64_t nb, uint64_t nbp, const struct mm_space *sp,
+	     uint32_t n, float *y, size_t y_stride, uint64_t r0, uint64_t r1)
+{
+	for (uint64_t t0 = r0; t0 < r1; t0 += KQ_MM_ROWS) {
+		const uint64_t nr = r1 - t0 < KQ_MM_ROWS ? r1 - t0 : KQ_MM_ROWS;
+		for (uint64_t r = 0; r < nr; r++)
+			mm_unpack_row_avx2(q4_1, w + (t0 + r) * row_bytes, nb, nbp, sp->wq + r * nbp * 32,
+					   sp->dw + r * nbp, sp->mw + r * nbp);
+		for (uint32_t t = 0; t < n; t += 2) {
+			const bool two = t + 1 < n;
+			const struct mm_xrow x0 = { sp->xq + (size_t)t * nbp * 32, sp->xd + (size_t)t * nbp,
+						    sp->xs + (size_t)t * nbp };
+			const struct mm_xrow x1 = two ? (struct mm_xrow){ x0.q + nbp * 32, x0.d + nbp, x0.s + nbp } : x0;
+			for (uint64_t r = 0; r < nr; r++) {
+				const uint8_t *wq = sp->wq + r * nbp * 32;
+				const float *dw = sp->dw + r * nbp, *mw = sp->mw + r * nbp;
+				float *y0 = y + t * y_stride + t0 + r;
+				if (two)
+					mm_row_avx2(q4_1, true, wq, dw, mw, nb, &x0, &x1, y0, y0 + y_stride);
+				else
+					mm_row_avx2(q4_1, false, wq, dw, mw, nb, &x0, &x0, y0, NULL);
+			}
+		}
+	}
+}
+
+static void matmul_avx2(uint32_t type, const uint8_t *w, uint64_t row_bytes, uint64_t nb, const uint8_t *x,
+			size_t x_stride, uint32_t n, float *y, size_t y_stride, uint64_t r0, uint64_t r1,
+			const struct mm_space *sp)
+{
+	const bool q4_1 = type == KQ_TYPE_Q4_1;
+	const uint64_t nbp = (nb + KQ_MM_GROUP - 1) / KQ_MM_GROUP * KQ_MM_GROUP;
+	for (uint32_t t = 0; t < n; t++)
+		mm_prepare_act_avx2(q4_1, x + t * x_stride, nb, nbp, sp->xq + (size_t)t * nbp * 32,
+				    sp->xd + (size_t)t * nbp, sp->xs + (size_t)t * nbp);
+	if (q4_1)
+		mm_rows_avx2(true, w, row_bytes, nb, nbp, sp, n, y, y_stride, r0, r1);
+	else
+		mm_rows_avx2(false, w, row_bytes, nb, nbp, sp, n, y, y_stride, r0, r1);
+}
+
 static void dequant_q4_1_avx2(const uint8_t *s, float *y, uint64_t nb)
 {
 	for (uint64_t b = 0; b < nb; b++, s += KQ_Q4_1_BYTES, y += KQ_QK) {
@@ -889,5 +1109,71 @@ int kq_matvec(uint32_t type, const void *w, uint64_t row_bytes, uint64_t rows, u
 		matvec_generic(type, w, row_bytes, cols, x_f32, y, row_begin, row_end);
 	else
 		matvec_int(type, w, row_bytes, cols / KQ_QK, x_q, y, row_begin, row_end);
+	return 0;
+}
+
+/* ----------------------------------------------------- matrix-matrix */
+
+/* Blocks of a row padded for the matmul path, and the workspace it needs. */
+static uint64_t mm_padded_blocks(uint64_t cols)
+{
+	return (cols / KQ_QK + KQ_MM_GROUP - 1) / KQ_MM_GROUP * KQ_MM_GROUP;
+}
+
+size_t kq_matmul_workspace_bytes(uint32_t type, uint64_t cols, uint32_t n)
+{
+	if (type != KQ_TYPE_Q4_1 && type != KQ_TYPE_Q8_0)
+		return 0;
+	const uint64_t nbp = mm_padded_blocks(cols);
+	/* quants, then two floats per block, per activation row and per tile row */
+	return (size_t)(((uint64_t)n + KQ_MM_ROWS) * nbp * (32 + 2 * sizeof(float)) + 64);
+}
+
+int kq_matmul(uint32_t type, const void *w, uint64_t row_bytes, uint64_t rows, uint64_t cols,
+	      const void *x_q, size_t x_q_stride, const float *x_f32, size_t x_f32_stride, uint32_t n,
+	      float *y, size_t y_stride, uint64_t row_begin, uint64_t row_end, void *workspace,
+	      size_t workspace_bytes)
+{
+	const int act = kq_matvec_act_type(type);
+	if (act < 0)
+		return act;
+	const enum kq_isa isa = kq_isa_active();
+	const bool fast = act != KQ_TYPE_F32 && isa != KQ_ISA_SCALAR && n > 1 && cols > 0;
+	if (fast) {
+		/* the same checks as kq_matvec's, before anything is written */
+		uint64_t packed;
+		const int rc = kq_row_bytes(type, cols, &packed);
+		if (rc)
+			return rc;
+		if (row_begin > row_end || row_end > rows || row_bytes < packed || !w || !x_q || !y ||
+		    rows - 1 > UINT64_MAX / row_bytes || y_stride < row_end)
+			return -EINVAL;
+		if (!workspace || workspace_bytes < kq_matmul_workspace_bytes(type, cols, n))
+			return -EINVAL;
+		if (row_begin == row_end)
+			return 0;
+		const uint64_t nbp = mm_padded_blocks(cols);
+		uint8_t *base = (uint8_t *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+		struct mm_space sp;
+		sp.xq = (int8_t *)base;
+		base += (size_t)n * nbp * 32;
+		sp.wq = base;
+		base += (size_t)KQ_MM_ROWS * nbp * 32;
+		sp.xd = (float *)base;
+		sp.xs = sp.xd + (size_t)n * nbp;
+		sp.dw = sp.xs + (size_t)n * nbp;
+		sp.mw = sp.dw + (size_t)KQ_MM_ROWS * nbp;
+		matmul_avx2(type, w, row_bytes, cols / KQ_QK, x_q, x_q_stride, n, y, y_stride, row_begin, row_end,
+			    &sp);
+		return 0;
+	}
+	for (uint32_t t = 0; t < n; t++) {
+		const int rc = kq_matvec(type, w, row_bytes, rows, cols,
+					 x_q ? (const uint8_t *)x_q + t * x_q_stride : NULL,
+					 x_f32 ? x_f32 + t * x_f32_stride : NULL, y + t * y_stride, row_begin,
+					 row_end);
+		if (rc)
+			return rc;
+	}
 	return 0;
 }

@@ -40,6 +40,7 @@
 #ifndef KVR_MODEL_QUANT_H
 #define KVR_MODEL_QUANT_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* ggml_type ids (ggml.h), the values stored in a GGUF tensor's info */
@@ -130,6 +131,28 @@ int kq_matvec_act_type(uint32_t type);
 int kq_matvec(uint32_t type, const void *w, uint64_t row_bytes, uint64_t rows, uint64_t cols,
 	      const void *x_q, const float *x_f32, float *y, uint64_t row_begin,
 	      uint64_t row_end);
+
+/*
+ * Y = W·X for n activation rows at once (a prefill chunk): row t of X is
+ * x_q + t·x_q_stride bytes (Q4_1, Q8_0) or x_f32 + t·x_f32_stride floats (the
+ * other types), and y_t[r] = y[t·y_stride + r] for r in [row_begin,
+ * row_end). Every y_t is bit for bit what kq_matvec gives for row t alone,
+ * on every path. Q4_1 and Q8_0 on the vector paths unpack each weight row
+ * once for all n rows (the AVX2 instructions serve the AVX-512 paths too:
+ * per token the work is then maddubs-bound either way); other types and the
+ * scalar path call kq_matvec per row.
+ *
+ * workspace: kq_matmul_workspace_bytes(type, cols, n) bytes of the caller's
+ * (any alignment; 0 bytes needed, and NULL accepted, for the types that do
+ * not use it); threads splitting rows need one each. Returns 0, or
+ * kq_matvec's errors, and -EINVAL for a short workspace or y_stride < row_end;
+ * on a Q4_1/Q8_0 error nothing is written.
+ */
+size_t kq_matmul_workspace_bytes(uint32_t type, uint64_t cols, uint32_t n);
+int kq_matmul(uint32_t type, const void *w, uint64_t row_bytes, uint64_t rows, uint64_t cols,
+	      const void *x_q, size_t x_q_stride, const float *x_f32, size_t x_f32_stride, uint32_t n,
+	      float *y, size_t y_stride, uint64_t row_begin, uint64_t row_end, void *workspace,
+	      size_t workspace_bytes);
 
 /* Instruction-set paths of the quantised kernels. */
 enum kq_isa {
