@@ -568,18 +568,23 @@ Test(quantize, matches_llama_cpp_x86)
 		x[32 * 3 + j] = 0.0f;
 	uint8_t *g0 = xmalloc(n / 32 * 34), *w0 = xmalloc(n / 32 * 34);
 	uint8_t *g1 = xmalloc(n / 32 * 36), *w1 = xmalloc(n / 32 * 36);
-	cr_assert_eq(kq_quantize_row_q8_0(x, g0, n), 0);
-	cr_assert_eq(kq_quantize_row_q8_1(x, g1, n), 0);
-	ref_quant_q8(x, n, w0, 0);
-	ref_quant_q8(x, n, w1, 1);
-	cr_assert_eq(memcmp(g0, w0, n / 32 * 34), 0);
-	cr_assert_eq(memcmp(g1, w1, n / 32 * 36), 0);
-	for (int j = 0; j < 36; j++)
-		cr_expect_eq(g1[3 * 36 + j], 0);
-	/* every quant within ±127 */
-	for (uint64_t b = 0; b < n / 32; b++)
-		for (int j = 0; j < 32; j++)
-			cr_assert_neq((int8_t)g1[b * 36 + 4 + j], -128);
+	enum kq_isa isas[KQ_ISA_COUNT];
+	const int n_isa = isa_list(isas);
+	for (int k = 0; k < n_isa; k++) { /* the scalar block quantiser and AVX2's */
+		cr_assert_eq(kq_isa_force(isas[k]), 0);
+		cr_assert_eq(kq_quantize_row_q8_0(x, g0, n), 0);
+		cr_assert_eq(kq_quantize_row_q8_1(x, g1, n), 0);
+		ref_quant_q8(x, n, w0, 0);
+		ref_quant_q8(x, n, w1, 1);
+		cr_assert_eq(memcmp(g0, w0, n / 32 * 34), 0);
+		cr_assert_eq(memcmp(g1, w1, n / 32 * 36), 0);
+		for (int j = 0; j < 36; j++)
+			cr_expect_eq(g1[3 * 36 + j], 0);
+		/* every quant within ±127 */
+		for (uint64_t b = 0; b < n / 32; b++)
+			for (int j = 0; j < 32; j++)
+				cr_assert_neq((int8_t)g1[b * 36 + 4 + j], -128);
+	}
 	free(x);
 	free(g0);
 	free(w0);
@@ -596,20 +601,25 @@ Test(quantize, ties_round_half_to_even)
 	float x[32] = { 127.0f, 2.5f, -3.5f, 0.5f, -0.5f, 1.5f, -2.5f, 126.5f };
 	const int want[8] = { 127, 2, -4, 0, 0, 2, -2, 126 };
 	uint8_t q1[36], q0[34];
-	cr_assert_eq(kq_quantize_row_q8_1(x, q1, 32), 0);
-	cr_assert_eq(kq_quantize_row_q8_0(x, q0, 32), 0);
-	for (int j = 0; j < 8; j++) {
-		cr_expect_eq((int8_t)q1[4 + j], want[j], "x = %g", (double)x[j]);
-		cr_expect_eq((int8_t)q0[2 + j], want[j], "x = %g", (double)x[j]);
+	enum kq_isa isas[KQ_ISA_COUNT];
+	const int n_isa = isa_list(isas);
+	for (int k = 0; k < n_isa; k++) {
+		cr_assert_eq(kq_isa_force(isas[k]), 0);
+		cr_assert_eq(kq_quantize_row_q8_1(x, q1, 32), 0);
+		cr_assert_eq(kq_quantize_row_q8_0(x, q0, 32), 0);
+		for (int j = 0; j < 8; j++) {
+			cr_expect_eq((int8_t)q1[4 + j], want[j], "x = %g", (double)x[j]);
+			cr_expect_eq((int8_t)q0[2 + j], want[j], "x = %g", (double)x[j]);
+		}
+		cr_expect_eq(f16at(q1), 1.0f);
+		cr_expect_eq(f16at(q1 + 2), 127.0f + 2 - 4 + 0 + 0 + 2 - 2 + 126);
+		/* negative amax element: d from |x| */
+		float y[32] = { 0 };
+		y[5] = -63.5f;
+		cr_assert_eq(kq_quantize_row_q8_1(y, q1, 32), 0);
+		cr_expect_eq((int8_t)q1[4 + 5], -127);
+		cr_expect_eq(f16at(q1), kvr_f16_to_f32(h16(63.5f / 127.0f)));
 	}
-	cr_expect_eq(f16at(q1), 1.0f);
-	cr_expect_eq(f16at(q1 + 2), 127.0f + 2 - 4 + 0 + 0 + 2 - 2 + 126);
-	/* negative amax element: d from |x| */
-	float y[32] = { 0 };
-	y[5] = -63.5f;
-	cr_assert_eq(kq_quantize_row_q8_1(y, q1, 32), 0);
-	cr_expect_eq((int8_t)q1[4 + 5], -127);
-	cr_expect_eq(f16at(q1), kvr_f16_to_f32(h16(63.5f / 127.0f)));
 }
 
 Test(quantize, errors_and_non_finite)
@@ -626,10 +636,20 @@ Test(quantize, errors_and_non_finite)
 	x[1] = 1.0f;
 	x[32] = INFINITY;
 	x[33] = -2.0f;
-	cr_assert_eq(kq_quantize_row_q8_1(x, q, 64), 0);
-	for (int b = 0; b < 2; b++)
-		for (int j = 0; j < 32; j++)
-			cr_expect_neq((int8_t)q[36 * b + 4 + j], -128);
+	enum kq_isa isas[KQ_ISA_COUNT];
+	const int n_isa = isa_list(isas);
+	uint8_t first[72];
+	for (int k = 0; k < n_isa; k++) {
+		cr_assert_eq(kq_isa_force(isas[k]), 0);
+		cr_assert_eq(kq_quantize_row_q8_1(x, q, 64), 0);
+		for (int b = 0; b < 2; b++)
+			for (int j = 0; j < 32; j++)
+				cr_expect_neq((int8_t)q[36 * b + 4 + j], -128);
+		if (k == 0)
+			memcpy(first, q, sizeof(q));
+		else /* the same garbage on every path */
+			cr_expect_eq(memcmp(first, q, sizeof(q)), 0, "%s", kq_isa_name(isas[k]));
+	}
 }
 
 /* --------------------------------------------------- matrix-vector */

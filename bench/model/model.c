@@ -50,6 +50,11 @@ struct model {
 	/* kq_matmul's workspaces, one per part of a product (the pool's threads
 	 * and the caller), each mm_space_bytes */
 	unsigned char *mm_space;
+	/* rope angles of the chunk's positions ([PREFILL_CHUNK][n_rot]), valid
+	 * for rope_n tokens from rope_pos: every layer rotates at the same ones */
+	float *rope_cs;
+	uint64_t rope_pos;
+	uint32_t rope_n, n_rot;
 	size_t mm_space_bytes;
 	uint32_t mm_parts;
 	uint64_t attn_ns[2];  /* decode, prefill */
@@ -281,6 +286,8 @@ static int open_model(struct model *m, int rc, uint32_t threads, struct model **
 		const size_t q8 = kq_matmul_workspace_bytes(KQ_TYPE_Q8_0, widest, PREFILL_CHUNK);
 		m->mm_space_bytes = ((q8 > m->mm_space_bytes ? q8 : m->mm_space_bytes) + 63) & ~(size_t)63;
 		m->mm_space = zalloc(m->mm_parts * m->mm_space_bytes, &failed);
+		m->n_rot = hp->n_rot; /* <= head_dim (load_hparams) */
+		m->rope_cs = zalloc(C * (m->n_rot + 1) * sizeof(float), &failed);
 		if (failed)
 			rc = fail(err, eb, -ENOMEM, "model: out of memory for scratch");
 	}
@@ -320,7 +327,7 @@ void model_close(struct model *m)
 	free(m->layers);
 	free(m->x), free(m->in), free(m->q), free(m->k), free(m->v);
 	free(m->hb), free(m->hb2), free(m->out), free(m->act);
-	free(m->q16), free(m->k16), free(m->v16), free(m->o16), free(m->mm_space);
+	free(m->q16), free(m->k16), free(m->v16), free(m->o16), free(m->mm_space), free(m->rope_cs);
 	free(m);
 }
 
@@ -486,12 +493,19 @@ static int layer(struct model *m, const struct layer_w *w, uint32_t n, uint64_t 
 		rc = matmul(m, w->wv, n, w->wv->type == w->wk->type, m->v, kvd);
 	if (rc)
 		return rc;
+	if (m->rope_pos != pos || m->rope_n < n) {
+		for (uint32_t t = 0; t < n; t++)
+			op_rope_cos_sin(m->n_rot, pos + t, hp->rope_base, m->rope_cs + (size_t)t * m->n_rot);
+		m->rope_pos = pos;
+		m->rope_n = n;
+	}
 	for (uint32_t t = 0; t < n; t++) {
 		float *q = m->q + (size_t)t * qd, *k = m->k + (size_t)t * kvd, *v = m->v + (size_t)t * kvd;
+		const float *cs = m->rope_cs + (size_t)t * m->n_rot;
 		for (uint32_t h = 0; h < hp->n_head; h++)
-			op_rope_norm(q + (size_t)h * hd, hd, hp->n_rot, pos + t, hp->rope_base);
+			op_rope_apply(q + (size_t)h * hd, m->n_rot, cs);
 		for (uint32_t h = 0; h < hp->n_head_kv; h++)
-			op_rope_norm(k + (size_t)h * hd, hd, hp->n_rot, pos + t, hp->rope_base);
+			op_rope_apply(k + (size_t)h * hd, m->n_rot, cs);
 		uint16_t *q16 = m->q16 + (size_t)t * qd, *k16 = m->k16 + (size_t)t * kvd,
 			 *v16 = m->v16 + (size_t)t * kvd;
 		for (uint32_t i = 0; i < qd; i++)

@@ -24,17 +24,39 @@ void op_rmsnorm(float *out, const float *x, const float *w, size_t n, float eps)
 		out[i] = x[i] * scale * w[i];
 }
 
+void op_rope_cos_sin(uint32_t n_rot, uint64_t pos, float base, float *cs)
+{
+	for (uint32_t i = 0; i + 1 < n_rot; i += 2) {
+		/* theta = pos * base^(-i/n_rot), in double: positions reach 1e5+ */
+		const double theta = (double)pos * pow((double)base, -(double)i / (double)n_rot);
+		cs[i] = (float)cos(theta);
+		cs[i + 1] = (float)sin(theta);
+	}
+}
+
+void op_rope_apply(float *x, uint32_t n_rot, const float *cs)
+{
+	for (uint32_t i = 0; i + 1 < n_rot; i += 2) {
+		const float c = cs[i], s = cs[i + 1];
+		const float a = x[i], b = x[i + 1];
+		x[i] = a * c - b * s;
+		x[i + 1] = a * s + b * c;
+	}
+}
+
 void op_rope_norm(float *x, uint32_t head_dim, uint32_t n_rot, uint64_t pos, float base)
 {
 	if (n_rot > head_dim)
 		n_rot = head_dim;
-	for (uint32_t i = 0; i + 1 < n_rot; i += 2) {
-		/* theta = pos * base^(-i/n_rot), in double: positions reach 1e5+ */
-		const double theta = (double)pos * pow((double)base, -(double)i / (double)n_rot);
-		const float c = (float)cos(theta), s = (float)sin(theta);
-		const float a = x[i], b = x[i + 1];
-		x[i] = a * c - b * s;
-		x[i + 1] = a * s + b * c;
+	float cs[512];
+	for (uint32_t i0 = 0; i0 < n_rot; i0 += 512) { /* any n_rot, in pieces of the table */
+		const uint32_t piece = n_rot - i0 < 512 ? n_rot - i0 : 512;
+		for (uint32_t i = 0; i + 1 < piece; i += 2) {
+			const double theta = (double)pos * pow((double)base, -(double)(i0 + i) / (double)n_rot);
+			cs[i] = (float)cos(theta);
+			cs[i + 1] = (float)sin(theta);
+		}
+		op_rope_apply(x + i0, piece, cs);
 	}
 }
 

@@ -24,6 +24,12 @@ void op_rmsnorm(float *out, const float *x, const float *w, size_t n, float eps)
  * reference/smollm2.md). n_rot <= head_dim dimensions rotate; the rest pass.
  */
 void op_rope_norm(float *x, uint32_t head_dim, uint32_t n_rot, uint64_t pos, float base);
+/* The same rotation in two steps, for callers that rotate many heads (and
+ * layers) at one position: cs[i], cs[i+1] = cos, sin of pair i/2's angle
+ * (n_rot floats, n_rot <= head_dim), then applied to one head; the bits are
+ * op_rope_norm's. */
+void op_rope_cos_sin(uint32_t n_rot, uint64_t pos, float base, float *cs);
+void op_rope_apply(float *x, uint32_t n_rot, const float *cs);
 
 /* gate[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)). */
 void op_swiglu(float *gate, const float *up, size_t n);

@@ -755,6 +755,43 @@ static void matmul_avx2(uint32_t type, const uint8_t *w, uint64_t row_bytes, uin
 		mm_rows_avx2(false, w, row_bytes, nb, nbp, sp, n, y, y_stride, r0, r1);
 }
 
+/* quantize_block_q8 (below) on 8 lanes, with the same result bits: the
+ * maximum skips NaN the same way (max_ps returns its second operand when
+ * either is NaN), round_ps is nearbyintf's nearest-even, and a NaN product
+ * gives quant 0. */
+static int32_t quantize_block_q8_avx2(const float *x, float *d_out, int8_t *q)
+{
+	const __m256 sign = _mm256_set1_ps(-0.0f);
+	__m256 v[4], amax = _mm256_setzero_ps();
+	for (int k = 0; k < 4; k++) {
+		v[k] = _mm256_loadu_ps(x + 8 * k);
+		amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), amax);
+	}
+	__m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+	m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+	m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+	const float am = _mm_cvtss_f32(m4);
+	const float d = am / 127.0f;
+	const __m256 id = _mm256_set1_ps(am != 0.0f ? 127.0f / am : 0.0f);
+	__m256i qi[4];
+	for (int k = 0; k < 4; k++) {
+		__m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+		const __m256 ordered = _mm256_cmp_ps(r, r, _CMP_ORD_Q);
+		r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+		qi[k] = _mm256_and_si256(_mm256_cvtps_epi32(r), _mm256_castps_si256(ordered));
+	}
+	const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+	__m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+	s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+	s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+	/* packs work per 128-bit half: the dword order comes back with one permute */
+	const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+	const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+	_mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+	*d_out = d;
+	return _mm_cvtsi128_si32(s4);
+}
+
 static void dequant_q4_1_avx2(const uint8_t *s, float *y, uint64_t nb)
 {
 	for (uint64_t b = 0; b < nb; b++, s += KQ_Q4_1_BYTES, y += KQ_QK) {
@@ -973,14 +1010,22 @@ static int32_t quantize_block_q8(const float *x, float *d_out, int8_t *q)
 	return sum;
 }
 
+/* The active path's block quantiser (the vector paths share AVX2's) */
+typedef int32_t quantize_block_fn(const float *x, float *d_out, int8_t *q);
+static quantize_block_fn *block_quantiser(void)
+{
+	return kq_isa_active() == KQ_ISA_SCALAR ? quantize_block_q8 : quantize_block_q8_avx2;
+}
+
 int kq_quantize_row_q8_0(const float *x, void *dst, uint64_t n)
 {
 	if (n % KQ_QK || (n && (!x || !dst)))
 		return -EINVAL;
+	quantize_block_fn *const quantize_block = block_quantiser();
 	uint8_t *o = dst;
 	for (uint64_t b = 0; b < n / KQ_QK; b++, o += KQ_Q8_0_BYTES) {
 		float d;
-		quantize_block_q8(x + b * KQ_QK, &d, (int8_t *)(o + 2));
+		quantize_block(x + b * KQ_QK, &d, (int8_t *)(o + 2));
 		kq_put_h(o, d);
 	}
 	return 0;
@@ -990,10 +1035,11 @@ int kq_quantize_row_q8_1(const float *x, void *dst, uint64_t n)
 {
 	if (n % KQ_QK || (n && (!x || !dst)))
 		return -EINVAL;
+	quantize_block_fn *const quantize_block = block_quantiser();
 	uint8_t *o = dst;
 	for (uint64_t b = 0; b < n / KQ_QK; b++, o += KQ_Q8_1_BYTES) {
 		float d;
-		const int32_t sum = quantize_block_q8(x + b * KQ_QK, &d, (int8_t *)(o + 4));
+		const int32_t sum = quantize_block(x + b * KQ_QK, &d, (int8_t *)(o + 4));
 		kq_put_h(o, d);
 		kq_put_h(o + 2, d * (float)sum); /* |sum| <= 4064: exact in f32 */
 	}
