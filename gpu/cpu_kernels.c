@@ -699,12 +699,16 @@ static void attention_task(void *arg, uint32_t index)
 {
 	const struct head_job *job = arg;
 	const struct kvr_shape *sh = job->shape;
-	const struct kvr_attention_item *it =
-		(const struct kvr_attention_item *)job->items + index / job->parts / sh->n_kv_heads;
+	const uint32_t item = index / job->parts / sh->n_kv_heads;
+	const struct kvr_attention_item *it = (const struct kvr_attention_item *)job->items + item;
 	const uint32_t m = index / job->parts % sh->n_kv_heads;
-	/* a part of a causal item (n_kv_heads 1): its query tokens t0..t1 − 1 as
-	 * an item of their own, positions shifted */
+	/* a causal item's first position: its block's (kernels.h); a part of a
+	 * causal item (n_kv_heads 1): its query tokens t0..t1 − 1 as an item of
+	 * their own, positions shifted */
 	struct kvr_shape part = *sh;
+	if ((sh->flags & KVR_SHAPE_CAUSAL) && sh->causal_items_per_block)
+		part.causal_first_position += (uint64_t)(item / sh->causal_items_per_block) *
+					      (sh->n_qo_heads / sh->n_kv_heads / sh->causal_heads_per_query);
 	const void *q = it->q;
 	void *out = it->out;
 	if (job->parts > 1) {
@@ -757,7 +761,8 @@ void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 	 * many items as the model has KV heads, SmolLM2 3): each item's query
 	 * tokens in parts, about two tasks per thread, so the threads share the
 	 * work evenly; a part rereads the pages, from the cache its siblings
-	 * have just filled. */
+	 * have just filled. A call of several blocks (causal_items_per_block)
+	 * has tasks enough without parts. */
 	if ((shape->flags & KVR_SHAPE_CAUSAL) && shape->n_kv_heads == 1) {
 		const uint32_t n_tok = shape->n_qo_heads / shape->causal_heads_per_query;
 		const uint32_t want = (2 * (kvr_cpu_threads(dev) + 1) + n - 1) / n;

@@ -45,6 +45,13 @@
  *    m_s, w_s = kvr_softmax_rescale(m_s, M), L = Σ l_s·w_s, out = (Σ acc_s·w_s)
  *    / L, 0 when L = 0. Deterministic; the rounding differs from one online
  *    softmax over all tokens within the tolerances attention is held to.
+ * Causal query blocks (KVR_SHAPE_CAUSAL, the prefill; kernels.h): query
+ * head g of the group belongs to query token g / causal_heads_per_query and
+ * sees only the item's tokens up to its position, counted over the segments
+ * from the first (a split knows where its tokens start); the QK step masks the
+ * later ones to −inf, a head that has seen none yet weighs them 0, and a block
+ * stops at the first tile past its last query. The splits then divide the
+ * prefix evenly, as for decode, and the combine pass merges them unchanged.
  * One online softmax per query head and split; an empty item gives zeros;
  * NaN/Inf in q, k or v reaches the outputs of the heads that used them and
  * no others (masked lanes never touch stale shared memory, and a split's
@@ -218,10 +225,11 @@ KVR_DEV uint32_t att_rows(const struct kvr_kv_segment *segs, uint32_t n_segs, ui
  */
 KVR_DEV void att_split_range(const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t splits,
 			     uint32_t s, uint32_t *scan_s, uint32_t *found_s, uint32_t *seg,
-			     uint32_t *off, uint32_t *left)
+			     uint32_t *off, uint32_t *left, uint64_t *first_token)
 {
 	*seg = 0;
 	*off = 0;
+	*first_token = 0;
 	if (splits == 1) {
 		att_advance(segs, n_segs, seg, off, 0);
 		*left = ~0u;
@@ -235,6 +243,7 @@ KVR_DEV void att_split_range(const struct kvr_kv_segment *segs, uint32_t n_segs,
 	uint32_t chunk = total / splits + (total % splits != 0);
 	chunk = (chunk + ATT_SPLIT_ALIGN - 1) / ATT_SPLIT_ALIGN * ATT_SPLIT_ALIGN;
 	const uint64_t start = (uint64_t)s * chunk;
+	*first_token = start;
 	if (start >= total) {
 		*seg = n_segs;
 		*left = 0;
@@ -289,7 +298,14 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	const uint32_t n_mine = g_own < side && g_own < gc ? (gc - g_own + side - 1) / side : 0u;
 
 	uint32_t seg, off, left;
-	att_split_range(segs, n_segs, plan.splits, split, scan_s, found_s, &seg, &off, &left);
+	uint64_t tok; /* the item's tokens before the tile, counted over its segments */
+	att_split_range(segs, n_segs, plan.splits, split, scan_s, found_s, &seg, &off, &left, &tok);
+	/* KVR_SHAPE_CAUSAL: head g0 + g is query token (g0 + g) / hq at position
+	 * pos0 + that, and sees the tokens up to it; the block stops after the
+	 * last query's position */
+	const bool causal = (shape.flags & KVR_SHAPE_CAUSAL) != 0;
+	const uint32_t hq = causal ? shape.causal_heads_per_query : 1u;
+	const uint64_t pos0 = shape.causal_first_position, last_pos = pos0 + (g0 + gc - 1) / hq;
 
 	for (uint32_t e = tid; e < n_out; e += ATT_THREADS)
 		q_s[e] = load_elem<ET>(q, qo_base + e);
@@ -315,6 +331,8 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	if (rows && !(QUANT && segs[seg].format))
 		att_fetch<ET>(segs[seg], off, rows, m, map, pre);
 	while (rows > 0) {
+		if (causal && tok > last_pos)
+			break; /* uniform: every thread holds the same tok */
 		if (QUANT && segs[seg].format)
 			att_store_quant(segs[seg], off, rows, m, shape.page_tokens, d, k_s, v_s);
 		else
@@ -324,6 +342,8 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 		/* the tile closes its segment: lse is written after this tile */
 		const uint32_t tile_seg = seg;
 		const bool closes = off + rows == segs[seg].n_tokens;
+		const uint64_t tile_tok = tok;
+		tok += rows;
 		left -= rows;
 		att_advance(segs, n_segs, &seg, &off, rows);
 		const uint32_t next = att_rows(segs, n_segs, seg, off, tile, left);
@@ -351,16 +371,21 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 						a1 = fmaf(qv.v[3], kv.v[3], a1);
 					}
 					s[h] = shape.scale * (a0 + a1);
+					if (causal && tile_tok + t > pos0 + (g0 + g) / hq)
+						s[h] = -INFINITY; /* a later token than the query */
 				}
 			}
 			const float m_old = m_s[g];
 			const float m_new = fmaxf(m_old, warp_max(fmaxf(s[0], s[1])));
+			/* causal: a head that has seen no token yet (max −inf) weighs its
+			 * masked ones exp(−inf − 0) = 0, not NaN */
+			const float m_sub = causal && m_new == -INFINITY ? 0.0f : m_new;
 			float psum = 0.0f;
 			KVR_UNROLL
 			for (uint32_t h = 0; h < 2; h++) {
 				const uint32_t t = lane + 32 * h;
 				if (t < rows) {
-					const float p = kvr_expf(s[h] - m_new);
+					const float p = kvr_expf(s[h] - m_sub);
 					p_s[g * tile + t] = p;
 					psum += p;
 				}
@@ -451,7 +476,11 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, NACC >= 16 ? 1 : 2)
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
 	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
 	float *lse = shape.flags & KVR_SHAPE_SEGMENT_LSE ? it.segment_lse : nullptr;
-	attend<ET, NACC, true>(shape, plan, it.q, it.out, mine, segments + it.first_segment,
+	struct kvr_shape sh = shape; /* a causal item's first position: its block's */
+	if ((shape.flags & KVR_SHAPE_CAUSAL) && shape.causal_items_per_block)
+		sh.causal_first_position += (uint64_t)(item / shape.causal_items_per_block) *
+					    (G / shape.causal_heads_per_query);
+	attend<ET, NACC, true>(sh, plan, it.q, it.out, mine, segments + it.first_segment,
 			 it.n_segments, m, g0, gc, split, att_smem, lse);
 }
 
@@ -480,7 +509,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, 2)
 	const uint32_t g0 = hb * plan.heads;
 	const uint32_t gc = G - g0 < plan.heads ? G - g0 : plan.heads;
 	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
-	/* plain rows only: no quantised tile code, which would cost registers */
+	/* plain rows only: no quantised tile code, which would cost registers
+	 * (and never causal: kvr_dev_dense refuses the flag) */
 	attend<ET, NACC, false>(shape, plan, it.q, it.out, mine, &run, 1, m, g0, gc, split, att_smem, nullptr);
 }
 

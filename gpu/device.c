@@ -380,8 +380,6 @@ int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		return kvr_dev_fail(dev, -EINVAL, "attention: segments is NULL");
 	if (shape->flags & KVR_SHAPE_CAUSAL) {
 		const uint32_t hq = shape->causal_heads_per_query;
-		if (dev->kind != KVR_DEV_CPU)
-			return kvr_dev_fail(dev, -ENOTSUP, "attention: causal query blocks run on the cpu backend only");
 		if (shape->flags & KVR_SHAPE_SEGMENT_LSE)
 			return kvr_dev_fail(dev, -EINVAL, "attention: causal query blocks give no segment_lse");
 		if (!hq || !shape->n_kv_heads || (shape->n_qo_heads / shape->n_kv_heads) % hq)
@@ -396,6 +394,8 @@ int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		  const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream)
 {
 	KERNEL_PROLOGUE("dense", items, n, stream);
+	if (shape->flags & KVR_SHAPE_CAUSAL)
+		return kvr_dev_fail(dev, -EINVAL, "dense: KVR_SHAPE_CAUSAL is an attention flag (query blocks over segments)");
 	return dev->ops->dense(dev, shape, items, n, stream);
 }
 

@@ -240,10 +240,14 @@ struct kvr_shape {
 	float scale; /* attention and score scale, 1/sqrt(d) */
 	float tau;   /* similarity threshold */
 	uint32_t flags; /* enum kvr_shape_flags */
-	/* KVR_SHAPE_CAUSAL (attention): query heads per query token, and the
-	 * position of an item's first query token */
+	/* KVR_SHAPE_CAUSAL (attention): query heads per query token; how many
+	 * consecutive items make one query block (0: the call is one block);
+	 * and the position of the first block's first query token. Item i's
+	 * first query token is causal_first_position + (i / causal_items_per_block)
+	 * · (its query heads / causal_heads_per_query), so one call can hold
+	 * several consecutive blocks (each block's items: its KV heads). */
 	uint32_t causal_heads_per_query;
-	uint32_t reserved; /* zero; keeps causal_first_position aligned without padding */
+	uint32_t causal_items_per_block;
 	uint64_t causal_first_position;
 };
 
@@ -254,12 +258,13 @@ enum kvr_shape_flags {
 	KVR_SHAPE_SEGMENT_LSE = 1u << 0,
 	/* attention, a block of queries of one sequence (prefill): query head
 	 * h of an item belongs to query token h / causal_heads_per_query, at
-	 * position causal_first_position + that; it attends only the tokens
+	 * position causal_first_position + that (plus the item's block's
+	 * offset, see causal_items_per_block); it attends only the tokens
 	 * whose index, counted over the item's segments in order from 0, is at
 	 * most its position (the causal mask of FlashAttention's diagonal
 	 * block). Each K and V row is then read once for all the block's
-	 * queries instead of once per query. cpu backend only (others:
-	 * -ENOTSUP); not with KVR_SHAPE_SEGMENT_LSE. */
+	 * queries instead of once per query. Every backend; not with
+	 * KVR_SHAPE_SEGMENT_LSE, and not for dense (-EINVAL). */
 	KVR_SHAPE_CAUSAL = 1u << 1,
 };
 

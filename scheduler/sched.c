@@ -164,6 +164,7 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	kvr_scratch_free(s->dev, s->rec.ctl_sel.scores);
 	kvr_stage_free(s->dev, s->eng.prefill_q);
 	kvr_stage_free(s->dev, s->eng.prefill_out);
+	kvr_mapped_free(s->dev, s->eng.prefill_rows);
 	free(s->eng.zero_row);
 	kvr_dev_event_destroy(s->dev, s->eng.engine_ready);
 	kvr_dev_event_destroy(s->dev, s->eng.layer_done);

@@ -172,8 +172,10 @@ struct kvr_sched {
 		struct kvr_event *engine_ready; /* recorded on the engine's stream at a layer's start */
 		struct kvr_event *layer_done;   /* recorded on compute after a layer's attention */
 		void *zero_row;
-		void *prefill_q, *prefill_out;
+		void *prefill_q, *prefill_out; /* device stages of a query block's rows */
 		size_t prefill_q_bytes, prefill_out_bytes;
+		void *prefill_rows; /* mapped: the block's gathered query rows, then its output rows */
+		size_t prefill_rows_bytes;
 	} eng;
 
 	/* The controller thread's recall state (and what it queues on the copy

@@ -289,12 +289,19 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 		for (uint32_t c = 0; c < d; c++)
 			o[c] = 0.0;
 		hs->v_mag = hs->logit_mag = 0.0;
-		if (!n_tok)
+		/* KVR_SHAPE_CAUSAL: head h % G is query token (h % G) / hq, which
+		 * sees the tokens up to its position, counted over the segments */
+		uint64_t visible = n_tok;
+		if (sh->flags & KVR_SHAPE_CAUSAL) {
+			const uint64_t pos = sh->causal_first_position + (h % G) / sh->causal_heads_per_query;
+			visible = pos + 1 < n_tok ? pos + 1 : n_tok;
+		}
+		if (!visible)
 			continue; /* no tokens: zeros */
 		double lmax = -INFINITY;
 		uint64_t i = 0;
 		for (uint32_t s = 0; s < n_segs; s++)
-			for (uint64_t t = 0; t < segs[s].n_tokens; t++, i++) {
+			for (uint64_t t = 0; t < segs[s].n_tokens && i < visible; t++, i++) {
 				double dot = 0.0, mag = 0.0;
 				for (uint32_t c = 0; c < d; c++) {
 					const double x = ref_load(q, type, (uint64_t)h * d + c) *
@@ -311,7 +318,7 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 		double sum = 0.0;
 		i = 0;
 		for (uint32_t s = 0; s < n_segs; s++)
-			for (uint64_t t = 0; t < segs[s].n_tokens; t++, i++) {
+			for (uint64_t t = 0; t < segs[s].n_tokens && i < visible; t++, i++) {
 				const double w = exp(logit[i] - lmax);
 				sum += w;
 				for (uint32_t c = 0; c < d; c++) {
@@ -331,6 +338,16 @@ void ref_attention(const struct kvr_shape *sh, const struct kvr_attention_item *
 		   const struct kvr_kv_segment *segments, double *out, struct ref_head_scale *scale)
 {
 	attend(sh, item->q, segments + item->first_segment, item->n_segments, out, scale);
+}
+
+void ref_attention_at(const struct kvr_shape *sh, const struct kvr_attention_item *items, uint32_t i,
+		      const struct kvr_kv_segment *segments, double *out, struct ref_head_scale *scale)
+{
+	struct kvr_shape one = *sh;
+	if ((sh->flags & KVR_SHAPE_CAUSAL) && sh->causal_items_per_block)
+		one.causal_first_position += (uint64_t)(i / sh->causal_items_per_block) *
+					     (sh->n_qo_heads / sh->n_kv_heads / sh->causal_heads_per_query);
+	ref_attention(&one, &items[i], segments, out, scale);
 }
 
 void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_item *item,

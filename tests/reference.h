@@ -105,6 +105,10 @@ void ref_similarity(const struct kvr_shape *sh, const struct kvr_similarity_item
  * segments: the call's whole array. */
 void ref_attention(const struct kvr_shape *sh, const struct kvr_attention_item *item,
 		   const struct kvr_kv_segment *segments, double *out, struct ref_head_scale *scale);
+/* Item i of a call: ref_attention with the item's causal block position
+ * (KVR_SHAPE_CAUSAL with causal_items_per_block). */
+void ref_attention_at(const struct kvr_shape *sh, const struct kvr_attention_item *items, uint32_t i,
+		      const struct kvr_kv_segment *segments, double *out, struct ref_head_scale *scale);
 /* Each segment's log-sum-exp of logits per query head, lse[h·n_segments + s]
  * (kernels.h, KVR_SHAPE_SEGMENT_LSE); −inf for an empty segment. */
 void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_item *item,

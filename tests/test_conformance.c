@@ -1422,7 +1422,7 @@ static void run_and_check(struct env *e, struct dctx *c, const char *what,
 		char w[128];
 		snprintf(w, sizeof(w), "%s item %u", what, i);
 		if (att)
-			ref_attention(sh, &att[i], segs, ref, scale);
+			ref_attention_at(sh, att, i, segs, ref, scale);
 		else
 			ref_dense(sh, &dense[i], ref, scale);
 		check_heads(e, w, sh, (unsigned char *)got + i * per * eb, ref, scale);
@@ -1495,6 +1495,140 @@ static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 }
 
 CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
+
+/*
+ * Causal query blocks (KVR_SHAPE_CAUSAL, the prefill): each KV head's group
+ * holds NQ query tokens of the shape's G query heads each, at positions
+ * pos0, pos0 + 1, ..., and a query sees the item's tokens up to its own,
+ * counted over the segments. Items: HND pages and NHD tile rows with an empty
+ * segment among them (3p + 4 tokens); three whole pages; no segments
+ * (zeros); and a quantised prefix (a K8V4 page, tile rows, a partial K4V2
+ * page). pos0 puts the diagonal at the very first token (each query sees 1 to
+ * NQ tokens), inside a page and across a segment boundary, on the last tokens
+ * (part of the block sees past every segment) and past them all; one block's
+ * queries are 40x larger (logits in the hundreds); then three blocks in one
+ * call, each item at its block's position.
+ */
+static void attention_causal_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	CASE_SETUP(numeric_shapes, 0xca5a);
+	enum { PAGES = 6, ITEMS = 4 };
+	const uint32_t p = sh.page_tokens, n_kv = sh.n_kv_heads, hq = sh.n_qo_heads / n_kv;
+	const uint32_t NQ = 64 / hq < 5 ? 64 / hq : 5; /* at most 64 query heads per KV head */
+	sh.n_qo_heads *= NQ;
+	sh.flags = KVR_SHAPE_CAUSAL;
+	sh.causal_heads_per_query = hq;
+	const uint32_t row = n_kv * sh.head_dim;
+	const uint64_t page = 2ull * n_kv * p * sh.head_dim, tile = (uint64_t)p * row;
+	const size_t eb = ebytes(type);
+	void *pool = halloc(PAGES * page * eb), *kt = halloc(tile * eb), *vt = halloc(tile * eb);
+	fill_uniform(&r, pool, type, PAGES * page, -1.0, 1.0);
+	fill_uniform(&r, kt, type, tile, -1.0, 1.0);
+	fill_uniform(&r, vt, type, tile, -1.0, 1.0);
+	put(c, pool, PAGES * page * eb);
+	put(c, kt, tile * eb);
+	put(c, vt, tile * eb);
+	/* quantised pages, from random NHD rows as offload makes them */
+	struct kvr_quant_geometry g8, g4;
+	cr_assert_eq(kvr_quant_geometry_init(&g8, p, sh.head_dim, n_kv, KVR_KV_K8V4), 0);
+	cr_assert_eq(kvr_quant_geometry_init(&g4, p, sh.head_dim, n_kv, KVR_KV_K4V2), 0);
+	const struct kvr_quant_geometry *qg[2] = { &g8, &g4 };
+	unsigned char *qpages[2];
+	void *rows_k = halloc(tile * eb), *rows_v = halloc(tile * eb);
+	float *scratch = halloc(sh.head_dim * sizeof(float));
+	for (uint32_t i = 0; i < 2; i++) {
+		fill_uniform(&r, rows_k, type, tile, -1.0, 1.0);
+		fill_uniform(&r, rows_v, type, tile, -1.0, 1.0);
+		qpages[i] = halloc(qg[i]->page_bytes);
+		for (uint32_t m = 0; m < n_kv; m++)
+			kvr_quant_run_from_nhd(qg[i], rows_k, rows_v, row, type, m, i ? p - 3 : p,
+					       qpages[i] + (uint64_t)m * qg[i]->head_bytes, scratch);
+		put(c, qpages[i], qg[i]->page_bytes);
+	}
+	const struct kvr_kv_segment segs[] = {
+		/* item 0: 3p + 4 tokens */
+		hnd_segment(&sh, pool, 0, p),
+		nhd_segment(&sh, kt, vt, 0, 1, p - 1),
+		hnd_segment(&sh, pool, 1, p),
+		nhd_segment(&sh, kt, vt, 0, 0, 0),
+		hnd_segment(&sh, pool, 2, 5),
+		/* item 1: three pages */
+		hnd_segment(&sh, pool, 3, p),
+		hnd_segment(&sh, pool, 4, p),
+		hnd_segment(&sh, pool, 5, p),
+		/* item 3: quantised, 3p - 4 tokens */
+		{ .k = qpages[0], .n_tokens = p, .head_stride = (uint32_t)g8.head_bytes, .format = KVR_KV_K8V4 },
+		nhd_segment(&sh, kt, vt, 0, 2, p - 2),
+		{ .k = qpages[1], .n_tokens = p - 3, .head_stride = (uint32_t)g4.head_bytes, .format = KVR_KV_K4V2 },
+	};
+	static const uint32_t first[ITEMS] = { 0, 5, 8, 8 };
+	static const uint32_t count[ITEMS] = { 5, 3, 0, 3 };
+	const uint64_t positions[] = { 0, p - 2, 2 * p - 1, 3 * p + 4 - NQ / 2, 3 * p + 10 };
+	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
+	for (uint32_t k = 0; k < ARRAY_LEN(positions); k++) {
+		sh.causal_first_position = positions[k];
+		void *q = new_queries(&r, &sh, ITEMS, k == 2 ? 80.0 : 2.0), *out = new_outputs(&sh, ITEMS);
+		struct kvr_attention_item items[ITEMS];
+		attention_items(items, ITEMS, q, out, type, per, first, count);
+		char what[96];
+		snprintf(what, sizeof(what), "causal attention config %u from position %llu", ci,
+			 (unsigned long long)positions[k]);
+		attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+	}
+	/* three consecutive blocks in one call (causal_items_per_block): block
+	 * b's queries from position p − 2 + b·NQ, over the same items' segments */
+	enum { BLOCKS = 3 };
+	sh.causal_first_position = p - 2;
+	sh.causal_items_per_block = ITEMS;
+	void *q = new_queries(&r, &sh, BLOCKS * ITEMS, 2.0), *out = new_outputs(&sh, BLOCKS * ITEMS);
+	struct kvr_attention_item items[BLOCKS * ITEMS];
+	for (uint32_t b = 0; b < BLOCKS; b++)
+		attention_items(items + b * ITEMS, ITEMS, elem_ptr(q, type, b * ITEMS * per),
+				elem_ptr(out, type, b * ITEMS * per), type, per, first, count);
+	char what[96];
+	snprintf(what, sizeof(what), "causal attention config %u, %u blocks in one call", ci, BLOCKS);
+	attention_and_check(e, c, what, &sh, items, BLOCKS * ITEMS, segs, ARRAY_LEN(segs), q, out);
+}
+
+CONFORMANCE_CASES(attention_causal, ARRAY_LEN(numeric_shapes))
+
+/* The flag's refusals: with segment_lse, a group that is no whole number of
+ * query tokens, and dense attention; each names its reason and leaves the
+ * device usable. */
+static void attention_causal_errors_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	CASE_SETUP(numeric_shapes, 0xca5b);
+	if (ci > 1 || ti)
+		return; /* the checks are about the shape's flags, not its numbers */
+	sh.n_qo_heads *= 2;
+	sh.flags = KVR_SHAPE_CAUSAL;
+	sh.causal_heads_per_query = sh.n_qo_heads / sh.n_kv_heads / 2;
+	void *q = new_queries(&r, &sh, 1, 1.0), *out = new_outputs(&sh, 1);
+	put(c, q, (size_t)sh.n_qo_heads * sh.head_dim * ebytes(type));
+	put(c, out, (size_t)sh.n_qo_heads * sh.head_dim * ebytes(type));
+	const struct kvr_attention_item it = { .q = q, .out = out, .first_segment = 0, .n_segments = 0 };
+	struct kvr_shape bad = sh;
+	bad.flags |= KVR_SHAPE_SEGMENT_LSE;
+	cr_expect_eq(kvr_dev_attention(c->dev, &bad, dev_attention_items(c, &it, 1), 1, NULL, 0, c->s), -EINVAL,
+		     "%s: causal with segment_lse", c->name);
+	cr_expect(strstr(kvr_dev_last_error(c->dev), "segment_lse"), "%s", kvr_dev_last_error(c->dev));
+	bad = sh;
+	bad.causal_heads_per_query = sh.n_qo_heads / sh.n_kv_heads + 1; /* divides nothing */
+	cr_expect_eq(kvr_dev_attention(c->dev, &bad, dev_attention_items(c, &it, 1), 1, NULL, 0, c->s), -EINVAL,
+		     "%s: causal_heads_per_query %u", c->name, bad.causal_heads_per_query);
+	bad.causal_heads_per_query = 0;
+	cr_expect_eq(kvr_dev_attention(c->dev, &bad, dev_attention_items(c, &it, 1), 1, NULL, 0, c->s), -EINVAL,
+		     "%s: causal_heads_per_query 0", c->name);
+	const struct kvr_dense_item dense = { .q = q, .out = out, .k = q, .v = q, .n_tokens = 0, .row_stride = 0 };
+	cr_expect_eq(kvr_dev_dense(c->dev, &sh, dev_dense_items(c, &dense, 1), 1, c->s), -EINVAL,
+		     "%s: causal dense", c->name);
+	cr_expect(strstr(kvr_dev_last_error(c->dev), "attention flag"), "%s", kvr_dev_last_error(c->dev));
+	/* still usable: the valid call runs (no tokens: zeros) */
+	DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, &it, 1), 1, NULL, 0, c->s));
+	DEV_OK(c, kvr_dev_stream_synchronize(c->dev, c->s));
+}
+
+CONFORMANCE_CASES(attention_causal_errors, ARRAY_LEN(numeric_shapes))
 
 /*
  * Attention over quantised pages (K8V4 and K4V2, kvquant.h) mixed with plain
