@@ -739,10 +739,252 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	}
 }
 
+/*
+ * A causal query block over plain segments (the prefill: KVR_SHAPE_CAUSAL,
+ * tens of query heads per KV head) as two small matrix products per block
+ * of 16 tokens, FlashAttention-2's structure with the heads in the vector
+ * lanes: Q is held transposed (qt[c][g], scaled), so a block's scores are
+ * S[b][g] = Σ_c K[b][c]·qt[c][g] — a broadcast of one key element times a
+ * vector of heads, no horizontal sums — and the output is kept transposed
+ * too, ot[c][g] += Σ_b V[b][c]·P[b][g], so the online softmax's running
+ * maxima, sums and rescales are lane-wise over heads. The block's K and V
+ * rows are widened to f32 once for all the heads. Register tiles: 4 tokens
+ * (or 4 dimensions) by 2 head vectors, or 8 by the one vector left, 8
+ * accumulators either way. Heads are padded to whole vectors with zero
+ * queries, whose lanes are computed and never written out.
+ */
+#ifndef KVR_CA_CONSTANTS /* once for the three inclusions */
+#define KVR_CA_CONSTANTS
+enum { CA_BLOCK = 16, CA_TILE = 4 };
+#define CA_LAZY_MAX 8.0f
+#endif
+
+static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
+				     const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m)
+{
+	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
+	const uint64_t eb = kvr_elem_bytes(t);
+	const uint32_t NV = (G + VA_LANES - 1) / VA_LANES; /* head vectors */
+	const uint32_t GP = NV * VA_LANES;                 /* padded heads */
+	const uint32_t hq = sh->causal_heads_per_query;
+	const uint64_t pos0 = sh->causal_first_position, last_pos = pos0 + G / hq - 1;
+	/* sized by d and G (at most 164 KiB at d = 256, G = 64; 20 KiB for
+	 * SmolLM2) and aligned, so every vector access is one aligned load or
+	 * store (unaligned 256-bit ones are split in two under generic tuning,
+	 * and a split store read back whole stalls store forwarding) */
+	typedef VA_T va_al __attribute__((may_alias));
+#define CA_V(ptr) (*(va_al *)(ptr))
+	float qt[d * GP] __attribute__((aligned(64))), ot[d * GP] __attribute__((aligned(64)));
+	float st[CA_BLOCK * GP] __attribute__((aligned(64)));
+	float kf[CA_BLOCK * d] __attribute__((aligned(64))), vv[CA_BLOCK * d] __attribute__((aligned(64)));
+	VA_T run_max[KVR_MAX_GROUP_CPU / VA_LANES + 1], run_sum[KVR_MAX_GROUP_CPU / VA_LANES + 1];
+	memset(qt, 0, sizeof(qt));
+	memset(ot, 0, sizeof(ot));
+	for (uint32_t g = 0; g < G; g++)
+		for (uint32_t c = 0; c < d; c += VA_LANES) {
+			float x[VA_LANES];
+			const VA_T v = LOADA(q_rows, t, (uint64_t)(m * G + g) * d + c) * sh->scale;
+			memcpy(x, &v, sizeof(v));
+			for (uint32_t l = 0; l < VA_LANES; l++)
+				qt[(c + l) * GP + g] = x[l];
+		}
+	for (uint32_t j = 0; j < NV; j++) {
+		run_max[j] = SPLATA(-INFINITY);
+		run_sum[j] = SPLATA(0.0f);
+	}
+	uint64_t seg_first_token = 0;
+	for (uint32_t si = 0; si < n_segs; si++) {
+		const struct kvr_kv_segment *seg = &segs[si];
+		const uint64_t seg_tok0 = seg_first_token;
+		seg_first_token += seg->n_tokens;
+		if (seg_tok0 > last_pos) /* after every query of the block */
+			break;
+		const uint64_t head_off = (uint64_t)m * seg->head_stride * eb;
+		const unsigned char *kb = (const unsigned char *)seg->k + head_off;
+		const unsigned char *vb = (const unsigned char *)seg->v + head_off;
+		const uint64_t row = (uint64_t)seg->row_stride * eb;
+		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += CA_BLOCK) {
+			const uint32_t nb = seg->n_tokens - t0 < CA_BLOCK ? seg->n_tokens - t0 : CA_BLOCK;
+			const uint64_t tok0 = seg_tok0 + t0;
+			if (tok0 > last_pos)
+				break;
+			const uint32_t nbt = (nb + CA_TILE - 1) / CA_TILE * CA_TILE; /* whole token tiles */
+			/* the block's rows in f32; a last partial tile's extra rows zero */
+			for (uint32_t b = 0; b < nbt; b++)
+				for (uint32_t c = 0; c < d; c += VA_LANES) {
+					const VA_T k = b < nb ? LOADA(kb + (t0 + b) * row, t, c) : SPLATA(0.0f);
+					const VA_T v = b < nb ? LOADA(vb + (t0 + b) * row, t, c) : SPLATA(0.0f);
+					CA_V(kf + b * d + c) = k;
+					CA_V(vv + b * d + c) = v;
+				}
+			/* S = K·Q^T, 4 tokens by 2 head vectors at a time (an odd last
+			 * vector: 8 tokens of it) */
+			for (uint32_t j = 0; j + 2 <= NV; j += 2)
+				for (uint32_t b0 = 0; b0 < nbt; b0 += CA_TILE) {
+					VA_T a[CA_TILE][2];
+					_Pragma("GCC unroll 4")
+					for (uint32_t i = 0; i < CA_TILE; i++)
+						a[i][0] = a[i][1] = SPLATA(0.0f);
+					for (uint32_t c = 0; c < d; c++) {
+						const VA_T q0 = CA_V(qt + c * GP + j * VA_LANES);
+						const VA_T q1 = CA_V(qt + c * GP + (j + 1) * VA_LANES);
+						_Pragma("GCC unroll 4")
+						for (uint32_t i = 0; i < CA_TILE; i++) {
+							const VA_T k = SPLATA(kf[(b0 + i) * d + c]);
+							a[i][0] = FMAA(k, q0, a[i][0]);
+							a[i][1] = FMAA(k, q1, a[i][1]);
+						}
+					}
+					_Pragma("GCC unroll 4")
+					for (uint32_t i = 0; i < CA_TILE; i++) {
+						CA_V(st + (b0 + i) * GP + j * VA_LANES) = a[i][0];
+						CA_V(st + (b0 + i) * GP + (j + 1) * VA_LANES) = a[i][1];
+					}
+				}
+			if (NV % 2) {
+				const uint32_t j = NV - 1;
+				for (uint32_t b0 = 0; b0 < nbt; b0 += 2 * CA_TILE) {
+					VA_T a[2 * CA_TILE];
+					_Pragma("GCC unroll 8")
+					for (uint32_t i = 0; i < 2 * CA_TILE; i++)
+						a[i] = SPLATA(0.0f);
+					const uint32_t nt = nbt - b0 < 2 * CA_TILE ? nbt - b0 : 2 * CA_TILE;
+					if (nt == 2 * CA_TILE) {
+						for (uint32_t c = 0; c < d; c++) {
+							const VA_T q0 = CA_V(qt + c * GP + j * VA_LANES);
+							_Pragma("GCC unroll 8")
+							for (uint32_t i = 0; i < 2 * CA_TILE; i++)
+								a[i] = FMAA(SPLATA(kf[(b0 + i) * d + c]), q0, a[i]);
+						}
+					} else { /* 4 tokens left */
+						for (uint32_t c = 0; c < d; c++) {
+							const VA_T q0 = CA_V(qt + c * GP + j * VA_LANES);
+							_Pragma("GCC unroll 4")
+							for (uint32_t i = 0; i < CA_TILE; i++)
+								a[i] = FMAA(SPLATA(kf[(b0 + i) * d + c]), q0, a[i]);
+						}
+					}
+					for (uint32_t i = 0; i < nt; i++)
+						CA_V(st + (b0 + i) * GP + j * VA_LANES) = a[i];
+				}
+			}
+			if (tok0 + nb - 1 > pos0) /* the diagonal: no query sees a later token */
+				for (uint32_t b = 0; b < nb; b++)
+					for (uint32_t g = 0; g < G; g++)
+						if (tok0 + b > pos0 + g / hq)
+							st[b * GP + g] = -INFINITY;
+			/* the online softmax, lane-wise over heads */
+			for (uint32_t j = 0; j < NV; j++) {
+				VA_T x[CA_BLOCK], bmax = SPLATA(-INFINITY);
+				for (uint32_t b = 0; b < nb; b++) {
+					x[b] = CA_V(st + b * GP + j * VA_LANES);
+					bmax = MAXA(x[b], bmax); /* a NaN score is passed over */
+				}
+				/* The running max moves only where the block's exceeds it by
+				 * more than CA_LAZY_MAX: weights then stay below e^8 ≈ 3000
+				 * (no overflow; sums in f32 lose nothing that matters), and
+				 * most blocks skip rescaling their outputs. The result is the
+				 * same softmax: every weight and sum is relative to one max. */
+				typedef int32_t va_int __attribute__((vector_size(sizeof(VA_T))));
+				const va_int raise = bmax > run_max[j] + SPLATA(CA_LAZY_MAX);
+				const VA_T new_max = (VA_T)(((va_int)bmax & raise) | ((va_int)run_max[j] & ~raise));
+				/* a head that has seen nothing yet (max −inf): its weights are
+				 * exp(−inf − 0) = 0, not NaN */
+				const va_int none = new_max == SPLATA(-INFINITY);
+				const VA_T e = (VA_T)((va_int)new_max & ~none);
+				int32_t raised[VA_LANES];
+				memcpy(raised, &raise, sizeof(raised));
+				int rescale = 0;
+				for (uint32_t l = 0; l < VA_LANES; l++)
+					rescale |= raised[l];
+				VA_T psum = SPLATA(0.0f);
+				for (uint32_t b = 0; b < nb; b++) {
+					x[b] = EXPA(x[b] - e);
+					CA_V(st + b * GP + j * VA_LANES) = x[b];
+					psum = psum + x[b];
+				}
+				if (rescale) {
+					/* kvr_softmax_rescale: exp(old − new), 0 when old is −inf;
+					 * 1 in the lanes whose max stays */
+					const VA_T alpha = EXPA(run_max[j] - e);
+					for (uint32_t c = 0; c < d; c++)
+						CA_V(ot + c * GP + j * VA_LANES) = CA_V(ot + c * GP + j * VA_LANES) * alpha;
+					run_sum[j] = run_sum[j] * alpha;
+				}
+				run_sum[j] = run_sum[j] + psum;
+				run_max[j] = new_max;
+			}
+			/* O^T += V^T·P, 4 dimensions by 2 head vectors at a time (an odd
+			 * last vector: 8 dimensions of it) */
+			for (uint32_t c0 = 0; c0 < d; c0 += CA_TILE)
+				for (uint32_t j = 0; j + 2 <= NV; j += 2) {
+					VA_T a[CA_TILE][2];
+					_Pragma("GCC unroll 4")
+					for (uint32_t i = 0; i < CA_TILE; i++) {
+						a[i][0] = CA_V(ot + (c0 + i) * GP + j * VA_LANES);
+						a[i][1] = CA_V(ot + (c0 + i) * GP + (j + 1) * VA_LANES);
+					}
+					for (uint32_t b = 0; b < nb; b++) {
+						const VA_T p0 = CA_V(st + b * GP + j * VA_LANES);
+						const VA_T p1 = CA_V(st + b * GP + (j + 1) * VA_LANES);
+						_Pragma("GCC unroll 4")
+						for (uint32_t i = 0; i < CA_TILE; i++) {
+							const VA_T v = SPLATA(vv[b * d + c0 + i]);
+							a[i][0] = FMAA(v, p0, a[i][0]);
+							a[i][1] = FMAA(v, p1, a[i][1]);
+						}
+					}
+					_Pragma("GCC unroll 4")
+					for (uint32_t i = 0; i < CA_TILE; i++) {
+						CA_V(ot + (c0 + i) * GP + j * VA_LANES) = a[i][0];
+						CA_V(ot + (c0 + i) * GP + (j + 1) * VA_LANES) = a[i][1];
+					}
+				}
+			if (NV % 2) /* d is a multiple of 32: whole tiles of 8 dimensions */
+				for (uint32_t c0 = 0, j = NV - 1; c0 < d; c0 += 2 * CA_TILE) {
+					VA_T a[2 * CA_TILE];
+					_Pragma("GCC unroll 8")
+					for (uint32_t i = 0; i < 2 * CA_TILE; i++)
+						a[i] = CA_V(ot + (c0 + i) * GP + j * VA_LANES);
+					for (uint32_t b = 0; b < nb; b++) {
+						const VA_T p0 = CA_V(st + b * GP + j * VA_LANES);
+						_Pragma("GCC unroll 8")
+						for (uint32_t i = 0; i < 2 * CA_TILE; i++)
+							a[i] = FMAA(SPLATA(vv[b * d + c0 + i]), p0, a[i]);
+					}
+					_Pragma("GCC unroll 8")
+					for (uint32_t i = 0; i < 2 * CA_TILE; i++)
+						CA_V(ot + (c0 + i) * GP + j * VA_LANES) = a[i];
+				}
+		}
+	}
+	float sums[KVR_MAX_GROUP_CPU + VA_LANES];
+	for (uint32_t j = 0; j < NV; j++)
+		memcpy(sums + j * VA_LANES, &run_sum[j], sizeof(run_sum[j]));
+	for (uint32_t g = 0; g < G; g++) {
+		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
+		float out[256];
+		const float inv = sums[g] == 0.0f ? 0.0f : 1.0f / sums[g];
+		for (uint32_t c = 0; c < d; c++)
+			out[c] = ot[c * GP + g] * inv;
+		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, out, t, d);
+	}
+#undef CA_V
+}
+
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse)
 {
 	/* head_dim: a multiple of 32 up to 256 (value_heads relies on it) */
+	if ((sh->flags & KVR_SHAPE_CAUSAL) && !lse) {
+		int plain = 1;
+		for (uint32_t si = 0; si < n_segs; si++)
+			plain &= !segs[si].format;
+		if (plain) {
+			ISA_FN(attention_causal)(sh, q_rows, out_rows, segs, n_segs, m);
+			return;
+		}
+	}
 	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES);
 }
 
