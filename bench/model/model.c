@@ -26,7 +26,7 @@
 #include "ops.h"
 #include "quant.h"
 
-enum { PREFILL_CHUNK = 32 }; /* tokens per layer pass (kvrecall's prefill attention groups 32) */
+enum { PREFILL_CHUNK = 64 }; /* tokens per layer pass: 4 of kvrecall's prefill query blocks of 16 (G = 3) */
 
 struct layer_w {
 	const struct gguf_tensor *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *gate, *up, *down;
