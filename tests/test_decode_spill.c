@@ -143,6 +143,77 @@ Test(decode_spill, outputs_identical_to_a_pool_in_ram, .timeout = 240)
 	free(want), free(got);
 }
 
+/* Prefill attention over one sequence of two prefilled in ctx (the same K,
+ * V and queries for a given seed), chunks of 64 queries from position `from`. */
+static int prefill_attend(struct kvr_context *ctx, uint64_t seed, uint32_t from, float *out)
+{
+	rng_state = seed;
+	uint32_t seqs[2];
+	float *k = malloc(PREFILL * KV_ROW * sizeof(float)), *v = malloc(PREFILL * KV_ROW * sizeof(float));
+	for (int s = 0; s < 2; s++) {
+		cr_assert_eq(kvr_seq_create(ctx, &seqs[s]), 0);
+		for (uint32_t i = 0; i < PREFILL * KV_ROW; i++)
+			k[i] = frand(), v[i] = frand();
+		for (uint32_t l = 0; l < LAYERS; l++)
+			cr_assert_eq(kvr_prefill(ctx, seqs[s], l, 0, PREFILL, k, v), 0, "%s", kvr_last_error(ctx));
+	}
+	free(k), free(v);
+	float *q = malloc(PREFILL * Q_ROW * sizeof(float));
+	for (uint32_t i = 0; i < PREFILL * Q_ROW; i++)
+		q[i] = frand();
+	int rc = 0;
+	for (uint32_t at = from; !rc && at < PREFILL; at += 64) {
+		const uint32_t n = PREFILL - at < 64 ? PREFILL - at : 64;
+		rc = kvr_prefill_attention(ctx, seqs[0], 1, at, n, q + (size_t)at * Q_ROW, out + (size_t)at * Q_ROW);
+	}
+	free(q);
+	return rc;
+}
+
+/* Prefill attention with the spill tier (issue 22): the sequence's pages come
+ * back from the file as each call's query blocks need them, and the outputs
+ * are bit-identical to a pool in RAM. A call whose prefix needs more pages
+ * than RAM has frames is refused, naming the page, and changes nothing: the
+ * pool validates and a call that fits still gives the same outputs. */
+Test(decode_spill, prefill_attention_reads_spilled_pages, .timeout = 120)
+{
+	float *want = calloc(PREFILL * Q_ROW, sizeof(float)), *got = calloc(PREFILL * Q_ROW, sizeof(float));
+	struct kvr_context *a = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 0);
+	cr_assert_eq(prefill_attend(a, 91, 0, want), 0, "%s", kvr_last_error(a));
+	kvr_context_destroy(a);
+	/* 40 frames for 100 pages: most of the sequence is in the file */
+	struct kvr_context *b = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 40);
+	cr_assert_eq(prefill_attend(b, 91, 0, got), 0, "%s", kvr_last_error(b));
+	struct kvr_pool_stats st;
+	kvr_pool_get_stats(b->pool, &st);
+	cr_expect_gt(st.spilled_pages, 50, "only %llu pages spilled", (unsigned long long)st.spilled_pages);
+	cr_expect_eq(st.spill_errors, 0);
+	cr_expect_eq(kvr_pool_validate(b->pool, NULL), 0, "%s", kvr_pool_last_error(b->pool));
+	kvr_context_destroy(b);
+	cr_assert_eq(memcmp(got, want, PREFILL * Q_ROW * sizeof(float)), 0, "outputs differ with the spill tier");
+	/* 12 frames: a call at position 320.. needs 24 pages at once */
+	struct kvr_context *c = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 12);
+	memset(got, 0, PREFILL * Q_ROW * sizeof(float));
+	const int rc = prefill_attend(c, 91, 320, got);
+	cr_expect_lt(rc, 0, "a prefix larger than RAM was not refused");
+	cr_expect(strstr(kvr_last_error(c), "prefill attention") != NULL, "%s", kvr_last_error(c));
+	cr_expect_eq(kvr_pool_validate(c->pool, NULL), 0, "%s", kvr_pool_last_error(c->pool));
+	/* still usable: queries 0..63 need 4 pages */
+	uint32_t seq0 = 0;
+	float *q = malloc(64 * Q_ROW * sizeof(float));
+	rng_state = 12345;
+	for (uint32_t i = 0; i < 64 * Q_ROW; i++)
+		q[i] = frand();
+	cr_assert_eq(kvr_prefill_attention(c, seq0, 1, 0, 64, q, got), 0, "%s", kvr_last_error(c));
+	kvr_context_destroy(c);
+	struct kvr_context *d = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 0);
+	cr_assert_eq(prefill_attend(d, 91, PREFILL, want), 0); /* the same K and V, no queries */
+	cr_assert_eq(kvr_prefill_attention(d, seq0, 1, 0, 64, q, want), 0, "%s", kvr_last_error(d));
+	kvr_context_destroy(d);
+	cr_expect_eq(memcmp(got, want, 64 * Q_ROW * sizeof(float)), 0, "the refused call left something behind");
+	free(q), free(want), free(got);
+}
+
 /* Flip a byte in every slot of the first sequence's spilled pages, on disk. */
 static void corrupt_first(struct kvr_context *ctx, const uint32_t *seqs)
 {
