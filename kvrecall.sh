@@ -14,10 +14,10 @@
 #   ./kvrecall.sh deps    install the Debian packages only
 #   ./kvrecall.sh build   configure and build only
 #
-# Environment: BUILD_DIR (default build; the demo's is DEMO_BUILD_DIR, default
-# build-demo), MESON_ARGS (extra `meson setup`
-# options, e.g. "-Dcuda=disabled" or "-Db_sanitize=address,undefined
-# -Db_lundef=false"), CI=true adds -Dwerror=true.
+# Environment: BUILD_DIR (default build; the demo's is DEMO_BUILD_DIR,
+# default build-demo), MESON_ARGS (extra `meson setup` options, e.g.
+# "-Dcuda=disabled" or "-Db_sanitize=address,undefined -Db_lundef=false"),
+# CI=true adds -Dwerror=true.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -104,7 +104,7 @@ demo)
 		--mode freekv --budget 1024 --max-tokens 300 "$@"
 	;;
 *)
-	sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
 	exit 2
 	;;
 esac
