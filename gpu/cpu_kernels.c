@@ -711,6 +711,7 @@ static void attention_task(void *arg, uint32_t index)
 					      (sh->n_qo_heads / sh->n_kv_heads / sh->causal_heads_per_query);
 	const void *q = it->q;
 	void *out = it->out;
+	float *lse = sh->flags & KVR_SHAPE_SEGMENT_LSE ? it->segment_lse : NULL;
 	if (job->parts > 1) {
 		const uint32_t hq = sh->causal_heads_per_query, n_tok = sh->n_qo_heads / hq;
 		const uint32_t per = (n_tok + job->parts - 1) / job->parts, t0 = index % job->parts * per;
@@ -722,6 +723,8 @@ static void attention_task(void *arg, uint32_t index)
 		part.causal_first_position += t0;
 		q = (const unsigned char *)q + skip;
 		out = (unsigned char *)out + skip;
+		if (lse) /* [head][segment]: the part's heads */
+			lse += (uint64_t)t0 * hq * it->n_segments;
 	}
 	/* Items are device memory, written by work queued before this kernel, so
 	 * their ranges can only be checked now. A bad range poisons the item's
@@ -744,12 +747,11 @@ static void attention_task(void *arg, uint32_t index)
 					     nan_row, sh->elem_type, sh->head_dim);
 			for (uint32_t si = 0; (sh->flags & KVR_SHAPE_SEGMENT_LSE) && it->segment_lse &&
 					      si < it->n_segments; si++)
-				it->segment_lse[(uint64_t)(m * G + g) * it->n_segments + si] = NAN;
+				lse[(uint64_t)(m * G + g) * it->n_segments + si] = NAN;
 		}
 		return;
 	}
-	attention_head(job->isa, &part, q, out, job->segments + it->first_segment, it->n_segments, m,
-		       sh->flags & KVR_SHAPE_SEGMENT_LSE ? it->segment_lse : NULL);
+	attention_head(job->isa, &part, q, out, job->segments + it->first_segment, it->n_segments, m, lse);
 }
 
 void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,

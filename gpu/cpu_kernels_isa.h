@@ -599,8 +599,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const uint32_t fmt = seg->format;
 		const uint64_t seg_tok0 = seg_first_token;
 		seg_first_token += seg->n_tokens;
-		if (causal && seg_tok0 > last_pos) /* after every query of the block */
+		if (causal && seg_tok0 > last_pos) { /* after every query of the block */
+			for (uint32_t g = 0; lse && g < G; g++)
+				lse[(uint64_t)(m * G + g) * n_segs + si] = -INFINITY;
 			continue;
+		}
 		for (uint32_t g = 0; g < G; g++)
 			seg_sum[g] = 0.0f;
 		/* plain: element offsets; quantised: the head's run, byte offsets */

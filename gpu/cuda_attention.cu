@@ -339,10 +339,11 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 			att_store<ET>(pre, rows, d, map, k_s, v_s);
 		__syncthreads(); /* K, V (and q and the softmax state, first time) are ready */
 
-		/* the tile closes its segment: lse is written after this tile */
+		/* the tile closes its segment, or is the block's last (causal: the
+		 * tokens after the last query are never read): lse after it */
 		const uint32_t tile_seg = seg;
-		const bool closes = off + rows == segs[seg].n_tokens;
 		const uint64_t tile_tok = tok;
+		const bool closes = off + rows == segs[seg].n_tokens || (causal && tile_tok + rows > last_pos);
 		tok += rows;
 		left -= rows;
 		att_advance(segs, n_segs, &seg, &off, rows);

@@ -380,8 +380,6 @@ int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		return kvr_dev_fail(dev, -EINVAL, "attention: segments is NULL");
 	if (shape->flags & KVR_SHAPE_CAUSAL) {
 		const uint32_t hq = shape->causal_heads_per_query;
-		if (shape->flags & KVR_SHAPE_SEGMENT_LSE)
-			return kvr_dev_fail(dev, -EINVAL, "attention: causal query blocks give no segment_lse");
 		if (!hq || !shape->n_kv_heads || (shape->n_qo_heads / shape->n_kv_heads) % hq)
 			return kvr_dev_fail(dev, -EINVAL,
 					    "attention: causal_heads_per_query %u does not divide the group of %u query heads",

@@ -263,8 +263,9 @@ enum kvr_shape_flags {
 	 * whose index, counted over the item's segments in order from 0, is at
 	 * most its position (the causal mask of FlashAttention's diagonal
 	 * block). Each K and V row is then read once for all the block's
-	 * queries instead of once per query. Every backend; not with
-	 * KVR_SHAPE_SEGMENT_LSE, and not for dense (-EINVAL). */
+	 * queries instead of once per query. Every backend; with
+	 * KVR_SHAPE_SEGMENT_LSE a segment's log-sum-exp is over the tokens the
+	 * head sees (−inf when none); not for dense (-EINVAL). */
 	KVR_SHAPE_CAUSAL = 1u << 1,
 };
 

@@ -8,21 +8,25 @@
  * Threads: the engine's thread, outside an open decode step.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "../layouts/convert.h"
 #include "sched_impl.h"
 
-/* The pages of the prefix up to position `last` for KV head m, in token order
- * from token 0 (pool pages, the page holding `last` cut after it, or the
- * tail), appended to segs. */
+/* The pages of the prefix from page `from` up to position `last` for KV head
+ * m, in token order (pool pages, the page holding `last` cut after it, or
+ * the tail), appended to segs. */
 static uint32_t prefix_segments(struct kvr_sched *s, struct kvr_lane *plane, uint32_t seq, uint32_t layer,
-				uint64_t last, uint32_t n_full, uint32_t m, struct kvr_kv_segment *segs, int *pin_err)
+				uint32_t from, uint64_t last, uint32_t n_full, uint32_t m, struct kvr_kv_segment *segs,
+				int *pin_err)
 {
 	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, d = s->c.head_dim;
 	const uint32_t whole = (uint32_t)((last + 1) / p), rest = (uint32_t)((last + 1) % p);
 	uint32_t n = 0;
-	for (uint32_t j = 0; j < whole; j++)
+	for (uint32_t j = from; j < whole; j++)
 		segs[n++] = kvr_sched_pool_segment(s, plane, j, m, 0, pin_err);
 	if (rest && whole < n_full) {
 		/* the page holding last is already in the pool: its first rows */
@@ -35,13 +39,15 @@ static uint32_t prefix_segments(struct kvr_sched *s, struct kvr_lane *plane, uin
 	return n;
 }
 
-/* Pins (spill tier) every page up to position `last`, which must then fit in
- * RAM together; the segments built after it do not pin again. */
-static int pin_prefix(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t last, uint32_t n_full)
+/* Pins (spill tier) every page from page `from` up to position `last`, which
+ * must then fit in RAM together; the segments built after it do not pin
+ * again. */
+static int pin_prefix(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint32_t from, uint64_t last,
+		      uint32_t n_full)
 {
 	const uint32_t p = s->c.page_tokens;
 	const uint32_t need = (uint32_t)((last + 1) / p) + ((last + 1) % p && (last + 1) / p < n_full);
-	for (uint32_t j = 0; j < need; j++) {
+	for (uint32_t j = from; j < need; j++) {
 		uint32_t id = 0;
 		kvr_pool_lookup(s->pool, seq, layer, j, &id);
 		const int err = kvr_sched_pin_in_place(s, id);
@@ -87,6 +93,144 @@ static int mirror_and_attend(struct kvr_sched *s, struct layer_scratch *ls, cons
  */
 #define PREFILL_BLOCKS_PER_CALL 4u
 
+/* A call's geometry: n_blocks blocks of n_q query tokens from position
+ * `first`, item k·n_kv + m (block k, KV head m) at (k·n_kv + m)·hbb of the
+ * staged rows q_view / o_view (og: the outputs' host copy). */
+struct prefill_call {
+	uint32_t seq, layer, n_full, n_blocks, n_q;
+	uint64_t first, hbb;
+	const unsigned char *q_view;
+	unsigned char *o_view, *og;
+	struct kvr_lane *plane;
+	struct layer_scratch *ls;
+};
+
+/*
+ * One kernel call over pool pages from `from`: to > from, pages [from, to)
+ * for every item, all before the call's first query (no mask); to = 0, up to
+ * each block's last query under the causal mask, positions counted from page
+ * `from`. lse (mapped, lse_stride floats an item) gets each segment's
+ * log-sum-exp, and n_segs_of[x] item x's segment count. The outputs reach og;
+ * the call's pins are released.
+ */
+static int attend_pages(struct kvr_sched *s, const struct prefill_call *c, uint32_t from, uint32_t to, float *lse,
+			uint64_t lse_stride, uint32_t *n_segs_of)
+{
+	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, G = s->G;
+	const uint32_t n_items = c->n_blocks * n_kv;
+	const uint64_t last_all = to ? (uint64_t)to * p - 1 : c->first + (uint64_t)c->n_blocks * c->n_q - 1;
+	struct kvr_attention_item *items = c->ls->m.host;
+	const size_t items_bytes = ((size_t)PREFILL_BLOCKS_PER_CALL * n_kv * sizeof(*items) + 63) & ~(size_t)63;
+	struct kvr_kv_segment *segs = (void *)((unsigned char *)c->ls->m.host + items_bytes);
+	struct kvr_stream *st = s->engine_inline;
+	int pin_err = s->spill ? pin_prefix(s, c->seq, c->layer, from, last_all, c->n_full) : 0;
+	if (pin_err)
+		return pin_err;
+	uint32_t n_segs = 0;
+	for (uint32_t k = 0; k < c->n_blocks; k++) {
+		const uint64_t last = to ? last_all : c->first + (uint64_t)(k + 1) * c->n_q - 1; /* the block's last query */
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const uint32_t first = n_segs, x = k * n_kv + m;
+			n_segs += prefix_segments(s, c->plane, c->seq, c->layer, from, last, c->n_full, m, segs + n_segs,
+						  &pin_err);
+			items[x] = (struct kvr_attention_item){ c->q_view + x * c->hbb, c->o_view + x * c->hbb,
+								lse ? lse + x * lse_stride : NULL, first, n_segs - first };
+			if (n_segs_of)
+				n_segs_of[x] = n_segs - first;
+		}
+	}
+	s->eng.suppress_segment_pins = 0;
+	struct kvr_shape shape = s->head_shape;
+	shape.n_qo_heads = c->n_q * G;
+	shape.flags = (lse ? KVR_SHAPE_SEGMENT_LSE : 0) | (to ? 0 : KVR_SHAPE_CAUSAL);
+	shape.causal_heads_per_query = to ? 0 : G;
+	shape.causal_items_per_block = to ? 0 : n_kv;
+	shape.causal_first_position = to ? 0 : c->first - (uint64_t)from * p;
+	const size_t call_bytes = (size_t)n_items * c->hbb;
+	int err = mirror_and_attend(s, c->ls, &shape, items, n_items, segs, n_segs, st);
+	if (!err)
+		err = kvr_stage_out(s->dev, c->og, c->o_view, call_bytes, st);
+	/* the next call rewrites the items (and the stages); with a spill
+	 * tier, the pages it pinned are released after it */
+	if (!err)
+		err = kvr_dev_stream_synchronize(s->dev, st);
+	kvr_sched_unpin_step(s);
+	if (err)
+		snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
+	return err;
+}
+
+/*
+ * Spill tier, a call whose prefix needs more pages than half the RAM frames:
+ * the pages before the call's first query stream through in windows of that
+ * many, each one call whose outputs and per-segment log-sum-exps merge on the
+ * host (out = Σ_w e^(lse_w − M)·out_w / Σ_w e^(lse_w − M), in f32), then the
+ * causal window from the first query's page. Only the windows' pages are in
+ * RAM at once; the outputs are the same attention to f32 and element-type
+ * rounding (each window's output is rounded once before the merge).
+ */
+static int prefill_windows(struct kvr_sched *s, const struct prefill_call *c, uint32_t window)
+{
+	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, G = s->G, d = s->c.head_dim;
+	const uint32_t n_items = c->n_blocks * n_kv, n_qo = c->n_q * G, before = (uint32_t)(c->first / p);
+	const uint32_t causal_pages = (uint32_t)((c->first + (uint64_t)c->n_blocks * c->n_q - 1) / p) - before + 1;
+	const uint64_t lse_stride = (uint64_t)n_qo * (window > causal_pages ? window : causal_pages);
+	const size_t rows = (size_t)n_items * n_qo;
+	float *acc = calloc(rows * d, sizeof(float)), *row = malloc(d * sizeof(float));
+	float *mx = malloc(rows * sizeof(float)), *sum = calloc(rows, sizeof(float));
+	uint32_t n_segs_of[PREFILL_BLOCKS_PER_CALL * KVR_MAX_KV_HEADS];
+	int err = acc && row && mx && sum ? 0 : -ENOMEM;
+	if (!err && kvr_mapped_grow(s->dev, &s->eng.prefill_lse, &s->eng.prefill_lse_bytes,
+				    n_items * lse_stride * sizeof(float)))
+		err = -ENOMEM;
+	if (err)
+		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
+	for (size_t r = 0; r < rows; r++)
+		if (mx)
+			mx[r] = -INFINITY;
+	float *lse = s->eng.prefill_lse;
+	for (uint32_t w0 = 0; !err;) {
+		const int causal = w0 >= before; /* the last call: from the first query's page */
+		const uint32_t to = causal ? 0 : (w0 + window < before ? w0 + window : before);
+		if ((err = attend_pages(s, c, causal ? before : w0, to, lse, lse_stride, n_segs_of)))
+			break;
+		for (uint32_t x = 0; x < n_items; x++)
+			for (uint32_t h = 0; h < n_qo; h++) {
+				/* the window's log-sum-exp: its segments' combined */
+				const float *l = lse + x * lse_stride + (uint64_t)h * n_segs_of[x];
+				float lw = -INFINITY;
+				for (uint32_t si = 0; si < n_segs_of[x]; si++)
+					if (l[si] > lw)
+						lw = l[si];
+				if (lw == -INFINITY)
+					continue; /* no token of this window for the head */
+				float e = 0.0f;
+				for (uint32_t si = 0; si < n_segs_of[x]; si++)
+					e += expf(l[si] - lw);
+				lw += logf(e);
+				const size_t r = (size_t)x * n_qo + h;
+				const float m_new = lw > mx[r] ? lw : mx[r];
+				const float keep = mx[r] == -INFINITY ? 0.0f : expf(mx[r] - m_new), add = expf(lw - m_new);
+				kvr_convert_to_f32(row, c->og + x * c->hbb + (uint64_t)h * d * s->eb, s->head_shape.elem_type, d);
+				for (uint32_t j = 0; j < d; j++)
+					acc[r * d + j] = acc[r * d + j] * keep + row[j] * add;
+				sum[r] = sum[r] * keep + add;
+				mx[r] = m_new;
+			}
+		if (causal)
+			break;
+		w0 = to;
+	}
+	for (size_t r = 0; !err && r < rows; r++) {
+		const float inv = sum[r] == 0.0f ? 0.0f : 1.0f / sum[r];
+		for (uint32_t j = 0; j < d; j++)
+			row[j] = acc[r * d + j] * inv;
+		kvr_convert_from_f32(c->og + (r / n_qo) * c->hbb + (uint64_t)(r % n_qo) * d * s->eb, row, s->head_shape.elem_type, d);
+	}
+	free(acc), free(row), free(mx), free(sum);
+	return err;
+}
+
 int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t layer,
 				uint64_t first_position, uint32_t n_tokens, const void *q, void *out)
 {
@@ -101,7 +245,6 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 	const size_t rows_bytes = (size_t)max_items * head_block_bytes;
 	const uint64_t max_segs = (first_position + n_tokens) / p + 1;
 	struct layer_scratch *ls = &s->eng.scratch[layer];
-	struct kvr_lane *plane = lane_of(s, seq, layer);
 	const size_t items_bytes = ((size_t)max_items * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
 	const size_t scratch_bytes = items_bytes + (size_t)max_items * max_segs * sizeof(struct kvr_kv_segment);
 	if (kvr_mirror_grow(s->dev, &ls->m, scratch_bytes) ||
@@ -111,11 +254,16 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
 		return -ENOMEM;
 	}
-	/* the gathered rows on the host: queries, then outputs; item k·n_kv + m
-	 * (block k, KV head m) at (k·n_kv + m)·head_block_bytes */
+	/* spill tier: a call's prefix beyond half the RAM frames streams through
+	 * in windows (prefill_windows) */
+	uint32_t window = UINT32_MAX;
+	if (s->spill) {
+		struct kvr_pool_stats ps;
+		kvr_pool_get_stats(s->pool, &ps);
+		window = ps.frames / 2 ? ps.frames / 2 : 1;
+	}
+	/* the gathered rows on the host: queries, then outputs */
 	unsigned char *qg = s->eng.prefill_rows, *og = qg + rows_bytes;
-	struct kvr_attention_item *items = ls->m.host;
-	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->m.host + items_bytes);
 	struct kvr_stream *st = s->engine_inline;
 	for (uint32_t at = 0; at < n_tokens;) {
 		/* whole blocks, several per call; a last partial one alone (a call's
@@ -131,47 +279,21 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 					       (const unsigned char *)q + (uint64_t)(at + k * n_q + t) * s->q_row +
 						       m * group_bytes,
 					       group_bytes);
-		const size_t call_bytes = (size_t)n_items * head_block_bytes;
 		const void *q_view = NULL;
-		int err = kvr_stage_in(s->dev, s->eng.prefill_q, qg, call_bytes, st, &q_view);
-		unsigned char *o_view = kvr_stage_out_view(s->dev, s->eng.prefill_out, og);
-		/* spill tier: the call's pages, each pinned once */
-		int pin_err = !err && s->spill
-				      ? pin_prefix(s, seq, layer, first_position + at + n_blocks * n_q - 1, n_full)
-				      : 0;
-		if (pin_err)
-			return pin_err;
-		uint32_t n_segs = 0;
-		for (uint32_t k = 0; !err && k < n_blocks; k++) {
-			const uint64_t last = first_position + at + (k + 1) * n_q - 1; /* the block's last query */
-			for (uint32_t m = 0; m < n_kv; m++) {
-				const uint32_t first = n_segs, x = k * n_kv + m;
-				n_segs += prefix_segments(s, plane, seq, layer, last, n_full, m, segs + n_segs, &pin_err);
-				items[x] = (struct kvr_attention_item){ (const unsigned char *)q_view + x * head_block_bytes,
-									o_view + x * head_block_bytes, NULL, first,
-									n_segs - first };
-			}
-		}
-		s->eng.suppress_segment_pins = 0;
-		struct kvr_shape shape = s->head_shape;
-		shape.n_qo_heads = n_q * G;
-		shape.flags = KVR_SHAPE_CAUSAL;
-		shape.causal_heads_per_query = G;
-		shape.causal_items_per_block = n_kv;
-		shape.causal_first_position = first_position + at;
-		if (!err)
-			err = mirror_and_attend(s, ls, &shape, items, n_items, segs, n_segs, st);
-		if (!err)
-			err = kvr_stage_out(s->dev, og, o_view, call_bytes, st);
-		/* the next call rewrites the items (and the stages); with a spill
-		 * tier, the pages it pinned are released after it */
-		if (!err)
-			err = kvr_dev_stream_synchronize(s->dev, st);
-		kvr_sched_unpin_step(s);
-		if (err) {
+		int err = kvr_stage_in(s->dev, s->eng.prefill_q, qg, (size_t)n_items * head_block_bytes, st, &q_view);
+		const struct prefill_call c = { seq, layer, n_full, n_blocks, n_q, first_position + at, head_block_bytes,
+						q_view, kvr_stage_out_view(s->dev, s->eng.prefill_out, og), og,
+						lane_of(s, seq, layer), ls };
+		const uint64_t call_last = c.first + (uint64_t)n_blocks * n_q - 1;
+		const uint32_t pages = (uint32_t)(call_last / p) + 1;
+		if (err)
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
+		else if (pages > window && c.first / p > 0)
+			err = prefill_windows(s, &c, window);
+		else
+			err = attend_pages(s, &c, 0, 0, NULL, 0, NULL);
+		if (err)
 			return err;
-		}
 		for (uint32_t k = 0; k < n_blocks; k++)
 			for (uint32_t t = 0; t < n_q; t++)
 				for (uint32_t m = 0; m < n_kv; m++)

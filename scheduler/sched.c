@@ -165,6 +165,7 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	kvr_stage_free(s->dev, s->eng.prefill_q);
 	kvr_stage_free(s->dev, s->eng.prefill_out);
 	kvr_mapped_free(s->dev, s->eng.prefill_rows);
+	kvr_mapped_free(s->dev, s->eng.prefill_lse);
 	free(s->eng.zero_row);
 	kvr_dev_event_destroy(s->dev, s->eng.engine_ready);
 	kvr_dev_event_destroy(s->dev, s->eng.layer_done);

@@ -176,6 +176,8 @@ struct kvr_sched {
 		size_t prefill_q_bytes, prefill_out_bytes;
 		void *prefill_rows; /* mapped: the block's gathered query rows, then its output rows */
 		size_t prefill_rows_bytes;
+		void *prefill_lse; /* mapped: the spill windows' segment log-sum-exps */
+		size_t prefill_lse_bytes;
 	} eng;
 
 	/* The controller thread's recall state (and what it queues on the copy

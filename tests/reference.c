@@ -355,13 +355,19 @@ void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_it
 {
 	const uint32_t n_qo = sh->n_qo_heads, G = n_qo / sh->n_kv_heads, d = sh->head_dim;
 	const struct kvr_kv_segment *segs = segments + item->first_segment;
-	for (uint32_t h = 0; h < n_qo; h++)
-		for (uint32_t s = 0; s < item->n_segments; s++) {
+	for (uint32_t h = 0; h < n_qo; h++) {
+		/* KVR_SHAPE_CAUSAL: the head's tokens end after its position */
+		uint64_t visible = UINT64_MAX, before = 0;
+		if (sh->flags & KVR_SHAPE_CAUSAL)
+			visible = sh->causal_first_position + (h % G) / sh->causal_heads_per_query + 1;
+		for (uint32_t s = 0; s < item->n_segments; before += segs[s].n_tokens, s++) {
 			double mx = -INFINITY, sum = 0.0;
-			double *logit = malloc((segs[s].n_tokens ? segs[s].n_tokens : 1) * sizeof(*logit));
+			const uint64_t seen = visible <= before ? 0 : visible - before;
+			const uint64_t n_t = segs[s].n_tokens < seen ? segs[s].n_tokens : seen;
+			double *logit = malloc((n_t ? n_t : 1) * sizeof(*logit));
 			if (!logit)
 				abort();
-			for (uint64_t t = 0; t < segs[s].n_tokens; t++) {
+			for (uint64_t t = 0; t < n_t; t++) {
 				double dot = 0.0;
 				for (uint32_t c = 0; c < d; c++)
 					dot += ref_load(item->q, sh->elem_type, (uint64_t)h * d + c) *
@@ -369,11 +375,12 @@ void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_it
 				logit[t] = (double)sh->scale * dot;
 				mx = logit[t] > mx ? logit[t] : mx;
 			}
-			for (uint64_t t = 0; t < segs[s].n_tokens; t++)
+			for (uint64_t t = 0; t < n_t; t++)
 				sum += exp(logit[t] - mx);
-			lse[(uint64_t)h * item->n_segments + s] = segs[s].n_tokens ? mx + log(sum) : -INFINITY;
+			lse[(uint64_t)h * item->n_segments + s] = n_t ? mx + log(sum) : -INFINITY;
 			free(logit);
 		}
+	}
 }
 
 void ref_dense(const struct kvr_shape *sh, const struct kvr_dense_item *item, double *out,

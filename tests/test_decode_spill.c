@@ -7,7 +7,8 @@
  * most pages live in the spill file and recall reads them from it. Then a
  * sequence whose pages were corrupted in the file behind the pool's back
  * fails its steps with -EBADMSG and a message saying so, while the other
- * sequence in the same batches decodes exactly what it decodes alone.
+ * sequence in the same batches decodes exactly what it decodes alone. And
+ * prefill attention reads (and streams) spilled pages.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -171,47 +172,42 @@ static int prefill_attend(struct kvr_context *ctx, uint64_t seed, uint32_t from,
 }
 
 /* Prefill attention with the spill tier (issue 22): the sequence's pages come
- * back from the file as each call's query blocks need them, and the outputs
- * are bit-identical to a pool in RAM. A call whose prefix needs more pages
- * than RAM has frames is refused, naming the page, and changes nothing: the
- * pool validates and a call that fits still gives the same outputs. */
-Test(decode_spill, prefill_attention_reads_spilled_pages, .timeout = 120)
+ * back from the file as each call needs them. A call whose prefix fits in
+ * half the RAM frames reads it in place: outputs bit-identical to a pool in
+ * RAM. A longer one streams the pages before its queries through in windows
+ * of that many and merges their outputs by log-sum-exp: the same attention
+ * to f32 rounding, with only a window's pages in RAM at once. (A call's own
+ * pages, from its first query's, must fit in RAM: at most 5 of the 8 frames
+ * a spill tier takes at least, for 64 queries of pages of 16.) */
+Test(decode_spill, prefill_attention_streams_spilled_pages, .timeout = 120)
 {
 	float *want = calloc(PREFILL * Q_ROW, sizeof(float)), *got = calloc(PREFILL * Q_ROW, sizeof(float));
 	struct kvr_context *a = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 0);
 	cr_assert_eq(prefill_attend(a, 91, 0, want), 0, "%s", kvr_last_error(a));
 	kvr_context_destroy(a);
-	/* 40 frames for 100 pages: most of the sequence is in the file */
-	struct kvr_context *b = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 40);
+	/* 60 frames for 100 pages: a prefix of up to 30 pages in place */
+	struct kvr_context *b = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 60);
 	cr_assert_eq(prefill_attend(b, 91, 0, got), 0, "%s", kvr_last_error(b));
 	struct kvr_pool_stats st;
 	kvr_pool_get_stats(b->pool, &st);
-	cr_expect_gt(st.spilled_pages, 50, "only %llu pages spilled", (unsigned long long)st.spilled_pages);
+	cr_expect_gt(st.spilled_pages, 30, "only %llu pages spilled", (unsigned long long)st.spilled_pages);
 	cr_expect_eq(st.spill_errors, 0);
 	cr_expect_eq(kvr_pool_validate(b->pool, NULL), 0, "%s", kvr_pool_last_error(b->pool));
 	kvr_context_destroy(b);
 	cr_assert_eq(memcmp(got, want, PREFILL * Q_ROW * sizeof(float)), 0, "outputs differ with the spill tier");
-	/* 12 frames: a call at position 320.. needs 24 pages at once */
-	struct kvr_context *c = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 12);
+	/* 8 frames (the least a spill tier takes): calls past 64 tokens stream
+	 * their prefix in windows of 4 pages */
+	struct kvr_context *c = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 8);
 	memset(got, 0, PREFILL * Q_ROW * sizeof(float));
-	const int rc = prefill_attend(c, 91, 320, got);
-	cr_expect_lt(rc, 0, "a prefix larger than RAM was not refused");
-	cr_expect(strstr(kvr_last_error(c), "prefill attention") != NULL, "%s", kvr_last_error(c));
+	cr_assert_eq(prefill_attend(c, 91, 0, got), 0, "%s", kvr_last_error(c));
+	kvr_pool_get_stats(c->pool, &st);
+	cr_expect_gt(st.spilled_pages, 80, "only %llu pages spilled", (unsigned long long)st.spilled_pages);
 	cr_expect_eq(kvr_pool_validate(c->pool, NULL), 0, "%s", kvr_pool_last_error(c->pool));
-	/* still usable: queries 0..63 need 4 pages */
-	uint32_t seq0 = 0;
-	float *q = malloc(64 * Q_ROW * sizeof(float));
-	rng_state = 12345;
-	for (uint32_t i = 0; i < 64 * Q_ROW; i++)
-		q[i] = frand();
-	cr_assert_eq(kvr_prefill_attention(c, seq0, 1, 0, 64, q, got), 0, "%s", kvr_last_error(c));
 	kvr_context_destroy(c);
-	struct kvr_context *d = make_ctx(KVR_MODE_FREEKV, KVR_KV_FORMAT_PLAIN, 0);
-	cr_assert_eq(prefill_attend(d, 91, PREFILL, want), 0); /* the same K and V, no queries */
-	cr_assert_eq(kvr_prefill_attention(d, seq0, 1, 0, 64, q, want), 0, "%s", kvr_last_error(d));
-	kvr_context_destroy(d);
-	cr_expect_eq(memcmp(got, want, 64 * Q_ROW * sizeof(float)), 0, "the refused call left something behind");
-	free(q), free(want), free(got);
+	for (uint32_t i = 0; i < PREFILL * Q_ROW; i++)
+		cr_assert_float_eq(got[i], want[i], 2e-5, "query %u element %u: %g, in RAM %g", i / Q_ROW, i % Q_ROW,
+				   (double)got[i], (double)want[i]);
+	free(want), free(got);
 }
 
 /* Flip a byte in every slot of the first sequence's spilled pages, on disk. */
