@@ -1618,6 +1618,53 @@ static void attention_causal_case(struct env *e, uint32_t ci, uint32_t ti)
 
 CONFORMANCE_CASES(attention_causal, ARRAY_LEN(numeric_shapes))
 
+/*
+ * Causal query blocks several thousand tokens long (a prefill's late
+ * blocks): one item of 3,001 NHD rows as one run, one the same rows as pages
+ * of p (the last partial), with the block's queries at positions 1,499.. and
+ * 2,996.. (the diagonal inside the last page). G = 3 and d = 64 (SmolLM2's
+ * group), f16 and f32.
+ */
+static void attention_causal_long_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	CASE_SETUP(numeric_shapes, 0xca5c);
+	if (ci != 2 || all_types[ti] == KVR_ELEM_BF16)
+		return; /* one shape; the long lengths are what is checked */
+	enum { T = 3001, NQ = 5, ITEMS = 2 };
+	const uint32_t p = sh.page_tokens, n_kv = sh.n_kv_heads, hq = sh.n_qo_heads / n_kv;
+	sh.n_qo_heads *= NQ;
+	sh.flags = KVR_SHAPE_CAUSAL;
+	sh.causal_heads_per_query = hq;
+	const uint32_t row = n_kv * sh.head_dim;
+	const size_t eb = ebytes(type);
+	void *kt = halloc((size_t)T * row * eb), *vt = halloc((size_t)T * row * eb);
+	fill_uniform(&r, kt, type, (uint64_t)T * row, -1.0, 1.0);
+	fill_uniform(&r, vt, type, (uint64_t)T * row, -1.0, 1.0);
+	put(c, kt, (size_t)T * row * eb);
+	put(c, vt, (size_t)T * row * eb);
+	const uint32_t n_pages = (T + p - 1) / p;
+	struct kvr_kv_segment *segs = halloc((1 + n_pages) * sizeof(*segs));
+	segs[0] = (struct kvr_kv_segment){ .k = kt, .v = vt, .n_tokens = T, .row_stride = row,
+					   .head_stride = sh.head_dim };
+	for (uint32_t j = 0; j < n_pages; j++)
+		segs[1 + j] = nhd_segment(&sh, kt, vt, 0, j * p, j + 1 < n_pages ? p : T - j * p);
+	const uint32_t first[ITEMS] = { 0, 1 }, count[ITEMS] = { 1, n_pages };
+	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
+	const uint64_t positions[] = { 1499, T - 5 };
+	for (uint32_t k = 0; k < ARRAY_LEN(positions); k++) {
+		sh.causal_first_position = positions[k];
+		void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
+		struct kvr_attention_item items[ITEMS];
+		attention_items(items, ITEMS, q, out, type, per, first, count);
+		char what[96];
+		snprintf(what, sizeof(what), "causal attention over %u tokens from position %llu", T,
+			 (unsigned long long)positions[k]);
+		attention_and_check(e, c, what, &sh, items, ITEMS, segs, 1 + n_pages, q, out);
+	}
+}
+
+CONFORMANCE_CASES(attention_causal_long, ARRAY_LEN(numeric_shapes))
+
 /* The flag's refusals: a group that is no whole number of query tokens, and
  * dense attention; each names its reason and leaves the device usable. */
 static void attention_causal_errors_case(struct env *e, uint32_t ci, uint32_t ti)
