@@ -706,9 +706,8 @@ static void attention_task(void *arg, uint32_t index)
 	 * causal item (n_kv_heads 1): its query tokens t0..t1 − 1 as an item of
 	 * their own, positions shifted */
 	struct kvr_shape part = *sh;
-	if ((sh->flags & KVR_SHAPE_CAUSAL) && sh->causal_items_per_block)
-		part.causal_first_position += (uint64_t)(item / sh->causal_items_per_block) *
-					      (sh->n_qo_heads / sh->n_kv_heads / sh->causal_heads_per_query);
+	if (sh->flags & KVR_SHAPE_CAUSAL)
+		part.causal_first_position = kvr_causal_item_position(sh, item);
 	const void *q = it->q;
 	void *out = it->out;
 	float *lse = sh->flags & KVR_SHAPE_SEGMENT_LSE ? it->segment_lse : NULL;

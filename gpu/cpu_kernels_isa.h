@@ -762,6 +762,73 @@ enum { CA_BLOCK = 16, CA_TILE = 4 };
 #define CA_LAZY_MAX 8.0f
 #endif
 
+/* An f32 array's vector at ptr (64-byte aligned rows, see attention_causal) */
+typedef VA_T ISA_FN(ca_vec) __attribute__((may_alias));
+#define CA_V(ptr) (*(ISA_FN(ca_vec) *)(ptr))
+
+/* Scores st[b][heads] for tokens b0..b0+NT−1 and head vectors j..j+NVT−1:
+ * Σ_c kf[b][c]·qt[c][heads], NT·NVT (8) accumulators; NT, NVT constants. */
+static inline __attribute__((always_inline)) void ISA_FN(ca_scores)(const float *qt, const float *kf, float *st,
+								    uint32_t d, uint32_t GP, uint32_t j, uint32_t b0,
+								    const uint32_t NT, const uint32_t NVT)
+{
+	VA_T a[2 * CA_TILE][2];
+	_Pragma("GCC unroll 8")
+	for (uint32_t i = 0; i < NT; i++)
+		a[i][0] = a[i][1] = SPLATA(0.0f);
+	for (uint32_t c = 0; c < d; c++) {
+		VA_T q[2];
+		_Pragma("GCC unroll 2")
+		for (uint32_t v = 0; v < NVT; v++)
+			q[v] = CA_V(qt + c * GP + (j + v) * VA_LANES);
+		_Pragma("GCC unroll 8")
+		for (uint32_t i = 0; i < NT; i++) {
+			const VA_T k = SPLATA(kf[(b0 + i) * d + c]);
+			_Pragma("GCC unroll 2")
+			for (uint32_t v = 0; v < NVT; v++)
+				a[i][v] = FMAA(k, q[v], a[i][v]);
+		}
+	}
+	_Pragma("GCC unroll 8")
+	for (uint32_t i = 0; i < NT; i++)
+		_Pragma("GCC unroll 2")
+		for (uint32_t v = 0; v < NVT; v++)
+			CA_V(st + (b0 + i) * GP + (j + v) * VA_LANES) = a[i][v];
+}
+
+/* ot[c][heads] += Σ_b vv[b][c]·st[b][heads] for dimensions c0..c0+NC−1 and
+ * head vectors j..j+NVT−1 over the block's nb tokens; NC·NVT (8)
+ * accumulators; NC, NVT constants. */
+static inline __attribute__((always_inline)) void ISA_FN(ca_values)(float *ot, const float *st, const float *vv,
+								    uint32_t d, uint32_t GP, uint32_t j, uint32_t c0,
+								    uint32_t nb, const uint32_t NC, const uint32_t NVT)
+{
+	VA_T a[2 * CA_TILE][2];
+	_Pragma("GCC unroll 8")
+	for (uint32_t i = 0; i < NC; i++)
+		_Pragma("GCC unroll 2")
+		for (uint32_t v = 0; v < NVT; v++)
+			a[i][v] = CA_V(ot + (c0 + i) * GP + (j + v) * VA_LANES);
+	for (uint32_t b = 0; b < nb; b++) {
+		VA_T p[2];
+		_Pragma("GCC unroll 2")
+		for (uint32_t v = 0; v < NVT; v++)
+			p[v] = CA_V(st + b * GP + (j + v) * VA_LANES);
+		_Pragma("GCC unroll 8")
+		for (uint32_t i = 0; i < NC; i++) {
+			const VA_T x = SPLATA(vv[b * d + c0 + i]);
+			_Pragma("GCC unroll 2")
+			for (uint32_t v = 0; v < NVT; v++)
+				a[i][v] = FMAA(x, p[v], a[i][v]);
+		}
+	}
+	_Pragma("GCC unroll 8")
+	for (uint32_t i = 0; i < NC; i++)
+		_Pragma("GCC unroll 2")
+		for (uint32_t v = 0; v < NVT; v++)
+			CA_V(ot + (c0 + i) * GP + (j + v) * VA_LANES) = a[i][v];
+}
+
 static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 				     const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m)
 {
@@ -775,8 +842,6 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 	 * SmolLM2) and aligned, so every vector access is one aligned load or
 	 * store (unaligned 256-bit ones are split in two under generic tuning,
 	 * and a split store read back whole stalls store forwarding) */
-	typedef VA_T va_al __attribute__((may_alias));
-#define CA_V(ptr) (*(va_al *)(ptr))
 	float qt[d * GP] __attribute__((aligned(64))), ot[d * GP] __attribute__((aligned(64)));
 	float st[CA_BLOCK * GP] __attribute__((aligned(64)));
 	float kf[CA_BLOCK * d] __attribute__((aligned(64))), vv[CA_BLOCK * d] __attribute__((aligned(64)));
@@ -821,55 +886,15 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 					CA_V(vv + b * d + c) = v;
 				}
 			/* S = K·Q^T, 4 tokens by 2 head vectors at a time (an odd last
-			 * vector: 8 tokens of it) */
+			 * vector: 8 tokens of it, or the 4 left) */
 			for (uint32_t j = 0; j + 2 <= NV; j += 2)
-				for (uint32_t b0 = 0; b0 < nbt; b0 += CA_TILE) {
-					VA_T a[CA_TILE][2];
-					_Pragma("GCC unroll 4")
-					for (uint32_t i = 0; i < CA_TILE; i++)
-						a[i][0] = a[i][1] = SPLATA(0.0f);
-					for (uint32_t c = 0; c < d; c++) {
-						const VA_T q0 = CA_V(qt + c * GP + j * VA_LANES);
-						const VA_T q1 = CA_V(qt + c * GP + (j + 1) * VA_LANES);
-						_Pragma("GCC unroll 4")
-						for (uint32_t i = 0; i < CA_TILE; i++) {
-							const VA_T k = SPLATA(kf[(b0 + i) * d + c]);
-							a[i][0] = FMAA(k, q0, a[i][0]);
-							a[i][1] = FMAA(k, q1, a[i][1]);
-						}
-					}
-					_Pragma("GCC unroll 4")
-					for (uint32_t i = 0; i < CA_TILE; i++) {
-						CA_V(st + (b0 + i) * GP + j * VA_LANES) = a[i][0];
-						CA_V(st + (b0 + i) * GP + (j + 1) * VA_LANES) = a[i][1];
-					}
-				}
-			if (NV % 2) {
-				const uint32_t j = NV - 1;
-				for (uint32_t b0 = 0; b0 < nbt; b0 += 2 * CA_TILE) {
-					VA_T a[2 * CA_TILE];
-					_Pragma("GCC unroll 8")
-					for (uint32_t i = 0; i < 2 * CA_TILE; i++)
-						a[i] = SPLATA(0.0f);
-					const uint32_t nt = nbt - b0 < 2 * CA_TILE ? nbt - b0 : 2 * CA_TILE;
-					if (nt == 2 * CA_TILE) {
-						for (uint32_t c = 0; c < d; c++) {
-							const VA_T q0 = CA_V(qt + c * GP + j * VA_LANES);
-							_Pragma("GCC unroll 8")
-							for (uint32_t i = 0; i < 2 * CA_TILE; i++)
-								a[i] = FMAA(SPLATA(kf[(b0 + i) * d + c]), q0, a[i]);
-						}
-					} else { /* 4 tokens left */
-						for (uint32_t c = 0; c < d; c++) {
-							const VA_T q0 = CA_V(qt + c * GP + j * VA_LANES);
-							_Pragma("GCC unroll 4")
-							for (uint32_t i = 0; i < CA_TILE; i++)
-								a[i] = FMAA(SPLATA(kf[(b0 + i) * d + c]), q0, a[i]);
-						}
-					}
-					for (uint32_t i = 0; i < nt; i++)
-						CA_V(st + (b0 + i) * GP + j * VA_LANES) = a[i];
-				}
+				for (uint32_t b0 = 0; b0 < nbt; b0 += CA_TILE)
+					ISA_FN(ca_scores)(qt, kf, st, d, GP, j, b0, CA_TILE, 2);
+			for (uint32_t b0 = 0; NV % 2 && b0 < nbt; b0 += 2 * CA_TILE) {
+				if (nbt - b0 >= 2 * CA_TILE)
+					ISA_FN(ca_scores)(qt, kf, st, d, GP, NV - 1, b0, 2 * CA_TILE, 1);
+				else
+					ISA_FN(ca_scores)(qt, kf, st, d, GP, NV - 1, b0, CA_TILE, 1);
 			}
 			if (tok0 + nb - 1 > pos0) /* the diagonal: no query sees a later token */
 				for (uint32_t b = 0; b < nb; b++)
@@ -918,47 +943,12 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 				run_max[j] = new_max;
 			}
 			/* O^T += V^T·P, 4 dimensions by 2 head vectors at a time (an odd
-			 * last vector: 8 dimensions of it) */
+			 * last vector: 8 dimensions of it; d is a multiple of 32) */
 			for (uint32_t c0 = 0; c0 < d; c0 += CA_TILE)
-				for (uint32_t j = 0; j + 2 <= NV; j += 2) {
-					VA_T a[CA_TILE][2];
-					_Pragma("GCC unroll 4")
-					for (uint32_t i = 0; i < CA_TILE; i++) {
-						a[i][0] = CA_V(ot + (c0 + i) * GP + j * VA_LANES);
-						a[i][1] = CA_V(ot + (c0 + i) * GP + (j + 1) * VA_LANES);
-					}
-					for (uint32_t b = 0; b < nb; b++) {
-						const VA_T p0 = CA_V(st + b * GP + j * VA_LANES);
-						const VA_T p1 = CA_V(st + b * GP + (j + 1) * VA_LANES);
-						_Pragma("GCC unroll 4")
-						for (uint32_t i = 0; i < CA_TILE; i++) {
-							const VA_T v = SPLATA(vv[b * d + c0 + i]);
-							a[i][0] = FMAA(v, p0, a[i][0]);
-							a[i][1] = FMAA(v, p1, a[i][1]);
-						}
-					}
-					_Pragma("GCC unroll 4")
-					for (uint32_t i = 0; i < CA_TILE; i++) {
-						CA_V(ot + (c0 + i) * GP + j * VA_LANES) = a[i][0];
-						CA_V(ot + (c0 + i) * GP + (j + 1) * VA_LANES) = a[i][1];
-					}
-				}
-			if (NV % 2) /* d is a multiple of 32: whole tiles of 8 dimensions */
-				for (uint32_t c0 = 0, j = NV - 1; c0 < d; c0 += 2 * CA_TILE) {
-					VA_T a[2 * CA_TILE];
-					_Pragma("GCC unroll 8")
-					for (uint32_t i = 0; i < 2 * CA_TILE; i++)
-						a[i] = CA_V(ot + (c0 + i) * GP + j * VA_LANES);
-					for (uint32_t b = 0; b < nb; b++) {
-						const VA_T p0 = CA_V(st + b * GP + j * VA_LANES);
-						_Pragma("GCC unroll 8")
-						for (uint32_t i = 0; i < 2 * CA_TILE; i++)
-							a[i] = FMAA(SPLATA(vv[b * d + c0 + i]), p0, a[i]);
-					}
-					_Pragma("GCC unroll 8")
-					for (uint32_t i = 0; i < 2 * CA_TILE; i++)
-						CA_V(ot + (c0 + i) * GP + j * VA_LANES) = a[i];
-				}
+				for (uint32_t j = 0; j + 2 <= NV; j += 2)
+					ISA_FN(ca_values)(ot, st, vv, d, GP, j, c0, nb, CA_TILE, 2);
+			for (uint32_t c0 = 0; NV % 2 && c0 < d; c0 += 2 * CA_TILE)
+				ISA_FN(ca_values)(ot, st, vv, d, GP, NV - 1, c0, nb, 2 * CA_TILE, 1);
 		}
 	}
 	float sums[KVR_MAX_GROUP_CPU + VA_LANES];
@@ -972,8 +962,8 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 			out[c] = ot[c * GP + g] * inv;
 		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, out, t, d);
 	}
-#undef CA_V
 }
+#undef CA_V
 
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse)

@@ -478,9 +478,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(ATT_THREADS, NACC >= 16 ? 1 : 2)
 	float *mine = plan.splits > 1 ? part + (uint64_t)blockIdx.x * plan.part_stride : nullptr;
 	float *lse = shape.flags & KVR_SHAPE_SEGMENT_LSE ? it.segment_lse : nullptr;
 	struct kvr_shape sh = shape; /* a causal item's first position: its block's */
-	if ((shape.flags & KVR_SHAPE_CAUSAL) && shape.causal_items_per_block)
-		sh.causal_first_position += (uint64_t)(item / shape.causal_items_per_block) *
-					    (G / shape.causal_heads_per_query);
+	if (shape.flags & KVR_SHAPE_CAUSAL)
+		sh.causal_first_position = kvr_causal_item_position(&shape, item);
 	attend<ET, NACC, true>(sh, plan, it.q, it.out, mine, segments + it.first_segment,
 			 it.n_segments, m, g0, gc, split, att_smem, lse);
 }

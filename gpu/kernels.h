@@ -251,6 +251,16 @@ struct kvr_shape {
 	uint64_t causal_first_position;
 };
 
+/* KVR_SHAPE_CAUSAL: the position of item i's first query token (its block's,
+ * with causal_items_per_block; below). */
+static inline KVR_HD uint64_t kvr_causal_item_position(const struct kvr_shape *s, uint32_t item)
+{
+	if (!s->causal_items_per_block)
+		return s->causal_first_position;
+	return s->causal_first_position + (uint64_t)(item / s->causal_items_per_block) *
+						  (s->n_qo_heads / s->n_kv_heads / s->causal_heads_per_query);
+}
+
 enum kvr_shape_flags {
 	/* attention: items with a segment_lse array get each segment's
 	 * log-sum-exp of logits per query head (cuda then runs one block per

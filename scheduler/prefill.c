@@ -95,15 +95,35 @@ static int mirror_and_attend(struct kvr_sched *s, struct layer_scratch *ls, cons
 
 /* A call's geometry: n_blocks blocks of n_q query tokens from position
  * `first`, item k·n_kv + m (block k, KV head m) at (k·n_kv + m)·hbb of the
- * staged rows q_view / o_view (og: the outputs' host copy). */
+ * staged rows q_view / o_view (og: the outputs' host copy), its token t's G
+ * heads at t·group_bytes; the items and segments are built in the layer's
+ * mirror. */
 struct prefill_call {
 	uint32_t seq, layer, n_full, n_blocks, n_q;
-	uint64_t first, hbb;
+	uint64_t first, hbb, group_bytes;
 	const unsigned char *q_view;
 	unsigned char *o_view, *og;
 	struct kvr_lane *plane;
 	struct layer_scratch *ls;
+	struct kvr_attention_item *items;
+	struct kvr_kv_segment *segs;
 };
+
+/* The call's rows between the caller's arrays (q_row bytes a token) and the
+ * gathered layout (items' rows, head by head): gather (to_items) or scatter. */
+static void move_rows(const struct kvr_sched *s, const struct prefill_call *c, unsigned char *rows, unsigned char *items,
+		      int to_items)
+{
+	const uint32_t n_kv = s->c.n_kv_heads;
+	const uint64_t group_bytes = c->group_bytes;
+	for (uint32_t k = 0; k < c->n_blocks; k++)
+		for (uint32_t t = 0; t < c->n_q; t++)
+			for (uint32_t m = 0; m < n_kv; m++) {
+				unsigned char *a = rows + (uint64_t)(k * c->n_q + t) * s->q_row + m * group_bytes;
+				unsigned char *b = items + (k * n_kv + m) * c->hbb + t * group_bytes;
+				memcpy(to_items ? b : a, to_items ? a : b, group_bytes);
+			}
+}
 
 /*
  * One kernel call over pool pages from `from`: to > from, pages [from, to)
@@ -119,9 +139,8 @@ static int attend_pages(struct kvr_sched *s, const struct prefill_call *c, uint3
 	const uint32_t p = s->c.page_tokens, n_kv = s->c.n_kv_heads, G = s->G;
 	const uint32_t n_items = c->n_blocks * n_kv;
 	const uint64_t last_all = to ? (uint64_t)to * p - 1 : c->first + (uint64_t)c->n_blocks * c->n_q - 1;
-	struct kvr_attention_item *items = c->ls->m.host;
-	const size_t items_bytes = ((size_t)PREFILL_BLOCKS_PER_CALL * n_kv * sizeof(*items) + 63) & ~(size_t)63;
-	struct kvr_kv_segment *segs = (void *)((unsigned char *)c->ls->m.host + items_bytes);
+	struct kvr_attention_item *items = c->items;
+	struct kvr_kv_segment *segs = c->segs;
 	struct kvr_stream *st = s->engine_inline;
 	int pin_err = s->spill ? pin_prefix(s, c->seq, c->layer, from, last_all, c->n_full) : 0;
 	if (pin_err)
@@ -185,9 +204,8 @@ static int prefill_windows(struct kvr_sched *s, const struct prefill_call *c, ui
 		err = -ENOMEM;
 	if (err)
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for prefill attention");
-	for (size_t r = 0; r < rows; r++)
-		if (mx)
-			mx[r] = -INFINITY;
+	for (size_t r = 0; !err && r < rows; r++)
+		mx[r] = -INFINITY;
 	float *lse = s->eng.prefill_lse;
 	for (uint32_t w0 = 0; !err;) {
 		const int causal = w0 >= before; /* the last call: from the first query's page */
@@ -262,8 +280,11 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 		kvr_pool_get_stats(s->pool, &ps);
 		window = ps.frames / 2 ? ps.frames / 2 : 1;
 	}
-	/* the gathered rows on the host: queries, then outputs */
+	/* the gathered rows on the host: queries, then outputs; the items and
+	 * segments in the layer's mirror */
 	unsigned char *qg = s->eng.prefill_rows, *og = qg + rows_bytes;
+	struct kvr_attention_item *items = ls->m.host;
+	struct kvr_kv_segment *segs = (void *)((unsigned char *)ls->m.host + items_bytes);
 	struct kvr_stream *st = s->engine_inline;
 	for (uint32_t at = 0; at < n_tokens;) {
 		/* whole blocks, several per call; a last partial one alone (a call's
@@ -271,19 +292,14 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 		const uint32_t whole = (n_tokens - at) / block;
 		const uint32_t n_blocks = whole ? (whole < PREFILL_BLOCKS_PER_CALL ? whole : PREFILL_BLOCKS_PER_CALL) : 1;
 		const uint32_t n_q = whole ? block : n_tokens - at;
-		const uint32_t n_items = n_blocks * n_kv;
-		for (uint32_t k = 0; k < n_blocks; k++)
-			for (uint32_t t = 0; t < n_q; t++)
-				for (uint32_t m = 0; m < n_kv; m++)
-					memcpy(qg + (k * n_kv + m) * head_block_bytes + t * group_bytes,
-					       (const unsigned char *)q + (uint64_t)(at + k * n_q + t) * s->q_row +
-						       m * group_bytes,
-					       group_bytes);
+		struct prefill_call c = { seq, layer, n_full, n_blocks, n_q, first_position + at, head_block_bytes,
+					  group_bytes, NULL, kvr_stage_out_view(s->dev, s->eng.prefill_out, og), og,
+					  lane_of(s, seq, layer), ls, items, segs };
+		move_rows(s, &c, (unsigned char *)(uintptr_t)q + (uint64_t)at * s->q_row, qg, 1);
 		const void *q_view = NULL;
-		int err = kvr_stage_in(s->dev, s->eng.prefill_q, qg, (size_t)n_items * head_block_bytes, st, &q_view);
-		const struct prefill_call c = { seq, layer, n_full, n_blocks, n_q, first_position + at, head_block_bytes,
-						q_view, kvr_stage_out_view(s->dev, s->eng.prefill_out, og), og,
-						lane_of(s, seq, layer), ls };
+		int err = kvr_stage_in(s->dev, s->eng.prefill_q, qg, (size_t)n_blocks * n_kv * head_block_bytes, st,
+				       &q_view);
+		c.q_view = q_view;
 		const uint64_t call_last = c.first + (uint64_t)n_blocks * n_q - 1;
 		const uint32_t pages = (uint32_t)(call_last / p) + 1;
 		if (err)
@@ -294,12 +310,7 @@ int kvr_sched_prefill_attention(struct kvr_sched *s, uint32_t seq, uint32_t laye
 			err = attend_pages(s, &c, 0, 0, NULL, 0, NULL);
 		if (err)
 			return err;
-		for (uint32_t k = 0; k < n_blocks; k++)
-			for (uint32_t t = 0; t < n_q; t++)
-				for (uint32_t m = 0; m < n_kv; m++)
-					memcpy((unsigned char *)out + (uint64_t)(at + k * n_q + t) * s->q_row +
-						       m * group_bytes,
-					       og + (k * n_kv + m) * head_block_bytes + t * group_bytes, group_bytes);
+		move_rows(s, &c, (unsigned char *)out + (uint64_t)at * s->q_row, og, 0);
 		at += n_blocks * n_q;
 	}
 	return 0;

@@ -344,9 +344,8 @@ void ref_attention_at(const struct kvr_shape *sh, const struct kvr_attention_ite
 		      const struct kvr_kv_segment *segments, double *out, struct ref_head_scale *scale)
 {
 	struct kvr_shape one = *sh;
-	if ((sh->flags & KVR_SHAPE_CAUSAL) && sh->causal_items_per_block)
-		one.causal_first_position += (uint64_t)(i / sh->causal_items_per_block) *
-					     (sh->n_qo_heads / sh->n_kv_heads / sh->causal_heads_per_query);
+	if (sh->flags & KVR_SHAPE_CAUSAL)
+		one.causal_first_position = kvr_causal_item_position(sh, i);
 	ref_attention(&one, &items[i], segments, out, scale);
 }
 

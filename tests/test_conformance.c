@@ -1379,6 +1379,17 @@ static void *new_outputs(const struct kvr_shape *sh, uint32_t n)
 	return o;
 }
 
+/* An item's segment_lse array (n_qo heads by n_segments), on c and NaN-filled
+ * so an entry the kernel forgets to write shows. */
+static float *new_lse(struct dctx *c, const struct kvr_shape *sh, uint32_t n_segments)
+{
+	const size_t bytes = (size_t)sh->n_qo_heads * (n_segments ? n_segments : 1) * sizeof(float);
+	float *lse = halloc(bytes);
+	memset(lse, 0xff, bytes);
+	put(c, lse, bytes);
+	return lse;
+}
+
 /* Query `to` (of per elements) becomes query `from` times factor: large
  * logits, which an unsafe softmax would overflow. */
 static void scaled_query(void *q, uint32_t type, uint64_t per, uint32_t to, uint32_t from,
@@ -1576,10 +1587,7 @@ static void attention_causal_case(struct env *e, uint32_t ci, uint32_t ti)
 		attention_items(items, ITEMS, q, out, type, per, first, count);
 		float *lse[ITEMS];
 		for (uint32_t i = 0; i < ITEMS; i++) {
-			const size_t lse_bytes = (size_t)sh.n_qo_heads * (count[i] ? count[i] : 1) * sizeof(float);
-			lse[i] = halloc(lse_bytes);
-			memset(lse[i], 0xff, lse_bytes); /* NaN: an unwritten entry shows */
-			put(c, lse[i], lse_bytes);
+			lse[i] = new_lse(c, &sh, count[i]);
 			items[i].segment_lse = with_lse ? lse[i] : NULL;
 		}
 		char what[96];
@@ -1803,10 +1811,7 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 	struct kvr_attention_item items[ITEMS];
 	float *lse[ITEMS];
 	for (uint32_t i = 0; i < ITEMS; i++) {
-		const size_t lse_bytes = (size_t)sh.n_qo_heads * (count[i] ? count[i] : 1) * sizeof(float);
-		lse[i] = halloc(lse_bytes);
-		memset(lse[i], 0xff, lse_bytes); /* NaN: an unwritten entry shows */
-		put(c, lse[i], lse_bytes);
+		lse[i] = new_lse(c, &sh, count[i]);
 		items[i] = (struct kvr_attention_item){
 			.q = elem_ptr(q, type, i * per), .out = elem_ptr(out, type, i * per),
 			.segment_lse = i == 3 ? NULL : lse[i], /* item 3: none asked for */

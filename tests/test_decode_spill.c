@@ -60,12 +60,11 @@ struct run {
 	int32_t status[STEPS][2][LAYERS];
 };
 
-/* Two sequences, the same K/V and queries for a given seed; a step's batch
- * holds both. */
-static void decode(struct kvr_context *ctx, uint64_t seed, struct run *r, void (*after_prefill)(struct kvr_context *, const uint32_t *))
+/* Two sequences of PREFILL tokens on every layer, random K/V from `seed`
+ * (rng_state goes on from there). */
+static void prefill_two(struct kvr_context *ctx, uint64_t seed, uint32_t *seqs)
 {
 	rng_state = seed;
-	uint32_t seqs[2];
 	float *k = malloc(PREFILL * KV_ROW * sizeof(float)), *v = malloc(PREFILL * KV_ROW * sizeof(float));
 	for (int s = 0; s < 2; s++) {
 		cr_assert_eq(kvr_seq_create(ctx, &seqs[s]), 0);
@@ -75,6 +74,14 @@ static void decode(struct kvr_context *ctx, uint64_t seed, struct run *r, void (
 			cr_assert_eq(kvr_prefill(ctx, seqs[s], l, 0, PREFILL, k, v), 0, "%s", kvr_last_error(ctx));
 	}
 	free(k), free(v);
+}
+
+/* Two sequences, the same K/V and queries for a given seed; a step's batch
+ * holds both. */
+static void decode(struct kvr_context *ctx, uint64_t seed, struct run *r, void (*after_prefill)(struct kvr_context *, const uint32_t *))
+{
+	uint32_t seqs[2];
+	prefill_two(ctx, seed, seqs);
 	if (after_prefill)
 		after_prefill(ctx, seqs);
 	uint64_t pos[2] = { PREFILL, PREFILL };
@@ -148,17 +155,8 @@ Test(decode_spill, outputs_identical_to_a_pool_in_ram, .timeout = 240)
  * V and queries for a given seed), chunks of 64 queries from position `from`. */
 static int prefill_attend(struct kvr_context *ctx, uint64_t seed, uint32_t from, float *out)
 {
-	rng_state = seed;
 	uint32_t seqs[2];
-	float *k = malloc(PREFILL * KV_ROW * sizeof(float)), *v = malloc(PREFILL * KV_ROW * sizeof(float));
-	for (int s = 0; s < 2; s++) {
-		cr_assert_eq(kvr_seq_create(ctx, &seqs[s]), 0);
-		for (uint32_t i = 0; i < PREFILL * KV_ROW; i++)
-			k[i] = frand(), v[i] = frand();
-		for (uint32_t l = 0; l < LAYERS; l++)
-			cr_assert_eq(kvr_prefill(ctx, seqs[s], l, 0, PREFILL, k, v), 0, "%s", kvr_last_error(ctx));
-	}
-	free(k), free(v);
+	prefill_two(ctx, seed, seqs);
 	float *q = malloc(PREFILL * Q_ROW * sizeof(float));
 	for (uint32_t i = 0; i < PREFILL * Q_ROW; i++)
 		q[i] = frand();

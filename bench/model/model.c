@@ -280,14 +280,12 @@ static int open_model(struct model *m, int rc, uint32_t threads, struct model **
 		m->k16 = zalloc(C * kvd * 2, &failed);
 		m->v16 = zalloc(C * kvd * 2, &failed);
 		m->o16 = zalloc(C * qd * 2, &failed);
-		/* the widest product input, at the type needing most space */
+		/* the widest product input (Q4_1 and Q8_0 take the same space) */
 		m->mm_parts = kvr_thread_pool_threads(m->pool) + 1;
-		m->mm_space_bytes = kq_matmul_workspace_bytes(KQ_TYPE_Q4_1, widest, PREFILL_CHUNK);
-		const size_t q8 = kq_matmul_workspace_bytes(KQ_TYPE_Q8_0, widest, PREFILL_CHUNK);
-		m->mm_space_bytes = ((q8 > m->mm_space_bytes ? q8 : m->mm_space_bytes) + 63) & ~(size_t)63;
+		m->mm_space_bytes = (kq_matmul_workspace_bytes(KQ_TYPE_Q4_1, widest, PREFILL_CHUNK) + 63) & ~(size_t)63;
 		m->mm_space = zalloc(m->mm_parts * m->mm_space_bytes, &failed);
 		m->n_rot = hp->n_rot; /* <= head_dim (load_hparams) */
-		m->rope_cs = zalloc(C * (m->n_rot + 1) * sizeof(float), &failed);
+		m->rope_cs = zalloc(C * m->n_rot * sizeof(float), &failed);
 		if (failed)
 			rc = fail(err, eb, -ENOMEM, "model: out of memory for scratch");
 	}

@@ -24,39 +24,42 @@ void op_rmsnorm(float *out, const float *x, const float *w, size_t n, float eps)
 		out[i] = x[i] * scale * w[i];
 }
 
+/* cos and sin of pair i/2's angle at pos: theta = pos * base^(-i/n_rot), in
+ * double (positions reach 1e5+) */
+static void rope_angle(uint32_t i, uint32_t n_rot, uint64_t pos, float base, float *c, float *s)
+{
+	const double theta = (double)pos * pow((double)base, -(double)i / (double)n_rot);
+	*c = (float)cos(theta);
+	*s = (float)sin(theta);
+}
+
+static void rope_pair(float *x, float c, float s)
+{
+	const float a = x[0], b = x[1];
+	x[0] = a * c - b * s;
+	x[1] = a * s + b * c;
+}
+
 void op_rope_cos_sin(uint32_t n_rot, uint64_t pos, float base, float *cs)
 {
-	for (uint32_t i = 0; i + 1 < n_rot; i += 2) {
-		/* theta = pos * base^(-i/n_rot), in double: positions reach 1e5+ */
-		const double theta = (double)pos * pow((double)base, -(double)i / (double)n_rot);
-		cs[i] = (float)cos(theta);
-		cs[i + 1] = (float)sin(theta);
-	}
+	for (uint32_t i = 0; i + 1 < n_rot; i += 2)
+		rope_angle(i, n_rot, pos, base, &cs[i], &cs[i + 1]);
 }
 
 void op_rope_apply(float *x, uint32_t n_rot, const float *cs)
 {
-	for (uint32_t i = 0; i + 1 < n_rot; i += 2) {
-		const float c = cs[i], s = cs[i + 1];
-		const float a = x[i], b = x[i + 1];
-		x[i] = a * c - b * s;
-		x[i + 1] = a * s + b * c;
-	}
+	for (uint32_t i = 0; i + 1 < n_rot; i += 2)
+		rope_pair(x + i, cs[i], cs[i + 1]);
 }
 
 void op_rope_norm(float *x, uint32_t head_dim, uint32_t n_rot, uint64_t pos, float base)
 {
 	if (n_rot > head_dim)
 		n_rot = head_dim;
-	float cs[512];
-	for (uint32_t i0 = 0; i0 < n_rot; i0 += 512) { /* any n_rot, in pieces of the table */
-		const uint32_t piece = n_rot - i0 < 512 ? n_rot - i0 : 512;
-		for (uint32_t i = 0; i + 1 < piece; i += 2) {
-			const double theta = (double)pos * pow((double)base, -(double)(i0 + i) / (double)n_rot);
-			cs[i] = (float)cos(theta);
-			cs[i + 1] = (float)sin(theta);
-		}
-		op_rope_apply(x + i0, piece, cs);
+	for (uint32_t i = 0; i + 1 < n_rot; i += 2) {
+		float c, s;
+		rope_angle(i, n_rot, pos, base, &c, &s);
+		rope_pair(x + i, c, s);
 	}
 }
 
