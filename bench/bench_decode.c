@@ -14,7 +14,8 @@
  * tokens alone (dense at L = B, measured in the same run) and to the design's
  * budget (1 + L/(p·B)) of it; the critical path's time per layer (the engine's
  * own time inside decode_layer) and its share beside the controller's;
- * corrections, correction waits, hit rate and bytes recalled.
+ * corrections, correction waits, hit rate and bytes recalled; the engine
+ * thread's host waits for the device per layer (kvr_stats.host_waits).
  *
  * --backend cuda runs the same steps on a GPU: q, k, v and out then live in
  * device memory, as an engine's would. They are allocated through the
@@ -185,6 +186,8 @@ struct result {
 	double controller_us_per_layer;    /* controller time per layer (overlapped) */
 	double hit_rate;                   /* streamed: hits / (hits + misses) */
 	double recalled_kib_per_layer;
+	double host_waits_per_layer;       /* the engine's waits for the device per (step, layer) */
+	double host_wait_share;            /* their time, of the engine's inside decode_layer */
 };
 
 /* Prefill L tokens into each of `batch` sequences, then time `steps` decode
@@ -294,6 +297,8 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 		ctl / n_layers / 1e3,
 		hits + miss ? (double)hits / (double)(hits + miss) : 0,
 		(double)(st1.bytes_recalled - st0.bytes_recalled) / n_layers / 1024.0,
+		(double)(st1.host_waits - st0.host_waits) / n_layers,
+		crit > 0 ? (double)(st1.host_wait_ns - st0.host_wait_ns) / crit : 0,
 	};
 	free(times), free(k), free(v), free(qf), free(q), free(out), free(status), free(seqs), free(pos);
 	kvr_context_destroy(ctx);
@@ -475,12 +480,13 @@ int bench_decode(int argc, char **argv)
 				fprintf(stderr, "\rL=%7llu %-11s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
 						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
 						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
-						"critical share %.2f; hit rate %.2f, %.0f KiB recalled/layer\n",
+						"critical share %.2f; hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
 					(unsigned long long)L, kvr_mode_name(modes[mi]), r.us_per_layer,
 					r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.mean_us_per_layer,
 					r.critical_us_per_layer,
 					100 * r.corrected_rate, r.correction_waits_per_layer, 100 * r.correction_wait_share,
-					r.controller_us_per_layer, r.critical_share, r.hit_rate, r.recalled_kib_per_layer);
+					r.controller_us_per_layer, r.critical_share, r.hit_rate, r.recalled_kib_per_layer,
+					r.host_waits_per_layer);
 				fprintf(json,
 					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"recall\": \"%s\", "
 					"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "
@@ -490,14 +496,15 @@ int bench_decode(int argc, char **argv)
 					"\"correction_waits_per_layer\": %.4f, \"correction_wait_share\": %.4f, "
 					"\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
 					"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
-					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f}",
+					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
+					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f}",
 					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(modes[mi]),
 					kvr_recall_name(g.recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
 					base.us_per_layer, r.us_per_layer / base.us_per_layer, r.us_per_layer / budget,
 					r.mean_us_per_layer, r.critical_us_per_layer, r.corrected_rate, (unsigned long long)r.selections,
 					r.correction_waits_per_layer, r.correction_wait_share, r.controller_wait_share,
 					r.recall_wait_share, r.critical_share, r.controller_us_per_layer, r.hit_rate,
-					r.recalled_kib_per_layer);
+					r.recalled_kib_per_layer, r.host_waits_per_layer, r.host_wait_share);
 				first = 0;
 			}
 	}

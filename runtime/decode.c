@@ -233,6 +233,8 @@ static void fill_stats(const uint64_t cnt[KVR_C_COUNT], uint64_t steps, uint64_t
 	st.pages_demoted = cnt[KVR_C_PAGES_DEMOTED];
 	st.device_units = units;
 	st.device_units_used = units_used;
+	st.host_waits = cnt[KVR_C_HOST_WAITS];
+	st.host_wait_ns = cnt[KVR_C_HOST_WAIT_NS];
 	const uint32_t size = out->size < sizeof(st) ? out->size : (uint32_t)sizeof(st);
 	memcpy(out, &st, size);
 	out->size = size;

@@ -530,6 +530,15 @@ struct kvr_stats {
 	 * pages. */
 	uint64_t device_units;
 	uint64_t device_units_used;
+	/* Added in 0.7. Times the engine's thread waited for the device inside
+	 * kvr_decode_layer (a stream or event synchronise, a blocking copy to the
+	 * host, an urgent recall a correction needs), whether or not the backend
+	 * had work left: the waits a GPU would make it sit through. The step's end
+	 * (kvr_decode_end) is not counted. A sequence's stats count the waits made
+	 * for it alone; a layer's wait for its whole batch counts in the
+	 * context's. */
+	uint64_t host_waits;
+	uint64_t host_wait_ns;
 };
 
 /* Copy the context's counters into *stats. stats->size must be set; at most

@@ -162,8 +162,7 @@ void kvr_importance_harvest(struct kvr_sched *s, struct kvr_lane *lane)
 	if (!im->n_win || ensure_pages(im, im->win_page + im->n_win - 1))
 		return;
 	/* the attention that wrote lse; usually long complete */
-	if (kvr_dev_event_query(s->dev, lane->attn_done) == -EAGAIN)
-		kvr_dev_event_synchronize(s->dev, lane->attn_done);
+	kvr_sched_wait_event(s, lane->attn_done, lane->seq, lane->layer, "wait attention's lse");
 	const uint32_t G = s->G, n_kv = s->c.n_kv_heads;
 	for (uint32_t m = 0; m < n_kv; m++) {
 		const float *base = im->lse + (uint64_t)m * G * im->stride;
@@ -206,8 +205,8 @@ void kvr_importance_judge(struct kvr_sched *s, struct kvr_lane *lane, uint64_t n
 	kvr_importance_harvest(s, lane); /* this step's attention counts too */
 	/* nothing may read the pages while they are rewritten: this lane's
 	 * attention has run (harvest) and its recalls have landed */
-	if (s->recall == KVR_RECALL_STREAMED && kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN)
-		kvr_dev_event_synchronize(s->dev, lane->recall_done);
+	if (s->recall == KVR_RECALL_STREAMED)
+		kvr_sched_wait_event(s, lane->recall_done, lane->seq, lane->layer, "wait recall (demotion)");
 	for (uint32_t j = im->judged; j < next_first; j++) {
 		if (j >= im->cap || !im->obs[j])
 			continue; /* prefill's pages: never observed in a window */

@@ -373,7 +373,7 @@ static const unsigned char *bounce_fill(struct kvr_sched *s, struct kvr_lane *la
 					uint32_t n, int *err)
 {
 	const uint32_t b = s->rec.next_bounce++ % 2;
-	*err = kvr_dev_event_synchronize(s->dev, s->rec.bounce_done[b]);
+	*err = kvr_sched_wait_event(s, s->rec.bounce_done[b], lane->seq, lane->layer, "wait bounce");
 	if (!*err)
 		*err = read_chunk(s, lane, ms, n, s->rec.bounce[b]);
 	return *err ? NULL : s->rec.bounce[b];
@@ -505,8 +505,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 		return 0;
 	if (s->kv_format) {
 		/* the slot table is rewritten below: the previous recall must have run */
-		if (kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN)
-			kvr_dev_event_synchronize(s->dev, lane->recall_done);
+		kvr_sched_wait_event(s, lane->recall_done, lane->seq, lane->layer, "wait previous recall");
 		return recall_quantised(s, lane, heads);
 	}
 	struct miss *misses = s->rec.recall_misses;
@@ -519,8 +518,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 	 * waited for it — but an urgent recall can follow a deferred one still in
 	 * flight (freekv: a correction at the next step), and with asynchronous
 	 * compute the engine waits only on the stream. */
-	if (kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN)
-		kvr_dev_event_synchronize(s->dev, lane->recall_done);
+	kvr_sched_wait_event(s, lane->recall_done, lane->seq, lane->layer, "wait previous recall");
 	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
 		if (!heads[m])
 			continue;
@@ -542,7 +540,7 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 			 * previous chunk is done; elsewhere through a bounce */
 			const int direct = s->spill_direct;
 			if (direct) {
-				err = kvr_dev_event_synchronize(s->dev, st->drained);
+				err = kvr_sched_wait_event(s, st->drained, lane->seq, lane->layer, "wait staging");
 				if (!err)
 					err = read_chunk(s, lane, misses + at, n, st->runs);
 				if (err)

@@ -181,7 +181,7 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
 			kvr_dev_free(s->dev, p);
 			return NULL;
 		}
-		kvr_dev_stream_synchronize(s->dev, stream);
+		kvr_sched_wait_stream(s, stream, lane->seq, lane->layer, "wait summaries' copy (grown)");
 		kvr_dev_free(s->dev, lane->sum_dev);
 		lane->sum_dev = p;
 		lane->sum_cap = cap;

@@ -105,6 +105,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	    (ret = kvr_dev_stream_create(s->dev, s->hooks.async_compute ? KVR_STREAM_WORKER : 0,
 					 &s->compute)) == 0)
 		ret = kvr_dev_stream_create(s->dev, 0, &s->ctl_inline);
+	/* cuda's streams are asynchronous whatever their flags (backend.h) */
+	s->compute_host_sync = kvr_dev_kind_of(s->dev) != KVR_DEV_CUDA && !s->hooks.async_compute;
 	s->eng.engine_sel.stream = s->engine_inline;
 	s->rec.ctl_sel.stream = s->ctl_inline;
 	if (ret && !err[0])

@@ -119,6 +119,8 @@ struct kvr_sched {
 	/* streams: created at start, then used by the thread named */
 	struct kvr_stream *engine_inline; /* engine: its host-synchronous kernels */
 	struct kvr_stream *compute;       /* engine queues attention: inline, or a worker (test hook) */
+	int compute_host_sync;            /* compute runs its work as it is queued (cpu, cudaemu
+	                                     inline): a stream wait there blocks the engine */
 	struct kvr_stream *ctl_inline;    /* controller: its kernels */
 	struct kvr_stream *copy;          /* controller queues: streamed recall, pool -> staging */
 	struct kvr_stream *convert;       /* controller queues: streamed recall, staging -> slots */
@@ -396,6 +398,20 @@ struct kvr_kv_segment kvr_sched_pool_segment(struct kvr_sched *s, struct kvr_lan
 uint32_t kvr_sched_build_segments(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m,
 				  uint64_t n_tokens, int dense, const int32_t *sel, int from_slots,
 				  struct kvr_kv_segment *out, int *err);
+
+/* waits.c: host waits for the device, counted (kvr_stats.host_waits) when
+ * the engine thread makes them inside a layer call. seq UINT32_MAX: the
+ * batch's wait (counted for the context only). */
+void kvr_sched_layer_enter(struct kvr_sched *s);
+void kvr_sched_layer_leave(struct kvr_sched *s);
+int kvr_sched_wait_stream(struct kvr_sched *s, struct kvr_stream *stream, uint32_t seq, uint32_t layer,
+			  const char *what);
+int kvr_sched_wait_event(struct kvr_sched *s, struct kvr_event *event, uint32_t seq, uint32_t layer,
+			 const char *what);
+/* A wait of the engine's from t0 to t1 that is not a device call (an urgent
+ * controller job), counted and traced as one. */
+void kvr_sched_count_host_wait(struct kvr_sched *s, uint32_t seq, uint32_t layer, const char *what,
+			       uint64_t t0, uint64_t t1);
 
 /* lanes.c (engine thread): the lane's speculative state dropped, so its next
  * sparse step selects afresh (after a truncate or a failed step). */

@@ -55,6 +55,8 @@ enum kvr_counter {
 	KVR_C_PAGES_DEMOTED,
 	KVR_C_UNITS_TAKEN,    /* quantised pages: device page cache units taken by slots */
 	KVR_C_UNITS_RELEASED, /* mixed pages: of which given back while the sequence lives */
+	KVR_C_HOST_WAITS,     /* the engine thread's waits for the device in layer calls (waits.c) */
+	KVR_C_HOST_WAIT_NS,
 	KVR_C_COUNT
 };
 

@@ -63,6 +63,6 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 	/* the host plans with `selected` (and reuses the item and the scores);
 	 * the inline streams of host-addressable devices have run it already */
 	if (!err)
-		err = kvr_dev_stream_synchronize(s->dev, stream);
+		err = kvr_sched_wait_stream(s, stream, lane->seq, lane->layer, "wait selection");
 	return err;
 }

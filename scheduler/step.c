@@ -131,13 +131,16 @@ struct entry {
 };
 
 /* Wait (streamed recall) until the lane's latest recall is complete before
- * attention reads its slots: a stream wait on the compute stream, which on a
- * host-synchronous compute stream blocks the engine — counted. */
+ * attention reads its slots: a stream wait on the compute stream. A GPU
+ * honours it on the device; a host-synchronous compute stream (cpu, cudaemu)
+ * by blocking the engine, which is measured here as a recall wait. That block
+ * emulates the device's order and is no host wait of the scheduler's
+ * (waits.c). */
 static int wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correction)
 {
 	if (s->recall != KVR_RECALL_STREAMED)
 		return 0;
-	if (!s->hooks.async_compute && kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN) {
+	if (s->compute_host_sync && kvr_dev_event_query(s->dev, lane->recall_done) == -EAGAIN) {
 		const uint64_t t0 = kvr_now_ns();
 		kvr_dev_event_synchronize(s->dev, lane->recall_done);
 		const uint64_t t1 = kvr_now_ns();
@@ -246,6 +249,7 @@ static int layer_inputs(struct layer_call *lc, const void *q, const void *k, con
 	}
 	const void *view = NULL;
 	void *stage = s->eng.inputs_stage; /* NULL where the host reads q, k, v in place */
+	/* in place: this call's q, k, v are the engine's, ready when it calls */
 	err = kvr_host_view(s->dev, stage, 0, q, q_bytes, s->engine_inline, &view);
 	lc->q_host = view;
 	if (!err)
@@ -254,8 +258,9 @@ static int layer_inputs(struct layer_call *lc, const void *q, const void *k, con
 	if (!err)
 		err = kvr_host_view(s->dev, stage, q_bytes + kv_bytes, v, kv_bytes, s->engine_inline, &view);
 	lc->v_host = view;
-	if (!err)
-		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
+	if (!err && stage)
+		err = kvr_sched_wait_stream(s, s->engine_inline, UINT32_MAX, lc->layer,
+					    "wait inputs (q, k, v to the host)");
 	if (!err)
 		return 0;
 fail:
@@ -367,7 +372,7 @@ static int check_similarity(struct layer_call *lc, uint32_t i, struct kvr_lane *
 	if (!err)
 		err = kvr_dev_similarity(s->dev, &s->shape, s->eng.similarity.dev, 1, s->engine_inline);
 	if (!err) /* the host reads corr (an inline stream has run it already) */
-		err = kvr_dev_stream_synchronize(s->dev, s->engine_inline);
+		err = kvr_sched_wait_stream(s, s->engine_inline, seq, lc->layer, "wait correction check");
 	if (err) {
 		snprintf(s->last_error, sizeof(s->last_error), "similarity: %s",
 			 kvr_dev_last_error(s->dev));
@@ -529,6 +534,8 @@ static int attend_corrected(struct layer_call *lc)
 			kvr_controller_post(s, lane, 1);
 			kvr_lane_acquire(s, lane);
 			err = wait_recall(s, lane, 1);
+			kvr_sched_count_host_wait(s, seq, layer, "wait urgent recall planning", t1,
+						  kvr_now_ns());
 			if (lc->tr)
 				kvr_trace_span(lc->tr, "wait urgent recall", KVR_TRACK_ENGINE, seq, layer,
 					       0, t1, kvr_now_ns());
@@ -619,6 +626,9 @@ static int layer_finish(struct layer_call *lc, struct kvr_stream *engine_stream)
 	return 0;
 }
 
+static int layer_call(struct layer_call *lc, const void *q, const void *k, const void *v,
+		      struct kvr_stream *engine_stream);
+
 int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			   const uint32_t *seqs, const uint64_t *positions, const void *q,
 			   const void *k, const void *v, void *out, int32_t *status,
@@ -640,15 +650,25 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		.kv_row = s->kv_row,
 		.head_q_bytes = (uint64_t)s->G * s->c.head_dim * s->eb,
 	};
-	int err = layer_inputs(&lc, q, k, v, engine_stream);
+	kvr_sched_layer_enter(s);
+	int err = layer_call(&lc, q, k, v, engine_stream);
+	kvr_sched_layer_leave(s);
+	return err;
+}
+
+static int layer_call(struct layer_call *lc, const void *q, const void *k, const void *v,
+		      struct kvr_stream *engine_stream)
+{
+	struct kvr_sched *s = lc->s;
+	int err = layer_inputs(lc, q, k, v, engine_stream);
 	if (err)
 		return err;
-	layer_append(&lc);
-	if ((err = layer_scratch(&lc)) || (err = layer_corrections(&lc)))
+	layer_append(lc);
+	if ((err = layer_scratch(lc)) || (err = layer_corrections(lc)))
 		return err;
-	err = attend_uncorrected(&lc);
+	err = attend_uncorrected(lc);
 	if (!err)
-		err = attend_corrected(&lc);
+		err = attend_corrected(lc);
 	/* layer_done marks the layer's attention on the compute stream; where it
 	 * has run already (an inline stream) its pages may leave RAM now (and
 	 * mixed pages' window pages be demoted below), else at the step's end */
@@ -661,8 +681,8 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
 		return err;
 	}
-	post_next_step(&lc);
-	return layer_finish(&lc, engine_stream);
+	post_next_step(lc);
+	return layer_finish(lc, engine_stream);
 }
 
 void kvr_sched_step_abandon(struct kvr_sched *s, uint32_t batch, const uint32_t *seqs,

@@ -118,8 +118,8 @@ static int run_round(struct kvr_sched *s, struct kvr_units *u, uint32_t op, uint
 	int err = kvr_mirror_to_device(s->dev, &u->item, item, sizeof(*item), u->stream);
 	if (!err)
 		err = kvr_dev_freelist(s->dev, u->item.dev, 1, u->stream);
-	if (!err)
-		err = kvr_dev_stream_synchronize(s->dev, u->stream);
+	if (!err) /* the host reads the round's status (and ids) */
+		err = kvr_sched_wait_stream(s, u->stream, UINT32_MAX, UINT32_MAX, "wait free-list round");
 	if (err) {
 		snprintf(u->message, sizeof(u->message), "device page cache: free-list round: %s",
 			 kvr_dev_last_error(s->dev));

@@ -2279,3 +2279,41 @@ Test(scheduler, truncate_rewrites_resident_pages, .timeout = 120)
 		tseq_fini(&c);
 	}
 }
+
+/*
+ * Issue 23's measure: the engine thread's host waits for the device per
+ * (step, layer) on cudaemu-strict (a device with memory of its own, so the
+ * GPU paths run), per mode and recall kind, counted by kvr_stats.host_waits.
+ * The table is printed; each count is asserted exactly, so a wait added
+ * anywhere on the decode path fails here, and the expectations move to 0 as
+ * the step moves onto the device.
+ */
+static void host_waits_on(uint32_t dev_kind, const double want[3][2])
+{
+	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
+	const uint32_t n_steps = 6;
+	for (int mi = 0; mi < 3; mi++)
+		for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+			struct opts o = opts_default(dev_kind, modes[mi], recall, KVR_DTYPE_F32);
+			struct drift r;
+			struct check ck;
+			drift_alloc(&r, 1, n_steps);
+			run_drift(&o, &r, &ck);
+			free(r.outs);
+			const double per_layer = (double)ck.stats.host_waits / (n_steps * NL);
+			fprintf(stderr, "host waits per layer, %s %s %s: %.3f (%llu in %u layer calls, %.0f us)\n",
+				dev_name(dev_kind), kvr_mode_name(modes[mi]), kvr_recall_name(recall), per_layer,
+				(unsigned long long)ck.stats.host_waits, n_steps * NL,
+				(double)ck.stats.host_wait_ns / 1e3);
+			if (want)
+				cr_expect_float_eq(per_layer, want[mi][recall - KVR_RECALL_ZERO_COPY], 1e-9,
+						   "%s %s %s: %.3f host waits per layer", dev_name(dev_kind),
+						   kvr_mode_name(modes[mi]), kvr_recall_name(recall), per_layer);
+		}
+}
+
+Test(scheduler, host_waits_per_layer, .timeout = 240)
+{
+	host_waits_on(KVR_DEV_CUDAEMU_STRICT, NULL);
+	host_waits_on(KVR_DEV_CPU, NULL);
+}
