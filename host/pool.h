@@ -300,6 +300,28 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 		    uint32_t n_tokens, const void *keys, const void *values,
 		    struct kvr_tail_tile *tail);
 
+/*
+ * One decoded token whose rows a device writes (the scheduler's device
+ * append): kvr_pool_ingest's bookkeeping for the token at `position`, without
+ * its data. The caller writes the token's rows into its tail tile. When the
+ * token completes a page, fill->page is that page's memory (plain pages: the
+ * pool's layout), fill->summary its key summary slot (NULL when the pool keeps
+ * none) and fill->id its id; the caller converts the tail tile into it and
+ * summarises it, and with a spill tier the page stays pinned (safe from
+ * eviction while the device writes it) until the caller drops the pin
+ * (kvr_pool_unpin_live). Otherwise fill->page is NULL. Plain pages only
+ * (-EINVAL for a quantised pool: its pages are quantised on the host). On
+ * failure the table is as before the call.
+ */
+struct kvr_pool_fill {
+	void *page;
+	void *summary;
+	uint32_t id;
+	uint32_t logical;
+};
+int kvr_pool_append_token(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t position,
+			  struct kvr_pool_fill *fill);
+
 void kvr_pool_get_stats(const struct kvr_pool *pool, struct kvr_pool_stats *out);
 
 /* Walk every structure and check the invariants (each page's refcount equals

@@ -302,3 +302,44 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
 	pthread_mutex_unlock(&pool->lock);
 	return 0;
 }
+
+int kvr_pool_append_token(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t position,
+			  struct kvr_pool_fill *fill)
+{
+	const uint64_t p = pool->g.page_tokens;
+	struct layer_table *t = NULL; /* set by table_get on success */
+	*fill = (struct kvr_pool_fill){ NULL, NULL, 0, 0 };
+	pthread_mutex_lock(&pool->lock);
+	int err = pool_table_get(pool, seq, layer, &t);
+	if (!err && pool->params.kv_format != KVR_KV_PLAIN)
+		err = pool_fail(pool, -EINVAL, "pool: append_token: pages are quantised (format %u)",
+			        pool->params.kv_format);
+	if (!err && position != t->n_tokens)
+		err = pool_fail(pool, -EINVAL,
+			        "sequence %u layer %u: tokens must arrive in order: expected "
+			        "position %llu, got %llu",
+			        seq, layer, (unsigned long long)t->n_tokens, (unsigned long long)position);
+	if (err) {
+		pthread_mutex_unlock(&pool->lock);
+		return err;
+	}
+	const uint64_t len = t->n_tokens;
+	const uint32_t before = t->n_pages;
+	/* the page this token starts, reserved up front (kvr_pool_ingest) */
+	err = len % p ? 0 : pool_reserve_locked(pool, t, 1);
+	unsigned char *page = NULL, *summary = NULL;
+	uint32_t id = 0;
+	if (!err && len % p && (len + 1) % p) /* a shared partial page: this sequence's own */
+		err = page_for_write(pool, t, (uint32_t)(len / p), &page, &summary, &id, false);
+	if (!err && (len + 1) % p == 0) { /* the token completes the page: its fill */
+		err = page_for_write(pool, t, (uint32_t)(len / p), &page, &summary, &id, true);
+		if (!err)
+			*fill = (struct kvr_pool_fill){ page, summary, id, (uint32_t)(len / p) };
+	}
+	if (err)
+		pool_table_shrink(pool, t, before);
+	else
+		t->n_tokens = len + 1;
+	pthread_mutex_unlock(&pool->lock);
+	return err;
+}

@@ -42,8 +42,12 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	const uint64_t t0 = kvr_now_ns();
 	int err = 0;
 	if (lane->job == LANE_JOB_SELECT) {
-		err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
-				       &s->rec.ctl_sel);
+		/* prev_q may still be on its way (the device append copies it on
+		 * the compute stream, then records attn_done): a stream wait */
+		err = kvr_dev_stream_wait_event(s->dev, s->rec.ctl_sel.stream, lane->attn_done);
+		if (!err)
+			err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
+					       &s->rec.ctl_sel);
 		if (err) {
 			char what[224];
 			snprintf(what, sizeof(what), "controller: selection of sequence %u layer %u: %s",

@@ -107,6 +107,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 		ret = kvr_dev_stream_create(s->dev, 0, &s->ctl_inline);
 	/* cuda's streams are asynchronous whatever their flags (backend.h) */
 	s->compute_host_sync = kvr_dev_kind_of(s->dev) != KVR_DEV_CUDA && !s->hooks.async_compute;
+	s->device_append = !kvr_dev_host_visible(s->dev) && !s->kv_format &&
+			   s->pool_layout == KVR_POOL_LAYOUT_HND;
 	s->eng.engine_sel.stream = s->engine_inline;
 	s->rec.ctl_sel.stream = s->ctl_inline;
 	if (ret && !err[0])

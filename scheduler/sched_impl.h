@@ -119,6 +119,9 @@ struct kvr_sched {
 	/* streams: created at start, then used by the thread named */
 	struct kvr_stream *engine_inline; /* engine: its host-synchronous kernels */
 	struct kvr_stream *compute;       /* engine queues attention: inline, or a worker (test hook) */
+	/* decode appends tokens on the device (step.c append_on_device): a
+	 * device with memory of its own, plain pages in an HND pool */
+	int device_append;
 	int compute_host_sync;            /* compute runs its work as it is queued (cpu, cudaemu
 	                                     inline): a stream wait there blocks the engine */
 	struct kvr_stream *ctl_inline;    /* controller: its kernels */
@@ -384,6 +387,7 @@ static inline int kvr_layer_dense(const struct kvr_sched *s, uint32_t layer)
  * by this step's attention, until kvr_sched_unpin_step (or unpin_from(mark)
  * for the pins taken after `mark`, n_step_pins when it was taken). */
 int kvr_sched_pin_in_place(struct kvr_sched *s, uint32_t id);
+int kvr_sched_hold_pin(struct kvr_sched *s, uint32_t id);
 void kvr_sched_unpin_from(struct kvr_sched *s, size_t mark);
 void kvr_sched_unpin_step(struct kvr_sched *s);
 /* The segment of KV head m over the lane's logical page, read where it lives

@@ -17,6 +17,16 @@
  * attention is done (unpin_step). Engine thread. */
 int kvr_sched_pin_in_place(struct kvr_sched *s, uint32_t id)
 {
+	int err = kvr_pool_pin(s->pool, &id, 1);
+	if (!err && (err = kvr_sched_hold_pin(s, id)))
+		kvr_pool_unpin_live(s->pool, &id, 1);
+	return err;
+}
+
+/* Keep a pin the caller took on page `id` until the step's attention is
+ * done (the device append's page, which the device writes). */
+int kvr_sched_hold_pin(struct kvr_sched *s, uint32_t id)
+{
 	if (s->eng.n_step_pins == s->eng.step_pins_cap) {
 		const size_t cap = s->eng.step_pins_cap ? 2 * s->eng.step_pins_cap : 256;
 		uint32_t *grown = kvr_realloc(s->eng.step_pins, cap * sizeof(*grown));
@@ -25,10 +35,8 @@ int kvr_sched_pin_in_place(struct kvr_sched *s, uint32_t id)
 		s->eng.step_pins = grown;
 		s->eng.step_pins_cap = cap;
 	}
-	int err = kvr_pool_pin(s->pool, &id, 1);
-	if (!err)
-		s->eng.step_pins[s->eng.n_step_pins++] = id;
-	return err;
+	s->eng.step_pins[s->eng.n_step_pins++] = id;
+	return 0;
 }
 
 /* Drop the pins of pages read in place from `mark` on (their attention has

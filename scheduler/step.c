@@ -210,8 +210,12 @@ struct layer_call {
 	uint64_t t_enter;
 	uint32_t n_kv, kk;
 	uint64_t q_row, kv_row, head_q_bytes;
-	/* q_dev feeds kernels; q_host, k_host, v_host the host's own work */
-	const unsigned char *q_dev, *q_host, *k_host, *v_host;
+	/* q_dev feeds kernels; q_host, k_host, v_host the host's own work
+	 * (NULL with a device append) */
+	const unsigned char *q_dev, *k_dev, *v_dev, *q_host, *k_host, *v_host;
+	/* the device appends the tokens (append_on_device), the host never
+	 * reads q, k, v */
+	int device_append;
 	uint32_t max_pages; /* full pages of the longest sequence after the append */
 	/* the layer's scratch (kvr_sched.scratch[layer]) carved by layer_scratch */
 	struct layer_scratch *ls;
@@ -221,7 +225,9 @@ struct layer_call {
 	float *cosine;
 	uint8_t *corrected;        /* [batch][n_kv] */
 	struct kvr_lane **att_lanes; /* lanes whose attention is queued */
-	uint32_t n_items, n_segs, n_att;
+	struct kvr_page_item *fills; /* [batch] device append: pages the tokens completed */
+	uint32_t n_items, n_segs, n_att, n_fills;
+	int fill_error; /* convert_fills could not queue its kernels */
 };
 
 /* Order the layer's work after the engine's stream and give the host its
@@ -247,6 +253,9 @@ static int layer_inputs(struct layer_call *lc, const void *q, const void *k, con
 		if (err)
 			goto fail;
 	}
+	lc->k_dev = k, lc->v_dev = v;
+	if (lc->device_append)
+		return 0; /* the host reads none of them */
 	const void *view = NULL;
 	void *stage = s->eng.inputs_stage; /* NULL where the host reads q, k, v in place */
 	/* in place: this call's q, k, v are the engine's, ready when it calls */
@@ -266,6 +275,67 @@ static int layer_inputs(struct layer_call *lc, const void *q, const void *k, con
 fail:
 	snprintf(s->last_error, sizeof(s->last_error), "reading the layer's q, k, v: %s", kvr_dev_last_error(s->dev));
 	return err;
+}
+
+/* The device append of entry i's token (lc->device_append): the pool's
+ * bookkeeping on the host, the rows copied from the engine's k and v into the
+ * tail tile on the compute stream, and a page the token completes queued
+ * for conversion (convert_fills). The host touches no data, so it waits for
+ * nothing. On failure *why says why and nothing of the entry was queued. */
+static int append_on_device(struct layer_call *lc, uint32_t i, const struct kvr_tail_tile *tail,
+			    const char **why)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t seq = lc->seqs[i];
+	struct kvr_pool_fill fill;
+	int err = kvr_pool_append_token(s->pool, seq, lc->layer, lc->positions[i], &fill);
+	if (err) {
+		*why = kvr_pool_last_error(s->pool);
+		return err;
+	}
+	if (fill.page && s->spill) { /* pinned by the pool until the device has written it */
+		err = kvr_sched_hold_pin(s, fill.id);
+		if (err) {
+			kvr_pool_unpin_live(s->pool, &fill.id, 1);
+			kvr_pool_truncate(s->pool, seq, lc->layer, lc->positions[i]);
+			*why = "out of memory for the step's pins";
+			return err;
+		}
+	}
+	const uint64_t row = lc->positions[i] % s->c.page_tokens;
+	err = kvr_dev_memcpy_async(s->dev, (unsigned char *)tail->keys + row * lc->kv_row,
+				   lc->k_dev + i * lc->kv_row, lc->kv_row, KVR_COPY_D2H, s->compute);
+	if (!err)
+		err = kvr_dev_memcpy_async(s->dev, (unsigned char *)tail->values + row * lc->kv_row,
+					   lc->v_dev + i * lc->kv_row, lc->kv_row, KVR_COPY_D2H, s->compute);
+	if (err) { /* the token is not in the tile: the pool must not count it */
+		kvr_pool_truncate(s->pool, seq, lc->layer, lc->positions[i]);
+		*why = kvr_dev_last_error(s->dev);
+		return err;
+	}
+	if (fill.page)
+		lc->fills[lc->n_fills++] = (struct kvr_page_item){
+			tail->keys, tail->values, fill.page, fill.summary,
+			s->c.n_kv_heads * s->c.head_dim, 0 };
+	return 0;
+}
+
+/* The pages this layer's tokens completed: tail tile -> HND pool page and
+ * key summary, on the compute stream after the rows' copies, before any
+ * attention reads them (kvr_pool_write_page's work, on the device). A failure
+ * here is the device's: the layer fails. */
+static void convert_fills(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	const size_t bytes = lc->n_fills * sizeof(*lc->fills);
+	int err = kvr_mirror_to_device(s->dev, &lc->ls->m, lc->fills, bytes, s->compute);
+	const struct kvr_page_item *items = kvr_mirror_dev_at(&lc->ls->m, lc->fills);
+	if (!err)
+		err = kvr_dev_offload(s->dev, &s->shape, items, lc->n_fills, s->compute);
+	if (!err && lc->fills[0].summary)
+		err = kvr_dev_summarize(s->dev, &s->shape, items, lc->n_fills, s->compute);
+	if (err)
+		lc->fill_error = err;
 }
 
 /* 1. Acquire the lanes, append the tokens; a sequence that fails here gets
@@ -304,40 +374,47 @@ static void layer_append(struct layer_call *lc)
 		}
 		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
 					      s->tails[seq] + ((uint64_t)layer * 2 + 1) * s->tile_bytes };
-		lc->status[i] = kvr_pool_ingest(s->pool, seq, layer, lc->positions[i], 1,
-						lc->k_host + i * lc->kv_row, lc->v_host + i * lc->kv_row,
-						&tail);
+		const char *why = NULL;
+		if (lc->device_append) {
+			lc->status[i] = append_on_device(lc, i, &tail, &why);
+		} else {
+			lc->status[i] = kvr_pool_ingest(s->pool, seq, layer, lc->positions[i], 1,
+							lc->k_host + i * lc->kv_row,
+							lc->v_host + i * lc->kv_row, &tail);
+			why = kvr_pool_last_error(s->pool);
+		}
 		if (lc->status[i]) {
 			zero_output(s, out_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
-			mark_failed(s, seq, layer, lc->positions[i], lc->status[i],
-				    kvr_pool_last_error(s->pool));
+			mark_failed(s, seq, layer, lc->positions[i], lc->status[i], why);
 			continue;
 		}
 		lane->appended_step = s->eng.step_serial;
-		const uint32_t pages = (uint32_t)((lc->positions[i] + 1) / s->c.page_tokens);
-		lc->max_pages = pages > lc->max_pages ? pages : lc->max_pages;
 	}
+	if (lc->n_fills)
+		convert_fills(lc);
 }
 
 /* The layer's scratch: kept per layer, since an asynchronous attention may
- * still read the previous layer's items. */
+ * still read the previous layer's items. Sized before the append, for every
+ * entry's position. */
 static int layer_scratch(struct layer_call *lc)
 {
 	struct kvr_sched *s = lc->s;
 	const uint32_t batch = lc->batch, n_kv = lc->n_kv;
 	/* mixed pages: a selected K8V4 page is two segments (its halves) */
 	const uint32_t max_segs = lc->max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
-	size_t off[6], need = 0;
-	const size_t sizes[6] = {
+	size_t off[7], need = 0;
+	const size_t sizes[7] = {
 		(size_t)batch * n_kv * sizeof(struct kvr_attention_item),
 		(size_t)batch * n_kv * max_segs * sizeof(struct kvr_kv_segment),
 		(size_t)batch * sizeof(struct entry),
 		(size_t)batch * n_kv * sizeof(float),
 		(size_t)batch * n_kv,
 		(size_t)batch * sizeof(struct kvr_lane *),
+		(size_t)batch * sizeof(struct kvr_page_item),
 	};
-	for (int i = 0; i < 6; i++) {
+	for (int i = 0; i < 7; i++) {
 		off[i] = need;
 		need += (sizes[i] + 63) & ~(size_t)63;
 	}
@@ -354,6 +431,7 @@ static int layer_scratch(struct layer_call *lc)
 	lc->cosine = (void *)(mem + off[3]);
 	lc->corrected = mem + off[4];
 	lc->att_lanes = (void *)(mem + off[5]);
+	lc->fills = (void *)(mem + off[6]);
 	return 0;
 }
 
@@ -572,7 +650,21 @@ static void post_next_step(struct layer_call *lc)
 		kvr_importance_judge(s, lane, e->n_tokens);
 		if ((e->kind != SEQ_SPARSE && e->kind != SEQ_CORRECTED) || !kk)
 			continue;
-		memcpy(lane->prev_q, lc->q_host + i * lc->q_row, lc->q_row);
+		if (lc->device_append) {
+			/* on the compute stream, after this layer's similarity check
+			 * read the old one; the controller's selection, which reads
+			 * it, waits for attn_done recorded after the copy */
+			int err = kvr_dev_memcpy_async(s->dev, lane->prev_q, lc->q_dev + i * lc->q_row, lc->q_row,
+						       KVR_COPY_D2H, s->compute);
+			if (!err)
+				err = kvr_dev_event_record(s->dev, lane->attn_done, s->compute);
+			if (err) { /* no previous query: the next step selects afresh */
+				lane->has_prev = 0;
+				continue;
+			}
+		} else {
+			memcpy(lane->prev_q, lc->q_host + i * lc->q_row, lc->q_row);
+		}
 		lane->has_prev = 1;
 		if (s->c.mode == KVR_MODE_BLOCKING)
 			continue; /* selects again at the next step */
@@ -649,6 +741,7 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		.q_row = s->q_row,
 		.kv_row = s->kv_row,
 		.head_q_bytes = (uint64_t)s->G * s->c.head_dim * s->eb,
+		.device_append = s->device_append,
 	};
 	kvr_sched_layer_enter(s);
 	int err = layer_call(&lc, q, k, v, engine_stream);
@@ -660,11 +753,22 @@ static int layer_call(struct layer_call *lc, const void *q, const void *k, const
 		      struct kvr_stream *engine_stream)
 {
 	struct kvr_sched *s = lc->s;
+	for (uint32_t i = 0; i < lc->batch; i++) {
+		const uint32_t pages = (uint32_t)((lc->positions[i] + 1) / s->c.page_tokens);
+		lc->max_pages = pages > lc->max_pages ? pages : lc->max_pages;
+	}
 	int err = layer_inputs(lc, q, k, v, engine_stream);
+	if (!err)
+		err = layer_scratch(lc);
 	if (err)
 		return err;
 	layer_append(lc);
-	if ((err = layer_scratch(lc)) || (err = layer_corrections(lc)))
+	if (lc->fill_error) {
+		snprintf(s->last_error, sizeof(s->last_error), "offloading the completed pages: %s",
+			 kvr_dev_last_error(s->dev));
+		return lc->fill_error;
+	}
+	if ((err = layer_corrections(lc)))
 		return err;
 	err = attend_uncorrected(lc);
 	if (!err)
