@@ -541,7 +541,7 @@ int main(int argc, char **argv)
 					(host ? hsum : dsum) + (uint64_t)s * max_pages * n_kv * 2 * d,
 					(host ? hscores : dscores) + (uint64_t)s * n_kv * max_pages,
 					(host ? hsel : dsel) + (uint64_t)s * n_kv * k, sink_pages, cand_end, k,
-					pages /* softmax over every page, as the scheduler */ };
+					pages /* softmax over every page, as the scheduler */, NULL };
 			if (host) {
 				CK(kvr_dev_score(cpu.dev, &shape, sitems, batch, cpu.s));
 				CK(kvr_dev_select(cpu.dev, &shape, sitems, batch, cpu.s));

@@ -394,7 +394,7 @@ int main(int argc, char **argv)
 		 * (norm_end = 0: over the candidates, the alternative) */
 		struct kvr_score_item it = { q, summaries, scores, selected, sink_pages,
 					     pages > window_pages ? pages - window_pages : sink_pages, k,
-					     opt.softmax_candidates ? 0 : pages };
+					     opt.softmax_candidates ? 0 : pages, NULL };
 		if (it.cand_end < it.cand_begin)
 			it.cand_end = it.cand_begin;
 		double *tsc = calloc(opt.reps, sizeof(double)), *tse = calloc(opt.reps, sizeof(double));

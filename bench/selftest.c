@@ -325,14 +325,14 @@ static int check_kernels(struct env *e)
 	if (!scores || !sel || !scitem)
 		FAIL("out of device or host memory");
 	*(struct kvr_score_item *)scitem->host = (struct kvr_score_item){
-		q->dev, sums->dev, (float *)scores->dev, (int32_t *)sel->dev, 1, PAGES - 1, K_SEL, PAGES };
+		q->dev, sums->dev, (float *)scores->dev, (int32_t *)sel->dev, 1, PAGES - 1, K_SEL, PAGES, NULL };
 	DEV(up(e, scitem));
 	DEV(kvr_dev_score(e->dev, &sh, (const struct kvr_score_item *)scitem->dev, 1, e->s));
 	DEV(kvr_dev_select(e->dev, &sh, (const struct kvr_score_item *)scitem->dev, 1, e->s));
 	DEV(down(e, scores) || down(e, sel));
 	const uint32_t n_cand = PAGES - 2;
 	double ref_scores[N_KV * PAGES];
-	struct kvr_score_item hitem = { q->host, sums->host, (float *)scores->host, NULL, 1, PAGES - 1, K_SEL, PAGES };
+	struct kvr_score_item hitem = { q->host, sums->host, (float *)scores->host, NULL, 1, PAGES - 1, K_SEL, PAGES, NULL };
 	ref_score(&sh, &hitem, ref_scores);
 	for (uint32_t i = 0; i < N_KV * n_cand; i++) {
 		const double got = ((const float *)scores->host)[i], want = ref_scores[i];

@@ -165,6 +165,10 @@ int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		      struct kvr_stream *stream);
 int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		  const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream);
+/* The selected pages' attention segments (kernels.h, plan); the shape is
+ * only checked (the items carry what the segments need). */
+int kvr_dev_plan(struct kvr_dev *dev, const struct kvr_shape *shape,
+		 const struct kvr_plan_item *items, uint32_t n, struct kvr_stream *stream);
 /* Rounds of circular free-page lists (kernels.h, freelist); no shape. */
 int kvr_dev_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		     struct kvr_stream *stream);

@@ -9,7 +9,7 @@
 	X(memcpy_batch_async) X(host_fn)
 #define KVR_DEV_KERNEL_OPS(X) \
 	X(scatter) X(offload) X(summarize) X(score) X(select) X(similarity) X(attention) X(dense) \
-	X(freelist)
+	X(freelist) X(plan)
 
 /*
  * backend_impl.h — how a backend plugs into backend.h: a table of operations
@@ -78,6 +78,8 @@ struct kvr_dev_ops {
 		     const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream);
 	int (*freelist)(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 			struct kvr_stream *stream);
+	int (*plan)(struct kvr_dev *dev, const struct kvr_shape *shape,
+		    const struct kvr_plan_item *items, uint32_t n, struct kvr_stream *stream);
 	/* Optional (NULL: -ENOTSUP): run fn(arg) on the host in stream order. */
 	int (*host_fn)(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
 		       void *arg);

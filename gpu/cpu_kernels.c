@@ -449,6 +449,21 @@ void kvr_cpu_summarize(struct kvr_dev *dev, const struct kvr_shape *shape,
 	run_page_job(dev, shape, items, n, summarize_task);
 }
 
+static void plan_task(void *arg, uint32_t i)
+{
+	kvr_plan_item_run((const struct kvr_plan_item *)arg + i);
+}
+
+void kvr_cpu_plan(struct kvr_dev *dev, const struct kvr_shape *shape,
+		  const struct kvr_plan_item *items, uint32_t n)
+{
+	(void)shape;
+	/* a few dozen items of a few dozen segments: not worth the workers */
+	for (uint32_t i = 0; i < n; i++)
+		plan_task((void *)(uintptr_t)items, i);
+	(void)dev;
+}
+
 /* ------------------------------------------------------------------ per-head jobs */
 
 struct head_job {
@@ -467,7 +482,7 @@ static void score_task(void *arg, uint32_t index)
 	const struct kvr_score_item *it = (const struct kvr_score_item *)job->items + index / sh->n_kv_heads;
 	const uint32_t m = index % sh->n_kv_heads, G = sh->n_qo_heads / sh->n_kv_heads;
 	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
-	if (!n_cand)
+	if (!n_cand || kvr_score_gated_off(it, sh->n_kv_heads))
 		return;
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(it, &dom_begin, &dom_end);
@@ -607,7 +622,7 @@ static void select_task(void *arg, uint32_t index)
 	const struct kvr_shape *sh = job->shape;
 	const struct kvr_score_item *it = (const struct kvr_score_item *)job->items + index / sh->n_kv_heads;
 	const uint32_t m = index % sh->n_kv_heads;
-	if (!it->k)
+	if (!it->k || kvr_score_gated_off(it, sh->n_kv_heads))
 		return;
 	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
 	const uint32_t take = it->k < n_cand ? it->k : n_cand;

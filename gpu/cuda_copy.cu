@@ -3,8 +3,8 @@
  * cuda_copy.cu — the kernels that move pages and lists, each beside its
  * launcher: scatter (staging HND runs into NHD slot tiles), offload (NHD rows
  * of a full tail page into one HND page), summarize (a page's key min/max),
- * and freelist (the device free-page list's compaction round); also the
- * launchers' message getter. Threads and streams as cuda_common.cuh says.
+ * freelist (the device free-page list's compaction round) and plan (the
+ * selected pages' attention segments); also the launchers' message getter. Threads and streams as cuda_common.cuh says.
  */
 #include "cuda_common.cuh"
 
@@ -39,6 +39,31 @@ static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
 	copy_rows(static_cast<unsigned char *>(it.v_tile) + col, tile_row,
 		  run + kvr_hnd_index(&g, 0, KVR_VALUES, 0, 0) * g.elem_bytes, row_bytes,
 		  g.page_tokens, row_bytes);
+}
+
+/* ------------------------------------------------------------------ plan */
+
+/* One thread per item: a few dozen segments each, written in order
+ * (kvr_plan_item_run), so the tail's move up never overtakes itself. */
+static const uint32_t PLAN_THREADS = 64;
+
+static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
+	plan_kernel(const struct kvr_plan_item *items, uint32_t n)
+{
+	const uint32_t i = blockIdx.x * PLAN_THREADS + threadIdx.x;
+	if (i < n)
+		kvr_plan_item_run(&items[i]);
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_plan)(const struct kvr_shape *shape,
+					      const struct kvr_plan_item *items, uint32_t n,
+					      void *stream)
+{
+	const int rc = check_shape(shape, "plan");
+	if (rc || n == 0)
+		return rc;
+	KVR_LAUNCH(plan_kernel, (n + PLAN_THREADS - 1) / PLAN_THREADS, PLAN_THREADS, 0, stream, items, n);
+	return launch_status("plan");
 }
 
 /* ------------------------------------------------------------------ offload */

@@ -158,8 +158,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	const struct split_block blk = split_block_of(plan, n_kv);
 	const uint32_t b = blk.split, item = blk.item, m = blk.kv_head;
 	const struct kvr_score_item it = items[item];
-	if (it.cand_end <= it.cand_begin)
-		return; /* no candidates: nothing to write (whole block) */
+	if (it.cand_end <= it.cand_begin || kvr_score_gated_off(&it, n_kv))
+		return; /* no candidates, or gated off: nothing to write (whole block) */
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(&it, &dom_begin, &dom_end);
 	const uint32_t n_dom = dom_end - dom_begin;
@@ -233,7 +233,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 	const uint32_t G = n_qo / n_kv;
 	const uint32_t item = blockIdx.x / n_qo, h = blockIdx.x % n_qo, m = h / G, g = h % G;
 	const struct kvr_score_item it = items[item];
-	if (it.cand_end <= it.cand_begin)
+	if (it.cand_end <= it.cand_begin || kvr_score_gated_off(&it, n_kv))
 		return;
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(&it, &dom_begin, &dom_end);
@@ -314,7 +314,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 	const struct split_block blk = split_block_of(plan, n_kv);
 	const uint32_t b = blk.split, item = blk.item, m = blk.kv_head;
 	const struct kvr_score_item it = items[item];
-	if (it.cand_end <= it.cand_begin)
+	if (it.cand_end <= it.cand_begin || kvr_score_gated_off(&it, n_kv))
 		return; /* as in pass 1 */
 	const uint32_t n_cand = it.cand_end - it.cand_begin;
 	uint32_t dom_begin, dom_end;
@@ -434,7 +434,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SELECT_THREADS, 2)
 	const uint32_t item = blockIdx.x / n_kv, m = blockIdx.x % n_kv;
 	const struct kvr_score_item it = items[item];
 	const uint32_t k = it.k;
-	if (k == 0)
+	if (k == 0 || kvr_score_gated_off(&it, n_kv))
 		return;
 	const uint32_t tid = threadIdx.x, warp = tid / 32;
 	const uint32_t n_cand = it.cand_end > it.cand_begin ? it.cand_end - it.cand_begin : 0u;

@@ -124,7 +124,7 @@ static __global__ void topk_keys_kernel(struct kvr_shape shape, const struct kvr
 {
 	const uint32_t s = blockIdx.x, m = s % shape.n_kv_heads;
 	const struct kvr_score_item it = items[s / shape.n_kv_heads];
-	const bool sort = needs_sort(it);
+	const bool sort = needs_sort(it) && !kvr_score_gated_off(&it, shape.n_kv_heads);
 	const uint32_t n_cand = sort ? it.cand_end - it.cand_begin : 0u;
 	const uint64_t first = (uint64_t)s * stride;
 	if (threadIdx.x == 0) {
@@ -154,7 +154,7 @@ static __global__ void topk_finish_kernel(struct kvr_shape shape,
 	const uint32_t s = blockIdx.x, m = s % shape.n_kv_heads;
 	const struct kvr_score_item it = items[s / shape.n_kv_heads];
 	const uint32_t k = it.k;
-	if (k == 0)
+	if (k == 0 || kvr_score_gated_off(&it, shape.n_kv_heads))
 		return;
 	const uint32_t n_cand = it.cand_end > it.cand_begin ? it.cand_end - it.cand_begin : 0u;
 	const uint32_t take = k < n_cand ? k : n_cand;

@@ -397,6 +397,13 @@ int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return dev->ops->dense(dev, shape, items, n, stream);
 }
 
+int kvr_dev_plan(struct kvr_dev *dev, const struct kvr_shape *shape,
+		 const struct kvr_plan_item *items, uint32_t n, struct kvr_stream *stream)
+{
+	KERNEL_PROLOGUE("plan", items, n, stream);
+	return dev->ops->plan(dev, shape, items, n, stream);
+}
+
 int kvr_dev_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		     struct kvr_stream *stream)
 {

@@ -39,6 +39,10 @@
  *              the sign bit set for positives and all bits flipped for
  *              negatives (monotonic; a NaN ranks by its bits, so +NaN above
  *              +inf and -NaN below -inf), the lower page index winning ties.
+ *              Score and select: an item whose gate is not NULL and holds n_kv
+ *              zero bytes does nothing (reads nothing else, writes nothing):
+ *              the selection of a correction is launched on every check and
+ *              runs only where the similarity kernel flagged a head.
  * similarity   For each item and query head h: cosine of q[h] and q_prev[h]
  *              (dot and norms in the canonical 16-lane order; 0 when either
  *              norm is 0); cosine[m] = mean over the group (g in order);
@@ -80,6 +84,17 @@
  *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
  *              mode and dense layers use it; it is also the reference the
  *              sparse path is compared with when B ≥ L.
+ * plan         For each item (one attention item: a KV head of a sequence):
+ *              the pages it attends are corrected_sel when that is not NULL
+ *              and (corrected is NULL or *corrected != 0), else selected. The
+ *              item's list keeps its n_head leading segments; its k slots
+ *              get, in order, a segment for each entry P of the pages with
+ *              sel_begin <= P < sel_end (k = page_addr[P] + k_offset, v =
+ *              page_addr[P] + v_offset or NULL, and the item's seg_ fields);
+ *              the n_tail segments that followed the k slots move up behind
+ *              them, and attention->n_segments = n_head + taken + n_tail.
+ *              The decode step's device path builds the selected pages'
+ *              segments with it, so the host never reads a selection.
  * freelist     For each item, one round of LeanKV's circular free-page list
  *              (layouts/freelist.h) for n_units units (KV heads × sequences)
  *              at once: offsets = exclusive prefix sum of counts; then, if
@@ -135,6 +150,8 @@ struct kvr_score_item {
 	uint32_t cand_end;     /* one past the last */
 	uint32_t k;            /* pages to select per KV head */
 	uint32_t norm_end;     /* softmax over pages [0, norm_end); 0: over the candidates */
+	const uint8_t *gate;   /* [n_kv] or NULL: when every byte is 0 the item does
+	                          nothing (score and select; a correction's flags) */
 };
 
 /* The pages a score item's per-head softmax spans (see score above); the
@@ -144,6 +161,17 @@ static inline KVR_HD void kvr_score_domain(const struct kvr_score_item *it, uint
 {
 	*begin = it->norm_end ? 0 : it->cand_begin;
 	*end = it->norm_end > it->cand_end ? it->norm_end : it->cand_end;
+}
+
+/* 1 when the item's gate holds n_kv zero bytes: score and select skip it. */
+static inline KVR_HD int kvr_score_gated_off(const struct kvr_score_item *it, uint32_t n_kv)
+{
+	if (!it->gate)
+		return 0;
+	for (uint32_t m = 0; m < n_kv; m++)
+		if (it->gate[m])
+			return 0;
+	return 1;
 }
 
 struct kvr_similarity_item {
@@ -165,6 +193,25 @@ struct kvr_kv_segment {
 	uint32_t format;      /* enum kvr_kv_format (layouts/kvquant.h); 0 = plain */
 };
 
+/* plan: one attention item's segments of the selected pages (below). */
+struct kvr_plan_item {
+	struct kvr_attention_item *attention; /* out: its n_segments */
+	struct kvr_kv_segment *segments;      /* the item's list: n_head, k slots, n_tail */
+	const int32_t *selected;              /* [k] the pages when not corrected */
+	const int32_t *corrected_sel;         /* [k] the pages when corrected, or NULL */
+	const uint8_t *corrected;             /* the flag, or NULL: corrected_sel if given */
+	const uint64_t *page_addr;            /* [sel_end] each logical page's memory */
+	uint64_t k_offset;                    /* bytes from a page's memory to the keys */
+	uint64_t v_offset;                    /* ... to the values; UINT64_MAX: v NULL */
+	uint32_t n_head, n_tail, k;
+	uint32_t sel_begin, sel_end;          /* pages [sel_begin, sel_end) are taken */
+	uint32_t seg_tokens;                  /* each taken page's segment: n_tokens, */
+	uint32_t seg_row;                     /* row_stride (plain) or first_row, */
+	uint32_t seg_head_stride;             /* head_stride, */
+	uint32_t seg_format;                  /* format */
+	uint32_t reserved;
+};
+
 struct kvr_attention_item {
 	const void *q;      /* [n_qo][d] */
 	void *out;          /* [n_qo][d] */
@@ -173,6 +220,35 @@ struct kvr_attention_item {
 	uint32_t first_segment;
 	uint32_t n_segments;
 };
+
+/* The plan kernel's work for one item (kernels.h, plan), sequential: the cpu
+ * backend runs it per item, CUDA one thread per item. The tail segments move
+ * up in ascending order, so a move never overwrites one still to be read. */
+static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
+{
+	const int32_t *pages = it->corrected_sel && (!it->corrected || *it->corrected)
+				       ? it->corrected_sel
+				       : it->selected;
+	struct kvr_kv_segment *seg = it->segments + it->n_head;
+	uint32_t taken = 0;
+	for (uint32_t j = 0; j < it->k; j++) {
+		const int32_t page = pages[j];
+		if (page < 0 || (uint32_t)page < it->sel_begin || (uint32_t)page >= it->sel_end)
+			continue;
+		const unsigned char *mem = (const unsigned char *)(uintptr_t)it->page_addr[page];
+		struct kvr_kv_segment s;
+		s.k = mem + it->k_offset;
+		s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(mem + it->v_offset);
+		s.n_tokens = it->seg_tokens;
+		s.row_stride = it->seg_row;
+		s.head_stride = it->seg_head_stride;
+		s.format = it->seg_format;
+		seg[taken++] = s;
+	}
+	for (uint32_t j = 0; j < it->n_tail; j++)
+		seg[taken + j] = seg[it->k + j];
+	it->attention->n_segments = it->n_head + taken + it->n_tail;
+}
 
 struct kvr_dense_item {
 	const void *q;
@@ -220,15 +296,17 @@ struct kvr_freelist_item { /* freelist: one list's round */
  */
 #define KVR_ITEM_POINTERS_kvr_scatter_item(X) X(run) X(k_tile) X(v_tile)
 #define KVR_ITEM_POINTERS_kvr_page_item(X) X(k_rows) X(v_rows) X(hnd_page) X(summary)
-#define KVR_ITEM_POINTERS_kvr_score_item(X) X(q) X(summaries) X(scores) X(selected)
+#define KVR_ITEM_POINTERS_kvr_score_item(X) X(q) X(summaries) X(scores) X(selected) X(gate)
 #define KVR_ITEM_POINTERS_kvr_similarity_item(X) X(q) X(q_prev) X(cosine) X(corrected)
 #define KVR_ITEM_POINTERS_kvr_kv_segment(X) X(k) X(v)
 #define KVR_ITEM_POINTERS_kvr_attention_item(X) X(q) X(out) X(segment_lse)
+#define KVR_ITEM_POINTERS_kvr_plan_item(X) X(attention) X(segments) X(selected) X(corrected_sel) X(corrected) X(page_addr)
 #define KVR_ITEM_POINTERS_kvr_dense_item(X) X(q) X(k) X(v) X(out)
 #define KVR_ITEM_POINTERS_kvr_freelist_item(X) X(ids) X(counters) X(counts) X(offsets) X(pages) X(status)
 #define KVR_ITEM_STRUCTS(S)                                                                        \
 	S(kvr_scatter_item) S(kvr_page_item) S(kvr_score_item) S(kvr_similarity_item)            \
-	S(kvr_kv_segment) S(kvr_attention_item) S(kvr_dense_item) S(kvr_freelist_item)
+	S(kvr_kv_segment) S(kvr_attention_item) S(kvr_dense_item) S(kvr_freelist_item)          \
+	S(kvr_plan_item)
 
 /* Shape of a call, common to the kernels. */
 struct kvr_shape {

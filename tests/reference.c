@@ -148,12 +148,55 @@ static int by_page(const void *a, const void *b)
 	return x->j < y->j ? -1 : (x->j > y->j);
 }
 
+/* An item whose gate is all zeros does nothing (kernels.h, score/select). */
+static int gated_off(const struct kvr_shape *sh, const struct kvr_score_item *it)
+{
+	if (!it->gate)
+		return 0;
+	uint32_t on = 0;
+	for (uint32_t m = 0; m < sh->n_kv_heads; m++)
+		on += it->gate[m] != 0;
+	return on == 0;
+}
+
+void ref_plan(const struct kvr_plan_item *items, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_plan_item *it = &items[i];
+		const int use_now = it->corrected_sel != NULL && (it->corrected == NULL || it->corrected[0] != 0);
+		const int32_t *pages = use_now ? it->corrected_sel : it->selected;
+		/* the tail first, aside: the list is rewritten in place */
+		struct kvr_kv_segment tail[64];
+		if (it->n_tail > 64)
+			abort();
+		memcpy(tail, it->segments + it->n_head + it->k, it->n_tail * sizeof(*tail));
+		uint32_t at = it->n_head;
+		for (uint32_t j = 0; j < it->k; j++) {
+			const int64_t page = pages[j];
+			if (page < (int64_t)it->sel_begin || page >= (int64_t)it->sel_end)
+				continue;
+			struct kvr_kv_segment s;
+			memset(&s, 0, sizeof(s));
+			const uint64_t base = it->page_addr[page];
+			s.k = (const void *)(uintptr_t)(base + it->k_offset);
+			s.v = it->v_offset == UINT64_MAX ? NULL : (const void *)(uintptr_t)(base + it->v_offset);
+			s.n_tokens = it->seg_tokens;
+			s.row_stride = it->seg_row;
+			s.head_stride = it->seg_head_stride;
+			s.format = it->seg_format;
+			it->segments[at++] = s;
+		}
+		memcpy(it->segments + at, tail, it->n_tail * sizeof(*tail));
+		it->attention->n_segments = at + it->n_tail;
+	}
+}
+
 void ref_select(const struct kvr_shape *sh, const struct kvr_score_item *items, uint32_t n)
 {
 	for (uint32_t i = 0; i < n; i++) {
 		const struct kvr_score_item *it = &items[i];
-		if (!it->k)
-			continue; /* k = 0 writes nothing */
+		if (!it->k || gated_off(sh, it))
+			continue; /* k = 0 (or a closed gate) writes nothing */
 		const uint32_t n_cand =
 			it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
 		const uint32_t take = it->k < n_cand ? it->k : n_cand;

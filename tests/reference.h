@@ -92,8 +92,10 @@ uint32_t ref_ordered(float x);
 void ref_scatter(const struct kvr_shape *sh, const struct kvr_scatter_item *items, uint32_t n);
 void ref_offload(const struct kvr_shape *sh, const struct kvr_page_item *items, uint32_t n);
 void ref_summarize(const struct kvr_shape *sh, const struct kvr_page_item *items, uint32_t n);
-/* Reads items[i].scores (floats), writes items[i].selected. */
+/* Reads items[i].scores (floats), writes items[i].selected. Honours gate. */
 void ref_select(const struct kvr_shape *sh, const struct kvr_score_item *items, uint32_t n);
+/* Writes each item's list (its first n_segments entries) and n_segments. */
+void ref_plan(const struct kvr_plan_item *items, uint32_t n);
 
 /* ---- numeric kernels: one item, results in double ---- */
 /* scores: [n_kv][cand_end - cand_begin]. */

@@ -484,6 +484,7 @@ DEV_ITEMS(dev_similarity_items, kvr_similarity_item)
 DEV_ITEMS(dev_attention_items, kvr_attention_item)
 DEV_ITEMS(dev_segments, kvr_kv_segment)
 DEV_ITEMS(dev_dense_items, kvr_dense_item)
+DEV_ITEMS(dev_plan_items, kvr_plan_item)
 #undef DEV_ITEMS
 #undef TRANSLATE_FIELD
 
@@ -942,6 +943,170 @@ static void score_select_case(struct env *e, uint32_t ci, uint32_t ti)
 }
 
 CONFORMANCE_CASES(score_select, ARRAY_LEN(numeric_shapes))
+
+/*
+ * score and select with gates (a correction's flags): an item whose gate is
+ * all zeros writes nothing (its scores stay NaN, its selection sentinels), an
+ * item with one flag, or with no gate, writes what it writes ungated, bit for
+ * bit. One shape and type: the gate is a branch, not arithmetic.
+ */
+CONFORMANCE_TEST(score_gate)
+{
+	const uint32_t ci = 0, ti = 0;
+	fresh(e);
+	CASE_SETUP(numeric_shapes, 0x6a7e);
+	const uint32_t n_kv = sh.n_kv_heads;
+	struct score_case sc;
+	build_score_case(&r, &sh, &sc, 0);
+	put_score_case(c, &sc);
+	const float *open_scores = device_scores(c, &sh, &sc);
+	DEV_OK(c, kvr_dev_select(c->dev, &sh, dev_score_items(c, sc.items, sc.n), sc.n, c->s));
+	int32_t *open_sel = halloc(sc.selected_len * sizeof(int32_t));
+	get(c, open_sel, sc.selected, sc.selected_len * sizeof(int32_t));
+
+	/* again into fresh buffers: item 0 closed, item 1 one head open, item 2 none */
+	uint8_t *closed = halloc(n_kv), *one = halloc(n_kv);
+	one[n_kv - 1] = 1;
+	struct score_case gc = sc;
+	gc.scores = halloc(sc.scores_len * sizeof(float));
+	memset(gc.scores, 0xff, sc.scores_len * sizeof(float));
+	gc.selected = halloc(sc.selected_len * sizeof(int32_t));
+	for (size_t x = 0; x < sc.selected_len; x++)
+		gc.selected[x] = SEL_SENTINEL;
+	for (uint32_t i = 0; i < gc.n; i++) {
+		gc.items[i].scores = gc.scores + (sc.items[i].scores - sc.scores);
+		gc.items[i].selected = gc.selected + (sc.items[i].selected - sc.selected);
+	}
+	gc.items[0].gate = closed, gc.items[1].gate = one;
+	put(c, closed, n_kv);
+	put(c, one, n_kv);
+	put(c, gc.scores, gc.scores_len * sizeof(float));
+	put(c, gc.selected, gc.selected_len * sizeof(int32_t));
+	const void *items = dev_score_items(c, gc.items, gc.n);
+	DEV_OK(c, kvr_dev_score(c->dev, &sh, items, gc.n, c->s));
+	DEV_OK(c, kvr_dev_select(c->dev, &sh, items, gc.n, c->s));
+	float *got = halloc(sc.scores_len * sizeof(float));
+	int32_t *sel = halloc(sc.selected_len * sizeof(int32_t));
+	get(c, got, gc.scores, sc.scores_len * sizeof(float));
+	get(c, sel, gc.selected, sc.selected_len * sizeof(int32_t));
+	for (uint32_t i = 0; i < gc.n; i++) {
+		const size_t s_at = (size_t)(sc.items[i].scores - sc.scores);
+		const size_t s_end = i + 1 < gc.n ? (size_t)(sc.items[i + 1].scores - sc.scores) : sc.scores_len;
+		const size_t k_at = (size_t)(sc.items[i].selected - sc.selected);
+		const size_t k_n = (size_t)n_kv * sc.items[i].k;
+		char what[128];
+		snprintf(what, sizeof(what), "%s: gated score, item %u (%s)", c->name, i,
+			 i == 0 ? "closed: must write nothing" : "open: as ungated");
+		expect_same_bits(what, got + s_at, i == 0 ? gc.scores + s_at : open_scores + s_at,
+				 (s_end - s_at) * sizeof(float), 4);
+		snprintf(what, sizeof(what), "%s: gated select, item %u", c->name, i);
+		expect_same_bits(what, sel + k_at, i == 0 ? gc.selected + k_at : open_sel + k_at,
+				 k_n * sizeof(int32_t), 4);
+	}
+	/* the reference's select honours the gate the same way */
+	struct kvr_score_item host[5];
+	memcpy(host, gc.items, sizeof(host));
+	int32_t *ref_sel = halloc(sc.selected_len * sizeof(int32_t));
+	memcpy(ref_sel, gc.selected, sc.selected_len * sizeof(int32_t));
+	for (uint32_t i = 0; i < gc.n; i++) {
+		host[i].scores = got + (sc.items[i].scores - sc.scores);
+		host[i].selected = ref_sel + (sc.items[i].selected - sc.selected);
+	}
+	ref_select(&sh, host, gc.n);
+	expect_same_bits("gated select against the reference", sel, ref_sel,
+			 sc.selected_len * sizeof(int32_t), 4);
+}
+
+/* ================================================================== plan */
+
+/*
+ * plan: items with and without head and tail segments, k from 0 to 6,
+ * pages below, inside and past [sel_begin, sel_end) and -1, the correction's
+ * pages taken with its flag set, the speculative ones with it clear, and with
+ * no flag at all; plain and quantised segment fields. Each item's list (its
+ * first n_segments entries) and n_segments equal the reference's bit for bit,
+ * and the attention items' other fields are untouched. page_addr holds
+ * made-up addresses: the kernel computes with them and never dereferences.
+ */
+CONFORMANCE_TEST(plan)
+{
+	fresh(e);
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x91a4, 0, 0);
+	enum { N = 7, PAGES = 40 };
+	static const uint32_t spec[N][4] = { /* n_head, k, n_tail, flag: 0 clear, 1 set, 2 none, 3 no correction */
+		{ 2, 4, 3, 1 }, { 0, 4, 0, 0 }, { 3, 6, 5, 2 }, { 1, 0, 2, 1 },
+		{ 0, 1, 1, 3 }, { 4, 5, 33, 0 }, { 2, 6, 1, 1 } };
+	uint64_t *addr = halloc(PAGES * sizeof(uint64_t));
+	for (uint32_t j = 0; j < PAGES; j++)
+		addr[j] = 0x100000ull * (j + 1) + (rng_next(&r) & 0xfff0);
+	struct kvr_plan_item items[N];
+	uint32_t list_at[N + 1] = { 0 };
+	for (uint32_t i = 0; i < N; i++)
+		list_at[i + 1] = list_at[i] + spec[i][0] + spec[i][1] + spec[i][2];
+	struct kvr_kv_segment *list = halloc(list_at[N] * sizeof(*list));
+	fill_bytes(&r, list, list_at[N] * sizeof(*list));
+	struct kvr_attention_item *att = halloc(N * sizeof(*att));
+	fill_bytes(&r, att, N * sizeof(*att));
+	int32_t *sel = halloc(N * 8 * sizeof(int32_t)), *now = halloc(N * 8 * sizeof(int32_t));
+	uint8_t *flags = halloc(N);
+	for (uint32_t i = 0; i < N; i++) {
+		for (uint32_t j = 0; j < 8; j++) {
+			sel[i * 8 + j] = (int32_t)rng_below(&r, PAGES + 1) - 1;
+			now[i * 8 + j] = (int32_t)rng_below(&r, PAGES + 1) - 1;
+		}
+		flags[i] = spec[i][3] == 1;
+		const int quant = i % 2;
+		items[i] = (struct kvr_plan_item){
+			.attention = &att[i],
+			.segments = list + list_at[i],
+			.selected = sel + i * 8,
+			.corrected_sel = spec[i][3] == 3 ? NULL : now + i * 8,
+			.corrected = spec[i][3] >= 2 ? NULL : flags + i,
+			.page_addr = addr,
+			.k_offset = 64 * i,
+			.v_offset = quant ? UINT64_MAX : 64 * i + 4096,
+			.n_head = spec[i][0], .n_tail = spec[i][2], .k = spec[i][1],
+			.sel_begin = 2 + i, .sel_end = PAGES - 3 * i,
+			.seg_tokens = 16, .seg_row = quant ? 0 : 128, .seg_head_stride = quant ? 1088 : 0,
+			.seg_format = quant ? KVR_KV_K8V4 : 0 };
+	}
+	put(c, addr, PAGES * sizeof(uint64_t));
+	put(c, list, list_at[N] * sizeof(*list));
+	put(c, att, N * sizeof(*att));
+	put(c, sel, N * 8 * sizeof(int32_t));
+	put(c, now, N * 8 * sizeof(int32_t));
+	put(c, flags, N);
+	const struct kvr_shape sh = make_shape(&numeric_shapes[0], KVR_ELEM_F32);
+	DEV_OK(c, kvr_dev_plan(c->dev, &sh, dev_plan_items(c, items, N), N, c->s));
+	struct kvr_kv_segment *got = halloc(list_at[N] * sizeof(*got));
+	struct kvr_attention_item *got_att = halloc(N * sizeof(*got_att));
+	get(c, got, list, list_at[N] * sizeof(*got));
+	get(c, got_att, att, N * sizeof(*got_att));
+	struct kvr_attention_item *want_att = halloc(N * sizeof(*want_att));
+	memcpy(want_att, att, N * sizeof(*att));
+	for (uint32_t i = 0; i < N; i++)
+		items[i].attention = &want_att[i];
+	ref_plan(items, N); /* rewrites the host list in place */
+	for (uint32_t i = 0; i < N; i++) {
+		char what[96];
+		snprintf(what, sizeof(what), "%s: plan item %u: the attention item", c->name, i);
+		expect_same_bits(what, &got_att[i], &want_att[i], sizeof(*got_att), 4);
+		cr_assert_leq(want_att[i].n_segments, list_at[i + 1] - list_at[i]);
+		snprintf(what, sizeof(what), "%s: plan item %u: its %u segments", c->name, i,
+			 want_att[i].n_segments);
+		expect_same_bits(what, got + list_at[i], list + list_at[i],
+				 want_att[i].n_segments * sizeof(*got), 8);
+	}
+	/* the cases cover what they claim: some pages taken, some skipped */
+	uint32_t taken = 0, offered = 0;
+	for (uint32_t i = 0; i < N; i++) {
+		taken += want_att[i].n_segments - spec[i][0] - spec[i][2];
+		offered += spec[i][1];
+	}
+	cr_assert(taken > 0 && taken < offered, "%u of %u pages taken", taken, offered);
+	expect_no_failed_launch(c);
+}
 
 /* ================================================================== select */
 

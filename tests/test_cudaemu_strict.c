@@ -589,6 +589,59 @@ Test(cudaemu_strict, offload_and_summarize_extents)
 #undef SUMMARIZE
 }
 
+/* A plan item over a list of n_head + k + n_tail segments, pages [0, 4)
+ * takeable (page_addr: 4 entries), the correction's selection used: every
+ * pointer in device memory, each exactly as long as the validator says. */
+static struct kvr_plan_item plan_item(uint32_t n_head, uint32_t n_tail, uint32_t k)
+{
+	const uint64_t addr[4] = { 0, 0, 0, 0 };
+	int32_t sel[8], now[8];
+	for (uint32_t j = 0; j < k; j++)
+		sel[j] = (int32_t)j, now[j] = (int32_t)(3 - j);
+	const uint8_t flag = 1;
+	struct kvr_attention_item at = { 0 };
+	return (struct kvr_plan_item){ .attention = dput(&T, &at, sizeof(at)),
+				       .segments = dalloc(&T, (n_head + k + n_tail) * sizeof(struct kvr_kv_segment)),
+				       .selected = dput(&T, sel, k * sizeof(int32_t)),
+				       .corrected_sel = dput(&T, now, k * sizeof(int32_t)),
+				       .corrected = dput(&T, &flag, 1),
+				       .page_addr = dput(&T, addr, sizeof(addr)),
+				       .v_offset = UINT64_MAX,
+				       .n_head = n_head, .n_tail = n_tail, .k = k,
+				       .sel_begin = 1, .sel_end = 4, .seg_tokens = P };
+}
+
+Test(cudaemu_strict, plan_extents)
+{
+#define PLAN(item) kvr_dev_plan(T.dev, &shape, items_of(&(item), sizeof(item)), 1, T.s)
+	struct kvr_plan_item it = plan_item(2, 3, 2);
+	expect_ok(&T, PLAN(it), "plan");
+	sync_clean();
+	/* the correction's pages 3 and 2, behind the 2 head segments, then the
+	 * 3 tail segments moved up: 7 in all */
+	struct kvr_attention_item at;
+	d2h(&T, &at, it.attention, sizeof(at));
+	cr_assert_eq(at.n_segments, 7);
+	struct kvr_plan_item bad = it;
+	bad.segments = dalloc(&T, 7 * sizeof(struct kvr_kv_segment) - 1);
+	expect_fault(&T, PLAN(bad), 0, "plan: item 0 segments", "runs past the end");
+	bad = it;
+	bad.page_addr = dalloc(&T, 4 * 8 - 1);
+	expect_fault(&T, PLAN(bad), 1, "plan: item 0 page_addr", "runs past the end");
+	bad = it;
+	bad.corrected_sel = dalloc(&T, 2 * 4 - 1);
+	expect_fault(&T, PLAN(bad), 2, "plan: item 0 corrected_sel", "runs past the end");
+	bad = it;
+	bad.attention = dalloc(&T, sizeof(struct kvr_attention_item) - 1);
+	expect_fault(&T, PLAN(bad), 3, "plan: item 0 attention", "runs past the end");
+	/* selections in host memory: not kernel data */
+	int32_t host_sel[2] = { 1, 2 };
+	bad = it;
+	bad.selected = host_sel;
+	expect_fault(&T, PLAN(bad), 4, "plan: item 0 selected", "neither device memory");
+#undef PLAN
+}
+
 Test(cudaemu_strict, score_and_select_extents)
 {
 	/* candidates [3, 19): the summaries from page 3 to the end of page 18 */
@@ -600,9 +653,9 @@ Test(cudaemu_strict, score_and_select_extents)
 	int32_t *sel = dalloc(&T, (size_t)NKV * k * sizeof(int32_t));
 	int32_t *sel2 = dalloc(&T, (size_t)NKV * 2 * sizeof(int32_t));
 	struct kvr_score_item it[3] = {
-		{ q, sums, scores, NULL, begin, end, k, 0 },
-		{ NULL, NULL, NULL, NULL, 7, 7, 0, 0 },  /* no candidates, k = 0: nothing */
-		{ NULL, NULL, NULL, sel2, 5, 5, 2, 0 }, /* no candidates, k = 2: -1s only */
+		{ q, sums, scores, NULL, begin, end, k, 0, NULL },
+		{ NULL, NULL, NULL, NULL, 7, 7, 0, 0, NULL },  /* no candidates, k = 0: nothing */
+		{ NULL, NULL, NULL, sel2, 5, 5, 2, 0, NULL }, /* no candidates, k = 2: -1s only */
 	};
 	expect_ok(&T, kvr_dev_score(T.dev, &shape, items_of(it, sizeof(it)), 3, T.s), "score");
 	it[0].q = NULL; /* select reads neither q nor summaries */
@@ -696,7 +749,7 @@ Test(cudaemu_strict, every_item_pointer_field_has_an_extent_check)
 	const uint32_t n_pages = 8, k = 2;
 	struct kvr_score_item so = { drand(&T, qb, 4), drand(&T, n_pages * 2ull * NKV * D * EB, 5),
 				     dalloc(&T, (size_t)NKV * n_pages * sizeof(float)),
-				     dalloc(&T, (size_t)NKV * k * sizeof(int32_t)), 0, n_pages, k, 0 };
+				     dalloc(&T, (size_t)NKV * k * sizeof(int32_t)), 0, n_pages, k, 0, NULL };
 	expect_ok(&T, kvr_dev_score(T.dev, &shape, items_of(&so, sizeof(so)), 1, T.s), "score");
 	expect_ok(&T, kvr_dev_select(T.dev, &shape, items_of(&so, sizeof(so)), 1, T.s), "select");
 
@@ -728,6 +781,16 @@ Test(cudaemu_strict, every_item_pointer_field_has_an_extent_check)
 					dalloc(&T, 4 * sizeof(uint32_t)), dalloc(&T, sizeof(int32_t)),
 					4, 1, KVR_FREELIST_FREE, 4 };
 	expect_ok(&T, kvr_dev_freelist(T.dev, items_of(&fl, sizeof(fl)), 1, T.s), "freelist");
+
+	/* a gated score and select (one head flagged) */
+	const uint8_t flags[NKV] = { 0, 1 };
+	so.gate = dput(&T, flags, sizeof(flags));
+	expect_ok(&T, kvr_dev_score(T.dev, &shape, items_of(&so, sizeof(so)), 1, T.s), "gated score");
+	expect_ok(&T, kvr_dev_select(T.dev, &shape, items_of(&so, sizeof(so)), 1, T.s), "gated select");
+
+	/* a plan taking one of two pages, the correction's */
+	struct kvr_plan_item pl = plan_item(1, 1, 2);
+	expect_ok(&T, kvr_dev_plan(T.dev, &shape, items_of(&pl, sizeof(pl)), 1, T.s), "plan");
 	sync_clean();
 	cr_assert_eq(violations(), 0);
 

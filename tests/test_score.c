@@ -246,7 +246,7 @@ static void check_shape_norm(struct kvr_dev *dev, uint32_t type_index, uint32_t 
 	cr_assert(q && summ && want && got && want_sel && got_sel);
 	fill_inputs(kind, type, &sh, n_pages, q, summ);
 
-	struct kvr_score_item it = { q, summ, want, want_sel, begin, begin + n_cand, k, norm_end };
+	struct kvr_score_item it = { q, summ, want, want_sel, begin, begin + n_cand, k, norm_end, NULL };
 	ref_score(&sh, &it, want);
 	ref_select(&sh, &it, want_sel);
 
@@ -382,7 +382,7 @@ Test(score, select_ties)
 					else /* spread 10: also distinct values */
 						scores[x] = spread == 10 && rng() % 2 ? uniform(0.0f, 1.0f) : pool[rng() % spread];
 				}
-				struct kvr_score_item it = { NULL, NULL, scores, want, 11, 11 + n, k, 0 };
+				struct kvr_score_item it = { NULL, NULL, scores, want, 11, 11 + n, k, 0, NULL };
 				ref_select(&sh, &it, want);
 				it.selected = got;
 				kvr_cpu_select(dev, &sh, &it, 1);

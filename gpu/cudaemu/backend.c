@@ -62,18 +62,18 @@
 #include "../kernel_launchers.h"
 
 enum emu_kernel { EMU_SCATTER, EMU_OFFLOAD, EMU_SUMMARIZE, EMU_SCORE, EMU_SELECT, EMU_SIMILARITY,
-		  EMU_ATTENTION, EMU_DENSE, EMU_FREELIST };
+		  EMU_ATTENTION, EMU_DENSE, EMU_FREELIST, EMU_PLAN };
 
 static const char *const kernel_names[] = { "scatter", "offload", "summarize", "score",
 					    "select", "similarity", "attention", "dense",
-					    "freelist" };
+					    "freelist", "plan" };
 
 static const size_t item_bytes[] = {
 	sizeof(struct kvr_scatter_item), sizeof(struct kvr_page_item),
 	sizeof(struct kvr_page_item),    sizeof(struct kvr_score_item),
 	sizeof(struct kvr_score_item),   sizeof(struct kvr_similarity_item),
 	sizeof(struct kvr_attention_item), sizeof(struct kvr_dense_item),
-	sizeof(struct kvr_freelist_item),
+	sizeof(struct kvr_freelist_item), sizeof(struct kvr_plan_item),
 };
 
 struct emu_op {
@@ -405,7 +405,11 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *             n_dom·n_kv·2·d; scores n_kv·n_cand floats.
  *  select     nothing when k = 0; else scores n_kv·n_cand floats (n_cand
  *             may be 0) and selected n_kv·k int32s.
+ *             Both: gate n_kv bytes when not NULL.
  *  similarity q and q_prev n_qo·d; cosine n_kv floats; corrected n_kv bytes.
+ *  plan       attention one item; segments n_head + k + n_tail segments;
+ *             with k > 0, selected k int32s, corrected_sel likewise and
+ *             corrected one byte when not NULL, page_addr sel_end uint64s.
  *  attention  q and out n_qo·d (read and written even with no tokens);
  *             with KVR_SHAPE_SEGMENT_LSE, segment_lse n_qo·n_segments floats; the
  *             item's segments [first_segment, +n_segments) must be in the
@@ -431,7 +435,7 @@ static int check_items(struct check *c, const struct emu_op *op)
 		[EMU_SUMMARIZE] = ITEM_kvr_page_item,        [EMU_SCORE] = ITEM_kvr_score_item,
 		[EMU_SELECT] = ITEM_kvr_score_item,          [EMU_SIMILARITY] = ITEM_kvr_similarity_item,
 		[EMU_ATTENTION] = ITEM_kvr_attention_item,   [EMU_DENSE] = ITEM_kvr_dense_item,
-		[EMU_FREELIST] = ITEM_kvr_freelist_item,
+		[EMU_FREELIST] = ITEM_kvr_freelist_item,     [EMU_PLAN] = ITEM_kvr_plan_item,
 	};
 	c->item_struct = item_struct_of[op->kernel];
 	switch (op->kernel) {
@@ -472,6 +476,9 @@ static int check_items(struct check *c, const struct emu_op *op)
 		for (uint32_t i = 0; i < op->n && !err; i++) {
 			const uint64_t n_cand =
 				it[i].cand_end > it[i].cand_begin ? it[i].cand_end - it[i].cand_begin : 0;
+			/* the gate is read first (the rest is checked either way) */
+			if (it[i].gate && (err = check_data(c, "item", i, "gate", it[i].gate, 0, n_kv)))
+				break;
 			if (op->kernel == EMU_SCORE) {
 				if (!n_cand)
 					continue;
@@ -551,6 +558,31 @@ static int check_items(struct check *c, const struct emu_op *op)
 		}
 		break;
 	}
+	case EMU_PLAN: {
+		const struct kvr_plan_item *it = op->items;
+		for (uint32_t i = 0; i < op->n && !err; i++) {
+			const uint64_t list = (uint64_t)it[i].n_head + it[i].k + it[i].n_tail;
+			if ((err = check_data(c, "item", i, "attention", it[i].attention, 0,
+					      sizeof(struct kvr_attention_item))) ||
+			    (err = check_data(c, "item", i, "segments", it[i].segments, 0,
+					      list * sizeof(struct kvr_kv_segment))))
+				break;
+			if (!it[i].k)
+				continue;
+			if ((err = check_data(c, "item", i, "selected", it[i].selected, 0,
+					      (uint64_t)it[i].k * 4)) ||
+			    (it[i].corrected_sel &&
+			     (err = check_data(c, "item", i, "corrected_sel", it[i].corrected_sel, 0,
+					       (uint64_t)it[i].k * 4))) ||
+			    (it[i].corrected &&
+			     (err = check_data(c, "item", i, "corrected", it[i].corrected, 0, 1))))
+				break;
+			/* any page below sel_end may be named */
+			err = check_data(c, "item", i, "page_addr", it[i].page_addr, 0,
+					 (uint64_t)it[i].sel_end * 8);
+		}
+		break;
+	}
 	case EMU_FREELIST: {
 		const struct kvr_freelist_item *it = op->items;
 		for (uint32_t i = 0; i < op->n && !err; i++) {
@@ -618,6 +650,7 @@ static void run_emu(struct kvr_dev *dev, void *ctx)
 		LAUNCH_ITEMS(EMU_SELECT, select)
 		LAUNCH_ITEMS(EMU_SIMILARITY, similarity)
 		LAUNCH_ITEMS(EMU_DENSE, dense)
+		LAUNCH_ITEMS(EMU_PLAN, plan)
 #undef LAUNCH_ITEMS
 	case EMU_ATTENTION:
 		rc = kvr_emu_launch_attention(sh, op->items, op->n, op->segments, op->n_segments, NULL);
@@ -677,6 +710,7 @@ EMU_KERNEL(score, struct kvr_score_item, EMU_SCORE)
 EMU_KERNEL(select, struct kvr_score_item, EMU_SELECT)
 EMU_KERNEL(similarity, struct kvr_similarity_item, EMU_SIMILARITY)
 EMU_KERNEL(dense, struct kvr_dense_item, EMU_DENSE)
+EMU_KERNEL(plan, struct kvr_plan_item, EMU_PLAN)
 
 static int emu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 			struct kvr_stream *s)
