@@ -93,8 +93,21 @@
  *              page_addr[P] + v_offset or NULL, and the item's seg_ fields);
  *              the n_tail segments that followed the k slots move up behind
  *              them, and attention->n_segments = n_head + taken + n_tail.
+ *              With slot_page (streamed recall), the pages first get slots
+ *              as recall.c's host plan gives them: each slot whose page is
+ *              among the pages keeps it (the first such entry not yet
+ *              placed: a hit); each page entry >= 0 not placed (a miss), in
+ *              order, takes the lowest slot not kept and gets a scatter item
+ *              {page_addr[P] + k_offset, slot_k + slot·tile_bytes, slot_v +
+ *              slot·tile_bytes, kv_head} at scatter[misses so far]; slots
+ *              not kept become -1; the scatter entries past the misses get
+ *              kv_head UINT32_MAX (the scatter kernel skips them);
+ *              recall_count = {misses, hits}. Each taken page's segment then
+ *              reads its slot: k = slot_k + slot·tile_bytes + slot_col (v
+ *              likewise). k <= KVR_PLAN_MAX_K.
  *              The decode step's device path builds the selected pages'
- *              segments with it, so the host never reads a selection.
+ *              segments (and, streamed, plans and moves the misses) with
+ *              it, so the host never reads a selection.
  * freelist     For each item, one round of LeanKV's circular free-page list
  *              (layouts/freelist.h) for n_units units (KV heads × sequences)
  *              at once: offsets = exclusive prefix sum of counts; then, if
@@ -209,8 +222,20 @@ struct kvr_plan_item {
 	uint32_t seg_row;                     /* row_stride (plain) or first_row, */
 	uint32_t seg_head_stride;             /* head_stride, */
 	uint32_t seg_format;                  /* format */
+	uint32_t slot_col;                    /* streamed: bytes from a slot tile to the head's column */
+	/* streamed recall (slot_page not NULL): the head's slots */
+	int32_t *slot_page;                   /* [k] page in each slot, -1 = empty: planned here */
+	struct kvr_scatter_item *scatter;     /* [k] out: the misses' scatter items, then skips */
+	uint32_t *recall_count;               /* [2] out: misses, hits */
+	unsigned char *slot_k;                /* slot tile 0 of keys (computed with, not read) */
+	unsigned char *slot_v;                /* ... of values */
+	uint64_t tile_bytes;                  /* between slot tiles */
+	uint32_t kv_head;                     /* the head's column, for the scatter items */
 	uint32_t reserved;
 };
+
+/* The most slots a plan item with slot_page plans (its bitmaps' size). */
+#define KVR_PLAN_MAX_K 1024u
 
 struct kvr_attention_item {
 	const void *q;      /* [n_qo][d] */
@@ -229,16 +254,74 @@ static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
 	const int32_t *pages = it->corrected_sel && (!it->corrected || *it->corrected)
 				       ? it->corrected_sel
 				       : it->selected;
+	const uint32_t k = it->k < KVR_PLAN_MAX_K ? it->k : KVR_PLAN_MAX_K;
+	/* streamed: plan the slots (recall.c's plan_head), remembering each
+	 * page entry's slot */
+	uint32_t keep[KVR_PLAN_MAX_K / 32], placed[KVR_PLAN_MAX_K / 32];
+	uint16_t slot_of[KVR_PLAN_MAX_K];
+	int32_t *slots = it->slot_page;
+	if (slots) {
+		for (uint32_t x = 0; x < (k + 31) / 32; x++)
+			keep[x] = placed[x] = 0;
+		uint32_t hits = 0, misses = 0, free_slot = 0;
+		for (uint32_t j = 0; j < k; j++) {
+			if (slots[j] < 0)
+				continue;
+			for (uint32_t w = 0; w < k; w++)
+				if (pages[w] == slots[j] && !(placed[w / 32] >> (w % 32) & 1)) {
+					keep[j / 32] |= 1u << (j % 32);
+					placed[w / 32] |= 1u << (w % 32);
+					slot_of[w] = (uint16_t)j;
+					hits++;
+					break;
+				}
+		}
+		for (uint32_t w = 0; w < k; w++) {
+			if (pages[w] < 0 || (placed[w / 32] >> (w % 32) & 1))
+				continue;
+			while (keep[free_slot / 32] >> (free_slot % 32) & 1)
+				free_slot++; /* a free slot exists: at most k pages */
+			slots[free_slot] = pages[w];
+			keep[free_slot / 32] |= 1u << (free_slot % 32);
+			slot_of[w] = (uint16_t)free_slot;
+			struct kvr_scatter_item sc;
+			sc.run = (const unsigned char *)(uintptr_t)it->page_addr[pages[w]] + it->k_offset;
+			sc.k_tile = it->slot_k + free_slot * it->tile_bytes;
+			sc.v_tile = it->slot_v + free_slot * it->tile_bytes;
+			sc.kv_head = it->kv_head;
+			sc.reserved = 0;
+			it->scatter[misses++] = sc;
+		}
+		for (uint32_t j = 0; j < k; j++)
+			if (!(keep[j / 32] >> (j % 32) & 1))
+				slots[j] = -1;
+		for (uint32_t x = misses; x < k; x++) {
+			struct kvr_scatter_item none;
+			none.run = (const void *)0;
+			none.k_tile = none.v_tile = (void *)0;
+			none.kv_head = UINT32_MAX;
+			none.reserved = 0;
+			it->scatter[x] = none;
+		}
+		it->recall_count[0] = misses;
+		it->recall_count[1] = hits;
+	}
 	struct kvr_kv_segment *seg = it->segments + it->n_head;
 	uint32_t taken = 0;
-	for (uint32_t j = 0; j < it->k; j++) {
+	for (uint32_t j = 0; j < k; j++) {
 		const int32_t page = pages[j];
 		if (page < 0 || (uint32_t)page < it->sel_begin || (uint32_t)page >= it->sel_end)
 			continue;
-		const unsigned char *mem = (const unsigned char *)(uintptr_t)it->page_addr[page];
 		struct kvr_kv_segment s;
-		s.k = mem + it->k_offset;
-		s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(mem + it->v_offset);
+		if (slots) {
+			const uint64_t at = slot_of[j] * it->tile_bytes + it->slot_col;
+			s.k = it->slot_k + at;
+			s.v = it->slot_v + at;
+		} else {
+			const unsigned char *mem = (const unsigned char *)(uintptr_t)it->page_addr[page];
+			s.k = mem + it->k_offset;
+			s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(mem + it->v_offset);
+		}
 		s.n_tokens = it->seg_tokens;
 		s.row_stride = it->seg_row;
 		s.head_stride = it->seg_head_stride;
@@ -300,7 +383,9 @@ struct kvr_freelist_item { /* freelist: one list's round */
 #define KVR_ITEM_POINTERS_kvr_similarity_item(X) X(q) X(q_prev) X(cosine) X(corrected)
 #define KVR_ITEM_POINTERS_kvr_kv_segment(X) X(k) X(v)
 #define KVR_ITEM_POINTERS_kvr_attention_item(X) X(q) X(out) X(segment_lse)
-#define KVR_ITEM_POINTERS_kvr_plan_item(X) X(attention) X(segments) X(selected) X(corrected_sel) X(corrected) X(page_addr)
+#define KVR_ITEM_POINTERS_kvr_plan_item(X)                                                          \
+	X(attention) X(segments) X(selected) X(corrected_sel) X(corrected) X(page_addr) X(slot_page) \
+	X(scatter) X(recall_count) X(slot_k) X(slot_v)
 #define KVR_ITEM_POINTERS_kvr_dense_item(X) X(q) X(k) X(v) X(out)
 #define KVR_ITEM_POINTERS_kvr_freelist_item(X) X(ids) X(counters) X(counts) X(offsets) X(pages) X(status)
 #define KVR_ITEM_STRUCTS(S)                                                                        \

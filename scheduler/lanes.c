@@ -38,7 +38,7 @@ static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
 	lane->slot_fmt = NULL;
 	kvr_mapped_free(s->dev, lane->prev_q);
 	kvr_mapped_free(s->dev, lane->selected);
-	free(lane->slot_page);
+	kvr_mapped_free(s->dev, lane->slot_page);
 	free(lane->job_heads);
 	lane->prev_q = NULL;
 	lane->selected = NULL;
@@ -74,9 +74,9 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		lane->job_heads = kvr_malloc(s->c.n_kv_heads);
 		if (!err && !lane->job_heads)
 			err = -ENOMEM;
-		if (!err && s->recall == KVR_RECALL_STREAMED && !kvr_layer_dense(s, l) &&
-		    !(lane->slot_page = kvr_malloc(n_sel * sizeof(int32_t))))
-			err = -ENOMEM;
+		/* mapped: the device plan plans slots on the device (step.c) */
+		if (!err && s->recall == KVR_RECALL_STREAMED && !kvr_layer_dense(s, l))
+			err = kvr_mapped_alloc(s->dev, n_sel * sizeof(int32_t), (void **)&lane->slot_page);
 		if (!err && lane->slot_page && s->kv_format == KVR_KV_MIXED &&
 		    !(lane->slot_fmt = kvr_calloc(n_sel, 1)))
 			err = -ENOMEM;

@@ -29,6 +29,12 @@
  * copy stream (after the lane's attn_done, before its recall_done): no
  * staging buffers.
  *
+ * The device plan (step.c) plans the same slot tables on the device, at
+ * the engine's step in stream order, and moves its misses itself (one
+ * scatter reading the pinned pool); the controller then reads a lane's slot
+ * table only after that step's attention (attn_done), and the engine never
+ * posts an urgent recall.
+ *
  * Threads: kvr_recall_issue runs on the controller thread. Staging-buffer
  * reuse is ordered on the streams by the `drained` events, so the controller
  * does not wait for buffers; it waits only, before rewriting a lane's own
@@ -519,6 +525,10 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 	 * flight (freekv: a correction at the next step), and with asynchronous
 	 * compute the engine waits only on the stream. */
 	kvr_sched_wait_event(s, lane->recall_done, lane->seq, lane->layer, "wait previous recall");
+	/* the device plan rewrites the slot table in its step's stream order:
+	 * the host reads it once that step's attention (after the plan) is done */
+	if (s->device_plan)
+		kvr_sched_wait_event(s, lane->attn_done, lane->seq, lane->layer, "wait the device's slot plan");
 	for (uint32_t m = 0; m < s->c.n_kv_heads && !err; m++) {
 		if (!heads[m])
 			continue;

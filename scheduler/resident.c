@@ -31,6 +31,7 @@
  */
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../gpu/fault.h"
 #include "sched_impl.h"
@@ -117,6 +118,9 @@ void kvr_resident_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 	kvr_dev_free(s->dev, lane->sum_dev);
 	lane->sum_dev = NULL;
 	lane->sum_valid = lane->sum_cap = 0;
+	kvr_mapped_free(s->dev, lane->page_addr);
+	lane->page_addr = NULL;
+	lane->addr_valid = lane->addr_cap = 0;
 	lane->res_chunks = NULL;
 	lane->res_held = NULL;
 	lane->res_n_chunks = lane->res_cap_chunks = 0;
@@ -125,6 +129,7 @@ void kvr_resident_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 void kvr_resident_lane_forget(struct kvr_lane *lane)
 {
 	lane->sum_valid = 0;
+	lane->addr_valid = 0; /* a truncated page's logical index may get a new page */
 	for (size_t i = 0; i < (size_t)lane->res_cap_chunks * RES_CHUNK_PAGES; i++)
 		lane->res_held[i] = -1;
 }
@@ -167,8 +172,9 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
 		return host;
 	const uint64_t one = 2ull * s->c.n_kv_heads * s->c.head_dim * s->eb;
 	if (n_pages > lane->sum_cap) {
-		/* grow: no queued kernel reads the old copy (the lane's holder
-		 * synchronised its selection stream), so it is freed at once */
+		/* grow: the engine, inside a layer, frees the old copy at the
+		 * step's end (a kernel it queued may still read it); the
+		 * controller waits for its selection stream and frees it now */
 		uint32_t cap = lane->sum_cap ? lane->sum_cap : 64;
 		while (cap < n_pages)
 			cap *= 2;
@@ -181,8 +187,12 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
 			kvr_dev_free(s->dev, p);
 			return NULL;
 		}
-		kvr_sched_wait_stream(s, stream, lane->seq, lane->layer, "wait summaries' copy (grown)");
-		kvr_dev_free(s->dev, lane->sum_dev);
+		if (kvr_sched_in_layer(s)) {
+			kvr_sched_defer_free(s, lane->sum_dev, 0);
+		} else {
+			kvr_sched_wait_stream(s, stream, lane->seq, lane->layer, "wait summaries' copy (grown)");
+			kvr_dev_free(s->dev, lane->sum_dev);
+		}
 		lane->sum_dev = p;
 		lane->sum_cap = cap;
 	}
@@ -194,4 +204,34 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
 		lane->sum_valid = n_pages;
 	}
 	return lane->sum_dev;
+}
+
+const uint64_t *kvr_resident_page_addrs(struct kvr_sched *s, struct kvr_lane *lane, uint32_t n_pages)
+{
+	if (n_pages > lane->addr_cap) {
+		/* grow by doubling; a plan kernel queued this step may still read
+		 * the old table, freed at the step's end */
+		uint32_t cap = lane->addr_cap ? lane->addr_cap : 256;
+		while (cap < n_pages)
+			cap *= 2;
+		uint64_t *p = NULL;
+		if (kvr_mapped_alloc(s->dev, (size_t)cap * sizeof(*p), (void **)&p))
+			return NULL;
+		if (lane->addr_valid)
+			memcpy(p, lane->page_addr, (size_t)lane->addr_valid * sizeof(*p));
+		if (lane->page_addr)
+			kvr_sched_defer_free(s, lane->page_addr, 1);
+		lane->page_addr = p;
+		lane->addr_cap = cap;
+	}
+	/* full pages keep their page until a truncate (which resets
+	 * addr_valid): only the pages completed since are looked up */
+	for (uint32_t j = lane->addr_valid; j < n_pages; j++) {
+		uint32_t id = 0;
+		kvr_pool_lookup(s->pool, lane->seq, lane->layer, j, &id);
+		lane->page_addr[j] = (uint64_t)(uintptr_t)kvr_pool_page_data(s->pool, id);
+	}
+	if (n_pages > lane->addr_valid)
+		lane->addr_valid = n_pages;
+	return lane->page_addr;
 }

@@ -63,6 +63,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->lanes = kvr_calloc(n_lanes, sizeof(*s->lanes));
 	s->tails = kvr_calloc(c->max_sequences, sizeof(*s->tails));
 	s->eng.scratch = kvr_calloc(c->n_layers, sizeof(*s->eng.scratch));
+	s->eng.tally = kvr_calloc(c->n_layers, sizeof(*s->eng.tally));
 	s->seq_counters = kvr_calloc((size_t)c->max_sequences * KVR_C_COUNT, sizeof(*s->seq_counters));
 	s->head_corrections = kvr_calloc((size_t)c->max_sequences * c->n_kv_heads,
 				     sizeof(*s->head_corrections));
@@ -72,7 +73,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->eng.step_failed = kvr_calloc(c->max_sequences, sizeof(*s->eng.step_failed));
 	s->eng.step_fail_layer = kvr_calloc(c->max_sequences, sizeof(*s->eng.step_fail_layer));
 	s->eng.step_fail_message = kvr_calloc(c->max_sequences, KVR_SCHED_MESSAGE);
-	if (!s->lanes || !s->tails || !s->eng.scratch || !s->seq_counters || !s->head_corrections ||
+	if (!s->lanes || !s->tails || !s->eng.scratch || !s->eng.tally || !s->seq_counters || !s->head_corrections ||
 	    !s->eng.step_fail || !s->eng.step_fail_pos || !s->eng.step_failed || !s->eng.step_fail_layer ||
 	    !s->eng.step_fail_message) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
@@ -108,7 +109,11 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	/* cuda's streams are asynchronous whatever their flags (backend.h) */
 	s->compute_host_sync = kvr_dev_kind_of(s->dev) != KVR_DEV_CUDA && !s->hooks.async_compute;
 	s->device_append = !kvr_dev_host_visible(s->dev) && !s->kv_format &&
-			   s->pool_layout == KVR_POOL_LAYOUT_HND;
+			   s->pool_layout == KVR_POOL_LAYOUT_HND && !s->hooks.host_step;
+	/* streamed: the plan kernel moves misses straight from the pinned pool,
+	 * which a spill tier cannot promise holds them */
+	s->device_plan = s->device_append && s->k && s->k <= KVR_PLAN_MAX_K &&
+			 (s->recall == KVR_RECALL_ZERO_COPY || (s->recall == KVR_RECALL_STREAMED && !kvr_pool_spill_file(s->pool)));
 	s->eng.engine_sel.stream = s->engine_inline;
 	s->rec.ctl_sel.stream = s->ctl_inline;
 	if (ret && !err[0])
@@ -150,6 +155,10 @@ void kvr_sched_destroy(struct kvr_sched *s)
 		for (uint32_t l = 0; l < s->c.n_layers; l++)
 			kvr_mirror_free(s->dev, &s->eng.scratch[l].m);
 	free(s->eng.scratch);
+	free(s->eng.tally);
+	kvr_sched_free_deferred(s); /* the streams were synchronised above */
+	free(s->eng.deferred);
+	kvr_scratch_free(s->dev, s->eng.plan_scores);
 	free(s->lanes);
 	free(s->tails);
 	free(s->eng.step_fail);
@@ -225,4 +234,35 @@ void kvr_sched_set_trace(struct kvr_sched *s, struct kvr_trace *trace)
 {
 	/* release pairs with trace_of's acquire in the recording threads */
 	atomic_store_explicit(&s->trace, trace, memory_order_release);
+}
+
+void kvr_sched_defer_free(struct kvr_sched *s, void *ptr, int mapped)
+{
+	if (s->eng.n_deferred == s->eng.deferred_cap) {
+		const uint32_t cap = s->eng.deferred_cap ? 2 * s->eng.deferred_cap : 16;
+		struct deferred_free *grown = kvr_realloc(s->eng.deferred, cap * sizeof(*grown));
+		if (!grown) { /* cannot keep it for later: wait for the device, free now */
+			kvr_dev_stream_synchronize(s->dev, s->compute);
+			kvr_dev_stream_synchronize(s->dev, s->engine_inline);
+			if (mapped)
+				kvr_mapped_free(s->dev, ptr);
+			else
+				kvr_dev_free(s->dev, ptr);
+			return;
+		}
+		s->eng.deferred = grown;
+		s->eng.deferred_cap = cap;
+	}
+	s->eng.deferred[s->eng.n_deferred++] = (struct deferred_free){ ptr, mapped };
+}
+
+void kvr_sched_free_deferred(struct kvr_sched *s)
+{
+	for (uint32_t i = 0; i < s->eng.n_deferred; i++) {
+		if (s->eng.deferred[i].mapped)
+			kvr_mapped_free(s->dev, s->eng.deferred[i].ptr);
+		else
+			kvr_dev_free(s->dev, s->eng.deferred[i].ptr);
+	}
+	s->eng.n_deferred = 0;
 }

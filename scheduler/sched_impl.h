@@ -58,6 +58,10 @@ struct kvr_lane {
 	uint32_t res_n_chunks, res_cap_chunks;
 	void *sum_dev;            /* [sum_cap] pages' key summaries on the device */
 	uint32_t sum_valid, sum_cap; /* leading pages copied; capacity in pages */
+	/* the device plan (step.c): each logical page's pool memory, as the plan
+	 * kernel reads it (mapped); entries below addr_valid are current */
+	uint64_t *page_addr;
+	uint32_t addr_valid, addr_cap;
 	/* the posted job */
 	uint32_t job;             /* enum lane_job */
 	uint32_t job_urgent;
@@ -122,6 +126,10 @@ struct kvr_sched {
 	/* decode appends tokens on the device (step.c append_on_device): a
 	 * device with memory of its own, plain pages in an HND pool */
 	int device_append;
+	/* ... and the host does not read selections either: the plan kernel
+	 * builds the selected pages' segments, corrections are flagged and
+	 * selected on the device (zero-copy recall, plain pages) */
+	int device_plan;
 	int compute_host_sync;            /* compute runs its work as it is queued (cpu, cudaemu
 	                                     inline): a stream wait there blocks the engine */
 	struct kvr_stream *ctl_inline;    /* controller: its kernels */
@@ -183,6 +191,23 @@ struct kvr_sched {
 		size_t prefill_rows_bytes;
 		void *prefill_lse; /* mapped: the spill windows' segment log-sum-exps */
 		size_t prefill_lse_bytes;
+		/* the device plan: one layer's selections' scores (device
+		 * scratch), and per layer what step_end tallies once the step's
+		 * work is done (the flags the device wrote) */
+		float *plan_scores;
+		size_t plan_scores_bytes;
+		struct plan_tally {
+			const struct entry *e; /* [batch] the layer call's entries */
+			const uint8_t *corrected; /* [batch][n_kv], host view */
+			const uint32_t *recall_counts; /* streamed: [plan item][2] misses, hits */
+			uint32_t batch;        /* 0: nothing to tally */
+		} *tally;                      /* [n_layers] */
+		/* memory a queued kernel may still read, freed at the step's end */
+		struct deferred_free {
+			void *ptr;
+			int mapped; /* kvr_mapped_free, else kvr_dev_free */
+		} *deferred;
+		uint32_t n_deferred, deferred_cap;
 	} eng;
 
 	/* The controller thread's recall state (and what it queues on the copy
@@ -369,6 +394,10 @@ const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lan
  * pool keeps none or device memory ran out. */
 const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, uint32_t n_pages,
 				   struct kvr_stream *stream);
+/* The lane's table of its first n_pages pages' pool memory (the plan
+ * kernel's page_addr), brought up to date; NULL when out of memory. Engine
+ * thread. */
+const uint64_t *kvr_resident_page_addrs(struct kvr_sched *s, struct kvr_lane *lane, uint32_t n_pages);
 
 /* select.c: selection of one lane with query q (device-readable) against the
  * window of a layer holding n_tokens tokens at the next step (next = 1) or now
@@ -376,6 +405,14 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
  * `selected` is readable by the host on return. */
 int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
 		     int next, int32_t *selected, struct kvr_selector *sel);
+/* The score item of that selection, its summaries brought to the device on
+ * `stream`, scores into `scores` (*scores_need floats are needed: the call
+ * fails with -ENOSPC, nothing queued, when scores_cap is less); nothing
+ * launched. -ENOMEM without device memory for the summaries; -ENODATA when
+ * the pool keeps no summaries (select nothing). */
+int kvr_select_item(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
+		    int next, int32_t *selected, float *scores, size_t scores_cap, size_t *scores_need,
+		    struct kvr_stream *stream, struct kvr_score_item *item);
 
 /* Dense path for this layer: mode dense, or a layer the config keeps dense. */
 static inline int kvr_layer_dense(const struct kvr_sched *s, uint32_t layer)
@@ -403,6 +440,11 @@ uint32_t kvr_sched_build_segments(struct kvr_sched *s, struct kvr_lane *lane, ui
 				  uint64_t n_tokens, int dense, const int32_t *sel, int from_slots,
 				  struct kvr_kv_segment *out, int *err);
 
+/* sched.c: free ptr at the step's end, after the work queued before has run
+ * (engine thread; on failure to record it, waits and frees at once). */
+void kvr_sched_defer_free(struct kvr_sched *s, void *ptr, int mapped);
+void kvr_sched_free_deferred(struct kvr_sched *s);
+
 /* waits.c: host waits for the device, counted (kvr_stats.host_waits) when
  * the engine thread makes them inside a layer call. seq UINT32_MAX: the
  * batch's wait (counted for the context only). */
@@ -416,6 +458,11 @@ int kvr_sched_wait_event(struct kvr_sched *s, struct kvr_event *event, uint32_t 
  * controller job), counted and traced as one. */
 void kvr_sched_count_host_wait(struct kvr_sched *s, uint32_t seq, uint32_t layer, const char *what,
 			       uint64_t t0, uint64_t t1);
+/* 1 on the engine's thread inside a layer call of s. */
+int kvr_sched_in_layer(const struct kvr_sched *s);
+
+uint32_t kvr_sched_build_planned(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m, uint64_t n_tokens,
+				 struct kvr_kv_segment *out, uint32_t *n_head, uint32_t *n_tail, int *err);
 
 /* lanes.c (engine thread): the lane's speculative state dropped, so its next
  * sparse step selects afresh (after a truncate or a failed step). */

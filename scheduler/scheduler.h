@@ -69,7 +69,8 @@ struct kvr_sched_hooks {
 	void (*delay)(void *user, uint32_t where); /* where: enum kvr_hook_site */
 	void *user;
 	uint32_t async_compute; /* 1: attention runs on a worker stream */
-	uint32_t reserved;
+	uint32_t host_step;     /* 1: no device append or plan (the host reads q, k, v
+	                           and selections), to compare the two paths */
 };
 
 enum kvr_hook_site {

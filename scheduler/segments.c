@@ -9,6 +9,7 @@
  */
 #include <errno.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "../gpu/fault.h"
 #include "sched_impl.h"
@@ -193,5 +194,36 @@ uint32_t kvr_sched_build_segments(struct kvr_sched *s, struct kvr_lane *lane, ui
 		out[n++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, tail,
 						    { s->c.n_kv_heads * d }, 0, 0 };
 	}
+	return n;
+}
+
+/* The device plan's list for KV head m (n_tokens after the append): sink
+ * pages (*n_head of them), k empty slots the plan kernel fills with the
+ * selected pages, then window pages and the tail (*n_tail): the segments
+ * kvr_sched_build_segments writes around the selected pages. Returns how
+ * many were written (n_head + k + n_tail). */
+uint32_t kvr_sched_build_planned(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m, uint64_t n_tokens,
+				 struct kvr_kv_segment *out, uint32_t *n_head, uint32_t *n_tail, int *err)
+{
+	const uint32_t p = s->c.page_tokens, d = s->c.head_dim;
+	const uint32_t n_full = (uint32_t)(n_tokens / p), tail = (uint32_t)(n_tokens % p);
+	const uint32_t sink = s->c.sink_tokens / p;
+	const uint32_t win_first = kvr_window_first(&s->c, n_tokens);
+	const int res = kvr_resident_enabled(s);
+	uint32_t n = 0;
+	for (uint32_t j = 0; j < sink && j < win_first; j++)
+		out[n++] = kvr_sched_pool_segment(s, lane, j, m, res, err);
+	*n_head = n;
+	memset(out + n, 0, s->k * sizeof(*out));
+	n += s->k;
+	for (uint32_t j = win_first > sink ? win_first : sink; j < n_full; j++)
+		out[n++] = kvr_sched_pool_segment(s, lane, j, m, res, err);
+	if (tail) {
+		const unsigned char *kt = s->tails[lane->seq] + (uint64_t)lane->layer * 2 * s->tile_bytes +
+					  (uint64_t)m * d * s->eb;
+		out[n++] = (struct kvr_kv_segment){ kt, kt + s->tile_bytes, tail,
+						    { s->c.n_kv_heads * d }, 0, 0 };
+	}
+	*n_tail = n - *n_head - s->k;
 	return n;
 }

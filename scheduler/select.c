@@ -14,11 +14,10 @@
 
 #include "sched_impl.h"
 
-int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
-		     int next, int32_t *selected, struct kvr_selector *sel)
+int kvr_select_item(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
+		    int next, int32_t *selected, float *scores, size_t scores_cap, size_t *scores_need,
+		    struct kvr_stream *stream, struct kvr_score_item *item)
 {
-	struct kvr_stream *stream = sel->stream;
-	struct kvr_score_item *item = sel->item.host;
 	const uint32_t sink = s->c.sink_tokens / s->c.page_tokens;
 	/* the window as it will be at step i+1 (one more token) when the
 	 * selection serves that step, so a page leaving the window is a
@@ -36,26 +35,46 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 	 * kvr_window_first applies with W = 0). */
 	const uint32_t with_summary = n_tokens ? (uint32_t)((n_tokens - 1) / s->c.page_tokens) : 0;
 	const uint32_t norm_end = with_summary > cand_end ? with_summary : cand_end;
-	const size_t need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1) * sizeof(float);
-	if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes, need))
-		return -ENOMEM;
+	*scores_need = (size_t)s->c.n_kv_heads * (cand_end - cand_begin + 1);
+	if (*scores_need > scores_cap)
+		return -ENOSPC;
 	const void *summaries = kvr_resident_summaries(s, lane, norm_end, stream);
 	if (!summaries && kvr_pool_summary(s->pool, lane->seq, lane->layer, 0))
 		return -ENOMEM; /* the pool has summaries: no device memory for their copy */
-	if (!summaries) {
-		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
-			selected[i] = -1;
-		return 0;
-	}
+	if (!summaries)
+		return -ENODATA;
 	*item = (struct kvr_score_item){ .q = q,
 					 .summaries = summaries,
-					 .scores = sel->scores,
+					 .scores = scores,
 					 .selected = selected,
 					 .cand_begin = cand_begin,
 					 .cand_end = cand_end,
 					 .k = s->k,
 					 .norm_end = norm_end };
-	int err = kvr_mirror_to_device(s->dev, &sel->item, item, sizeof(*item), stream);
+	return 0;
+}
+
+int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
+		     int next, int32_t *selected, struct kvr_selector *sel)
+{
+	struct kvr_stream *stream = sel->stream;
+	struct kvr_score_item *item = sel->item.host;
+	size_t need = 0;
+	int err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores,
+				  sel->scores_bytes / sizeof(float), &need, stream, item);
+	if (err == -ENOSPC) {
+		if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes, need * sizeof(float)))
+			return -ENOMEM;
+		err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores,
+				      sel->scores_bytes / sizeof(float), &need, stream, item);
+	}
+	if (err == -ENODATA) {
+		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
+			selected[i] = -1;
+		return 0;
+	}
+	if (!err)
+		err = kvr_mirror_to_device(s->dev, &sel->item, item, sizeof(*item), stream);
 	if (!err)
 		err = kvr_dev_score(s->dev, &s->shape, sel->item.dev, 1, stream);
 	if (!err)

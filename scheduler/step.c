@@ -32,6 +32,21 @@
  * tail tile); the dense path (L ≤ B, dense layers, mode dense) reads every
  * page of the pool.
  *
+ * The device path (a device with memory of its own, plain pages, HND pool):
+ * the host never waits for the device inside a layer call (issue 23;
+ * waits.c counts the waits that remain). The device append writes the token
+ * into the tail tile and converts a completed page on the compute stream
+ * (the host does the pool's bookkeeping only). The device plan (zero-copy,
+ * or streamed without a spill tier) replaces 2-4: the similarity kernel
+ * flags heads, score and select run gated by the flags, the plan kernel
+ * builds the selected pages' segments (streamed: plans the slots and moves
+ * the misses straight from the pinned pool with one scatter), attention;
+ * the flags and recall counts are tallied at the step's end. The host does
+ * not know which heads were corrected, so every freekv and speculative lane
+ * posts a selection job: after a correction the controller selects again
+ * with the same query, the same pages. hooks.host_step turns both off. The
+ * cpu backend keeps the host path: its host reads device memory in place.
+ *
  * Threads: the engine's thread (one step at a time per context).
  */
 #include <errno.h>
@@ -128,6 +143,10 @@ struct entry {
 	uint32_t kind;
 	uint32_t any_corrected;
 	uint64_t n_tokens;
+	uint32_t seq;
+	uint32_t checked; /* device plan: the device flagged its heads (step_end tallies) */
+	uint32_t first_plan; /* device plan, streamed: its first plan item (recall counts) */
+	uint32_t planned;    /* ... it has n_kv plan items */
 };
 
 /* Wait (streamed recall) until the lane's latest recall is complete before
@@ -163,13 +182,15 @@ static int wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correctio
 static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scratch *ls,
 			 const struct kvr_attention_item *items, uint32_t n_items,
 			 const struct kvr_kv_segment *segs, uint32_t seg_begin, uint32_t n_segs,
-			 struct kvr_lane **lanes, uint32_t n_lanes)
+			 struct kvr_lane **lanes, uint32_t n_lanes, int uploaded)
 {
 	if (!n_items)
 		return 0;
 	const uint64_t t0 = kvr_now_ns();
-	int err = kvr_mirror_to_device(s->dev, &ls->m, items, n_items * sizeof(*items), s->compute);
-	if (!err)
+	int err = 0;
+	if (!uploaded) /* the device plan uploaded them before its plan kernel */
+		err = kvr_mirror_to_device(s->dev, &ls->m, items, n_items * sizeof(*items), s->compute);
+	if (!err && !uploaded)
 		err = kvr_mirror_to_device(s->dev, &ls->m, segs + seg_begin, (n_segs - seg_begin) * sizeof(*segs),
 					   s->compute);
 	items = kvr_mirror_dev_at(&ls->m, items);
@@ -226,6 +247,13 @@ struct layer_call {
 	uint8_t *corrected;        /* [batch][n_kv] */
 	struct kvr_lane **att_lanes; /* lanes whose attention is queued */
 	struct kvr_page_item *fills; /* [batch] device append: pages the tokens completed */
+	/* the device plan's kernel items */
+	struct kvr_similarity_item *sims;   /* [batch] */
+	struct kvr_score_item *score_items; /* [batch] */
+	struct kvr_plan_item *plans;        /* [batch][n_kv] */
+	uint32_t n_plans;
+	struct kvr_scatter_item *plan_scatter; /* [batch][n_kv][k] streamed: the misses' moves */
+	uint32_t *recall_counts;            /* [batch][n_kv][2] streamed: misses, hits */
 	uint32_t n_items, n_segs, n_att, n_fills;
 	int fill_error; /* convert_fills could not queue its kernels */
 };
@@ -404,8 +432,9 @@ static int layer_scratch(struct layer_call *lc)
 	const uint32_t batch = lc->batch, n_kv = lc->n_kv;
 	/* mixed pages: a selected K8V4 page is two segments (its halves) */
 	const uint32_t max_segs = lc->max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
-	size_t off[7], need = 0;
-	const size_t sizes[7] = {
+	size_t off[12], need = 0;
+	const int planned_streamed = s->device_plan && s->recall == KVR_RECALL_STREAMED;
+	const size_t sizes[12] = {
 		(size_t)batch * n_kv * sizeof(struct kvr_attention_item),
 		(size_t)batch * n_kv * max_segs * sizeof(struct kvr_kv_segment),
 		(size_t)batch * sizeof(struct entry),
@@ -413,8 +442,13 @@ static int layer_scratch(struct layer_call *lc)
 		(size_t)batch * n_kv,
 		(size_t)batch * sizeof(struct kvr_lane *),
 		(size_t)batch * sizeof(struct kvr_page_item),
+		(size_t)batch * sizeof(struct kvr_similarity_item),
+		(size_t)batch * sizeof(struct kvr_score_item),
+		(size_t)batch * n_kv * sizeof(struct kvr_plan_item),
+		planned_streamed ? (size_t)batch * n_kv * s->k * sizeof(struct kvr_scatter_item) : 0,
+		planned_streamed ? (size_t)batch * n_kv * 2 * sizeof(uint32_t) : 0,
 	};
-	for (int i = 0; i < 7; i++) {
+	for (int i = 0; i < 12; i++) {
 		off[i] = need;
 		need += (sizes[i] + 63) & ~(size_t)63;
 	}
@@ -432,6 +466,11 @@ static int layer_scratch(struct layer_call *lc)
 	lc->corrected = mem + off[4];
 	lc->att_lanes = (void *)(mem + off[5]);
 	lc->fills = (void *)(mem + off[6]);
+	lc->sims = (void *)(mem + off[7]);
+	lc->score_items = (void *)(mem + off[8]);
+	lc->plans = (void *)(mem + off[9]);
+	lc->plan_scatter = (void *)(mem + off[10]);
+	lc->recall_counts = (void *)(mem + off[11]);
 	return 0;
 }
 
@@ -479,7 +518,7 @@ static int layer_corrections(struct layer_call *lc)
 	const int dense_layer = kvr_layer_dense(s, lc->layer);
 	for (uint32_t i = 0; i < lc->batch; i++) {
 		struct entry *e = &lc->e[i];
-		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1 };
+		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0 };
 		if (lc->status[i])
 			continue;
 		struct kvr_lane *lane = lane_of(s, lc->seqs[i], lc->layer);
@@ -568,7 +607,7 @@ static int attend_uncorrected(struct layer_call *lc)
 	}
 	if (!err)
 		err = run_attention(s, lc->layer, lc->ls, lc->items, lc->n_items, lc->segs, 0,
-				    lc->n_segs, lc->att_lanes, lc->n_att);
+				    lc->n_segs, lc->att_lanes, lc->n_att, 0);
 	return err;
 }
 
@@ -632,8 +671,267 @@ static int attend_corrected(struct layer_call *lc)
 	if (!err)
 		err = run_attention(s, layer, lc->ls, lc->items + first_item,
 				    lc->n_items - first_item, lc->segs, first_seg, lc->n_segs,
-				    lc->att_lanes + first_att, lc->n_att - first_att);
+				    lc->att_lanes + first_att, lc->n_att - first_att, 0);
 	return err;
+}
+
+/* The device plan's scores scratch holds `floats`; a smaller one is replaced
+ * (the old one may still be read by an earlier layer's kernels: freed at the
+ * step's end). */
+static int plan_scores_fit(struct kvr_sched *s, size_t floats)
+{
+	if (s->eng.plan_scores_bytes >= floats * sizeof(float))
+		return 0;
+	void *old = s->eng.plan_scores;
+	s->eng.plan_scores = NULL;
+	s->eng.plan_scores_bytes = 0;
+	int err = kvr_scratch_grow(s->dev, (void **)&s->eng.plan_scores, &s->eng.plan_scores_bytes,
+				   floats * sizeof(float));
+	if (old)
+		kvr_sched_defer_free(s, old, 0);
+	return err;
+}
+
+/* Entry i's attention items on the device plan, one per KV head: the
+ * segments around the selected pages built here, the selected pages' by the
+ * plan kernel from the lane's selection, or from `now` (this step's) where
+ * `corr` flags the head, or for every head when `corr` is NULL and `now` is
+ * not. */
+static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, const int32_t *now,
+			  const uint8_t *corr, const uint64_t *addrs)
+{
+	struct kvr_sched *s = lc->s;
+	const uint32_t kk = lc->kk, p = s->c.page_tokens;
+	const uint64_t n_tokens = lc->e[i].n_tokens;
+	const unsigned char *qi = lc->q_dev + i * lc->q_row;
+	unsigned char *out_row = (unsigned char *)lc->out + i * lc->q_row;
+	const uint32_t sink = s->c.sink_tokens / p, win_first = kvr_window_first(&s->c, n_tokens);
+	const int streamed = s->recall == KVR_RECALL_STREAMED;
+	lc->e[i].first_plan = lc->n_plans;
+	lc->e[i].planned = 1;
+	for (uint32_t m = 0; m < lc->n_kv; m++) {
+		int seg_err = 0; /* no spill tier here: nothing to pin */
+		uint32_t n_head = 0, n_tail = 0;
+		const uint32_t first = lc->n_segs;
+		lc->n_segs += kvr_sched_build_planned(s, lane, m, n_tokens, lc->segs + first, &n_head, &n_tail,
+						      &seg_err);
+		struct kvr_attention_item *item = &lc->items[lc->n_items++];
+		*item = (struct kvr_attention_item){ qi + m * lc->head_q_bytes, out_row + m * lc->head_q_bytes,
+						     NULL, first, n_head + n_tail };
+		const uint64_t run = (uint64_t)m * s->head_bytes;
+		lc->plans[lc->n_plans++] = (struct kvr_plan_item){
+			.attention = kvr_mirror_dev_at(&lc->ls->m, item),
+			.segments = kvr_mirror_dev_at(&lc->ls->m, lc->segs + first),
+			.selected = lane->selected + (uint64_t)m * kk,
+			.corrected_sel = now ? now + (uint64_t)m * kk : NULL,
+			.corrected = corr ? corr + m : NULL,
+			.page_addr = addrs,
+			.k_offset = run,
+			.v_offset = run + (uint64_t)p * s->c.head_dim * s->eb,
+			.n_head = n_head,
+			.n_tail = n_tail,
+			.k = kk,
+			.sel_begin = sink,
+			.sel_end = win_first > sink ? win_first : sink,
+			.seg_tokens = p,
+			.seg_row = s->c.head_dim,
+		};
+		if (streamed) { /* the slots: planned, and the misses moved, on the device */
+			struct kvr_plan_item *pl = &lc->plans[lc->n_plans - 1];
+			const uint64_t at = (uint64_t)(lc->n_plans - 1);
+			pl->seg_row = lc->n_kv * s->c.head_dim;
+			pl->v_offset = UINT64_MAX; /* the run's keys and values: the scatter's */
+			pl->slot_col = m * s->c.head_dim * s->eb;
+			pl->slot_page = lane->slot_page + (uint64_t)m * kk;
+			pl->scatter = kvr_mirror_dev_at(&lc->ls->m, lc->plan_scatter + at * kk);
+			pl->recall_count = lc->recall_counts + 2 * at;
+			pl->slot_k = lane->slot_k;
+			pl->slot_v = lane->slot_v;
+			pl->tile_bytes = s->tile_bytes;
+			pl->kv_head = m;
+		}
+	}
+	lc->att_lanes[lc->n_att++] = lane;
+	count(s, lc->seqs[i], KVR_C_LAYER_DECODES, 1);
+}
+
+/*
+ * 2-4 on the device plan (s->device_plan: a device with memory of its own,
+ * zero-copy recall, plain pages): the host decides only what it knows
+ * without reading the device — dense or sparse, and which sparse entries
+ * select with q_i on every head (blocking, a lane's first sparse step) or
+ * check first (freekv). Then, on the compute stream in one pass for the
+ * batch: the similarity kernel flags each checked head; score and select
+ * with q_i (gated by those flags: they run only where a head was flagged)
+ * into now_sel; the plan kernel builds each item's selected-page segments
+ * from now_sel where flagged, else from the lane's selection; attention.
+ * Nothing is read back: step_end tallies the flags once the step is done.
+ * Outputs equal the host path's bit for bit where the attention calls group
+ * the same items (the host path attends corrected sequences in a second
+ * call).
+ */
+static int attend_on_device(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	const struct kvr_config *c = &s->c;
+	const uint32_t n_kv = lc->n_kv, kk = lc->kk, layer = lc->layer;
+	const int dense_layer = kvr_layer_dense(s, layer);
+	uint32_t n_sims = 0, n_scores = 0;
+	size_t scores_used = 0;
+	int err = plan_scores_fit(s, (size_t)lc->batch * n_kv * (lc->max_pages + 1));
+	if (err) {
+		snprintf(s->last_error, sizeof(s->last_error), "out of device memory for the selections' scores");
+		return err;
+	}
+	lc->n_plans = 0;
+	for (uint32_t i = 0; i < lc->batch; i++) {
+		struct entry *e = &lc->e[i];
+		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0 };
+		memset(lc->corrected + (uint64_t)i * n_kv, 0, n_kv);
+		if (lc->status[i])
+			continue;
+		const uint32_t seq = lc->seqs[i];
+		struct kvr_lane *lane = lane_of(s, seq, layer);
+		if (dense_layer || e->n_tokens <= c->budget_tokens) {
+			e->kind = SEQ_DENSE;
+			lane->has_prev = 0; /* the first sparse step selects afresh */
+			const int seg_err = queue_items(lc, i, lane, 1, 0, NULL, NULL, 0);
+			if (seg_err)
+				fail_sequence(s, seq, layer, lc->positions[i], seg_err, s->last_error,
+					      (unsigned char *)lc->out + i * lc->q_row);
+			else
+				count(s, seq, KVR_C_DENSE_DECODES, 1);
+			continue;
+		}
+		e->kind = SEQ_SPARSE;
+		const int all = c->mode == KVR_MODE_BLOCKING || !lane->has_prev;
+		const int check = !all && c->mode == KVR_MODE_FREEKV;
+		const unsigned char *qi = lc->q_dev + i * lc->q_row;
+		uint8_t *corr = lc->corrected + (uint64_t)i * n_kv; /* mapped: the device writes it */
+		int32_t *now = (all || check) ? s->eng.now_sel + (uint64_t)i * n_kv * kk : NULL;
+		if (check) {
+			lc->sims[n_sims++] = (struct kvr_similarity_item){
+				qi, lane->prev_q, lc->cosine + (uint64_t)i * n_kv, corr };
+			e->checked = 1;
+			count(s, seq, KVR_C_CHECKED_HEADS, n_kv);
+		}
+		if (now) {
+			size_t need = 0;
+			struct kvr_score_item *si = &lc->score_items[n_scores];
+			err = kvr_select_item(s, lane, qi, e->n_tokens, c->mode != KVR_MODE_BLOCKING, now,
+					      s->eng.plan_scores + scores_used,
+					      s->eng.plan_scores_bytes / sizeof(float) - scores_used, &need,
+					      s->compute, si);
+			if (err == -ENODATA) { /* no summaries: nothing selected */
+				for (uint32_t x = 0; x < n_kv * kk; x++)
+					now[x] = -1;
+				err = 0;
+			} else if (!err) {
+				si->gate = check ? corr : NULL;
+				scores_used += need;
+				n_scores++;
+			} else {
+				snprintf(s->last_error, sizeof(s->last_error), "selection: %s",
+					 err == -ENOMEM ? "out of device memory for the summaries"
+							: "scores scratch too small (bug)");
+				return err;
+			}
+			if (all) { /* it runs: counted now (a checked one at step_end) */
+				count(s, seq, KVR_C_SELECTIONS, 1);
+				count(s, seq, KVR_C_CORRECTION_WAITS, 1);
+			}
+		}
+		const uint32_t win_first = kvr_window_first(c, e->n_tokens);
+		const uint64_t *addrs = kvr_resident_page_addrs(s, lane, win_first);
+		if (!addrs && win_first) {
+			snprintf(s->last_error, sizeof(s->last_error), "out of memory for the page table");
+			return -ENOMEM;
+		}
+		/* streamed: the lane's latest recall (the controller's) lands
+		 * before the plan reads its slot table (a stream wait) */
+		if (s->recall == KVR_RECALL_STREAMED && (err = wait_recall(s, lane, 0))) {
+			snprintf(s->last_error, sizeof(s->last_error), "ordering the lane's recall: %s",
+				 kvr_dev_last_error(s->dev));
+			return err;
+		}
+		queue_planned(lc, i, lane, now, check ? corr : NULL, addrs);
+	}
+	/* everything the kernels read, then the kernels, in order on compute */
+	struct kvr_layer_upload {
+		const void *at;
+		size_t bytes;
+	} up[] = {
+		{ lc->sims, n_sims * sizeof(*lc->sims) },
+		{ lc->score_items, n_scores * sizeof(*lc->score_items) },
+		{ lc->plans, lc->n_plans * sizeof(*lc->plans) },
+		{ lc->items, lc->n_items * sizeof(*lc->items) },
+		{ lc->segs, lc->n_segs * sizeof(*lc->segs) },
+	};
+	for (size_t u = 0; u < sizeof(up) / sizeof(up[0]) && !err; u++)
+		err = kvr_mirror_to_device(s->dev, &lc->ls->m, up[u].at, up[u].bytes, s->compute);
+	if (!err && n_sims)
+		err = kvr_dev_similarity(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->sims), n_sims,
+					 s->compute);
+	const struct kvr_score_item *score_dev = kvr_mirror_dev_at(&lc->ls->m, lc->score_items);
+	if (!err && n_scores)
+		err = kvr_dev_score(s->dev, &s->shape, score_dev, n_scores, s->compute);
+	if (!err && n_scores)
+		err = kvr_dev_select(s->dev, &s->shape, score_dev, n_scores, s->compute);
+	if (!err && lc->n_plans)
+		err = kvr_dev_plan(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->plans), lc->n_plans,
+				   s->compute);
+	if (!err && lc->n_plans && s->recall == KVR_RECALL_STREAMED) /* the misses, pool -> slots */
+		err = kvr_dev_scatter(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->plan_scatter),
+				      lc->n_plans * kk, s->compute);
+	if (err) {
+		snprintf(s->last_error, sizeof(s->last_error), "the layer's selections: %s",
+			 kvr_dev_last_error(s->dev));
+		return err;
+	}
+	err = run_attention(s, layer, lc->ls, lc->items, lc->n_items, lc->segs, 0, lc->n_segs, lc->att_lanes,
+			    lc->n_att, 1);
+	if (!err && lc->n_plans) /* the flags and recall counts, once the step is done */
+		s->eng.tally[layer] = (struct plan_tally){ lc->e, lc->corrected, lc->recall_counts, lc->batch };
+	return err;
+}
+
+/* The device plan's flags of every layer of the step, now that its work is
+ * done: the corrections' statistics the host path counts as it goes. */
+static void tally_plans(struct kvr_sched *s)
+{
+	const uint32_t n_kv = s->c.n_kv_heads;
+	for (uint32_t l = 0; l < s->c.n_layers; l++) {
+		struct plan_tally *t = &s->eng.tally[l];
+		for (uint32_t i = 0; i < t->batch; i++) {
+			const struct entry *e = &t->e[i];
+			if (e->planned && s->recall == KVR_RECALL_STREAMED) {
+				uint64_t misses = 0, hits = 0;
+				for (uint32_t m = 0; m < n_kv; m++) {
+					misses += t->recall_counts[2 * ((uint64_t)e->first_plan + m)];
+					hits += t->recall_counts[2 * ((uint64_t)e->first_plan + m) + 1];
+				}
+				count(s, e->seq, KVR_C_PAGES_RECALLED, misses);
+				count(s, e->seq, KVR_C_PAGES_HIT, hits);
+				count(s, e->seq, KVR_C_BYTES_RECALLED, misses * s->head_bytes);
+			}
+			if (!e->checked)
+				continue;
+			const uint8_t *corr = t->corrected + (uint64_t)i * n_kv;
+			uint32_t n_corr = 0;
+			for (uint32_t m = 0; m < n_kv; m++) {
+				n_corr += corr[m] != 0;
+				if (corr[m]) /* a statistic read by kvr_get_head_corrections: relaxed */
+					atomic_fetch_add_explicit(&s->head_corrections[(uint64_t)e->seq * n_kv + m], 1,
+								  memory_order_relaxed);
+			}
+			count(s, e->seq, KVR_C_CORRECTED_HEADS, n_corr);
+			if (n_corr) {
+				count(s, e->seq, KVR_C_SELECTIONS, 1);
+				count(s, e->seq, KVR_C_CORRECTION_WAITS, 1);
+			}
+		}
+		t->batch = 0;
+	}
 }
 
 /* 5. Keep q_i; post the next step's work (mixed pages: judge those the next
@@ -768,11 +1066,15 @@ static int layer_call(struct layer_call *lc, const void *q, const void *k, const
 			 kvr_dev_last_error(s->dev));
 		return lc->fill_error;
 	}
-	if ((err = layer_corrections(lc)))
-		return err;
-	err = attend_uncorrected(lc);
-	if (!err)
-		err = attend_corrected(lc);
+	if (s->device_plan) {
+		err = attend_on_device(lc);
+	} else {
+		if ((err = layer_corrections(lc)))
+			return err;
+		err = attend_uncorrected(lc);
+		if (!err)
+			err = attend_corrected(lc);
+	}
 	/* layer_done marks the layer's attention on the compute stream; where it
 	 * has run already (an inline stream) its pages may leave RAM now (and
 	 * mixed pages' window pages be demoted below), else at the step's end */
@@ -809,6 +1111,8 @@ int kvr_sched_step_end(struct kvr_sched *s)
 	/* the next step rewrites the layers' mapped scratch the attention reads */
 	int err = kvr_dev_stream_synchronize(s->dev, s->compute); /* nothing on an inline stream */
 	kvr_sched_unpin_step(s); /* the step's attention has read its pages */
+	tally_plans(s);
+	kvr_sched_free_deferred(s);
 	settle_failed(s);
 	s->eng.step_serial++;
 	return err;

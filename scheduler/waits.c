@@ -44,6 +44,11 @@ static int counting(const struct kvr_sched *s)
 	return layer_owner == s;
 }
 
+int kvr_sched_in_layer(const struct kvr_sched *s)
+{
+	return counting(s);
+}
+
 void kvr_sched_count_host_wait(struct kvr_sched *s, uint32_t seq, uint32_t layer, const char *what,
 			       uint64_t t0, uint64_t t1)
 {

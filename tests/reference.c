@@ -159,12 +159,65 @@ static int gated_off(const struct kvr_shape *sh, const struct kvr_score_item *it
 	return on == 0;
 }
 
+/* Streamed: recall.c's slot plan, written out with arrays: which slot each
+ * page entry ends in (-1: none), the scatter items and counts. */
+static void ref_plan_slots(const struct kvr_plan_item *it, const int32_t *pages, int32_t *slot_of)
+{
+	const uint32_t k = it->k;
+	int32_t *slots = it->slot_page;
+	uint8_t *kept = calloc(k + 1, 1), *done = calloc(k + 1, 1);
+	if (!kept || !done)
+		abort();
+	uint32_t hits = 0, misses = 0;
+	for (uint32_t w = 0; w < k; w++)
+		slot_of[w] = -1;
+	for (uint32_t j = 0; j < k; j++) /* hits: slot order, the first matching entry */
+		for (uint32_t w = 0; slots[j] >= 0 && w < k; w++)
+			if (!done[w] && pages[w] == slots[j]) {
+				kept[j] = done[w] = 1;
+				slot_of[w] = (int32_t)j;
+				hits++;
+				break;
+			}
+	for (uint32_t w = 0; w < k; w++) { /* misses: entry order, lowest free slot */
+		if (pages[w] < 0 || done[w])
+			continue;
+		uint32_t j = 0;
+		while (kept[j])
+			j++;
+		kept[j] = 1;
+		slots[j] = pages[w];
+		slot_of[w] = (int32_t)j;
+		struct kvr_scatter_item *sc = &it->scatter[misses++];
+		memset(sc, 0, sizeof(*sc));
+		sc->run = (const void *)(uintptr_t)(it->page_addr[pages[w]] + it->k_offset);
+		sc->k_tile = it->slot_k + (uint64_t)j * it->tile_bytes;
+		sc->v_tile = it->slot_v + (uint64_t)j * it->tile_bytes;
+		sc->kv_head = it->kv_head;
+	}
+	for (uint32_t j = 0; j < k; j++)
+		if (!kept[j])
+			slots[j] = -1;
+	for (uint32_t x = misses; x < k; x++) {
+		memset(&it->scatter[x], 0, sizeof(it->scatter[x]));
+		it->scatter[x].kv_head = UINT32_MAX;
+	}
+	it->recall_count[0] = misses;
+	it->recall_count[1] = hits;
+	free(kept), free(done);
+}
+
 void ref_plan(const struct kvr_plan_item *items, uint32_t n)
 {
 	for (uint32_t i = 0; i < n; i++) {
 		const struct kvr_plan_item *it = &items[i];
 		const int use_now = it->corrected_sel != NULL && (it->corrected == NULL || it->corrected[0] != 0);
 		const int32_t *pages = use_now ? it->corrected_sel : it->selected;
+		int32_t *slot_of = calloc(it->k + 1, sizeof(*slot_of));
+		if (!slot_of)
+			abort();
+		if (it->slot_page)
+			ref_plan_slots(it, pages, slot_of);
 		/* the tail first, aside: the list is rewritten in place */
 		struct kvr_kv_segment tail[64];
 		if (it->n_tail > 64)
@@ -177,9 +230,15 @@ void ref_plan(const struct kvr_plan_item *items, uint32_t n)
 				continue;
 			struct kvr_kv_segment s;
 			memset(&s, 0, sizeof(s));
-			const uint64_t base = it->page_addr[page];
-			s.k = (const void *)(uintptr_t)(base + it->k_offset);
-			s.v = it->v_offset == UINT64_MAX ? NULL : (const void *)(uintptr_t)(base + it->v_offset);
+			if (it->slot_page) {
+				const uint64_t off = (uint64_t)slot_of[j] * it->tile_bytes + it->slot_col;
+				s.k = it->slot_k + off;
+				s.v = it->slot_v + off;
+			} else {
+				const uint64_t base = it->page_addr[page];
+				s.k = (const void *)(uintptr_t)(base + it->k_offset);
+				s.v = it->v_offset == UINT64_MAX ? NULL : (const void *)(uintptr_t)(base + it->v_offset);
+			}
 			s.n_tokens = it->seg_tokens;
 			s.row_stride = it->seg_row;
 			s.head_stride = it->seg_head_stride;
@@ -188,6 +247,7 @@ void ref_plan(const struct kvr_plan_item *items, uint32_t n)
 		}
 		memcpy(it->segments + at, tail, it->n_tail * sizeof(*tail));
 		it->attention->n_segments = at + it->n_tail;
+		free(slot_of);
 	}
 }
 

@@ -1108,6 +1108,115 @@ CONFORMANCE_TEST(plan)
 	expect_no_failed_launch(c);
 }
 
+/* k distinct pages of [0, pages) in ascending order, the last `unused`
+ * entries -1 (a selection). */
+static void ascending_pages(struct rng *r, int32_t *out, uint32_t k, uint32_t unused, uint32_t pages)
+{
+	uint32_t n = 0;
+	for (uint32_t p = 0; p < pages && n < k - unused; p++)
+		if (rng_below(r, pages - p) < k - unused - n)
+			out[n++] = (int32_t)p;
+	for (; n < k; n++)
+		out[n] = -1;
+}
+
+/*
+ * plan with slots (streamed recall): each head's slot table is planned as
+ * recall.c plans it on the host (hits kept, misses into the lowest free
+ * slots in entry order, the rest emptied), the misses' scatter items and
+ * the counts written, and each taken page's segment reads its slot; against
+ * the reference bit for bit: slot tables, scatter items, counts, segments.
+ * The slot tables hold some of the pages wanted, some others and empties.
+ */
+CONFORMANCE_TEST(plan_slots)
+{
+	fresh(e);
+	struct dctx *c = &e->main;
+	struct rng r = case_rng(0x5107, 0, 0);
+	enum { N = 4, PAGES = 60, KMAX = 12 };
+	static const uint32_t spec[N][4] = { /* k, unused entries, n_head, n_tail */
+		{ 6, 0, 1, 2 }, { 8, 3, 0, 1 }, { 3, 0, 2, 0 }, { 12, 1, 1, 4 } };
+	uint64_t *addr = halloc(PAGES * sizeof(uint64_t));
+	for (uint32_t j = 0; j < PAGES; j++)
+		addr[j] = 0x200000ull * (j + 1);
+	uint32_t list_at[N + 1] = { 0 };
+	for (uint32_t i = 0; i < N; i++)
+		list_at[i + 1] = list_at[i] + spec[i][2] + spec[i][0] + spec[i][3];
+	struct kvr_kv_segment *list = halloc(list_at[N] * sizeof(*list));
+	fill_bytes(&r, list, list_at[N] * sizeof(*list));
+	struct kvr_attention_item *att = halloc(N * sizeof(*att));
+	int32_t *sel = halloc(N * KMAX * sizeof(int32_t)), *slots = halloc(N * KMAX * sizeof(int32_t));
+	struct kvr_scatter_item *scatter = halloc(N * KMAX * sizeof(*scatter));
+	uint32_t *counts = halloc(N * 2 * sizeof(uint32_t));
+	const uint64_t tile = 4096;
+	unsigned char *slot_k = halloc(KMAX * tile), *slot_v = halloc(KMAX * tile);
+	for (uint32_t i = 0; i < N; i++) {
+		const uint32_t k = spec[i][0];
+		ascending_pages(&r, sel + i * KMAX, k, spec[i][1], PAGES);
+		/* slots: a wanted page (reversed order), another page, or empty */
+		for (uint32_t j = 0; j < k; j++) {
+			const uint32_t pick = rng_below(&r, 3);
+			const int32_t want = sel[i * KMAX + (k - 1 - j)];
+			slots[i * KMAX + j] = pick == 0 ? want : pick == 1 ? (int32_t)(PAGES + j) : -1;
+		}
+	}
+	put(c, addr, PAGES * sizeof(uint64_t));
+	put(c, list, list_at[N] * sizeof(*list));
+	put(c, att, N * sizeof(*att));
+	put(c, sel, N * KMAX * sizeof(int32_t));
+	put(c, slots, N * KMAX * sizeof(int32_t));
+	put(c, scatter, N * KMAX * sizeof(*scatter));
+	put(c, counts, N * 2 * sizeof(uint32_t));
+	put(c, slot_k, KMAX * tile);
+	put(c, slot_v, KMAX * tile);
+	struct kvr_plan_item items[N];
+	for (uint32_t i = 0; i < N; i++)
+		items[i] = (struct kvr_plan_item){
+			.attention = &att[i], .segments = list + list_at[i], .selected = sel + i * KMAX,
+			.page_addr = addr, .k_offset = 1088 * i, .v_offset = UINT64_MAX,
+			.n_head = spec[i][2], .n_tail = spec[i][3], .k = spec[i][0],
+			.sel_begin = 3, .sel_end = PAGES - 2, .seg_tokens = 16, .seg_row = 256,
+			.slot_col = 64 * i, .slot_page = slots + i * KMAX, .scatter = scatter + i * KMAX,
+			.recall_count = counts + 2 * i, .slot_k = slot_k, .slot_v = slot_v, .tile_bytes = tile,
+			.kv_head = i };
+	const struct kvr_shape sh = make_shape(&numeric_shapes[0], KVR_ELEM_F32);
+	DEV_OK(c, kvr_dev_plan(c->dev, &sh, dev_plan_items(c, items, N), N, c->s));
+	struct kvr_kv_segment *got = halloc(list_at[N] * sizeof(*got));
+	struct kvr_attention_item *got_att = halloc(N * sizeof(*got_att));
+	int32_t *got_slots = halloc(N * KMAX * sizeof(int32_t));
+	struct kvr_scatter_item *got_sc = halloc(N * KMAX * sizeof(*got_sc));
+	uint32_t *got_counts = halloc(N * 2 * sizeof(uint32_t));
+	get(c, got, list, list_at[N] * sizeof(*got));
+	get(c, got_att, att, N * sizeof(*got_att));
+	get(c, got_slots, slots, N * KMAX * sizeof(int32_t));
+	get(c, got_sc, scatter, N * KMAX * sizeof(*got_sc));
+	get(c, got_counts, counts, N * 2 * sizeof(uint32_t));
+	/* the reference, on the host copies, computing with the device's slot tiles */
+	for (uint32_t i = 0; i < N; i++) {
+		items[i].slot_k = dev_of(c, slot_k);
+		items[i].slot_v = dev_of(c, slot_v);
+	}
+	ref_plan(items, N);
+	uint32_t misses = 0, hits = 0;
+	for (uint32_t i = 0; i < N; i++) {
+		const uint32_t k = spec[i][0];
+		char what[96];
+		snprintf(what, sizeof(what), "%s: plan (slots) item %u: slot table", c->name, i);
+		expect_same_bits(what, got_slots + i * KMAX, slots + i * KMAX, k * sizeof(int32_t), 4);
+		snprintf(what, sizeof(what), "%s: plan (slots) item %u: counts", c->name, i);
+		expect_same_bits(what, got_counts + 2 * i, counts + 2 * i, 2 * sizeof(uint32_t), 4);
+		snprintf(what, sizeof(what), "%s: plan (slots) item %u: scatter items", c->name, i);
+		expect_same_bits(what, got_sc + i * KMAX, scatter + i * KMAX, k * sizeof(*got_sc), 8);
+		snprintf(what, sizeof(what), "%s: plan (slots) item %u: n_segments", c->name, i);
+		expect_same_bits(what, &got_att[i].n_segments, &att[i].n_segments, 4, 4);
+		snprintf(what, sizeof(what), "%s: plan (slots) item %u: segments", c->name, i);
+		expect_same_bits(what, got + list_at[i], list + list_at[i], att[i].n_segments * sizeof(*got), 8);
+		misses += counts[2 * i], hits += counts[2 * i + 1];
+	}
+	cr_assert(misses > 0 && hits > 0, "%u misses, %u hits: the case must have both", misses, hits);
+	expect_no_failed_launch(c);
+}
+
 /* ================================================================== select */
 
 /* Run select on c over host scores/selected buffers (mirrored here) and
