@@ -407,7 +407,19 @@ static void offload_task(void *arg, uint32_t i)
 {
 	const struct page_job *job = arg;
 	const struct kvr_page_item *it = (const struct kvr_page_item *)job->items + i;
-	kvr_nhd_rows_to_hnd_page(&job->g, it->k_rows, it->v_rows, it->row_stride, it->hnd_page);
+	if (!it->format) {
+		kvr_nhd_rows_to_hnd_page(&job->g, it->k_rows, it->v_rows, it->row_stride, it->hnd_page);
+		return;
+	}
+	struct kvr_quant_geometry q;
+	if (job->g.head_dim > KVR_QUANT_MAX_DIM ||
+	    kvr_quant_geometry_init(&q, job->g.page_tokens, job->g.head_dim, 1, it->format))
+		return; /* not a quantised page this shape can hold: nothing written */
+	float scratch[KVR_QUANT_MAX_DIM];
+	for (uint32_t h = 0; h < job->g.n_kv_heads; h++)
+		kvr_quant_run_from_nhd(&q, it->k_rows, it->v_rows, it->row_stride, job->g.elem_type, h,
+				       job->g.page_tokens, (unsigned char *)it->hnd_page + h * q.head_bytes,
+				       scratch);
 }
 
 static void summarize_task(void *arg, uint32_t i)

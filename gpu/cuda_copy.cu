@@ -75,6 +75,19 @@ static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
 {
 	const uint32_t item = blockIdx.x / shape.n_kv_heads, h = blockIdx.x % shape.n_kv_heads;
 	const struct kvr_page_item it = items[item];
+	if (it.format) {
+		/* a quantised run: one thread, the host pool's arithmetic (a page
+		 * completes once per p steps; the run is a few KiB) */
+		struct kvr_quant_geometry q;
+		if (threadIdx.x || shape.head_dim > KVR_QUANT_MAX_DIM ||
+		    kvr_quant_geometry_init(&q, shape.page_tokens, shape.head_dim, 1, it.format))
+			return;
+		float scratch[KVR_QUANT_MAX_DIM];
+		kvr_quant_run_from_nhd(&q, it.k_rows, it.v_rows, it.row_stride, shape.elem_type, h,
+				       shape.page_tokens, static_cast<unsigned char *>(it.hnd_page) + h * q.head_bytes,
+				       scratch);
+		return;
+	}
 	struct kvr_page_geometry g;
 	kvr_page_geometry_init(&g, shape.page_tokens, shape.head_dim, shape.n_kv_heads,
 			       shape.elem_type);

@@ -16,7 +16,10 @@
  *              key rows then p value rows) into column kv_head of an NHD tile
  *              pair (p rows of n_kv·d elements each for K and for V).
  * offload      For each item, NHD rows (row t of keys at k_rows + t·row_stride
- *              elements, holding n_kv heads of d) -> one HND page.
+ *              elements, holding n_kv heads of d) -> one HND page; with a
+ *              quantised format, KV head m's run quantised
+ *              (kvr_quant_run_from_nhd, all p tokens) at m · its run bytes:
+ *              the bits the host pool writes for the same rows.
  * summarize    For each item, the key summary of those rows: [n_kv][2][d],
  *              element-wise min then max over the p keys; NaN propagates.
  * score        For each item (a sequence) and KV head m, for each page j of
@@ -148,10 +151,11 @@ struct kvr_scatter_item {
 struct kvr_page_item { /* offload and summarize */
 	const void *k_rows;  /* p NHD rows of keys */
 	const void *v_rows;  /* p NHD rows of values (offload only) */
-	void *hnd_page;      /* offload: output page, page_bytes */
+	void *hnd_page;      /* offload: output page, page_bytes (quantised: n_kv runs) */
 	void *summary;       /* summarize: output [n_kv][2][d] */
 	uint32_t row_stride; /* elements between rows, >= n_kv·d */
-	uint32_t reserved;
+	uint32_t format;     /* offload: enum kvr_kv_format of the page, K8V4 or K4V2
+	                        (quantised as kvr_quant_run_from_nhd), 0 = plain */
 };
 
 struct kvr_score_item {

@@ -309,9 +309,11 @@ int kvr_pool_ingest(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_
  * none) and fill->id its id; the caller converts the tail tile into it and
  * summarises it, and with a spill tier the page stays pinned (safe from
  * eviction while the device writes it) until the caller drops the pin
- * (kvr_pool_unpin_live). Otherwise fill->page is NULL. Plain pages only
- * (-EINVAL for a quantised pool: its pages are quantised on the host). On
- * failure the table is as before the call.
+ * (kvr_pool_unpin_live). Otherwise fill->page is NULL. The page's bytes are
+ * the pool's format: plain pages in the pool's layout, or K8V4 / K4V2 runs
+ * (the caller quantises as kvr_quant_run_from_nhd does); -EINVAL for a mixed
+ * pool (its pages' formats are the host's judgement). On failure the table
+ * is as before the call.
  */
 struct kvr_pool_fill {
 	void *page;

@@ -311,9 +311,8 @@ int kvr_pool_append_token(struct kvr_pool *pool, uint32_t seq, uint32_t layer, u
 	*fill = (struct kvr_pool_fill){ NULL, NULL, 0, 0 };
 	pthread_mutex_lock(&pool->lock);
 	int err = pool_table_get(pool, seq, layer, &t);
-	if (!err && pool->params.kv_format != KVR_KV_PLAIN)
-		err = pool_fail(pool, -EINVAL, "pool: append_token: pages are quantised (format %u)",
-			        pool->params.kv_format);
+	if (!err && pool->params.kv_format == KVR_KV_MIXED)
+		err = pool_fail(pool, -EINVAL, "pool: append_token: mixed pages are judged and demoted on the host");
 	if (!err && position != t->n_tokens)
 		err = pool_fail(pool, -EINVAL,
 			        "sequence %u layer %u: tokens must arrive in order: expected "

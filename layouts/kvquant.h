@@ -73,6 +73,10 @@ static inline KVR_HD uint64_t kvr_quant_align16(uint64_t x)
 	return (x + 15u) & ~(uint64_t)15u;
 }
 
+/* The largest head_dim the quantising kernels take (their scratch holds one
+ * row as floats); the config allows no more. */
+#define KVR_QUANT_MAX_DIM 256u
+
 /* Fill *g; 0, or -1 for PLAIN or an unknown format, a zero dimension, or d
  * not a multiple of 16. For K8V4_HALF, page_tokens is the whole page's (even)
  * and g->page_tokens the half's. */

@@ -99,6 +99,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 		ret = kvr_dev_event_create(s->dev, &s->eng.engine_ready);
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &s->eng.layer_done);
+	if (!ret)
+		ret = kvr_dev_event_create(s->dev, &s->eng.appended);
 	if (ret && !err[0])
 		snprintf(err, err_bytes, "scheduler: %s",
 			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
@@ -108,12 +110,13 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 		ret = kvr_dev_stream_create(s->dev, 0, &s->ctl_inline);
 	/* cuda's streams are asynchronous whatever their flags (backend.h) */
 	s->compute_host_sync = kvr_dev_kind_of(s->dev) != KVR_DEV_CUDA && !s->hooks.async_compute;
-	s->device_append = !kvr_dev_host_visible(s->dev) && !s->kv_format &&
+	s->device_append = !kvr_dev_host_visible(s->dev) && s->kv_format != KVR_KV_MIXED &&
 			   s->pool_layout == KVR_POOL_LAYOUT_HND && !s->hooks.host_step;
 	/* streamed: the plan kernel moves misses straight from the pinned pool,
 	 * which a spill tier cannot promise holds them */
 	s->device_plan = s->device_append && s->k && s->k <= KVR_PLAN_MAX_K &&
-			 (s->recall == KVR_RECALL_ZERO_COPY || (s->recall == KVR_RECALL_STREAMED && !kvr_pool_spill_file(s->pool)));
+			 (s->recall == KVR_RECALL_ZERO_COPY ||
+			  (s->recall == KVR_RECALL_STREAMED && !s->kv_format && !kvr_pool_spill_file(s->pool)));
 	s->eng.engine_sel.stream = s->engine_inline;
 	s->rec.ctl_sel.stream = s->ctl_inline;
 	if (ret && !err[0])
@@ -182,6 +185,7 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	free(s->eng.zero_row);
 	kvr_dev_event_destroy(s->dev, s->eng.engine_ready);
 	kvr_dev_event_destroy(s->dev, s->eng.layer_done);
+	kvr_dev_event_destroy(s->dev, s->eng.appended);
 	free((void *)s->seq_counters);
 	free((void *)s->head_corrections);
 	pthread_mutex_destroy(&s->queue.lock);

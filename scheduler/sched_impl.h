@@ -124,11 +124,13 @@ struct kvr_sched {
 	struct kvr_stream *engine_inline; /* engine: its host-synchronous kernels */
 	struct kvr_stream *compute;       /* engine queues attention: inline, or a worker (test hook) */
 	/* decode appends tokens on the device (step.c append_on_device): a
-	 * device with memory of its own, plain pages in an HND pool */
+	 * device with memory of its own, an HND pool of plain, K8V4 or K4V2
+	 * pages (not mixed: demotion is host work) */
 	int device_append;
 	/* ... and the host does not read selections either: the plan kernel
 	 * builds the selected pages' segments, corrections are flagged and
-	 * selected on the device (zero-copy recall, plain pages) */
+	 * selected on the device (zero-copy recall; streamed with plain pages
+	 * and no spill tier) */
 	int device_plan;
 	int compute_host_sync;            /* compute runs its work as it is queued (cpu, cudaemu
 	                                     inline): a stream wait there blocks the engine */
@@ -184,6 +186,7 @@ struct kvr_sched {
 		size_t inputs_stage_bytes;
 		struct kvr_event *engine_ready; /* recorded on the engine's stream at a layer's start */
 		struct kvr_event *layer_done;   /* recorded on compute after a layer's attention */
+		struct kvr_event *appended;     /* recorded on compute after a layer's completed pages */
 		void *zero_row;
 		void *prefill_q, *prefill_out; /* device stages of a query block's rows */
 		size_t prefill_q_bytes, prefill_out_bytes;

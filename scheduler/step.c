@@ -344,7 +344,7 @@ static int append_on_device(struct layer_call *lc, uint32_t i, const struct kvr_
 	if (fill.page)
 		lc->fills[lc->n_fills++] = (struct kvr_page_item){
 			tail->keys, tail->values, fill.page, fill.summary,
-			s->c.n_kv_heads * s->c.head_dim, 0 };
+			s->c.n_kv_heads * s->c.head_dim, s->kv_format };
 	return 0;
 }
 
@@ -362,6 +362,12 @@ static void convert_fills(struct layer_call *lc)
 		err = kvr_dev_offload(s->dev, &s->shape, items, lc->n_fills, s->compute);
 	if (!err && lc->fills[0].summary)
 		err = kvr_dev_summarize(s->dev, &s->shape, items, lc->n_fills, s->compute);
+	/* the engine's own stream (the host path's corrections select on it)
+	 * reads these summaries: it waits for them on the device */
+	if (!err)
+		err = kvr_dev_event_record(s->dev, s->eng.appended, s->compute);
+	if (!err)
+		err = kvr_dev_stream_wait_event(s->dev, s->engine_inline, s->eng.appended);
 	if (err)
 		lc->fill_error = err;
 }
@@ -727,14 +733,17 @@ static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *la
 			.corrected = corr ? corr + m : NULL,
 			.page_addr = addrs,
 			.k_offset = run,
-			.v_offset = run + (uint64_t)p * s->c.head_dim * s->eb,
+			/* quantised: one run from k (kernels.h, attention) */
+			.v_offset = s->kv_format ? UINT64_MAX : run + (uint64_t)p * s->c.head_dim * s->eb,
 			.n_head = n_head,
 			.n_tail = n_tail,
 			.k = kk,
 			.sel_begin = sink,
 			.sel_end = win_first > sink ? win_first : sink,
 			.seg_tokens = p,
-			.seg_row = s->c.head_dim,
+			.seg_row = s->kv_format ? 0 : s->c.head_dim, /* quantised: first_row */
+			.seg_head_stride = s->kv_format ? (uint32_t)s->head_bytes : 0,
+			.seg_format = s->kv_format,
 		};
 		if (streamed) { /* the slots: planned, and the misses moved, on the device */
 			struct kvr_plan_item *pl = &lc->plans[lc->n_plans - 1];

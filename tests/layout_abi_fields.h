@@ -65,7 +65,7 @@ KVR_ABI_FIELD(kvr_page_item, v_rows)
 KVR_ABI_FIELD(kvr_page_item, hnd_page)
 KVR_ABI_FIELD(kvr_page_item, summary)
 KVR_ABI_FIELD(kvr_page_item, row_stride)
-KVR_ABI_FIELD(kvr_page_item, reserved)
+KVR_ABI_FIELD(kvr_page_item, format)
 
 KVR_ABI_STRUCT(kvr_score_item)
 KVR_ABI_FIELD(kvr_score_item, q)

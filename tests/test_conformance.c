@@ -684,6 +684,49 @@ static void offload_case(struct env *e, uint32_t ci, uint32_t ti)
 
 CONFORMANCE_CASES(offload, ARRAY_LEN(page_shapes))
 
+/* Offload with a quantised format (the device append of K8V4 and K4V2
+ * pages): two pages of NHD rows, each KV head's run quantised, bit for bit
+ * the runs the host pool writes (kvr_quant_run_from_nhd); K8V4 in even
+ * configurations, K4V2 in odd ones. */
+static void offload_quantised_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	PAGE_CASE_SETUP(0x0ff2);
+	enum { PAGES = 2 };
+	const uint32_t format = ci % 2 ? KVR_KV_K4V2 : KVR_KV_K8V4;
+	struct kvr_quant_geometry q;
+	cr_assert_eq(kvr_quant_geometry_init(&q, pc->p, pc->d, 1, format), 0);
+	const uint32_t stride = pc->n_kv * pc->d + pc->pad;
+	const uint64_t rows = (uint64_t)PAGES * pc->p * stride, page = q.head_bytes * pc->n_kv;
+	const size_t eb = ebytes(type);
+	void *k = halloc(rows * eb), *v = halloc(rows * eb);
+	unsigned char *pages = halloc(PAGES * page), *want = halloc(PAGES * page);
+	fill_uniform(&r, k, type, rows, -3.0, 3.0);
+	fill_uniform(&r, v, type, rows, -3.0, 3.0);
+	fill_bytes(&r, pages, PAGES * page);
+	struct kvr_page_item items[PAGES];
+	float scratch[KVR_QUANT_MAX_DIM];
+	for (uint32_t i = 0; i < PAGES; i++) {
+		const uint64_t row0 = (uint64_t)((i + 1) % PAGES) * pc->p * stride;
+		items[i] = (struct kvr_page_item){ .k_rows = elem_ptr(k, type, row0), .v_rows = elem_ptr(v, type, row0),
+						   .hnd_page = pages + i * page, .row_stride = stride, .format = format };
+		for (uint32_t m = 0; m < pc->n_kv; m++)
+			kvr_quant_run_from_nhd(&q, items[i].k_rows, items[i].v_rows, stride, type, m, pc->p,
+					       want + i * page + m * q.head_bytes, scratch);
+	}
+	put(c, k, rows * eb);
+	put(c, v, rows * eb);
+	put(c, pages, PAGES * page);
+	DEV_OK(c, kvr_dev_offload(c->dev, &sh, dev_page_items(c, items, PAGES), PAGES, c->s));
+	unsigned char *got = halloc(PAGES * page);
+	get(c, got, pages, PAGES * page);
+	char what[96];
+	snprintf(what, sizeof(what), "%s: offload %s %s config %u", c->name, format == KVR_KV_K4V2 ? "K4V2" : "K8V4",
+		 type_names[ti], ci);
+	expect_same_bits(what, got, want, PAGES * page, 1);
+}
+
+CONFORMANCE_CASES(offload_quantised, ARRAY_LEN(page_shapes))
+
 /* ================================================================== summarize */
 
 /*

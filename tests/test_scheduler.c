@@ -2370,13 +2370,14 @@ Test(scheduler, device_append_under_spill_tier, .timeout = 240)
  * kernel, streamed: slots planned and misses moved on the device) against
  * the host path it replaces (hooks.host_step), on cudaemu-strict: one
  * sequence, every mode, zero-copy and streamed, the same output bits at
- * every step, and the same pages recalled; and a batch of two checked against the model
+ * every step, and the same pages recalled; K8V4 and K4V2 pages (quantised
+ * on the device, zero-copy) likewise; and a batch of two checked against the model
  * (there the host path makes a second attention call for corrected
  * sequences, so the CUDA kernels' split may round differently). The
  * corrections' statistics, tallied at the step's end on the device path,
  * equal the host path's.
  */
-Test(scheduler, device_plan_equals_host_path, .timeout = 300)
+Test(scheduler, device_plan_equals_host_path, .timeout = 400)
 {
 	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
 	for (int x = 0; x < 6; x++) {
@@ -2385,8 +2386,8 @@ Test(scheduler, device_plan_equals_host_path, .timeout = 300)
 		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, modes[mi], recall, KVR_DTYPE_F32);
 		struct drift dev, host;
 		struct check ck_dev, ck_host;
-		drift_alloc(&dev, 1, 24);
-		drift_alloc(&host, 1, 24);
+		drift_alloc(&dev, 1, 16);
+		drift_alloc(&host, 1, 16);
 		run_drift(&o, &dev, &ck_dev);
 		o.host_step = 1;
 		run_drift(&o, &host, &ck_host);
@@ -2417,6 +2418,26 @@ Test(scheduler, device_plan_equals_host_path, .timeout = 300)
 		}
 		if (modes[mi] == KVR_MODE_FREEKV)
 			cr_assert_gt(ck_dev.stats.corrected_heads, 0, "no correction: the test cannot tell");
+		free(dev.outs), free(host.outs);
+	}
+	/* quantised pages: quantised on the device as they complete, read in
+	 * place by the plan's segments (zero-copy) */
+	static const uint32_t formats[] = { KVR_KV_FORMAT_K8V4, KVR_KV_FORMAT_K4V2 };
+	for (int fi = 0; fi < 2; fi++) {
+		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY,
+					     KVR_DTYPE_F32);
+		o.kv_format = formats[fi];
+		struct drift dev, host;
+		struct check ck_dev, ck_host;
+		drift_alloc(&dev, 1, 12);
+		drift_alloc(&host, 1, 12);
+		run_drift(&o, &dev, &ck_dev);
+		o.host_step = 1;
+		run_drift(&o, &host, &ck_host);
+		first_difference(&dev, &host, kvr_kv_format_name(formats[fi]));
+		cr_assert_eq(ck_dev.stats.host_waits, 0, "%s: %llu host waits", kvr_kv_format_name(formats[fi]),
+			     (unsigned long long)ck_dev.stats.host_waits);
+		cr_assert_eq(ck_dev.stats.corrected_heads, ck_host.stats.corrected_heads);
 		free(dev.outs), free(host.outs);
 	}
 	struct check ck;

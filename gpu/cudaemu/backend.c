@@ -398,7 +398,8 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *             run 2·p·d; k_tile and v_tile from kv_head·d: p rows n_kv·d
  *             apart, (p-1)·n_kv·d + d.
  *  offload    k_rows and v_rows: p rows row_stride apart of n_kv·d,
- *             (p-1)·row_stride + n_kv·d; hnd_page n_kv·2·p·d.
+ *             (p-1)·row_stride + n_kv·d; hnd_page n_kv·2·p·d, or with a
+ *             quantised format n_kv runs of kvr_kv_run_bytes.
  *  summarize  k_rows as offload; summary n_kv·2·d.
  *  score      nothing when cand_end <= cand_begin; else q n_qo·d; summaries
  *             of the softmax domain (kvr_score_domain), from dom_begin·n_kv·2·d,
@@ -465,8 +466,11 @@ static int check_items(struct check *c, const struct emu_op *op)
 				err = check_data(c, "item", i, "summary", it[i].summary, 0,
 						 n_kv * 2 * d * eb);
 			} else if (!(err = check_data(c, "item", i, "v_rows", it[i].v_rows, 0, rows))) {
+				/* quantised: n_kv runs (nothing for a format the shape cannot hold) */
 				err = check_data(c, "item", i, "hnd_page", it[i].hnd_page, 0,
-						 n_kv * 2 * p * d * eb);
+						 it[i].format ? n_kv * kvr_kv_run_bytes(it[i].format, (uint32_t)p,
+											  (uint32_t)d, (uint32_t)eb)
+							      : n_kv * 2 * p * d * eb);
 			}
 		}
 		break;
