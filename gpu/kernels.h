@@ -93,14 +93,16 @@
  *              item's list keeps its n_head leading segments; its k slots
  *              get, in order, a segment for each entry P of the pages with
  *              sel_begin <= P < sel_end (k = page_addr[P] + k_offset, v =
- *              page_addr[P] + v_offset or NULL, and the item's seg_ fields);
+ *              page_addr[P] + v_offset or NULL, and the item's seg_ fields;
+ *              a page at or above addr_end, past page_addr, is never taken);
  *              the n_tail segments that followed the k slots move up behind
  *              them, and attention->n_segments = n_head + taken + n_tail.
  *              With slot_page (streamed recall), the pages first get slots
  *              as recall.c's host plan gives them: each slot whose page is
  *              among the pages keeps it (the first such entry not yet
  *              placed: a hit); each page entry >= 0 not placed (a miss), in
- *              order, takes the lowest slot not kept and gets a scatter item
+ *              order and below addr_end, takes the lowest slot not kept and
+ *              gets a scatter item
  *              {page_addr[P] + k_offset, slot_k + slot·tile_bytes, slot_v +
  *              slot·tile_bytes, kv_head} at scatter[misses so far]; slots
  *              not kept become -1; the scatter entries past the misses get
@@ -235,7 +237,8 @@ struct kvr_plan_item {
 	unsigned char *slot_v;                /* ... of values */
 	uint64_t tile_bytes;                  /* between slot tiles */
 	uint32_t kv_head;                     /* the head's column, for the scatter items */
-	uint32_t reserved;
+	uint32_t addr_end;                    /* page_addr's entries: pages at or above it
+	                                         are neither taken nor given a slot */
 };
 
 /* The most slots a plan item with slot_page plans (its bitmaps' size). */
@@ -281,7 +284,7 @@ static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
 				}
 		}
 		for (uint32_t w = 0; w < k; w++) {
-			if (pages[w] < 0 || (placed[w / 32] >> (w % 32) & 1))
+			if (pages[w] < 0 || (uint32_t)pages[w] >= it->addr_end || (placed[w / 32] >> (w % 32) & 1))
 				continue;
 			while (keep[free_slot / 32] >> (free_slot % 32) & 1)
 				free_slot++; /* a free slot exists: at most k pages */
@@ -314,7 +317,8 @@ static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
 	uint32_t taken = 0;
 	for (uint32_t j = 0; j < k; j++) {
 		const int32_t page = pages[j];
-		if (page < 0 || (uint32_t)page < it->sel_begin || (uint32_t)page >= it->sel_end)
+		if (page < 0 || (uint32_t)page < it->sel_begin || (uint32_t)page >= it->sel_end ||
+		    (uint32_t)page >= it->addr_end)
 			continue;
 		struct kvr_kv_segment s;
 		if (slots) {

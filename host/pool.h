@@ -319,7 +319,7 @@ struct kvr_pool_fill {
 	void *page;
 	void *summary;
 	uint32_t id;
-	uint32_t logical;
+	uint32_t reserved;
 };
 int kvr_pool_append_token(struct kvr_pool *pool, uint32_t seq, uint32_t layer, uint64_t position,
 			  struct kvr_pool_fill *fill);

@@ -333,7 +333,7 @@ int kvr_pool_append_token(struct kvr_pool *pool, uint32_t seq, uint32_t layer, u
 	if (!err && (len + 1) % p == 0) { /* the token completes the page: its fill */
 		err = page_for_write(pool, t, (uint32_t)(len / p), &page, &summary, &id, true);
 		if (!err)
-			*fill = (struct kvr_pool_fill){ page, summary, id, (uint32_t)(len / p) };
+			*fill = (struct kvr_pool_fill){ page, summary, id, 0 };
 	}
 	if (err)
 		pool_table_shrink(pool, t, before);

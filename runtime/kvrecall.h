@@ -467,6 +467,12 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  * back the others. After attention the layer's speculative selection for the
  * next step (and, with streamed recall, the recall of its missing pages) is
  * queued to the controller and overlaps the engine's next layers.
+ * On cuda with an HND pool (plain pages, or K8V4/K4V2 with zero-copy recall;
+ * streamed recall without a spill tier) the layer does not wait at all:
+ * append, correction check, the correction's selection and recall, and
+ * attention are all queued on the device, and (a) becomes a wait of the
+ * device's, not the thread's (kvr_stats.host_waits counts what remains;
+ * docs/architecture.md, "The device path").
  *
  * Returns 0 when the call itself was valid (per-sequence failures are in
  * status; a sequence that failed in one layer fails in the step's later layers

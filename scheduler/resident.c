@@ -228,7 +228,10 @@ const uint64_t *kvr_resident_page_addrs(struct kvr_sched *s, struct kvr_lane *la
 	 * addr_valid): only the pages completed since are looked up */
 	for (uint32_t j = lane->addr_valid; j < n_pages; j++) {
 		uint32_t id = 0;
-		kvr_pool_lookup(s->pool, lane->seq, lane->layer, j, &id);
+		if (kvr_pool_lookup(s->pool, lane->seq, lane->layer, j, &id)) {
+			lane->addr_valid = j; /* cannot happen: the caller asks for reserved pages */
+			return NULL;
+		}
 		lane->page_addr[j] = (uint64_t)(uintptr_t)kvr_pool_page_data(s->pool, id);
 	}
 	if (n_pages > lane->addr_valid)

@@ -32,7 +32,8 @@
  * tail tile); the dense path (L ≤ B, dense layers, mode dense) reads every
  * page of the pool.
  *
- * The device path (a device with memory of its own, plain pages, HND pool):
+ * The device path (a device with memory of its own, an HND pool of plain,
+ * K8V4 or K4V2 pages):
  * the host never waits for the device inside a layer call (issue 23;
  * waits.c counts the waits that remain). The device append writes the token
  * into the tail tile and converts a completed page on the compute stream
@@ -147,6 +148,7 @@ struct entry {
 	uint32_t checked; /* device plan: the device flagged its heads (step_end tallies) */
 	uint32_t first_plan; /* device plan, streamed: its first plan item (recall counts) */
 	uint32_t planned;    /* ... it has n_kv plan items */
+	uint32_t all_corrected; /* device plan: every head selected with q_i */
 };
 
 /* Wait (streamed recall) until the lane's latest recall is complete before
@@ -524,7 +526,7 @@ static int layer_corrections(struct layer_call *lc)
 	const int dense_layer = kvr_layer_dense(s, lc->layer);
 	for (uint32_t i = 0; i < lc->batch; i++) {
 		struct entry *e = &lc->e[i];
-		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0 };
+		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0, 0 };
 		if (lc->status[i])
 			continue;
 		struct kvr_lane *lane = lane_of(s, lc->seqs[i], lc->layer);
@@ -704,7 +706,7 @@ static int plan_scores_fit(struct kvr_sched *s, size_t floats)
  * `corr` flags the head, or for every head when `corr` is NULL and `now` is
  * not. */
 static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, const int32_t *now,
-			  const uint8_t *corr, const uint64_t *addrs)
+			  const uint8_t *corr, const uint64_t *addrs, uint32_t n_addrs)
 {
 	struct kvr_sched *s = lc->s;
 	const uint32_t kk = lc->kk, p = s->c.page_tokens;
@@ -732,6 +734,7 @@ static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *la
 			.corrected_sel = now ? now + (uint64_t)m * kk : NULL,
 			.corrected = corr ? corr + m : NULL,
 			.page_addr = addrs,
+			.addr_end = addrs ? n_addrs : 0,
 			.k_offset = run,
 			/* quantised: one run from k (kernels.h, attention) */
 			.v_offset = s->kv_format ? UINT64_MAX : run + (uint64_t)p * s->c.head_dim * s->eb,
@@ -766,7 +769,8 @@ static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *la
 
 /*
  * 2-4 on the device plan (s->device_plan: a device with memory of its own,
- * zero-copy recall, plain pages): the host decides only what it knows
+ * zero-copy recall, or streamed with plain pages and no spill tier): the
+ * host decides only what it knows
  * without reading the device — dense or sparse, and which sparse entries
  * select with q_i on every head (blocking, a lane's first sparse step) or
  * check first (freekv). Then, on the compute stream in one pass for the
@@ -795,7 +799,7 @@ static int attend_on_device(struct layer_call *lc)
 	lc->n_plans = 0;
 	for (uint32_t i = 0; i < lc->batch; i++) {
 		struct entry *e = &lc->e[i];
-		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0 };
+		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0, 0 };
 		memset(lc->corrected + (uint64_t)i * n_kv, 0, n_kv);
 		if (lc->status[i])
 			continue;
@@ -850,9 +854,12 @@ static int attend_on_device(struct layer_call *lc)
 				count(s, seq, KVR_C_CORRECTION_WAITS, 1);
 			}
 		}
-		const uint32_t win_first = kvr_window_first(c, e->n_tokens);
-		const uint64_t *addrs = kvr_resident_page_addrs(s, lane, win_first);
-		if (!addrs && win_first) {
+		/* every page a selection may name: the correction's serves step
+		 * i+1, whose candidates reach one page further (streamed recalls
+		 * whatever is selected) */
+		const uint32_t n_addrs = kvr_window_first(c, e->n_tokens + 1);
+		const uint64_t *addrs = kvr_resident_page_addrs(s, lane, n_addrs);
+		if (!addrs && n_addrs) {
 			snprintf(s->last_error, sizeof(s->last_error), "out of memory for the page table");
 			return -ENOMEM;
 		}
@@ -863,7 +870,8 @@ static int attend_on_device(struct layer_call *lc)
 				 kvr_dev_last_error(s->dev));
 			return err;
 		}
-		queue_planned(lc, i, lane, now, check ? corr : NULL, addrs);
+		e->all_corrected = (uint32_t)all;
+		queue_planned(lc, i, lane, now, check ? corr : NULL, addrs, n_addrs);
 	}
 	/* everything the kernels read, then the kernels, in order on compute */
 	struct kvr_layer_upload {
@@ -914,10 +922,16 @@ static void tally_plans(struct kvr_sched *s)
 		for (uint32_t i = 0; i < t->batch; i++) {
 			const struct entry *e = &t->e[i];
 			if (e->planned && s->recall == KVR_RECALL_STREAMED) {
+				/* hits of the heads this step recalled for (the corrected
+				 * ones); the others re-plan what the controller recalled
+				 * and counted already */
 				uint64_t misses = 0, hits = 0;
 				for (uint32_t m = 0; m < n_kv; m++) {
+					const int recalled = e->all_corrected ||
+							     (e->checked && t->corrected[(uint64_t)i * n_kv + m]);
 					misses += t->recall_counts[2 * ((uint64_t)e->first_plan + m)];
-					hits += t->recall_counts[2 * ((uint64_t)e->first_plan + m) + 1];
+					if (recalled)
+						hits += t->recall_counts[2 * ((uint64_t)e->first_plan + m) + 1];
 				}
 				count(s, e->seq, KVR_C_PAGES_RECALLED, misses);
 				count(s, e->seq, KVR_C_PAGES_HIT, hits);
@@ -1097,6 +1111,12 @@ static int layer_call(struct layer_call *lc, const void *q, const void *k, const
 		return err;
 	}
 	post_next_step(lc);
+	/* the device append's prev_q copies read the engine's q after the
+	 * attention: the engine's stream waits for them too (layer_finish) */
+	if (lc->device_append && (err = kvr_dev_event_record(s->dev, s->eng.layer_done, s->compute))) {
+		snprintf(s->last_error, sizeof(s->last_error), "%s", kvr_dev_last_error(s->dev));
+		return err;
+	}
 	return layer_finish(lc, engine_stream);
 }
 

@@ -180,7 +180,7 @@ static void ref_plan_slots(const struct kvr_plan_item *it, const int32_t *pages,
 				break;
 			}
 	for (uint32_t w = 0; w < k; w++) { /* misses: entry order, lowest free slot */
-		if (pages[w] < 0 || done[w])
+		if (pages[w] < 0 || (uint32_t)pages[w] >= it->addr_end || done[w])
 			continue;
 		uint32_t j = 0;
 		while (kept[j])
@@ -226,7 +226,7 @@ void ref_plan(const struct kvr_plan_item *items, uint32_t n)
 		uint32_t at = it->n_head;
 		for (uint32_t j = 0; j < it->k; j++) {
 			const int64_t page = pages[j];
-			if (page < (int64_t)it->sel_begin || page >= (int64_t)it->sel_end)
+			if (page < (int64_t)it->sel_begin || page >= (int64_t)it->sel_end || page >= (int64_t)it->addr_end)
 				continue;
 			struct kvr_kv_segment s;
 			memset(&s, 0, sizeof(s));

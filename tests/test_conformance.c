@@ -1110,7 +1110,7 @@ CONFORMANCE_TEST(plan)
 			.k_offset = 64 * i,
 			.v_offset = quant ? UINT64_MAX : 64 * i + 4096,
 			.n_head = spec[i][0], .n_tail = spec[i][2], .k = spec[i][1],
-			.sel_begin = 2 + i, .sel_end = PAGES - 3 * i,
+			.sel_begin = 2 + i, .sel_end = PAGES - 3 * i, .addr_end = PAGES,
 			.seg_tokens = 16, .seg_row = quant ? 0 : 128, .seg_head_stride = quant ? 1088 : 0,
 			.seg_format = quant ? KVR_KV_K8V4 : 0 };
 	}
@@ -1218,7 +1218,7 @@ CONFORMANCE_TEST(plan_slots)
 			.attention = &att[i], .segments = list + list_at[i], .selected = sel + i * KMAX,
 			.page_addr = addr, .k_offset = 1088 * i, .v_offset = UINT64_MAX,
 			.n_head = spec[i][2], .n_tail = spec[i][3], .k = spec[i][0],
-			.sel_begin = 3, .sel_end = PAGES - 2, .seg_tokens = 16, .seg_row = 256,
+			.sel_begin = 3, .sel_end = PAGES - 2, .addr_end = PAGES - 1 - 2 * i, .seg_tokens = 16, .seg_row = 256,
 			.slot_col = 64 * i, .slot_page = slots + i * KMAX, .scatter = scatter + i * KMAX,
 			.recall_count = counts + 2 * i, .slot_k = slot_k, .slot_v = slot_v, .tile_bytes = tile,
 			.kv_head = i };

@@ -608,7 +608,7 @@ static struct kvr_plan_item plan_item(uint32_t n_head, uint32_t n_tail, uint32_t
 				       .page_addr = dput(&T, addr, sizeof(addr)),
 				       .v_offset = UINT64_MAX,
 				       .n_head = n_head, .n_tail = n_tail, .k = k,
-				       .sel_begin = 1, .sel_end = 4, .seg_tokens = P };
+				       .sel_begin = 1, .sel_end = 4, .addr_end = 4, .seg_tokens = P };
 }
 
 Test(cudaemu_strict, plan_extents)

@@ -2440,6 +2440,23 @@ Test(scheduler, device_plan_equals_host_path, .timeout = 400)
 		cr_assert_eq(ck_dev.stats.corrected_heads, ck_host.stats.corrected_heads);
 		free(dev.outs), free(host.outs);
 	}
+	/* no window (W = 0): the correction's pages reach the page this step
+	 * completed, which the streamed plan must find in its page table */
+	model_win = 0;
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
+		struct drift dev, host;
+		struct check ck_dev, ck_host;
+		drift_alloc(&dev, 1, 20);
+		drift_alloc(&host, 1, 20);
+		run_drift(&o, &dev, &ck_dev);
+		o.host_step = 1;
+		run_drift(&o, &host, &ck_host);
+		first_difference(&dev, &host, recall == KVR_RECALL_STREAMED ? "W = 0, streamed" : "W = 0, zero-copy");
+		cr_assert_eq(ck_dev.stats.pages_recalled, ck_host.stats.pages_recalled);
+		free(dev.outs), free(host.outs);
+	}
+	model_win = 32;
 	struct check ck;
 	model_run(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, 2, 12, &ck);
 }

@@ -410,9 +410,10 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *  similarity q and q_prev n_qo·d; cosine n_kv floats; corrected n_kv bytes.
  *  plan       attention one item; segments n_head + k + n_tail segments;
  *             with k > 0, selected k int32s, corrected_sel likewise and
- *             corrected one byte when not NULL, page_addr sel_end uint64s;
- *             with slot_page, slot_page k int32s, recall_count two uint32s
- *             and scatter k scatter items in device memory (an item array).
+ *             corrected one byte when not NULL, page_addr addr_end uint64s;
+ *             with slot_page (k at most KVR_PLAN_MAX_K), recall_count two
+ *             uint32s, and with k > 0 slot_page k int32s and scatter k
+ *             scatter items in device memory (an item array).
  *  attention  q and out n_qo·d (read and written even with no tokens);
  *             with KVR_SHAPE_SEGMENT_LSE, segment_lse n_qo·n_segments floats; the
  *             item's segments [first_segment, +n_segments) must be in the
@@ -573,6 +574,15 @@ static int check_items(struct check *c, const struct emu_op *op)
 			    (err = check_data(c, "item", i, "segments", it[i].segments, 0,
 					      list * sizeof(struct kvr_kv_segment))))
 				break;
+			if (it[i].slot_page && it[i].k > KVR_PLAN_MAX_K) {
+				snprintf(c->msg, sizeof(c->msg), "%s: item %" PRIu32 " plans %" PRIu32
+					 " slots, more than KVR_PLAN_MAX_K (%u)", c->op, i, it[i].k, KVR_PLAN_MAX_K);
+				err = -EFAULT;
+				break;
+			}
+			if (it[i].slot_page &&
+			    (err = check_data(c, "item", i, "recall_count", it[i].recall_count, 0, 8)))
+				break;
 			if (!it[i].k)
 				continue;
 			if ((err = check_data(c, "item", i, "selected", it[i].selected, 0,
@@ -583,9 +593,9 @@ static int check_items(struct check *c, const struct emu_op *op)
 			    (it[i].corrected &&
 			     (err = check_data(c, "item", i, "corrected", it[i].corrected, 0, 1))))
 				break;
-			/* any page below sel_end may be named */
+			/* any page below addr_end may be named */
 			if ((err = check_data(c, "item", i, "page_addr", it[i].page_addr, 0,
-					      (uint64_t)it[i].sel_end * 8)))
+					      (uint64_t)it[i].addr_end * 8)))
 				break;
 			/* streamed: the slot table, the scatter items (an item array
 			 * of the scatter that follows: device memory only), the
@@ -599,8 +609,7 @@ static int check_items(struct check *c, const struct emu_op *op)
 				check_data(c, "item", i, "slot_page", NULL, 0, 0);
 				continue;
 			}
-			if ((err = check_data(c, "item", i, "slot_page", it[i].slot_page, 0, (uint64_t)it[i].k * 4)) ||
-			    (err = check_data(c, "item", i, "recall_count", it[i].recall_count, 0, 8)))
+			if ((err = check_data(c, "item", i, "slot_page", it[i].slot_page, 0, (uint64_t)it[i].k * 4)))
 				break;
 			note_checked(ITEM_kvr_plan_item, "scatter");
 			err = check_range(c, "item", i, "scatter", (uintptr_t)it[i].scatter,
