@@ -224,6 +224,9 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 			return -ENOMEM;
 		for (size_t i = 0; i < n; i++)
 			lane->slot_unit[i] = -1;
+		/* mixed: the units a lane's slots give back until the step's end */
+		if (s->units_per_slot > 1 && !(lane->spare_unit = kvr_malloc(n * sizeof(int32_t))))
+			return -ENOMEM;
 		return 0;
 	}
 	const size_t bytes = (size_t)s->k * s->tile_bytes; /* k NHD tiles for keys, k for values */
@@ -242,6 +245,9 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 	kvr_dev_free(s->dev, lane->slot_v);
 	free(lane->slot_unit); /* its units went back with the sequence (kvr_units_seq_close) */
 	lane->slot_unit = NULL;
+	free(lane->spare_unit); /* and its spares */
+	lane->spare_unit = NULL;
+	lane->n_spare = lane->holds_units = 0;
 	kvr_mirror_free(s->dev, &lane->recall_items);
 	kvr_dev_event_destroy(s->dev, lane->recall_done);
 	kvr_dev_event_destroy(s->dev, lane->attn_done);
@@ -398,10 +404,12 @@ static uint32_t miss_format(struct kvr_sched *s, const struct miss *ms)
 }
 
 /* Quantised pages: every head's misses are planned first. Then the slots'
- * units are made to fit their new pages in at most two rounds for the lane
- * (units.c): a free round for slots that hold more units than their page
- * needs (mixed: a K8V4 page, two halves, gave way to a K4V2 page, one unit),
- * an allocation round for those holding fewer. Then the misses' runs go from
+ * units are made to fit their new pages (units.c): slots holding more units
+ * than their page needs (mixed: a K8V4 page, two halves, gave way to a K4V2
+ * page, one unit) give them to the lane's spares, and those holding fewer
+ * take spares, then ids from at most one allocation round (none at all once
+ * a sequence's first recall has filled every slot, unless mixed pages grow
+ * back to K8V4). Then the misses' runs go from
  * the pool straight into their units, chunk_pages pages per batched copy on
  * the copy stream, after the lane's last attention: a whole run into one
  * unit, or a K8V4 page of a mixed pool as its two halves, four pieces each
@@ -414,6 +422,9 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 	const uint32_t n_kv = s->c.n_kv_heads, ups = s->units_per_slot;
 	uint64_t hits = 0, bytes_moved = 0;
 	uint32_t n_miss = 0, n_need = 0, n_release = 0;
+	/* the units' lock: a fill of another lane of the sequence (its first)
+	 * may fill this lane's empty entries */
+	kvr_units_lock(s);
 	for (uint32_t m = 0; m < n_kv; m++) {
 		s->rec.recall_need[m] = s->rec.recall_release[m] = 0;
 		if (!heads[m])
@@ -438,9 +449,11 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 	/* admission reserved the units, so a failure here is a device failure
 	 * (recorded with its reason); the controller then forgets the lane's
 	 * slots, and its next step recalls afresh */
-	int err = n_release ? kvr_units_release(s, lane, s->rec.recall_release, s->rec.recall_release_slots) : 0;
+	int err = n_release ? kvr_units_release_locked(s, lane, s->rec.recall_release, s->rec.recall_release_slots)
+			    : 0;
 	if (!err && n_need)
-		err = kvr_units_fill(s, lane, s->rec.recall_need, s->rec.recall_unit_slots);
+		err = kvr_units_fill_locked(s, lane, s->rec.recall_need, s->rec.recall_unit_slots);
+	kvr_units_unlock(s);
 	if (!err)
 		err = kvr_dev_stream_wait_event(s->dev, copy, lane->attn_done);
 	/* mixed: a K8V4 run and its halves (geometry_init writes both fully) */

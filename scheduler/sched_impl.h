@@ -47,6 +47,13 @@ struct kvr_lane {
 	                             page cache units slot (m, j) holds (units.c), -1 =
 	                             none; mixed: two for a K8V4 page (its halves), one
 	                             for a K4V2 page */
+	/* mixed pages: units the lane's slots gave back (a K8V4 page gave way
+	 * to a K4V2 one), kept for the lane's own next fills, whose copies wait
+	 * for the lane's attention, and returned to the ring by one round at
+	 * the step's end (units.c); all three under the units' lock */
+	int32_t *spare_unit;      /* [n_kv · k] */
+	uint32_t n_spare;
+	uint32_t holds_units;     /* the lane's slots took units since its sequence opened */
 	struct lane_importance *imp; /* mixed pages: attention received (importance.c) */
 	struct kvr_mirror recall_items; /* [n_kv][k] kvr_scatter_item: the lane's recall */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
@@ -342,16 +349,31 @@ uint64_t kvr_units_fixed_bytes(const struct kvr_config *c);
  * sequence's lanes hold in one free round. */
 int kvr_units_seq_open(struct kvr_sched *s);
 void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq);
-/* One allocation round for a lane's KV heads: head m gets need[m] units for
- * its entries slots[o_m .. o_m + need[m]), o_m = need[0] + ... + need[m-1]
- * (the same prefix sum that places its ids); an entry is j·units_per_slot + h
- * for unit h of slot j. 0 or a negative errno. */
+/* Fill a lane's empty unit entries: head m's entries are
+ * slots[o_m .. o_m + need[m]), o_m = need[0] + ... + need[m-1]; an entry is
+ * j·units_per_slot + h for unit h of slot j. Entries already holding a unit
+ * are skipped. Units come from the lane's spares first, then from one
+ * allocation round, which, when the lane has never held units, also fills
+ * unit 0 of every slot of every other such sparse lane of the sequence: a
+ * sequence turning sparse takes its units in one round, not one per layer.
+ * 0 or a negative errno (recorded as the scheduler's asynchronous error). */
 int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need, const uint32_t *slots);
-/* One free round: head m gives back the units of its entries
- * slots[o_m .. o_m + release[m]) (mixed pages: a slot whose K8V4 page gave
- * way to a K4V2 one). */
+/* Head m gives back the units of its entries slots[o_m .. o_m + release[m])
+ * (mixed pages: a slot whose K8V4 page gave way to a K4V2 one). They become
+ * the lane's spares (no round); kvr_units_step_end returns them. */
 int kvr_units_release(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *release,
 		      const uint32_t *slots);
+/* The same, with the units' lock held by the caller (kvr_units_lock): recall
+ * plans a lane's entries under it, since another lane's fill may write them. */
+void kvr_units_lock(struct kvr_sched *s);
+void kvr_units_unlock(struct kvr_sched *s);
+int kvr_units_fill_locked(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need,
+			  const uint32_t *slots);
+int kvr_units_release_locked(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *release,
+			     const uint32_t *slots);
+/* Engine thread, at the step's end once the compute stream is idle: every
+ * lane's spares go back to the ring in one free round. */
+void kvr_units_step_end(struct kvr_sched *s);
 uint32_t kvr_units_per_slot(const struct kvr_config *c);
 uint64_t kvr_units_unit_bytes(const struct kvr_config *c);
 unsigned char *kvr_units_addr(const struct kvr_sched *s, uint32_t id);

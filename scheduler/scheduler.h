@@ -152,6 +152,9 @@ int kvr_sched_step_failure(const struct kvr_sched *s, uint32_t seq, uint32_t *la
 
 /* Counters: of the context (seq == UINT32_MAX) or of one sequence. */
 void kvr_sched_counters(const struct kvr_sched *s, uint32_t seq, uint64_t out[KVR_C_COUNT]);
+/* Quantised streamed pages: the unit cache's rounds so far (tests): allocation
+ * rounds and free rounds (units.c). */
+void kvr_units_rounds(const struct kvr_sched *s, uint64_t *alloc_rounds, uint64_t *free_rounds);
 /* Quantised pages' shared device page cache: units it holds, how many are
  * free, and one sequence's reservation (all 0 without one). */
 void kvr_sched_units(const struct kvr_sched *s, uint64_t *held, uint64_t *free_units,

@@ -7,11 +7,21 @@
  * (layouts/freelist.h) whose rounds run as the device's `freelist` kernel.
  *
  * A lane's slot (m, j) gets a unit the first time a recall puts a page in it
- * and keeps it until its sequence closes: one allocation round per recall
- * that fills empty slots (each KV head of the lane a unit of the round, its
- * share of the free region from the prefix sum over the heads' counts), one
- * free round per closing sequence (each (layer, KV head) a unit). Live KV is
- * never moved — only unit ids travel between the ring and the slot tables.
+ * and keeps it until its sequence closes. Rounds are few, as in LeanKV,
+ * where memory management runs once per step for every layer and head:
+ *  - the first recall of a sequence turning sparse fills every slot of every
+ *    sparse lane of the sequence in one allocation round (each (layer, KV
+ *    head) a unit of the round, its share of the free region from the
+ *    prefix sum over the counts), not one round per layer;
+ *  - mixed pages: a slot whose K8V4 page gives way to a K4V2 one gives its
+ *    second unit to the lane's spares, which the lane's later fills use
+ *    first; what is left goes back in one free round at the step's end, for
+ *    every lane at once, when no attention can read it any more. Only a
+ *    lane needing more units than its spares (pages promoted back to K8V4
+ *    halves) runs an allocation round of its own;
+ *  - one free round per closing sequence.
+ * Live KV is never moved — only unit ids travel between the ring and the
+ * slot tables.
  *
  * Memory comes in chunks of one sequence's worth of units (every sparse
  * layer × n_kv × k), allocated when an allocation round finds too few free
@@ -33,14 +43,17 @@
  *
  * The ring (ids, counters) is device memory; the round's counts, offsets,
  * page ids and status are mapped memory the host fills and reads; the item
- * is a mirror (gpu/memory.h). Threads: the engine (open,
- * close) and the controller (recall) call in; `lock` serialises the rounds,
- * each of which runs on the pool's own stream and is waited for before the
- * lock is released (the host needs the ids to plan the copies).
+ * is a mirror (gpu/memory.h). Threads: the engine (open, close, step end,
+ * and urgent recalls) and the controller (recall) call in; `lock` serialises
+ * the rounds and guards every lane's unit entries, spares and holds_units
+ * (a fill writes other lanes' entries). Each round runs on the cache's own
+ * stream and is waited for before the lock is released (the host needs the
+ * ids to plan the copies).
  */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../layouts/freelist.h"
 #include "../gpu/fault.h"
@@ -62,7 +75,16 @@ struct kvr_units {
 	uint64_t *offsets;         /* mapped [max_units] */
 	uint32_t *pages;           /* mapped [max_pages] */
 	int32_t *status;           /* mapped */
+	/* a round's entries, host memory: unit x of the round is KV head
+	 * unit_head[x] of lane unit_lane[x], its entries in `entry` at the
+	 * prefix sum of the counts before it */
+	uint32_t *entry;           /* [max_pages] */
+	struct kvr_lane **unit_lane; /* [max_units] */
+	uint32_t *unit_head;       /* [max_units] */
+	uint32_t *unit_count;      /* [max_units]: its entries (counts, once grow has run) */
 	uint64_t n_free;           /* ids in the ring (the counters' difference) */
+	uint64_t spares;           /* ids in the lanes' spares */
+	uint64_t alloc_rounds, free_rounds;
 	uint32_t open_seqs;        /* sequences holding a chunk's reservation */
 	char message[224];         /* why the last round failed */
 };
@@ -134,6 +156,10 @@ static int run_round(struct kvr_sched *s, struct kvr_units *u, uint32_t op, uint
 		return *u->status == KVR_FREELIST_SHORT && op == KVR_FREELIST_ALLOC ? -ENOSPC : -EIO;
 	}
 	u->n_free = op == KVR_FREELIST_ALLOC ? u->n_free - total : u->n_free + total;
+	if (op == KVR_FREELIST_ALLOC)
+		u->alloc_rounds++;
+	else
+		u->free_rounds++;
 	return 0;
 }
 
@@ -172,6 +198,11 @@ int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes)
 		ret = kvr_mapped_alloc(s->dev, (size_t)u->max_pages * sizeof(uint32_t), (void **)&u->pages);
 	if (!ret)
 		ret = kvr_mapped_alloc(s->dev, sizeof(*u->status), (void **)&u->status);
+	if (!ret && (!(u->entry = kvr_calloc(u->max_pages, sizeof(*u->entry))) ||
+		     !(u->unit_lane = kvr_calloc(u->max_units, sizeof(*u->unit_lane))) ||
+		     !(u->unit_head = kvr_calloc(u->max_units, sizeof(*u->unit_head))) ||
+		     !(u->unit_count = kvr_calloc(u->max_units, sizeof(*u->unit_count)))))
+		ret = -ENOMEM;
 	/* an empty ring: start = end = 0 (ids arrive with the chunks) */
 	static const uint64_t empty[2] = { 0, 0 };
 	if (!ret)
@@ -201,6 +232,10 @@ void kvr_units_teardown(struct kvr_sched *s)
 	kvr_mapped_free(s->dev, u->offsets);
 	kvr_mapped_free(s->dev, u->pages);
 	kvr_mapped_free(s->dev, u->status);
+	free(u->entry);
+	free(u->unit_lane);
+	free(u->unit_head);
+	free(u->unit_count);
 	kvr_dev_stream_destroy(s->dev, u->stream);
 	pthread_mutex_destroy(&u->lock);
 	free(u);
@@ -276,6 +311,14 @@ void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq)
 			u->counts[n_units++] = n;
 			at += n;
 		}
+		if (lane->n_spare) { /* with the last (layer, KV head)'s units */
+			for (uint32_t i = 0; i < lane->n_spare; i++)
+				u->pages[at++] = (uint32_t)lane->spare_unit[i];
+			u->counts[n_units - 1] += lane->n_spare;
+			u->spares -= lane->n_spare;
+			lane->n_spare = 0;
+		}
+		lane->holds_units = 0;
 	}
 	if (at && run_round(s, u, KVR_FREELIST_FREE, n_units, at))
 		/* cannot happen for ids the ring handed out; the units are lost to
@@ -286,73 +329,184 @@ void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq)
 	pthread_mutex_unlock(&u->lock);
 }
 
-int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need, const uint32_t *slots)
+void kvr_units_lock(struct kvr_sched *s)
+{
+	pthread_mutex_lock(&s->units->lock);
+}
+
+void kvr_units_unlock(struct kvr_sched *s)
+{
+	pthread_mutex_unlock(&s->units->lock);
+}
+
+/* Entries of a round waiting for their ids (never a unit id). */
+#define PENDING (-2)
+
+/* List head m of `lane` as the round's next unit; its entries follow. */
+static void round_unit(struct kvr_units *u, uint32_t *n_units, struct kvr_lane *lane, uint32_t m)
+{
+	u->unit_lane[*n_units] = lane;
+	u->unit_head[*n_units] = m;
+	u->unit_count[(*n_units)++] = 0;
+}
+
+/* Add entry e of head m to the round's last unit unless it holds a unit or
+ * is listed already. */
+static void round_entry(struct kvr_sched *s, struct kvr_units *u, uint32_t n_units, uint64_t *at, uint32_t e)
+{
+	struct kvr_lane *lane = u->unit_lane[n_units - 1];
+	int32_t *unit = &lane->slot_unit[(uint64_t)u->unit_head[n_units - 1] * s->k * s->units_per_slot + e];
+	if (*unit != -1)
+		return;
+	if (lane->n_spare) { /* the lane's own: its copies wait for its attention */
+		*unit = lane->spare_unit[--lane->n_spare];
+		u->spares--;
+		return;
+	}
+	*unit = PENDING;
+	u->entry[(*at)++] = e;
+	u->unit_count[n_units - 1]++;
+}
+
+int kvr_units_fill_locked(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need,
+			  const uint32_t *slots)
 {
 	struct kvr_units *u = s->units;
-	const uint32_t n_kv = s->c.n_kv_heads;
-	uint64_t total = 0;
-	for (uint32_t m = 0; m < n_kv; m++)
-		total += need[m];
-	pthread_mutex_lock(&u->lock);
+	const uint32_t n_kv = s->c.n_kv_heads, ups = s->units_per_slot;
+	const uint64_t per_head = (uint64_t)s->k * ups;
+	const int first = !lane->holds_units;
+	uint32_t n_units = 0;
+	uint64_t at = 0, in = 0;
+	for (uint32_t m = 0; m < n_kv; m++) {
+		round_unit(u, &n_units, lane, m);
+		for (uint32_t i = 0; i < need[m]; i++)
+			round_entry(s, u, n_units, &at, slots[in++]);
+		/* a sequence turning sparse: unit 0 of every slot now, the
+		 * other sparse lanes' below, so their recalls run no round */
+		for (uint32_t j = 0; first && j < s->k; j++)
+			round_entry(s, u, n_units, &at, j * ups);
+	}
+	for (uint32_t l = 0; first && l < s->c.n_layers; l++) {
+		struct kvr_lane *other = lane_of(s, lane->seq, l);
+		if (other == lane || !other->slot_unit || other->holds_units)
+			continue;
+		for (uint32_t m = 0; m < n_kv; m++) {
+			round_unit(u, &n_units, other, m);
+			for (uint32_t j = 0; j < s->k; j++)
+				round_entry(s, u, n_units, &at, j * ups);
+		}
+	}
+	lane->holds_units = 1;
+	if (!at)
+		return 0;
 	int err = 0;
 	/* grow on demand: the open sequences' reservations bound the chunks */
-	while (!err && u->n_free < total)
-		err = grow(s, u);
-	for (uint32_t m = 0; m < n_kv; m++)
-		u->counts[m] = need[m];
+	while (!err && u->n_free < at)
+		err = grow(s, u); /* a round of its own: counts are set after it */
+	memcpy(u->counts, u->unit_count, n_units * sizeof(*u->counts));
 	if (!err)
-		err = run_round(s, u, KVR_FREELIST_ALLOC, n_kv, total);
+		err = run_round(s, u, KVR_FREELIST_ALLOC, n_units, at);
+	/* unit x's ids are at its prefix-sum offset, as are its entries */
+	uint64_t from = 0;
+	for (uint32_t x = 0; x < n_units; x++) {
+		struct kvr_lane *owner = u->unit_lane[x];
+		int32_t *units = owner->slot_unit + u->unit_head[x] * per_head;
+		for (uint32_t i = 0; i < u->unit_count[x]; i++)
+			units[u->entry[from + i]] = err ? -1 : (int32_t)u->pages[u->offsets[x] + i];
+		from += u->unit_count[x];
+		if (!err && u->unit_count[x])
+			owner->holds_units = 1;
+	}
 	if (err)
 		kvr_sched_record_async_error(s, err, u->message);
 	else
-		count(s, lane->seq, KVR_C_UNITS_TAKEN, total);
-	/* head m's units are at its prefix-sum offset, as are its slots */
-	const uint64_t per_head = (uint64_t)s->k * s->units_per_slot;
-	for (uint32_t m = 0; m < n_kv && !err; m++)
-		for (uint32_t i = 0; i < need[m]; i++) {
-			const uint64_t at = u->offsets[m] + i;
-			lane->slot_unit[m * per_head + slots[at]] = (int32_t)u->pages[at];
-		}
-	pthread_mutex_unlock(&u->lock);
+		count(s, lane->seq, KVR_C_UNITS_TAKEN, at);
 	return err;
+}
+
+int kvr_units_fill(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *need, const uint32_t *slots)
+{
+	kvr_units_lock(s);
+	const int err = kvr_units_fill_locked(s, lane, need, slots);
+	kvr_units_unlock(s);
+	return err;
+}
+
+int kvr_units_release_locked(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *release,
+			     const uint32_t *slots)
+{
+	struct kvr_units *u = s->units;
+	const uint64_t per_head = (uint64_t)s->k * s->units_per_slot;
+	uint64_t at = 0;
+	/* The lane's latest attention may still read these units (an
+	 * asynchronous compute stream), so they stay with the lane: its own
+	 * fills' copies wait for that attention, another lane's would not.
+	 * The step's end returns them once the compute stream is idle. */
+	for (uint32_t m = 0; m < s->c.n_kv_heads; m++)
+		for (uint32_t i = 0; i < release[m]; i++, at++) {
+			int32_t *unit = &lane->slot_unit[m * per_head + slots[at]];
+			if (*unit < 0)
+				continue;
+			/* bounded: a lane never holds more units than entries */
+			lane->spare_unit[lane->n_spare++] = *unit;
+			u->spares++;
+			*unit = -1;
+		}
+	return 0;
 }
 
 int kvr_units_release(struct kvr_sched *s, struct kvr_lane *lane, const uint32_t *release,
 		      const uint32_t *slots)
 {
+	kvr_units_lock(s);
+	const int err = kvr_units_release_locked(s, lane, release, slots);
+	kvr_units_unlock(s);
+	return err;
+}
+
+void kvr_units_step_end(struct kvr_sched *s)
+{
 	struct kvr_units *u = s->units;
-	const uint32_t n_kv = s->c.n_kv_heads;
-	const uint64_t per_head = (uint64_t)s->k * s->units_per_slot;
-	uint64_t at = 0;
-	/* The lane's latest attention may still read these units (an
-	 * asynchronous compute stream): they go back to the ring only after
-	 * it, or another lane's allocation round could hand them out and its
-	 * copy (ordered after that lane's attention only) rewrite them under
-	 * this one's. The round below is waited for, so the ids return late
-	 * enough. */
+	if (!u)
+		return;
 	pthread_mutex_lock(&u->lock);
-	int err = kvr_dev_stream_wait_event(s->dev, u->stream, lane->attn_done);
-	if (err) {
-		snprintf(u->message, sizeof(u->message), "device page cache: %s", kvr_dev_last_error(s->dev));
-		kvr_sched_record_async_error(s, err, u->message);
-		pthread_mutex_unlock(&u->lock);
-		return err;
-	}
-	for (uint32_t m = 0; m < n_kv; m++) {
-		u->counts[m] = release[m];
-		for (uint32_t i = 0; i < release[m]; i++, at++) {
-			int32_t *unit = &lane->slot_unit[m * per_head + slots[at]];
-			u->pages[at] = (uint32_t)*unit;
-			*unit = -1;
+	const uint64_t n_lanes = (uint64_t)s->c.max_sequences * s->c.n_layers;
+	for (uint64_t x = 0; x < n_lanes && u->spares;) {
+		/* as many lanes' spares as one round takes (a sequence's worth) */
+		uint32_t at = 0;
+		uint64_t first = x;
+		for (; x < n_lanes && at + s->lanes[x].n_spare <= u->max_pages; x++) {
+			struct kvr_lane *lane = &s->lanes[x];
+			for (uint32_t i = 0; i < lane->n_spare; i++)
+				u->pages[at++] = (uint32_t)lane->spare_unit[i];
+		}
+		if (!at) /* cannot happen: a lane holds at most a sequence's worth */
+			break;
+		u->counts[0] = at;
+		const int err = run_round(s, u, KVR_FREELIST_FREE, 1, at);
+		if (err) /* cannot happen for ids the ring handed out; lost to the cache only */
+			kvr_sched_record_async_error(s, err, u->message);
+		for (; first < x; first++) {
+			struct kvr_lane *lane = &s->lanes[first];
+			if (!err && lane->n_spare)
+				count(s, lane->seq, KVR_C_UNITS_RELEASED, lane->n_spare);
+			u->spares -= lane->n_spare;
+			lane->n_spare = 0;
 		}
 	}
-	err = at ? run_round(s, u, KVR_FREELIST_FREE, n_kv, at) : 0;
-	if (err)
-		kvr_sched_record_async_error(s, err, u->message);
-	else
-		count(s, lane->seq, KVR_C_UNITS_RELEASED, at);
 	pthread_mutex_unlock(&u->lock);
-	return err;
+}
+
+void kvr_units_rounds(const struct kvr_sched *s, uint64_t *alloc_rounds, uint64_t *free_rounds)
+{
+	struct kvr_units *u = s->units;
+	*alloc_rounds = *free_rounds = 0;
+	if (!u)
+		return;
+	pthread_mutex_lock(&u->lock);
+	*alloc_rounds = u->alloc_rounds;
+	*free_rounds = u->free_rounds;
+	pthread_mutex_unlock(&u->lock);
 }
 
 void kvr_sched_units(const struct kvr_sched *s, uint64_t *held, uint64_t *free_units, uint64_t *per_seq)

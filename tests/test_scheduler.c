@@ -698,6 +698,7 @@ struct check {
 	uint8_t last_corr[NL][N_KV];
 	int32_t last_sel[NL][N_KV][K_SEL];
 	struct kvr_stats stats; /* the context's, at the end of a drift run */
+	uint64_t alloc_rounds, free_rounds; /* quantised streamed: the unit cache's (units.c) */
 };
 
 static struct kvr_stats ctx_stats(struct kvr_context *ctx);
@@ -897,6 +898,7 @@ static void run_drift(const struct opts *o, struct drift *r, struct check *ck)
 	for (uint32_t s = 0; s < ns; s++)
 		kvr_sched_seq_quiesce(ctx->sched, t[s].id);
 	ck->stats = ctx_stats(ctx);
+	kvr_units_rounds(ctx->sched, &ck->alloc_rounds, &ck->free_rounds);
 	ctx_close(ctx, o);
 	for (uint32_t s = 0; s < ns; s++)
 		tseq_fini(&t[s]);
@@ -1052,6 +1054,12 @@ static void quantised_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 		snprintf(what, sizeof(what), "%s %s: streamed differs from zero-copy", dev_name(dev_kind),
 			 kvr_kv_format_name(o.kv_format));
 		first_difference(&zc, &st, what);
+		/* one allocation round per sequence, when it turns sparse, for
+		 * all its layers and heads (LeanKV: once per step), never one per
+		 * layer or per recall */
+		cr_assert_eq(ck.alloc_rounds, n_seqs, "%s %s: %llu allocation rounds for %u sequences x %u layers",
+			     dev_name(dev_kind), kvr_kv_format_name(o.kv_format),
+			     (unsigned long long)ck.alloc_rounds, n_seqs, NL);
 		/* the device cache holds quantised runs and needs no staging: its
 		 * fixed bytes are the units' ring, an id for every unit any
 		 * sequence may hold, and the ring's counters and item */
@@ -1119,6 +1127,16 @@ static void mixed_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 	cr_assert_lt(ck.stats.device_units_used, all_k8v4,
 		     "%s: %llu units in use, as many as if every selected page were K8V4", dev_name(dev_kind),
 		     (unsigned long long)ck.stats.device_units_used);
+	/* rounds (LeanKV: once per step): demoted halves go back at the step's
+	 * end, at most one free round per step beside the cache's growth (one
+	 * per sequence); allocations beyond the sequences' first are halves
+	 * their lane's spares did not cover */
+	cr_assert_leq(ck.free_rounds, n_steps + n_seqs, "%s: %llu free rounds in %u steps", dev_name(dev_kind),
+		      (unsigned long long)ck.free_rounds, n_steps);
+	cr_log_info("%s: mixed pages, %u sequences x %u steps x %u layers: %llu allocation rounds, %llu free "
+		    "rounds",
+		    dev_name(dev_kind), n_seqs, n_steps, NL, (unsigned long long)ck.alloc_rounds,
+		    (unsigned long long)ck.free_rounds);
 	free(zc.outs), free(st.outs);
 }
 
@@ -1200,6 +1218,12 @@ static void units_shared_on(uint32_t dev_kind)
 	ctx_units(ctx, &held, &used);
 	cr_assert(held == per_seq && used == per_seq, "one sparse sequence: held %llu used %llu",
 		  (unsigned long long)held, (unsigned long long)used);
+	uint64_t alloc_rounds, free_rounds;
+	kvr_units_rounds(ctx->sched, &alloc_rounds, &free_rounds);
+	cr_assert(alloc_rounds == 1 && free_rounds == 1,
+		  "one sequence turned sparse over %u layers: %llu allocation rounds (not one), %llu free "
+		  "rounds (not the chunk's one)",
+		  NL, (unsigned long long)alloc_rounds, (unsigned long long)free_rounds);
 
 	/* b's units go back; c takes them (a fresh chunk is not needed) */
 	cr_assert_eq(kvr_seq_free(ctx, b.id), 0);

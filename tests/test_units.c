@@ -6,13 +6,17 @@
  * the rule reaches across lanes: a unit one lane gives back (a mixed-pool
  * slot going from K8V4, two half-units, to K4V2, one) must not reach another
  * lane's allocation round, whose copy is ordered after that other lane's
- * attention only, while the first lane's attention may still read it.
+ * attention only, while the first lane's attention may still read it. And
+ * rounds are few (LeanKV runs memory management once per step): a sequence's
+ * first fill takes unit 0 of every slot of all its sparse lanes in one
+ * round, a lane's given-back units serve its own next fill with no round,
+ * and the rest go back in one round at the step's end.
  *
  * White-box: the test drives kvr_units_fill and kvr_units_release on lanes of
  * a real scheduler (cpu device, attention on an asynchronous compute
  * stream), holds the first lane's "attention" on the compute stream behind a
- * gate, and checks that the freed unit reaches the other lane only once the
- * gate has opened. The test thread plays the engine and a second thread the
+ * gate, and checks that the freed unit reaches the ring only once the gate
+ * has opened. The test thread plays the engine and a second thread the
  * controller, as in a decode step.
  */
 #include <criterion/criterion.h>
@@ -75,26 +79,38 @@ static struct kvr_context *open_mixed(int dev_kind)
 }
 
 /* The controller's side of a step: lane `from` gives back one unit (its slot
- * 0 of KV head 0 went K8V4 -> K4V2), then lane `to` takes one for its slot 0
- * of KV head 0. Records the unit it got and whether the attention gate had
- * opened by then. */
+ * 0 of KV head 0 went K8V4 -> K4V2), lane `to` (another sequence) takes one
+ * for its slot 0 of KV head 0, then `from` takes one back for the same slot
+ * (its page went back to K8V4) and gives it back again. */
 struct handover {
 	struct kvr_sched *s;
 	struct kvr_lane *from, *to;
-	struct gate *gate;
-	int release_err, fill_err;
-	int32_t unit_taken;
-	int gate_was_open;
+	int release_err, fill_err, refill_err, release2_err;
+	int32_t unit_taken, unit_refilled;
+	uint64_t alloc_before_refill, alloc_after_refill;
 };
 
 static void *controller(void *arg)
 {
 	struct handover *h = arg;
-	const uint32_t release[N_KV] = { 1, 0 }, need[N_KV] = { 1, 0 }, slot0[1] = { 0 };
-	h->release_err = kvr_units_release(h->s, h->from, release, slot0);
-	h->fill_err = kvr_units_fill(h->s, h->to, need, slot0);
-	h->gate_was_open = atomic_load_explicit(&h->gate->opened, memory_order_acquire);
+	uint64_t frees;
+	const uint32_t one[N_KV] = { 1, 0 }, half0[1] = { 1 }, unit0[1] = { 0 };
+	h->release_err = kvr_units_release(h->s, h->from, one, half0);
+	h->fill_err = kvr_units_fill(h->s, h->to, one, unit0);
 	h->unit_taken = h->to->slot_unit[0];
+	kvr_units_rounds(h->s, &h->alloc_before_refill, &frees);
+	h->refill_err = kvr_units_fill(h->s, h->from, one, half0);
+	kvr_units_rounds(h->s, &h->alloc_after_refill, &frees);
+	h->unit_refilled = h->from->slot_unit[1];
+	h->release2_err = kvr_units_release(h->s, h->from, one, half0);
+	return NULL;
+}
+
+static void *open_later(void *arg)
+{
+	/* long enough for an unordered return to finish many times over */
+	nanosleep(&(struct timespec){ 0, 200 * 1000 * 1000 }, NULL);
+	gate_open(arg);
 	return NULL;
 }
 
@@ -108,8 +124,9 @@ static void freed_unit_waits(int dev_kind)
 	cr_assert_eq(kvr_seq_create(ctx, &b), 0, "%s", kvr_last_error(ctx));
 
 	/* Sequence a's lanes take every unit of the one chunk, so the ring's
-	 * free region is empty and the next allocation can only get a unit
-	 * that was given back (the ring is first in, first out). */
+	 * free region is empty. Lane (a, 0)'s first fill also gives lane
+	 * (a, 1) unit 0 of each slot, in the same round; (a, 1)'s own fill then
+	 * takes only the second units. */
 	const uint32_t per_head = K_PAGES * s->units_per_slot;
 	uint32_t need[N_KV], slots[N_KV * K_PAGES * 2];
 	for (uint32_t m = 0; m < N_KV; m++) {
@@ -117,8 +134,21 @@ static void freed_unit_waits(int dev_kind)
 		for (uint32_t j = 0; j < per_head; j++)
 			slots[m * per_head + j] = j;
 	}
-	for (uint32_t l = 0; l < NL; l++)
-		cr_assert_eq(kvr_units_fill(s, lane_of(s, a, l), need, slots), 0, "%s", s->last_error);
+	uint64_t alloc_rounds, free_rounds;
+	cr_assert_eq(kvr_units_fill(s, lane_of(s, a, 0), need, slots), 0, "%s", s->last_error);
+	kvr_units_rounds(s, &alloc_rounds, &free_rounds);
+	cr_assert_eq(alloc_rounds, 1);
+	for (uint32_t m = 0; m < N_KV; m++)
+		for (uint32_t j = 0; j < K_PAGES; j++) {
+			const int32_t *e = lane_of(s, a, 1)->slot_unit + (m * K_PAGES + j) * s->units_per_slot;
+			cr_assert(e[0] >= 0 && e[1] == -1,
+				  "lane (a, 1) head %u slot %u holds units %d, %d after the sequence's first "
+				  "fill: unit 0 of every slot, nothing else",
+				  m, j, e[0], e[1]);
+		}
+	cr_assert_eq(kvr_units_fill(s, lane_of(s, a, 1), need, slots), 0, "%s", s->last_error);
+	kvr_units_rounds(s, &alloc_rounds, &free_rounds);
+	cr_assert_eq(alloc_rounds, 2, "%llu allocation rounds", (unsigned long long)alloc_rounds);
 	uint64_t held, free_units, per_seq;
 	kvr_sched_units(s, &held, &free_units, &per_seq);
 	cr_assert_eq(free_units, 0, "sequence a holds the whole chunk (%llu of %llu free)",
@@ -127,31 +157,48 @@ static void freed_unit_waits(int dev_kind)
 	/* lane (a, 0)'s attention: still running on the compute stream */
 	struct gate gate = { .lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER };
 	struct kvr_lane *from = lane_of(s, a, 0), *to = lane_of(s, b, 0);
-	const int32_t unit_freed = from->slot_unit[0];
+	const int32_t unit_freed = from->slot_unit[1];
 	cr_assert_geq(unit_freed, 0);
 	cr_assert_eq(kvr_dev_host_fn(s->dev, s->compute, gate_wait, &gate), 0);
 	cr_assert_eq(kvr_dev_event_record(s->dev, from->attn_done, s->compute), 0);
 
-	struct handover h = { s, from, to, &gate, -1, -1, -1, 0 };
+	struct handover h = { s, from, to, -1, -1, -1, -1, -1, -1, 0, 0 };
 	pthread_t thread;
 	cr_assert_eq(pthread_create(&thread, NULL, controller, &h), 0);
-	/* long enough for an unordered hand-over to finish many times over */
-	nanosleep(&(struct timespec){ 0, 200 * 1000 * 1000 }, NULL);
-	gate_open(&gate);
 	pthread_join(thread, NULL);
-
 	cr_assert_eq(h.release_err, 0, "%s", s->last_error);
 	cr_assert_eq(h.fill_err, 0, "%s", s->last_error);
-	cr_expect_eq(from->slot_unit[0], -1, "the released slot holds no unit");
-	cr_assert_eq(h.unit_taken, unit_freed,
-		     "lane (b, 0) got unit %d, not the freed unit %d: the test did not reach the hand-over",
-		     h.unit_taken, unit_freed);
-	cr_expect(h.gate_was_open,
-		  "unit %d reached another lane's allocation while the attention that reads it was still "
-		  "running: that lane's copy could rewrite it under the attention",
-		  unit_freed);
+	cr_assert_eq(h.refill_err, 0, "%s", s->last_error);
+	cr_assert_eq(h.release2_err, 0, "%s", s->last_error);
+	cr_assert_geq(h.unit_taken, 0);
+	cr_expect_neq(h.unit_taken, unit_freed,
+		      "unit %d reached another lane's allocation while the attention that reads it was still "
+		      "running: that lane's copy could rewrite it under the attention",
+		      unit_freed);
+	cr_expect_eq(h.unit_refilled, unit_freed, "the lane's own fill took unit %d, not its spare %d",
+		     h.unit_refilled, unit_freed);
+	cr_expect_eq(h.alloc_after_refill, h.alloc_before_refill, "a fill its spares cover ran a round");
+	cr_expect_eq(from->slot_unit[1], -1, "the released slot holds no second unit");
+	uint64_t free_before;
+	kvr_sched_units(s, &held, &free_before, &per_seq);
+	kvr_units_rounds(s, &alloc_rounds, &free_rounds);
 
-	kvr_dev_stream_synchronize(s->dev, s->compute);
+	/* the step's end: its one free round returns the spare, after the gate */
+	pthread_t opener;
+	cr_assert_eq(pthread_create(&opener, NULL, open_later, &gate), 0);
+	cr_assert_eq(kvr_sched_step_end(s), 0, "%s", s->last_error);
+	cr_expect(atomic_load_explicit(&gate.opened, memory_order_acquire),
+		  "the step's end returned units while the attention that reads them was still running");
+	pthread_join(opener, NULL);
+	uint64_t free_after, alloc_after, free_rounds_after;
+	kvr_sched_units(s, &held, &free_after, &per_seq);
+	kvr_units_rounds(s, &alloc_after, &free_rounds_after);
+	cr_expect_eq(free_after, free_before + 1, "the step's end returned %lld units, not the one spare",
+		     (long long)(free_after - free_before));
+	cr_expect_eq(free_rounds_after, free_rounds + 1, "%llu free rounds at the step's end, not one",
+		     (unsigned long long)(free_rounds_after - free_rounds));
+	cr_expect_eq(from->n_spare, 0, "lane (a, 0) kept %u spares past the step's end", from->n_spare);
+
 	const char *msg = NULL;
 	cr_expect_eq(kvr_async_error(ctx, &msg), 0, "%s", msg ? msg : "");
 	kvr_seq_free(ctx, a);
