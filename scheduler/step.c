@@ -518,31 +518,48 @@ static int check_similarity(struct layer_call *lc, uint32_t i, struct kvr_lane *
 	return 0;
 }
 
+/* Entry i's start, shared by both paths (the host's and the device plan):
+ * failed where the engine's status says so, else dense (a dense layer, or
+ * L <= B: the lane forgets its previous query, so its first sparse step
+ * selects afresh), else sparse, with `*select_all` set where every head
+ * selects with q_i (blocking, a lane's first sparse step) and `*check` where
+ * freekv checks the heads first. Neither is set with nothing to select
+ * (k = 0: sinks and window only). */
+static uint32_t start_entry(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, int *select_all,
+			    int *check)
+{
+	const struct kvr_config *c = &lc->s->c;
+	struct entry *e = &lc->e[i];
+	*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0, 0 };
+	*select_all = *check = 0;
+	memset(lc->corrected + (uint64_t)i * lc->n_kv, 0, lc->n_kv);
+	if (lc->status[i])
+		return e->kind;
+	if (kvr_layer_dense(lc->s, lc->layer) || e->n_tokens <= c->budget_tokens) {
+		lane->has_prev = 0;
+		return e->kind = SEQ_DENSE;
+	}
+	if (lc->kk) {
+		*select_all = c->mode == KVR_MODE_BLOCKING || !lane->has_prev;
+		*check = !*select_all && c->mode == KVR_MODE_FREEKV;
+	}
+	return e->kind = SEQ_SPARSE;
+}
+
 /* 2. Dense or sparse; which heads are corrected. */
 static int layer_corrections(struct layer_call *lc)
 {
 	struct kvr_sched *s = lc->s;
-	const struct kvr_config *c = &s->c;
-	const int dense_layer = kvr_layer_dense(s, lc->layer);
 	for (uint32_t i = 0; i < lc->batch; i++) {
 		struct entry *e = &lc->e[i];
-		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0, 0 };
-		if (lc->status[i])
-			continue;
 		struct kvr_lane *lane = lane_of(s, lc->seqs[i], lc->layer);
 		uint8_t *corr = lc->corrected + (uint64_t)i * lc->n_kv;
-		memset(corr, 0, lc->n_kv);
-		if (dense_layer || e->n_tokens <= c->budget_tokens) {
-			e->kind = SEQ_DENSE;
-			lane->has_prev = 0; /* the first sparse step selects afresh */
+		int all, check;
+		if (start_entry(lc, i, lane, &all, &check) != SEQ_SPARSE)
 			continue;
-		}
-		e->kind = SEQ_SPARSE;
-		if (!lc->kk)
-			continue; /* sink + window only: nothing to select */
-		if (c->mode == KVR_MODE_BLOCKING || !lane->has_prev) {
+		if (all) {
 			memset(corr, 1, lc->n_kv);
-		} else if (c->mode == KVR_MODE_FREEKV) {
+		} else if (check) {
 			int err = check_similarity(lc, i, lane, corr);
 			if (err)
 				return err;
@@ -691,10 +708,12 @@ static int plan_scores_fit(struct kvr_sched *s, size_t floats)
 	if (s->eng.plan_scores_bytes >= floats * sizeof(float))
 		return 0;
 	void *old = s->eng.plan_scores;
+	const size_t twice = 2 * s->eng.plan_scores_bytes, want = floats * sizeof(float);
 	s->eng.plan_scores = NULL;
 	s->eng.plan_scores_bytes = 0;
+	/* geometrically, as the selectors' (select.c) */
 	int err = kvr_scratch_grow(s->dev, (void **)&s->eng.plan_scores, &s->eng.plan_scores_bytes,
-				   floats * sizeof(float));
+				   twice > want ? twice : want);
 	if (old)
 		kvr_sched_defer_free(s, old, 0);
 	return err;
@@ -788,7 +807,6 @@ static int attend_on_device(struct layer_call *lc)
 	struct kvr_sched *s = lc->s;
 	const struct kvr_config *c = &s->c;
 	const uint32_t n_kv = lc->n_kv, kk = lc->kk, layer = lc->layer;
-	const int dense_layer = kvr_layer_dense(s, layer);
 	uint32_t n_sims = 0, n_scores = 0;
 	size_t scores_used = 0;
 	int err = plan_scores_fit(s, (size_t)lc->batch * n_kv * (lc->max_pages + 1));
@@ -799,15 +817,13 @@ static int attend_on_device(struct layer_call *lc)
 	lc->n_plans = 0;
 	for (uint32_t i = 0; i < lc->batch; i++) {
 		struct entry *e = &lc->e[i];
-		*e = (struct entry){ SEQ_FAILED, 0, lc->positions[i] + 1, lc->seqs[i], 0, 0, 0, 0 };
-		memset(lc->corrected + (uint64_t)i * n_kv, 0, n_kv);
-		if (lc->status[i])
-			continue;
 		const uint32_t seq = lc->seqs[i];
 		struct kvr_lane *lane = lane_of(s, seq, layer);
-		if (dense_layer || e->n_tokens <= c->budget_tokens) {
-			e->kind = SEQ_DENSE;
-			lane->has_prev = 0; /* the first sparse step selects afresh */
+		int all, check;
+		const uint32_t kind = start_entry(lc, i, lane, &all, &check);
+		if (kind == SEQ_FAILED)
+			continue;
+		if (kind == SEQ_DENSE) {
 			const int seg_err = queue_items(lc, i, lane, 1, 0, NULL, NULL, 0);
 			if (seg_err)
 				fail_sequence(s, seq, layer, lc->positions[i], seg_err, s->last_error,
@@ -816,9 +832,6 @@ static int attend_on_device(struct layer_call *lc)
 				count(s, seq, KVR_C_DENSE_DECODES, 1);
 			continue;
 		}
-		e->kind = SEQ_SPARSE;
-		const int all = c->mode == KVR_MODE_BLOCKING || !lane->has_prev;
-		const int check = !all && c->mode == KVR_MODE_FREEKV;
 		const unsigned char *qi = lc->q_dev + i * lc->q_row;
 		uint8_t *corr = lc->corrected + (uint64_t)i * n_kv; /* mapped: the device writes it */
 		int32_t *now = (all || check) ? s->eng.now_sel + (uint64_t)i * n_kv * kk : NULL;

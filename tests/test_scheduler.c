@@ -2401,22 +2401,36 @@ Test(scheduler, device_append_under_spill_tier, .timeout = 240)
  * corrections' statistics, tallied at the step's end on the device path,
  * equal the host path's.
  */
+/* `o` on the device path, then on the host path (host_step): the same output
+ * bits at every one of n_steps steps, no host wait on the device path; each
+ * run's statistics in *dev and *host. */
+static void device_against_host(struct opts o, uint32_t n_steps, const char *what, struct check *dev,
+				struct check *host)
+{
+	struct drift d, h;
+	drift_alloc(&d, 1, n_steps);
+	drift_alloc(&h, 1, n_steps);
+	o.host_step = 0;
+	run_drift(&o, &d, dev);
+	o.host_step = 1;
+	run_drift(&o, &h, host);
+	first_difference(&d, &h, what);
+	cr_assert_eq(dev->stats.host_waits, 0, "%s: %llu host waits", what,
+		     (unsigned long long)dev->stats.host_waits);
+	free(d.outs), free(h.outs);
+}
+
 Test(scheduler, device_plan_equals_host_path, .timeout = 400)
 {
 	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
 	for (int x = 0; x < 6; x++) {
 		const int mi = x % 3;
 		const uint32_t recall = x < 3 ? KVR_RECALL_ZERO_COPY : KVR_RECALL_STREAMED;
-		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, modes[mi], recall, KVR_DTYPE_F32);
-		struct drift dev, host;
+		const char *what = kvr_mode_name(modes[mi]);
 		struct check ck_dev, ck_host;
-		drift_alloc(&dev, 1, 16);
-		drift_alloc(&host, 1, 16);
-		run_drift(&o, &dev, &ck_dev);
-		o.host_step = 1;
-		run_drift(&o, &host, &ck_host);
-		first_difference(&dev, &host, kvr_mode_name(modes[mi]));
-		cr_assert_eq(ck_dev.stats.corrected_heads, ck_host.stats.corrected_heads, "%s", kvr_mode_name(modes[mi]));
+		device_against_host(opts_default(KVR_DEV_CUDAEMU_STRICT, modes[mi], recall, KVR_DTYPE_F32), 16, what,
+				    &ck_dev, &ck_host);
+		cr_assert_eq(ck_dev.stats.corrected_heads, ck_host.stats.corrected_heads, "%s", what);
 		cr_assert_eq(ck_dev.stats.checked_heads, ck_host.stats.checked_heads);
 		/* after a correction (and a lane's first sparse step) the host path
 		 * keeps the selection for the next step; the device path, which
@@ -2424,25 +2438,22 @@ Test(scheduler, device_plan_equals_host_path, .timeout = 400)
 		 * the same query, the same pages: one more each */
 		const uint64_t again = modes[mi] == KVR_MODE_BLOCKING ? 0 : ck_dev.stats.correction_waits;
 		cr_assert_eq(ck_dev.stats.selections, ck_host.stats.selections + again,
-			     "%s: %llu selections, the host path %llu, corrections %llu", kvr_mode_name(modes[mi]),
+			     "%s: %llu selections, the host path %llu, corrections %llu", what,
 			     (unsigned long long)ck_dev.stats.selections, (unsigned long long)ck_host.stats.selections,
 			     (unsigned long long)ck_dev.stats.correction_waits);
 		cr_assert_eq(ck_dev.stats.correction_waits, ck_host.stats.correction_waits);
-		cr_assert_eq(ck_dev.stats.host_waits, 0, "%s: %llu host waits", kvr_mode_name(modes[mi]),
-			     (unsigned long long)ck_dev.stats.host_waits);
 		if (recall == KVR_RECALL_STREAMED) {
 			/* the same pages move; hits differ (the device plans every
 			 * head of a lane at every step: a head the controller already
 			 * recalled counts its pages again, as hits) */
 			cr_assert_gt(ck_dev.stats.pages_recalled, 0);
 			cr_assert_eq(ck_dev.stats.pages_recalled, ck_host.stats.pages_recalled,
-				     "%s streamed: %llu pages recalled, the host path %llu", kvr_mode_name(modes[mi]),
+				     "%s streamed: %llu pages recalled, the host path %llu", what,
 				     (unsigned long long)ck_dev.stats.pages_recalled,
 				     (unsigned long long)ck_host.stats.pages_recalled);
 		}
 		if (modes[mi] == KVR_MODE_FREEKV)
 			cr_assert_gt(ck_dev.stats.corrected_heads, 0, "no correction: the test cannot tell");
-		free(dev.outs), free(host.outs);
 	}
 	/* quantised pages: quantised on the device as they complete, read in
 	 * place by the plan's segments (zero-copy) */
@@ -2451,34 +2462,19 @@ Test(scheduler, device_plan_equals_host_path, .timeout = 400)
 		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY,
 					     KVR_DTYPE_F32);
 		o.kv_format = formats[fi];
-		struct drift dev, host;
 		struct check ck_dev, ck_host;
-		drift_alloc(&dev, 1, 12);
-		drift_alloc(&host, 1, 12);
-		run_drift(&o, &dev, &ck_dev);
-		o.host_step = 1;
-		run_drift(&o, &host, &ck_host);
-		first_difference(&dev, &host, kvr_kv_format_name(formats[fi]));
-		cr_assert_eq(ck_dev.stats.host_waits, 0, "%s: %llu host waits", kvr_kv_format_name(formats[fi]),
-			     (unsigned long long)ck_dev.stats.host_waits);
+		device_against_host(o, 12, kvr_kv_format_name(formats[fi]), &ck_dev, &ck_host);
 		cr_assert_eq(ck_dev.stats.corrected_heads, ck_host.stats.corrected_heads);
-		free(dev.outs), free(host.outs);
 	}
 	/* no window (W = 0): the correction's pages reach the page this step
 	 * completed, which the streamed plan must find in its page table */
 	model_win = 0;
 	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
-		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32);
-		struct drift dev, host;
 		struct check ck_dev, ck_host;
-		drift_alloc(&dev, 1, 20);
-		drift_alloc(&host, 1, 20);
-		run_drift(&o, &dev, &ck_dev);
-		o.host_step = 1;
-		run_drift(&o, &host, &ck_host);
-		first_difference(&dev, &host, recall == KVR_RECALL_STREAMED ? "W = 0, streamed" : "W = 0, zero-copy");
+		device_against_host(opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, recall, KVR_DTYPE_F32), 20,
+				    recall == KVR_RECALL_STREAMED ? "W = 0, streamed" : "W = 0, zero-copy", &ck_dev,
+				    &ck_host);
 		cr_assert_eq(ck_dev.stats.pages_recalled, ck_host.stats.pages_recalled);
-		free(dev.outs), free(host.outs);
 	}
 	model_win = 32;
 	struct check ck;
