@@ -54,6 +54,7 @@ struct miss {
 	uint32_t page_id; /* pool page */
 	uint32_t head;
 	uint32_t slot;
+	uint32_t units;   /* quantised: device page cache units its page takes */
 };
 
 uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall)
@@ -224,8 +225,9 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 			return -ENOMEM;
 		for (size_t i = 0; i < n; i++)
 			lane->slot_unit[i] = -1;
-		/* mixed: the units a lane's slots give back until the step's end */
-		if (s->units_per_slot > 1 && !(lane->spare_unit = kvr_malloc(n * sizeof(int32_t))))
+		/* mixed: the units a lane's slots give back until the step's end
+		 * (any format may be given back through kvr_units_release) */
+		if (!(lane->spare_unit = kvr_malloc(n * sizeof(int32_t))))
 			return -ENOMEM;
 		return 0;
 	}
@@ -338,7 +340,7 @@ static uint32_t plan_head(struct kvr_sched *s, struct kvr_lane *lane, uint32_t m
 			continue; /* cannot happen: candidates are full pages of the lane */
 		slots[free_slot] = want[w];
 		keep[free_slot] = 1;
-		out[n++] = (struct miss){ id, m, free_slot };
+		out[n++] = (struct miss){ id, m, free_slot, 1 };
 	}
 	for (uint32_t j = 0; j < k; j++)
 		if (!keep[j])
@@ -422,27 +424,30 @@ static int recall_quantised(struct kvr_sched *s, struct kvr_lane *lane, const ui
 	const uint32_t n_kv = s->c.n_kv_heads, ups = s->units_per_slot;
 	uint64_t hits = 0, bytes_moved = 0;
 	uint32_t n_miss = 0, n_need = 0, n_release = 0;
-	/* the units' lock: a fill of another lane of the sequence (its first)
-	 * may fill this lane's empty entries */
-	kvr_units_lock(s);
 	for (uint32_t m = 0; m < n_kv; m++) {
 		s->rec.recall_need[m] = s->rec.recall_release[m] = 0;
 		if (!heads[m])
 			continue;
 		const uint32_t first = n_miss;
 		n_miss += plan_head(s, lane, m, misses + first, &hits);
-		for (uint32_t i = first; i < n_miss; i++) {
-			const int32_t *units = slot_units(s, lane, m, misses[i].slot);
-			const uint32_t want = ups > 1 && miss_format(s, &misses[i]) == KVR_KV_K8V4 ? 2 : 1;
-			for (uint32_t h = 0; h < ups; h++) {
-				const uint32_t entry = misses[i].slot * ups + h;
-				if (h < want && units[h] < 0) {
-					s->rec.recall_unit_slots[n_need++] = entry;
-					s->rec.recall_need[m]++;
-				} else if (h >= want && units[h] >= 0) {
-					s->rec.recall_release_slots[n_release++] = entry;
-					s->rec.recall_release[m]++;
-				}
+		for (uint32_t i = first; i < n_miss; i++)
+			misses[i].units = ups > 1 && miss_format(s, &misses[i]) == KVR_KV_K8V4 ? 2 : 1;
+	}
+	/* the entries under the units' lock: a fill of another lane of the
+	 * sequence (its first) may fill this lane's empty entries; the misses
+	 * come head by head, as the counts' prefix sum wants them */
+	kvr_units_lock(s);
+	for (uint32_t i = 0; i < n_miss; i++) {
+		const uint32_t m = misses[i].head;
+		const int32_t *units = slot_units(s, lane, m, misses[i].slot);
+		for (uint32_t h = 0; h < ups; h++) {
+			const uint32_t entry = misses[i].slot * ups + h;
+			if (h < misses[i].units && units[h] < 0) {
+				s->rec.recall_unit_slots[n_need++] = entry;
+				s->rec.recall_need[m]++;
+			} else if (h >= misses[i].units && units[h] >= 0) {
+				s->rec.recall_release_slots[n_release++] = entry;
+				s->rec.recall_release[m]++;
 			}
 		}
 	}

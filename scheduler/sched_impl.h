@@ -51,7 +51,7 @@ struct kvr_lane {
 	 * to a K4V2 one), kept for the lane's own next fills, whose copies wait
 	 * for the lane's attention, and returned to the ring by one round at
 	 * the step's end (units.c); all three under the units' lock */
-	int32_t *spare_unit;      /* [n_kv · k] */
+	int32_t *spare_unit;      /* [n_kv · k · units_per_slot] */
 	uint32_t n_spare;
 	uint32_t holds_units;     /* the lane's slots took units since its sequence opened */
 	struct lane_importance *imp; /* mixed pages: attention received (importance.c) */

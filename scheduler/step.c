@@ -1153,7 +1153,9 @@ int kvr_sched_step_end(struct kvr_sched *s)
 	/* the next step rewrites the layers' mapped scratch the attention reads */
 	int err = kvr_dev_stream_synchronize(s->dev, s->compute); /* nothing on an inline stream */
 	kvr_sched_unpin_step(s); /* the step's attention has read its pages */
-	kvr_units_step_end(s);   /* ... and its units: the slots' spares go back */
+	if (!err) /* ... and its units: the slots' spares go back (not when the
+		   * device failed: an attention may still read them) */
+		kvr_units_step_end(s);
 	tally_plans(s);
 	kvr_sched_free_deferred(s);
 	settle_failed(s);

@@ -396,9 +396,10 @@ int kvr_units_fill_locked(struct kvr_sched *s, struct kvr_lane *lane, const uint
 				round_entry(s, u, n_units, &at, j * ups);
 		}
 	}
-	lane->holds_units = 1;
-	if (!at)
+	if (!at) {
+		lane->holds_units = 1;
 		return 0;
+	}
 	int err = 0;
 	/* grow on demand: the open sequences' reservations bound the chunks */
 	while (!err && u->n_free < at)
@@ -414,8 +415,8 @@ int kvr_units_fill_locked(struct kvr_sched *s, struct kvr_lane *lane, const uint
 		for (uint32_t i = 0; i < u->unit_count[x]; i++)
 			units[u->entry[from + i]] = err ? -1 : (int32_t)u->pages[u->offsets[x] + i];
 		from += u->unit_count[x];
-		if (!err && u->unit_count[x])
-			owner->holds_units = 1;
+		if (!err && (u->unit_count[x] || owner == lane))
+			owner->holds_units = 1; /* a failed first fill may batch again */
 	}
 	if (err)
 		kvr_sched_record_async_error(s, err, u->message);

@@ -88,13 +88,15 @@ struct handover {
 	int release_err, fill_err, refill_err, release2_err;
 	int32_t unit_taken, unit_refilled;
 	uint64_t alloc_before_refill, alloc_after_refill;
+	uint64_t free_rounds_before, free_rounds_after; /* around the releases */
 };
 
 static void *controller(void *arg)
 {
 	struct handover *h = arg;
-	uint64_t frees;
+	uint64_t frees, allocs;
 	const uint32_t one[N_KV] = { 1, 0 }, half0[1] = { 1 }, unit0[1] = { 0 };
+	kvr_units_rounds(h->s, &allocs, &h->free_rounds_before);
 	h->release_err = kvr_units_release(h->s, h->from, one, half0);
 	h->fill_err = kvr_units_fill(h->s, h->to, one, unit0);
 	h->unit_taken = h->to->slot_unit[0];
@@ -103,14 +105,25 @@ static void *controller(void *arg)
 	kvr_units_rounds(h->s, &h->alloc_after_refill, &frees);
 	h->unit_refilled = h->from->slot_unit[1];
 	h->release2_err = kvr_units_release(h->s, h->from, one, half0);
+	kvr_units_rounds(h->s, &allocs, &h->free_rounds_after);
 	return NULL;
 }
 
+/* The attention's end, late: what the ring held just before it. */
+struct opener {
+	struct kvr_sched *s;
+	struct gate *gate;
+	uint64_t free_at_open;
+};
+
 static void *open_later(void *arg)
 {
+	struct opener *o = arg;
 	/* long enough for an unordered return to finish many times over */
 	nanosleep(&(struct timespec){ 0, 200 * 1000 * 1000 }, NULL);
-	gate_open(arg);
+	uint64_t held, per_seq;
+	kvr_sched_units(o->s, &held, &o->free_at_open, &per_seq);
+	gate_open(o->gate);
 	return NULL;
 }
 
@@ -162,7 +175,7 @@ static void freed_unit_waits(int dev_kind)
 	cr_assert_eq(kvr_dev_host_fn(s->dev, s->compute, gate_wait, &gate), 0);
 	cr_assert_eq(kvr_dev_event_record(s->dev, from->attn_done, s->compute), 0);
 
-	struct handover h = { s, from, to, -1, -1, -1, -1, -1, -1, 0, 0 };
+	struct handover h = { s, from, to, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0 };
 	pthread_t thread;
 	cr_assert_eq(pthread_create(&thread, NULL, controller, &h), 0);
 	pthread_join(thread, NULL);
@@ -178,18 +191,23 @@ static void freed_unit_waits(int dev_kind)
 	cr_expect_eq(h.unit_refilled, unit_freed, "the lane's own fill took unit %d, not its spare %d",
 		     h.unit_refilled, unit_freed);
 	cr_expect_eq(h.alloc_after_refill, h.alloc_before_refill, "a fill its spares cover ran a round");
+	cr_expect_eq(h.free_rounds_after, h.free_rounds_before + 1,
+		     "%llu free rounds during the releases and fills: only the new sequence's chunk (one) expected",
+		     (unsigned long long)(h.free_rounds_after - h.free_rounds_before));
 	cr_expect_eq(from->slot_unit[1], -1, "the released slot holds no second unit");
 	uint64_t free_before;
 	kvr_sched_units(s, &held, &free_before, &per_seq);
 	kvr_units_rounds(s, &alloc_rounds, &free_rounds);
 
 	/* the step's end: its one free round returns the spare, after the gate */
+	struct opener op = { s, &gate, 0 };
 	pthread_t opener;
-	cr_assert_eq(pthread_create(&opener, NULL, open_later, &gate), 0);
+	cr_assert_eq(pthread_create(&opener, NULL, open_later, &op), 0);
 	cr_assert_eq(kvr_sched_step_end(s), 0, "%s", s->last_error);
-	cr_expect(atomic_load_explicit(&gate.opened, memory_order_acquire),
-		  "the step's end returned units while the attention that reads them was still running");
 	pthread_join(opener, NULL);
+	cr_expect_eq(op.free_at_open, free_before,
+		     "the step's end returned %lld units while the attention that reads them was still running",
+		     (long long)(op.free_at_open - free_before));
 	uint64_t free_after, alloc_after, free_rounds_after;
 	kvr_sched_units(s, &held, &free_after, &per_seq);
 	kvr_units_rounds(s, &alloc_after, &free_rounds_after);
