@@ -7,6 +7,9 @@
 	X(stream_create) X(stream_destroy) X(stream_synchronize) X(event_create) X(event_destroy) \
 	X(event_record) X(stream_wait_event) X(event_query) X(event_synchronize) X(memcpy_async) \
 	X(memcpy_batch_async) X(host_fn)
+/* Optional (NULL: capture refused with -ENOTSUP): graphs. */
+#define KVR_DEV_GRAPH_OPS(X) \
+	X(stream_begin_capture) X(stream_end_capture) X(stream_capturing) X(graph_launch) X(graph_destroy)
 #define KVR_DEV_KERNEL_OPS(X) \
 	X(scatter) X(offload) X(summarize) X(score) X(select) X(similarity) X(attention) X(dense) \
 	X(freelist) X(plan)
@@ -42,6 +45,10 @@ struct kvr_dev_ops {
 	 * engine's stream as a kvr_stream; capture status of a stream. */
 	int (*stream_wrap)(struct kvr_dev *dev, void *native, struct kvr_stream **out);
 	int (*stream_capturing)(struct kvr_dev *dev, struct kvr_stream *stream);
+	int (*stream_begin_capture)(struct kvr_dev *dev, struct kvr_stream *stream);
+	int (*stream_end_capture)(struct kvr_dev *dev, struct kvr_stream *stream, struct kvr_graph **out);
+	int (*graph_launch)(struct kvr_dev *dev, struct kvr_graph *graph, struct kvr_stream *stream);
+	void (*graph_destroy)(struct kvr_dev *dev, struct kvr_graph *graph);
 	int (*stream_synchronize)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*event_create)(struct kvr_dev *dev, struct kvr_event **out);
 	void (*event_destroy)(struct kvr_dev *dev, struct kvr_event *event);

@@ -16,9 +16,24 @@
  * the call (an event never recorded is complete, as in CUDA) and holds its
  * stream until `completed` reaches it — spinning briefly, then sleeping.
  *
+ * Capture emulates CUDA graphs, so the scheduler's capturable paths can be
+ * checked without a GPU: while a stream is being captured its operations are
+ * recorded, not run, into a graph (the same closures with the same
+ * arguments), and a launch enqueues them again on a stream. As in CUDA, a
+ * stream that waits on an event recorded inside the capture joins it (a
+ * fork), every joined stream must be waited on again before the capture
+ * ends (the join), and a synchronize, a query or a wait on an event recorded
+ * outside the capture is refused and invalidates it. A graph is a single
+ * list in enqueue order, which keeps every captured dependency, so a launch
+ * runs it in that order on one stream; an event record inside it is a real
+ * record at launch. A memcpy or kernel node reads its arguments' memory when
+ * it runs, as a CUDA graph's does.
+ *
  * Threads: any thread may enqueue on an inline stream it owns; a worker
  * stream's ring is guarded by its mutex. Kernels use the device's fork-join
- * workers (cpu_threads.c) or the engine's parallel-for.
+ * workers (cpu_threads.c) or the engine's parallel-for. A capture, from its
+ * begin to its end, and everything enqueued on its streams meanwhile, is the
+ * capturing thread's (CUDA's thread-local capture mode).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -46,9 +61,16 @@ struct cpu_op {
 	_Alignas(16) unsigned char ctx[KVR_CPU_OP_CTX_BYTES];
 };
 
+struct cpu_capture;
+
 struct kvr_stream {
 	uint32_t flags;
 	struct kvr_dev *dev;
+	/* being captured (the capturing thread's): the capture, the graph's
+	 * length after this stream's last node, and after the last of its
+	 * records some stream of the capture waited on (joined up to there) */
+	struct cpu_capture *capture;
+	size_t cap_last, cap_joined;
 	/* worker streams only */
 	pthread_t worker;
 	pthread_mutex_t lock; /* guards ring, head, tail, quit */
@@ -65,6 +87,35 @@ struct kvr_event {
 	pthread_mutex_t lock;       /* guards the condvar wait */
 	pthread_cond_t cond;
 	_Atomic uint32_t sleepers;  /* seq_cst with completed: a completer wakes only when needed */
+	/* recorded inside a capture not yet ended (the capturing thread's):
+	 * the capture, the recording stream and the record's node */
+	struct cpu_capture *cap;
+	struct kvr_stream *cap_stream;
+	size_t cap_node;
+};
+
+enum { NODE_OP, NODE_RECORD };
+
+struct graph_node {
+	uint32_t kind;
+	kvr_cpu_op_fn run;        /* NODE_OP */
+	struct kvr_event *event;  /* NODE_RECORD */
+	_Alignas(16) unsigned char ctx[KVR_CPU_OP_CTX_BYTES];
+};
+
+struct kvr_graph {
+	struct graph_node *nodes;
+	size_t n, cap;
+};
+
+#define CAPTURE_STREAMS 16 /* streams one capture may join */
+
+struct cpu_capture {
+	struct kvr_graph *graph;
+	struct kvr_stream *streams[CAPTURE_STREAMS]; /* [0]: the origin */
+	uint32_t n_streams;
+	int invalid;               /* an operation it cannot hold: its end fails */
+	char why[160];
 };
 
 static struct cpu_impl *impl_of(const struct kvr_dev *dev)
@@ -191,12 +242,128 @@ static void cpu_stream_destroy(struct kvr_dev *dev, struct kvr_stream *s)
 	free(s);
 }
 
+/* ----------------------------------------------------------------- capture */
+
+/* Invalidate the capture (its end will fail with `why`) and fail the call. */
+static int capture_refuse(struct kvr_dev *dev, struct cpu_capture *c, const char *why)
+{
+	if (!c->invalid) {
+		c->invalid = 1;
+		snprintf(c->why, sizeof(c->why), "%s", why);
+	}
+	return kvr_dev_fail(dev, -EINVAL, "%s (the capture is invalidated)", why);
+}
+
+static struct graph_node *graph_append(struct kvr_dev *dev, struct kvr_stream *s, uint32_t kind)
+{
+	struct kvr_graph *g = s->capture->graph;
+	if (g->n == g->cap) {
+		const size_t cap = g->cap ? 2 * g->cap : 64;
+		struct graph_node *nodes = realloc(g->nodes, cap * sizeof(*nodes));
+		if (!nodes) {
+			capture_refuse(dev, s->capture, "capture: out of memory for the graph");
+			return NULL;
+		}
+		g->nodes = nodes;
+		g->cap = cap;
+	}
+	struct graph_node *node = &g->nodes[g->n++];
+	memset(node, 0, sizeof(*node));
+	node->kind = kind;
+	s->cap_last = g->n;
+	return node;
+}
+
+static int cpu_stream_begin_capture(struct kvr_dev *dev, struct kvr_stream *s)
+{
+	if (s->capture)
+		return kvr_dev_fail(dev, -EINVAL, "begin_capture: the stream is being captured already");
+	struct cpu_capture *c = kvr_calloc(1, sizeof(*c));
+	if (c && !(c->graph = kvr_calloc(1, sizeof(*c->graph)))) {
+		free(c);
+		c = NULL;
+	}
+	if (!c)
+		return kvr_dev_fail(dev, -ENOMEM, "begin_capture: out of memory");
+	c->streams[c->n_streams++] = s;
+	s->capture = c;
+	s->cap_last = s->cap_joined = 0;
+	return 0;
+}
+
+static void cpu_graph_destroy(struct kvr_dev *dev, struct kvr_graph *g)
+{
+	(void)dev;
+	if (g)
+		free(g->nodes);
+	free(g);
+}
+
+static int cpu_stream_end_capture(struct kvr_dev *dev, struct kvr_stream *s, struct kvr_graph **out)
+{
+	struct cpu_capture *c = s->capture;
+	*out = NULL;
+	if (!c || c->streams[0] != s)
+		return kvr_dev_fail(dev, -EINVAL, "end_capture: the stream did not begin a capture");
+	int err = 0;
+	if (c->invalid) {
+		err = kvr_dev_fail(dev, -EINVAL, "end_capture: the capture was invalidated: %s", c->why);
+	} else {
+		for (uint32_t i = 1; i < c->n_streams && !err; i++)
+			if (c->streams[i]->cap_last > c->streams[i]->cap_joined)
+				err = kvr_dev_fail(dev, -EINVAL,
+						   "end_capture: a stream that joined the capture was not waited "
+						   "on after its last operation (unjoined work)");
+	}
+	/* the events recorded inside it are plain events again */
+	for (size_t i = 0; i < c->graph->n; i++)
+		if (c->graph->nodes[i].kind == NODE_RECORD)
+			c->graph->nodes[i].event->cap = NULL;
+	for (uint32_t i = 0; i < c->n_streams; i++)
+		c->streams[i]->capture = NULL;
+	if (err)
+		cpu_graph_destroy(dev, c->graph);
+	else
+		*out = c->graph;
+	free(c);
+	return err;
+}
+
+static int cpu_stream_capturing(struct kvr_dev *dev, struct kvr_stream *s)
+{
+	(void)dev;
+	return s->capture != NULL;
+}
+
+static int cpu_event_record(struct kvr_dev *dev, struct kvr_event *e, struct kvr_stream *s);
+
+static int cpu_graph_launch(struct kvr_dev *dev, struct kvr_graph *g, struct kvr_stream *s)
+{
+	for (size_t i = 0; i < g->n; i++) {
+		struct graph_node *node = &g->nodes[i];
+		const int err = node->kind == NODE_RECORD ? cpu_event_record(dev, node->event, s)
+							  : kvr_cpu_enqueue(dev, s, node->run, node->ctx,
+									    KVR_CPU_OP_CTX_BYTES);
+		if (err)
+			return err;
+	}
+	return 0;
+}
+
 int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *s, kvr_cpu_op_fn run, const void *ctx,
 		    size_t ctx_bytes)
 {
 	if (ctx_bytes > KVR_CPU_OP_CTX_BYTES)
 		return kvr_dev_fail(dev, -EINVAL, "enqueue: operation context of %zu bytes too big",
 				    ctx_bytes);
+	if (s->capture) { /* recorded, not run */
+		struct graph_node *node = graph_append(dev, s, NODE_OP);
+		if (!node)
+			return -ENOMEM;
+		node->run = run;
+		memcpy(node->ctx, ctx, ctx_bytes);
+		return 0;
+	}
 	if (!(s->flags & KVR_STREAM_WORKER)) {
 		struct cpu_op op;
 		memcpy(op.ctx, ctx, ctx_bytes);
@@ -215,14 +382,15 @@ int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *s, kvr_cpu_op_fn run
 	return 0;
 }
 
-int kvr_cpu_stream_is_worker(const struct kvr_stream *s)
+int kvr_cpu_stream_runs_later(const struct kvr_stream *s)
 {
-	return (s->flags & KVR_STREAM_WORKER) != 0;
+	return (s->flags & KVR_STREAM_WORKER) || s->capture;
 }
 
 static int cpu_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *s)
 {
-	(void)dev;
+	if (s->capture)
+		return capture_refuse(dev, s->capture, "stream_synchronize: the stream is being captured");
 	if (!(s->flags & KVR_STREAM_WORKER))
 		return 0; /* everything already ran */
 	pthread_mutex_lock(&s->lock);
@@ -308,6 +476,16 @@ static void run_event_wait(struct kvr_dev *dev, void *ctx)
 
 static int cpu_event_record(struct kvr_dev *dev, struct kvr_event *e, struct kvr_stream *s)
 {
+	if (s->capture) { /* a record node: recorded for real at each launch */
+		struct graph_node *node = graph_append(dev, s, NODE_RECORD);
+		if (!node)
+			return -ENOMEM;
+		node->event = e;
+		e->cap = s->capture;
+		e->cap_stream = s;
+		e->cap_node = s->capture->graph->n - 1;
+		return 0;
+	}
 	/* relaxed: the recording thread is the only writer of `recorded` */
 	const uint64_t value = atomic_load_explicit(&e->recorded, memory_order_relaxed) + 1;
 	atomic_store_explicit(&e->recorded, value, memory_order_release);
@@ -317,6 +495,27 @@ static int cpu_event_record(struct kvr_dev *dev, struct kvr_event *e, struct kvr
 
 static int cpu_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *s, struct kvr_event *e)
 {
+	if (e->cap) { /* recorded inside a capture: a dependency of the graph */
+		struct cpu_capture *c = e->cap;
+		if (s->capture && s->capture != c)
+			return capture_refuse(dev, s->capture, "stream_wait_event: the event belongs to another capture");
+		if (!s->capture) { /* a fork: the stream joins the capture */
+			if (c->n_streams == CAPTURE_STREAMS)
+				return capture_refuse(dev, c, "stream_wait_event: too many streams in one capture");
+			c->streams[c->n_streams++] = s;
+			s->capture = c;
+			s->cap_last = s->cap_joined = 0;
+		}
+		/* the recording stream's work up to the record is waited on; the
+		 * graph's order already keeps the dependency */
+		if (e->cap_stream != s && e->cap_node + 1 > e->cap_stream->cap_joined)
+			e->cap_stream->cap_joined = e->cap_node + 1;
+		return 0;
+	}
+	if (s->capture) /* CUDA: the capture would depend on work outside it */
+		return capture_refuse(dev, s->capture,
+				      "stream_wait_event: a stream being captured waits on an event recorded outside "
+				      "the capture");
 	/* acquire pairs with the release store in cpu_event_record */
 	const struct event_op op = { e, atomic_load_explicit(&e->recorded, memory_order_acquire) };
 	if (!op.value)
@@ -326,14 +525,16 @@ static int cpu_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *s, stru
 
 static int cpu_event_query(struct kvr_dev *dev, struct kvr_event *e)
 {
-	(void)dev;
+	if (e->cap)
+		return capture_refuse(dev, e->cap, "event_query: the event was recorded inside a capture");
 	const uint64_t target = atomic_load_explicit(&e->recorded, memory_order_acquire);
 	return atomic_load_explicit(&e->completed, memory_order_acquire) >= target ? 0 : -EAGAIN;
 }
 
 static int cpu_event_synchronize(struct kvr_dev *dev, struct kvr_event *e)
 {
-	(void)dev;
+	if (e->cap)
+		return capture_refuse(dev, e->cap, "event_synchronize: the event was recorded inside a capture");
 	event_wait(e, atomic_load_explicit(&e->recorded, memory_order_acquire));
 	return 0;
 }
@@ -507,6 +708,7 @@ static const struct kvr_dev_ops cpu_ops = {
 	KVR_DEV_MEMORY_OPS(CPU_OP)
 	KVR_DEV_STREAM_OPS(CPU_OP)
 	KVR_DEV_KERNEL_OPS(CPU_OP)
+	KVR_DEV_GRAPH_OPS(CPU_OP)
 #undef CPU_OP
 };
 

@@ -22,10 +22,11 @@ typedef void (*kvr_cpu_op_fn)(struct kvr_dev *dev, void *ctx);
 int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *stream, kvr_cpu_op_fn run,
 		    const void *ctx, size_t ctx_bytes);
 
-/* 1 when the stream has a worker thread, i.e. its operations may run after
- * the enqueueing call returned (cudaemu-strict then checks item contents
- * when the operation runs, not when it is enqueued). */
-int kvr_cpu_stream_is_worker(const struct kvr_stream *stream);
+/* 1 when an operation enqueued now runs after the call returns: a worker
+ * stream, or a stream being captured (it runs at each launch of the graph).
+ * cudaemu-strict then checks item contents when the operation runs, not
+ * when it is enqueued. */
+int kvr_cpu_stream_runs_later(const struct kvr_stream *stream);
 
 /* Run task over [0, n) with the device's workers (or the engine's
  * parallel-for). Called from inside an op. */

@@ -208,6 +208,40 @@ int kvr_dev_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream)
 	return dev->ops->stream_capturing ? dev->ops->stream_capturing(dev, stream) : 0;
 }
 
+int kvr_dev_stream_begin_capture(struct kvr_dev *dev, struct kvr_stream *stream)
+{
+	if (!stream)
+		return kvr_dev_fail(dev, -EINVAL, "begin_capture: stream is NULL");
+	if (!dev->ops->stream_begin_capture)
+		return kvr_dev_fail(dev, -ENOTSUP, "begin_capture: the %s backend has no graphs", dev->ops->name);
+	return dev->ops->stream_begin_capture(dev, stream);
+}
+
+int kvr_dev_stream_end_capture(struct kvr_dev *dev, struct kvr_stream *stream, struct kvr_graph **out)
+{
+	if (!stream || !out)
+		return kvr_dev_fail(dev, -EINVAL, "end_capture: %s is NULL", stream ? "out" : "stream");
+	*out = NULL;
+	if (!dev->ops->stream_end_capture)
+		return kvr_dev_fail(dev, -ENOTSUP, "end_capture: the %s backend has no graphs", dev->ops->name);
+	return dev->ops->stream_end_capture(dev, stream, out);
+}
+
+int kvr_dev_graph_launch(struct kvr_dev *dev, struct kvr_graph *graph, struct kvr_stream *stream)
+{
+	if (!graph || !stream)
+		return kvr_dev_fail(dev, -EINVAL, "graph_launch: %s is NULL", graph ? "stream" : "graph");
+	if (!dev->ops->graph_launch)
+		return kvr_dev_fail(dev, -ENOTSUP, "graph_launch: the %s backend has no graphs", dev->ops->name);
+	return dev->ops->graph_launch(dev, graph, stream);
+}
+
+void kvr_dev_graph_destroy(struct kvr_dev *dev, struct kvr_graph *graph)
+{
+	if (graph && dev->ops->graph_destroy)
+		dev->ops->graph_destroy(dev, graph);
+}
+
 #define NEED(cond, what)                                                 \
 	do {                                                             \
 		if (!(cond))                                             \

@@ -33,8 +33,9 @@
  * When the checks run: array placement and copies on the enqueueing thread,
  * before anything is queued. Item *contents* are read on the enqueueing thread
  * for an inline stream, where everything before the kernel has already run;
- * on a worker stream the items may still be on their way (an H2D copy queued
- * just ahead of the kernel fills them, as on a GPU), so reading them at
+ * on a worker stream, or in a capture (gpu/cpu_backend.c: the kernel runs at
+ * each launch of the graph), the items may still be on their way (an H2D copy
+ * queued just ahead of the kernel fills them, as on a GPU), so reading them at
  * enqueue would judge what was there before the copy. There the contents (and
  * the arrays, again) are checked when the worker reaches the operation: a
  * violation then skips the kernel and is counted, with its message kept, for
@@ -83,7 +84,8 @@ struct emu_op {
 	enum emu_kernel kernel;
 	const struct kvr_kv_segment *segments;
 	uint32_t n_segments;
-	uint32_t check_when_run; /* cudaemu-strict on a worker stream: check before launching */
+	uint32_t check_when_run; /* cudaemu-strict on a worker stream or in a capture: check
+				    before launching */
 };
 
 static _Atomic unsigned failed_launches; /* relaxed: statistics read by tests */
@@ -716,7 +718,7 @@ static int enqueue(struct kvr_dev *dev, struct kvr_stream *s, const struct kvr_s
 	struct emu_op op = { *shape, items, n, kernel, segments, n_segments, 0 };
 	struct strict_map *m = map_of(dev);
 	if (m) {
-		const int when_run = kvr_cpu_stream_is_worker(s);
+		const int when_run = kvr_cpu_stream_runs_later(s);
 		struct check c = { m, kernel_names[kernel], "", -1 };
 		pthread_rwlock_rdlock(&m->lock);
 		int err = check_arrays(&c, &op);
