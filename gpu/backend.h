@@ -120,14 +120,15 @@ int kvr_dev_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream **o
 /* 1 while the stream is being captured into a CUDA graph, 0 otherwise, or a
  * negative errno. */
 int kvr_dev_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream);
-/* Capture into a graph (CUDA graphs; emulated on cpu and cudaemu, with
- * CUDA's rules: see cpu_backend.c): from begin to end, what is enqueued on
- * the stream, and on streams that wait on events recorded in the capture
- * (which must be waited on again before the end), is recorded, not run; a
- * synchronize or a query inside it is refused. The end returns the graph;
- * a launch enqueues it on a stream, as often as wanted, each node reading
- * its arguments' memory when it runs. -ENOTSUP where the backend has no
- * graphs. */
+/* Capture into a graph, with CUDA graphs' rules (emulated on cpu and
+ * cudaemu: see cpu_backend.c; -ENOTSUP on cuda until a decode step can be
+ * captured): from begin to end, what is enqueued on the stream, and on
+ * streams that wait on events recorded in the capture (whose work the
+ * origin must wait on before the end), is recorded, not run; a synchronize,
+ * a query, an allocation inside it is refused and invalidates it. The end
+ * returns the graph; a launch enqueues it on a stream, as often as wanted,
+ * each node reading its arguments' memory when it runs. All calls of one
+ * capture on the thread that began it. */
 struct kvr_graph;
 int kvr_dev_stream_begin_capture(struct kvr_dev *dev, struct kvr_stream *stream);
 int kvr_dev_stream_end_capture(struct kvr_dev *dev, struct kvr_stream *stream, struct kvr_graph **out);

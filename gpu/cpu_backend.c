@@ -17,17 +17,26 @@
  * stream until `completed` reaches it — spinning briefly, then sleeping.
  *
  * Capture emulates CUDA graphs, so the scheduler's capturable paths can be
- * checked without a GPU: while a stream is being captured its operations are
- * recorded, not run, into a graph (the same closures with the same
- * arguments), and a launch enqueues them again on a stream. As in CUDA, a
- * stream that waits on an event recorded inside the capture joins it (a
- * fork), every joined stream must be waited on again before the capture
- * ends (the join), and a synchronize, a query or a wait on an event recorded
- * outside the capture is refused and invalidates it. A graph is a single
- * list in enqueue order, which keeps every captured dependency, so a launch
- * runs it in that order on one stream; an event record inside it is a real
- * record at launch. A memcpy or kernel node reads its arguments' memory when
- * it runs, as a CUDA graph's does.
+ * checked without a GPU, and holds code to CUDA's rules where a GPU would
+ * refuse or race:
+ *  - while a stream is being captured its operations are recorded, not run,
+ *    into a graph (the same closures with the same arguments);
+ *  - a stream that waits on an event recorded inside the capture joins it (a
+ *    fork); every joined stream's work must be waited on, directly or
+ *    through other joined streams, by the origin before the end (the join),
+ *    else the end fails as unjoined;
+ *  - on the capturing thread (CUDA's thread-local mode), a synchronize, an
+ *    event query or synchronize of an event recorded inside the capture, a
+ *    wait on an event recorded outside it, an allocation, a free, a host
+ *    registration, and a batched copy (cudaMemcpyBatchAsync cannot be
+ *    captured) are refused and invalidate the capture;
+ *  - an event record inside a capture is a dependency only, as a plain
+ *    cudaEventRecord is there: a launch records nothing;
+ *  - a launch runs the origin's nodes in order and a forked stream's nodes
+ *    as late as their dependencies allow — just before the node that waits
+ *    for them — so work the origin reads without waiting for it runs too
+ *    late and the reader sees stale data, as it may on a GPU;
+ *  - copies and kernels read memory as it is at the launch.
  *
  * Threads: any thread may enqueue on an inline stream it owns; a worker
  * stream's ring is guarded by its mutex. Kernels use the device's fork-join
@@ -66,11 +75,10 @@ struct cpu_capture;
 struct kvr_stream {
 	uint32_t flags;
 	struct kvr_dev *dev;
-	/* being captured (the capturing thread's): the capture, the graph's
-	 * length after this stream's last node, and after the last of its
-	 * records some stream of the capture waited on (joined up to there) */
+	/* being captured (the capturing thread's): the capture, and the
+	 * stream's branch of the graph (0: the origin) */
 	struct cpu_capture *capture;
-	size_t cap_last, cap_joined;
+	uint32_t cap_branch;
 	/* worker streams only */
 	pthread_t worker;
 	pthread_mutex_t lock; /* guards ring, head, tail, quit */
@@ -87,19 +95,20 @@ struct kvr_event {
 	pthread_mutex_t lock;       /* guards the condvar wait */
 	pthread_cond_t cond;
 	_Atomic uint32_t sleepers;  /* seq_cst with completed: a completer wakes only when needed */
-	/* recorded inside a capture not yet ended (the capturing thread's):
-	 * the capture, the recording stream and the record's node */
-	struct cpu_capture *cap;
-	struct kvr_stream *cap_stream;
+	/* the latest record was inside the capture `cap_id` (0: outside any),
+	 * as its node `cap_node`; written and read by the capturing thread
+	 * (an id, not a pointer: an ended capture's events need no cleanup) */
+	uint64_t cap_id;
 	size_t cap_node;
 };
 
-enum { NODE_OP, NODE_RECORD };
+enum { NODE_OP, NODE_RECORD, NODE_WAIT };
 
 struct graph_node {
 	uint32_t kind;
+	uint32_t branch;          /* the capture's stream it was enqueued on */
+	size_t depends_on;        /* NODE_WAIT: the record node waited for */
 	kvr_cpu_op_fn run;        /* NODE_OP */
-	struct kvr_event *event;  /* NODE_RECORD */
 	_Alignas(16) unsigned char ctx[KVR_CPU_OP_CTX_BYTES];
 };
 
@@ -111,22 +120,35 @@ struct kvr_graph {
 #define CAPTURE_STREAMS 16 /* streams one capture may join */
 
 struct cpu_capture {
+	uint64_t id;
 	struct kvr_graph *graph;
-	struct kvr_stream *streams[CAPTURE_STREAMS]; /* [0]: the origin */
+	struct kvr_stream *streams[CAPTURE_STREAMS]; /* by branch; [0]: the origin */
 	uint32_t n_streams;
 	int invalid;               /* an operation it cannot hold: its end fails */
 	char why[160];
 };
+
+/* The capture the calling thread is running, if any (thread-local mode). */
+static _Thread_local struct cpu_capture *thread_capture;
+/* Capture ids: relaxed, any unique value will do. */
+static _Atomic uint64_t next_capture_id = 1;
 
 static struct cpu_impl *impl_of(const struct kvr_dev *dev)
 {
 	return (struct cpu_impl *)dev->impl;
 }
 
+static int capture_forbids(struct kvr_dev *dev, const char *what);
+
 /* ------------------------------------------------------------------ memory */
 
+/* The memory calls are refused on a capturing thread, as cudaMalloc,
+ * cudaFree and cudaHostRegister are in CUDA's thread-local capture (a free
+ * still frees: the capture is invalidated either way). */
 static int cpu_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 {
+	if (capture_forbids(dev, "alloc"))
+		return -EINVAL;
 	/* 64-byte alignment for the vector kernels and streaming copies. */
 	const size_t rounded = (bytes + 63) & ~(size_t)63;
 	void *p = aligned_alloc(64, rounded); /* counted as a device allocation */
@@ -138,20 +160,22 @@ static int cpu_alloc(struct kvr_dev *dev, size_t bytes, void **ptr)
 
 static void cpu_free(struct kvr_dev *dev, void *ptr)
 {
-	(void)dev;
+	if (ptr)
+		capture_forbids(dev, "free");
 	free(ptr);
 }
 
 static int cpu_host_register(struct kvr_dev *dev, void *ptr, size_t bytes)
 {
-	(void)dev, (void)ptr, (void)bytes;
-	return 0; /* host memory is already "device" memory */
+	(void)ptr, (void)bytes;
+	/* host memory is already "device" memory */
+	return capture_forbids(dev, "host_register");
 }
 
 static int cpu_host_unregister(struct kvr_dev *dev, void *ptr)
 {
-	(void)dev, (void)ptr;
-	return 0;
+	(void)ptr;
+	return capture_forbids(dev, "host_unregister");
 }
 
 /* ------------------------------------------------------------------ workers */
@@ -224,9 +248,12 @@ static int cpu_stream_create(struct kvr_dev *dev, uint32_t flags, struct kvr_str
 	return 0;
 }
 
+static void capture_drop_stream(struct kvr_dev *dev, struct kvr_stream *s);
+
 static void cpu_stream_destroy(struct kvr_dev *dev, struct kvr_stream *s)
 {
-	(void)dev;
+	if (s->capture)
+		capture_drop_stream(dev, s);
 	if (s->flags & KVR_STREAM_WORKER) {
 		pthread_mutex_lock(&s->lock);
 		s->quit = 1; /* the worker drains what is queued, then exits */
@@ -254,6 +281,16 @@ static int capture_refuse(struct kvr_dev *dev, struct cpu_capture *c, const char
 	return kvr_dev_fail(dev, -EINVAL, "%s (the capture is invalidated)", why);
 }
 
+/* What the capturing thread may not do while it captures: 0, or refused. */
+static int capture_forbids(struct kvr_dev *dev, const char *what)
+{
+	if (!thread_capture)
+		return 0;
+	char why[160];
+	snprintf(why, sizeof(why), "%s: not allowed on a thread capturing a stream", what);
+	return capture_refuse(dev, thread_capture, why);
+}
+
 static struct graph_node *graph_append(struct kvr_dev *dev, struct kvr_stream *s, uint32_t kind)
 {
 	struct kvr_graph *g = s->capture->graph;
@@ -270,7 +307,7 @@ static struct graph_node *graph_append(struct kvr_dev *dev, struct kvr_stream *s
 	struct graph_node *node = &g->nodes[g->n++];
 	memset(node, 0, sizeof(*node));
 	node->kind = kind;
-	s->cap_last = g->n;
+	node->branch = s->cap_branch;
 	return node;
 }
 
@@ -278,6 +315,8 @@ static int cpu_stream_begin_capture(struct kvr_dev *dev, struct kvr_stream *s)
 {
 	if (s->capture)
 		return kvr_dev_fail(dev, -EINVAL, "begin_capture: the stream is being captured already");
+	if (thread_capture)
+		return kvr_dev_fail(dev, -EINVAL, "begin_capture: this thread is capturing another stream");
 	struct cpu_capture *c = kvr_calloc(1, sizeof(*c));
 	if (c && !(c->graph = kvr_calloc(1, sizeof(*c->graph)))) {
 		free(c);
@@ -285,9 +324,11 @@ static int cpu_stream_begin_capture(struct kvr_dev *dev, struct kvr_stream *s)
 	}
 	if (!c)
 		return kvr_dev_fail(dev, -ENOMEM, "begin_capture: out of memory");
+	c->id = atomic_fetch_add_explicit(&next_capture_id, 1, memory_order_relaxed);
 	c->streams[c->n_streams++] = s;
 	s->capture = c;
-	s->cap_last = s->cap_joined = 0;
+	s->cap_branch = 0;
+	thread_capture = c;
 	return 0;
 }
 
@@ -299,6 +340,28 @@ static void cpu_graph_destroy(struct kvr_dev *dev, struct kvr_graph *g)
 	free(g);
 }
 
+/* Run (or with s NULL only mark) branch b's nodes below `end` not yet run,
+ * each wait first running the waited branch up to its record: the origin
+ * in order, a forked branch as late as its dependencies allow. */
+static int launch_branch(struct kvr_dev *dev, const struct kvr_graph *g, uint8_t *ran, uint32_t b, size_t end,
+			 struct kvr_stream *s)
+{
+	for (size_t i = 0; i < end; i++) {
+		const struct graph_node *node = &g->nodes[i];
+		if (node->branch != b || ran[i])
+			continue;
+		ran[i] = 1;
+		int err = 0;
+		if (node->kind == NODE_WAIT)
+			err = launch_branch(dev, g, ran, g->nodes[node->depends_on].branch, node->depends_on + 1, s);
+		else if (node->kind == NODE_OP && s)
+			err = kvr_cpu_enqueue(dev, s, node->run, node->ctx, KVR_CPU_OP_CTX_BYTES);
+		if (err)
+			return err;
+	}
+	return 0;
+}
+
 static int cpu_stream_end_capture(struct kvr_dev *dev, struct kvr_stream *s, struct kvr_graph **out)
 {
 	struct cpu_capture *c = s->capture;
@@ -308,19 +371,26 @@ static int cpu_stream_end_capture(struct kvr_dev *dev, struct kvr_stream *s, str
 	int err = 0;
 	if (c->invalid) {
 		err = kvr_dev_fail(dev, -EINVAL, "end_capture: the capture was invalidated: %s", c->why);
-	} else {
-		for (uint32_t i = 1; i < c->n_streams && !err; i++)
-			if (c->streams[i]->cap_last > c->streams[i]->cap_joined)
-				err = kvr_dev_fail(dev, -EINVAL,
-						   "end_capture: a stream that joined the capture was not waited "
-						   "on after its last operation (unjoined work)");
+	} else if (c->graph->n) {
+		/* joined: every operation is reached from the origin's waits */
+		uint8_t *ran = kvr_calloc(c->graph->n, 1);
+		if (!ran) {
+			err = kvr_dev_fail(dev, -ENOMEM, "end_capture: out of memory");
+		} else {
+			launch_branch(dev, c->graph, ran, 0, c->graph->n, NULL);
+			for (size_t i = 0; i < c->graph->n && !err; i++)
+				if (!ran[i] && c->graph->nodes[i].kind == NODE_OP)
+					err = kvr_dev_fail(dev, -EINVAL,
+							   "end_capture: a stream that joined the capture was not waited "
+							   "on after its last operation (unjoined work)");
+			free(ran);
+		}
 	}
-	/* the events recorded inside it are plain events again */
-	for (size_t i = 0; i < c->graph->n; i++)
-		if (c->graph->nodes[i].kind == NODE_RECORD)
-			c->graph->nodes[i].event->cap = NULL;
 	for (uint32_t i = 0; i < c->n_streams; i++)
-		c->streams[i]->capture = NULL;
+		if (c->streams[i])
+			c->streams[i]->capture = NULL;
+	if (thread_capture == c)
+		thread_capture = NULL;
 	if (err)
 		cpu_graph_destroy(dev, c->graph);
 	else
@@ -335,19 +405,31 @@ static int cpu_stream_capturing(struct kvr_dev *dev, struct kvr_stream *s)
 	return s->capture != NULL;
 }
 
-static int cpu_event_record(struct kvr_dev *dev, struct kvr_event *e, struct kvr_stream *s);
-
 static int cpu_graph_launch(struct kvr_dev *dev, struct kvr_graph *g, struct kvr_stream *s)
 {
-	for (size_t i = 0; i < g->n; i++) {
-		struct graph_node *node = &g->nodes[i];
-		const int err = node->kind == NODE_RECORD ? cpu_event_record(dev, node->event, s)
-							  : kvr_cpu_enqueue(dev, s, node->run, node->ctx,
-									    KVR_CPU_OP_CTX_BYTES);
-		if (err)
-			return err;
+	if (!g->n)
+		return 0;
+	uint8_t *ran = kvr_calloc(g->n, 1);
+	if (!ran)
+		return kvr_dev_fail(dev, -ENOMEM, "graph_launch: out of memory");
+	const int err = launch_branch(dev, g, ran, 0, g->n, s);
+	free(ran);
+	return err;
+}
+
+/* A stream destroyed while captured leaves its capture invalidated; the
+ * origin's takes the capture with it. */
+static void capture_drop_stream(struct kvr_dev *dev, struct kvr_stream *s)
+{
+	struct cpu_capture *c = s->capture;
+	capture_refuse(dev, c, "stream_destroy: a stream of the capture was destroyed");
+	if (s->cap_branch) {
+		c->streams[s->cap_branch] = NULL;
+		s->capture = NULL;
+		return;
 	}
-	return 0;
+	struct kvr_graph *g = NULL;
+	cpu_stream_end_capture(dev, s, &g);
 }
 
 int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *s, kvr_cpu_op_fn run, const void *ctx,
@@ -476,16 +558,15 @@ static void run_event_wait(struct kvr_dev *dev, void *ctx)
 
 static int cpu_event_record(struct kvr_dev *dev, struct kvr_event *e, struct kvr_stream *s)
 {
-	if (s->capture) { /* a record node: recorded for real at each launch */
-		struct graph_node *node = graph_append(dev, s, NODE_RECORD);
-		if (!node)
+	if (s->capture) { /* a dependency inside the graph; a launch records nothing */
+		if (!graph_append(dev, s, NODE_RECORD))
 			return -ENOMEM;
-		node->event = e;
-		e->cap = s->capture;
-		e->cap_stream = s;
+		e->cap_id = s->capture->id;
 		e->cap_node = s->capture->graph->n - 1;
 		return 0;
 	}
+	if (e->cap_id) /* its latest record is this one, outside any capture */
+		e->cap_id = 0;
 	/* relaxed: the recording thread is the only writer of `recorded` */
 	const uint64_t value = atomic_load_explicit(&e->recorded, memory_order_relaxed) + 1;
 	atomic_store_explicit(&e->recorded, value, memory_order_release);
@@ -495,21 +576,21 @@ static int cpu_event_record(struct kvr_dev *dev, struct kvr_event *e, struct kvr
 
 static int cpu_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *s, struct kvr_event *e)
 {
-	if (e->cap) { /* recorded inside a capture: a dependency of the graph */
-		struct cpu_capture *c = e->cap;
+	struct cpu_capture *c = thread_capture;
+	if (c && e->cap_id == c->id) { /* recorded inside the capture: a dependency */
 		if (s->capture && s->capture != c)
-			return capture_refuse(dev, s->capture, "stream_wait_event: the event belongs to another capture");
+			return capture_refuse(dev, c, "stream_wait_event: the stream belongs to another capture");
 		if (!s->capture) { /* a fork: the stream joins the capture */
 			if (c->n_streams == CAPTURE_STREAMS)
 				return capture_refuse(dev, c, "stream_wait_event: too many streams in one capture");
+			s->cap_branch = c->n_streams;
 			c->streams[c->n_streams++] = s;
 			s->capture = c;
-			s->cap_last = s->cap_joined = 0;
 		}
-		/* the recording stream's work up to the record is waited on; the
-		 * graph's order already keeps the dependency */
-		if (e->cap_stream != s && e->cap_node + 1 > e->cap_stream->cap_joined)
-			e->cap_stream->cap_joined = e->cap_node + 1;
+		struct graph_node *node = graph_append(dev, s, NODE_WAIT);
+		if (!node)
+			return -ENOMEM;
+		node->depends_on = e->cap_node;
 		return 0;
 	}
 	if (s->capture) /* CUDA: the capture would depend on work outside it */
@@ -525,16 +606,17 @@ static int cpu_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *s, stru
 
 static int cpu_event_query(struct kvr_dev *dev, struct kvr_event *e)
 {
-	if (e->cap)
-		return capture_refuse(dev, e->cap, "event_query: the event was recorded inside a capture");
+	if (thread_capture && e->cap_id == thread_capture->id)
+		return capture_refuse(dev, thread_capture, "event_query: the event was recorded inside the capture");
 	const uint64_t target = atomic_load_explicit(&e->recorded, memory_order_acquire);
 	return atomic_load_explicit(&e->completed, memory_order_acquire) >= target ? 0 : -EAGAIN;
 }
 
 static int cpu_event_synchronize(struct kvr_dev *dev, struct kvr_event *e)
 {
-	if (e->cap)
-		return capture_refuse(dev, e->cap, "event_synchronize: the event was recorded inside a capture");
+	if (thread_capture && e->cap_id == thread_capture->id)
+		return capture_refuse(dev, thread_capture,
+				      "event_synchronize: the event was recorded inside the capture");
 	event_wait(e, atomic_load_explicit(&e->recorded, memory_order_acquire));
 	return 0;
 }
@@ -593,6 +675,8 @@ static int cpu_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const voi
 				  struct kvr_stream *s)
 {
 	(void)kind;
+	if (s->capture) /* as on a GPU: cudaMemcpyBatchAsync cannot be captured */
+		return capture_refuse(dev, s->capture, "memcpy_batch_async: a batched copy cannot be captured");
 	/* The list is read when the copy runs, which may be after the caller
 	 * reuses its array (as cudaMemcpyBatchAsync allows): keep a copy. */
 	struct batch_op op = { dst_base, src_base, kvr_malloc(n * sizeof(*descs)), n, 0 };

@@ -374,56 +374,6 @@ static int op_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream)
 	return status != cudaStreamCaptureStatusNone;
 }
 
-/* Graphs: the capture is thread-local (cudaStreamCaptureModeThreadLocal),
- * so other threads' CUDA calls (the controller's) neither break it nor are
- * refused; the graph is instantiated at the end and launched as is. */
-struct kvr_graph {
-	cudaGraphExec_t exec;
-};
-
-static int op_stream_begin_capture(struct kvr_dev *dev, struct kvr_stream *stream)
-{
-	device_scope scope(impl(dev)->device);
-	const cudaError_t e = cudaStreamBeginCapture(as_stream(stream)->s, cudaStreamCaptureModeThreadLocal);
-	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaStreamBeginCapture");
-}
-
-static int op_stream_end_capture(struct kvr_dev *dev, struct kvr_stream *stream, struct kvr_graph **out)
-{
-	device_scope scope(impl(dev)->device);
-	cudaGraph_t graph = nullptr;
-	cudaError_t e = cudaStreamEndCapture(as_stream(stream)->s, &graph);
-	if (e != cudaSuccess)
-		return cuda_fail(dev, e, "cudaStreamEndCapture");
-	struct kvr_graph *g = new (std::nothrow) kvr_graph;
-	if (!g) {
-		cudaGraphDestroy(graph);
-		return kvr_dev_fail(dev, -ENOMEM, "end_capture: out of memory");
-	}
-	e = cudaGraphInstantiate(&g->exec, graph, 0);
-	cudaGraphDestroy(graph); /* the executable graph keeps what it needs */
-	if (e != cudaSuccess) {
-		delete g;
-		return cuda_fail(dev, e, "cudaGraphInstantiate");
-	}
-	*out = g;
-	return 0;
-}
-
-static int op_graph_launch(struct kvr_dev *dev, struct kvr_graph *graph, struct kvr_stream *stream)
-{
-	device_scope scope(impl(dev)->device);
-	const cudaError_t e = cudaGraphLaunch(graph->exec, as_stream(stream)->s);
-	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaGraphLaunch");
-}
-
-static void op_graph_destroy(struct kvr_dev *dev, struct kvr_graph *graph)
-{
-	device_scope scope(impl(dev)->device);
-	cudaGraphExecDestroy(graph->exec);
-	delete graph;
-}
-
 static uint64_t now_ns(void)
 {
 	struct timespec ts;
@@ -879,9 +829,14 @@ static struct kvr_dev_ops make_cuda_ops(void)
 	KVR_DEV_MEMORY_OPS(SET_OP)
 	KVR_DEV_STREAM_OPS(SET_OP)
 	KVR_DEV_KERNEL_OPS(SET_OP)
-	KVR_DEV_GRAPH_OPS(SET_OP)
 #undef SET_OP
 	o.stream_wrap = op_stream_wrap;
+	/* capture: only whether a stream is being captured. Its graph ops stay
+	 * NULL (-ENOTSUP) until the step can be captured and a GPU checks them:
+	 * the backend's enqueues still refuse a capturing stream, and some of
+	 * its operations (pageable-source ordering, scratch growth, batched
+	 * copies) cannot be captured as they are */
+	o.stream_capturing = op_stream_capturing;
 	return o;
 }
 

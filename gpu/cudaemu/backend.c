@@ -897,8 +897,15 @@ static int strict_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, 
 	char op[48];
 	snprintf(op, sizeof(op), "memcpy_async (%s)", copy_kind_names[kind]);
 	struct check c = { m, op, "", -1 };
+	/* captured: the host side pinned (registered), as a GPU's graph copy
+	 * node wants it; a pageable copy stages through the host when it is
+	 * enqueued, which a replay cannot repeat */
+	const int captured = kind != KVR_COPY_D2D && kvr_dev_stream_capturing(dev, s) == 1;
 	pthread_rwlock_rdlock(&m->lock);
-	const int err = check_copy(&c, NULL, 0, (uintptr_t)dst, (uintptr_t)src, bytes, kind);
+	int err = check_copy(&c, NULL, 0, (uintptr_t)dst, (uintptr_t)src, bytes, kind);
+	if (!err && captured)
+		err = kind == KVR_COPY_H2D ? check_range(&c, "captured", 0, "src", (uintptr_t)src, bytes, 1)
+					   : check_range(&c, "captured", 0, "dst", (uintptr_t)dst, bytes, 1);
 	pthread_rwlock_unlock(&m->lock);
 	if (err)
 		return violation(dev, c.msg);
