@@ -51,6 +51,14 @@ int kvr_mapped_grow(struct kvr_dev *dev, void **buf, size_t *bytes, size_t need)
 
 /* Kernel scratch, grown like kvr_mapped_grow (contents not kept). */
 int kvr_scratch_grow(struct kvr_dev *dev, void **buf, size_t *bytes, size_t need);
+/* The size to regrow a `have`-byte buffer to for `need` bytes: at least
+ * double, so a buffer that follows a growing context (a page at a time)
+ * regrows a logarithmic number of times; on a GPU each regrowth is a
+ * cudaMalloc and a cudaFree, which waits for the whole device. */
+static inline size_t kvr_grown_bytes(size_t have, size_t need)
+{
+	return 2 * have > need ? 2 * have : need;
+}
 void kvr_scratch_free(struct kvr_dev *dev, void *p); /* NULL-safe */
 
 /* Tail tiles: the host appends into them and kernels read them. */

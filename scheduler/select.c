@@ -63,11 +63,8 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 	int err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores,
 				  sel->scores_bytes / sizeof(float), &need, stream, item);
 	if (err == -ENOSPC) {
-		/* geometrically: a context grows a page at a time, and on a GPU
-		 * each regrowth is a cudaMalloc and a cudaFree, which waits for
-		 * the whole device */
-		const size_t twice = 2 * sel->scores_bytes, want = need * sizeof(float);
-		if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes, twice > want ? twice : want))
+		if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes,
+				     kvr_grown_bytes(sel->scores_bytes, need * sizeof(float))))
 			return -ENOMEM;
 		err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores,
 				      sel->scores_bytes / sizeof(float), &need, stream, item);

@@ -708,12 +708,10 @@ static int plan_scores_fit(struct kvr_sched *s, size_t floats)
 	if (s->eng.plan_scores_bytes >= floats * sizeof(float))
 		return 0;
 	void *old = s->eng.plan_scores;
-	const size_t twice = 2 * s->eng.plan_scores_bytes, want = floats * sizeof(float);
+	const size_t grown = kvr_grown_bytes(s->eng.plan_scores_bytes, floats * sizeof(float));
 	s->eng.plan_scores = NULL;
 	s->eng.plan_scores_bytes = 0;
-	/* geometrically, as the selectors' (select.c) */
-	int err = kvr_scratch_grow(s->dev, (void **)&s->eng.plan_scores, &s->eng.plan_scores_bytes,
-				   twice > want ? twice : want);
+	int err = kvr_scratch_grow(s->dev, (void **)&s->eng.plan_scores, &s->eng.plan_scores_bytes, grown);
 	if (old)
 		kvr_sched_defer_free(s, old, 0);
 	return err;

@@ -288,6 +288,15 @@ int kvr_units_seq_open(struct kvr_sched *s)
 	return err;
 }
 
+/* Append the lane's spares' ids to the round's pages at `at`: the new end.
+ * The caller empties the spares once the round has them. */
+static uint32_t spares_to_round(struct kvr_units *u, const struct kvr_lane *lane, uint32_t at)
+{
+	for (uint32_t i = 0; i < lane->n_spare; i++)
+		u->pages[at++] = (uint32_t)lane->spare_unit[i];
+	return at;
+}
+
 void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq)
 {
 	struct kvr_units *u = s->units;
@@ -312,8 +321,7 @@ void kvr_units_seq_close(struct kvr_sched *s, uint32_t seq)
 			at += n;
 		}
 		if (lane->n_spare) { /* with the last (layer, KV head)'s units */
-			for (uint32_t i = 0; i < lane->n_spare; i++)
-				u->pages[at++] = (uint32_t)lane->spare_unit[i];
+			at = spares_to_round(u, lane, at);
 			u->counts[n_units - 1] += lane->n_spare;
 			u->spares -= lane->n_spare;
 			lane->n_spare = 0;
@@ -476,11 +484,8 @@ void kvr_units_step_end(struct kvr_sched *s)
 		/* as many lanes' spares as one round takes (a sequence's worth) */
 		uint32_t at = 0;
 		uint64_t first = x;
-		for (; x < n_lanes && at + s->lanes[x].n_spare <= u->max_pages; x++) {
-			struct kvr_lane *lane = &s->lanes[x];
-			for (uint32_t i = 0; i < lane->n_spare; i++)
-				u->pages[at++] = (uint32_t)lane->spare_unit[i];
-		}
+		for (; x < n_lanes && at + s->lanes[x].n_spare <= u->max_pages; x++)
+			at = spares_to_round(u, &s->lanes[x], at);
 		if (!at) /* cannot happen: a lane holds at most a sequence's worth */
 			break;
 		u->counts[0] = at;
