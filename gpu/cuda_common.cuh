@@ -61,9 +61,11 @@
 #if defined(__CUDACC__)
 #define KVR_UNROLL _Pragma("unroll")
 #define KVR_UNROLL4 _Pragma("unroll 4")
+#define KVR_UNROLL8 _Pragma("unroll 8")
 #else
 #define KVR_UNROLL
 #define KVR_UNROLL4
+#define KVR_UNROLL8
 #endif
 
 static const unsigned FULL_MASK = 0xffffffffu;

@@ -43,16 +43,39 @@ static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
 
 /* ------------------------------------------------------------------ plan */
 
-/* One thread per item: a few dozen segments each, written in order
- * (kvr_plan_item_run), so the tail's move up never overtakes itself. */
-static const uint32_t PLAN_THREADS = 64;
+/* One block per item. The item's inputs are mapped host memory (the lane's
+ * selection, the correction flag, the page table, the slot table): the
+ * block brings the k pages, their memory and the slots into shared memory
+ * in parallel (one bus round trip each, not k one after another), then one
+ * thread writes the segments in order (kvr_plan_item_run_with), so the
+ * tail's move up never overtakes itself, and the block writes the slots
+ * back. */
+static const uint32_t PLAN_THREADS = 128;
 
 static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
-	plan_kernel(const struct kvr_plan_item *items, uint32_t n)
+	plan_kernel(const struct kvr_plan_item *items)
 {
-	const uint32_t i = blockIdx.x * PLAN_THREADS + threadIdx.x;
-	if (i < n)
-		kvr_plan_item_run(&items[i]);
+	__shared__ int32_t pages_s[KVR_PLAN_MAX_K];
+	__shared__ uint64_t addr_s[KVR_PLAN_MAX_K];
+	__shared__ int32_t slots_s[KVR_PLAN_MAX_K];
+	const struct kvr_plan_item *it = &items[blockIdx.x];
+	const uint32_t k = it->k < KVR_PLAN_MAX_K ? it->k : KVR_PLAN_MAX_K;
+	const int32_t *pages = kvr_plan_item_pages(it);
+	int32_t *slots = it->slot_page;
+	for (uint32_t j = threadIdx.x; j < k; j += PLAN_THREADS) {
+		const int32_t page = pages[j];
+		pages_s[j] = page;
+		addr_s[j] = page >= 0 && (uint32_t)page < it->addr_end ? it->page_addr[page] : 0;
+		if (slots)
+			slots_s[j] = slots[j];
+	}
+	__syncthreads();
+	if (threadIdx.x == 0)
+		kvr_plan_item_run_with(it, pages_s, addr_s, slots ? slots_s : NULL);
+	__syncthreads();
+	if (slots)
+		for (uint32_t j = threadIdx.x; j < k; j += PLAN_THREADS)
+			slots[j] = slots_s[j];
 }
 
 extern "C" int KVR_KERNEL_SYMBOL(launch_plan)(const struct kvr_shape *shape,
@@ -62,7 +85,7 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_plan)(const struct kvr_shape *shape,
 	const int rc = check_shape(shape, "plan");
 	if (rc || n == 0)
 		return rc;
-	KVR_LAUNCH(plan_kernel, (n + PLAN_THREADS - 1) / PLAN_THREADS, PLAN_THREADS, 0, stream, items, n);
+	KVR_LAUNCH(plan_kernel, n, PLAN_THREADS, 0, stream, items);
 	return launch_status("plan");
 }
 

@@ -146,6 +146,20 @@ KVR_DEV void score_chunk(uint32_t n, uint32_t splits, uint32_t b, uint32_t *r_be
 
 /* Pass 1. Block (item·n_kv + m)·splits + b; NH query heads at a time (4 when
  * the group has at most 4, for registers and occupancy; SCORE_HEADS else). */
+/* kvr_score_gated_off with the gate's loads issued together: the flags are
+ * mapped host memory (the similarity kernel writes them there), so one bus
+ * round trip for the group rather than one per flag. */
+KVR_DEV int score_gated_off(const struct kvr_score_item *it, uint32_t n_kv)
+{
+	if (!it->gate)
+		return 0;
+	uint32_t any = 0;
+	KVR_UNROLL8
+	for (uint32_t m = 0; m < n_kv; m++)
+		any |= it->gate[m];
+	return any == 0;
+}
+
 template <uint32_t ET, uint32_t NH>
 static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	score_pages_kernel(struct kvr_shape shape, struct score_plan plan,
@@ -158,7 +172,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	const struct split_block blk = split_block_of(plan, n_kv);
 	const uint32_t b = blk.split, item = blk.item, m = blk.kv_head;
 	const struct kvr_score_item it = items[item];
-	if (it.cand_end <= it.cand_begin || kvr_score_gated_off(&it, n_kv))
+	if (it.cand_end <= it.cand_begin || score_gated_off(&it, n_kv))
 		return; /* no candidates, or gated off: nothing to write (whole block) */
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(&it, &dom_begin, &dom_end);
@@ -233,7 +247,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 	const uint32_t G = n_qo / n_kv;
 	const uint32_t item = blockIdx.x / n_qo, h = blockIdx.x % n_qo, m = h / G, g = h % G;
 	const struct kvr_score_item it = items[item];
-	if (it.cand_end <= it.cand_begin || kvr_score_gated_off(&it, n_kv))
+	if (it.cand_end <= it.cand_begin || score_gated_off(&it, n_kv))
 		return;
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(&it, &dom_begin, &dom_end);
@@ -314,7 +328,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 	const struct split_block blk = split_block_of(plan, n_kv);
 	const uint32_t b = blk.split, item = blk.item, m = blk.kv_head;
 	const struct kvr_score_item it = items[item];
-	if (it.cand_end <= it.cand_begin || kvr_score_gated_off(&it, n_kv))
+	if (it.cand_end <= it.cand_begin || score_gated_off(&it, n_kv))
 		return; /* as in pass 1 */
 	const uint32_t n_cand = it.cand_end - it.cand_begin;
 	uint32_t dom_begin, dom_end;
@@ -434,7 +448,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SELECT_THREADS, 2)
 	const uint32_t item = blockIdx.x / n_kv, m = blockIdx.x % n_kv;
 	const struct kvr_score_item it = items[item];
 	const uint32_t k = it.k;
-	if (k == 0 || kvr_score_gated_off(&it, n_kv))
+	if (k == 0 || score_gated_off(&it, n_kv))
 		return;
 	const uint32_t tid = threadIdx.x, warp = tid / 32;
 	const uint32_t n_cand = it.cand_end > it.cand_begin ? it.cand_end - it.cand_begin : 0u;
@@ -566,6 +580,7 @@ static __global__ void KVR_LAUNCH_BOUNDS(SIM_THREADS, 4)
 		float dot = 0.0f, nq = 0.0f, np = 0.0f;
 		if (g < G) {
 			const uint64_t row = (uint64_t)(m * G + g) * d;
+			KVR_UNROLL4 /* the loads issued together: q_prev may be mapped host memory */
 			for (uint32_t c = lane16; c < d; c += KVR_DOT_LANES) {
 				const float a = kvr_load_f32(it.q, ET, row + c);
 				const float b = kvr_load_f32(it.q_prev, ET, row + c);

@@ -109,7 +109,10 @@
  *              kv_head UINT32_MAX (the scatter kernel skips them);
  *              recall_count = {misses, hits}. Each taken page's segment then
  *              reads its slot: k = slot_k + slot·tile_bytes + slot_col (v
- *              likewise). k <= KVR_PLAN_MAX_K.
+ *              likewise). k <= KVR_PLAN_MAX_K. An item with segments NULL
+ *              (and attention NULL) only plans the slots and writes the
+ *              scatter items and counts: the controller's recall of the
+ *              next step's pages on the device.
  *              The decode step's device path builds the selected pages'
  *              segments (and, streamed, plans and moves the misses) with
  *              it, so the host never reads a selection.
@@ -253,20 +256,29 @@ struct kvr_attention_item {
 	uint32_t n_segments;
 };
 
-/* The plan kernel's work for one item (kernels.h, plan), sequential: the cpu
- * backend runs it per item, CUDA one thread per item. The tail segments move
- * up in ascending order, so a move never overwrites one still to be read. */
-static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
+/* The pages an item takes: the correction's when it has one and its flag is
+ * set (or absent), else the lane's selection. */
+static inline KVR_HD const int32_t *kvr_plan_item_pages(const struct kvr_plan_item *it)
 {
-	const int32_t *pages = it->corrected_sel && (!it->corrected || *it->corrected)
-				       ? it->corrected_sel
-				       : it->selected;
+	return it->corrected_sel && (!it->corrected || *it->corrected) ? it->corrected_sel : it->selected;
+}
+
+/* The plan kernel's work for one item (kernels.h, plan), sequential, given
+ * the item's k pages (kvr_plan_item_pages), the memory of each entry's page
+ * (addr_of[j] = page_addr[pages[j]] where 0 <= pages[j] < addr_end; NULL:
+ * read page_addr) and its slot table (it->slot_page, or a copy). CUDA hands
+ * it copies in shared memory, which its block fills in parallel: the
+ * originals are mapped host memory, whose reads one after the other would
+ * each wait for the bus. The tail segments move up in ascending order, so
+ * a move never overwrites one still to be read. */
+static inline KVR_HD void kvr_plan_item_run_with(const struct kvr_plan_item *it, const int32_t *pages,
+						 const uint64_t *addr_of, int32_t *slots)
+{
 	const uint32_t k = it->k < KVR_PLAN_MAX_K ? it->k : KVR_PLAN_MAX_K;
 	/* streamed: plan the slots (recall.c's plan_head), remembering each
 	 * page entry's slot */
 	uint32_t keep[KVR_PLAN_MAX_K / 32], placed[KVR_PLAN_MAX_K / 32];
 	uint16_t slot_of[KVR_PLAN_MAX_K];
-	int32_t *slots = it->slot_page;
 	if (slots) {
 		for (uint32_t x = 0; x < (k + 31) / 32; x++)
 			keep[x] = placed[x] = 0;
@@ -292,7 +304,8 @@ static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
 			keep[free_slot / 32] |= 1u << (free_slot % 32);
 			slot_of[w] = (uint16_t)free_slot;
 			struct kvr_scatter_item sc;
-			sc.run = (const unsigned char *)(uintptr_t)it->page_addr[pages[w]] + it->k_offset;
+			sc.run = (const unsigned char *)(uintptr_t)(addr_of ? addr_of[w] : it->page_addr[pages[w]]) +
+				 it->k_offset;
 			sc.k_tile = it->slot_k + free_slot * it->tile_bytes;
 			sc.v_tile = it->slot_v + free_slot * it->tile_bytes;
 			sc.kv_head = it->kv_head;
@@ -313,6 +326,8 @@ static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
 		it->recall_count[0] = misses;
 		it->recall_count[1] = hits;
 	}
+	if (!it->segments)
+		return; /* a prefetch: the slots and their scatter only */
 	struct kvr_kv_segment *seg = it->segments + it->n_head;
 	uint32_t taken = 0;
 	for (uint32_t j = 0; j < k; j++) {
@@ -326,7 +341,8 @@ static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
 			s.k = it->slot_k + at;
 			s.v = it->slot_v + at;
 		} else {
-			const unsigned char *mem = (const unsigned char *)(uintptr_t)it->page_addr[page];
+			const unsigned char *mem =
+				(const unsigned char *)(uintptr_t)(addr_of ? addr_of[j] : it->page_addr[page]);
 			s.k = mem + it->k_offset;
 			s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(mem + it->v_offset);
 		}
@@ -339,6 +355,12 @@ static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
 	for (uint32_t j = 0; j < it->n_tail; j++)
 		seg[taken + j] = seg[it->k + j];
 	it->attention->n_segments = it->n_head + taken + it->n_tail;
+}
+
+/* The same, reading the item's own arrays (the cpu backend). */
+static inline KVR_HD void kvr_plan_item_run(const struct kvr_plan_item *it)
+{
+	kvr_plan_item_run_with(it, kvr_plan_item_pages(it), (const uint64_t *)0, it->slot_page);
 }
 
 struct kvr_dense_item {

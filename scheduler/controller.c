@@ -5,7 +5,10 @@
  * engine's attention is waiting for; then normal: the speculative selection
  * for the next step and the deferred recall of the other heads) and runs
  * them: selection on its own inline stream, then, for streamed recall, the
- * plan and the issue of copies and conversions on the recall streams.
+ * plan and the issue of copies and conversions on the recall streams. On the
+ * device plan (a GPU) it reads nothing back: the selection, and streamed the
+ * prefetch of its pages, are issued on its stream and marked by the lane's
+ * sel_done, which the next step's plan waits for on the device.
  *
  * Handoff: the engine fills a lane's job fields, sets in_flight and queues
  * the lane under `lock`; the controller clears in_flight with a release store
@@ -41,13 +44,20 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 		s->hooks.delay(s->hooks.user, KVR_HOOK_CONTROLLER_JOB);
 	const uint64_t t0 = kvr_now_ns();
 	int err = 0;
+	/* the device plan with streamed recall: the recall is a prefetch on
+	 * the device after the selection (recall.c), not the staged path */
+	const int prefetch = s->device_plan && s->recall == KVR_RECALL_STREAMED;
 	if (lane->job == LANE_JOB_SELECT) {
+		if (prefetch) /* the previous one's counts, before sel_done is recorded again */
+			kvr_recall_prefetch_settle(s, lane);
 		/* prev_q may still be on its way (the device append copies it on
 		 * the compute stream, then records attn_done): a stream wait */
 		err = kvr_dev_stream_wait_event(s->dev, s->rec.ctl_sel.stream, lane->attn_done);
 		if (!err)
 			err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
 					       &s->rec.ctl_sel);
+		if (!err && prefetch)
+			err = kvr_recall_prefetch(s, lane, s->rec.ctl_sel.stream);
 		if (err) {
 			char what[224];
 			snprintf(what, sizeof(what), "controller: selection of sequence %u layer %u: %s",
@@ -62,7 +72,7 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 			kvr_trace_span(tr, "select (next step)", KVR_TRACK_CONTROLLER, lane->seq,
 				       lane->layer, s->c.n_kv_heads, t0, t1);
 	}
-	if (!err && s->recall == KVR_RECALL_STREAMED) {
+	if (!err && s->recall == KVR_RECALL_STREAMED && !prefetch) {
 		const uint64_t t1 = kvr_now_ns();
 		err = kvr_recall_issue(s, lane, lane->job_heads);
 		if (err && lane->job_urgent) {
@@ -97,7 +107,11 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	if (err) {
 		/* the lane's selection or slots are not what its next attention would
 		 * expect: forget them, so the next step selects afresh with its own
-		 * query (a full correction) and recalls every page it needs */
+		 * query (a full correction) and recalls every page it needs (once
+		 * what the device was given for them has run) */
+		if (s->rec.ctl_sel.n_ring)
+			kvr_dev_stream_synchronize(s->dev, s->rec.ctl_sel.stream);
+		lane->prefetch_pending = 0;
 		lane->has_prev = 0;
 		if (lane->slot_page)
 			for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)

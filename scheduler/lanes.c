@@ -36,7 +36,10 @@ static void lane_release(struct kvr_sched *s, struct kvr_lane *lane)
 	kvr_importance_lane_free(s, lane);
 	free(lane->slot_fmt);
 	lane->slot_fmt = NULL;
-	kvr_mapped_free(s->dev, lane->prev_q);
+	if (s->device_append)
+		kvr_dev_free(s->dev, lane->prev_q);
+	else
+		kvr_mapped_free(s->dev, lane->prev_q);
 	kvr_mapped_free(s->dev, lane->selected);
 	kvr_mapped_free(s->dev, lane->slot_page);
 	free(lane->job_heads);
@@ -51,9 +54,13 @@ void kvr_sched_seq_quiesce(struct kvr_sched *s, uint32_t seq)
 	for (uint32_t l = 0; l < s->c.n_layers; l++) {
 		struct kvr_lane *lane = lane_of(s, seq, l);
 		kvr_lane_acquire(s, lane);
-		/* the lane's recall may still be running on the streams */
+		/* the lane's recall may still be running on the streams, and
+		 * an asynchronous selection (select.c) writing `selected` */
 		if (lane->recall_done)
 			kvr_dev_event_synchronize(s->dev, lane->recall_done);
+		if (lane->sel_done)
+			kvr_dev_event_synchronize(s->dev, lane->sel_done);
+		kvr_recall_prefetch_settle(s, lane); /* its counts, now that it has run */
 	}
 }
 
@@ -68,7 +75,10 @@ int kvr_sched_seq_open(struct kvr_sched *s, uint32_t seq, unsigned char *tails)
 		memset(lane, 0, sizeof(*lane));
 		lane->seq = seq;
 		lane->layer = l;
-		int err = kvr_mapped_alloc(s->dev, s->q_row, (void **)&lane->prev_q);
+		/* the device append keeps q on the device, where the kernels that
+		 * read it (similarity, the controller's score) find it nearby */
+		int err = s->device_append ? kvr_dev_alloc(s->dev, s->q_row, (void **)&lane->prev_q)
+					   : kvr_mapped_alloc(s->dev, s->q_row, (void **)&lane->prev_q);
 		if (!err)
 			err = kvr_mapped_alloc(s->dev, n_sel * sizeof(int32_t), (void **)&lane->selected);
 		lane->job_heads = kvr_malloc(s->c.n_kv_heads);

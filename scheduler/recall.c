@@ -31,11 +31,18 @@
  *
  * The device plan (step.c) plans the same slot tables on the device, at
  * the engine's step in stream order, and moves its misses itself (one
- * scatter reading the pinned pool); the controller then reads a lane's slot
- * table only after that step's attention (attn_done), and the engine never
- * posts an urgent recall.
+ * scatter reading the pinned pool), and the engine never posts an urgent
+ * recall. The controller's recall for the next step is then a prefetch on
+ * its own stream (kvr_recall_prefetch): the plan kernel plans the slots of
+ * the lane's selection (its segments NULL) and one scatter moves the misses
+ * from the pinned pool, after the step's attention (attn_done, waited for
+ * before the selection) and before the lane's sel_done, which the next
+ * step's plan waits for on the device. The host reads nothing: the counts
+ * are tallied once sel_done is known complete (the lane's next job, or
+ * kvr_recall_prefetch_settle).
  *
- * Threads: kvr_recall_issue runs on the controller thread. Staging-buffer
+ * Threads: kvr_recall_issue and kvr_recall_prefetch run on the controller
+ * thread (kvr_recall_prefetch_settle on whichever thread holds the lane). Staging-buffer
  * reuse is ordered on the streams by the `drained` events, so the controller
  * does not wait for buffers; it waits only, before rewriting a lane's own
  * scatter items and slot table, for that lane's previous recall when it is
@@ -215,6 +222,14 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 	int ret = kvr_dev_event_create(s->dev, &lane->recall_done);
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &lane->attn_done);
+	if (!ret)
+		ret = kvr_dev_event_create(s->dev, &lane->sel_done);
+	if (!ret && lane->slot_page && s->k && s->device_plan) { /* the prefetch's items and counts */
+		ret = kvr_mirror_grow(s->dev, &lane->prefetch, (size_t)s->c.n_kv_heads * sizeof(struct kvr_plan_item));
+		if (!ret)
+			ret = kvr_mapped_alloc(s->dev, (size_t)s->c.n_kv_heads * 2 * sizeof(uint32_t),
+					       (void **)&lane->prefetch_counts);
+	}
 	if (ret || !lane->slot_page || !s->k)
 		return ret; /* zero-copy or a dense layer: events only */
 	if (s->kv_format) {
@@ -251,10 +266,15 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 	lane->spare_unit = NULL;
 	lane->n_spare = lane->holds_units = 0;
 	kvr_mirror_free(s->dev, &lane->recall_items);
+	kvr_mirror_free(s->dev, &lane->prefetch);
+	kvr_mapped_free(s->dev, lane->prefetch_counts);
+	lane->prefetch_counts = NULL;
+	lane->prefetch_pending = 0;
 	kvr_dev_event_destroy(s->dev, lane->recall_done);
 	kvr_dev_event_destroy(s->dev, lane->attn_done);
+	kvr_dev_event_destroy(s->dev, lane->sel_done);
 	lane->slot_k = lane->slot_v = NULL;
-	lane->recall_done = lane->attn_done = NULL;
+	lane->recall_done = lane->attn_done = lane->sel_done = NULL;
 }
 
 /* ------------------------------------------------------------------ hooks and spans */
@@ -650,5 +670,71 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
 	count(s, lane->seq, KVR_C_PAGES_RECALLED, n_miss_total);
 	count(s, lane->seq, KVR_C_PAGES_HIT, hits);
 	count(s, lane->seq, KVR_C_BYTES_RECALLED, n_miss_total * s->head_bytes);
+	return err;
+}
+
+/* ------------------------------------------------------------------ the device plan's prefetch */
+
+void kvr_recall_prefetch_settle(struct kvr_sched *s, struct kvr_lane *lane)
+{
+	if (!lane->prefetch_pending)
+		return;
+	/* a step old: complete, unless the device is that far behind */
+	kvr_dev_event_synchronize(s->dev, lane->sel_done);
+	uint64_t misses = 0, hits = 0;
+	for (uint32_t m = 0; m < s->c.n_kv_heads; m++) {
+		misses += lane->prefetch_counts[2 * m];
+		hits += lane->prefetch_counts[2 * m + 1];
+	}
+	count(s, lane->seq, KVR_C_PAGES_RECALLED, misses);
+	count(s, lane->seq, KVR_C_PAGES_HIT, hits);
+	count(s, lane->seq, KVR_C_BYTES_RECALLED, misses * s->head_bytes);
+	lane->prefetch_pending = 0;
+}
+
+int kvr_recall_prefetch(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_stream *stream)
+{
+	const uint32_t n_kv = s->c.n_kv_heads, kk = s->k;
+	/* the pages the selection may name (the next step's candidates),
+	 * as far as this step's plan looked them up */
+	uint32_t n_addrs = kvr_window_first(&s->c, lane->job_n_tokens + 1);
+	if (n_addrs > lane->addr_valid)
+		n_addrs = lane->addr_valid;
+	struct kvr_plan_item *items = lane->prefetch.host;
+	struct kvr_scatter_item *scatter = kvr_mirror_dev_at(&lane->recall_items, lane->recall_items.host);
+	for (uint32_t m = 0; m < n_kv; m++)
+		items[m] = (struct kvr_plan_item){
+			.selected = lane->selected + (uint64_t)m * kk,
+			.page_addr = lane->page_addr,
+			.addr_end = lane->page_addr ? n_addrs : 0,
+			.k_offset = (uint64_t)m * s->head_bytes,
+			.v_offset = UINT64_MAX, /* the run's keys and values: the scatter's */
+			.k = kk,
+			.slot_page = lane->slot_page + (uint64_t)m * kk,
+			.scatter = scatter + (uint64_t)m * kk,
+			.recall_count = lane->prefetch_counts + 2 * m,
+			.slot_k = lane->slot_k,
+			.slot_v = lane->slot_v,
+			.tile_bytes = s->tile_bytes,
+			.kv_head = m,
+		};
+	const uint64_t t0 = kvr_now_ns();
+	/* the plan decides the copies and the scatter converts: the hook sites
+	 * of the staged path's copy and conversion, on the controller's stream */
+	kvr_sched_hook_on_stream(s, stream, KVR_HOOK_COPY);
+	int err = kvr_mirror_to_device(s->dev, &lane->prefetch, items, n_kv * sizeof(*items), stream);
+	if (!err)
+		err = kvr_dev_plan(s->dev, &s->shape, lane->prefetch.dev, n_kv, stream);
+	kvr_sched_hook_on_stream(s, stream, KVR_HOOK_CONVERT);
+	if (!err)
+		err = kvr_dev_scatter(s->dev, &s->shape, scatter, n_kv * kk, stream);
+	if (!err)
+		err = kvr_dev_event_record(s->dev, lane->sel_done, stream);
+	if (!err)
+		lane->prefetch_pending = 1;
+	struct kvr_trace *tr = trace_of(s);
+	if (tr)
+		kvr_trace_span(tr, "plan + scatter recall (device)", KVR_TRACK_CONTROLLER, lane->seq, lane->layer,
+			       n_kv, t0, kvr_now_ns());
 	return err;
 }

@@ -119,6 +119,11 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 			  (s->recall == KVR_RECALL_STREAMED && !s->kv_format && !kvr_pool_spill_file(s->pool)));
 	s->eng.engine_sel.stream = s->engine_inline;
 	s->rec.ctl_sel.stream = s->ctl_inline;
+	/* the device plan reads the controller's selections only on the
+	 * device (streamed: its prefetch too): issued, not waited for */
+	if (!ret && s->device_plan && (ret = kvr_selector_make_async(s, &s->rec.ctl_sel)))
+		snprintf(err, err_bytes, "scheduler: %s",
+			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
 	if (ret && !err[0])
 		snprintf(err, err_bytes, "scheduler: %s", kvr_dev_last_error(s->dev));
 	if (!ret)
@@ -172,8 +177,8 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	free(s->eng.seg_pages);
 	free(s->eng.seg_slots);
 	kvr_mapped_free(s->dev, s->eng.now_sel);
-	kvr_mirror_free(s->dev, &s->eng.engine_sel.item);
-	kvr_mirror_free(s->dev, &s->rec.ctl_sel.item);
+	kvr_selector_free(s, &s->eng.engine_sel);
+	kvr_selector_free(s, &s->rec.ctl_sel);
 	kvr_mirror_free(s->dev, &s->eng.similarity);
 	kvr_mapped_free(s->dev, s->eng.inputs_stage);
 	kvr_scratch_free(s->dev, s->eng.engine_sel.scores);

@@ -34,7 +34,8 @@ struct kvr_lane {
 	                               queueing (the queue mutex publishes the job) */
 	uint32_t seq, layer;
 	uint32_t has_prev;        /* prev_q and selected are valid */
-	unsigned char *prev_q;    /* [n_qo][d]: the query of the lane's latest step (mapped) */
+	unsigned char *prev_q;    /* [n_qo][d]: the query of the lane's latest step (mapped;
+				     device memory under the device append) */
 	int32_t *selected;        /* [n_kv][k]: pages the next step attends (ascending, -1 =
 	                             none; mapped: the select kernel writes it) */
 	/* streamed recall: the lane's device slots and what they hold */
@@ -58,6 +59,14 @@ struct kvr_lane {
 	struct kvr_mirror recall_items; /* [n_kv][k] kvr_scatter_item: the lane's recall */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
 	struct kvr_event *attn_done;   /* recorded on the compute stream after the lane's attention */
+	struct kvr_event *sel_done;    /* recorded on the controller's stream after a selection it did
+					* not wait for (an asynchronous selector, select.c), and after
+					* its prefetch (recall.c) */
+	/* the device plan with streamed recall: the controller's prefetch
+	 * (recall.c), its plan items and counts; counts not yet tallied */
+	struct kvr_mirror prefetch;   /* [n_kv] kvr_plan_item */
+	uint32_t *prefetch_counts;    /* [n_kv][2] misses, hits (mapped: the plan kernel writes them) */
+	uint32_t prefetch_pending;
 	/* a device with memory of its own: device copies of the pages every
 	 * step attends (resident.c); engine-owned */
 	unsigned char **res_chunks;
@@ -102,12 +111,22 @@ struct layer_scratch {
 
 /* What one thread (the engine, the controller) selects with: its inline
  * stream, its score item (a mirror: the kernels read it) and its score
- * buffer (kernel scratch, grown as needed). */
+ * buffer (kernel scratch, grown as needed).
+ *
+ * An asynchronous selector (n_ring > 0: the controller's, where the host
+ * never reads its selections) does not wait for them: each selection
+ * records the lane's sel_done, which the next step's plan waits for on the
+ * device. Its items then take turns in a ring, an item's host half
+ * rewritten only once the event recorded after its last selection has
+ * completed. */
+#define KVR_SELECT_RING 16
 struct kvr_selector {
 	struct kvr_stream *stream;
-	struct kvr_mirror item; /* one struct kvr_score_item */
+	struct kvr_mirror item; /* one struct kvr_score_item, or n_ring */
 	float *scores;
 	size_t scores_bytes;
+	uint32_t n_ring, next_slot;
+	struct kvr_event *ring_done[KVR_SELECT_RING];
 };
 
 struct kvr_sched {
@@ -337,6 +356,13 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane);
 /* Plan and issue the recall of heads[m] != 0 so that their slots hold
  * lane->selected; controller thread. */
 int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads);
+/* The device plan with streamed recall: plan and move the lane's selection
+ * into its slots on `stream` (the controller's), recording sel_done; the
+ * host waits for nothing. Controller thread, holding the lane. */
+int kvr_recall_prefetch(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_stream *stream);
+/* Tally the lane's last prefetch's counts (waiting for it, rare); whoever
+ * holds the lane. */
+void kvr_recall_prefetch_settle(struct kvr_sched *s, struct kvr_lane *lane);
 /* units.c: the device page cache of quantised pages (see there) */
 int kvr_units_setup(struct kvr_sched *s, char *err, size_t err_bytes);
 void kvr_units_teardown(struct kvr_sched *s);
@@ -427,9 +453,14 @@ const uint64_t *kvr_resident_page_addrs(struct kvr_sched *s, struct kvr_lane *la
 /* select.c: selection of one lane with query q (device-readable) against the
  * window of a layer holding n_tokens tokens at the next step (next = 1) or now
  * (next = 0), into `selected` (mapped), with the calling thread's selector.
- * `selected` is readable by the host on return. */
+ * `selected` is readable by the host on return, unless the selector is
+ * asynchronous: then the lane's sel_done marks it on the device. */
 int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
 		     int next, int32_t *selected, struct kvr_selector *sel);
+/* Make `sel` asynchronous (above): its ring of items and their events. */
+int kvr_selector_make_async(struct kvr_sched *s, struct kvr_selector *sel);
+/* The selector's items and events (scores are the caller's to free). */
+void kvr_selector_free(struct kvr_sched *s, struct kvr_selector *sel);
 /* The score item of that selection, its summaries brought to the device on
  * `stream`, scores into `scores` (*scores_need floats are needed: the call
  * fails with -ENOSPC, nothing queued, when scores_cap is less); nothing

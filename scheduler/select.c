@@ -8,7 +8,8 @@
  * from both.
  *
  * Threads: whichever thread holds the lane (the engine, or the controller
- * while the lane's job is in flight); `stream` is that thread's stream.
+ * while the lane's job is in flight); `stream` is that thread's stream. An
+ * asynchronous selector is the controller's alone.
  */
 #include <errno.h>
 
@@ -59,10 +60,25 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 {
 	struct kvr_stream *stream = sel->stream;
 	struct kvr_score_item *item = sel->item.host;
+	struct kvr_event *slot_done = NULL;
+	int err = 0;
+	if (sel->n_ring) {
+		/* this slot's item was last copied KVR_SELECT_RING selections ago:
+		 * done, unless the device is that far behind (then the
+		 * controller waits, not the engine) */
+		const uint32_t slot = sel->next_slot++ % sel->n_ring;
+		item += slot;
+		slot_done = sel->ring_done[slot];
+		if ((err = kvr_dev_event_synchronize(s->dev, slot_done)))
+			return err;
+	}
 	size_t need = 0;
-	int err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores,
-				  sel->scores_bytes / sizeof(float), &need, stream, item);
+	err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores, sel->scores_bytes / sizeof(float),
+			      &need, stream, item);
 	if (err == -ENOSPC) {
+		/* selections still queued may use the old scores */
+		if (sel->n_ring && (err = kvr_dev_stream_synchronize(s->dev, stream)))
+			return err;
 		if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes,
 				     kvr_grown_bytes(sel->scores_bytes, need * sizeof(float))))
 			return -ENOMEM;
@@ -70,19 +86,50 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 				      sel->scores_bytes / sizeof(float), &need, stream, item);
 	}
 	if (err == -ENODATA) {
+		/* the host writes `selected`: a selection still queued for the lane
+		 * (none, where the pool keeps no summaries) has run */
+		if (sel->n_ring && (err = kvr_dev_event_synchronize(s->dev, lane->sel_done)))
+			return err;
 		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
 			selected[i] = -1;
 		return 0;
 	}
+	const struct kvr_score_item *item_dev = kvr_mirror_dev_at(&sel->item, item);
 	if (!err)
 		err = kvr_mirror_to_device(s->dev, &sel->item, item, sizeof(*item), stream);
 	if (!err)
-		err = kvr_dev_score(s->dev, &s->shape, sel->item.dev, 1, stream);
+		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
 	if (!err)
-		err = kvr_dev_select(s->dev, &s->shape, sel->item.dev, 1, stream);
+		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
+	if (!err && sel->n_ring) { /* the next step's plan waits for it on the device */
+		err = kvr_dev_event_record(s->dev, slot_done, stream);
+		if (!err)
+			err = kvr_dev_event_record(s->dev, lane->sel_done, stream);
+		return err;
+	}
 	/* the host plans with `selected` (and reuses the item and the scores);
 	 * the inline streams of host-addressable devices have run it already */
 	if (!err)
 		err = kvr_sched_wait_stream(s, stream, lane->seq, lane->layer, "wait selection");
 	return err;
+}
+
+int kvr_selector_make_async(struct kvr_sched *s, struct kvr_selector *sel)
+{
+	int err = kvr_mirror_grow(s->dev, &sel->item, KVR_SELECT_RING * sizeof(struct kvr_score_item));
+	for (uint32_t i = 0; i < KVR_SELECT_RING && !err; i++)
+		err = kvr_dev_event_create(s->dev, &sel->ring_done[i]);
+	if (!err)
+		sel->n_ring = KVR_SELECT_RING;
+	return err;
+}
+
+void kvr_selector_free(struct kvr_sched *s, struct kvr_selector *sel)
+{
+	kvr_mirror_free(s->dev, &sel->item);
+	for (uint32_t i = 0; i < KVR_SELECT_RING; i++) {
+		kvr_dev_event_destroy(s->dev, sel->ring_done[i]);
+		sel->ring_done[i] = NULL;
+	}
+	sel->n_ring = sel->next_slot = 0;
 }

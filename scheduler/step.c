@@ -442,19 +442,25 @@ static int layer_scratch(struct layer_call *lc)
 	const uint32_t max_segs = lc->max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
 	size_t off[12], need = 0;
 	const int planned_streamed = s->device_plan && s->recall == KVR_RECALL_STREAMED;
+	/* What the device plan's kernels read comes first and in one run
+	 * (fills, sims, score items, plans, items, segments), so that one copy
+	 * uploads it (attend_on_device); then what only the host reads or the
+	 * kernels write. */
+	enum { FILLS, SIMS, SCORE_ITEMS, PLANS, ITEMS, SEGS, ENTRIES, COSINE, CORRECTED, ATT_LANES, PLAN_SCATTER,
+	       RECALL_COUNTS };
 	const size_t sizes[12] = {
-		(size_t)batch * n_kv * sizeof(struct kvr_attention_item),
-		(size_t)batch * n_kv * max_segs * sizeof(struct kvr_kv_segment),
-		(size_t)batch * sizeof(struct entry),
-		(size_t)batch * n_kv * sizeof(float),
-		(size_t)batch * n_kv,
-		(size_t)batch * sizeof(struct kvr_lane *),
-		(size_t)batch * sizeof(struct kvr_page_item),
-		(size_t)batch * sizeof(struct kvr_similarity_item),
-		(size_t)batch * sizeof(struct kvr_score_item),
-		(size_t)batch * n_kv * sizeof(struct kvr_plan_item),
-		planned_streamed ? (size_t)batch * n_kv * s->k * sizeof(struct kvr_scatter_item) : 0,
-		planned_streamed ? (size_t)batch * n_kv * 2 * sizeof(uint32_t) : 0,
+		[FILLS] = (size_t)batch * sizeof(struct kvr_page_item),
+		[SIMS] = (size_t)batch * sizeof(struct kvr_similarity_item),
+		[SCORE_ITEMS] = (size_t)batch * sizeof(struct kvr_score_item),
+		[PLANS] = (size_t)batch * n_kv * sizeof(struct kvr_plan_item),
+		[ITEMS] = (size_t)batch * n_kv * sizeof(struct kvr_attention_item),
+		[SEGS] = (size_t)batch * n_kv * max_segs * sizeof(struct kvr_kv_segment),
+		[ENTRIES] = (size_t)batch * sizeof(struct entry),
+		[COSINE] = (size_t)batch * n_kv * sizeof(float),
+		[CORRECTED] = (size_t)batch * n_kv,
+		[ATT_LANES] = (size_t)batch * sizeof(struct kvr_lane *),
+		[PLAN_SCATTER] = planned_streamed ? (size_t)batch * n_kv * s->k * sizeof(struct kvr_scatter_item) : 0,
+		[RECALL_COUNTS] = planned_streamed ? (size_t)batch * n_kv * 2 * sizeof(uint32_t) : 0,
 	};
 	for (int i = 0; i < 12; i++) {
 		off[i] = need;
@@ -467,18 +473,18 @@ static int layer_scratch(struct layer_call *lc)
 	}
 	unsigned char *mem = ls->m.host;
 	lc->ls = ls;
-	lc->items = (void *)(mem + off[0]);
-	lc->segs = (void *)(mem + off[1]);
-	lc->e = (void *)(mem + off[2]);
-	lc->cosine = (void *)(mem + off[3]);
-	lc->corrected = mem + off[4];
-	lc->att_lanes = (void *)(mem + off[5]);
-	lc->fills = (void *)(mem + off[6]);
-	lc->sims = (void *)(mem + off[7]);
-	lc->score_items = (void *)(mem + off[8]);
-	lc->plans = (void *)(mem + off[9]);
-	lc->plan_scatter = (void *)(mem + off[10]);
-	lc->recall_counts = (void *)(mem + off[11]);
+	lc->items = (void *)(mem + off[ITEMS]);
+	lc->segs = (void *)(mem + off[SEGS]);
+	lc->e = (void *)(mem + off[ENTRIES]);
+	lc->cosine = (void *)(mem + off[COSINE]);
+	lc->corrected = mem + off[CORRECTED];
+	lc->att_lanes = (void *)(mem + off[ATT_LANES]);
+	lc->fills = (void *)(mem + off[FILLS]);
+	lc->sims = (void *)(mem + off[SIMS]);
+	lc->score_items = (void *)(mem + off[SCORE_ITEMS]);
+	lc->plans = (void *)(mem + off[PLANS]);
+	lc->plan_scatter = (void *)(mem + off[PLAN_SCATTER]);
+	lc->recall_counts = (void *)(mem + off[RECALL_COUNTS]);
 	return 0;
 }
 
@@ -881,22 +887,24 @@ static int attend_on_device(struct layer_call *lc)
 				 kvr_dev_last_error(s->dev));
 			return err;
 		}
+		/* the lane's selection for this step, which the controller issued
+		 * without waiting for it (an asynchronous selector): a stream wait */
+		if (!all && s->rec.ctl_sel.n_ring && (err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done))) {
+			snprintf(s->last_error, sizeof(s->last_error), "ordering the lane's selection: %s",
+				 kvr_dev_last_error(s->dev));
+			return err;
+		}
 		e->all_corrected = (uint32_t)all;
 		queue_planned(lc, i, lane, now, check ? corr : NULL, addrs, n_addrs);
 	}
-	/* everything the kernels read, then the kernels, in order on compute */
-	struct kvr_layer_upload {
-		const void *at;
-		size_t bytes;
-	} up[] = {
-		{ lc->sims, n_sims * sizeof(*lc->sims) },
-		{ lc->score_items, n_scores * sizeof(*lc->score_items) },
-		{ lc->plans, lc->n_plans * sizeof(*lc->plans) },
-		{ lc->items, lc->n_items * sizeof(*lc->items) },
-		{ lc->segs, lc->n_segs * sizeof(*lc->segs) },
-	};
-	for (size_t u = 0; u < sizeof(up) / sizeof(up[0]) && !err; u++)
-		err = kvr_mirror_to_device(s->dev, &lc->ls->m, up[u].at, up[u].bytes, s->compute);
+	/* everything the kernels read, in one copy (layer_scratch lays it out
+	 * as one run, sims to the last segment), then the kernels, in order on
+	 * compute */
+	if (!err)
+		err = kvr_mirror_to_device(s->dev, &lc->ls->m, lc->sims,
+					   (size_t)((const unsigned char *)(lc->segs + lc->n_segs) -
+						    (const unsigned char *)lc->sims),
+					   s->compute);
 	if (!err && n_sims)
 		err = kvr_dev_similarity(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->sims), n_sims,
 					 s->compute);
@@ -987,7 +995,7 @@ static void post_next_step(struct layer_call *lc)
 			 * read the old one; the controller's selection, which reads
 			 * it, waits for attn_done recorded after the copy */
 			int err = kvr_dev_memcpy_async(s->dev, lane->prev_q, lc->q_dev + i * lc->q_row, lc->q_row,
-						       KVR_COPY_D2H, s->compute);
+						       KVR_COPY_D2D, s->compute);
 			if (!err)
 				err = kvr_dev_event_record(s->dev, lane->attn_done, s->compute);
 			if (err) { /* no previous query: the next step selects afresh */

@@ -881,7 +881,7 @@ static void run_drift(const struct opts *o, struct drift *r, struct check *ck)
 		 * posts no controller job: it selects on the engine's thread; on
 		 * the device path blocking posts none either, and its recall is
 		 * the compute stream's) */
-		const int device_plan = o->dev_kind == KVR_DEV_CUDAEMU_STRICT && !o->host_step && !o->kv_format &&
+		const int device_plan = (o->dev_kind == KVR_DEV_CUDAEMU_STRICT || o->dev_kind == KVR_DEV_CUDA) && !o->host_step && !o->kv_format &&
 					o->pool_layout == KVR_POOL_HND && !o->ram_pages;
 		const int blocking_on_device = o->mode == KVR_MODE_BLOCKING && device_plan;
 		if ((o->mode != KVR_MODE_BLOCKING || o->recall == KVR_RECALL_STREAMED) && !blocking_on_device)

@@ -570,12 +570,20 @@ static int check_items(struct check *c, const struct emu_op *op)
 	case EMU_PLAN: {
 		const struct kvr_plan_item *it = op->items;
 		for (uint32_t i = 0; i < op->n && !err; i++) {
-			const uint64_t list = (uint64_t)it[i].n_head + it[i].k + it[i].n_tail;
+			/* segments NULL: a prefetch, no attention item either */
+			const uint64_t list =
+				it[i].segments ? (uint64_t)it[i].n_head + it[i].k + it[i].n_tail : 0;
 			if ((err = check_data(c, "item", i, "attention", it[i].attention, 0,
-					      sizeof(struct kvr_attention_item))) ||
+					      it[i].segments ? sizeof(struct kvr_attention_item) : 0)) ||
 			    (err = check_data(c, "item", i, "segments", it[i].segments, 0,
 					      list * sizeof(struct kvr_kv_segment))))
 				break;
+			if (!it[i].segments && !it[i].slot_page) {
+				snprintf(c->msg, sizeof(c->msg), "%s: item %" PRIu32 " has neither segments nor slots",
+					 c->op, i);
+				err = -EFAULT;
+				break;
+			}
 			if (it[i].slot_page && it[i].k > KVR_PLAN_MAX_K) {
 				snprintf(c->msg, sizeof(c->msg), "%s: item %" PRIu32 " plans %" PRIu32
 					 " slots, more than KVR_PLAN_MAX_K (%u)", c->op, i, it[i].k, KVR_PLAN_MAX_K);
