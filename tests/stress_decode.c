@@ -9,13 +9,17 @@
  * random delays in the controller and on the streams), the cpu backend on
  * its own workers or on a public kvr_thread_pool shared by every round's
  * context (kvr_config.parallel_for: the engine's and the controller's
- * threads then call into one pool at once), then decodes random
+ * threads then call into one pool at once), or (third argument "strict")
+ * cudaemu-strict, a device with memory of its own and an HND pool, so the
+ * device path runs: the controller's selections and prefetches issued
+ * without waiting, the engine's plan waiting for them on the device, q, k,
+ * v and out in device memory. Then it decodes random
  * batches of sequences of random lengths —
  * some at most B tokens (dense path), some beyond — while sequences are
  * forked, truncated, freed and created between steps. Every status must be
  * 0, every output finite, and no asynchronous error may be left.
  *
- * Usage: stress_decode [seed] [rounds]. Exit 0 on success; prints
+ * Usage: stress_decode [seed] [rounds] [strict]. Exit 0 on success; prints
  * "N passed, N failed".
  */
 #include <errno.h>
@@ -27,6 +31,8 @@
 #include <unistd.h>
 
 #include "../scheduler/scheduler.h"
+#include "backend.h"
+#include "cudaemu.h"
 #include "half.h"
 #include "internal.h"
 #include "kvrecall.h"
@@ -117,13 +123,19 @@ static int create(struct kvr_context *ctx, struct sseq *seqs, uint32_t dtype)
 /* The engine's pool the rounds may hand to their contexts (main creates it). */
 static struct kvr_thread_pool *shared_pool;
 
+/* KVR_DEV_CPU, or KVR_DEV_CUDAEMU_STRICT for every round (main's third argument) */
+static uint32_t dev_kind = KVR_DEV_CPU;
+
 static void run_round(uint32_t round)
 {
 	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
 	const uint32_t mode = modes[round % 3];
-	const uint32_t recall = (round / 3) % 2 ? KVR_RECALL_STREAMED : KVR_RECALL_ZERO_COPY;
+	/* strict runs few rounds: streamed from the second on */
+	const uint32_t recall = (dev_kind == KVR_DEV_CPU ? (round / 3) % 2 : round % 2) ? KVR_RECALL_STREAMED
+										     : KVR_RECALL_ZERO_COPY;
 	const uint32_t dtype = urand(2) ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
 	const uint32_t eb = dtype == KVR_DTYPE_F32 ? 4 : 2;
+
 	struct kvr_config c;
 	th_config(&c, NL, N_QO, N_KV, D, dtype, P, 32, 32, 128);
 	c.mode = mode;
@@ -136,14 +148,22 @@ static void run_round(uint32_t round)
 	c.recall_chunk_pages = 1 + urand(4);
 	c.recall_buffers = 1 + urand(2);
 	c.pool_layout = urand(4) ? KVR_POOL_HND : KVR_POOL_NHD; /* NHD: the ablation's row copies */
+	if (dev_kind != KVR_DEV_CPU) /* the device path: an HND pool */
+		c.pool_layout = KVR_POOL_HND;
 	/* quantised pages (HND only): direct copies into slots, mixed's demotion */
 	if (c.pool_layout == KVR_POOL_HND)
 		c.kv_format = urand(4); /* plain, k8v4, k4v2, mixed */
+	/* strict: the controller's device path (speculative, freekv) on plain
+	 * pages, where streamed recall is its prefetch */
+	const int device_controller = dev_kind != KVR_DEV_CPU && mode != KVR_MODE_BLOCKING;
+	if (device_controller)
+		c.kv_format = 0;
 	c.pool_bytes = 4096ull * 2 * P * KV_ROW * eb;
 	/* the spill tier (streamed recall, HND): RAM for 96 plain pages of the
 	 * ~360 the sequences hold, so recall reads the file while the engine
 	 * evicts; layer 0 sparse, since a dense layer reads every page in place */
-	const int spill = recall == KVR_RECALL_STREAMED && c.pool_layout == KVR_POOL_HND && urand(2);
+	const int spill = recall == KVR_RECALL_STREAMED && c.pool_layout == KVR_POOL_HND && !device_controller &&
+			  urand(2);
 	if (spill) {
 		c.pool_ram_bytes = 96ull * 2 * P * KV_ROW * eb;
 		c.dense_layers[0] = 0;
@@ -156,13 +176,33 @@ static void run_round(uint32_t round)
 	}
 	const struct kvr_sched_hooks hooks = { urand(2) ? delay : NULL, NULL, urand(2), 0 };
 	struct kvr_context *ctx = NULL;
-	int r = kvr_context_create_internal(&c, 0, &hooks, &ctx);
+	int r = kvr_context_create_internal(&c, dev_kind == KVR_DEV_CPU ? 0 : dev_kind, &hooks, &ctx);
 	CHECK(r == 0, "context: %d %s", r, kvr_last_error(NULL));
 	if (r)
 		return;
-	printf("round %u: %s, %s, %s, %s pool, %s pages, dense layer 0 %d, chunk %u, buffers %u, async %u, "
+	/* a device with memory of its own: the decode calls' buffers there */
+	const int staged = !kvr_dev_host_visible(ctx->dev);
+	struct kvr_stream *stage = NULL;
+	void *dq[NL] = { 0 }, *dk[NL] = { 0 }, *dv[NL] = { 0 }, *dout[NL] = { 0 };
+	if (staged) {
+		r = kvr_dev_stream_create(ctx->dev, 0, &stage);
+		for (uint32_t l = 0; !r && l < NL; l++)
+			if ((r = kvr_dev_alloc(ctx->dev, MAX_BATCH * Q_ROW * 4, &dq[l])) ||
+			    (r = kvr_dev_alloc(ctx->dev, MAX_BATCH * KV_ROW * 4, &dk[l])) ||
+			    (r = kvr_dev_alloc(ctx->dev, MAX_BATCH * KV_ROW * 4, &dv[l])))
+				break;
+			else
+				r = kvr_dev_alloc(ctx->dev, MAX_BATCH * Q_ROW * 4, &dout[l]);
+		CHECK(r == 0, "device buffers: %d %s", r, kvr_dev_last_error(ctx->dev));
+		if (r) {
+			kvr_context_destroy(ctx);
+			return;
+		}
+	}
+	printf("round %u: %s, %s, %s, %s, %s pool, %s pages, dense layer 0 %d, chunk %u, buffers %u, async %u, "
 	       "delays %d, spill %d, shared pool %d\n",
-	       round, kvr_mode_name(mode), kvr_recall_name(recall), kvr_dtype_name(dtype),
+	       round, staged ? "cudaemu-strict" : "cpu", kvr_mode_name(mode), kvr_recall_name(recall),
+	       kvr_dtype_name(dtype),
 	       c.pool_layout == KVR_POOL_NHD ? "NHD" : "HND", kvr_kv_format_name(c.kv_format), (int)c.dense_layers[0],
 	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL, spill, shared);
 
@@ -242,6 +282,19 @@ static void run_round(uint32_t round)
 			fill(k, (size_t)batch * KV_ROW, dtype, 1.0f);
 			fill(v, (size_t)batch * KV_ROW, dtype, 1.0f);
 			int32_t status[MAX_BATCH];
+			if (staged) { /* the inputs to the device; outputs read after decode_end */
+				r = kvr_dev_memcpy_async(ctx->dev, dq[l], q, (size_t)batch * Q_ROW * eb, KVR_COPY_H2D, stage);
+				if (!r)
+					r = kvr_dev_memcpy_async(ctx->dev, dk[l], k, (size_t)batch * KV_ROW * eb,
+								 KVR_COPY_H2D, stage);
+				if (!r)
+					r = kvr_dev_memcpy_async(ctx->dev, dv[l], v, (size_t)batch * KV_ROW * eb,
+								 KVR_COPY_H2D, stage);
+				if (!r)
+					r = kvr_dev_stream_synchronize(ctx->dev, stage);
+				CHECK(r == 0, "staging the inputs: %d %s", r, kvr_dev_last_error(ctx->dev));
+				q = dq[l], k = dk[l], v = dv[l], out = dout[l];
+			}
 			r = kvr_decode_layer(ctx, l, q, k, v, out, status, NULL);
 			CHECK(r == 0, "decode_layer: %d %s", r, kvr_last_error(ctx));
 			for (uint32_t i = 0; !r && i < batch; i++) {
@@ -250,8 +303,8 @@ static void run_round(uint32_t round)
 				      kvr_last_error(ctx));
 				ok &= status[i] == 0;
 			}
-			if (hooks.async_compute)
-				continue; /* outputs complete at decode_end: checked below */
+			if (hooks.async_compute || staged)
+				continue; /* outputs complete at decode_end (or on the device): checked below */
 			for (uint32_t i = 0; i < batch * Q_ROW; i++)
 				if (!isfinite(kvr_load_f32(out, dtype, i))) {
 					CHECK(0, "step %u layer %u: output %u not finite", step, l, i);
@@ -260,7 +313,14 @@ static void run_round(uint32_t round)
 		}
 		r = kvr_decode_end(ctx);
 		CHECK(r == 0, "decode_end: %d %s", r, kvr_last_error(ctx));
-		for (uint32_t l = 0; hooks.async_compute && l < NL; l++)
+		for (uint32_t l = 0; staged && l < NL; l++) {
+			r = kvr_dev_memcpy_async(ctx->dev, outs[l], dout[l], (size_t)batch * Q_ROW * eb, KVR_COPY_D2H,
+						 stage);
+			if (!r)
+				r = kvr_dev_stream_synchronize(ctx->dev, stage);
+			CHECK(r == 0, "reading the outputs: %d %s", r, kvr_dev_last_error(ctx->dev));
+		}
+		for (uint32_t l = 0; (hooks.async_compute || staged) && l < NL; l++)
 			for (uint32_t i = 0; i < batch * Q_ROW; i++)
 				if (!isfinite(kvr_load_f32(outs[l], dtype, i))) {
 					CHECK(0, "step %u layer %u: output %u not finite", step, l, i);
@@ -290,6 +350,19 @@ static void run_round(uint32_t round)
 	const char *msg = NULL;
 	r = kvr_async_error(ctx, &msg);
 	CHECK(r == 0, "asynchronous error %d: %s", r, msg ? msg : "");
+	if (staged) {
+		char why[256] = "";
+		kvr_cudaemu_strict_last_violation(why, sizeof(why));
+		CHECK(kvr_cudaemu_strict_violations() == 0, "cudaemu-strict: %s", why);
+		CHECK(kvr_cudaemu_failed_launches() == 0, "a cudaemu kernel launch failed");
+		for (uint32_t l = 0; l < NL; l++) {
+			kvr_dev_free(ctx->dev, dq[l]);
+			kvr_dev_free(ctx->dev, dk[l]);
+			kvr_dev_free(ctx->dev, dv[l]);
+			kvr_dev_free(ctx->dev, dout[l]);
+		}
+		kvr_dev_stream_destroy(ctx->dev, stage);
+	}
 	kvr_context_destroy(ctx);
 }
 
@@ -297,6 +370,8 @@ int main(int argc, char **argv)
 {
 	const uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 0) : 20240611;
 	const uint32_t rounds = argc > 2 ? (uint32_t)strtoul(argv[2], NULL, 0) : 12;
+	if (argc > 3 && !strcmp(argv[3], "strict"))
+		dev_kind = KVR_DEV_CUDAEMU_STRICT;
 	rng_state = th_mix64(seed);
 	printf("stress_decode: seed %llu, %u rounds\n", (unsigned long long)seed, rounds);
 	if (kvr_thread_pool_create(1, &shared_pool)) {

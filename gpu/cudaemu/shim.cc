@@ -23,6 +23,11 @@
  * by the parity of the lane's warp-operation count: a lane can write the next
  * operation's bank before slower lanes have read this one, but cannot get two
  * operations ahead, because the next one waits for every lane.
+ *
+ * Under ThreadSanitizer each fiber is a TSan fiber (made afresh with each
+ * block, since an abandoned or finished fiber never pops its frames), and
+ * every switch is announced, so TSan keeps one shadow stack per fiber and
+ * orders a fiber's work after the scheduler's switch into it.
  */
 #include "shim.h"
 
@@ -37,6 +42,9 @@
 #include <memory>
 #include <new>
 
+#ifdef __SANITIZE_THREAD__
+#include <sanitizer/tsan_interface.h>
+#endif
 #ifdef __SANITIZE_ADDRESS__
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
@@ -56,8 +64,9 @@ constexpr size_t max_dynamic_smem = 228 * 1024;
 /* Dynamic shared memory is not initialised on a GPU: a kernel that reads it
  * before writing must see garbage, not zeros or the previous block's data. */
 constexpr unsigned char smem_garbage = 0xA5;
-#ifdef __SANITIZE_ADDRESS__
-/* ASan's redzones make kernel frames several times larger. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+/* ASan's redzones and TSan's instrumentation make kernel frames several
+ * times larger. */
 constexpr size_t fiber_stack_bytes = 256 * 1024;
 #else
 constexpr size_t fiber_stack_bytes = 64 * 1024;
@@ -96,6 +105,9 @@ struct fiber {
 	uint3 thread_idx;
 	fiber_state state;
 	unsigned warp_ops; /* warp operations done in this block; parity = slot bank */
+#ifdef __SANITIZE_THREAD__
+	void *tsan_fiber; /* this block's TSan fiber, or NULL */
+#endif
 #ifdef __SANITIZE_ADDRESS__
 	void *asan_fake_stack;
 	/* Frames abandoned by a failed launch left ASan redzones on the stack. */
@@ -129,8 +141,13 @@ public:
 	scheduler &operator=(const scheduler &) = delete;
 	~scheduler()
 	{
-		for (unsigned i = 0; i < n_stacks_; i++)
+		for (unsigned i = 0; i < n_stacks_; i++) {
+#ifdef __SANITIZE_THREAD__
+			if (fibers_[i].tsan_fiber)
+				__tsan_destroy_fiber(fibers_[i].tsan_fiber);
+#endif
 			munmap(fibers_[i].stack - page_bytes(), fiber_stack_bytes + page_bytes());
+		}
 	}
 
 	void run_launch(const char *name, dim3 grid, dim3 block, size_t smem,
@@ -175,6 +192,9 @@ private:
 	unsigned n_at_sync_ = 0, n_exited_ = 0;
 	bool failed_ = false;
 
+#ifdef __SANITIZE_THREAD__
+	void *tsan_main_ = nullptr; /* the launching thread's TSan fiber */
+#endif
 #ifdef __SANITIZE_ADDRESS__
 	void *main_fake_stack_ = nullptr;
 	const void *main_stack_bottom_ = nullptr;
@@ -316,6 +336,11 @@ void scheduler::make_fiber(fiber &f)
 {
 	f.state = fiber_state::runnable;
 	f.warp_ops = 0;
+#ifdef __SANITIZE_THREAD__
+	if (f.tsan_fiber)
+		__tsan_destroy_fiber(f.tsan_fiber);
+	f.tsan_fiber = __tsan_create_fiber(0);
+#endif
 #ifdef __SANITIZE_ADDRESS__
 	if (f.stack_dirty) {
 		__asan_unpoison_memory_region(f.stack, fiber_stack_bytes);
@@ -353,6 +378,10 @@ void scheduler::resume(fiber &f)
 {
 	current_ = &f;
 	tls_thread_idx = &f.thread_idx;
+#ifdef __SANITIZE_THREAD__
+	tsan_main_ = __tsan_get_current_fiber();
+	__tsan_switch_to_fiber(f.tsan_fiber, 0);
+#endif
 #ifdef __SANITIZE_ADDRESS__
 	__sanitizer_start_switch_fiber(&main_fake_stack_, f.stack, fiber_stack_bytes);
 #endif
@@ -375,6 +404,9 @@ void scheduler::switch_to_scheduler(bool last)
 				       main_stack_size_);
 #else
 	(void)last;
+#endif
+#ifdef __SANITIZE_THREAD__
+	__tsan_switch_to_fiber(tsan_main_, 0);
 #endif
 	swapcontext(&f.ctx, &main_ctx_);
 #ifdef __SANITIZE_ADDRESS__
