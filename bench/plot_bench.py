@@ -145,13 +145,16 @@ def plot_decode(d, path):
                     ax.bar(x, w, width, bottom=b, color=col, label=lab if (ci == 0 and mi == 0) else None)
                     b += w
                 xs.append(x), total.append(t)
-        ax.set_ylim(top=max(r["us_per_layer"] for r in sub) * 1.8)
+        # log scale first, then both limits: bars start at 0, which a log
+        # axis cannot autoscale to
+        ax.set_yscale("log")
         base = sub[0]["attention_over_budget_us"]
+        ax.set_ylim(bottom=min(min(r["us_per_layer"] for r in sub), base) * 0.5,
+                    top=max(r["us_per_layer"] for r in sub) * 1.8)
         ax.axhline(base, color="#444444", lw=0.8, ls=":")
         ax.annotate(f"attention over B alone {base:.0f} µs", (-0.45, base), textcoords="offset points",
                     xytext=(0, 3), fontsize=7)
         ax.set_xticks(range(len(contexts)), [f"{L // 1024}K" for L in contexts])
-        ax.set_yscale("log")
         ax.set_ylabel("µs per layer (median step)")
         ax.set_title(f"batch {batch}", fontsize=9)
         ax.grid(alpha=0.3, axis="y", which="both")

@@ -144,8 +144,6 @@ KVR_DEV void score_chunk(uint32_t n, uint32_t splits, uint32_t b, uint32_t *r_be
 	*r_end = hi < n ? (uint32_t)hi : n;
 }
 
-/* Pass 1. Block (item·n_kv + m)·splits + b; NH query heads at a time (4 when
- * the group has at most 4, for registers and occupancy; SCORE_HEADS else). */
 /* kvr_score_gated_off with the gate's loads issued together: the flags are
  * mapped host memory (the similarity kernel writes them there), so one bus
  * round trip for the group rather than one per flag. */
@@ -160,6 +158,8 @@ KVR_DEV int score_gated_off(const struct kvr_score_item *it, uint32_t n_kv)
 	return any == 0;
 }
 
+/* Pass 1. Block (item·n_kv + m)·splits + b; NH query heads at a time (4 when
+ * the group has at most 4, for registers and occupancy; SCORE_HEADS else). */
 template <uint32_t ET, uint32_t NH>
 static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	score_pages_kernel(struct kvr_shape shape, struct score_plan plan,

@@ -701,7 +701,7 @@ int kvr_recall_prefetch(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_s
 	if (n_addrs > lane->addr_valid)
 		n_addrs = lane->addr_valid;
 	struct kvr_plan_item *items = lane->prefetch.host;
-	struct kvr_scatter_item *scatter = kvr_mirror_dev_at(&lane->recall_items, lane->recall_items.host);
+	struct kvr_scatter_item *scatter = lane->recall_items.dev;
 	for (uint32_t m = 0; m < n_kv; m++)
 		items[m] = (struct kvr_plan_item){
 			.selected = lane->selected + (uint64_t)m * kk,

@@ -440,15 +440,14 @@ static int layer_scratch(struct layer_call *lc)
 	const uint32_t batch = lc->batch, n_kv = lc->n_kv;
 	/* mixed pages: a selected K8V4 page is two segments (its halves) */
 	const uint32_t max_segs = lc->max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
-	size_t off[12], need = 0;
 	const int planned_streamed = s->device_plan && s->recall == KVR_RECALL_STREAMED;
 	/* What the device plan's kernels read comes first and in one run
 	 * (fills, sims, score items, plans, items, segments), so that one copy
 	 * uploads it (attend_on_device); then what only the host reads or the
 	 * kernels write. */
 	enum { FILLS, SIMS, SCORE_ITEMS, PLANS, ITEMS, SEGS, ENTRIES, COSINE, CORRECTED, ATT_LANES, PLAN_SCATTER,
-	       RECALL_COUNTS };
-	const size_t sizes[12] = {
+	       RECALL_COUNTS, N_REGIONS };
+	const size_t sizes[N_REGIONS] = {
 		[FILLS] = (size_t)batch * sizeof(struct kvr_page_item),
 		[SIMS] = (size_t)batch * sizeof(struct kvr_similarity_item),
 		[SCORE_ITEMS] = (size_t)batch * sizeof(struct kvr_score_item),
@@ -462,7 +461,8 @@ static int layer_scratch(struct layer_call *lc)
 		[PLAN_SCATTER] = planned_streamed ? (size_t)batch * n_kv * s->k * sizeof(struct kvr_scatter_item) : 0,
 		[RECALL_COUNTS] = planned_streamed ? (size_t)batch * n_kv * 2 * sizeof(uint32_t) : 0,
 	};
-	for (int i = 0; i < 12; i++) {
+	size_t off[N_REGIONS], need = 0;
+	for (int i = 0; i < N_REGIONS; i++) {
 		off[i] = need;
 		need += (sizes[i] + 63) & ~(size_t)63;
 	}
@@ -888,8 +888,9 @@ static int attend_on_device(struct layer_call *lc)
 			return err;
 		}
 		/* the lane's selection for this step, which the controller issued
-		 * without waiting for it (an asynchronous selector): a stream wait */
-		if (!all && s->rec.ctl_sel.n_ring && (err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done))) {
+		 * without waiting for it (on the device plan its selector is
+		 * asynchronous, sched.c): a stream wait */
+		if (!all && (err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done))) {
 			snprintf(s->last_error, sizeof(s->last_error), "ordering the lane's selection: %s",
 				 kvr_dev_last_error(s->dev));
 			return err;
