@@ -43,14 +43,47 @@ static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
 
 /* ------------------------------------------------------------------ plan */
 
-/* One block per item. The item's inputs are mapped host memory (the lane's
- * selection, the correction flag, the page table, the slot table): the
- * block brings the k pages, their memory and the slots into shared memory
- * in parallel (one bus round trip each, not k one after another), then one
- * thread writes the segments in order (kvr_plan_item_run_with), so the
- * tail's move up never overtakes itself, and the block writes the slots
- * back. */
+/* One block per item, every step of it in parallel. The item's inputs are
+ * mapped host memory (the lane's selection, the correction flag, the page
+ * table, the slot table): the block brings the k pages, their memory and
+ * the slots into shared memory (one bus round trip each, not k one after
+ * another). Then the slots are planned as kvr_plan_item_run_with plans them,
+ * with the same result:
+ *  - hits: each page entry looks for the first slot holding its page. Where
+ *    the selection's pages are distinct (a top-k's are) that is the
+ *    sequential matching's answer, which walks the slots and gives each the
+ *    first unplaced entry; a selection with a page twice takes the
+ *    sequential path (one thread), so any input plans alike;
+ *  - misses, in entry order, take the free slots in slot order: the r-th
+ *    miss (a rank from a popcount bitmap) the r-th free slot;
+ *  - the taken pages' segments go to their rank among the taken, and the
+ *    tail's segments move up in chunks of the block, each read before any
+ *    is written: a chunk lands below the next one's sources, as the taken
+ *    count is at most k.
+ * The block writes the slots back. What took one thread O(k²) steps takes
+ * each O(k) (the matching) or O(k/threads). */
 static const uint32_t PLAN_THREADS = 128;
+#define PLAN_WORDS (KVR_PLAN_MAX_K / 32)
+
+/* Entries before `i` set in `bits`, given each word's count of the set
+ * entries before it (`before`). */
+KVR_DEV uint32_t plan_rank(const uint32_t *bits, const uint32_t *before, uint32_t i)
+{
+	return before[i / 32] + (uint32_t)__popc(bits[i / 32] & ((1u << (i % 32)) - 1u));
+}
+
+/* Each word's count of set entries before it, by the threads below
+ * `words`, and the total of all of them (every thread's return). The
+ * caller syncs before and after. */
+KVR_DEV void plan_prefix(const uint32_t *bits, uint32_t *before, uint32_t words)
+{
+	if (threadIdx.x < words) {
+		uint32_t n = 0;
+		for (uint32_t x = 0; x < threadIdx.x; x++)
+			n += (uint32_t)__popc(bits[x]);
+		before[threadIdx.x] = n;
+	}
+}
 
 static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
 	plan_kernel(const struct kvr_plan_item *items)
@@ -58,24 +91,154 @@ static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
 	__shared__ int32_t pages_s[KVR_PLAN_MAX_K];
 	__shared__ uint64_t addr_s[KVR_PLAN_MAX_K];
 	__shared__ int32_t slots_s[KVR_PLAN_MAX_K];
+	__shared__ int16_t slot_of_s[KVR_PLAN_MAX_K]; /* each entry's slot, -1: none */
+	__shared__ uint16_t free_at_s[KVR_PLAN_MAX_K]; /* the r-th free slot */
+	__shared__ uint32_t keep_w[PLAN_WORDS], miss_w[PLAN_WORDS], free_w[PLAN_WORDS], taken_w[PLAN_WORDS];
+	__shared__ uint32_t miss_before[PLAN_WORDS], free_before[PLAN_WORDS], taken_before[PLAN_WORDS];
+	__shared__ int repeated_page;
 	const struct kvr_plan_item *it = &items[blockIdx.x];
+	const uint32_t tid = threadIdx.x;
 	const uint32_t k = it->k < KVR_PLAN_MAX_K ? it->k : KVR_PLAN_MAX_K;
+	const uint32_t words = (k + 31) / 32;
 	const int32_t *pages = kvr_plan_item_pages(it);
 	int32_t *slots = it->slot_page;
-	for (uint32_t j = threadIdx.x; j < k; j += PLAN_THREADS) {
+	for (uint32_t j = tid; j < k; j += PLAN_THREADS) {
 		const int32_t page = pages[j];
 		pages_s[j] = page;
 		addr_s[j] = page >= 0 && (uint32_t)page < it->addr_end ? it->page_addr[page] : 0;
+		slot_of_s[j] = -1;
 		if (slots)
 			slots_s[j] = slots[j];
 	}
+	for (uint32_t x = tid; x < PLAN_WORDS; x += PLAN_THREADS)
+		keep_w[x] = miss_w[x] = free_w[x] = taken_w[x] = 0;
+	if (tid == 0)
+		repeated_page = 0;
 	__syncthreads();
-	if (threadIdx.x == 0)
-		kvr_plan_item_run_with(it, pages_s, addr_s, slots ? slots_s : NULL);
-	__syncthreads();
-	if (slots)
-		for (uint32_t j = threadIdx.x; j < k; j += PLAN_THREADS)
+
+	if (slots) {
+		for (uint32_t w = tid; w < k; w += PLAN_THREADS) {
+			const int32_t page = pages_s[w];
+			if (page < 0)
+				continue;
+			for (uint32_t e = 0; e < w; e++)
+				if (pages_s[e] == page)
+					repeated_page = 1; /* every writer stores 1; read after the barrier */
+			for (uint32_t j = 0; j < k; j++)
+				if (slots_s[j] == page) {
+					slot_of_s[w] = (int16_t)j;
+					atomicOr(&keep_w[j / 32], 1u << (j % 32));
+					break;
+				}
+		}
+		__syncthreads();
+		if (repeated_page) { /* the same for every thread of the block */
+			if (tid == 0)
+				kvr_plan_item_run_with(it, pages_s, addr_s, slots_s);
+			__syncthreads();
+			for (uint32_t j = tid; j < k; j += PLAN_THREADS)
+				slots[j] = slots_s[j];
+			return;
+		}
+		for (uint32_t w = tid; w < k; w += PLAN_THREADS) {
+			const int32_t page = pages_s[w];
+			if (page >= 0 && (uint32_t)page < it->addr_end && slot_of_s[w] < 0)
+				atomicOr(&miss_w[w / 32], 1u << (w % 32));
+			if (!(keep_w[w / 32] >> (w % 32) & 1u))
+				atomicOr(&free_w[w / 32], 1u << (w % 32));
+		}
+		__syncthreads();
+		plan_prefix(miss_w, miss_before, words);
+		plan_prefix(free_w, free_before, words);
+		__syncthreads();
+		const uint32_t misses = words ? miss_before[words - 1] + (uint32_t)__popc(miss_w[words - 1]) : 0u;
+		for (uint32_t j = tid; j < k; j += PLAN_THREADS)
+			if (free_w[j / 32] >> (j % 32) & 1u) {
+				const uint32_t r = plan_rank(free_w, free_before, j);
+				free_at_s[r] = (uint16_t)j;
+				if (r >= misses)
+					slots_s[j] = -1; /* free and not given: emptied */
+			}
+		__syncthreads();
+		for (uint32_t w = tid; w < k; w += PLAN_THREADS) {
+			if (!(miss_w[w / 32] >> (w % 32) & 1u))
+				continue;
+			const uint32_t r = plan_rank(miss_w, miss_before, w);
+			const uint32_t j = free_at_s[r];
+			slots_s[j] = pages_s[w];
+			slot_of_s[w] = (int16_t)j;
+			struct kvr_scatter_item sc;
+			sc.run = (const unsigned char *)(uintptr_t)addr_s[w] + it->k_offset;
+			sc.k_tile = it->slot_k + j * it->tile_bytes;
+			sc.v_tile = it->slot_v + j * it->tile_bytes;
+			sc.kv_head = it->kv_head;
+			sc.reserved = 0;
+			it->scatter[r] = sc;
+		}
+		for (uint32_t x = misses + tid; x < k; x += PLAN_THREADS) {
+			struct kvr_scatter_item none;
+			none.run = (const void *)0;
+			none.k_tile = none.v_tile = (void *)0;
+			none.kv_head = UINT32_MAX;
+			none.reserved = 0;
+			it->scatter[x] = none;
+		}
+		if (tid == 0) {
+			const uint32_t frees =
+				words ? free_before[words - 1] + (uint32_t)__popc(free_w[words - 1]) : 0u;
+			it->recall_count[0] = misses;
+			it->recall_count[1] = k - frees; /* the slots kept */
+		}
+		__syncthreads();
+		for (uint32_t j = tid; j < k; j += PLAN_THREADS)
 			slots[j] = slots_s[j];
+	}
+	if (!it->segments)
+		return; /* a prefetch: the slots and their scatter only */
+
+	for (uint32_t j = tid; j < k; j += PLAN_THREADS) {
+		const int32_t page = pages_s[j];
+		if (page >= 0 && (uint32_t)page >= it->sel_begin && (uint32_t)page < it->sel_end &&
+		    (uint32_t)page < it->addr_end)
+			atomicOr(&taken_w[j / 32], 1u << (j % 32));
+	}
+	__syncthreads();
+	plan_prefix(taken_w, taken_before, words);
+	__syncthreads();
+	const uint32_t taken = words ? taken_before[words - 1] + (uint32_t)__popc(taken_w[words - 1]) : 0u;
+	struct kvr_kv_segment *seg = it->segments + it->n_head;
+	for (uint32_t j = tid; j < k; j += PLAN_THREADS) {
+		if (!(taken_w[j / 32] >> (j % 32) & 1u))
+			continue;
+		struct kvr_kv_segment s;
+		if (slots) {
+			const uint64_t at = (uint32_t)slot_of_s[j] * it->tile_bytes + it->slot_col;
+			s.k = it->slot_k + at;
+			s.v = it->slot_v + at;
+		} else {
+			const unsigned char *mem = (const unsigned char *)(uintptr_t)addr_s[j];
+			s.k = mem + it->k_offset;
+			s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(mem + it->v_offset);
+		}
+		s.n_tokens = it->seg_tokens;
+		s.row_stride = it->seg_row;
+		s.head_stride = it->seg_head_stride;
+		s.format = it->seg_format;
+		seg[plan_rank(taken_w, taken_before, j)] = s;
+	}
+	if (taken != it->k)
+		for (uint32_t c = 0; c < it->n_tail; c += PLAN_THREADS) {
+			struct kvr_kv_segment t = {};
+			const bool mine = c + tid < it->n_tail;
+			if (mine)
+				t = seg[it->k + c + tid];
+			__syncthreads();
+			if (mine)
+				seg[taken + c + tid] = t;
+			__syncthreads();
+		}
+	if (tid == 0)
+		it->attention->n_segments = it->n_head + taken + it->n_tail;
 }
 
 extern "C" int KVR_KERNEL_SYMBOL(launch_plan)(const struct kvr_shape *shape,

@@ -266,11 +266,11 @@ static inline KVR_HD const int32_t *kvr_plan_item_pages(const struct kvr_plan_it
 /* The plan kernel's work for one item (kernels.h, plan), sequential, given
  * the item's k pages (kvr_plan_item_pages), the memory of each entry's page
  * (addr_of[j] = page_addr[pages[j]] where 0 <= pages[j] < addr_end; NULL:
- * read page_addr) and its slot table (it->slot_page, or a copy). CUDA hands
- * it copies in shared memory, which its block fills in parallel: the
- * originals are mapped host memory, whose reads one after the other would
- * each wait for the bus. The tail segments move up in ascending order, so
- * a move never overwrites one still to be read. */
+ * read page_addr) and its slot table (it->slot_page, or a copy). The cpu
+ * backend runs it per item; the CUDA kernel (cuda_copy.cu) does the same
+ * work in parallel across a block and defers to this on copies in shared
+ * memory only when a selection names a page twice. The tail segments move
+ * up in ascending order, so a move never overwrites one still to be read. */
 static inline KVR_HD void kvr_plan_item_run_with(const struct kvr_plan_item *it, const int32_t *pages,
 						 const uint64_t *addr_of, int32_t *slots)
 {

@@ -219,8 +219,8 @@ void ref_plan(const struct kvr_plan_item *items, uint32_t n)
 		if (it->slot_page)
 			ref_plan_slots(it, pages, slot_of);
 		/* the tail first, aside: the list is rewritten in place */
-		struct kvr_kv_segment tail[64];
-		if (it->n_tail > 64)
+		struct kvr_kv_segment *tail = malloc((it->n_tail + 1) * sizeof(*tail));
+		if (!tail)
 			abort();
 		memcpy(tail, it->segments + it->n_head + it->k, it->n_tail * sizeof(*tail));
 		uint32_t at = it->n_head;
@@ -247,6 +247,7 @@ void ref_plan(const struct kvr_plan_item *items, uint32_t n)
 		}
 		memcpy(it->segments + at, tail, it->n_tail * sizeof(*tail));
 		it->attention->n_segments = at + it->n_tail;
+		free(tail);
 		free(slot_of);
 	}
 }

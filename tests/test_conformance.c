@@ -1169,16 +1169,20 @@ static void ascending_pages(struct rng *r, int32_t *out, uint32_t k, uint32_t un
  * slots in entry order, the rest emptied), the misses' scatter items and
  * the counts written, and each taken page's segment reads its slot; against
  * the reference bit for bit: slot tables, scatter items, counts, segments.
- * The slot tables hold some of the pages wanted, some others and empties.
+ * The slot tables hold some of the pages wanted, some others, empties and
+ * (item 4) one wanted page in several slots; item 4 has more entries and
+ * tail segments than the CUDA kernel's block has threads, and item 5's
+ * selection names a page twice (the kernel's sequential path).
  */
 CONFORMANCE_TEST(plan_slots)
 {
 	fresh(e);
 	struct dctx *c = &e->main;
 	struct rng r = case_rng(0x5107, 0, 0);
-	enum { N = 4, PAGES = 60, KMAX = 12 };
+	enum { N = 6, PAGES = 600, KMAX = 300 };
 	static const uint32_t spec[N][4] = { /* k, unused entries, n_head, n_tail */
-		{ 6, 0, 1, 2 }, { 8, 3, 0, 1 }, { 3, 0, 2, 0 }, { 12, 1, 1, 4 } };
+		{ 6, 0, 1, 2 }, { 8, 3, 0, 1 }, { 3, 0, 2, 0 }, { 12, 1, 1, 4 }, { 300, 20, 1, 150 },
+		{ 10, 2, 1, 3 } };
 	uint64_t *addr = halloc(PAGES * sizeof(uint64_t));
 	for (uint32_t j = 0; j < PAGES; j++)
 		addr[j] = 0x200000ull * (j + 1);
@@ -1196,11 +1200,17 @@ CONFORMANCE_TEST(plan_slots)
 	for (uint32_t i = 0; i < N; i++) {
 		const uint32_t k = spec[i][0];
 		ascending_pages(&r, sel + i * KMAX, k, spec[i][1], PAGES);
-		/* slots: a wanted page (reversed order), another page, or empty */
+		if (i == 5)
+			sel[i * KMAX + 4] = sel[i * KMAX + 1];
+		/* slots: a wanted page (reversed order), another page, or empty;
+		 * item 4 also the first wanted page again */
 		for (uint32_t j = 0; j < k; j++) {
-			const uint32_t pick = rng_below(&r, 3);
+			const uint32_t pick = rng_below(&r, i == 4 ? 4 : 3);
 			const int32_t want = sel[i * KMAX + (k - 1 - j)];
-			slots[i * KMAX + j] = pick == 0 ? want : pick == 1 ? (int32_t)(PAGES + j) : -1;
+			slots[i * KMAX + j] = pick == 0   ? want
+					      : pick == 1 ? (int32_t)(PAGES + j)
+					      : pick == 2 ? -1
+							  : sel[i * KMAX];
 		}
 	}
 	put(c, addr, PAGES * sizeof(uint64_t));

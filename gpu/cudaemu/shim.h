@@ -204,6 +204,15 @@ inline float atomicAdd(float *address, float val)
 	return old;
 }
 
+inline int atomicOr(int *address, int val)
+{
+	return __atomic_fetch_or(address, val, __ATOMIC_RELAXED);
+}
+inline unsigned int atomicOr(unsigned int *address, unsigned int val)
+{
+	return __atomic_fetch_or(address, val, __ATOMIC_RELAXED);
+}
+
 inline int atomicMax(int *address, int val)
 {
 	return atomic_update(address, val, [](int v, int old) { return v > old; });
@@ -270,6 +279,12 @@ inline float __uint_as_float(unsigned int u)
 	memcpy(&x, &u, sizeof(x));
 	return x;
 }
+/* Bits set in x (CUDA's __popc). */
+inline int __popc(unsigned int x)
+{
+	return __builtin_popcount(x);
+}
+
 inline int __float_as_int(float x)
 {
 	int i;
@@ -341,6 +356,7 @@ using kvr_emu::__all_sync;
 using kvr_emu::__any_sync;
 using kvr_emu::__ballot_sync;
 using kvr_emu::__float_as_int;
+using kvr_emu::__popc;
 using kvr_emu::__float_as_uint;
 using kvr_emu::__int_as_float;
 using kvr_emu::__shfl_down_sync;
@@ -356,6 +372,7 @@ using kvr_emu::atomicCAS;
 using kvr_emu::atomicExch;
 using kvr_emu::atomicMax;
 using kvr_emu::atomicMin;
+using kvr_emu::atomicOr;
 using kvr_emu::cudaError_t;
 using kvr_emu::cudaErrorInvalidConfiguration;
 using kvr_emu::cudaErrorInvalidValue;
