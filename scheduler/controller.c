@@ -57,7 +57,9 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 			err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
 					       &s->rec.ctl_sel);
 		if (!err && prefetch)
-			err = kvr_recall_prefetch(s, lane, s->rec.ctl_sel.stream);
+			err = kvr_recall_prefetch(s, lane, s->rec.ctl_sel.stream); /* records sel_done */
+		else if (!err && s->rec.ctl_sel.n_ring) /* the next step's plan waits for it on the device */
+			err = kvr_dev_event_record(s->dev, lane->sel_done, s->rec.ctl_sel.stream);
 		if (err) {
 			char what[224];
 			snprintf(what, sizeof(what), "controller: selection of sequence %u layer %u: %s",

@@ -59,9 +59,10 @@ struct kvr_lane {
 	struct kvr_mirror recall_items; /* [n_kv][k] kvr_scatter_item: the lane's recall */
 	struct kvr_event *recall_done; /* recorded on the convert stream after the lane's recall */
 	struct kvr_event *attn_done;   /* recorded on the compute stream after the lane's attention */
-	struct kvr_event *sel_done;    /* recorded on the controller's stream after a selection it did
-					* not wait for (an asynchronous selector, select.c), and after
-					* its prefetch (recall.c) */
+	struct kvr_event *sel_done;    /* recorded on the controller's stream once per job, after a
+					* selection it did not wait for (an asynchronous selector:
+					* controller.c) or after the prefetch that follows it
+					* (recall.c) */
 	/* the device plan with streamed recall: the controller's prefetch
 	 * (recall.c), its plan items and counts; counts not yet tallied */
 	struct kvr_mirror prefetch;   /* [n_kv] kvr_plan_item */
@@ -114,9 +115,9 @@ struct layer_scratch {
  * buffer (kernel scratch, grown as needed).
  *
  * An asynchronous selector (n_ring > 0: the controller's, where the host
- * never reads its selections) does not wait for them: each selection
- * records the lane's sel_done, which the next step's plan waits for on the
- * device. Its items then take turns in a ring, an item's host half
+ * never reads its selections) does not wait for them: the controller
+ * records the lane's sel_done after each selection job (and its prefetch),
+ * which the next step's plan waits for on the device. Its items then take turns in a ring, an item's host half
  * rewritten only once the event recorded after its last selection has
  * completed. */
 #define KVR_SELECT_RING 16

@@ -101,12 +101,8 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
 	if (!err)
 		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
-	if (!err && sel->n_ring) { /* the next step's plan waits for it on the device */
-		err = kvr_dev_event_record(s->dev, slot_done, stream);
-		if (!err)
-			err = kvr_dev_event_record(s->dev, lane->sel_done, stream);
-		return err;
-	}
+	if (!err && sel->n_ring) /* the controller records sel_done once its job is queued */
+		return kvr_dev_event_record(s->dev, slot_done, stream);
 	/* the host plans with `selected` (and reuses the item and the scores);
 	 * the inline streams of host-addressable devices have run it already */
 	if (!err)
