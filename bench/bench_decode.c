@@ -58,9 +58,10 @@ static struct {
 	int32_t spilled_pct;          /* the spill tier: % of the KV in the file; -1 = no tier */
 	const char *spill_dir;
 	uint32_t resolved_controller; /* what the contexts resolved `controller` to */
+	uint32_t resolved_recall;     /* ... and `recall`, for the last context made (its mode's) */
 	const char *backend_name;
 } g = {
-	.recall = KVR_RECALL_ZERO_COPY,
+	.recall = KVR_RECALL_AUTO, /* the library's choice per backend and mode */
 	.buffers = 2,
 	.pool_layout = KVR_POOL_HND,
 	.chunk_pages = 8,
@@ -167,8 +168,10 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t batch, uint64_t max_
 		die("context", kvr_last_error(NULL));
 	struct kvr_config got;
 	kvr_config_init(&got);
-	if (!kvr_context_get_config(ctx, &got))
+	if (!kvr_context_get_config(ctx, &got)) {
 		g.resolved_controller = got.controller;
+		g.resolved_recall = got.recall;
+	}
 	return ctx;
 }
 
@@ -311,7 +314,7 @@ static int usage(void)
 		"usage: kvrecall bench decode [--backend cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
 		"         [--kv-heads N --qo-heads N --head-dim D --layers N (default 4) --page-tokens P]\n"
 		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24]\n"
-		"         [--max-context 131072] [--mode M] [--recall zero-copy|streamed] [--buffers 1|2]\n"
+		"         [--max-context 131072] [--mode M] [--recall auto|zero-copy|streamed] [--buffers 1|2]\n"
 		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
 		"         [--kv-format f16|k8v4|k4v2|mixed] [--spilled PCT [--spill-dir DIR]]\n"
 		"         [--quick] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
@@ -354,10 +357,13 @@ int bench_decode(int argc, char **argv)
 			if (bench_parse_list(val, batches, 8, &n_batches))
 				return usage();
 		} else if (!strcmp(a, "--recall")) {
-			g.recall = !strcmp(val, "streamed")    ? KVR_RECALL_STREAMED
-				   : !strcmp(val, "zero-copy") ? KVR_RECALL_ZERO_COPY
-							       : 0;
-			if (!g.recall)
+			if (!strcmp(val, "streamed"))
+				g.recall = KVR_RECALL_STREAMED;
+			else if (!strcmp(val, "zero-copy"))
+				g.recall = KVR_RECALL_ZERO_COPY;
+			else if (!strcmp(val, "auto"))
+				g.recall = KVR_RECALL_AUTO;
+			else
 				return usage();
 		} else if (!strcmp(a, "--controller")) {
 			g.controller = !strcmp(val, "thread")   ? KVR_CONTROLLER_THREAD
@@ -438,8 +444,8 @@ int bench_decode(int argc, char **argv)
 	if (trace_path) {
 		run(trace_mode, batches[0], trace_context, steps, trace_path);
 		fprintf(stderr, "kvrecall bench decode: trace of %s at %llu tokens (%s recall) in %s\n",
-			kvr_mode_name(trace_mode), (unsigned long long)trace_context, kvr_recall_name(g.recall),
-			trace_path);
+			kvr_mode_name(trace_mode), (unsigned long long)trace_context,
+			kvr_recall_name(g.resolved_recall), trace_path);
 		return 0;
 	}
 	FILE *json = json_path ? fopen(json_path, "w") : stdout;
@@ -499,7 +505,7 @@ int bench_decode(int argc, char **argv)
 					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
 					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f}",
 					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(modes[mi]),
-					kvr_recall_name(g.recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
+					kvr_recall_name(g.resolved_recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
 					base.us_per_layer, r.us_per_layer / base.us_per_layer, r.us_per_layer / budget,
 					r.mean_us_per_layer, r.critical_us_per_layer, r.corrected_rate, (unsigned long long)r.selections,
 					r.correction_waits_per_layer, r.correction_wait_share, r.controller_wait_share,

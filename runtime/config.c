@@ -84,20 +84,27 @@ void kvr_config_device_bytes(const struct kvr_config *c, uint32_t recall, uint64
 	}
 }
 
-/* The recall kind a backend uses for AUTO: zero-copy on both. On the cpu
- * backend attention reads the pool in place, so copying pages only costs
- * bandwidth. On an H100 (docs/benchmarks.md, "decode path on an H100") a
- * layer with zero-copy recall took 0.41-0.96x the time of one with streamed
- * recall at 8K-128K in every sparse mode: the kernels read the selected pages
- * from mapped pinned memory at 0.9x a single copy's rate, while the staged
- * path's batched copies of 16 KiB runs reach 0.35x. Streamed recall moves
- * fewer bytes (only misses) and stays selectable. */
+/* The recall kind AUTO means for a configuration. On the cpu backend
+ * zero-copy: attention reads the pool in place, so copying pages only costs
+ * bandwidth. On cuda streamed where the device plan covers it (plain pages
+ * of an HND pool, a sparse mode): on an H100 with the device plan (issue
+ * 23; docs/benchmarks.md, "Issue 23 on an H100") streamed recall took less
+ * time than zero-copy in every sparse row, 8K-32K, batch 1 and 8, since
+ * attention then reads slots in device memory instead of pages over PCIe
+ * and only misses move. Quantised pages stay zero-copy there: with
+ * streamed recall their slots keep the host's planning, which waits on the
+ * device per layer. A spill tier needs streamed (a page in the file cannot
+ * be read in place). `backend` AUTO is the cpu backend (context.c). */
 uint32_t kvr_config_recall(const struct kvr_config *c)
 {
 	if (c->recall != KVR_RECALL_AUTO)
 		return c->recall;
-	/* a page in the spill file cannot be read in place */
-	return c->pool_ram_bytes ? KVR_RECALL_STREAMED : KVR_RECALL_ZERO_COPY;
+	if (c->pool_ram_bytes)
+		return KVR_RECALL_STREAMED;
+	if (c->backend == KVR_BACKEND_CUDA && c->kv_format == KVR_KV_FORMAT_PLAIN &&
+	    c->pool_layout == KVR_POOL_HND && c->mode != KVR_MODE_DENSE)
+		return KVR_RECALL_STREAMED;
+	return KVR_RECALL_ZERO_COPY;
 }
 
 /* snprintf into an optional buffer; returns err so callers can `return say(...)`. */

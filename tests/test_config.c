@@ -376,6 +376,53 @@ Test(config, validate_knows_what_create_would_refuse)
 	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
 }
 
+/* recall = auto is what the backend measured best (runtime/config.c,
+ * kvr_config_recall): the device budget a cuda config reports includes the
+ * streamed page cache for plain pages in a sparse mode, and not for
+ * quantised pages, the NHD pool, mode dense or the cpu backend (zero-copy
+ * there); an explicit choice is kept. Needs no GPU: only the config. */
+/* Device bytes per sequence of `c` with `backend` and `recall`. */
+static uint64_t per_sequence_needed(struct kvr_config c, uint32_t backend, uint32_t recall)
+{
+	c.backend = backend;
+	c.recall = recall;
+	uint64_t per = 0;
+	cr_assert_eq(kvr_device_bytes_needed(&c, NULL, &per), 0, "%s", kvr_last_error(NULL));
+	return per;
+}
+
+Test(config, recall_auto_is_per_backend)
+{
+	struct kvr_config c = base();
+	enum { AUTO = KVR_RECALL_AUTO, ZC = KVR_RECALL_ZERO_COPY, ST = KVR_RECALL_STREAMED };
+	const uint32_t cpu = KVR_BACKEND_CPU, cuda = KVR_BACKEND_CUDA;
+	cr_assert_gt(per_sequence_needed(c, cuda, ST), per_sequence_needed(c, cuda, ZC),
+		     "the page cache costs device memory");
+	cr_assert_gt(per_sequence_needed(c, cpu, ST), per_sequence_needed(c, cpu, ZC));
+	cr_expect_eq(per_sequence_needed(c, cpu, AUTO), per_sequence_needed(c, cpu, ZC),
+		     "cpu, auto: zero-copy");
+	cr_expect_eq(per_sequence_needed(c, KVR_BACKEND_AUTO, AUTO), per_sequence_needed(c, cpu, ZC),
+		     "backend auto (the cpu backend), recall auto: zero-copy");
+	cr_expect_eq(per_sequence_needed(c, cuda, AUTO), per_sequence_needed(c, cuda, ST),
+		     "cuda, auto, plain pages: streamed");
+	struct kvr_config other = c;
+	other.pool_layout = KVR_POOL_NHD;
+	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ZC),
+		     "cuda, NHD pool: zero-copy");
+	other = c;
+	other.kv_format = KVR_KV_FORMAT_K8V4;
+	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ZC),
+		     "cuda, quantised pages: zero-copy");
+	cr_expect_neq(per_sequence_needed(other, cuda, ST), per_sequence_needed(other, cuda, ZC));
+	other = c;
+	other.mode = KVR_MODE_SPECULATIVE;
+	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ST),
+		     "cuda, speculative: streamed");
+	other.mode = KVR_MODE_DENSE;
+	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ZC),
+		     "cuda, mode dense: zero-copy");
+}
+
 /* Calls without a context leave their reason in kvr_last_error(NULL) too:
  * the parsers name what they were given and what they accept, validate's
  * reason is there whether or not a message buffer was passed. */
