@@ -183,6 +183,10 @@ int kvr_dev_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
  * only checked (the items carry what the segments need). */
 int kvr_dev_plan(struct kvr_dev *dev, const struct kvr_shape *shape,
 		 const struct kvr_plan_item *items, uint32_t n, struct kvr_stream *stream);
+/* Tokens' rows into their tail tiles, and the pages they complete offloaded
+ * and summarized (kernels.h, append). */
+int kvr_dev_append(struct kvr_dev *dev, const struct kvr_shape *shape,
+		   const struct kvr_append_item *items, uint32_t n, struct kvr_stream *stream);
 /* Rounds of circular free-page lists (kernels.h, freelist); no shape. */
 int kvr_dev_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		     struct kvr_stream *stream);

@@ -12,7 +12,7 @@
 	X(stream_begin_capture) X(stream_end_capture) X(stream_capturing) X(graph_launch) X(graph_destroy)
 #define KVR_DEV_KERNEL_OPS(X) \
 	X(scatter) X(offload) X(summarize) X(score) X(select) X(similarity) X(attention) X(dense) \
-	X(freelist) X(plan)
+	X(freelist) X(plan) X(append)
 
 /*
  * backend_impl.h — how a backend plugs into backend.h: a table of operations
@@ -87,6 +87,8 @@ struct kvr_dev_ops {
 			struct kvr_stream *stream);
 	int (*plan)(struct kvr_dev *dev, const struct kvr_shape *shape,
 		    const struct kvr_plan_item *items, uint32_t n, struct kvr_stream *stream);
+	int (*append)(struct kvr_dev *dev, const struct kvr_shape *shape,
+		      const struct kvr_append_item *items, uint32_t n, struct kvr_stream *stream);
 	/* Optional (NULL: -ENOTSUP): run fn(arg) on the host in stream order. */
 	int (*host_fn)(struct kvr_dev *dev, struct kvr_stream *stream, void (*fn)(void *arg),
 		       void *arg);

@@ -722,6 +722,7 @@ KERNEL_OP(select, struct kvr_score_item)
 KERNEL_OP(similarity, struct kvr_similarity_item)
 KERNEL_OP(dense, struct kvr_dense_item)
 KERNEL_OP(plan, struct kvr_plan_item)
+KERNEL_OP(append, struct kvr_append_item)
 
 static void run_attention(struct kvr_dev *dev, void *ctx)
 {

@@ -50,6 +50,8 @@ void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_similarity_item *items, uint32_t n);
 void kvr_cpu_plan(struct kvr_dev *dev, const struct kvr_shape *shape,
 		  const struct kvr_plan_item *items, uint32_t n);
+void kvr_cpu_append(struct kvr_dev *dev, const struct kvr_shape *shape,
+		    const struct kvr_append_item *items, uint32_t n);
 void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_attention_item *items, uint32_t n,
 		       const struct kvr_kv_segment *segments, uint32_t n_segments);

@@ -403,35 +403,63 @@ static void scatter_task(void *arg, uint32_t i)
 	kvr_hnd_run_to_nhd_slot(&job->g, it->run, it->k_tile, it->v_tile, it->kv_head);
 }
 
-static void offload_task(void *arg, uint32_t i)
+static void offload_page(const struct kvr_page_geometry *g, const struct kvr_page_item *it)
 {
-	const struct page_job *job = arg;
-	const struct kvr_page_item *it = (const struct kvr_page_item *)job->items + i;
 	if (!it->format) {
-		kvr_nhd_rows_to_hnd_page(&job->g, it->k_rows, it->v_rows, it->row_stride, it->hnd_page);
+		kvr_nhd_rows_to_hnd_page(g, it->k_rows, it->v_rows, it->row_stride, it->hnd_page);
 		return;
 	}
 	struct kvr_quant_geometry q;
-	if (job->g.head_dim > KVR_QUANT_MAX_DIM ||
-	    kvr_quant_geometry_init(&q, job->g.page_tokens, job->g.head_dim, 1, it->format))
+	if (g->head_dim > KVR_QUANT_MAX_DIM ||
+	    kvr_quant_geometry_init(&q, g->page_tokens, g->head_dim, 1, it->format))
 		return; /* not a quantised page this shape can hold: nothing written */
 	float scratch[KVR_QUANT_MAX_DIM];
-	for (uint32_t h = 0; h < job->g.n_kv_heads; h++)
-		kvr_quant_run_from_nhd(&q, it->k_rows, it->v_rows, it->row_stride, job->g.elem_type, h,
-				       job->g.page_tokens, (unsigned char *)it->hnd_page + h * q.head_bytes,
+	for (uint32_t h = 0; h < g->n_kv_heads; h++)
+		kvr_quant_run_from_nhd(&q, it->k_rows, it->v_rows, it->row_stride, g->elem_type, h,
+				       g->page_tokens, (unsigned char *)it->hnd_page + h * q.head_bytes,
 				       scratch);
 }
 
-static void summarize_task(void *arg, uint32_t i)
+static void summarize_page(const struct kvr_page_geometry *g, const struct kvr_page_item *it)
 {
-	const struct page_job *job = arg;
-	const struct kvr_page_item *it = (const struct kvr_page_item *)job->items + i;
-	const struct kvr_page_geometry *g = &job->g;
 	const uint64_t eb = g->elem_bytes;
 	for (uint32_t h = 0; h < g->n_kv_heads; h++)
 		kvr_summarize_keys(g, (const unsigned char *)it->k_rows + (uint64_t)h * g->head_dim * eb,
 				   it->row_stride, (unsigned char *)it->summary + kvr_summary_index(g, h, 0, 0) * eb,
 				   (unsigned char *)it->summary + kvr_summary_index(g, h, 1, 0) * eb);
+}
+
+static void offload_task(void *arg, uint32_t i)
+{
+	const struct page_job *job = arg;
+	offload_page(&job->g, (const struct kvr_page_item *)job->items + i);
+}
+
+static void summarize_task(void *arg, uint32_t i)
+{
+	const struct page_job *job = arg;
+	summarize_page(&job->g, (const struct kvr_page_item *)job->items + i);
+}
+
+/* The token's n_kv·d keys and values into its row of the tile; a page it
+ * completes, offloaded and summarized from the tile (kernels.h, append). */
+static void append_task(void *arg, uint32_t i)
+{
+	const struct page_job *job = arg;
+	const struct kvr_append_item *it = (const struct kvr_append_item *)job->items + i;
+	const struct kvr_page_geometry *g = &job->g;
+	if (it->row >= g->page_tokens)
+		return; /* as the CUDA kernel: nothing written */
+	const uint64_t at = (uint64_t)it->row * it->row_stride * g->elem_bytes;
+	const size_t row_bytes = (size_t)g->n_kv_heads * g->head_dim * g->elem_bytes;
+	memcpy((unsigned char *)it->k_tile + at, it->k_row, row_bytes);
+	memcpy((unsigned char *)it->v_tile + at, it->v_row, row_bytes);
+	if (!it->hnd_page)
+		return;
+	const struct kvr_page_item page = kvr_append_page_item(it);
+	offload_page(g, &page);
+	if (page.summary)
+		summarize_page(g, &page);
 }
 
 static void run_page_job(struct kvr_dev *dev, const struct kvr_shape *shape, const void *items,
@@ -459,6 +487,12 @@ void kvr_cpu_summarize(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_page_item *items, uint32_t n)
 {
 	run_page_job(dev, shape, items, n, summarize_task);
+}
+
+void kvr_cpu_append(struct kvr_dev *dev, const struct kvr_shape *shape,
+		    const struct kvr_append_item *items, uint32_t n)
+{
+	run_page_job(dev, shape, items, n, append_task);
 }
 
 static void plan_task(void *arg, uint32_t i)

@@ -655,6 +655,7 @@ KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload))
 KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize))
 KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity))
 KERNEL_OP(plan, kvr_plan_item, KVR_KERNEL_SYMBOL(launch_plan))
+KERNEL_OP(append, kvr_append_item, KVR_KERNEL_SYMBOL(launch_append))
 
 static int op_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		       struct kvr_stream *stream)

@@ -3,8 +3,10 @@
  * cuda_copy.cu — the kernels that move pages and lists, each beside its
  * launcher: scatter (staging HND runs into NHD slot tiles), offload (NHD rows
  * of a full tail page into one HND page), summarize (a page's key min/max),
- * freelist (the device free-page list's compaction round) and plan (the
- * selected pages' attention segments); also the launchers' message getter. Threads and streams as cuda_common.cuh says.
+ * freelist (the device free-page list's compaction round), plan (the
+ * selected pages' attention segments) and append (a token's rows into its tail
+ * tile, and the page it completes offloaded and summarized); also the
+ * launchers' message getter. Threads and streams as cuda_common.cuh says.
  */
 #include "cuda_common.cuh"
 
@@ -100,6 +102,9 @@ static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
 	const uint32_t tid = threadIdx.x;
 	const uint32_t k = it->k < KVR_PLAN_MAX_K ? it->k : KVR_PLAN_MAX_K;
 	const uint32_t words = (k + 31) / 32;
+	if (it->q_to) /* the lane's previous query (kernels.h), once: the sequential path below gets no q_to */
+		copy_rows(static_cast<unsigned char *>(it->q_to), it->q_bytes,
+			  static_cast<const unsigned char *>(it->q_from), it->q_bytes, 1, it->q_bytes);
 	const int32_t *pages = kvr_plan_item_pages(it);
 	int32_t *slots = it->slot_page;
 	for (uint32_t j = tid; j < k; j += PLAN_THREADS) {
@@ -133,8 +138,11 @@ static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
 		}
 		__syncthreads();
 		if (repeated_page) { /* the same for every thread of the block */
-			if (tid == 0)
-				kvr_plan_item_run_with(it, pages_s, addr_s, slots_s);
+			if (tid == 0) {
+				struct kvr_plan_item once = *it;
+				once.q_to = NULL; /* copied above */
+				kvr_plan_item_run_with(&once, pages_s, addr_s, slots_s);
+			}
 			__syncthreads();
 			for (uint32_t j = tid; j < k; j += PLAN_THREADS)
 				slots[j] = slots_s[j];
@@ -254,16 +262,13 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_plan)(const struct kvr_shape *shape,
 
 /* ------------------------------------------------------------------ offload */
 
-/* One block per (item, KV head): that head's p key rows and p value rows out of
- * the NHD rows into its contiguous HND run. */
-static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
-	offload_kernel(struct kvr_shape shape, const struct kvr_page_item *items)
+/* KV head h of one page item: its p key rows and p value rows out of the NHD
+ * rows into its contiguous HND run, by the block's threads (a quantised run:
+ * by thread 0, the host pool's arithmetic; a page completes once per p
+ * steps and the run is a few KiB). */
+KVR_DEV void offload_head(const struct kvr_shape &shape, const struct kvr_page_item &it, uint32_t h)
 {
-	const uint32_t item = blockIdx.x / shape.n_kv_heads, h = blockIdx.x % shape.n_kv_heads;
-	const struct kvr_page_item it = items[item];
 	if (it.format) {
-		/* a quantised run: one thread, the host pool's arithmetic (a page
-		 * completes once per p steps; the run is a few KiB) */
 		struct kvr_quant_geometry q;
 		if (threadIdx.x || shape.head_dim > KVR_QUANT_MAX_DIM ||
 		    kvr_quant_geometry_init(&q, shape.page_tokens, shape.head_dim, 1, it.format))
@@ -289,25 +294,23 @@ static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
 		  row_bytes);
 }
 
+/* One block per (item, KV head). */
+static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
+	offload_kernel(struct kvr_shape shape, const struct kvr_page_item *items)
+{
+	const uint32_t item = blockIdx.x / shape.n_kv_heads, h = blockIdx.x % shape.n_kv_heads;
+	offload_head(shape, items[item], h);
+}
+
 /* ---------------------------------------------------------------- summarize */
 
-/* One thread per (KV head, dim) column of an item's p key rows; consecutive
- * threads read consecutive elements of a row (coalesced). The fold is
- * summary.h's, in the cpu backend's order: start from row 0, then rows 1..p-1,
- * so signed zeros and NaN payloads come out identical. */
-static const uint32_t SUMMARY_THREADS = 256;
-
+/* Column col (KV head · d + dim) of an item's key summary: the fold is
+ * summary.h's, in the cpu backend's order: start from row 0, then rows
+ * 1..p-1, so signed zeros and NaN payloads come out identical. */
 template <uint32_t ET>
-static __global__ void KVR_LAUNCH_BOUNDS(SUMMARY_THREADS, 4)
-	summarize_kernel(struct kvr_shape shape, uint32_t col_blocks,
-			 const struct kvr_page_item *items)
+KVR_DEV void summarize_column(const struct kvr_shape &shape, const struct kvr_page_item &it, uint32_t col)
 {
-	const uint32_t item = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
-	const uint32_t d = shape.head_dim, cols = shape.n_kv_heads * d;
-	const uint32_t col = cb * SUMMARY_THREADS + threadIdx.x;
-	if (col >= cols)
-		return;
-	const struct kvr_page_item it = items[item];
+	const uint32_t d = shape.head_dim;
 	struct kvr_page_geometry g;
 	kvr_page_geometry_init(&g, shape.page_tokens, d, shape.n_kv_heads, ET);
 	float mn = kvr_load_f32(it.k_rows, ET, col), mx = mn;
@@ -317,6 +320,57 @@ static __global__ void KVR_LAUNCH_BOUNDS(SUMMARY_THREADS, 4)
 	const uint32_t h = col / d, c = col - h * d;
 	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, 0, c), mn);
 	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, 1, c), mx);
+}
+
+/* One thread per (KV head, dim) column of an item's p key rows; consecutive
+ * threads read consecutive elements of a row (coalesced). */
+static const uint32_t SUMMARY_THREADS = 256;
+
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(SUMMARY_THREADS, 4)
+	summarize_kernel(struct kvr_shape shape, uint32_t col_blocks,
+			 const struct kvr_page_item *items)
+{
+	const uint32_t item = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
+	const uint32_t col = cb * SUMMARY_THREADS + threadIdx.x;
+	if (col >= shape.n_kv_heads * shape.head_dim)
+		return;
+	summarize_column<ET>(shape, items[item], col);
+}
+
+/* ------------------------------------------------------------------- append */
+
+/* One block per (item, KV head): the head's d keys and d values of the token
+ * into its row of the tile; where the token completes the page, then the
+ * head's offload and its d summary columns, as offload and summarize do
+ * (the same functions, so the same bits). The block reads back the row it
+ * wrote (the tile is pinned host memory on cuda): a system fence, then the
+ * barrier. An item whose row is past the page writes nothing (the host
+ * validates items; the device cannot report). */
+template <uint32_t ET>
+static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
+	append_kernel(struct kvr_shape shape, const struct kvr_append_item *items)
+{
+	const uint32_t item = blockIdx.x / shape.n_kv_heads, h = blockIdx.x % shape.n_kv_heads;
+	const struct kvr_append_item it = items[item];
+	if (it.row >= shape.page_tokens)
+		return;
+	const uint32_t d = shape.head_dim, row_bytes = d * kvr_elem_bytes(ET);
+	const uint64_t col = (uint64_t)h * row_bytes;
+	const uint64_t at = (uint64_t)it.row * it.row_stride * kvr_elem_bytes(ET) + col;
+	copy_rows(static_cast<unsigned char *>(it.k_tile) + at, row_bytes,
+		  static_cast<const unsigned char *>(it.k_row) + col, row_bytes, 1, row_bytes);
+	copy_rows(static_cast<unsigned char *>(it.v_tile) + at, row_bytes,
+		  static_cast<const unsigned char *>(it.v_row) + col, row_bytes, 1, row_bytes);
+	if (!it.hnd_page)
+		return; /* the same for the whole block */
+	__threadfence_system();
+	__syncthreads();
+	const struct kvr_page_item page = kvr_append_page_item(&it);
+	offload_head(shape, page, h);
+	if (page.summary)
+		for (uint32_t c = threadIdx.x; c < d; c += COPY_THREADS)
+			summarize_column<ET>(shape, page, h * d + c);
 }
 
 /* ---------------------------------------------------------------- launchers */
@@ -363,6 +417,18 @@ extern "C" int KVR_KERNEL_SYMBOL(launch_summarize)(const struct kvr_shape *shape
 	KVR_LAUNCH_TYPED(summarize_kernel, shape->elem_type, grid, SUMMARY_THREADS, 0, stream,
 			 *shape, col_blocks, items);
 	return launch_status("summarize");
+}
+
+extern "C" int KVR_KERNEL_SYMBOL(launch_append)(const struct kvr_shape *shape,
+						const struct kvr_append_item *items, uint32_t n,
+						void *stream)
+{
+	uint32_t grid;
+	const int rc = items_grid(shape, n, true, true, "append", &grid);
+	if (rc || !grid)
+		return rc;
+	KVR_LAUNCH_TYPED(append_kernel, shape->elem_type, grid, COPY_THREADS, 0, stream, *shape, items);
+	return launch_status("append");
 }
 
 /* ----------------------------------------------------------------- freelist */

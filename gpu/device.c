@@ -438,6 +438,14 @@ int kvr_dev_plan(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return dev->ops->plan(dev, shape, items, n, stream);
 }
 
+int kvr_dev_append(struct kvr_dev *dev, const struct kvr_shape *shape,
+		   const struct kvr_append_item *items, uint32_t n, struct kvr_stream *stream)
+{
+	KERNEL_PROLOGUE("append", items, n, stream);
+	int err = check_pages(dev, "append", shape);
+	return err ? err : dev->ops->append(dev, shape, items, n, stream);
+}
+
 int kvr_dev_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		     struct kvr_stream *stream)
 {

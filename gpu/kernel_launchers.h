@@ -43,6 +43,8 @@ int KVR_KERNEL_SYMBOL(launch_freelist)(const struct kvr_freelist_item *items, ui
 				       void *stream);
 int KVR_KERNEL_SYMBOL(launch_plan)(const struct kvr_shape *shape, const struct kvr_plan_item *items,
 				   uint32_t n, void *stream);
+int KVR_KERNEL_SYMBOL(launch_append)(const struct kvr_shape *shape, const struct kvr_append_item *items,
+				     uint32_t n, void *stream);
 
 /* cuda_score.cu: score needs scratch_bytes of scratch sized by
  * score_scratch_bytes for sm_count multiprocessors (cache_pages pages per

@@ -163,6 +163,37 @@ struct kvr_page_item { /* offload and summarize */
 	                        (quantised as kvr_quant_run_from_nhd), 0 = plain */
 };
 
+/* append: one token's keys and values into row `row` of a tail tile and,
+ * where the token completes the tile's page (hnd_page not NULL), that page's
+ * conversion and key summary: offload and summarize of the tile, in the
+ * same kernel. One launch per layer for a batch, where the rows alone took
+ * two copies per sequence and a full page two more kernels. */
+struct kvr_append_item {
+	const void *k_row;   /* [n_kv][d] the token's keys */
+	const void *v_row;   /* [n_kv][d] its values */
+	void *k_tile;        /* p NHD rows of keys, row_stride elements apart */
+	void *v_tile;        /* ... of values */
+	void *hnd_page;      /* the page the token completes (as offload's), or NULL */
+	void *summary;       /* with hnd_page: its key summary [n_kv][2][d], or NULL */
+	uint32_t row;        /* the token's row in the tile, < p */
+	uint32_t row_stride; /* elements between rows, >= n_kv·d */
+	uint32_t format;     /* the page's, as kvr_page_item's */
+	uint32_t reserved;
+};
+
+/* The offload and summarize item of an append item's full tile. */
+static inline KVR_HD struct kvr_page_item kvr_append_page_item(const struct kvr_append_item *it)
+{
+	struct kvr_page_item pi;
+	pi.k_rows = it->k_tile;
+	pi.v_rows = it->v_tile;
+	pi.hnd_page = it->hnd_page;
+	pi.summary = it->summary;
+	pi.row_stride = it->row_stride;
+	pi.format = it->format;
+	return pi;
+}
+
 struct kvr_score_item {
 	const void *q;         /* [n_qo][d] */
 	const void *summaries; /* [n_pages][n_kv][2][d]; page j at j·n_kv·2·d elements */
@@ -242,6 +273,15 @@ struct kvr_plan_item {
 	uint32_t kv_head;                     /* the head's column, for the scatter items */
 	uint32_t addr_end;                    /* page_addr's entries: pages at or above it
 	                                         are neither taken nor given a slot */
+	/* the device plan: the lane's previous query is rewritten here with
+	 * this step's rows of the item's KV head (q_bytes from q_from to q_to;
+	 * q_to NULL: nothing), where every reader of the old one has run (the
+	 * similarity check before it, the controller's selection, which the
+	 * plan waits for): one copy per sequence and layer less to launch */
+	const void *q_from;
+	void *q_to;
+	uint32_t q_bytes;
+	uint32_t reserved;
 };
 
 /* The most slots a plan item with slot_page plans (its bitmaps' size). */
@@ -275,6 +315,9 @@ static inline KVR_HD void kvr_plan_item_run_with(const struct kvr_plan_item *it,
 						 const uint64_t *addr_of, int32_t *slots)
 {
 	const uint32_t k = it->k < KVR_PLAN_MAX_K ? it->k : KVR_PLAN_MAX_K;
+	if (it->q_to)
+		for (uint32_t b = 0; b < it->q_bytes; b++)
+			((unsigned char *)it->q_to)[b] = ((const unsigned char *)it->q_from)[b];
 	/* streamed: plan the slots (recall.c's plan_head), remembering each
 	 * page entry's slot */
 	uint32_t keep[KVR_PLAN_MAX_K / 32], placed[KVR_PLAN_MAX_K / 32];
@@ -409,19 +452,20 @@ struct kvr_freelist_item { /* freelist: one list's round */
  */
 #define KVR_ITEM_POINTERS_kvr_scatter_item(X) X(run) X(k_tile) X(v_tile)
 #define KVR_ITEM_POINTERS_kvr_page_item(X) X(k_rows) X(v_rows) X(hnd_page) X(summary)
+#define KVR_ITEM_POINTERS_kvr_append_item(X) X(k_row) X(v_row) X(k_tile) X(v_tile) X(hnd_page) X(summary)
 #define KVR_ITEM_POINTERS_kvr_score_item(X) X(q) X(summaries) X(scores) X(selected) X(gate)
 #define KVR_ITEM_POINTERS_kvr_similarity_item(X) X(q) X(q_prev) X(cosine) X(corrected)
 #define KVR_ITEM_POINTERS_kvr_kv_segment(X) X(k) X(v)
 #define KVR_ITEM_POINTERS_kvr_attention_item(X) X(q) X(out) X(segment_lse)
 #define KVR_ITEM_POINTERS_kvr_plan_item(X)                                                          \
 	X(attention) X(segments) X(selected) X(corrected_sel) X(corrected) X(page_addr) X(slot_page) \
-	X(scatter) X(recall_count) X(slot_k) X(slot_v)
+	X(scatter) X(recall_count) X(slot_k) X(slot_v) X(q_from) X(q_to)
 #define KVR_ITEM_POINTERS_kvr_dense_item(X) X(q) X(k) X(v) X(out)
 #define KVR_ITEM_POINTERS_kvr_freelist_item(X) X(ids) X(counters) X(counts) X(offsets) X(pages) X(status)
 #define KVR_ITEM_STRUCTS(S)                                                                        \
 	S(kvr_scatter_item) S(kvr_page_item) S(kvr_score_item) S(kvr_similarity_item)            \
 	S(kvr_kv_segment) S(kvr_attention_item) S(kvr_dense_item) S(kvr_freelist_item)          \
-	S(kvr_plan_item)
+	S(kvr_plan_item) S(kvr_append_item)
 
 /* Shape of a call, common to the kernels. */
 struct kvr_shape {

@@ -248,7 +248,7 @@ struct layer_call {
 	float *cosine;
 	uint8_t *corrected;        /* [batch][n_kv] */
 	struct kvr_lane **att_lanes; /* lanes whose attention is queued */
-	struct kvr_page_item *fills; /* [batch] device append: pages the tokens completed */
+	struct kvr_append_item *appends; /* [batch] device append: the tokens, pages they complete */
 	/* the device plan's kernel items */
 	struct kvr_similarity_item *sims;   /* [batch] */
 	struct kvr_score_item *score_items; /* [batch] */
@@ -256,8 +256,8 @@ struct layer_call {
 	uint32_t n_plans;
 	struct kvr_scatter_item *plan_scatter; /* [batch][n_kv][k] streamed: the misses' moves */
 	uint32_t *recall_counts;            /* [batch][n_kv][2] streamed: misses, hits */
-	uint32_t n_items, n_segs, n_att, n_fills;
-	int fill_error; /* convert_fills could not queue its kernels */
+	uint32_t n_items, n_segs, n_att, n_appends, n_filled;
+	int append_error; /* queue_appends could not queue its kernel */
 };
 
 /* Order the layer's work after the engine's stream and give the host its
@@ -308,10 +308,10 @@ fail:
 }
 
 /* The device append of entry i's token (lc->device_append): the pool's
- * bookkeeping on the host, the rows copied from the engine's k and v into the
- * tail tile on the compute stream, and a page the token completes queued
- * for conversion (convert_fills). The host touches no data, so it waits for
- * nothing. On failure *why says why and nothing of the entry was queued. */
+ * bookkeeping on the host, and an append item (queue_appends) that copies
+ * the rows from the engine's k and v into the tail tile and converts a page
+ * the token completes. The host touches no data, so it waits for nothing.
+ * On failure *why says why and nothing of the entry was queued. */
 static int append_on_device(struct layer_call *lc, uint32_t i, const struct kvr_tail_tile *tail,
 			    const char **why)
 {
@@ -332,46 +332,42 @@ static int append_on_device(struct layer_call *lc, uint32_t i, const struct kvr_
 			return err;
 		}
 	}
-	const uint64_t row = lc->positions[i] % s->c.page_tokens;
-	err = kvr_dev_memcpy_async(s->dev, (unsigned char *)tail->keys + row * lc->kv_row,
-				   lc->k_dev + i * lc->kv_row, lc->kv_row, KVR_COPY_D2H, s->compute);
-	if (!err)
-		err = kvr_dev_memcpy_async(s->dev, (unsigned char *)tail->values + row * lc->kv_row,
-					   lc->v_dev + i * lc->kv_row, lc->kv_row, KVR_COPY_D2H, s->compute);
-	if (err) { /* the token is not in the tile: the pool must not count it */
-		kvr_pool_truncate(s->pool, seq, lc->layer, lc->positions[i]);
-		*why = kvr_dev_last_error(s->dev);
-		return err;
-	}
-	if (fill.page)
-		lc->fills[lc->n_fills++] = (struct kvr_page_item){
-			tail->keys, tail->values, fill.page, fill.summary,
-			s->c.n_kv_heads * s->c.head_dim, s->kv_format };
+	lc->appends[lc->n_appends++] = (struct kvr_append_item){
+		.k_row = lc->k_dev + i * lc->kv_row,
+		.v_row = lc->v_dev + i * lc->kv_row,
+		.k_tile = tail->keys,
+		.v_tile = tail->values,
+		.hnd_page = fill.page,
+		.summary = fill.page ? fill.summary : NULL,
+		.row = (uint32_t)(lc->positions[i] % s->c.page_tokens),
+		.row_stride = s->c.n_kv_heads * s->c.head_dim,
+		.format = s->kv_format,
+	};
+	lc->n_filled += fill.page != NULL;
 	return 0;
 }
 
-/* The pages this layer's tokens completed: tail tile -> HND pool page and
- * key summary, on the compute stream after the rows' copies, before any
- * attention reads them (kvr_pool_write_page's work, on the device). A failure
- * here is the device's: the layer fails. */
-static void convert_fills(struct layer_call *lc)
+/* The layer's tokens into their tail tiles and the pages they complete into
+ * the pool (HND page and key summary: kvr_pool_write_page's work, on the
+ * device), one kernel on the compute stream before any attention reads
+ * them. A failure here is the device's: the layer fails (the pool's counts
+ * go back with the step, step_end). */
+static void queue_appends(struct layer_call *lc)
 {
 	struct kvr_sched *s = lc->s;
-	const size_t bytes = lc->n_fills * sizeof(*lc->fills);
-	int err = kvr_mirror_to_device(s->dev, &lc->ls->m, lc->fills, bytes, s->compute);
-	const struct kvr_page_item *items = kvr_mirror_dev_at(&lc->ls->m, lc->fills);
+	const size_t bytes = lc->n_appends * sizeof(*lc->appends);
+	int err = kvr_mirror_to_device(s->dev, &lc->ls->m, lc->appends, bytes, s->compute);
 	if (!err)
-		err = kvr_dev_offload(s->dev, &s->shape, items, lc->n_fills, s->compute);
-	if (!err && lc->fills[0].summary)
-		err = kvr_dev_summarize(s->dev, &s->shape, items, lc->n_fills, s->compute);
+		err = kvr_dev_append(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->appends), lc->n_appends,
+				     s->compute);
 	/* the engine's own stream (the host path's corrections select on it)
-	 * reads these summaries: it waits for them on the device */
-	if (!err)
+	 * reads the new pages' summaries: it waits for them on the device */
+	if (!err && lc->n_filled)
 		err = kvr_dev_event_record(s->dev, s->eng.appended, s->compute);
-	if (!err)
+	if (!err && lc->n_filled)
 		err = kvr_dev_stream_wait_event(s->dev, s->engine_inline, s->eng.appended);
 	if (err)
-		lc->fill_error = err;
+		lc->append_error = err;
 }
 
 /* 1. Acquire the lanes, append the tokens; a sequence that fails here gets
@@ -427,8 +423,8 @@ static void layer_append(struct layer_call *lc)
 		}
 		lane->appended_step = s->eng.step_serial;
 	}
-	if (lc->n_fills)
-		convert_fills(lc);
+	if (lc->n_appends)
+		queue_appends(lc);
 }
 
 /* The layer's scratch: kept per layer, since an asynchronous attention may
@@ -442,13 +438,13 @@ static int layer_scratch(struct layer_call *lc)
 	const uint32_t max_segs = lc->max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
 	const int planned_streamed = s->device_plan && s->recall == KVR_RECALL_STREAMED;
 	/* What the device plan's kernels read comes first and in one run
-	 * (fills, sims, score items, plans, items, segments), so that one copy
+	 * (appends, sims, score items, plans, items, segments), so that one copy
 	 * uploads it (attend_on_device); then what only the host reads or the
 	 * kernels write. */
-	enum { FILLS, SIMS, SCORE_ITEMS, PLANS, ITEMS, SEGS, ENTRIES, COSINE, CORRECTED, ATT_LANES, PLAN_SCATTER,
+	enum { APPENDS, SIMS, SCORE_ITEMS, PLANS, ITEMS, SEGS, ENTRIES, COSINE, CORRECTED, ATT_LANES, PLAN_SCATTER,
 	       RECALL_COUNTS, N_REGIONS };
 	const size_t sizes[N_REGIONS] = {
-		[FILLS] = (size_t)batch * sizeof(struct kvr_page_item),
+		[APPENDS] = (size_t)batch * sizeof(struct kvr_append_item),
 		[SIMS] = (size_t)batch * sizeof(struct kvr_similarity_item),
 		[SCORE_ITEMS] = (size_t)batch * sizeof(struct kvr_score_item),
 		[PLANS] = (size_t)batch * n_kv * sizeof(struct kvr_plan_item),
@@ -479,7 +475,7 @@ static int layer_scratch(struct layer_call *lc)
 	lc->cosine = (void *)(mem + off[COSINE]);
 	lc->corrected = mem + off[CORRECTED];
 	lc->att_lanes = (void *)(mem + off[ATT_LANES]);
-	lc->fills = (void *)(mem + off[FILLS]);
+	lc->appends = (void *)(mem + off[APPENDS]);
 	lc->sims = (void *)(mem + off[SIMS]);
 	lc->score_items = (void *)(mem + off[SCORE_ITEMS]);
 	lc->plans = (void *)(mem + off[PLANS]);
@@ -770,6 +766,10 @@ static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *la
 			.seg_row = s->kv_format ? 0 : s->c.head_dim, /* quantised: first_row */
 			.seg_head_stride = s->kv_format ? (uint32_t)s->head_bytes : 0,
 			.seg_format = s->kv_format,
+			/* the lane keeps q_i for the next step (post_next_step) */
+			.q_from = kk && lc->device_append ? qi + m * lc->head_q_bytes : NULL,
+			.q_to = kk && lc->device_append ? (unsigned char *)lane->prev_q + m * lc->head_q_bytes : NULL,
+			.q_bytes = (uint32_t)lc->head_q_bytes,
 		};
 		if (streamed) { /* the slots: planned, and the misses moved, on the device */
 			struct kvr_plan_item *pl = &lc->plans[lc->n_plans - 1];
@@ -993,10 +993,12 @@ static void post_next_step(struct layer_call *lc)
 			continue;
 		if (lc->device_append) {
 			/* on the compute stream, after this layer's similarity check
-			 * read the old one; the controller's selection, which reads
-			 * it, waits for attn_done recorded after the copy */
-			int err = kvr_dev_memcpy_async(s->dev, lane->prev_q, lc->q_dev + i * lc->q_row, lc->q_row,
-						       KVR_COPY_D2D, s->compute);
+			 * read the old one (the device plan's plan kernel has copied
+			 * it already: queue_planned); the controller's selection,
+			 * which reads it, waits for attn_done recorded after it */
+			int err = e->planned ? 0
+					     : kvr_dev_memcpy_async(s->dev, lane->prev_q, lc->q_dev + i * lc->q_row,
+								    lc->q_row, KVR_COPY_D2D, s->compute);
 			if (!err)
 				err = kvr_dev_event_record(s->dev, lane->attn_done, s->compute);
 			if (err) { /* no previous query: the next step selects afresh */
@@ -1104,10 +1106,10 @@ static int layer_call(struct layer_call *lc, const void *q, const void *k, const
 	if (err)
 		return err;
 	layer_append(lc);
-	if (lc->fill_error) {
-		snprintf(s->last_error, sizeof(s->last_error), "offloading the completed pages: %s",
+	if (lc->append_error) {
+		snprintf(s->last_error, sizeof(s->last_error), "appending the tokens: %s",
 			 kvr_dev_last_error(s->dev));
-		return lc->fill_error;
+		return lc->append_error;
 	}
 	if (s->device_plan) {
 		err = attend_on_device(lc);

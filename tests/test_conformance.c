@@ -485,6 +485,7 @@ DEV_ITEMS(dev_attention_items, kvr_attention_item)
 DEV_ITEMS(dev_segments, kvr_kv_segment)
 DEV_ITEMS(dev_dense_items, kvr_dense_item)
 DEV_ITEMS(dev_plan_items, kvr_plan_item)
+DEV_ITEMS(dev_append_items, kvr_append_item)
 #undef DEV_ITEMS
 #undef TRANSLATE_FIELD
 
@@ -726,6 +727,101 @@ static void offload_quantised_case(struct env *e, uint32_t ci, uint32_t ti)
 }
 
 CONFORMANCE_CASES(offload_quantised, ARRAY_LEN(page_shapes))
+
+/* ================================================================== append */
+
+/*
+ * append: five tokens, one per tile (a layer's sequences, each its own
+ * tile): the first completes its page, plain, with the key summary; the
+ * second and third land mid-page and at row 0; the fourth completes a
+ * quantised page (K8V4 in even configurations, K4V2 in odd ones) without a
+ * summary; the fifth's row is past the page and writes nothing. Tiles
+ * (padded rows in some shapes), pages and summary bit for bit against the
+ * reference: the rows copied, then offload's and summarize's references
+ * and the pool's quantiser.
+ */
+static void append_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	PAGE_CASE_SETUP(0xa99e);
+	enum { N = 5 };
+	const uint32_t format = ci % 2 ? KVR_KV_K4V2 : KVR_KV_K8V4;
+	struct kvr_quant_geometry q;
+	cr_assert_eq(kvr_quant_geometry_init(&q, pc->p, pc->d, 1, format), 0);
+	const uint32_t stride = pc->n_kv * pc->d + pc->pad, p = pc->p;
+	const uint64_t row = (uint64_t)pc->n_kv * pc->d, tile = (uint64_t)p * stride;
+	const uint64_t page = 2ull * pc->n_kv * p * pc->d, qpage = (uint64_t)q.head_bytes * pc->n_kv;
+	const uint64_t sum = 2ull * pc->n_kv * pc->d;
+	const size_t eb = ebytes(type);
+	void *k = halloc(N * row * eb), *v = halloc(N * row * eb);
+	void *kt = halloc(N * tile * eb), *vt = halloc(N * tile * eb);
+	void *pg = halloc(page * eb), *summ = halloc(sum * eb);
+	unsigned char *qpg = halloc(qpage);
+	fill_uniform(&r, k, type, N * row, -3.0, 3.0);
+	fill_uniform(&r, v, type, N * row, -3.0, 3.0);
+	fill_uniform(&r, kt, type, N * tile, -3.0, 3.0);
+	fill_uniform(&r, vt, type, N * tile, -3.0, 3.0);
+	fill_bytes(&r, pg, page * eb);
+	fill_bytes(&r, summ, sum * eb);
+	fill_bytes(&r, qpg, qpage);
+	const uint32_t rows_at[N] = { p - 1, p / 2, 0, p - 1, p };
+	struct kvr_append_item items[N];
+	for (uint32_t i = 0; i < N; i++)
+		items[i] = (struct kvr_append_item){
+			.k_row = elem_ptr(k, type, i * row),
+			.v_row = elem_ptr(v, type, i * row),
+			.k_tile = elem_ptr(kt, type, i * tile),
+			.v_tile = elem_ptr(vt, type, i * tile),
+			.hnd_page = i == 0 ? pg : i == 3 ? (void *)qpg : NULL,
+			.summary = i == 0 ? summ : NULL,
+			.row = rows_at[i],
+			.row_stride = stride,
+			.format = i == 3 ? format : 0,
+		};
+	put(c, k, N * row * eb);
+	put(c, v, N * row * eb);
+	put(c, kt, N * tile * eb);
+	put(c, vt, N * tile * eb);
+	put(c, pg, page * eb);
+	put(c, summ, sum * eb);
+	put(c, qpg, qpage);
+	DEV_OK(c, kvr_dev_append(c->dev, &sh, dev_append_items(c, items, N), N, c->s));
+	void *got_kt = halloc(N * tile * eb), *got_vt = halloc(N * tile * eb);
+	void *got_pg = halloc(page * eb), *got_summ = halloc(sum * eb);
+	unsigned char *got_qpg = halloc(qpage);
+	get(c, got_kt, kt, N * tile * eb);
+	get(c, got_vt, vt, N * tile * eb);
+	get(c, got_pg, pg, page * eb);
+	get(c, got_summ, summ, sum * eb);
+	get(c, got_qpg, qpg, qpage);
+
+	for (uint32_t i = 0; i < N; i++) {
+		if (rows_at[i] >= p)
+			continue;
+		memcpy(elem_ptr(kt, type, i * tile + (uint64_t)rows_at[i] * stride), items[i].k_row, row * eb);
+		memcpy(elem_ptr(vt, type, i * tile + (uint64_t)rows_at[i] * stride), items[i].v_row, row * eb);
+	}
+	const struct kvr_page_item full = kvr_append_page_item(&items[0]);
+	ref_offload(&sh, &full, 1);
+	ref_summarize(&sh, &full, 1);
+	float scratch[KVR_QUANT_MAX_DIM];
+	for (uint32_t m = 0; m < pc->n_kv; m++)
+		kvr_quant_run_from_nhd(&q, items[3].k_tile, items[3].v_tile, stride, type, m, p,
+				       qpg + m * q.head_bytes, scratch);
+	char what[96];
+	snprintf(what, sizeof(what), "%s: append %s config %u: K tiles", c->name, type_names[ti], ci);
+	expect_same_bits(what, got_kt, kt, N * tile * eb, eb);
+	snprintf(what, sizeof(what), "%s: append %s config %u: V tiles", c->name, type_names[ti], ci);
+	expect_same_bits(what, got_vt, vt, N * tile * eb, eb);
+	snprintf(what, sizeof(what), "%s: append %s config %u: the page", c->name, type_names[ti], ci);
+	expect_same_bits(what, got_pg, pg, page * eb, eb);
+	snprintf(what, sizeof(what), "%s: append %s config %u: its summary", c->name, type_names[ti], ci);
+	expect_same_bits(what, got_summ, summ, sum * eb, eb);
+	snprintf(what, sizeof(what), "%s: append %s config %u: the %s page", c->name, type_names[ti], ci,
+		 format == KVR_KV_K4V2 ? "K4V2" : "K8V4");
+	expect_same_bits(what, got_qpg, qpg, qpage, 1);
+}
+
+CONFORMANCE_CASES(append, ARRAY_LEN(page_shapes))
 
 /* ================================================================== summarize */
 
@@ -1093,6 +1189,12 @@ CONFORMANCE_TEST(plan)
 	fill_bytes(&r, att, N * sizeof(*att));
 	int32_t *sel = halloc(N * 8 * sizeof(int32_t)), *now = halloc(N * 8 * sizeof(int32_t));
 	uint8_t *flags = halloc(N);
+	/* even items also keep their query rows (q_from to q_to, as the device
+	 * plan keeps a lane's previous query); odd ones leave q_to alone */
+	enum { QB = 256 };
+	unsigned char *q_from = halloc(N * QB), *q_to = halloc(N * QB);
+	fill_bytes(&r, q_from, N * QB);
+	fill_bytes(&r, q_to, N * QB);
 	for (uint32_t i = 0; i < N; i++) {
 		for (uint32_t j = 0; j < 8; j++) {
 			sel[i * 8 + j] = (int32_t)rng_below(&r, PAGES + 1) - 1;
@@ -1112,8 +1214,12 @@ CONFORMANCE_TEST(plan)
 			.n_head = spec[i][0], .n_tail = spec[i][2], .k = spec[i][1],
 			.sel_begin = 2 + i, .sel_end = PAGES - 3 * i, .addr_end = PAGES,
 			.seg_tokens = 16, .seg_row = quant ? 0 : 128, .seg_head_stride = quant ? 1088 : 0,
-			.seg_format = quant ? KVR_KV_K8V4 : 0 };
+			.seg_format = quant ? KVR_KV_K8V4 : 0,
+			.q_from = i % 2 ? NULL : q_from + i * QB, .q_to = i % 2 ? NULL : q_to + i * QB,
+			.q_bytes = i % 4 ? QB : 96 };
 	}
+	put(c, q_from, N * QB);
+	put(c, q_to, N * QB);
 	put(c, addr, PAGES * sizeof(uint64_t));
 	put(c, list, list_at[N] * sizeof(*list));
 	put(c, att, N * sizeof(*att));
@@ -1126,6 +1232,16 @@ CONFORMANCE_TEST(plan)
 	struct kvr_attention_item *got_att = halloc(N * sizeof(*got_att));
 	get(c, got, list, list_at[N] * sizeof(*got));
 	get(c, got_att, att, N * sizeof(*got_att));
+	unsigned char *got_q = halloc(N * QB);
+	get(c, got_q, q_to, N * QB);
+	for (uint32_t i = 0; i < N; i++) {
+		const uint32_t copied = i % 2 ? 0 : items[i].q_bytes;
+		char what[96];
+		snprintf(what, sizeof(what), "%s: plan item %u: the query rows kept", c->name, i);
+		expect_same_bits(what, got_q + i * QB, q_from + i * QB, copied, 1);
+		snprintf(what, sizeof(what), "%s: plan item %u: the bytes past them", c->name, i);
+		expect_same_bits(what, got_q + i * QB + copied, q_to + i * QB + copied, QB - copied, 1);
+	}
 	struct kvr_attention_item *want_att = halloc(N * sizeof(*want_att));
 	memcpy(want_att, att, N * sizeof(*att));
 	for (uint32_t i = 0; i < N; i++)
@@ -1232,6 +1348,16 @@ CONFORMANCE_TEST(plan_slots)
 			.slot_col = 64 * i, .slot_page = slots + i * KMAX, .scatter = scatter + i * KMAX,
 			.recall_count = counts + 2 * i, .slot_k = slot_k, .slot_v = slot_v, .tile_bytes = tile,
 			.kv_head = i };
+	/* the sequential path (item 5) and a parallel one (item 4) keep query rows too */
+	unsigned char *q_from = halloc(2 * 128), *q_to = halloc(2 * 128);
+	fill_bytes(&r, q_from, 2 * 128);
+	for (uint32_t i = 4; i < 6; i++) {
+		items[i].q_from = q_from + (i - 4) * 128;
+		items[i].q_to = q_to + (i - 4) * 128;
+		items[i].q_bytes = 128;
+	}
+	put(c, q_from, 2 * 128);
+	put(c, q_to, 2 * 128);
 	const struct kvr_shape sh = make_shape(&numeric_shapes[0], KVR_ELEM_F32);
 	DEV_OK(c, kvr_dev_plan(c->dev, &sh, dev_plan_items(c, items, N), N, c->s));
 	struct kvr_kv_segment *got = halloc(list_at[N] * sizeof(*got));
@@ -1244,6 +1370,9 @@ CONFORMANCE_TEST(plan_slots)
 	get(c, got_slots, slots, N * KMAX * sizeof(int32_t));
 	get(c, got_sc, scatter, N * KMAX * sizeof(*got_sc));
 	get(c, got_counts, counts, N * 2 * sizeof(uint32_t));
+	unsigned char *got_q = halloc(2 * 128);
+	get(c, got_q, q_to, 2 * 128);
+	expect_same_bits("plan (slots): query rows kept", got_q, q_from, 2 * 128, 1);
 	/* the reference, on the host copies, computing with the device's slot tiles */
 	for (uint32_t i = 0; i < N; i++) {
 		items[i].slot_k = dev_of(c, slot_k);

@@ -642,6 +642,46 @@ Test(cudaemu_strict, plan_extents)
 #undef PLAN
 }
 
+/* append reads the token's row and writes it into its row of the tile; a
+ * token that completes the page also reads the whole tile and writes the
+ * page and its summary. */
+Test(cudaemu_strict, append_extents)
+{
+#define APPEND(item) kvr_dev_append(T.dev, &shape, items_of(&(item), sizeof(item)), 1, T.s)
+	const size_t row = (size_t)ROW * EB, page = 2ull * NKV * P * D * EB;
+	/* row 3 of a tile that holds 4 rows: enough while no page completes */
+	struct kvr_append_item it = { drand(&T, row, 1), drand(&T, row, 2), dalloc(&T, 4 * row),
+				      dalloc(&T, 4 * row), NULL, NULL, 3, ROW, 0, 0 };
+	expect_ok(&T, APPEND(it), "append");
+	struct kvr_append_item bad = it;
+	bad.row = 4;
+	expect_fault(&T, APPEND(bad), 0, "append: item 0 k_tile", "runs past the end");
+	/* the last row completes the page: the whole tile, the page, the summary */
+	struct kvr_append_item full = { it.k_row, it.v_row, dalloc(&T, P * row), dalloc(&T, P * row),
+					dalloc(&T, page), dalloc(&T, 2ull * NKV * D * EB), P - 1, ROW, 0, 0 };
+	expect_ok(&T, APPEND(full), "append (a page completes)");
+	bad = full;
+	bad.v_tile = dalloc(&T, P * row - 1);
+	expect_fault(&T, APPEND(bad), 1, "append: item 0 v_tile", "runs past the end");
+	bad = full;
+	bad.hnd_page = dalloc(&T, page - 1);
+	expect_fault(&T, APPEND(bad), 2, "append: item 0 hnd_page", "runs past the end");
+	bad = full;
+	bad.summary = dalloc(&T, 2ull * NKV * D * EB - 1);
+	expect_fault(&T, APPEND(bad), 3, "append: item 0 summary", "runs past the end");
+	/* the engine's k in host memory: not kernel data */
+	float host_k[ROW] = { 0 };
+	bad = it;
+	bad.k_row = host_k;
+	expect_fault(&T, APPEND(bad), 4, "append: item 0 k_row", "neither device memory");
+	/* a row past the page: the kernel skips the item, nothing is checked */
+	bad = it;
+	bad.row = P;
+	bad.k_tile = host_k;
+	expect_ok(&T, APPEND(bad), "append (row past the page)");
+#undef APPEND
+}
+
 Test(cudaemu_strict, score_and_select_extents)
 {
 	/* candidates [3, 19): the summaries from page 3 to the end of page 18 */
@@ -745,6 +785,11 @@ Test(cudaemu_strict, every_item_pointer_field_has_an_extent_check)
 				    dalloc(&T, 2ull * NKV * D * EB), ROW, 0 };
 	expect_ok(&T, kvr_dev_offload(T.dev, &shape, items_of(&pg, sizeof(pg)), 1, T.s), "offload");
 	expect_ok(&T, kvr_dev_summarize(T.dev, &shape, items_of(&pg, sizeof(pg)), 1, T.s), "summarize");
+	/* the last row: the page completes (every field read) */
+	struct kvr_append_item ap = { drand(&T, (size_t)ROW * EB, 12), drand(&T, (size_t)ROW * EB, 13),
+				      dalloc(&T, rows), dalloc(&T, rows), dalloc(&T, page),
+				      dalloc(&T, 2ull * NKV * D * EB), P - 1, ROW, 0, 0 };
+	expect_ok(&T, kvr_dev_append(T.dev, &shape, items_of(&ap, sizeof(ap)), 1, T.s), "append");
 
 	const uint32_t n_pages = 8, k = 2;
 	struct kvr_score_item so = { drand(&T, qb, 4), drand(&T, n_pages * 2ull * NKV * D * EB, 5),

@@ -63,11 +63,11 @@
 #include "../kernel_launchers.h"
 
 enum emu_kernel { EMU_SCATTER, EMU_OFFLOAD, EMU_SUMMARIZE, EMU_SCORE, EMU_SELECT, EMU_SIMILARITY,
-		  EMU_ATTENTION, EMU_DENSE, EMU_FREELIST, EMU_PLAN };
+		  EMU_ATTENTION, EMU_DENSE, EMU_FREELIST, EMU_PLAN, EMU_APPEND };
 
 static const char *const kernel_names[] = { "scatter", "offload", "summarize", "score",
 					    "select", "similarity", "attention", "dense",
-					    "freelist", "plan" };
+					    "freelist", "plan", "append" };
 
 static const size_t item_bytes[] = {
 	sizeof(struct kvr_scatter_item), sizeof(struct kvr_page_item),
@@ -75,6 +75,7 @@ static const size_t item_bytes[] = {
 	sizeof(struct kvr_score_item),   sizeof(struct kvr_similarity_item),
 	sizeof(struct kvr_attention_item), sizeof(struct kvr_dense_item),
 	sizeof(struct kvr_freelist_item), sizeof(struct kvr_plan_item),
+	sizeof(struct kvr_append_item),
 };
 
 struct emu_op {
@@ -403,6 +404,11 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *             (p-1)·row_stride + n_kv·d; hnd_page n_kv·2·p·d, or with a
  *             quantised format n_kv runs of kvr_kv_run_bytes.
  *  summarize  k_rows as offload; summary n_kv·2·d.
+ *  append     (an item with row >= p is skipped whole by the kernel)
+ *             k_row and v_row n_kv·d; k_tile and v_tile the row written,
+ *             to row·row_stride + n_kv·d, and with hnd_page the whole tile
+ *             read as offload's k_rows and v_rows, hnd_page as offload's,
+ *             summary (when not NULL) as summarize's.
  *  score      nothing when cand_end <= cand_begin; else q n_qo·d; summaries
  *             of the softmax domain (kvr_score_domain), from dom_begin·n_kv·2·d,
  *             n_dom·n_kv·2·d; scores n_kv·n_cand floats.
@@ -410,7 +416,8 @@ static int check_arrays(struct check *c, const struct emu_op *op)
  *             may be 0) and selected n_kv·k int32s.
  *             Both: gate n_kv bytes when not NULL.
  *  similarity q and q_prev n_qo·d; cosine n_kv floats; corrected n_kv bytes.
- *  plan       attention one item; segments n_head + k + n_tail segments;
+ *  plan       q_from and q_to q_bytes each when q_to is not NULL;
+ *             attention one item; segments n_head + k + n_tail segments;
  *             with k > 0, selected k int32s, corrected_sel likewise and
  *             corrected one byte when not NULL, page_addr addr_end uint64s;
  *             with slot_page (k at most KVR_PLAN_MAX_K), recall_count two
@@ -442,6 +449,7 @@ static int check_items(struct check *c, const struct emu_op *op)
 		[EMU_SELECT] = ITEM_kvr_score_item,          [EMU_SIMILARITY] = ITEM_kvr_similarity_item,
 		[EMU_ATTENTION] = ITEM_kvr_attention_item,   [EMU_DENSE] = ITEM_kvr_dense_item,
 		[EMU_FREELIST] = ITEM_kvr_freelist_item,     [EMU_PLAN] = ITEM_kvr_plan_item,
+		[EMU_APPEND] = ITEM_kvr_append_item,
 	};
 	c->item_struct = item_struct_of[op->kernel];
 	switch (op->kernel) {
@@ -475,6 +483,34 @@ static int check_items(struct check *c, const struct emu_op *op)
 											  (uint32_t)d, (uint32_t)eb)
 							      : n_kv * 2 * p * d * eb);
 			}
+		}
+		break;
+	}
+	case EMU_APPEND: {
+		const struct kvr_append_item *it = op->items;
+		const uint64_t row = n_kv * d * eb;
+		for (uint32_t i = 0; i < op->n && !err; i++) {
+			if (it[i].row >= p)
+				continue;
+			const uint64_t tile = it[i].hnd_page ? ((p - 1) * it[i].row_stride) * eb + row
+							     : (uint64_t)it[i].row * it[i].row_stride * eb + row;
+			if ((err = check_data(c, "item", i, "k_row", it[i].k_row, 0, row)) ||
+			    (err = check_data(c, "item", i, "v_row", it[i].v_row, 0, row)) ||
+			    (err = check_data(c, "item", i, "k_tile", it[i].k_tile, 0, tile)) ||
+			    (err = check_data(c, "item", i, "v_tile", it[i].v_tile, 0, tile)))
+				break;
+			if (!it[i].hnd_page) {
+				check_data(c, "item", i, "hnd_page", NULL, 0, 0);
+				check_data(c, "item", i, "summary", NULL, 0, 0);
+				continue;
+			}
+			err = check_data(c, "item", i, "hnd_page", it[i].hnd_page, 0,
+					 it[i].format ? n_kv * kvr_kv_run_bytes(it[i].format, (uint32_t)p,
+										  (uint32_t)d, (uint32_t)eb)
+						      : n_kv * 2 * p * d * eb);
+			if (!err)
+				err = check_data(c, "item", i, "summary", it[i].summary, 0,
+						 it[i].summary ? n_kv * 2 * d * eb : 0);
 		}
 		break;
 	}
@@ -573,7 +609,10 @@ static int check_items(struct check *c, const struct emu_op *op)
 			/* segments NULL: a prefetch, no attention item either */
 			const uint64_t list =
 				it[i].segments ? (uint64_t)it[i].n_head + it[i].k + it[i].n_tail : 0;
-			if ((err = check_data(c, "item", i, "attention", it[i].attention, 0,
+			const uint64_t q_bytes = it[i].q_to ? it[i].q_bytes : 0;
+			if ((err = check_data(c, "item", i, "q_from", it[i].q_from, 0, q_bytes)) ||
+			    (err = check_data(c, "item", i, "q_to", it[i].q_to, 0, q_bytes)) ||
+			    (err = check_data(c, "item", i, "attention", it[i].attention, 0,
 					      it[i].segments ? sizeof(struct kvr_attention_item) : 0)) ||
 			    (err = check_data(c, "item", i, "segments", it[i].segments, 0,
 					      list * sizeof(struct kvr_kv_segment))))
@@ -695,6 +734,7 @@ static void run_emu(struct kvr_dev *dev, void *ctx)
 		LAUNCH_ITEMS(EMU_SIMILARITY, similarity)
 		LAUNCH_ITEMS(EMU_DENSE, dense)
 		LAUNCH_ITEMS(EMU_PLAN, plan)
+		LAUNCH_ITEMS(EMU_APPEND, append)
 #undef LAUNCH_ITEMS
 	case EMU_ATTENTION:
 		rc = kvr_emu_launch_attention(sh, op->items, op->n, op->segments, op->n_segments, NULL);
@@ -755,6 +795,7 @@ EMU_KERNEL(select, struct kvr_score_item, EMU_SELECT)
 EMU_KERNEL(similarity, struct kvr_similarity_item, EMU_SIMILARITY)
 EMU_KERNEL(dense, struct kvr_dense_item, EMU_DENSE)
 EMU_KERNEL(plan, struct kvr_plan_item, EMU_PLAN)
+EMU_KERNEL(append, struct kvr_append_item, EMU_APPEND)
 
 static int emu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 			struct kvr_stream *s)

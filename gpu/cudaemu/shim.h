@@ -153,6 +153,7 @@ KVR_EMU_SHFL(__shfl_xor_sync, shfl_mode::bfly, int)
 /* The device's memory fences order a GPU's concurrent threads; the fibers of
  * a launch run one at a time on one OS thread, so there is nothing to order. */
 inline void __threadfence() {}
+inline void __threadfence_system() {}
 
 /* ---- atomics ----
  * A fiber is never switched out inside an atomic, so the fibers of one launch
@@ -366,6 +367,7 @@ using kvr_emu::__shfl_xor_sync;
 using kvr_emu::__syncthreads;
 using kvr_emu::__syncwarp;
 using kvr_emu::__threadfence;
+using kvr_emu::__threadfence_system;
 using kvr_emu::__uint_as_float;
 using kvr_emu::atomicAdd;
 using kvr_emu::atomicCAS;
