@@ -63,7 +63,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(COPY_THREADS, 4)
  *    is written: a chunk lands below the next one's sources, as the taken
  *    count is at most k.
  * The block writes the slots back. What took one thread O(k²) steps takes
- * each O(k) (the matching) or O(k/threads). */
+ * each O(k·k/threads): per entry, a scan of the slots and one of the entries
+ * before it (the repeated-page check); at k = 64, one scan each. */
 static const uint32_t PLAN_THREADS = 128;
 #define PLAN_WORDS (KVR_PLAN_MAX_K / 32)
 

@@ -93,8 +93,10 @@ void kvr_config_device_bytes(const struct kvr_config *c, uint32_t recall, uint64
  * attention then reads slots in device memory instead of pages over PCIe
  * and only misses move. Quantised pages stay zero-copy there: with
  * streamed recall their slots keep the host's planning, which waits on the
- * device per layer. A spill tier needs streamed (a page in the file cannot
- * be read in place). `backend` AUTO is the cpu backend (context.c). */
+ * device per layer, as does a k (selected pages per KV head) outside what
+ * the device plan takes (kvr_sched_k_plannable). A spill tier needs
+ * streamed (a page in the file cannot be read in place). `backend` AUTO is
+ * the cpu backend (context.c). */
 uint32_t kvr_config_recall(const struct kvr_config *c)
 {
 	if (c->recall != KVR_RECALL_AUTO)
@@ -102,7 +104,7 @@ uint32_t kvr_config_recall(const struct kvr_config *c)
 	if (c->pool_ram_bytes)
 		return KVR_RECALL_STREAMED;
 	if (c->backend == KVR_BACKEND_CUDA && c->kv_format == KVR_KV_FORMAT_PLAIN &&
-	    c->pool_layout == KVR_POOL_HND && c->mode != KVR_MODE_DENSE)
+	    c->pool_layout == KVR_POOL_HND && c->mode != KVR_MODE_DENSE && kvr_sched_k_plannable(c))
 		return KVR_RECALL_STREAMED;
 	return KVR_RECALL_ZERO_COPY;
 }

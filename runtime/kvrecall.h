@@ -101,7 +101,8 @@ enum kvr_mode {
 enum kvr_recall {
 	KVR_RECALL_AUTO = 0,      /* the backend's default, chosen by benchmark: zero-copy on cpu;
 	                             on cuda streamed for plain pages of an HND pool in a
-	                             sparse mode, else zero-copy; streamed with a spill tier */
+	                             sparse mode with 1 <= k <= 1024 selected pages per KV
+	                             head, else zero-copy; streamed with a spill tier */
 	KVR_RECALL_ZERO_COPY = 1, /* attention reads the selected pages where they live in the
 	                             host pool (natural on the cpu backend) */
 	KVR_RECALL_STREAMED = 2,  /* a device page cache of k slots per KV head, filled by

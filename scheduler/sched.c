@@ -114,7 +114,7 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 			   s->pool_layout == KVR_POOL_LAYOUT_HND && !s->hooks.host_step;
 	/* streamed: the plan kernel moves misses straight from the pinned pool,
 	 * which a spill tier cannot promise holds them */
-	s->device_plan = s->device_append && s->k && s->k <= KVR_PLAN_MAX_K &&
+	s->device_plan = s->device_append && kvr_sched_k_plannable(c) &&
 			 (s->recall == KVR_RECALL_ZERO_COPY ||
 			  (s->recall == KVR_RECALL_STREAMED && !s->kv_format && !kvr_pool_spill_file(s->pool)));
 	s->eng.engine_sel.stream = s->engine_inline;
@@ -198,6 +198,14 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	pthread_cond_destroy(&s->queue.done);
 	pthread_mutex_destroy(&s->error_lock);
 	free(s);
+}
+
+int kvr_sched_k_plannable(const struct kvr_config *c)
+{
+	if (!c->page_tokens || c->budget_tokens < c->sink_tokens + c->window_tokens)
+		return 0;
+	const uint32_t k = (c->budget_tokens - c->sink_tokens - c->window_tokens) / c->page_tokens;
+	return k >= 1 && k <= KVR_PLAN_MAX_K;
 }
 
 const char *kvr_sched_last_error(const struct kvr_sched *s)

@@ -63,6 +63,8 @@ struct kvr_lane {
 					* selection it did not wait for (an asynchronous selector:
 					* controller.c) or after the prefetch that follows it
 					* (recall.c) */
+	uint32_t sel_unwaited;        /* engine thread: a selection job was posted whose sel_done
+					* the compute stream has not waited for yet (step.c) */
 	/* the device plan with streamed recall: the controller's prefetch
 	 * (recall.c), its plan items and counts; counts not yet tallied */
 	struct kvr_mirror prefetch;   /* [n_kv] kvr_plan_item */

@@ -106,6 +106,9 @@ const char *kvr_sched_last_error(const struct kvr_sched *s);
  * and the context's fixed device bytes (staging buffers). */
 uint64_t kvr_sched_seq_device_bytes(const struct kvr_config *c, uint32_t recall);
 uint64_t kvr_sched_fixed_device_bytes(const struct kvr_config *c, uint32_t recall);
+/* 1 when the config's k (selected pages per KV head) is one the device
+ * plan takes (1..KVR_PLAN_MAX_K); recall = auto asks (config.c). */
+int kvr_sched_k_plannable(const struct kvr_config *c);
 /* Device bytes of one sparse lane's resident sink and window pages (cuda). */
 uint64_t kvr_resident_lane_bytes(const struct kvr_config *c);
 

@@ -889,11 +889,18 @@ static int attend_on_device(struct layer_call *lc)
 		}
 		/* the lane's selection for this step, which the controller issued
 		 * without waiting for it (on the device plan its selector is
-		 * asynchronous, sched.c): a stream wait */
-		if (!all && (err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done))) {
-			snprintf(s->last_error, sizeof(s->last_error), "ordering the lane's selection: %s",
-				 kvr_dev_last_error(s->dev));
-			return err;
+		 * asynchronous, sched.c): a stream wait. Also where this step
+		 * selects afresh (`all`) after an older job no step waited for
+		 * (the lane went dense between): that selection reads prev_q and,
+		 * streamed, its prefetch writes the slots, both of which this
+		 * layer's plan rewrites */
+		if (!all || lane->sel_unwaited) {
+			if ((err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done))) {
+				snprintf(s->last_error, sizeof(s->last_error), "ordering the lane's selection: %s",
+					 kvr_dev_last_error(s->dev));
+				return err;
+			}
+			lane->sel_unwaited = 0;
 		}
 		e->all_corrected = (uint32_t)all;
 		queue_planned(lc, i, lane, now, check ? corr : NULL, addrs, n_addrs);
@@ -1028,6 +1035,7 @@ static void post_next_step(struct layer_call *lc)
 		} else {
 			memset(lane->job_heads, 1, n_kv);
 			lane->job = LANE_JOB_SELECT;
+			lane->sel_unwaited = 1;
 		}
 		kvr_controller_post(s, lane, 0);
 	}

@@ -421,6 +421,18 @@ Test(config, recall_auto_is_per_backend)
 	other.mode = KVR_MODE_DENSE;
 	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ZC),
 		     "cuda, mode dense: zero-copy");
+	/* a k the device plan does not take: its streamed recall would plan on
+	 * the host, with waits */
+	other = c;
+	other.budget_tokens = other.sink_tokens + other.window_tokens + 1025 * other.page_tokens;
+	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ZC),
+		     "cuda, k = 1025: zero-copy");
+	other.budget_tokens -= other.page_tokens;
+	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ST),
+		     "cuda, k = 1024: streamed");
+	other.budget_tokens = other.sink_tokens + other.window_tokens;
+	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ZC),
+		     "cuda, k = 0: zero-copy");
 }
 
 /* Calls without a context leave their reason in kvr_last_error(NULL) too:

@@ -609,9 +609,9 @@ static int check_items(struct check *c, const struct emu_op *op)
 			/* segments NULL: a prefetch, no attention item either */
 			const uint64_t list =
 				it[i].segments ? (uint64_t)it[i].n_head + it[i].k + it[i].n_tail : 0;
-			const uint64_t q_bytes = it[i].q_to ? it[i].q_bytes : 0;
-			if ((err = check_data(c, "item", i, "q_from", it[i].q_from, 0, q_bytes)) ||
-			    (err = check_data(c, "item", i, "q_to", it[i].q_to, 0, q_bytes)) ||
+			const uint64_t kept_q = it[i].q_to ? it[i].q_bytes : 0; /* the previous query's rows */
+			if ((err = check_data(c, "item", i, "q_from", it[i].q_from, 0, kept_q)) ||
+			    (err = check_data(c, "item", i, "q_to", it[i].q_to, 0, kept_q)) ||
 			    (err = check_data(c, "item", i, "attention", it[i].attention, 0,
 					      it[i].segments ? sizeof(struct kvr_attention_item) : 0)) ||
 			    (err = check_data(c, "item", i, "segments", it[i].segments, 0,
