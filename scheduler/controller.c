@@ -6,9 +6,11 @@
  * for the next step and the deferred recall of the other heads) and runs
  * them: selection on its own inline stream, then, for streamed recall, the
  * plan and the issue of copies and conversions on the recall streams. On the
- * device plan (a GPU) it reads nothing back: the selection, and streamed the
- * prefetch of its pages, are issued on its stream and marked by the lane's
- * sel_done, which the next step's plan waits for on the device.
+ * device plan (a GPU) it reads nothing back, and runs the selection jobs
+ * queued together as one batch (run_select_batch): the selections, and
+ * streamed the prefetch of their pages, are issued on its stream and marked
+ * by each lane's sel_done, which the next step's plan waits for on the
+ * device.
  *
  * Handoff: the engine fills a lane's job fields, sets in_flight and queues
  * the lane under `lock`; the controller clears in_flight with a release store
@@ -16,8 +18,10 @@
  * engine spins briefly on in_flight before sleeping, because a condvar
  * handoff costs tens of microseconds on a small machine.
  *
- * Threads: kvr_controller_post and kvr_lane_acquire on the engine's thread;
- * controller_main on the controller thread.
+ * Threads: kvr_controller_post, kvr_controller_post_many and
+ * kvr_lane_acquire on the engine's thread; controller_main (run_job,
+ * run_select_batch) on the controller thread, or on the engine's with
+ * jobs inline.
  */
 #include <stdio.h>
 
@@ -44,22 +48,15 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 		s->hooks.delay(s->hooks.user, KVR_HOOK_CONTROLLER_JOB);
 	const uint64_t t0 = kvr_now_ns();
 	int err = 0;
-	/* the device plan with streamed recall: the recall is a prefetch on
-	 * the device after the selection (recall.c), not the staged path */
-	const int prefetch = s->device_plan && s->recall == KVR_RECALL_STREAMED;
+	/* the host's planning: the device plan's selections run in batches
+	 * (run_select_batch), its jobs are all selections */
 	if (lane->job == LANE_JOB_SELECT) {
-		if (prefetch) /* the previous one's counts, before sel_done is recorded again */
-			kvr_recall_prefetch_settle(s, lane);
 		/* prev_q may still be on its way (the device append copies it on
 		 * the compute stream, then records attn_done): a stream wait */
 		err = kvr_dev_stream_wait_event(s->dev, s->rec.ctl_sel.stream, lane->attn_done);
 		if (!err)
 			err = kvr_select_pages(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected,
 					       &s->rec.ctl_sel);
-		if (!err && prefetch)
-			err = kvr_recall_prefetch(s, lane, s->rec.ctl_sel.stream); /* records sel_done */
-		else if (!err && s->rec.ctl_sel.n_ring) /* the next step's plan waits for it on the device */
-			err = kvr_dev_event_record(s->dev, lane->sel_done, s->rec.ctl_sel.stream);
 		if (err) {
 			char what[224];
 			snprintf(what, sizeof(what), "controller: selection of sequence %u layer %u: %s",
@@ -74,7 +71,7 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 			kvr_trace_span(tr, "select (next step)", KVR_TRACK_CONTROLLER, lane->seq,
 				       lane->layer, s->c.n_kv_heads, t0, t1);
 	}
-	if (!err && s->recall == KVR_RECALL_STREAMED && !prefetch) {
+	if (!err && s->recall == KVR_RECALL_STREAMED) {
 		const uint64_t t1 = kvr_now_ns();
 		err = kvr_recall_issue(s, lane, lane->job_heads);
 		if (err && lane->job_urgent) {
@@ -111,9 +108,6 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 		 * expect: forget them, so the next step selects afresh with its own
 		 * query (a full correction) and recalls every page it needs (once
 		 * what the device was given for them has run) */
-		if (s->rec.ctl_sel.n_ring)
-			kvr_dev_stream_synchronize(s->dev, s->rec.ctl_sel.stream);
-		lane->prefetch_pending = 0;
 		lane->has_prev = 0;
 		if (lane->slot_page)
 			for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
@@ -121,6 +115,76 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	}
 	count(s, lane->seq, KVR_C_CONTROLLER_NS, kvr_now_ns() - t0);
 	count(s, lane->seq, KVR_C_CONTROLLER_JOBS, 1);
+}
+
+/* A job the device plan's batches take: a speculative selection with the
+ * asynchronous selector (every job on the device plan). */
+static int batchable(const struct kvr_sched *s, const struct kvr_lane *lane)
+{
+	return s->device_plan && s->rec.ctl_sel.n_ring && lane->job == LANE_JOB_SELECT;
+}
+
+/*
+ * The device plan's SELECT jobs of n lanes together (n >= 1): the
+ * selections in one launch of score and select (select.c), streamed the
+ * prefetches in one plan and one scatter (recall.c), then each lane's
+ * sel_done. One lane at a time, a layer's jobs at batch 8 enqueued about ten
+ * operations per lane on this thread (uploads, three score kernels, select,
+ * plan, scatter, events), which on an H100 kept speculative and freekv well
+ * behind blocking, whose engine selects the batch at once (docs/benchmarks.md).
+ * Each lane is counted, traced and, on failure, forgotten as run_job does.
+ */
+static void run_select_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n)
+{
+	struct kvr_selector *sel = &s->rec.ctl_sel;
+	const int prefetch = s->recall == KVR_RECALL_STREAMED;
+	for (uint32_t i = 0; i < n && s->hooks.delay; i++)
+		s->hooks.delay(s->hooks.user, KVR_HOOK_CONTROLLER_JOB);
+	const uint64_t t0 = kvr_now_ns();
+	int err = 0;
+	for (uint32_t i = 0; i < n && !err; i++) {
+		if (prefetch) /* the previous one's counts, before sel_done is recorded again */
+			kvr_recall_prefetch_settle(s, lanes[i]);
+		/* prev_q may still be on its way (the plan kernel keeps it on the
+		 * compute stream, then attn_done is recorded): a stream wait */
+		err = kvr_dev_stream_wait_event(s->dev, sel->stream, lanes[i]->attn_done);
+	}
+	uint32_t slot = 0;
+	if (!err)
+		err = kvr_select_pages_batch(s, lanes, n, sel, &slot);
+	if (!err && prefetch)
+		err = kvr_recall_prefetch_batch(s, lanes, n, sel, slot);
+	if (!err) /* the slot's items may be rewritten once this has passed */
+		err = kvr_dev_event_record(s->dev, sel->ring_done[slot], sel->stream);
+	for (uint32_t i = 0; i < n && !err; i++) /* the next step's plan waits for it on the device */
+		err = kvr_dev_event_record(s->dev, lanes[i]->sel_done, sel->stream);
+	const uint64_t t1 = kvr_now_ns();
+	if (err) {
+		char what[224];
+		snprintf(what, sizeof(what), "controller: selection of %u sequences' layers (sequence %u layer %u first): %s",
+			 n, lanes[0]->seq, lanes[0]->layer, kvr_dev_last_error(s->dev));
+		kvr_sched_record_async_error(s, err, what);
+		/* as run_job: the lanes select afresh at their next step */
+		kvr_dev_stream_synchronize(s->dev, sel->stream);
+	}
+	struct kvr_trace *tr = trace_of(s);
+	if (tr)
+		kvr_trace_span(tr, "select (next step)", KVR_TRACK_CONTROLLER, lanes[0]->seq, lanes[0]->layer, n,
+			       t0, t1);
+	for (uint32_t i = 0; i < n; i++) {
+		struct kvr_lane *lane = lanes[i];
+		if (err) {
+			lane->prefetch_pending = 0;
+			lane->has_prev = 0;
+			if (lane->slot_page)
+				for (uint32_t x = 0; x < s->c.n_kv_heads * s->k; x++)
+					lane->slot_page[x] = -1;
+		} else {
+			count(s, lane->seq, KVR_C_SELECTIONS, 1);
+		}
+		count(s, lane->seq, KVR_C_CONTROLLER_NS, (t1 - t0) / n);
+		count(s, lane->seq, KVR_C_CONTROLLER_JOBS, 1);
+	}
 }
 
 static void *controller_main(void *arg)
@@ -142,11 +206,28 @@ static void *controller_main(void *arg)
 		} else {
 			break; /* quit with empty queues */
 		}
+		/* the device plan: the selections queued behind it, together (no
+		 * urgent job waits behind them: the device plan posts none) */
+		struct kvr_lane **batch = s->queue.batch;
+		uint32_t n = 1;
+		batch[0] = lane;
+		if (batchable(s, lane))
+			while (n < s->rec.ctl_sel.batch_cap && s->queue.normal_head && !s->queue.urgent_head &&
+			       batchable(s, s->queue.normal_head)) {
+				batch[n++] = s->queue.normal_head;
+				s->queue.normal_head = s->queue.normal_head->next;
+				if (!s->queue.normal_head)
+					s->queue.normal_tail = NULL;
+			}
 		pthread_mutex_unlock(&s->queue.lock);
-		run_job(s, lane);
+		if (batchable(s, lane))
+			run_select_batch(s, batch, n);
+		else
+			run_job(s, lane);
 		/* release pairs with the acquire loads in kvr_lane_acquire: the
-		 * engine sees the job's results (selected, slot_page, events) */
-		atomic_store_explicit(&lane->in_flight, 0, memory_order_release);
+		 * engine sees the jobs' results (selected, slot_page, events) */
+		for (uint32_t i = 0; i < n; i++)
+			atomic_store_explicit(&batch[i]->in_flight, 0, memory_order_release);
 		pthread_mutex_lock(&s->queue.lock);
 		if (s->queue.engine_waiting)
 			pthread_cond_broadcast(&s->queue.done);
@@ -200,6 +281,40 @@ void kvr_controller_post(struct kvr_sched *s, struct kvr_lane *lane, int urgent)
 	else
 		*head = lane;
 	*tail = lane;
+	pthread_cond_signal(&s->queue.work);
+	pthread_mutex_unlock(&s->queue.lock);
+}
+
+void kvr_controller_post_many(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n)
+{
+	if (!n)
+		return;
+	if (s->jobs_inline) {
+		uint32_t all = 1;
+		for (uint32_t i = 0; i < n; i++)
+			all &= (uint32_t)batchable(s, lanes[i]);
+		if (all) {
+			run_select_batch(s, lanes, n);
+			return;
+		}
+		for (uint32_t i = 0; i < n; i++) {
+			lanes[i]->job_urgent = 0;
+			run_job(s, lanes[i]);
+		}
+		return;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		/* relaxed: the queue mutex below publishes the stores with the jobs */
+		atomic_store_explicit(&lanes[i]->in_flight, 1, memory_order_relaxed);
+		lanes[i]->job_urgent = 0;
+		lanes[i]->next = i + 1 < n ? lanes[i + 1] : NULL;
+	}
+	pthread_mutex_lock(&s->queue.lock);
+	if (s->queue.normal_tail)
+		s->queue.normal_tail->next = lanes[0];
+	else
+		s->queue.normal_head = lanes[0];
+	s->queue.normal_tail = lanes[n - 1];
 	pthread_cond_signal(&s->queue.work);
 	pthread_mutex_unlock(&s->queue.lock);
 }

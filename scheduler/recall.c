@@ -33,15 +33,16 @@
  * the engine's step in stream order, and moves its misses itself (one
  * scatter reading the pinned pool), and the engine never posts an urgent
  * recall. The controller's recall for the next step is then a prefetch on
- * its own stream (kvr_recall_prefetch): the plan kernel plans the slots of
- * the lane's selection (its segments NULL) and one scatter moves the misses
+ * its own stream (kvr_recall_prefetch_batch, for the lanes whose
+ * selections it runs together): the plan kernel plans the slots of each
+ * lane's selection (its segments NULL) and one scatter moves the misses
  * from the pinned pool, after the step's attention (attn_done, waited for
- * before the selection) and before the lane's sel_done, which the next
+ * before the selection) and before the lanes' sel_done, which the next
  * step's plan waits for on the device. The host reads nothing: the counts
  * are tallied once sel_done is known complete (the lane's next job, or
  * kvr_recall_prefetch_settle).
  *
- * Threads: kvr_recall_issue and kvr_recall_prefetch run on the controller
+ * Threads: kvr_recall_issue and kvr_recall_prefetch_batch run on the controller
  * thread (kvr_recall_prefetch_settle on whichever thread holds the lane). Staging-buffer
  * reuse is ordered on the streams by the `drained` events, so the controller
  * does not wait for buffers; it waits only, before rewriting a lane's own
@@ -224,12 +225,9 @@ int kvr_recall_lane_alloc(struct kvr_sched *s, struct kvr_lane *lane)
 		ret = kvr_dev_event_create(s->dev, &lane->attn_done);
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &lane->sel_done);
-	if (!ret && lane->slot_page && s->k && s->device_plan) { /* the prefetch's items and counts */
-		ret = kvr_mirror_grow(s->dev, &lane->prefetch, (size_t)s->c.n_kv_heads * sizeof(struct kvr_plan_item));
-		if (!ret)
-			ret = kvr_mapped_alloc(s->dev, (size_t)s->c.n_kv_heads * 2 * sizeof(uint32_t),
-					       (void **)&lane->prefetch_counts);
-	}
+	if (!ret && lane->slot_page && s->k && s->device_plan) /* the prefetch's counts */
+		ret = kvr_mapped_alloc(s->dev, (size_t)s->c.n_kv_heads * 2 * sizeof(uint32_t),
+				       (void **)&lane->prefetch_counts);
 	if (ret || !lane->slot_page || !s->k)
 		return ret; /* zero-copy or a dense layer: events only */
 	if (s->kv_format) {
@@ -266,7 +264,6 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane)
 	lane->spare_unit = NULL;
 	lane->n_spare = lane->holds_units = 0;
 	kvr_mirror_free(s->dev, &lane->recall_items);
-	kvr_mirror_free(s->dev, &lane->prefetch);
 	kvr_mapped_free(s->dev, lane->prefetch_counts);
 	lane->prefetch_counts = NULL;
 	lane->prefetch_pending = 0;
@@ -692,7 +689,10 @@ void kvr_recall_prefetch_settle(struct kvr_sched *s, struct kvr_lane *lane)
 	lane->prefetch_pending = 0;
 }
 
-int kvr_recall_prefetch(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_stream *stream)
+/* Lane `lane`'s n_kv prefetch plan items into `items`, its misses' scatter
+ * items into `scatter` ([n_kv][k]). */
+static void prefetch_items(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_plan_item *items,
+			   struct kvr_scatter_item *scatter)
 {
 	const uint32_t n_kv = s->c.n_kv_heads, kk = s->k;
 	/* the pages the selection may name (the next step's candidates),
@@ -700,8 +700,6 @@ int kvr_recall_prefetch(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_s
 	uint32_t n_addrs = kvr_window_first(&s->c, lane->job_n_tokens + 1);
 	if (n_addrs > lane->addr_valid)
 		n_addrs = lane->addr_valid;
-	struct kvr_plan_item *items = lane->prefetch.host;
-	struct kvr_scatter_item *scatter = lane->recall_items.dev;
 	for (uint32_t m = 0; m < n_kv; m++)
 		items[m] = (struct kvr_plan_item){
 			.selected = lane->selected + (uint64_t)m * kk,
@@ -718,23 +716,32 @@ int kvr_recall_prefetch(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_s
 			.tile_bytes = s->tile_bytes,
 			.kv_head = m,
 		};
+}
+
+int kvr_recall_prefetch_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n,
+			      struct kvr_selector *sel, uint32_t slot)
+{
+	const uint32_t n_kv = s->c.n_kv_heads, kk = s->k;
+	struct kvr_stream *stream = sel->stream;
+	struct kvr_plan_item *items = (struct kvr_plan_item *)sel->prefetch.host + (size_t)slot * sel->batch_cap * n_kv;
+	for (uint32_t i = 0; i < n; i++)
+		prefetch_items(s, lanes[i], items + (size_t)i * n_kv, sel->prefetch_scatter + (size_t)i * n_kv * kk);
 	const uint64_t t0 = kvr_now_ns();
 	/* the plan decides the copies and the scatter converts: the hook sites
 	 * of the staged path's copy and conversion, on the controller's stream */
 	kvr_sched_hook_on_stream(s, stream, KVR_HOOK_COPY);
-	int err = kvr_mirror_to_device(s->dev, &lane->prefetch, items, n_kv * sizeof(*items), stream);
+	int err = kvr_mirror_to_device(s->dev, &sel->prefetch, items, (size_t)n * n_kv * sizeof(*items), stream);
 	if (!err)
-		err = kvr_dev_plan(s->dev, &s->shape, lane->prefetch.dev, n_kv, stream);
+		err = kvr_dev_plan(s->dev, &s->shape, kvr_mirror_dev_at(&sel->prefetch, items), n * n_kv, stream);
 	kvr_sched_hook_on_stream(s, stream, KVR_HOOK_CONVERT);
 	if (!err)
-		err = kvr_dev_scatter(s->dev, &s->shape, scatter, n_kv * kk, stream);
+		err = kvr_dev_scatter(s->dev, &s->shape, sel->prefetch_scatter, n * n_kv * kk, stream);
 	if (!err)
-		err = kvr_dev_event_record(s->dev, lane->sel_done, stream);
-	if (!err)
-		lane->prefetch_pending = 1;
+		for (uint32_t i = 0; i < n; i++)
+			lanes[i]->prefetch_pending = 1;
 	struct kvr_trace *tr = trace_of(s);
 	if (tr)
-		kvr_trace_span(tr, "plan + scatter recall (device)", KVR_TRACK_CONTROLLER, lane->seq, lane->layer,
-			       n_kv, t0, kvr_now_ns());
+		kvr_trace_span(tr, "plan + scatter recall (device, batch)", KVR_TRACK_CONTROLLER, lanes[0]->seq,
+			       lanes[0]->layer, n * n_kv, t0, kvr_now_ns());
 	return err;
 }

@@ -80,7 +80,9 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 		ret = -ENOMEM;
 	}
 	if (!ret && (!(s->eng.seg_pages = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->eng.seg_pages))) ||
-		     !(s->eng.seg_slots = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->eng.seg_slots))))) {
+		     !(s->eng.seg_slots = kvr_malloc((s->k ? s->k : 1) * sizeof(*s->eng.seg_slots))) ||
+		     !(s->eng.post_lanes = kvr_malloc(c->max_batch * sizeof(*s->eng.post_lanes))) ||
+		     !(s->queue.batch = kvr_malloc(c->max_batch * sizeof(*s->queue.batch))))) {
 		snprintf(err, err_bytes, "scheduler: out of memory");
 		ret = -ENOMEM;
 	}
@@ -176,6 +178,8 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	free(s->eng.step_fail_message);
 	free(s->eng.seg_pages);
 	free(s->eng.seg_slots);
+	free(s->eng.post_lanes);
+	free(s->queue.batch);
 	kvr_mapped_free(s->dev, s->eng.now_sel);
 	kvr_selector_free(s, &s->eng.engine_sel);
 	kvr_selector_free(s, &s->rec.ctl_sel);

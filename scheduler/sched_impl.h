@@ -66,8 +66,7 @@ struct kvr_lane {
 	uint32_t sel_unwaited;        /* engine thread: a selection job was posted whose sel_done
 					* the compute stream has not waited for yet (step.c) */
 	/* the device plan with streamed recall: the controller's prefetch
-	 * (recall.c), its plan items and counts; counts not yet tallied */
-	struct kvr_mirror prefetch;   /* [n_kv] kvr_plan_item */
+	 * (recall.c), its counts; counts not yet tallied */
 	uint32_t *prefetch_counts;    /* [n_kv][2] misses, hits (mapped: the plan kernel writes them) */
 	uint32_t prefetch_pending;
 	/* a device with memory of its own: device copies of the pages every
@@ -116,20 +115,27 @@ struct layer_scratch {
  * stream, its score item (a mirror: the kernels read it) and its score
  * buffer (kernel scratch, grown as needed).
  *
- * An asynchronous selector (n_ring > 0: the controller's, where the host
- * never reads its selections) does not wait for them: the controller
- * records the lane's sel_done after each selection job (and its prefetch),
- * which the next step's plan waits for on the device. Its items then take turns in a ring, an item's host half
- * rewritten only once the event recorded after its last selection has
- * completed. */
+ * An asynchronous selector (n_ring > 0: the controller's on the device
+ * plan, where the host never reads its selections) selects several lanes
+ * at once (kvr_select_pages_batch) and does not wait for them: the
+ * controller records each lane's sel_done after the batch (and its
+ * prefetch), which the next step's plan waits for on the device. Its
+ * batches take turns in a ring of slots, a slot's host half rewritten only
+ * once the event recorded after its last batch has completed. */
 #define KVR_SELECT_RING 16
 struct kvr_selector {
 	struct kvr_stream *stream;
-	struct kvr_mirror item; /* one struct kvr_score_item, or n_ring */
+	struct kvr_mirror item; /* one struct kvr_score_item, or n_ring slots of batch_cap */
 	float *scores;
 	size_t scores_bytes;
 	uint32_t n_ring, next_slot;
+	uint32_t batch_cap;     /* asynchronous: lanes one slot (a batch) holds */
 	struct kvr_event *ring_done[KVR_SELECT_RING];
+	/* asynchronous, with streamed recall: each slot's prefetch plan items
+	 * ([batch_cap][n_kv]) and the batch's scatter items (device memory,
+	 * [batch_cap][n_kv][k]: one stream runs the batches in order) */
+	struct kvr_mirror prefetch;
+	struct kvr_scatter_item *prefetch_scatter;
 };
 
 struct kvr_sched {
@@ -204,6 +210,7 @@ struct kvr_sched {
 		int32_t *now_sel;            /* [max_batch][n_kv][k]: the step's selections (mapped) */
 		int32_t *seg_pages;          /* [k] one head's slots' pages, sorted (segments) */
 		uint32_t *seg_slots;         /* [k] the slots beside them */
+		struct kvr_lane **post_lanes; /* [max_batch] a layer's jobs, posted together */
 		struct kvr_selector engine_sel;
 		struct kvr_mirror similarity; /* the similarity item */
 		/* the layer's q, k, v as the host reads them where it cannot
@@ -275,6 +282,7 @@ struct kvr_sched {
 		struct kvr_lane *normal_head, *normal_tail;
 		uint32_t engine_waiting;     /* someone sleeps on `done` */
 		int quit;
+		struct kvr_lane **batch;     /* [max_batch] controller thread: the jobs it runs together */
 	} queue;
 
 	_Atomic(struct kvr_trace *) trace; /* acquire by recorders, release by the runtime */
@@ -340,6 +348,9 @@ int kvr_controller_start(struct kvr_sched *s);
 void kvr_controller_stop(struct kvr_sched *s);
 /* Queue the lane's job (the engine has filled it; in_flight is set here). */
 void kvr_controller_post(struct kvr_sched *s, struct kvr_lane *lane, int urgent);
+/* Normal jobs of n lanes in one handoff, so that the controller can run
+ * the device plan's selections together (controller.c); engine thread. */
+void kvr_controller_post_many(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n);
 /* Wait until the lane has no job in flight; returns the nanoseconds waited
  * (0 when it had none). */
 uint64_t kvr_lane_acquire(struct kvr_sched *s, struct kvr_lane *lane);
@@ -359,10 +370,14 @@ void kvr_recall_lane_free(struct kvr_sched *s, struct kvr_lane *lane);
 /* Plan and issue the recall of heads[m] != 0 so that their slots hold
  * lane->selected; controller thread. */
 int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *heads);
-/* The device plan with streamed recall: plan and move the lane's selection
- * into its slots on `stream` (the controller's), recording sel_done; the
- * host waits for nothing. Controller thread, holding the lane. */
-int kvr_recall_prefetch(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_stream *stream);
+/* The device plan with streamed recall: plan and move the selections of
+ * the lanes kvr_select_pages_batch selected into their slots, on the
+ * selector's stream (the controller's), in one plan and one scatter launch
+ * with the ring slot's plan items; the host waits for nothing. Records
+ * nothing: the caller records the slot's and the lanes' events. Controller
+ * thread, holding the lanes. */
+int kvr_recall_prefetch_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n,
+			      struct kvr_selector *sel, uint32_t slot);
 /* Tally the lane's last prefetch's counts (waiting for it, rare); whoever
  * holds the lane. */
 void kvr_recall_prefetch_settle(struct kvr_sched *s, struct kvr_lane *lane);
@@ -456,12 +471,21 @@ const uint64_t *kvr_resident_page_addrs(struct kvr_sched *s, struct kvr_lane *la
 /* select.c: selection of one lane with query q (device-readable) against the
  * window of a layer holding n_tokens tokens at the next step (next = 1) or now
  * (next = 0), into `selected` (mapped), with the calling thread's selector.
- * `selected` is readable by the host on return, unless the selector is
- * asynchronous: then the lane's sel_done marks it on the device. */
+ * `selected` is readable by the host on return. Not for an asynchronous
+ * selector (-EINVAL): that one selects in batches. */
 int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, uint64_t n_tokens,
 		     int next, int32_t *selected, struct kvr_selector *sel);
 /* Make `sel` asynchronous (above): its ring of items and their events. */
 int kvr_selector_make_async(struct kvr_sched *s, struct kvr_selector *sel);
+/* The controller's speculative selections of several lanes (jobs with the
+ * lanes' prev_q and job_n_tokens) with an asynchronous selector, in one
+ * launch of each kernel: their items in the ring's next slot, which is
+ * returned in *slot for the caller to record ring_done[*slot] once it has
+ * queued everything that reads the slot (kvr_recall_prefetch_batch). A lane
+ * with nothing to select gets -1 pages. Controller thread, holding the
+ * lanes. */
+int kvr_select_pages_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n,
+			   struct kvr_selector *sel, uint32_t *slot);
 /* The selector's items and events (scores are the caller's to free). */
 void kvr_selector_free(struct kvr_sched *s, struct kvr_selector *sel);
 /* The score item of that selection, its summaries brought to the device on

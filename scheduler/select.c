@@ -60,25 +60,12 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 {
 	struct kvr_stream *stream = sel->stream;
 	struct kvr_score_item *item = sel->item.host;
-	struct kvr_event *slot_done = NULL;
-	int err = 0;
-	if (sel->n_ring) {
-		/* this slot's item was last copied KVR_SELECT_RING selections ago:
-		 * done, unless the device is that far behind (then the
-		 * controller waits, not the engine) */
-		const uint32_t slot = sel->next_slot++ % sel->n_ring;
-		item += slot;
-		slot_done = sel->ring_done[slot];
-		if ((err = kvr_dev_event_synchronize(s->dev, slot_done)))
-			return err;
-	}
+	if (sel->n_ring)
+		return -EINVAL; /* an asynchronous selector selects in batches (kvr_select_pages_batch) */
 	size_t need = 0;
-	err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores, sel->scores_bytes / sizeof(float),
+	int err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores, sel->scores_bytes / sizeof(float),
 			      &need, stream, item);
 	if (err == -ENOSPC) {
-		/* selections still queued may use the old scores */
-		if (sel->n_ring && (err = kvr_dev_stream_synchronize(s->dev, stream)))
-			return err;
 		if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes,
 				     kvr_grown_bytes(sel->scores_bytes, need * sizeof(float))))
 			return -ENOMEM;
@@ -86,10 +73,7 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 				      sel->scores_bytes / sizeof(float), &need, stream, item);
 	}
 	if (err == -ENODATA) {
-		/* the host writes `selected`: a selection still queued for the lane
-		 * (none, where the pool keeps no summaries) has run */
-		if (sel->n_ring && (err = kvr_dev_event_synchronize(s->dev, lane->sel_done)))
-			return err;
+		/* the host writes `selected` */
 		for (uint32_t i = 0; i < s->c.n_kv_heads * s->k; i++)
 			selected[i] = -1;
 		return 0;
@@ -101,8 +85,6 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
 	if (!err)
 		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
-	if (!err && sel->n_ring) /* the controller records sel_done once its job is queued */
-		return kvr_dev_event_record(s->dev, slot_done, stream);
 	/* the host plans with `selected` (and reuses the item and the scores);
 	 * the inline streams of host-addressable devices have run it already */
 	if (!err)
@@ -112,17 +94,92 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 
 int kvr_selector_make_async(struct kvr_sched *s, struct kvr_selector *sel)
 {
-	int err = kvr_mirror_grow(s->dev, &sel->item, KVR_SELECT_RING * sizeof(struct kvr_score_item));
+	const uint32_t cap = s->c.max_batch;
+	int err = kvr_mirror_grow(s->dev, &sel->item, (size_t)KVR_SELECT_RING * cap * sizeof(struct kvr_score_item));
+	if (!err && s->recall == KVR_RECALL_STREAMED) {
+		const size_t n_plans = (size_t)cap * s->c.n_kv_heads;
+		err = kvr_mirror_grow(s->dev, &sel->prefetch, KVR_SELECT_RING * n_plans * sizeof(struct kvr_plan_item));
+		if (!err)
+			err = kvr_dev_alloc(s->dev, n_plans * s->k * sizeof(struct kvr_scatter_item),
+					    (void **)&sel->prefetch_scatter);
+	}
 	for (uint32_t i = 0; i < KVR_SELECT_RING && !err; i++)
 		err = kvr_dev_event_create(s->dev, &sel->ring_done[i]);
-	if (!err)
+	if (!err) {
 		sel->n_ring = KVR_SELECT_RING;
+		sel->batch_cap = cap;
+	}
+	return err;
+}
+
+int kvr_select_pages_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n,
+			   struct kvr_selector *sel, uint32_t *slot_out)
+{
+	struct kvr_stream *stream = sel->stream;
+	/* the slot's items were last copied KVR_SELECT_RING batches ago (see
+	 * kvr_select_pages) */
+	const uint32_t slot = sel->next_slot++ % sel->n_ring;
+	struct kvr_score_item *items = (struct kvr_score_item *)sel->item.host + (size_t)slot * sel->batch_cap;
+	*slot_out = slot;
+	int err = kvr_dev_event_synchronize(s->dev, sel->ring_done[slot]);
+	if (err)
+		return err;
+	/* every lane's share of the scores, then one buffer for all of them
+	 * (grown with the stream idle: selections still queued read the old
+	 * one) */
+	size_t total = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		size_t need = 0;
+		struct kvr_score_item probe;
+		if (kvr_select_item(s, lanes[i], lanes[i]->prev_q, lanes[i]->job_n_tokens, 1, lanes[i]->selected,
+				    NULL, 0, &need, stream, &probe) == -ENOSPC)
+			total += need;
+	}
+	if (total * sizeof(float) > sel->scores_bytes) {
+		if ((err = kvr_dev_stream_synchronize(s->dev, stream)))
+			return err;
+		if (kvr_scratch_grow(s->dev, (void **)&sel->scores, &sel->scores_bytes,
+				     kvr_grown_bytes(sel->scores_bytes, total * sizeof(float))))
+			return -ENOMEM;
+	}
+	uint32_t n_items = 0;
+	size_t used = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		struct kvr_lane *lane = lanes[i];
+		size_t need = 0;
+		err = kvr_select_item(s, lane, lane->prev_q, lane->job_n_tokens, 1, lane->selected, sel->scores + used,
+				      sel->scores_bytes / sizeof(float) - used, &need, stream, &items[n_items]);
+		if (err == -ENODATA) {
+			/* the host writes `selected`: the lane's selection still
+			 * queued (none where the pool keeps no summaries) has run */
+			if ((err = kvr_dev_event_synchronize(s->dev, lane->sel_done)))
+				return err;
+			for (uint32_t x = 0; x < s->c.n_kv_heads * s->k; x++)
+				lane->selected[x] = -1;
+			continue;
+		}
+		if (err)
+			return err;
+		used += need;
+		n_items++;
+	}
+	if (!n_items)
+		return 0;
+	const struct kvr_score_item *items_dev = kvr_mirror_dev_at(&sel->item, items);
+	err = kvr_mirror_to_device(s->dev, &sel->item, items, n_items * sizeof(*items), stream);
+	if (!err)
+		err = kvr_dev_score(s->dev, &s->shape, items_dev, n_items, stream);
+	if (!err)
+		err = kvr_dev_select(s->dev, &s->shape, items_dev, n_items, stream);
 	return err;
 }
 
 void kvr_selector_free(struct kvr_sched *s, struct kvr_selector *sel)
 {
 	kvr_mirror_free(s->dev, &sel->item);
+	kvr_mirror_free(s->dev, &sel->prefetch);
+	kvr_dev_free(s->dev, sel->prefetch_scatter);
+	sel->prefetch_scatter = NULL;
 	for (uint32_t i = 0; i < KVR_SELECT_RING; i++) {
 		kvr_dev_event_destroy(s->dev, sel->ring_done[i]);
 		sel->ring_done[i] = NULL;

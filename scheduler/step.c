@@ -990,6 +990,7 @@ static void post_next_step(struct layer_call *lc)
 {
 	struct kvr_sched *s = lc->s;
 	const uint32_t n_kv = lc->n_kv, kk = lc->kk;
+	uint32_t n_post = 0; /* the device plan's jobs, handed over together */
 	for (uint32_t i = 0; i < lc->batch; i++) {
 		const struct entry *e = &lc->e[i];
 		if (e->kind == SEQ_FAILED)
@@ -1037,8 +1038,12 @@ static void post_next_step(struct layer_call *lc)
 			lane->job = LANE_JOB_SELECT;
 			lane->sel_unwaited = 1;
 		}
-		kvr_controller_post(s, lane, 0);
+		if (s->device_plan)
+			s->eng.post_lanes[n_post++] = lane;
+		else
+			kvr_controller_post(s, lane, 0);
 	}
+	kvr_controller_post_many(s, s->eng.post_lanes, n_post);
 }
 
 /* The engine's stream after the layer's attention; the critical-path time. */
