@@ -176,22 +176,10 @@ static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
 			const uint32_t j = free_at_s[r];
 			slots_s[j] = pages_s[w];
 			slot_of_s[w] = (int16_t)j;
-			struct kvr_scatter_item sc;
-			sc.run = (const unsigned char *)(uintptr_t)addr_s[w] + it->k_offset;
-			sc.k_tile = it->slot_k + j * it->tile_bytes;
-			sc.v_tile = it->slot_v + j * it->tile_bytes;
-			sc.kv_head = it->kv_head;
-			sc.reserved = 0;
-			it->scatter[r] = sc;
+			it->scatter[r] = kvr_plan_miss(it, j, addr_s[w]);
 		}
-		for (uint32_t x = misses + tid; x < k; x += PLAN_THREADS) {
-			struct kvr_scatter_item none;
-			none.run = (const void *)0;
-			none.k_tile = none.v_tile = (void *)0;
-			none.kv_head = UINT32_MAX;
-			none.reserved = 0;
-			it->scatter[x] = none;
-		}
+		for (uint32_t x = misses + tid; x < k; x += PLAN_THREADS)
+			it->scatter[x] = kvr_plan_no_miss();
 		if (tid == 0) {
 			const uint32_t frees =
 				words ? free_before[words - 1] + (uint32_t)__popc(free_w[words - 1]) : 0u;
@@ -219,21 +207,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(PLAN_THREADS, 4)
 	for (uint32_t j = tid; j < k; j += PLAN_THREADS) {
 		if (!(taken_w[j / 32] >> (j % 32) & 1u))
 			continue;
-		struct kvr_kv_segment s;
-		if (slots) {
-			const uint64_t at = (uint32_t)slot_of_s[j] * it->tile_bytes + it->slot_col;
-			s.k = it->slot_k + at;
-			s.v = it->slot_v + at;
-		} else {
-			const unsigned char *mem = (const unsigned char *)(uintptr_t)addr_s[j];
-			s.k = mem + it->k_offset;
-			s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(mem + it->v_offset);
-		}
-		s.n_tokens = it->seg_tokens;
-		s.row_stride = it->seg_row;
-		s.head_stride = it->seg_head_stride;
-		s.format = it->seg_format;
-		seg[plan_rank(taken_w, taken_before, j)] = s;
+		seg[plan_rank(taken_w, taken_before, j)] =
+			kvr_plan_segment(it, slots != NULL, slots ? (uint32_t)slot_of_s[j] : 0u, addr_s[j]);
 	}
 	if (taken != it->k)
 		for (uint32_t c = 0; c < it->n_tail; c += PLAN_THREADS) {

@@ -303,6 +303,53 @@ static inline KVR_HD const int32_t *kvr_plan_item_pages(const struct kvr_plan_it
 	return it->corrected_sel && (!it->corrected || *it->corrected) ? it->corrected_sel : it->selected;
 }
 
+/* A plan item's pieces, shared by the sequential plan below and the CUDA
+ * kernel (cuda_copy.cu), which must write the same bits: the scatter item
+ * of a miss placed in `slot` from page memory `mem`, the filler of the
+ * scatter list past the misses, and the segment of a taken page (its slot
+ * streamed, else its memory `mem`). */
+static inline KVR_HD struct kvr_scatter_item kvr_plan_miss(const struct kvr_plan_item *it, uint32_t slot,
+							   uint64_t mem)
+{
+	struct kvr_scatter_item sc;
+	sc.run = (const unsigned char *)(uintptr_t)mem + it->k_offset;
+	sc.k_tile = it->slot_k + slot * it->tile_bytes;
+	sc.v_tile = it->slot_v + slot * it->tile_bytes;
+	sc.kv_head = it->kv_head;
+	sc.reserved = 0;
+	return sc;
+}
+
+static inline KVR_HD struct kvr_scatter_item kvr_plan_no_miss(void)
+{
+	struct kvr_scatter_item none;
+	none.run = (const void *)0;
+	none.k_tile = none.v_tile = (void *)0;
+	none.kv_head = UINT32_MAX;
+	none.reserved = 0;
+	return none;
+}
+
+static inline KVR_HD struct kvr_kv_segment kvr_plan_segment(const struct kvr_plan_item *it, int streamed,
+							    uint32_t slot, uint64_t mem)
+{
+	struct kvr_kv_segment s;
+	if (streamed) {
+		const uint64_t at = slot * it->tile_bytes + it->slot_col;
+		s.k = it->slot_k + at;
+		s.v = it->slot_v + at;
+	} else {
+		const unsigned char *m = (const unsigned char *)(uintptr_t)mem;
+		s.k = m + it->k_offset;
+		s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(m + it->v_offset);
+	}
+	s.n_tokens = it->seg_tokens;
+	s.row_stride = it->seg_row;
+	s.head_stride = it->seg_head_stride;
+	s.format = it->seg_format;
+	return s;
+}
+
 /* The plan kernel's work for one item (kernels.h, plan), sequential, given
  * the item's k pages (kvr_plan_item_pages), the memory of each entry's page
  * (addr_of[j] = page_addr[pages[j]] where 0 <= pages[j] < addr_end; NULL:
@@ -346,26 +393,14 @@ static inline KVR_HD void kvr_plan_item_run_with(const struct kvr_plan_item *it,
 			slots[free_slot] = pages[w];
 			keep[free_slot / 32] |= 1u << (free_slot % 32);
 			slot_of[w] = (uint16_t)free_slot;
-			struct kvr_scatter_item sc;
-			sc.run = (const unsigned char *)(uintptr_t)(addr_of ? addr_of[w] : it->page_addr[pages[w]]) +
-				 it->k_offset;
-			sc.k_tile = it->slot_k + free_slot * it->tile_bytes;
-			sc.v_tile = it->slot_v + free_slot * it->tile_bytes;
-			sc.kv_head = it->kv_head;
-			sc.reserved = 0;
-			it->scatter[misses++] = sc;
+			it->scatter[misses++] =
+				kvr_plan_miss(it, free_slot, addr_of ? addr_of[w] : it->page_addr[pages[w]]);
 		}
 		for (uint32_t j = 0; j < k; j++)
 			if (!(keep[j / 32] >> (j % 32) & 1))
 				slots[j] = -1;
-		for (uint32_t x = misses; x < k; x++) {
-			struct kvr_scatter_item none;
-			none.run = (const void *)0;
-			none.k_tile = none.v_tile = (void *)0;
-			none.kv_head = UINT32_MAX;
-			none.reserved = 0;
-			it->scatter[x] = none;
-		}
+		for (uint32_t x = misses; x < k; x++)
+			it->scatter[x] = kvr_plan_no_miss();
 		it->recall_count[0] = misses;
 		it->recall_count[1] = hits;
 	}
@@ -378,22 +413,8 @@ static inline KVR_HD void kvr_plan_item_run_with(const struct kvr_plan_item *it,
 		if (page < 0 || (uint32_t)page < it->sel_begin || (uint32_t)page >= it->sel_end ||
 		    (uint32_t)page >= it->addr_end)
 			continue;
-		struct kvr_kv_segment s;
-		if (slots) {
-			const uint64_t at = slot_of[j] * it->tile_bytes + it->slot_col;
-			s.k = it->slot_k + at;
-			s.v = it->slot_v + at;
-		} else {
-			const unsigned char *mem =
-				(const unsigned char *)(uintptr_t)(addr_of ? addr_of[j] : it->page_addr[page]);
-			s.k = mem + it->k_offset;
-			s.v = it->v_offset == UINT64_MAX ? (const void *)0 : (const void *)(mem + it->v_offset);
-		}
-		s.n_tokens = it->seg_tokens;
-		s.row_stride = it->seg_row;
-		s.head_stride = it->seg_head_stride;
-		s.format = it->seg_format;
-		seg[taken++] = s;
+		seg[taken++] = slots ? kvr_plan_segment(it, 1, slot_of[j], 0)
+				     : kvr_plan_segment(it, 0, 0, addr_of ? addr_of[j] : it->page_addr[page]);
 	}
 	for (uint32_t j = 0; j < it->n_tail; j++)
 		seg[taken + j] = seg[it->k + j];
