@@ -77,6 +77,7 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 	memcpy(ctx->step.seqs, seqs, batch * sizeof(*seqs));
 	memcpy(ctx->step.positions, positions, batch * sizeof(*positions));
 	memset(ctx->step.layer_done, 0, ctx->config.n_layers);
+	ctx->step.captured = ctx->step.replayed = 0;
 	ctx->step.batch = batch;
 	ctx->step.open = 1;
 	step_members(ctx, 1);
@@ -101,6 +102,18 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx)
 	}
 	if (!any)
 		missing = ctx->config.n_layers;
+	if (ctx->step.captured) {
+		/* recorded into the engine's graph, not decoded: nothing was stored,
+		 * and nothing waits (the capture may still be open) */
+		ctx->step.open = 0;
+		step_members(ctx, 0);
+		if (missing < ctx->config.n_layers)
+			return kvr_fail(ctx, -EINVAL,
+					"decode_end: layer %u was not captured in this step: a replay needs every "
+					"layer captured (capture the whole step again)",
+					missing);
+		return 0;
+	}
 	if (missing < ctx->config.n_layers)
 		kvr_sched_step_abandon(ctx->sched, ctx->step.batch, ctx->step.seqs, ctx->step.positions,
 				       missing, -EINVAL, "not decoded in this step");
@@ -119,36 +132,61 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx)
 }
 
 /* The engine's stream wrapped for the device (kept while the engine passes the
- * same handle), refused while it is being captured into a CUDA graph: this
- * version's step synchronises with the host, which a graph cannot record. */
-static int engine_stream_of(struct kvr_context *ctx, void *native, struct kvr_stream **out)
+ * same handle); *out NULL on backends without native streams. */
+static int engine_stream_of(struct kvr_context *ctx, void *native, const char *what, struct kvr_stream **out)
 {
+	if (kvr_dev_host_visible(ctx->dev)) {
+		if (native)
+			return kvr_fail(ctx, -EINVAL, "%s: the %s backend takes no stream (pass NULL)", what,
+					kvr_dev_name(ctx->dev));
+		*out = NULL;
+		return 0;
+	}
 	if (!ctx->engine_stream || ctx->engine_stream_native != native) {
 		kvr_dev_stream_destroy(ctx->dev, ctx->engine_stream);
 		ctx->engine_stream = NULL;
 		int err = kvr_dev_stream_wrap(ctx->dev, native, &ctx->engine_stream);
 		if (err)
-			return kvr_fail(ctx, err, "decode_layer: the engine's stream: %s",
-					kvr_dev_last_error(ctx->dev));
+			return kvr_fail(ctx, err, "%s: the engine's stream: %s", what, kvr_dev_last_error(ctx->dev));
 		ctx->engine_stream_native = native;
-	}
-	if (ctx->engine_stream) {
-		const int capturing = kvr_dev_stream_capturing(ctx->dev, ctx->engine_stream);
-		if (capturing < 0)
-			return kvr_fail(ctx, capturing, "decode_layer: the engine's stream: %s",
-					kvr_dev_last_error(ctx->dev));
-		if (capturing)
-			return kvr_fail(ctx, -ENOTSUP,
-					"decode_layer: the engine's stream is being captured (CUDA "
-					"graph); kvrecall's decode step waits on the host, which a "
-					"graph cannot hold: call it outside the capture");
 	}
 	*out = ctx->engine_stream;
 	return 0;
 }
 
+/* Layer `layer` of the open step recorded into the graph the engine's
+ * stream is being captured into (scheduler/capture.c): stores nothing. */
+static int capture_layer(struct kvr_context *ctx, uint32_t layer, const void *q, const void *k, const void *v,
+			 void *out, int32_t *status, struct kvr_stream *engine_stream, int first)
+{
+	const uint32_t batch = ctx->step.batch;
+	int err = kvr_sched_capture_layer(ctx->sched, layer, batch, first, q, k, v, out, engine_stream);
+	if (err)
+		return kvr_fail(ctx, err, "decode_layer: capturing layer %u: %s", layer,
+				kvr_sched_last_error(ctx->sched));
+	ctx->step.layer_done[layer] = 1;
+	ctx->step.captured = 1;
+	for (uint32_t i = 0; i < batch; i++)
+		status[i] = 0;
+	return 0;
+}
+
 KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
 			     const void *k, const void *v, void *out, int32_t *status, void *stream)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "decode_layer: ctx is NULL");
+	struct kvr_stream *engine_stream = NULL;
+	if (ctx->step.open && layer < ctx->config.n_layers && q && k && v && out && status) {
+		int err = engine_stream_of(ctx, stream, "decode_layer", &engine_stream);
+		if (err)
+			return err;
+	}
+	return kvr_decode_layer_on(ctx, layer, q, k, v, out, status, engine_stream);
+}
+
+int kvr_decode_layer_on(struct kvr_context *ctx, uint32_t layer, const void *q, const void *k, const void *v,
+			void *out, int32_t *status, struct kvr_stream *engine_stream)
 {
 	if (!ctx)
 		return kvr_fail(NULL, -EINVAL, "decode_layer: ctx is NULL");
@@ -160,21 +198,27 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 				c->n_layers);
 	if (!q || !k || !v || !out || !status)
 		return kvr_fail(ctx, -EINVAL, "decode_layer: q, k, v, out or status is NULL");
+	if (ctx->step.replayed)
+		return kvr_fail(ctx, -EINVAL,
+				"decode_layer: this step is replayed (kvr_decode_replay did every layer's part): "
+				"launch the graph and call kvr_decode_end");
 	if (ctx->step.layer_done[layer])
 		return kvr_fail(ctx, -EINVAL,
 				"decode_layer: layer %u was already decoded in this step (its tokens are "
 				"stored); the step is unchanged", layer);
-	struct kvr_stream *engine_stream = NULL;
-	if (kvr_dev_host_visible(ctx->dev)) {
-		if (stream)
-			return kvr_fail(ctx, -EINVAL,
-					"decode_layer: the %s backend takes no stream (pass NULL)",
-					kvr_dev_name(ctx->dev));
-	} else {
-		int err = engine_stream_of(ctx, stream, &engine_stream);
-		if (err)
-			return err;
-	}
+	const int capturing = engine_stream ? kvr_dev_stream_capturing(ctx->dev, engine_stream) : 0;
+	if (capturing < 0)
+		return kvr_fail(ctx, capturing, "decode_layer: the engine's stream: %s", kvr_dev_last_error(ctx->dev));
+	int any = 0;
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		any |= ctx->step.layer_done[l];
+	if (any && capturing != ctx->step.captured)
+		return kvr_fail(ctx, -EINVAL,
+				"decode_layer: layer %u %s captured and this step's earlier layers %s: a step's "
+				"layers are captured all or none; the step is unchanged",
+				layer, capturing ? "is being" : "is not", capturing ? "were not" : "were");
+	if (capturing)
+		return capture_layer(ctx, layer, q, k, v, out, status, engine_stream, !any);
 	const uint32_t batch = ctx->step.batch;
 	int err = kvr_sched_decode_layer(ctx->sched, layer, batch, ctx->step.seqs, ctx->step.positions,
 					 q, k, v, out, status, engine_stream);
@@ -199,6 +243,65 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
 		    at == layer)
 			kvr_fail(ctx, status[i], "decode_layer: %s", why);
 	}
+	return 0;
+}
+
+/* Failures of a replayed step, one message each (decode_layer's rule). */
+static void report_failures(struct kvr_context *ctx, const int32_t *status)
+{
+	for (uint32_t i = 0; i < ctx->step.batch; i++) {
+		uint32_t at;
+		const char *why;
+		if (status[i] && kvr_sched_step_failure(ctx->sched, ctx->step.seqs[i], &at, &why))
+			kvr_fail(ctx, status[i], "decode_replay: %s", why);
+	}
+}
+
+KVR_API int kvr_decode_replay(struct kvr_context *ctx, int32_t *status, void *stream)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "decode_replay: ctx is NULL");
+	struct kvr_stream *launch_stream = NULL;
+	if (ctx->step.open && status) {
+		int err = engine_stream_of(ctx, stream, "decode_replay", &launch_stream);
+		if (err)
+			return err;
+	}
+	return kvr_decode_replay_on(ctx, status, launch_stream);
+}
+
+int kvr_decode_replay_on(struct kvr_context *ctx, int32_t *status, struct kvr_stream *launch_stream)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "decode_replay: ctx is NULL");
+	if (!ctx->step.open)
+		return kvr_fail(ctx, -EINVAL, "decode_replay: no step is open (call kvr_decode_begin)");
+	if (!status)
+		return kvr_fail(ctx, -EINVAL, "decode_replay: status is NULL");
+	for (uint32_t l = 0; l < ctx->config.n_layers; l++)
+		if (ctx->step.layer_done[l] || ctx->step.replayed)
+			return kvr_fail(ctx, -EINVAL,
+					"decode_replay: this step's layers were decoded, captured or replayed "
+					"already: a replay does every layer");
+	int err = kvr_sched_replay_step(ctx->sched, ctx->step.batch, ctx->step.seqs, ctx->step.positions, status,
+					launch_stream);
+	if (err)
+		return kvr_fail(ctx, err, "decode_replay: %s (the step is unchanged)", kvr_sched_last_error(ctx->sched));
+	memset(ctx->step.layer_done, 1, ctx->config.n_layers);
+	ctx->step.replayed = 1;
+	report_failures(ctx, status);
+	return 0;
+}
+
+KVR_API int kvr_decode_reserve(struct kvr_context *ctx, uint32_t batch, uint64_t max_tokens)
+{
+	if (!ctx)
+		return kvr_fail(NULL, -EINVAL, "decode_reserve: ctx is NULL");
+	if (ctx->step.open)
+		return kvr_fail(ctx, -EBUSY, "decode_reserve: a decode step is open");
+	int err = kvr_sched_capture_reserve(ctx->sched, batch, max_tokens);
+	if (err)
+		return kvr_fail(ctx, err, "decode_reserve: %s", kvr_sched_last_error(ctx->sched));
 	return 0;
 }
 

@@ -44,6 +44,8 @@ struct kvr_step_state {
 	uint32_t *seqs;        /* max_batch */
 	uint64_t *positions;   /* max_batch */
 	uint8_t *layer_done;   /* n_layers: decode_layer ran for it in this step */
+	int captured;          /* its layers were captured into a graph: nothing stored */
+	int replayed;          /* kvr_decode_replay did every layer's host part */
 };
 
 #define KVR_ERROR_MESSAGE_BYTES 512
@@ -104,6 +106,12 @@ void kvr_log_config(const struct kvr_config *cfg, enum kvr_log_level level, cons
 
 /* Free the step state (context teardown). */
 void kvr_decode_teardown(struct kvr_context *ctx);
+/* kvr_decode_layer and kvr_decode_replay with the engine's stream already
+ * wrapped (NULL: none), which the tests call with a stream of their own on
+ * backends without native streams (cudaemu-strict), to capture a step. */
+int kvr_decode_layer_on(struct kvr_context *ctx, uint32_t layer, const void *q, const void *k, const void *v,
+			void *out, int32_t *status, struct kvr_stream *engine_stream);
+int kvr_decode_replay_on(struct kvr_context *ctx, int32_t *status, struct kvr_stream *launch_stream);
 
 /* Create a context with test hooks and an explicit device kind (tests:
  * cudaemu, injected delays). Not exported from the shared library. */

@@ -457,7 +457,9 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  * layer starts after the work the engine queued on the stream, and the
  * engine's later work on it waits for `out` (the call may return first;
  * kvr_decode_end waits for the step). A stream being captured into a CUDA
- * graph is refused with -ENOTSUP.
+ * graph records the layer instead of decoding it (kvr_decode_reserve below),
+ * where the context's configuration can be captured, and is refused with
+ * -ENOTSUP elsewhere.
  *
  * What blocks: the calling thread runs the layer's critical path (append,
  * correction check, attention). It waits for the context's controller thread
@@ -494,6 +496,53 @@ KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void
  * layer decoded stored nothing, and ending it cancels it (0). -EINVAL when no
  * step is open. */
 KVR_API int kvr_decode_end(struct kvr_context *ctx);
+
+/*
+ * Decode steps in a CUDA graph (added in 0.7). An engine that captures its
+ * decode step into a graph captures kvrecall's part with it, and replays
+ * the graph at later steps:
+ *
+ *   kvr_decode_reserve(ctx, batch, max_tokens);      once, before capturing
+ *   kvr_decode_begin(ctx, seqs, positions, batch);
+ *   cudaStreamBeginCapture(stream, ...);
+ *   ... per layer: the engine's kernels, kvr_decode_layer(..., stream) ...
+ *   cudaStreamEndCapture(stream, &graph); kvr_decode_end(ctx);
+ *   then at each step:
+ *   kvr_decode_begin(ctx, seqs, positions, n);       n <= the captured batch
+ *   kvr_decode_replay(ctx, status, stream);         every layer's host part
+ *   cudaGraphLaunch(graph_exec, stream);
+ *   kvr_decode_end(ctx);                             waits for the graph
+ *
+ * The captured step is recorded, not decoded: its layer calls store nothing
+ * (status 0) and kvr_decode_end ends it as if cancelled, so the engine
+ * decodes that step's tokens by replaying too. A replay reads q, k, v and
+ * writes out at the addresses the capture was given, one layer's at a time
+ * as captured; entry i of the step is row i of them. The sequences and
+ * positions may change from step to step; a sequence that fails gets zeros
+ * and its status, as with kvr_decode_layer.
+ *
+ * What can be captured in this version: mode dense on the cuda backend with
+ * the device append (pool layout HND, kv_format plain, K8V4 or K4V2; no
+ * spill tier). Elsewhere kvr_decode_layer on a capturing stream and
+ * kvr_decode_replay return -ENOTSUP saying why. docs/architecture.md,
+ * "Capturing a step in a CUDA graph", has the details and the plan for the
+ * sparse modes.
+ */
+/* Size the step's buffers for steps of up to `batch` sequences of up to
+ * max_tokens tokens each, which a capture needs (it may not allocate);
+ * earlier captures cannot be replayed afterwards. Errors: -EINVAL (batch 0
+ * or above max_batch, max_tokens 0), -EBUSY (a step is open), -ENOTSUP (the
+ * configuration cannot be captured), -ENOMEM. */
+KVR_API int kvr_decode_reserve(struct kvr_context *ctx, uint32_t batch, uint64_t max_tokens);
+/* Do the host part of every layer of the open step, whose graph the engine
+ * launches next on `stream` (its cudaStream_t; kvr_decode_end waits for it
+ * there). status[i] receives sequence i's result for the whole step. Refused
+ * as a whole, the step unchanged: -EINVAL (no step open, status NULL, a
+ * layer already decoded, no whole step captured since the last reservation,
+ * more sequences than the capture), -ESTALE (an uncaptured step outgrew the
+ * reservation since the capture: its buffers moved), -ERANGE (a sequence
+ * would pass max_tokens), -ENOTSUP (the configuration cannot be captured). */
+KVR_API int kvr_decode_replay(struct kvr_context *ctx, int32_t *status, void *stream);
 
 /*
  * Counters since the context's creation (kvr_get_stats) or the sequence's

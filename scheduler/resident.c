@@ -150,6 +150,11 @@ const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lan
 		slot = sink + logical % window;
 	else
 		return NULL;
+	if (s->eng.fixed.no_resident_copies) /* a replay: a graph repeats no copies */
+		return slot / RES_CHUNK_PAGES < lane->res_n_chunks && lane->res_held[slot] == (int32_t)logical
+			       ? lane->res_chunks[slot / RES_CHUNK_PAGES] +
+					 (uint64_t)(slot % RES_CHUNK_PAGES) * s->head_bytes * s->c.n_kv_heads
+			       : NULL;
 	if (ensure_slot(s, lane, slot))
 		return NULL; /* out of device memory: the pool page, over the bus */
 	const uint64_t page_bytes = s->head_bytes * s->c.n_kv_heads;

@@ -97,12 +97,16 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 		ret = kvr_mirror_grow(s->dev, &s->eng.similarity, sizeof(struct kvr_similarity_item));
 	if (!ret && !(s->eng.zero_row = kvr_calloc(1, s->q_row)))
 		ret = -ENOMEM;
+	if (!ret && !(s->eng.fixed.layers = kvr_calloc(c->n_layers, sizeof(*s->eng.fixed.layers))))
+		ret = -ENOMEM;
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &s->eng.engine_ready);
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &s->eng.layer_done);
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &s->eng.appended);
+	if (!ret)
+		ret = kvr_dev_event_create(s->dev, &s->eng.fixed.replay_done);
 	if (ret && !err[0])
 		snprintf(err, err_bytes, "scheduler: %s",
 			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
@@ -195,6 +199,8 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	kvr_dev_event_destroy(s->dev, s->eng.engine_ready);
 	kvr_dev_event_destroy(s->dev, s->eng.layer_done);
 	kvr_dev_event_destroy(s->dev, s->eng.appended);
+	kvr_dev_event_destroy(s->dev, s->eng.fixed.replay_done);
+	free(s->eng.fixed.layers);
 	free((void *)s->seq_counters);
 	free((void *)s->head_corrections);
 	pthread_mutex_destroy(&s->queue.lock);

@@ -247,6 +247,25 @@ struct kvr_sched {
 			int mapped; /* kvr_mapped_free, else kvr_dev_free */
 		} *deferred;
 		uint32_t n_deferred, deferred_cap;
+		/* a step in fixed shape, which a CUDA graph holds (capture.c):
+		 * the reservation, and per layer what its capture was given */
+		struct fixed_shape {
+			uint32_t batch;       /* reserved sequences per step; 0: none */
+			uint32_t seg_cap;     /* segments per attention item */
+			uint64_t max_tokens;  /* reserved tokens per sequence */
+			struct fixed_layer {
+				const void *q, *k, *v;
+				void *out;
+				const void *scratch_host; /* the layer scratch the graph uploads from */
+				const void *scratch_dev;  /* ... and its kernels read */
+				uint32_t batch;           /* the captured batch; 0: not captured */
+			} *layers;            /* [n_layers] */
+			/* the open step was replayed: its graph runs on this stream
+			 * (step_end waits for it there) */
+			struct kvr_stream *replay_stream;
+			struct kvr_event *replay_done;
+			int no_resident_copies; /* a replay's segments: held device copies only */
+		} fixed;
 	} eng;
 
 	/* The controller thread's recall state (and what it queues on the copy
@@ -303,6 +322,16 @@ struct kvr_sched {
 	char urgent_message[224];
 	char last_error[256];
 };
+
+/* step.c: the step of `seq` failed at `layer` for `reason` (kept as the
+ * sequence's message; its later layers fail too, step_end takes back what
+ * the earlier ones appended). Engine thread. */
+void kvr_sched_mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
+			   const char *reason);
+
+/* step.c: the bytes of a layer scratch for an (uncaptured) layer call of
+ * `batch` sequences of up to max_pages full pages each. */
+size_t kvr_sched_layer_scratch_bytes(const struct kvr_sched *s, uint32_t batch, uint32_t max_pages);
 
 /* One sequence's failure message (step_fail_message). */
 #define KVR_SCHED_MESSAGE 256

@@ -131,6 +131,33 @@ int kvr_sched_decode_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			   const uint32_t *seqs, const uint64_t *positions, const void *q,
 			   const void *k, const void *v, void *out, int32_t *status,
 			   struct kvr_stream *engine_stream);
+/*
+ * A step a CUDA graph holds (capture.c; docs/architecture.md, "Capturing a
+ * step in a CUDA graph"). Engine's thread.
+ *
+ * kvr_sched_capturable: 0 where this scheduler's steps can be captured,
+ * else -ENOTSUP with *why.
+ * kvr_sched_capture_reserve: size every layer's step buffers for steps of
+ * up to `batch` sequences of up to max_tokens tokens each (a capture may
+ * not allocate); what was captured before is stale. Outside a step.
+ * kvr_sched_capture_layer: record layer `layer`'s device work for a step of
+ * `batch` sequences on engine_stream, which is being captured; stores
+ * nothing (the replays store their tokens). `first`: the step's first
+ * captured layer, which makes every earlier capture stale. q, k, v and out are where every
+ * replay reads and writes them.
+ * kvr_sched_replay_step: the host part of every layer of the open step,
+ * whose graph the engine launches next on launch_stream (step_end waits
+ * for it there); status[i] is sequence i's step. Refused as a whole, the
+ * step unchanged: -EINVAL (no whole capture, or more sequences than it
+ * holds), -ESTALE (the buffers moved since), -ERANGE (a sequence past the
+ * reservation).
+ */
+int kvr_sched_capturable(const struct kvr_sched *s, const char **why);
+int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_tokens);
+int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch, int first, const void *q,
+			    const void *k, const void *v, void *out, struct kvr_stream *engine_stream);
+int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *seqs, const uint64_t *positions,
+			  int32_t *status, struct kvr_stream *launch_stream);
 /* 1 when controller jobs run on the engine's thread (config controller). */
 int kvr_sched_jobs_inline(const struct kvr_sched *s);
 /* Causal attention of n_tokens queries at positions first_position.. over

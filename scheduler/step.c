@@ -61,8 +61,8 @@ static void zero_output(struct kvr_sched *s, void *out_row);
  * too, and step_end takes back what its earlier layers appended. The reason
  * is kept as one sentence, "sequence S layer L: ...", the subject said once
  * even when the reason (a pool message) already names it. */
-static void mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
-			const char *reason)
+void kvr_sched_mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
+			   const char *reason)
 {
 	if (s->eng.step_fail[seq])
 		return;
@@ -92,7 +92,7 @@ static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, uin
 		reason = err == -EBADMSG ? "a page read back from the spill file failed its checksum"
 			 : err == -EIO	 ? "reading a page from the spill file failed"
 					 : kvr_strerror(err);
-	mark_failed(s, seq, layer, position, err, reason);
+	kvr_sched_mark_failed(s, seq, layer, position, err, reason);
 	zero_output(s, out);
 	count(s, seq, KVR_C_FAILED_DECODES, 1);
 	lane->has_prev = 0;
@@ -418,7 +418,7 @@ static void layer_append(struct layer_call *lc)
 		if (lc->status[i]) {
 			zero_output(s, out_row);
 			count(s, seq, KVR_C_FAILED_DECODES, 1);
-			mark_failed(s, seq, layer, lc->positions[i], lc->status[i], why);
+			kvr_sched_mark_failed(s, seq, layer, lc->positions[i], lc->status[i], why);
 			continue;
 		}
 		lane->appended_step = s->eng.step_serial;
@@ -427,22 +427,19 @@ static void layer_append(struct layer_call *lc)
 		queue_appends(lc);
 }
 
-/* The layer's scratch: kept per layer, since an asynchronous attention may
- * still read the previous layer's items. Sized before the append, for every
- * entry's position. */
-static int layer_scratch(struct layer_call *lc)
+/* The layer scratch's regions for a layer call of `batch` sequences of up
+ * to max_pages full pages: offsets into off[], the total returned. What the
+ * device plan's kernels read comes first and in one run (appends, sims,
+ * score items, plans, items, segments), so that one copy uploads it
+ * (attend_on_device); then what only the host reads or the kernels write. */
+enum { APPENDS, SIMS, SCORE_ITEMS, PLANS, ITEMS, SEGS, ENTRIES, COSINE, CORRECTED, ATT_LANES, PLAN_SCATTER,
+       RECALL_COUNTS, N_REGIONS };
+static size_t scratch_layout(const struct kvr_sched *s, uint32_t batch, uint32_t max_pages, size_t off[N_REGIONS])
 {
-	struct kvr_sched *s = lc->s;
-	const uint32_t batch = lc->batch, n_kv = lc->n_kv;
+	const uint32_t n_kv = s->c.n_kv_heads;
 	/* mixed pages: a selected K8V4 page is two segments (its halves) */
-	const uint32_t max_segs = lc->max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
+	const uint32_t max_segs = max_pages + 1 + (s->units_per_slot > 1 ? s->k : 0);
 	const int planned_streamed = s->device_plan && s->recall == KVR_RECALL_STREAMED;
-	/* What the device plan's kernels read comes first and in one run
-	 * (appends, sims, score items, plans, items, segments), so that one copy
-	 * uploads it (attend_on_device); then what only the host reads or the
-	 * kernels write. */
-	enum { APPENDS, SIMS, SCORE_ITEMS, PLANS, ITEMS, SEGS, ENTRIES, COSINE, CORRECTED, ATT_LANES, PLAN_SCATTER,
-	       RECALL_COUNTS, N_REGIONS };
 	const size_t sizes[N_REGIONS] = {
 		[APPENDS] = (size_t)batch * sizeof(struct kvr_append_item),
 		[SIMS] = (size_t)batch * sizeof(struct kvr_similarity_item),
@@ -457,11 +454,28 @@ static int layer_scratch(struct layer_call *lc)
 		[PLAN_SCATTER] = planned_streamed ? (size_t)batch * n_kv * s->k * sizeof(struct kvr_scatter_item) : 0,
 		[RECALL_COUNTS] = planned_streamed ? (size_t)batch * n_kv * 2 * sizeof(uint32_t) : 0,
 	};
-	size_t off[N_REGIONS], need = 0;
+	size_t need = 0;
 	for (int i = 0; i < N_REGIONS; i++) {
 		off[i] = need;
 		need += (sizes[i] + 63) & ~(size_t)63;
 	}
+	return need;
+}
+
+size_t kvr_sched_layer_scratch_bytes(const struct kvr_sched *s, uint32_t batch, uint32_t max_pages)
+{
+	size_t off[N_REGIONS];
+	return scratch_layout(s, batch, max_pages, off);
+}
+
+/* The layer's scratch: kept per layer, since an asynchronous attention may
+ * still read the previous layer's items. Sized before the append, for every
+ * entry's position. */
+static int layer_scratch(struct layer_call *lc)
+{
+	struct kvr_sched *s = lc->s;
+	size_t off[N_REGIONS];
+	const size_t need = scratch_layout(s, lc->batch, lc->max_pages, off);
 	struct layer_scratch *ls = &s->eng.scratch[lc->layer];
 	if (kvr_mirror_grow(s->dev, &ls->m, need)) {
 		snprintf(s->last_error, sizeof(s->last_error), "out of memory for the step's scratch");
@@ -1159,7 +1173,7 @@ void kvr_sched_step_abandon(struct kvr_sched *s, uint32_t batch, const uint32_t 
 			    const uint64_t *positions, uint32_t layer, int err, const char *why)
 {
 	for (uint32_t i = 0; i < batch; i++)
-		mark_failed(s, seqs[i], layer, positions[i], err, why);
+		kvr_sched_mark_failed(s, seqs[i], layer, positions[i], err, why);
 }
 
 int kvr_sched_step_failure(const struct kvr_sched *s, uint32_t seq, uint32_t *layer,
@@ -1174,6 +1188,13 @@ int kvr_sched_step_end(struct kvr_sched *s)
 {
 	/* the next step rewrites the layers' mapped scratch the attention reads */
 	int err = kvr_dev_stream_synchronize(s->dev, s->compute); /* nothing on an inline stream */
+	struct kvr_stream *replayed = s->eng.fixed.replay_stream;
+	s->eng.fixed.replay_stream = NULL;
+	if (!err && replayed) { /* a replayed step's work is the graph launched there */
+		err = kvr_dev_event_record(s->dev, s->eng.fixed.replay_done, replayed);
+		if (!err)
+			err = kvr_dev_event_synchronize(s->dev, s->eng.fixed.replay_done);
+	}
 	kvr_sched_unpin_step(s); /* the step's attention has read its pages */
 	if (!err) /* ... and its units: the slots' spares go back (not when the
 		   * device failed: an attention may still read them) */

@@ -2477,3 +2477,264 @@ Test(scheduler, device_plan_equals_host_path, .timeout = 400)
 	struct check ck;
 	model_run(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, 2, 12, &ck);
 }
+
+/* ------------------------------------------------------------------ capture */
+
+/* The step of batch ts[0..nb) captured on `es` (being captured from here
+ * to the graph's end) with the context's dstage buffers as q, k, v and out:
+ * recorded, nothing stored. */
+static struct kvr_graph *capture_step(struct kvr_context *ctx, struct tseq **ts, uint32_t nb, struct kvr_stream *es)
+{
+	uint32_t ids[MAXB];
+	uint64_t pos[MAXB], before[MAXB];
+	struct dstage *ds = dstage_of(ctx);
+	cr_assert(ds);
+	for (uint32_t i = 0; i < nb; i++) {
+		ids[i] = ts[i]->id, pos[i] = ts[i]->n;
+		cr_assert_eq(kvr_seq_length(ctx, ids[i], 0, &before[i]), 0);
+	}
+	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, nb), 0, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_dev_stream_begin_capture(ctx->dev, es), 0, "%s", kvr_dev_last_error(ctx->dev));
+	for (uint32_t l = 0; l < NL; l++) {
+		int32_t st[MAXB];
+		for (uint32_t i = 0; i < nb; i++)
+			st[i] = 12345;
+		cr_assert_eq(kvr_decode_layer_on(ctx, l, ds->q[l], ds->k[l], ds->v[l], ds->o[l], st, es), 0, "%s",
+			     kvr_last_error(ctx));
+		for (uint32_t i = 0; i < nb; i++)
+			cr_assert_eq(st[i], 0);
+	}
+	struct kvr_graph *g = NULL;
+	cr_assert_eq(kvr_dev_stream_end_capture(ctx->dev, es, &g), 0, "%s", kvr_dev_last_error(ctx->dev));
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	for (uint32_t i = 0; i < nb; i++) {
+		uint64_t n;
+		cr_assert_eq(kvr_seq_length(ctx, ids[i], NL - 1, &n), 0);
+		cr_assert_eq(n, before[i], "a captured step stored a token (sequence %u: %llu, was %llu)", ids[i],
+			     (unsigned long long)n, (unsigned long long)before[i]);
+	}
+	return g;
+}
+
+/* step_batch's step, replayed: the inputs written where the capture read
+ * them, the host part (kvr_decode_replay), the graph launched on es. */
+static int replay_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **ts, uint32_t nb,
+			const float (*q)[NL][Q_ROW], float (*out)[NL][Q_ROW], int32_t *status, struct kvr_stream *es,
+			struct kvr_graph *g)
+{
+	uint32_t ids[MAXB];
+	uint64_t pos[MAXB];
+	struct dstage *ds = dstage_of(ctx);
+	const uint32_t eb = ebytes(dtype);
+	static unsigned char qb[MAXB * Q_ROW * 4], kb[MAXB * KV_ROW * 4], vb[MAXB * KV_ROW * 4],
+		ob[MAXB * Q_ROW * 4];
+	for (uint32_t i = 0; i < nb; i++) {
+		ids[i] = ts[i]->id, pos[i] = ts[i]->n;
+		cr_assert(pos[i] < CAP);
+		for (uint32_t l = 0; l < NL; l++)
+			token_kv(ts[i], l, pos[i], ts[i]->k[l] + pos[i] * KV_ROW, ts[i]->v[l] + pos[i] * KV_ROW);
+	}
+	for (uint32_t l = 0; l < NL; l++) {
+		for (uint32_t i = 0; i < nb; i++) {
+			to_dtype(qb + (size_t)i * Q_ROW * eb, q[i][l], Q_ROW, dtype);
+			to_dtype(kb + (size_t)i * KV_ROW * eb, ts[i]->k[l] + pos[i] * KV_ROW, KV_ROW, dtype);
+			to_dtype(vb + (size_t)i * KV_ROW * eb, ts[i]->v[l] + pos[i] * KV_ROW, KV_ROW, dtype);
+		}
+		memset(ob, 0xa5, sizeof(ob));
+		dstage_put(ds, ds->q[l], qb, sizeof(qb));
+		dstage_put(ds, ds->k[l], kb, sizeof(kb));
+		dstage_put(ds, ds->v[l], vb, sizeof(vb));
+		dstage_put(ds, ds->o[l], ob, sizeof(ob));
+	}
+	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, nb), 0, "%s", kvr_last_error(ctx));
+	for (uint32_t i = 0; i < nb; i++)
+		status[i] = 12345;
+	const int rc = kvr_decode_replay_on(ctx, status, es);
+	if (rc) { /* refused: the step is unchanged, and ending it cancels it */
+		cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+		return rc;
+	}
+	cr_assert_eq(kvr_dev_graph_launch(ctx->dev, g, es), 0, "%s", kvr_dev_last_error(ctx->dev));
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	for (uint32_t l = 0; l < NL; l++) {
+		dstage_get(ds, ob, ds->o[l], sizeof(ob));
+		for (uint32_t i = 0; i < nb; i++)
+			from_dtype(out[i][l], ob + (size_t)i * Q_ROW * eb, Q_ROW, dtype);
+	}
+	for (uint32_t i = 0; i < nb; i++)
+		if (!status[i])
+			ts[i]->n++;
+	return 0;
+}
+
+/* Mode dense on cudaemu-strict: a step captured once and replayed at every
+ * later step (a page completing in each sequence, the batch shrinking for
+ * a step) gives the outputs of the same steps decoded uncaptured, bit for
+ * bit, with no host wait; the tokens it stored are those (an uncaptured step
+ * after the replays agrees too). */
+Test(scheduler, captured_dense_step_replays_bit_exact, .timeout = 300)
+{
+	static const uint32_t dtypes[] = { KVR_DTYPE_F32, KVR_DTYPE_F16 };
+	for (int di = 0; di < 2; di++) {
+		const uint32_t dtype = dtypes[di];
+		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_DENSE, KVR_RECALL_ZERO_COPY, dtype);
+		struct kvr_context *ref = ctx_open(&o), *cap = ctx_open(&o);
+		struct tseq a[2], b[2];
+		struct tseq *as[2] = { &a[0], &a[1] }, *bs[2] = { &b[0], &b[1] };
+		const uint64_t n0[2] = { 3 * P + 5, P - 3 };
+		for (int i = 0; i < 2; i++) {
+			tseq_init(&a[i], 40 + i), tseq_init(&b[i], 40 + i);
+			tseq_prefill(ref, dtype, &a[i], n0[i]);
+			tseq_prefill(cap, dtype, &b[i], n0[i]);
+		}
+		cr_assert_eq(kvr_decode_reserve(cap, 2, CAP), 0, "%s", kvr_last_error(cap));
+		struct kvr_stream *es = NULL;
+		cr_assert_eq(kvr_dev_stream_create(cap->dev, 0, &es), 0);
+		struct kvr_graph *g = capture_step(cap, bs, 2, es);
+		struct qgen qg[2];
+		qgen_init(&qg[0], 7), qgen_init(&qg[1], 8);
+		static float q[2][NL][Q_ROW], out_ref[2][NL][Q_ROW], out_cap[2][NL][Q_ROW];
+		for (uint32_t step = 0; step < 2 * P + 3; step++) {
+			const uint32_t nb = step == 5 ? 1 : 2; /* fewer sequences than captured */
+			for (uint32_t i = 0; i < nb; i++)
+				qgen_next(&qg[i], dtype, q[i]);
+			int32_t st_ref[2][NL], st_cap[2];
+			step_batch(ref, dtype, as, nb, (const float(*)[NL][Q_ROW])q, out_ref, st_ref);
+			cr_assert_eq(replay_batch(cap, dtype, bs, nb, (const float(*)[NL][Q_ROW])q, out_cap, st_cap, es, g),
+				     0, "step %u: %s", step, kvr_last_error(cap));
+			for (uint32_t i = 0; i < nb; i++) {
+				cr_assert_eq(st_ref[i][0], 0);
+				cr_assert_eq(st_cap[i], 0, "step %u: %s", step, kvr_last_error(cap));
+				for (uint32_t l = 0; l < NL; l++)
+					cr_assert(!memcmp(out_ref[i][l], out_cap[i][l], sizeof(out_ref[i][l])),
+						  "%s step %u sequence %u layer %u: the replay differs from the "
+						  "uncaptured step",
+						  kvr_dtype_name(dtype), step, i, l);
+			}
+		}
+		for (int i = 0; i < 2; i++)
+			cr_assert_eq(a[i].n, b[i].n);
+		/* what the replays stored, read by an uncaptured step */
+		for (uint32_t i = 0; i < 2; i++)
+			qgen_next(&qg[i], dtype, q[i]);
+		int32_t st[2][NL];
+		step_batch(ref, dtype, as, 2, (const float(*)[NL][Q_ROW])q, out_ref, st);
+		step_batch(cap, dtype, bs, 2, (const float(*)[NL][Q_ROW])q, out_cap, st);
+		cr_assert(!memcmp(out_ref, out_cap, sizeof(out_ref)), "an uncaptured step after the replays differs");
+		struct kvr_stats sr = { .size = sizeof(sr) }, sc = { .size = sizeof(sc) };
+		kvr_get_stats(ref, &sr), kvr_get_stats(cap, &sc);
+		cr_assert_eq(sc.layer_decodes, sr.layer_decodes);
+		cr_assert_eq(sc.steps, sr.steps, "the captured step counted (%llu steps, %llu uncaptured)",
+			     (unsigned long long)sc.steps, (unsigned long long)sr.steps);
+		cr_assert_eq(sc.host_waits, 0);
+		kvr_dev_graph_destroy(cap->dev, g);
+		kvr_dev_stream_destroy(cap->dev, es);
+		ctx_close(ref, &o), ctx_close(cap, &o);
+		for (int i = 0; i < 2; i++)
+			tseq_fini(&a[i]), tseq_fini(&b[i]);
+	}
+}
+
+/* Every refusal of capture and replay says why and leaves the context
+ * usable: nothing stored, the next uncaptured step as if none happened. */
+Test(scheduler, capture_refusals_leave_the_context_usable, .timeout = 200)
+{
+	const uint32_t dtype = KVR_DTYPE_F32;
+	struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_DENSE, KVR_RECALL_ZERO_COPY, dtype);
+	struct kvr_context *ctx = ctx_open(&o);
+	struct dstage *ds = dstage_of(ctx);
+	struct tseq t[2];
+	struct tseq *ts[2] = { &t[0], &t[1] };
+	tseq_init(&t[0], 50), tseq_init(&t[1], 51);
+	tseq_prefill(ctx, dtype, &t[0], 2 * P + 1);
+	tseq_prefill(ctx, dtype, &t[1], P + 2);
+	struct kvr_stream *es = NULL;
+	cr_assert_eq(kvr_dev_stream_create(ctx->dev, 0, &es), 0);
+	static float q[2][NL][Q_ROW], out[2][NL][Q_ROW];
+	int32_t st[MAXB];
+	struct qgen qg;
+	qgen_init(&qg, 3);
+	qgen_next(&qg, dtype, q[0]);
+	memcpy(q[1], q[0], sizeof(q[0]));
+
+	/* a replay with nothing captured */
+	cr_assert_eq(replay_batch(ctx, dtype, ts, 2, (const float(*)[NL][Q_ROW])q, out, st, es, NULL), -EINVAL);
+	cr_assert(strstr(kvr_last_error(ctx), "not captured"), "%s", kvr_last_error(ctx));
+	/* a capture before any reservation: refused before it records anything */
+	uint32_t ids[2] = { t[0].id, t[1].id };
+	uint64_t pos[2] = { t[0].n, t[1].n };
+	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, 2), 0);
+	cr_assert_eq(kvr_dev_stream_begin_capture(ctx->dev, es), 0);
+	cr_assert_eq(kvr_decode_layer_on(ctx, 0, ds->q[0], ds->k[0], ds->v[0], ds->o[0], st, es), -EINVAL);
+	cr_assert(strstr(kvr_last_error(ctx), "kvr_decode_reserve"), "%s", kvr_last_error(ctx));
+	struct kvr_graph *g = NULL;
+	cr_assert_eq(kvr_dev_stream_end_capture(ctx->dev, es, &g), 0, "%s", kvr_dev_last_error(ctx->dev));
+	kvr_dev_graph_destroy(ctx->dev, g);
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx)); /* nothing decoded: cancelled */
+	/* reservations out of range, or with a step open */
+	cr_assert_eq(kvr_decode_reserve(ctx, 0, CAP), -EINVAL);
+	cr_assert_eq(kvr_decode_reserve(ctx, MAXB + 100, CAP), -EINVAL);
+	cr_assert_eq(kvr_decode_reserve(ctx, 2, 0), -EINVAL);
+	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, 2), 0);
+	cr_assert_eq(kvr_decode_reserve(ctx, 2, CAP), -EBUSY);
+	cr_assert_eq(kvr_decode_end(ctx), 0);
+	/* a batch larger than reserved */
+	cr_assert_eq(kvr_decode_reserve(ctx, 1, 3 * P), 0, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, 2), 0);
+	cr_assert_eq(kvr_dev_stream_begin_capture(ctx->dev, es), 0);
+	cr_assert_eq(kvr_decode_layer_on(ctx, 0, ds->q[0], ds->k[0], ds->v[0], ds->o[0], st, es), -EINVAL);
+	cr_assert_eq(kvr_dev_stream_end_capture(ctx->dev, es, &g), 0, "%s", kvr_dev_last_error(ctx->dev));
+	kvr_dev_graph_destroy(ctx->dev, g);
+	cr_assert_eq(kvr_decode_end(ctx), 0);
+	/* a step's layers captured all or none */
+	cr_assert_eq(kvr_decode_reserve(ctx, 2, 3 * P), 0, "%s", kvr_last_error(ctx));
+	cr_assert_eq(kvr_decode_begin(ctx, ids, pos, 2), 0);
+	cr_assert_eq(kvr_dev_stream_begin_capture(ctx->dev, es), 0);
+	cr_assert_eq(kvr_decode_layer_on(ctx, 0, ds->q[0], ds->k[0], ds->v[0], ds->o[0], st, es), 0, "%s",
+		     kvr_last_error(ctx));
+	cr_assert_eq(kvr_dev_stream_end_capture(ctx->dev, es, &g), 0, "%s", kvr_dev_last_error(ctx->dev));
+	kvr_dev_graph_destroy(ctx->dev, g);
+	cr_assert_eq(kvr_decode_layer_on(ctx, 1, ds->q[1], ds->k[1], ds->v[1], ds->o[1], st, NULL), -EINVAL);
+	cr_assert(strstr(kvr_last_error(ctx), "captured all or none"), "%s", kvr_last_error(ctx));
+	/* ... and a half-captured step cannot be replayed */
+	cr_assert_eq(kvr_decode_end(ctx), -EINVAL);
+	cr_assert_eq(replay_batch(ctx, dtype, ts, 2, (const float(*)[NL][Q_ROW])q, out, st, es, NULL), -EINVAL);
+	/* a whole capture, replayed until a sequence passes the reservation */
+	g = capture_step(ctx, ts, 2, es);
+	int rc = 0;
+	uint32_t replays = 0;
+	while (!(rc = replay_batch(ctx, dtype, ts, 2, (const float(*)[NL][Q_ROW])q, out, st, es, g)))
+		replays++;
+	cr_assert_eq(rc, -ERANGE, "%s", kvr_last_error(ctx));
+	cr_assert_eq(t[0].n, 3 * P, "replays stopped at %llu tokens", (unsigned long long)t[0].n);
+	cr_assert_eq(replays, P - 1);
+	uint64_t n;
+	cr_assert_eq(kvr_seq_length(ctx, t[0].id, 1, &n), 0);
+	cr_assert_eq(n, t[0].n, "a refused replay stored a token");
+	/* an uncaptured step past the reservation moves the buffers: stale */
+	int32_t st2[2][NL];
+	for (uint32_t i = 0; i < P; i++) { /* to 4 full pages: past the 3 reserved */
+		step_batch(ctx, dtype, ts, 2, (const float(*)[NL][Q_ROW])q, out, st2);
+		cr_assert_eq(st2[0][0], 0);
+	}
+	cr_assert_eq(replay_batch(ctx, dtype, ts, 2, (const float(*)[NL][Q_ROW])q, out, st, es, g), -ESTALE);
+	step_batch(ctx, dtype, ts, 2, (const float(*)[NL][Q_ROW])q, out, st2);
+	cr_assert_eq(st2[0][0], 0, "the context is unusable after the refusals");
+	kvr_dev_graph_destroy(ctx->dev, g);
+	kvr_dev_stream_destroy(ctx->dev, es);
+	ctx_close(ctx, &o);
+
+	/* configurations that cannot be captured say why */
+	o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, dtype);
+	ctx = ctx_open(&o);
+	cr_assert_eq(kvr_decode_reserve(ctx, 1, CAP), -ENOTSUP);
+	cr_assert(strstr(kvr_last_error(ctx), "mode dense"), "%s", kvr_last_error(ctx));
+	ctx_close(ctx, &o);
+	o = opts_default(KVR_DEV_CPU, KVR_MODE_DENSE, KVR_RECALL_ZERO_COPY, dtype);
+	ctx = ctx_open(&o);
+	cr_assert_eq(kvr_decode_reserve(ctx, 1, CAP), -ENOTSUP);
+	cr_assert_eq(kvr_decode_replay(ctx, st, NULL), -EINVAL); /* no step open */
+	ctx_close(ctx, &o);
+	for (int i = 0; i < 2; i++)
+		tseq_fini(&t[i]);
+}
