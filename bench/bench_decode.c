@@ -60,6 +60,7 @@ static struct {
 	uint32_t resolved_controller; /* what the contexts resolved `controller` to */
 	uint32_t resolved_recall;     /* ... and `recall`, for the last context made (its mode's) */
 	const char *backend_name;
+	int capture; /* --capture: dense rows once more, captured into a CUDA graph and replayed */
 } g = {
 	.recall = KVR_RECALL_AUTO, /* the library's choice per backend and mode */
 	.buffers = 2,
@@ -80,6 +81,7 @@ static struct {
 static struct {
 	struct kvr_dev *dev;
 	struct kvr_stream *stream;
+	struct kvr_stream *capture_stream; /* --capture: a stream of its own (the legacy one cannot capture) */
 	void *q, *k, *v, *out;
 	uint32_t batch; /* sized for */
 } engine;
@@ -100,6 +102,8 @@ static void engine_fit(uint32_t batch)
 		if (kvr_dev_create(&params, &engine.dev, err, sizeof(err)))
 			die("--backend cuda", err);
 		if (kvr_dev_stream_wrap(engine.dev, NULL, &engine.stream))
+			die("engine stream", kvr_dev_last_error(engine.dev));
+		if (g.capture && kvr_dev_stream_create(engine.dev, 0, &engine.capture_stream))
 			die("engine stream", kvr_dev_last_error(engine.dev));
 	} else {
 		kvr_dev_free(engine.dev, engine.q), kvr_dev_free(engine.dev, engine.k);
@@ -193,9 +197,35 @@ struct result {
 	double host_wait_share;            /* their time, of the engine's inside decode_layer */
 };
 
+/* The engine's capture of one step of the batch at positions `pos`
+ * (recorded, nothing stored: docs/api.md, "Decode steps in a CUDA graph"),
+ * on its capture stream. */
+static struct kvr_graph *capture_step(struct kvr_context *ctx, const uint32_t *seqs, const uint64_t *pos,
+				      uint32_t batch, uint64_t max_tokens, int32_t *status)
+{
+	void *native = kvr_dev_stream_native(engine.dev, engine.capture_stream);
+	struct kvr_graph *graph = NULL;
+	if (kvr_decode_reserve(ctx, batch, max_tokens))
+		die("decode_reserve", kvr_last_error(ctx));
+	if (kvr_decode_begin(ctx, seqs, pos, batch))
+		die("decode_begin", kvr_last_error(ctx));
+	if (kvr_dev_stream_begin_capture(engine.dev, engine.capture_stream))
+		die("begin capture", kvr_dev_last_error(engine.dev));
+	for (uint32_t l = 0; l < g.sh.n_layers; l++)
+		if (kvr_decode_layer(ctx, l, engine.q, engine.k, engine.v, engine.out, status, native))
+			die("decode_layer (captured)", kvr_last_error(ctx));
+	if (kvr_dev_stream_end_capture(engine.dev, engine.capture_stream, &graph))
+		die("end capture", kvr_dev_last_error(engine.dev));
+	if (kvr_decode_end(ctx))
+		die("decode_end (captured)", kvr_last_error(ctx));
+	return graph;
+}
+
 /* Prefill L tokens into each of `batch` sequences, then time `steps` decode
- * steps of the batch (tracing the last 4 into trace_path when it is set). */
-static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t steps, const char *trace_path)
+ * steps of the batch (tracing the last 4 into trace_path when it is set);
+ * `captured`: the steps replay one captured step (cuda, mode dense). */
+static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t steps, const char *trace_path,
+			 int captured)
 {
 	const uint32_t n_kv = g.sh.n_kv_heads, n_qo = g.sh.n_qo_heads, d = g.sh.head_dim, layers = g.sh.n_layers;
 	struct kvr_context *ctx = make_ctx(mode, batch, L + steps);
@@ -225,6 +255,12 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 	}
 	for (size_t i = 0; i < (size_t)batch * n_qo * d; i++)
 		qf[i] = frand();
+	struct kvr_graph *graph = NULL;
+	if (captured) {
+		for (uint32_t b = 0; b < batch; b++)
+			pos[b] = L;
+		graph = capture_step(ctx, seqs, pos, batch, L + steps, status);
+	}
 	struct kvr_stats st0 = { .size = sizeof(st0) }, st1 = { .size = sizeof(st1) };
 	kvr_get_stats(ctx, &st0);
 	for (uint32_t s = 0; s < steps; s++) {
@@ -261,6 +297,19 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 		const double t0 = bench_now_s();
 		if (kvr_decode_begin(ctx, seqs, pos, batch))
 			die("decode_begin", kvr_last_error(ctx));
+		if (graph) { /* the host part, then the graph, on the capture stream */
+			if (kvr_decode_replay(ctx, status, kvr_dev_stream_native(engine.dev, engine.capture_stream)))
+				die("decode_replay", kvr_last_error(ctx));
+			for (uint32_t b = 0; b < batch; b++)
+				if (status[b])
+					die(kvr_strerror(status[b]), kvr_last_error(ctx));
+			if (kvr_dev_graph_launch(engine.dev, graph, engine.capture_stream))
+				die("graph launch", kvr_dev_last_error(engine.dev));
+			if (kvr_decode_end(ctx))
+				die("decode_end", kvr_last_error(ctx));
+			times[s] = bench_now_s() - t0;
+			continue;
+		}
 		for (uint32_t l = 0; l < layers; l++) {
 			if (kvr_decode_layer(ctx, l, lq, lk, lv, lout, status, NULL))
 				die("decode_layer", kvr_last_error(ctx));
@@ -304,6 +353,8 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 		crit > 0 ? (double)(st1.host_wait_ns - st0.host_wait_ns) / crit : 0,
 	};
 	free(times), free(k), free(v), free(qf), free(q), free(out), free(status), free(seqs), free(pos);
+	if (graph)
+		kvr_dev_graph_destroy(engine.dev, graph);
 	kvr_context_destroy(ctx);
 	return r;
 }
@@ -317,8 +368,9 @@ static int usage(void)
 		"         [--max-context 131072] [--mode M] [--recall auto|zero-copy|streamed] [--buffers 1|2]\n"
 		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
 		"         [--kv-format f16|k8v4|k4v2|mixed] [--spilled PCT [--spill-dir DIR]]\n"
-		"         [--quick] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
-		"  --trace: only trace 4 steps at --trace-context tokens and exit\n");
+		"         [--quick] [--capture] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
+		"  --trace: only trace 4 steps at --trace-context tokens and exit\n"
+		"  --capture (cuda): each dense row once more, its steps replayed from a CUDA graph\n");
 	return 2;
 }
 
@@ -334,10 +386,14 @@ int bench_decode(int argc, char **argv)
 			layers_given = 1;
 		BENCH_TAKE_SHAPE_FLAG(argc, argv, i, &g.sh)
 		const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
-		if (!val && strcmp(a, "--quick"))
+		if (!val && strcmp(a, "--quick") && strcmp(a, "--capture"))
 			return usage();
 		if (!strcmp(a, "--quick")) {
 			steps = 8, max_context = 16384;
+			continue;
+		}
+		if (!strcmp(a, "--capture")) {
+			g.capture = 1;
 			continue;
 		}
 		i++;
@@ -436,13 +492,17 @@ int bench_decode(int argc, char **argv)
 			return 2;
 		}
 	}
+	if (g.capture && g.backend != KVR_BACKEND_CUDA) {
+		fprintf(stderr, "kvrecall bench decode: --capture needs --backend cuda (CUDA graphs)\n");
+		return 2;
+	}
 	uint32_t max_batch = 0;
 	for (uint32_t bi = 0; bi < n_batches; bi++)
 		max_batch = batches[bi] > max_batch ? batches[bi] : max_batch;
 	if (g.backend == KVR_BACKEND_CUDA)
 		engine_fit(max_batch);
 	if (trace_path) {
-		run(trace_mode, batches[0], trace_context, steps, trace_path);
+		run(trace_mode, batches[0], trace_context, steps, trace_path, 0);
 		fprintf(stderr, "kvrecall bench decode: trace of %s at %llu tokens (%s recall) in %s\n",
 			kvr_mode_name(trace_mode), (unsigned long long)trace_context,
 			kvr_recall_name(g.resolved_recall), trace_path);
@@ -457,7 +517,8 @@ int bench_decode(int argc, char **argv)
 	uint32_t n_contexts = 0;
 	for (uint64_t L = 8192; L <= max_context; L *= 2)
 		n_contexts++;
-	const uint32_t total = n_batches * (1 + n_contexts * (have_mode ? 1 : 4));
+	const uint32_t captured_rows = g.capture && (!have_mode || only_mode == KVR_MODE_DENSE);
+	const uint32_t total = n_batches * (1 + n_contexts * ((have_mode ? 1 : 4) + captured_rows));
 	uint32_t done = 0;
 	bench_json_open(json, "decode", g.backend_name, argc, argv);
 	fprintf(json, "  \"shape\": ");
@@ -473,28 +534,31 @@ int bench_decode(int argc, char **argv)
 		const uint32_t batch = batches[bi];
 		/* attention over the B tokens alone: a dense decode at L = B */
 		bench_progress("decode", done++, total);
-		const struct result base = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL);
+		const struct result base = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL, 0);
 		fprintf(stderr, "\rbatch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps)\n",
 			batch, B, base.us_per_layer, g.sh.n_layers, steps);
 		for (uint64_t L = 8192; L <= max_context; L *= 2)
-			for (size_t mi = 0; mi < 4; mi++) {
-				if (have_mode && modes[mi] != only_mode)
+			for (size_t mi = 0; mi < 5; mi++) {
+				/* 4: dense again, captured (--capture) */
+				const int captured = mi == 4;
+				const uint32_t mode = captured ? KVR_MODE_DENSE : modes[mi];
+				if ((have_mode && mode != only_mode) || (captured && !g.capture))
 					continue;
 				bench_progress("decode", done++, total);
-				const struct result r = run(modes[mi], batch, L, steps, NULL);
+				const struct result r = run(mode, batch, L, steps, NULL, captured);
 				const double budget = (1.0 + (double)L / ((double)p * B)) * base.us_per_layer;
-				fprintf(stderr, "\rL=%7llu %-11s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
+				fprintf(stderr, "\rL=%7llu %-11s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
 						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
 						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
 						"critical share %.2f; hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
-					(unsigned long long)L, kvr_mode_name(modes[mi]), r.us_per_layer,
+					(unsigned long long)L, kvr_mode_name(mode), captured ? " (captured)" : "", r.us_per_layer,
 					r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.mean_us_per_layer,
 					r.critical_us_per_layer,
 					100 * r.corrected_rate, r.correction_waits_per_layer, 100 * r.correction_wait_share,
 					r.controller_us_per_layer, r.critical_share, r.hit_rate, r.recalled_kib_per_layer,
 					r.host_waits_per_layer);
 				fprintf(json,
-					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"recall\": \"%s\", "
+					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"captured\": %s, \"recall\": \"%s\", "
 					"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "
 					"\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
 					"\"mean_us_per_layer\": %.2f, \"critical_us_per_layer\": %.2f, "
@@ -504,7 +568,7 @@ int bench_decode(int argc, char **argv)
 					"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
 					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
 					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f}",
-					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(modes[mi]),
+					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(mode), captured ? "true" : "false",
 					kvr_recall_name(g.resolved_recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
 					base.us_per_layer, r.us_per_layer / base.us_per_layer, r.us_per_layer / budget,
 					r.mean_us_per_layer, r.critical_us_per_layer, r.corrected_rate, (unsigned long long)r.selections,

@@ -117,12 +117,14 @@ void kvr_dev_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream);
  * (cpu, cudaemu) a NULL handle wraps to *out = NULL and anything else is
  * -EINVAL. */
 int kvr_dev_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream **out);
+/* The native handle of a stream, as an engine would pass it to the public
+ * API (cuda: its cudaStream_t); NULL on backends without native streams. */
+void *kvr_dev_stream_native(struct kvr_dev *dev, struct kvr_stream *stream);
 /* 1 while the stream is being captured into a CUDA graph, 0 otherwise, or a
  * negative errno. */
 int kvr_dev_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream);
-/* Capture into a graph, with CUDA graphs' rules (emulated on cpu and
- * cudaemu: see cpu_backend.c; -ENOTSUP on cuda until a decode step can be
- * captured): from begin to end, what is enqueued on the stream, and on
+/* Capture into a graph, with CUDA graphs' rules (CUDA's own on cuda, in
+ * thread-local mode; emulated on cpu and cudaemu: see cpu_backend.c): from begin to end, what is enqueued on the stream, and on
  * streams that wait on events recorded in the capture (whose work the
  * origin must wait on before the end), is recorded, not run; a synchronize,
  * a query, an allocation inside it is refused and invalidates it. The end

@@ -44,6 +44,7 @@ struct kvr_dev_ops {
 	/* Optional (NULL: only a NULL native handle, wrapped as NULL): an
 	 * engine's stream as a kvr_stream; capture status of a stream. */
 	int (*stream_wrap)(struct kvr_dev *dev, void *native, struct kvr_stream **out);
+	void *(*stream_native)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*stream_capturing)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*stream_begin_capture)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*stream_end_capture)(struct kvr_dev *dev, struct kvr_stream *stream, struct kvr_graph **out);

@@ -30,8 +30,10 @@
  * and host-to-device copies from pageable memory wait (the last for the
  * stream to drain, see order_pageable_source), and nothing here synchronises
  * the whole device.
- * Work queued while the stream is being captured into a CUDA graph is refused
- * (v1 is not graph-safe).
+ * While a stream is being captured into a CUDA graph only the operations of a
+ * captured decode step are accepted on it (enqueue_begin; scheduler/capture.c),
+ * and those never allocate or wait: a captured attention keeps the kernel
+ * scratch it finds.
  *
  * Errors: allocation failures are -ENOMEM; errors that leave the CUDA context
  * unusable (an illegal address in a kernel, ECC, ...) are -ENOTRECOVERABLE;
@@ -84,6 +86,7 @@ struct cuda_stream {
 	struct kvr_cuda_topk *topk;
 	void *scratch; /* the split kernels' partial results (see the top) */
 	size_t scratch_bytes;
+	bool capturing; /* the op being enqueued is captured (enqueue_on) */
 };
 
 /* Page scores per (sequence, query head) that score's scratch caches: 128K
@@ -213,11 +216,15 @@ static int enter(struct kvr_dev *dev, device_scope &scope)
 			return enter_rc;                                                    \
 	} while (0)
 
-/* Every enqueueing op starts here: the device, then a refusal while the stream
- * is being captured (a captured op would silently become part of someone's
- * graph instead of running). A context broken by an earlier kernel shows up
- * here too, as the capture query's error. */
-static int enqueue_begin(struct kvr_dev *dev, device_scope &scope, cudaStream_t s, const char *op)
+/* Every enqueueing op starts here: the device, then, while the stream is
+ * being captured into a CUDA graph, a refusal unless the op is one a
+ * captured decode step uses (scheduler/capture.c: event records and waits,
+ * copies from pinned memory, the append and attention kernels), so that no
+ * other op silently becomes part of someone's graph instead of running.
+ * *capturing says whether it is. A context broken by an earlier kernel
+ * shows up here too, as the capture query's error. */
+static int enqueue_begin(struct kvr_dev *dev, device_scope &scope, cudaStream_t s, const char *op,
+			 bool capturable, bool *capturing)
 {
 	int rc = enter(dev, scope);
 	if (rc)
@@ -226,24 +233,37 @@ static int enqueue_begin(struct kvr_dev *dev, device_scope &scope, cudaStream_t 
 	const cudaError_t e = cudaStreamIsCapturing(s, &status);
 	if (e != cudaSuccess)
 		return cuda_fail(dev, e, "cudaStreamIsCapturing");
-	if (status != cudaStreamCaptureStatusNone)
+	*capturing = status != cudaStreamCaptureStatusNone;
+	if (status == cudaStreamCaptureStatusInvalidated)
+		return kvr_dev_fail(dev, -EINVAL, "%s: the stream's capture was invalidated (end it and capture again)",
+				    op);
+	if (*capturing && !capturable)
 		return kvr_dev_fail(dev, -ENOTSUP,
-				    "%s: CUDA graph capture is not supported in this version "
-				    "(the stream is being captured)",
+				    "%s: cannot be captured into a CUDA graph (only a captured decode step's "
+				    "operations can: docs/architecture.md, \"Capturing a step in a CUDA graph\")",
 				    op);
 	return 0;
 }
 
 /* An enqueueing op on `stream`: enqueue_begin, then body(cs, cd) with the
- * device current for the whole body. */
+ * device current for the whole body. Captured ops say so (`capturable`) and
+ * find cs->capturing set while the stream is captured. */
 template <typename Body>
-static int enqueue_on(struct kvr_dev *dev, struct kvr_stream *stream, const char *op, Body body)
+static int enqueue_on(struct kvr_dev *dev, struct kvr_stream *stream, const char *op, bool capturable, Body body)
 {
 	struct cuda_stream *cs = as_stream(stream);
 	struct cuda_dev *cd = impl(dev);
 	device_scope scope(cd->device);
-	const int rc = enqueue_begin(dev, scope, cs->s, op);
+	bool capturing = false;
+	const int rc = enqueue_begin(dev, scope, cs->s, op, capturable, &capturing);
+	cs->capturing = capturing; /* the stream's one thread (backend.h) */
 	return rc ? rc : body(cs, cd);
+}
+
+template <typename Body>
+static int enqueue_on(struct kvr_dev *dev, struct kvr_stream *stream, const char *op, Body body)
+{
+	return enqueue_on(dev, stream, op, false, body);
 }
 
 /* ------------------------------------------------------------------ memory */
@@ -362,6 +382,11 @@ static int op_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream *
 	return stream_open(dev, "stream_wrap", true, static_cast<cudaStream_t>(native), out);
 }
 
+static void *op_stream_native(struct kvr_dev *, struct kvr_stream *stream)
+{
+	return as_stream(stream)->s;
+}
+
 /* 1 while the stream is being captured into a graph, 0 when not. */
 static int op_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream)
 {
@@ -372,6 +397,68 @@ static int op_stream_capturing(struct kvr_dev *dev, struct kvr_stream *stream)
 	if (e != cudaSuccess)
 		return cuda_fail(dev, e, "cudaStreamIsCapturing");
 	return status != cudaStreamCaptureStatusNone;
+}
+
+/* Graphs: what a stream captured, instantiated once at the capture's end
+ * (the executable graph is what a launch runs). Thread-local capture mode,
+ * as the cpu backend emulates it: another thread's CUDA calls (the
+ * controller's) neither join nor invalidate the capture. */
+struct kvr_graph {
+	cudaGraph_t graph;
+	cudaGraphExec_t exec;
+};
+
+static int op_stream_begin_capture(struct kvr_dev *dev, struct kvr_stream *stream)
+{
+	ENTER_DEVICE(dev);
+	const cudaError_t e = cudaStreamBeginCapture(as_stream(stream)->s, cudaStreamCaptureModeThreadLocal);
+	return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaStreamBeginCapture");
+}
+
+static int op_stream_end_capture(struct kvr_dev *dev, struct kvr_stream *stream, struct kvr_graph **out)
+{
+	ENTER_DEVICE(dev);
+	cudaGraph_t graph = NULL;
+	cudaError_t e = cudaStreamEndCapture(as_stream(stream)->s, &graph);
+	if (e != cudaSuccess) { /* an invalidated capture (cudaErrorStreamCaptureInvalidated), unjoined work */
+		if (graph)
+			(void)cudaGraphDestroy(graph);
+		const int rc = errno_of(e);
+		(void)cudaGetLastError();
+		return kvr_dev_fail(dev, rc == -EIO ? -EINVAL : rc, "cudaStreamEndCapture: %s (%d)",
+				    cudaGetErrorName(e), (int)e);
+	}
+	struct kvr_graph *g = new (std::nothrow) kvr_graph{ graph, NULL };
+	if (!g) {
+		(void)cudaGraphDestroy(graph);
+		return kvr_dev_fail(dev, -ENOMEM, "end_capture: out of memory");
+	}
+	e = cudaGraphInstantiate(&g->exec, graph, 0);
+	if (e != cudaSuccess) {
+		(void)cudaGraphDestroy(graph);
+		delete g;
+		return cuda_fail(dev, e, "cudaGraphInstantiate");
+	}
+	*out = g;
+	return 0;
+}
+
+static int op_graph_launch(struct kvr_dev *dev, struct kvr_graph *graph, struct kvr_stream *stream)
+{
+	return enqueue_on(dev, stream, "graph_launch", [&](struct cuda_stream *cs, struct cuda_dev *) {
+		const cudaError_t e = cudaGraphLaunch(graph->exec, cs->s);
+		return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaGraphLaunch");
+	});
+}
+
+static void op_graph_destroy(struct kvr_dev *dev, struct kvr_graph *graph)
+{
+	device_scope scope(impl(dev)->device);
+	if (graph->exec && cudaGraphExecDestroy(graph->exec) != cudaSuccess)
+		(void)cudaGetLastError();
+	if (cudaGraphDestroy(graph->graph) != cudaSuccess)
+		(void)cudaGetLastError();
+	delete graph;
 }
 
 static uint64_t now_ns(void)
@@ -402,7 +489,7 @@ static int op_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *stream)
 {
 	struct cuda_stream *cs = as_stream(stream);
 	device_scope scope(impl(dev)->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "stream_synchronize");
+	int rc = enqueue_begin(dev, scope, cs->s, "stream_synchronize", false, &cs->capturing);
 	if (rc)
 		return rc;
 	cudaError_t e = cudaEventRecord(cs->done, cs->s);
@@ -435,7 +522,7 @@ static void op_event_destroy(struct kvr_dev *dev, struct kvr_event *event)
 
 static int op_event_record(struct kvr_dev *dev, struct kvr_event *event, struct kvr_stream *stream)
 {
-	return enqueue_on(dev, stream, "event_record", [&](struct cuda_stream *cs, struct cuda_dev *) {
+	return enqueue_on(dev, stream, "event_record", true, [&](struct cuda_stream *cs, struct cuda_dev *) {
 		const cudaError_t e = cudaEventRecord(as_event(event), cs->s);
 		return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaEventRecord");
 	});
@@ -444,7 +531,7 @@ static int op_event_record(struct kvr_dev *dev, struct kvr_event *event, struct 
 static int op_stream_wait_event(struct kvr_dev *dev, struct kvr_stream *stream,
 				struct kvr_event *event)
 {
-	return enqueue_on(dev, stream, "stream_wait_event", [&](struct cuda_stream *cs, struct cuda_dev *) {
+	return enqueue_on(dev, stream, "stream_wait_event", true, [&](struct cuda_stream *cs, struct cuda_dev *) {
 		const cudaError_t e = cudaStreamWaitEvent(cs->s, as_event(event), cudaEventWaitDefault);
 		return e == cudaSuccess ? 0 : cuda_fail(dev, e, "cudaStreamWaitEvent");
 	});
@@ -506,6 +593,10 @@ static int order_pageable_source(struct kvr_dev *dev, struct cuda_stream *cs, co
 		(void)cudaGetLastError(); /* treat as pageable */
 	else if (attr.type != cudaMemoryTypeUnregistered)
 		return 0;
+	if (cs->capturing) /* the ordering wait cannot be captured, nor the copy without it */
+		return kvr_dev_fail(dev, -ENOTSUP,
+				    "memcpy_async: a pageable source cannot be captured into a CUDA graph "
+				    "(register it, or copy outside the capture)");
 	e = cudaEventRecord(cs->done, cs->s);
 	if (e == cudaSuccess)
 		e = wait_event(cs->done);
@@ -515,7 +606,7 @@ static int order_pageable_source(struct kvr_dev *dev, struct cuda_stream *cs, co
 static int op_memcpy_async(struct kvr_dev *dev, void *dst, const void *src, size_t bytes,
 			   uint32_t kind, struct kvr_stream *stream)
 {
-	return enqueue_on(dev, stream, "memcpy_async", [&](struct cuda_stream *cs, struct cuda_dev *) {
+	return enqueue_on(dev, stream, "memcpy_async", true, [&](struct cuda_stream *cs, struct cuda_dev *) {
 		const int rc = order_pageable_source(dev, cs, src, kind);
 		if (rc)
 			return rc;
@@ -583,7 +674,7 @@ static int op_memcpy_batch_async(struct kvr_dev *dev, void *dst_base, const void
 	struct cuda_dev *cd = impl(dev);
 	struct cuda_stream *cs = as_stream(stream);
 	device_scope scope(cd->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "memcpy_batch_async");
+	int rc = enqueue_begin(dev, scope, cs->s, "memcpy_batch_async", false, &cs->capturing);
 	if (rc)
 		return rc;
 	/* the descriptors index one source allocation: its base decides */
@@ -641,21 +732,21 @@ static int kernel_result(struct kvr_dev *dev, int rc)
 	return rc ? kvr_dev_fail(dev, rc, "%s", KVR_KERNEL_SYMBOL(last_message)()) : 0;
 }
 
-#define KERNEL_OP(op, item_type, launcher)                                                  \
+#define KERNEL_OP(op, item_type, launcher, capturable)                                      \
 	static int op_##op(struct kvr_dev *dev, const struct kvr_shape *shape,               \
 			   const struct item_type *items, uint32_t n, struct kvr_stream *stream) \
 	{                                                                                   \
-		return enqueue_on(dev, stream, #op, [&](struct cuda_stream *cs, struct cuda_dev *) { \
+		return enqueue_on(dev, stream, #op, capturable, [&](struct cuda_stream *cs, struct cuda_dev *) { \
 			return kernel_result(dev, launcher(shape, items, n, cs->s));        \
 		});                                                                         \
 	}
 
-KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter))
-KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload))
-KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize))
-KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity))
-KERNEL_OP(plan, kvr_plan_item, KVR_KERNEL_SYMBOL(launch_plan))
-KERNEL_OP(append, kvr_append_item, KVR_KERNEL_SYMBOL(launch_append))
+KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter), false)
+KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload), false)
+KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize), false)
+KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity), false)
+KERNEL_OP(plan, kvr_plan_item, KVR_KERNEL_SYMBOL(launch_plan), false)
+KERNEL_OP(append, kvr_append_item, KVR_KERNEL_SYMBOL(launch_append), true)
 
 static int op_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		       struct kvr_stream *stream)
@@ -705,7 +796,7 @@ static int op_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 	struct cuda_stream *cs = as_stream(stream);
 	struct cuda_dev *cd = impl(dev);
 	device_scope scope(cd->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "score");
+	int rc = enqueue_begin(dev, scope, cs->s, "score", false, &cs->capturing);
 	if (rc)
 		return rc;
 	/* the page-score cache if it can be had; the minimum (no cache) if not */
@@ -729,6 +820,10 @@ static int attention_scratch(struct kvr_dev *dev, struct cuda_stream *cs, const 
 			     uint32_t n)
 {
 	const size_t bytes = KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, impl(dev)->sm_count);
+	/* a captured launch keeps the scratch it finds: a graph may not own the
+	 * stream's scratch (an uncaptured step with the batch grows it first) */
+	if (cs->capturing)
+		return 0;
 	const int rc = stream_scratch(dev, cs, bytes);
 	return rc == -ENOTRECOVERABLE ? rc : 0;
 }
@@ -788,7 +883,7 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_kv_segment *segments, uint32_t n_segments,
 			struct kvr_stream *stream)
 {
-	return enqueue_on(dev, stream, "attention", [&](struct cuda_stream *cs, struct cuda_dev *cd) {
+	return enqueue_on(dev, stream, "attention", true, [&](struct cuda_stream *cs, struct cuda_dev *cd) {
 		const int rc = attention_scratch(dev, cs, shape, n);
 		if (rc)
 			return rc;
@@ -832,12 +927,14 @@ static struct kvr_dev_ops make_cuda_ops(void)
 	KVR_DEV_KERNEL_OPS(SET_OP)
 #undef SET_OP
 	o.stream_wrap = op_stream_wrap;
-	/* capture: only whether a stream is being captured. Its graph ops stay
-	 * NULL (-ENOTSUP) until the step can be captured and a GPU checks them:
-	 * the backend's enqueues still refuse a capturing stream, and some of
-	 * its operations (pageable-source ordering, scratch growth, batched
-	 * copies) cannot be captured as they are */
+	o.stream_native = op_stream_native;
+	/* capture: the ops a captured decode step enqueues accept a capturing
+	 * stream (enqueue_begin); the others refuse it */
 	o.stream_capturing = op_stream_capturing;
+	o.stream_begin_capture = op_stream_begin_capture;
+	o.stream_end_capture = op_stream_end_capture;
+	o.graph_launch = op_graph_launch;
+	o.graph_destroy = op_graph_destroy;
 	return o;
 }
 

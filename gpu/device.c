@@ -187,6 +187,11 @@ void kvr_dev_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream)
 		dev->ops->stream_destroy(dev, stream);
 }
 
+void *kvr_dev_stream_native(struct kvr_dev *dev, struct kvr_stream *stream)
+{
+	return stream && dev->ops->stream_native ? dev->ops->stream_native(dev, stream) : NULL;
+}
+
 int kvr_dev_stream_wrap(struct kvr_dev *dev, void *native, struct kvr_stream **out)
 {
 	if (!out)

@@ -26,9 +26,12 @@
  * no controller work. The sparse modes also select for the next step on the
  * controller's streams and decide per step which heads to correct; making
  * those fixed-shape (the selections as graph nodes on a forked stream) is
- * the next part of the work. A replay reads pages completed since the
- * capture from the pinned pool (the resident device copies are made only
- * by uncaptured steps, whose copies a graph cannot repeat).
+ * the next part of the work.
+ * The device copies of a dense layer's pages (resident.c) are not the
+ * graph's: a replay's host part queues the copies of those not held yet on
+ * the compute stream, which the launch stream waits for, so the graph reads
+ * them from device memory; only the page the step's own token completes is
+ * read from the pinned pool at that step.
  *
  * Threads: the engine's thread (one step at a time per context), as step.c.
  */
@@ -212,12 +215,18 @@ static void fixed_entry(struct kvr_sched *s, const struct fixed_layer *fl, uint3
 		.row_stride = n_kv * s->c.head_dim,
 		.format = s->kv_format,
 	};
+	/* every page before the token's is in the pool: resident copies of
+	 * those not held yet are queued on compute, before the graph (the
+	 * launch stream waits for them); the token's own page, if it completes
+	 * it, is read from the pool this step */
+	s->eng.fixed.unwritten_from = (uint32_t)(position / s->c.page_tokens);
 	for (uint32_t m = 0; m < n_kv; m++) {
 		struct kvr_attention_item *it = &items[(uint64_t)i * n_kv + m];
 		int seg_err = 0; /* no spill tier: nothing to pin, nothing to fail */
 		it->n_segments = kvr_sched_build_segments(s, lane, m, position + 1, 1, NULL, 0,
 							  segs + it->first_segment, &seg_err);
 	}
+	s->eng.fixed.unwritten_from = UINT32_MAX;
 	count(s, seq, KVR_C_LAYER_DECODES, 1);
 	count(s, seq, KVR_C_DENSE_DECODES, 1);
 }
@@ -263,7 +272,6 @@ int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *s
 		}
 	const uint64_t t0 = kvr_now_ns();
 	const uint32_t seg_cap = s->eng.fixed.seg_cap;
-	s->eng.fixed.no_resident_copies = 1; /* the graph holds no copies: held pages only */
 	for (uint32_t l = 0; l < s->c.n_layers; l++) {
 		const struct fixed_layer *fl = &s->eng.fixed.layers[l];
 		size_t items_at, segs_at;
@@ -279,7 +287,14 @@ int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *s
 				fixed_entry_empty(s, fl, i, appends, items, seg_cap);
 		}
 	}
-	s->eng.fixed.no_resident_copies = 0;
+	/* the graph after the resident copies the host part queued */
+	int err = kvr_dev_event_record(s->dev, s->eng.fixed.replay_ready, s->compute);
+	if (!err && launch_stream)
+		err = kvr_dev_stream_wait_event(s->dev, launch_stream, s->eng.fixed.replay_ready);
+	if (err) { /* the tokens' bookkeeping is done: the step fails as a whole */
+		snprintf(s->last_error, sizeof(s->last_error), "ordering the replay: %s", kvr_dev_last_error(s->dev));
+		kvr_sched_step_abandon(s, batch, seqs, positions, 0, err, s->last_error);
+	}
 	for (uint32_t i = 0; i < batch; i++)
 		status[i] = s->eng.step_fail[seqs[i]];
 	s->eng.fixed.replay_stream = launch_stream;

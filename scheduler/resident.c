@@ -150,7 +150,7 @@ const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lan
 		slot = sink + logical % window;
 	else
 		return NULL;
-	if (s->eng.fixed.no_resident_copies) /* a replay: a graph repeats no copies */
+	if (logical >= s->eng.fixed.unwritten_from) /* a replay: the graph writes it later */
 		return slot / RES_CHUNK_PAGES < lane->res_n_chunks && lane->res_held[slot] == (int32_t)logical
 			       ? lane->res_chunks[slot / RES_CHUNK_PAGES] +
 					 (uint64_t)(slot % RES_CHUNK_PAGES) * s->head_bytes * s->c.n_kv_heads

@@ -107,6 +107,9 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 		ret = kvr_dev_event_create(s->dev, &s->eng.appended);
 	if (!ret)
 		ret = kvr_dev_event_create(s->dev, &s->eng.fixed.replay_done);
+	if (!ret)
+		ret = kvr_dev_event_create(s->dev, &s->eng.fixed.replay_ready);
+	s->eng.fixed.unwritten_from = UINT32_MAX;
 	if (ret && !err[0])
 		snprintf(err, err_bytes, "scheduler: %s",
 			 ret == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
@@ -200,6 +203,7 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	kvr_dev_event_destroy(s->dev, s->eng.layer_done);
 	kvr_dev_event_destroy(s->dev, s->eng.appended);
 	kvr_dev_event_destroy(s->dev, s->eng.fixed.replay_done);
+	kvr_dev_event_destroy(s->dev, s->eng.fixed.replay_ready);
 	free(s->eng.fixed.layers);
 	free((void *)s->seq_counters);
 	free((void *)s->head_corrections);

@@ -264,7 +264,13 @@ struct kvr_sched {
 			 * (step_end waits for it there) */
 			struct kvr_stream *replay_stream;
 			struct kvr_event *replay_done;
-			int no_resident_copies; /* a replay's segments: held device copies only */
+			/* the replay's resident copies (queued on compute before the
+			 * graph) are ready: the launch stream waits for it */
+			struct kvr_event *replay_ready;
+			/* a replay's host part: pages from this one on have no
+			 * resident copy made (the graph's append writes the entry's
+			 * page after the copies would run); UINT32_MAX otherwise */
+			uint32_t unwritten_from;
 		} fixed;
 	} eng;
 
