@@ -175,6 +175,11 @@ int kvr_dev_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 int kvr_dev_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_similarity_item *items, uint32_t n,
 		       struct kvr_stream *stream);
+/* Allocate now the kernel scratch `stream` wants for attention over n items
+ * (cuda's split partials), which a captured attention cannot allocate; 0
+ * where there is none. Not inside a capture. */
+int kvr_dev_attention_reserve(struct kvr_dev *dev, const struct kvr_shape *shape, uint32_t n,
+			      struct kvr_stream *stream);
 int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		      const struct kvr_attention_item *items, uint32_t n,
 		      const struct kvr_kv_segment *segments, uint32_t n_segments,

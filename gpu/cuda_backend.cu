@@ -32,8 +32,9 @@
  * the whole device.
  * While a stream is being captured into a CUDA graph only the operations of a
  * captured decode step are accepted on it (enqueue_begin; scheduler/capture.c),
- * and those never allocate or wait: a captured attention keeps the kernel
- * scratch it finds.
+ * and those never allocate or wait: a captured attention uses a scratch of
+ * its own, allocated by attention_reserve (kvr_decode_reserve) and left
+ * alone by every uncaptured op.
  *
  * Errors: allocation failures are -ENOMEM; errors that leave the CUDA context
  * unusable (an illegal address in a kernel, ECC, ...) are -ENOTRECOVERABLE;
@@ -86,6 +87,10 @@ struct cuda_stream {
 	struct kvr_cuda_topk *topk;
 	void *scratch; /* the split kernels' partial results (see the top) */
 	size_t scratch_bytes;
+	/* captured attention's own scratch (attention_reserve): a graph keeps
+	 * its address, so uncaptured ops never regrow or free it */
+	void *graph_scratch;
+	size_t graph_scratch_bytes;
 	bool capturing; /* the op being enqueued is captured (enqueue_on) */
 };
 
@@ -367,6 +372,8 @@ static void op_stream_destroy(struct kvr_dev *dev, struct kvr_stream *stream)
 	kvr_cuda_topk_destroy(cs->topk, cs->s);
 	if (cs->scratch)
 		(void)(impl(dev)->pools ? cudaFreeAsync(cs->scratch, cs->s) : cudaFree(cs->scratch));
+	if (cs->graph_scratch)
+		(void)cudaFree(cs->graph_scratch);
 	(void)cudaEventDestroy(cs->done);
 	if (!cs->borrowed)
 		(void)cudaStreamDestroy(cs->s);
@@ -820,12 +827,31 @@ static int attention_scratch(struct kvr_dev *dev, struct cuda_stream *cs, const 
 			     uint32_t n)
 {
 	const size_t bytes = KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, impl(dev)->sm_count);
-	/* a captured launch keeps the scratch it finds: a graph may not own the
-	 * stream's scratch (an uncaptured step with the batch grows it first) */
-	if (cs->capturing)
+	if (cs->capturing) /* its own, reserved before (op_attention) */
 		return 0;
 	const int rc = stream_scratch(dev, cs, bytes);
 	return rc == -ENOTRECOVERABLE ? rc : 0;
+}
+
+static int op_attention_reserve(struct kvr_dev *dev, const struct kvr_shape *shape, uint32_t n,
+				struct kvr_stream *stream)
+{
+	return enqueue_on(dev, stream, "attention_reserve", [&](struct cuda_stream *cs, struct cuda_dev *) {
+		const size_t bytes = KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, impl(dev)->sm_count);
+		if (bytes <= cs->graph_scratch_bytes)
+			return 0;
+		/* graphs captured with the old one are stale by then (kvrecall.h:
+		 * a reservation makes them so); cudaFree waits for their launches */
+		if (cs->graph_scratch && cudaFree(cs->graph_scratch) != cudaSuccess)
+			(void)cudaGetLastError();
+		cs->graph_scratch = NULL;
+		cs->graph_scratch_bytes = 0;
+		const cudaError_t e = cudaMalloc(&cs->graph_scratch, bytes);
+		if (e != cudaSuccess)
+			return cuda_fail(dev, e, "cudaMalloc (captured attention's scratch)");
+		cs->graph_scratch_bytes = bytes;
+		return 0;
+	});
 }
 
 static int op_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
@@ -887,9 +913,12 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		const int rc = attention_scratch(dev, cs, shape, n);
 		if (rc)
 			return rc;
+		/* a captured launch uses the scratch only reservations change */
 		return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_attention_scratch)(
-						  shape, items, n, segments, n_segments, cs->scratch,
-						  cs->scratch_bytes, cd->sm_count, cs->s));
+						  shape, items, n, segments, n_segments,
+						  cs->capturing ? cs->graph_scratch : cs->scratch,
+						  cs->capturing ? cs->graph_scratch_bytes : cs->scratch_bytes,
+						  cd->sm_count, cs->s));
 	});
 }
 
@@ -928,6 +957,7 @@ static struct kvr_dev_ops make_cuda_ops(void)
 #undef SET_OP
 	o.stream_wrap = op_stream_wrap;
 	o.stream_native = op_stream_native;
+	o.attention_reserve = op_attention_reserve;
 	/* capture: the ops a captured decode step enqueues accept a capturing
 	 * stream (enqueue_begin); the others refuse it */
 	o.stream_capturing = op_stream_capturing;

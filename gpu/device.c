@@ -409,6 +409,14 @@ int kvr_dev_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return dev->ops->similarity(dev, shape, items, n, stream);
 }
 
+int kvr_dev_attention_reserve(struct kvr_dev *dev, const struct kvr_shape *shape, uint32_t n,
+			      struct kvr_stream *stream)
+{
+	if (!shape || !stream)
+		return kvr_dev_fail(dev, -EINVAL, "attention_reserve: %s is NULL", shape ? "stream" : "shape");
+	return dev->ops->attention_reserve ? dev->ops->attention_reserve(dev, shape, n, stream) : 0;
+}
+
 int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		      const struct kvr_attention_item *items, uint32_t n,
 		      const struct kvr_kv_segment *segments, uint32_t n_segments,

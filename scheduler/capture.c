@@ -102,6 +102,14 @@ int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_
 			return err;
 		}
 	}
+	/* the attention's kernel scratch too, which a captured launch may not
+	 * allocate (it would run unsplit) */
+	int err = kvr_dev_attention_reserve(s->dev, &s->head_shape, batch * s->c.n_kv_heads, s->compute);
+	if (err) {
+		snprintf(s->last_error, sizeof(s->last_error), "reserve: the attention's scratch: %s",
+			 kvr_dev_last_error(s->dev));
+		return err;
+	}
 	s->eng.fixed.batch = batch;
 	s->eng.fixed.seg_cap = (uint32_t)seg_cap;
 	s->eng.fixed.max_tokens = max_tokens;
