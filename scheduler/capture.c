@@ -13,25 +13,44 @@
  * `batch` sequences with at most `seg_cap` segments per KV head
  * (kvr_sched_capture_reserve sizes the buffers first: a capture may not
  * allocate), and each replay rewrites, in place in the layer's scratch
- * (mapped memory the graph's upload reads at launch):
- *   [append items: batch] [attention items: batch][n_kv] [segments: batch][n_kv][seg_cap]
- * A sequence not in the replayed batch (a replay may run fewer than it
- * captured), or failed, has an append item past the page (the kernel skips
- * it) and attention items without segments (which write zeros: kernels.h).
+ * (mapped memory the graph's upload reads at launch), every entry's items:
+ *   uploaded: append [batch], similarity [batch], this step's score items
+ *     [batch], the next step's [batch], plan [batch][n_kv], attention
+ *     [batch][n_kv], segments [batch][n_kv][seg_cap];
+ *   read in place: the correction flags [batch][n_kv], cosines, and the
+ *     flags of the similarity items nobody reads.
+ * Every entry has all of them every step, each able to do nothing, since
+ * which entries are dense, checked (freekv), selecting afresh (blocking, a
+ * lane's first sparse step) or failed changes from step to step:
+ *  - append: a failed entry's row is past the page (the kernel skips it);
+ *  - similarity: an entry not checked compares q with itself into flags
+ *    nobody reads; the host writes its correction flags itself (all 1 where
+ *    every head selects afresh, else 0);
+ *  - score and select, this step's: gated by the correction flags (a
+ *    checked entry), always (every head afresh), or an item without
+ *    candidates (nothing to select); the next step's (speculative and
+ *    freekv, on the fork stream after the layer's attention, as the
+ *    controller does uncaptured): every sparse entry, with the query the
+ *    plan kernel kept;
+ *  - plan: a dense entry's item takes no page (k = 0) and keeps the
+ *    segments the host built (every page); a failed entry's has none, and
+ *    its attention items then write zeros.
+ * An entry past the replayed batch (a replay may run fewer sequences than
+ * it captured) is a failed one.
  *
- * What can be captured in this version: mode dense on a device with memory
- * of its own and the device append (an HND pool of plain or K8V4/K4V2
- * pages), without a spill tier: every layer attends every page, so a step
- * is the append kernel and one attention per layer, with no selection and
- * no controller work. The sparse modes also select for the next step on the
- * controller's streams and decide per step which heads to correct; making
- * those fixed-shape (the selections as graph nodes on a forked stream) is
- * the next part of the work.
- * The device copies of a dense layer's pages (resident.c) are not the
- * graph's: a replay's host part queues the copies of those not held yet on
- * the compute stream, which the launch stream waits for, so the graph reads
- * them from device memory; only the page the step's own token completes is
- * read from the pinned pool at that step.
+ * What can be captured: mode dense on a device with memory of its own and
+ * the device append (an HND pool of plain or K8V4/K4V2 pages), and the
+ * sparse modes on the device plan with zero-copy recall and a window of at
+ * least a page (the next step's candidates then never include the page a
+ * step completes, whose summary the graph writes after the host part ran);
+ * no spill tier. Streamed recall would also need the prefetch's plan and
+ * scatter in the fork, not built yet.
+ *
+ * Device copies the host part queues before the graph, on the compute
+ * stream, which the launch stream waits for: a layer's resident pages not
+ * held yet (resident.c) and its pages' key summaries not copied yet; only
+ * the page the step's own token completes is read from the pinned pool at
+ * that step (the graph's append writes it after those copies ran).
  *
  * Threads: the engine's thread (one step at a time per context), as step.c.
  */
@@ -41,16 +60,56 @@
 
 #include "sched_impl.h"
 
-/* Byte offsets of a layer scratch's fixed-shape regions; returns the size. */
-static size_t fixed_layout(const struct kvr_sched *s, uint32_t batch, uint32_t seg_cap, size_t *items_at,
-			   size_t *segs_at)
+/* What step_end tallies of a replayed entry (its correction flags). */
+struct fixed_tally {
+	uint32_t seq;
+	uint32_t checked; /* freekv: the similarity kernel flagged its heads */
+};
+
+/* Byte offsets of a layer scratch's fixed-shape regions. */
+struct fixed_regions {
+	size_t appends, sims, now, next, plans, items, segs;
+	size_t upload; /* bytes from 0 the graph uploads */
+	size_t corr, cosine, unread, tally;
+	size_t total;
+};
+
+static size_t region(size_t *at, size_t bytes)
+{
+	const size_t here = *at;
+	*at += (bytes + 63) & ~(size_t)63;
+	return here;
+}
+
+static void fixed_layout(const struct kvr_sched *s, uint32_t batch, uint32_t seg_cap, struct fixed_regions *r)
 {
 	const uint64_t n_items = (uint64_t)batch * s->c.n_kv_heads;
-	size_t at = ((size_t)batch * sizeof(struct kvr_append_item) + 63) & ~(size_t)63;
-	*items_at = at;
-	at += (n_items * sizeof(struct kvr_attention_item) + 63) & ~(size_t)63;
-	*segs_at = at;
-	return at + n_items * seg_cap * sizeof(struct kvr_kv_segment);
+	size_t at = 0;
+	r->appends = region(&at, batch * sizeof(struct kvr_append_item));
+	r->sims = region(&at, batch * sizeof(struct kvr_similarity_item));
+	r->now = region(&at, batch * sizeof(struct kvr_score_item));
+	r->next = region(&at, batch * sizeof(struct kvr_score_item));
+	r->plans = region(&at, n_items * sizeof(struct kvr_plan_item));
+	r->items = region(&at, n_items * sizeof(struct kvr_attention_item));
+	r->segs = region(&at, n_items * seg_cap * sizeof(struct kvr_kv_segment));
+	r->upload = at;
+	r->corr = region(&at, n_items);
+	r->cosine = region(&at, n_items * sizeof(float));
+	r->unread = region(&at, n_items);
+	r->tally = region(&at, batch * sizeof(struct fixed_tally));
+	r->total = at;
+}
+
+/* Segments an attention item of `layer` may need within the reservation:
+ * every page and the tail where the layer is dense; else the most of a
+ * dense entry (L <= B) and of a planned one (sinks, k pages, window, tail). */
+static uint32_t seg_cap_of(const struct kvr_sched *s, uint32_t layer, uint64_t max_tokens)
+{
+	const uint64_t all = max_tokens / s->c.page_tokens + 1;
+	if (kvr_layer_dense(s, layer))
+		return (uint32_t)all;
+	const uint64_t sparse = s->c.budget_tokens / s->c.page_tokens + 2;
+	return (uint32_t)(sparse < all ? sparse : all);
 }
 
 int kvr_sched_capturable(const struct kvr_sched *s, const char **why)
@@ -60,12 +119,42 @@ int kvr_sched_capturable(const struct kvr_sched *s, const char **why)
 		*why = kvr_dev_host_visible(s->dev)
 			       ? "the backend runs the step on the host (no graph to capture into)"
 			       : "the step appends on the host (NHD pool, mixed pages or the host-step hook)";
-	else if (s->c.mode != KVR_MODE_DENSE)
-		*why = "only mode dense can be captured in this version: the sparse modes' selections "
-		       "for the next step run on the controller's streams, outside any graph";
 	else if (s->spill)
 		*why = "a spill tier pins the pages a step reads, which a replay cannot repeat";
+	else if (s->c.mode == KVR_MODE_DENSE)
+		return 0;
+	else if (!s->device_plan)
+		*why = "this configuration plans recall on the host (budget, sink and window leave "
+		       "no page to select, or more than the device plan takes)";
+	else if (s->recall != KVR_RECALL_ZERO_COPY)
+		*why = "streamed recall cannot be captured in this version (its prefetch would have to "
+		       "move into the graph): use zero-copy recall";
+	else if (s->c.window_tokens < s->c.page_tokens)
+		*why = "a window shorter than a page lets the next step select the page a step "
+		       "completes, whose summary a replay cannot copy in time";
 	return *why ? -ENOTSUP : 0;
+}
+
+/* The stream the next step's selections fork to in a graph, its events. */
+static int fork_open(struct kvr_sched *s)
+{
+	if (s->eng.fixed.fork)
+		return 0;
+	int err = kvr_dev_event_create(s->dev, &s->eng.fixed.fork_ready);
+	if (!err)
+		err = kvr_dev_event_create(s->dev, &s->eng.fixed.fork_done);
+	if (!err)
+		err = kvr_dev_stream_create(s->dev, 0, &s->eng.fixed.fork);
+	return err;
+}
+
+void kvr_sched_capture_free(struct kvr_sched *s)
+{
+	kvr_dev_stream_destroy(s->dev, s->eng.fixed.fork);
+	kvr_dev_event_destroy(s->dev, s->eng.fixed.fork_ready);
+	kvr_dev_event_destroy(s->dev, s->eng.fixed.fork_done);
+	kvr_scratch_free(s->dev, s->eng.fixed.scores_now);
+	kvr_scratch_free(s->dev, s->eng.fixed.scores_next);
 }
 
 int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_tokens)
@@ -81,42 +170,63 @@ int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_
 			 (unsigned long long)max_tokens);
 		return -EINVAL;
 	}
-	/* dense: every full page, then the tail */
-	const uint64_t seg_cap = max_tokens / s->c.page_tokens + 1;
-	if (seg_cap > UINT32_MAX / ((uint64_t)batch * s->c.n_kv_heads)) {
+	const uint64_t pages = max_tokens / s->c.page_tokens + 1;
+	if (pages > UINT32_MAX / ((uint64_t)batch * s->c.n_kv_heads)) {
 		snprintf(s->last_error, sizeof(s->last_error), "reserve: %llu tokens per sequence is too many",
 			 (unsigned long long)max_tokens);
 		return -EINVAL;
 	}
-	size_t items_at, segs_at;
-	size_t need = fixed_layout(s, batch, (uint32_t)seg_cap, &items_at, &segs_at);
-	/* and for uncaptured steps within the reservation, which would
-	 * otherwise regrow the buffers under the graph */
-	const size_t uncaptured = kvr_sched_layer_scratch_bytes(s, batch, (uint32_t)(max_tokens / s->c.page_tokens));
-	need = uncaptured > need ? uncaptured : need;
-	for (uint32_t l = 0; l < s->c.n_layers; l++) {
-		int err = kvr_mirror_grow(s->dev, &s->eng.scratch[l].m, need);
+	/* the graphs captured before hold the old buffers: stale from here */
+	for (uint32_t l = 0; l < s->c.n_layers; l++)
+		s->eng.fixed.layers[l].batch = 0;
+	s->eng.fixed.batch = 0;
+	int err = 0;
+	for (uint32_t l = 0; l < s->c.n_layers && !err; l++) {
+		const uint32_t seg_cap = seg_cap_of(s, l, max_tokens);
+		struct fixed_regions r;
+		fixed_layout(s, batch, seg_cap, &r);
+		/* and for uncaptured steps within the reservation, which would
+		 * otherwise regrow the buffers under the graph */
+		const size_t uncaptured = kvr_sched_layer_scratch_bytes(s, batch, (uint32_t)(pages - 1));
+		err = kvr_mirror_grow(s->dev, &s->eng.scratch[l].m, uncaptured > r.total ? uncaptured : r.total);
+		s->eng.fixed.layers[l].seg_cap = seg_cap;
+	}
+	if (err) {
+		snprintf(s->last_error, sizeof(s->last_error), "reserve: out of memory for the step's buffers");
+		return err;
+	}
+	if (s->c.mode != KVR_MODE_DENSE) {
+		const size_t scores = (size_t)batch * s->c.n_kv_heads * (pages + 1) * sizeof(float);
+		err = kvr_scratch_grow(s->dev, (void **)&s->eng.fixed.scores_now, &s->eng.fixed.scores_now_bytes, scores);
+		if (!err)
+			err = kvr_scratch_grow(s->dev, (void **)&s->eng.fixed.scores_next,
+					       &s->eng.fixed.scores_next_bytes, scores);
+		if (!err)
+			err = fork_open(s);
 		if (err) {
-			snprintf(s->last_error, sizeof(s->last_error),
-				 "reserve: out of memory for the step's buffers (%zu bytes per layer)", need);
+			snprintf(s->last_error, sizeof(s->last_error), "reserve: the selections' scratch: %s",
+				 err == -ENOMEM ? "out of memory" : kvr_dev_last_error(s->dev));
 			return err;
 		}
 	}
 	/* the attention's kernel scratch too, which a captured launch may not
 	 * allocate (it would run unsplit) */
-	int err = kvr_dev_attention_reserve(s->dev, &s->head_shape, batch * s->c.n_kv_heads, s->compute);
+	err = kvr_dev_attention_reserve(s->dev, &s->head_shape, batch * s->c.n_kv_heads, s->compute);
 	if (err) {
 		snprintf(s->last_error, sizeof(s->last_error), "reserve: the attention's scratch: %s",
 			 kvr_dev_last_error(s->dev));
 		return err;
 	}
 	s->eng.fixed.batch = batch;
-	s->eng.fixed.seg_cap = (uint32_t)seg_cap;
 	s->eng.fixed.max_tokens = max_tokens;
-	/* the layers' buffers may have moved: what was captured before is stale */
-	for (uint32_t l = 0; l < s->c.n_layers; l++)
-		s->eng.fixed.layers[l].batch = 0;
 	return 0;
+}
+
+/* 1 where the mode selects the next step's pages after each layer (on the
+ * controller uncaptured, on the fork in a graph). */
+static int selects_next(const struct kvr_sched *s)
+{
+	return s->c.mode == KVR_MODE_SPECULATIVE || s->c.mode == KVR_MODE_FREEKV;
 }
 
 int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch, int first, const void *q,
@@ -128,20 +238,25 @@ int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 		return -ENOTSUP;
 	}
 	struct layer_scratch *ls = &s->eng.scratch[layer];
-	size_t items_at, segs_at;
-	const size_t need = fixed_layout(s, batch, s->eng.fixed.seg_cap, &items_at, &segs_at);
-	if (!s->eng.fixed.batch || batch > s->eng.fixed.batch || ls->m.bytes < need) {
+	struct fixed_layer *fl = &s->eng.fixed.layers[layer];
+	struct fixed_regions r;
+	fixed_layout(s, batch, fl->seg_cap, &r);
+	if (!s->eng.fixed.batch || batch > s->eng.fixed.batch || ls->m.bytes < r.total) {
 		snprintf(s->last_error, sizeof(s->last_error),
 			 "a capture allocates nothing: reserve the step's buffers for %u sequences first "
 			 "(kvr_decode_reserve; reserved: %u)",
 			 batch, s->eng.fixed.batch);
 		return -EINVAL;
 	}
-	if (first) /* a new capture: the graphs captured before cannot be replayed */
+	if (first) { /* a new capture: the graphs captured before cannot be replayed */
 		for (uint32_t l = 0; l < s->c.n_layers; l++)
 			s->eng.fixed.layers[l].batch = 0;
+		s->eng.fixed.fork_used = 0;
+	}
+	const int sparse = !kvr_layer_dense(s, layer);
 	const uint32_t n_items = batch * s->c.n_kv_heads;
 	unsigned char *dev = ls->m.dev;
+	const struct kvr_score_item *now = (const void *)(dev + r.now), *next = (const void *)(dev + r.next);
 	/* the layer after what the engine queued; the engine's later work after
 	 * the attention (the compute stream joins the capture, and is joined
 	 * back by the engine's wait) */
@@ -149,56 +264,143 @@ int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	if (!err)
 		err = kvr_dev_stream_wait_event(s->dev, s->compute, s->eng.engine_ready);
 	if (!err)
-		err = kvr_mirror_to_device(s->dev, &ls->m, ls->m.host, need, s->compute);
+		err = kvr_mirror_to_device(s->dev, &ls->m, ls->m.host, r.upload, s->compute);
 	if (!err)
-		err = kvr_dev_append(s->dev, &s->shape, (const struct kvr_append_item *)dev, batch, s->compute);
+		err = kvr_dev_append(s->dev, &s->shape, (const struct kvr_append_item *)(dev + r.appends), batch,
+				     s->compute);
+	if (!err && sparse && s->c.mode == KVR_MODE_FREEKV)
+		err = kvr_dev_similarity(s->dev, &s->shape, (const struct kvr_similarity_item *)(dev + r.sims), batch,
+					 s->compute);
+	if (!err && sparse)
+		err = kvr_dev_score(s->dev, &s->shape, now, batch, s->compute);
+	if (!err && sparse)
+		err = kvr_dev_select(s->dev, &s->shape, now, batch, s->compute);
+	if (!err && sparse)
+		err = kvr_dev_plan(s->dev, &s->shape, (const struct kvr_plan_item *)(dev + r.plans), n_items,
+				   s->compute);
 	if (!err)
-		err = kvr_dev_attention(s->dev, &s->head_shape, (const struct kvr_attention_item *)(dev + items_at),
-					n_items, (const struct kvr_kv_segment *)(dev + segs_at),
-					n_items * s->eng.fixed.seg_cap, s->compute);
+		err = kvr_dev_attention(s->dev, &s->head_shape, (const struct kvr_attention_item *)(dev + r.items),
+					n_items, (const struct kvr_kv_segment *)(dev + r.segs), n_items * fl->seg_cap,
+					s->compute);
+	if (!err && sparse && selects_next(s)) {
+		/* the next step's selections beside the next layers, from the
+		 * query the plan kernel kept; joined at the step's end */
+		err = kvr_dev_event_record(s->dev, s->eng.fixed.fork_ready, s->compute);
+		if (!err)
+			err = kvr_dev_stream_wait_event(s->dev, s->eng.fixed.fork, s->eng.fixed.fork_ready);
+		s->eng.fixed.fork_used = 1;
+		if (!err)
+			err = kvr_dev_score(s->dev, &s->shape, next, batch, s->eng.fixed.fork);
+		if (!err)
+			err = kvr_dev_select(s->dev, &s->shape, next, batch, s->eng.fixed.fork);
+	}
 	if (!err)
 		err = kvr_dev_event_record(s->dev, s->eng.layer_done, s->compute);
 	if (!err)
 		err = kvr_dev_stream_wait_event(s->dev, engine_stream, s->eng.layer_done);
+	if (!err && layer == s->c.n_layers - 1 && s->eng.fixed.fork_used) {
+		s->eng.fixed.fork_used = 0;
+		err = kvr_dev_event_record(s->dev, s->eng.fixed.fork_done, s->eng.fixed.fork);
+		if (!err)
+			err = kvr_dev_stream_wait_event(s->dev, engine_stream, s->eng.fixed.fork_done);
+	}
 	if (err) {
 		snprintf(s->last_error, sizeof(s->last_error), "capturing layer %u: %s", layer,
 			 kvr_dev_last_error(s->dev));
 		return err;
 	}
-	s->eng.fixed.layers[layer] = (struct fixed_layer){ q, k, v, out, ls->m.host, ls->m.dev, batch };
+	fl->q = q, fl->k = k, fl->v = v, fl->out = out;
+	fl->scratch_host = ls->m.host;
+	fl->scratch_dev = ls->m.dev;
+	fl->batch = batch;
 	return 0;
 }
 
-/* Entry i of layer `layer` as a replay without it (past the replayed batch,
- * or failed): an append the kernel skips, attention items writing zeros. */
-static void fixed_entry_empty(struct kvr_sched *s, const struct fixed_layer *fl, uint32_t i,
-			      struct kvr_append_item *appends, struct kvr_attention_item *items,
-			      uint32_t seg_cap)
+/* A replayed layer's view of its scratch. */
+struct fixed_view {
+	const struct fixed_layer *fl;
+	uint32_t layer, seg_cap, n_kv;
+	struct kvr_append_item *appends;
+	struct kvr_similarity_item *sims;
+	struct kvr_score_item *now, *next;
+	struct kvr_plan_item *plans;
+	struct kvr_attention_item *items;
+	struct kvr_kv_segment *segs;
+	uint8_t *corr, *unread;
+	float *cosine;
+	struct fixed_tally *tally;
+};
+
+/* Entry i doing nothing (failed, or past the replayed batch): its append
+ * skipped, its similarity unread, no selection, its items without segments
+ * (they write zeros). */
+static void entry_empty(struct kvr_sched *s, const struct fixed_view *fv, uint32_t i)
 {
-	const uint32_t n_kv = s->c.n_kv_heads;
+	const uint32_t n_kv = fv->n_kv;
 	const uint64_t head_q = (uint64_t)s->G * s->c.head_dim * s->eb;
-	appends[i] = (struct kvr_append_item){ .row = UINT32_MAX };
+	const unsigned char *q = (const unsigned char *)fv->fl->q + i * s->q_row;
+	unsigned char *out = (unsigned char *)fv->fl->out + i * s->q_row;
+	fv->appends[i] = (struct kvr_append_item){ .row = UINT32_MAX };
+	fv->sims[i] = (struct kvr_similarity_item){ q, q, fv->cosine + (uint64_t)i * n_kv,
+						    fv->unread + (uint64_t)i * n_kv };
+	fv->now[i] = (struct kvr_score_item){ 0 };
+	fv->next[i] = (struct kvr_score_item){ 0 };
+	memset(fv->corr + (uint64_t)i * n_kv, 0, n_kv);
+	fv->tally[i] = (struct fixed_tally){ 0, 0 };
 	for (uint32_t m = 0; m < n_kv; m++) {
 		const uint64_t j = (uint64_t)i * n_kv + m;
-		items[j] = (struct kvr_attention_item){ (const unsigned char *)fl->q + i * s->q_row + m * head_q,
-							(unsigned char *)fl->out + i * s->q_row + m * head_q, NULL,
-							(uint32_t)(j * seg_cap), 0 };
+		fv->items[j] = (struct kvr_attention_item){ q + m * head_q, out + m * head_q, NULL,
+							    (uint32_t)(j * fv->seg_cap), 0 };
+		/* k = 0: takes no page; n_segments = n_head + n_tail = 0 */
+		fv->plans[j] = (struct kvr_plan_item){ .attention = kvr_mirror_dev_at(&s->eng.scratch[fv->layer].m,
+										      &fv->items[j]),
+						       .segments = kvr_mirror_dev_at(&s->eng.scratch[fv->layer].m,
+										     fv->segs + j * fv->seg_cap),
+						       .selected = NULL,
+						       .seg_tokens = s->c.page_tokens };
 	}
 }
 
-/* Entry i's token into layer `layer` (the pool's bookkeeping; the graph's
- * append kernel writes it) and its attention items over every page. On
- * failure the entry is empty and the sequence's step failed. */
-static void fixed_entry(struct kvr_sched *s, const struct fixed_layer *fl, uint32_t layer, uint32_t i,
-			uint32_t seq, uint64_t position, struct kvr_append_item *appends,
-			struct kvr_attention_item *items, struct kvr_kv_segment *segs, uint32_t seg_cap)
+/* A score item of entry i: this step's (`for_next` 0: with q_i into
+ * now_sel, among step i+1's candidates unless blocking, as uncaptured) or
+ * the next step's (into the lane's selection, from the query the plan
+ * kernel keeps); an item without candidates where the pool keeps no
+ * summaries. */
+static int entry_selection(struct kvr_sched *s, const struct fixed_view *fv, uint32_t i, struct kvr_lane *lane,
+			   uint64_t n_tokens, int for_next, struct kvr_score_item *item)
 {
-	const uint32_t n_kv = s->c.n_kv_heads;
+	const uint32_t n_kv = fv->n_kv, kk = s->k;
+	const uint64_t pages = s->eng.fixed.max_tokens / s->c.page_tokens + 2;
+	float *scores = (for_next ? s->eng.fixed.scores_next : s->eng.fixed.scores_now) + (uint64_t)i * n_kv * pages;
+	int32_t *selected = for_next ? lane->selected : s->eng.now_sel + (uint64_t)i * n_kv * kk;
+	const void *q = for_next ? (const void *)lane->prev_q : (const unsigned char *)fv->fl->q + i * s->q_row;
+	const int next_candidates = for_next || s->c.mode != KVR_MODE_BLOCKING;
+	size_t need = 0;
+	int err = kvr_select_item(s, lane, q, n_tokens, next_candidates, selected, scores, (size_t)n_kv * pages,
+				  &need, s->compute, item);
+	if (err == -ENODATA) { /* no summaries: nothing selected */
+		for (uint32_t x = 0; x < n_kv * kk; x++)
+			selected[x] = -1;
+		*item = (struct kvr_score_item){ 0 };
+		return 0;
+	}
+	return err;
+}
+
+/* Entry i's token into the layer (the pool's bookkeeping; the graph's
+ * append kernel writes it), and its items. 0, or the sequence failed. */
+static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_t i, uint32_t seq,
+		       uint64_t position)
+{
+	const uint32_t n_kv = fv->n_kv, layer = fv->layer, kk = s->k, p = s->c.page_tokens;
+	const uint64_t head_q = (uint64_t)s->G * s->c.head_dim * s->eb;
 	struct kvr_lane *lane = lane_of(s, seq, layer);
-	fixed_entry_empty(s, fl, i, appends, items, seg_cap);
-	/* dense mode posts no jobs: nothing to wait for, but the lane is the
-	 * engine's only once acquired */
-	kvr_lane_acquire(s, lane);
+	entry_empty(s, fv, i);
+	const uint64_t waited = kvr_lane_acquire(s, lane);
+	if (waited) {
+		count(s, seq, KVR_C_CONTROLLER_WAITS, 1);
+		count(s, seq, KVR_C_CONTROLLER_WAIT_NS, waited);
+	}
 	if (s->eng.step_fail[seq]) { /* an earlier layer of this step failed it */
 		count(s, seq, KVR_C_FAILED_DECODES, 1);
 		return;
@@ -212,31 +414,130 @@ static void fixed_entry(struct kvr_sched *s, const struct fixed_layer *fl, uint3
 	}
 	lane->appended_step = s->eng.step_serial;
 	unsigned char *tail = s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes;
-	appends[i] = (struct kvr_append_item){
-		.k_row = (const unsigned char *)fl->k + i * s->kv_row,
-		.v_row = (const unsigned char *)fl->v + i * s->kv_row,
+	fv->appends[i] = (struct kvr_append_item){
+		.k_row = (const unsigned char *)fv->fl->k + i * s->kv_row,
+		.v_row = (const unsigned char *)fv->fl->v + i * s->kv_row,
 		.k_tile = tail,
 		.v_tile = tail + s->tile_bytes,
 		.hnd_page = fill.page,
 		.summary = fill.page ? fill.summary : NULL,
-		.row = (uint32_t)(position % s->c.page_tokens),
+		.row = (uint32_t)(position % p),
 		.row_stride = n_kv * s->c.head_dim,
 		.format = s->kv_format,
 	};
+	const uint64_t n_tokens = position + 1;
+	const int dense = kvr_layer_dense(s, layer) || n_tokens <= s->c.budget_tokens;
+	const unsigned char *qi = (const unsigned char *)fv->fl->q + i * s->q_row;
+	uint8_t *corr = fv->corr + (uint64_t)i * n_kv;
 	/* every page before the token's is in the pool: resident copies of
-	 * those not held yet are queued on compute, before the graph (the
-	 * launch stream waits for them); the token's own page, if it completes
-	 * it, is read from the pool this step */
-	s->eng.fixed.unwritten_from = (uint32_t)(position / s->c.page_tokens);
-	for (uint32_t m = 0; m < n_kv; m++) {
-		struct kvr_attention_item *it = &items[(uint64_t)i * n_kv + m];
-		int seg_err = 0; /* no spill tier: nothing to pin, nothing to fail */
-		it->n_segments = kvr_sched_build_segments(s, lane, m, position + 1, 1, NULL, 0,
-							  segs + it->first_segment, &seg_err);
+	 * those not held yet are queued on compute, before the graph; the
+	 * token's own page, if it completes it, is read from the pool */
+	s->eng.fixed.unwritten_from = (uint32_t)(position / p);
+	int all = 0, check = 0;
+	if (dense) {
+		lane->has_prev = 0; /* its first sparse step selects afresh */
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const uint64_t j = (uint64_t)i * n_kv + m;
+			int seg_err = 0; /* no spill tier: nothing to pin, nothing to fail */
+			const uint32_t n = kvr_sched_build_segments(s, lane, m, n_tokens, 1, NULL, 0,
+								    fv->segs + j * fv->seg_cap, &seg_err);
+			fv->items[j].n_segments = n;
+			fv->plans[j].n_head = n; /* the plan (sparse layers) keeps them: k = 0 */
+		}
+		count(s, seq, KVR_C_DENSE_DECODES, 1);
+	} else if (kk) {
+		all = s->c.mode == KVR_MODE_BLOCKING || !lane->has_prev;
+		check = !all && s->c.mode == KVR_MODE_FREEKV;
+
+		memset(corr, all, n_kv); /* a checked entry's: the similarity kernel's */
+		if (check) {
+			fv->sims[i] = (struct kvr_similarity_item){ qi, lane->prev_q, fv->cosine + (uint64_t)i * n_kv, corr };
+			fv->tally[i] = (struct fixed_tally){ seq, 1 };
+			count(s, seq, KVR_C_CHECKED_HEADS, n_kv);
+		}
+		if (all || check) {
+			err = entry_selection(s, fv, i, lane, n_tokens, 0, &fv->now[i]);
+			fv->now[i].gate = check ? corr : NULL;
+			if (all) {
+				count(s, seq, KVR_C_SELECTIONS, 1);
+				count(s, seq, KVR_C_CORRECTION_WAITS, 1);
+			}
+		}
+		const uint32_t n_addrs = kvr_window_first(&s->c, n_tokens + 1);
+		const uint64_t *addrs = kvr_resident_page_addrs(s, lane, n_addrs);
+		if (!err && !addrs && n_addrs)
+			err = -ENOMEM;
+		if (!err && lane->sel_unwaited) {
+			/* an uncaptured step's controller job wrote the selection this
+			 * step attends: the graph's launch waits for it */
+			err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done);
+			lane->sel_unwaited = 0;
+		}
+		if (err) {
+			kvr_sched_mark_failed(s, seq, layer, position, err,
+					      err == -ENOMEM ? "out of memory for the selection or its page table"
+							     : kvr_dev_last_error(s->dev));
+			count(s, seq, KVR_C_FAILED_DECODES, 1);
+			s->eng.fixed.unwritten_from = UINT32_MAX;
+			entry_empty(s, fv, i);
+			return;
+		}
+		const uint32_t sink = s->c.sink_tokens / p, win_first = kvr_window_first(&s->c, n_tokens);
+		const int32_t *now = (all || check) ? s->eng.now_sel + (uint64_t)i * n_kv * kk : NULL;
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const uint64_t j = (uint64_t)i * n_kv + m;
+			int seg_err = 0;
+			uint32_t n_head = 0, n_tail = 0;
+			kvr_sched_build_planned(s, lane, m, n_tokens, fv->segs + j * fv->seg_cap, &n_head, &n_tail,
+						&seg_err);
+			const uint64_t run = (uint64_t)m * s->head_bytes;
+			struct kvr_plan_item *pl = &fv->plans[j];
+			*pl = (struct kvr_plan_item){
+				.attention = pl->attention,
+				.segments = pl->segments,
+				.selected = lane->selected + (uint64_t)m * kk,
+				.corrected_sel = now ? now + (uint64_t)m * kk : NULL,
+				.corrected = check ? corr + m : NULL,
+				.page_addr = addrs,
+				.addr_end = addrs ? n_addrs : 0,
+				.k_offset = run,
+				.v_offset = s->kv_format ? UINT64_MAX : run + (uint64_t)p * s->c.head_dim * s->eb,
+				.n_head = n_head,
+				.n_tail = n_tail,
+				.k = kk,
+				.sel_begin = sink,
+				.sel_end = win_first > sink ? win_first : sink,
+				.seg_tokens = p,
+				.seg_row = s->kv_format ? 0 : s->c.head_dim,
+				.seg_head_stride = s->kv_format ? (uint32_t)s->head_bytes : 0,
+				.seg_format = s->kv_format,
+				/* the lane keeps q_i for the next step */
+				.q_from = qi + m * head_q,
+				.q_to = (unsigned char *)lane->prev_q + m * head_q,
+				.q_bytes = (uint32_t)head_q,
+			};
+		}
+		lane->has_prev = 1;
+		if (selects_next(s)) { /* from the query the plan kernel keeps */
+			err = entry_selection(s, fv, i, lane, n_tokens, 1, &fv->next[i]);
+			if (!err)
+				count(s, seq, KVR_C_SELECTIONS, 1);
+			else /* its next step selects afresh */
+				lane->has_prev = 0;
+		}
+	} else { /* k = 0: sinks and window only */
+		for (uint32_t m = 0; m < n_kv; m++) {
+			const uint64_t j = (uint64_t)i * n_kv + m;
+			int seg_err = 0;
+			uint32_t n_head = 0, n_tail = 0;
+			const uint32_t n = kvr_sched_build_planned(s, lane, m, n_tokens, fv->segs + j * fv->seg_cap,
+								   &n_head, &n_tail, &seg_err);
+			fv->items[j].n_segments = n;
+			fv->plans[j].n_head = n; /* k = 0 in the plan: kept as they are */
+		}
 	}
 	s->eng.fixed.unwritten_from = UINT32_MAX;
 	count(s, seq, KVR_C_LAYER_DECODES, 1);
-	count(s, seq, KVR_C_DENSE_DECODES, 1);
 }
 
 int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *seqs, const uint64_t *positions,
@@ -279,26 +580,32 @@ int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *s
 			return -ERANGE;
 		}
 	const uint64_t t0 = kvr_now_ns();
-	const uint32_t seg_cap = s->eng.fixed.seg_cap;
+	kvr_sched_layer_enter(s); /* its waits counted, its frees deferred to the step's end */
 	for (uint32_t l = 0; l < s->c.n_layers; l++) {
 		const struct fixed_layer *fl = &s->eng.fixed.layers[l];
-		size_t items_at, segs_at;
-		fixed_layout(s, captured, seg_cap, &items_at, &segs_at);
+		struct fixed_regions r;
+		fixed_layout(s, captured, fl->seg_cap, &r);
 		unsigned char *host = s->eng.scratch[l].m.host;
-		struct kvr_append_item *appends = (void *)host;
-		struct kvr_attention_item *items = (void *)(host + items_at);
-		struct kvr_kv_segment *segs = (void *)(host + segs_at);
+		const struct fixed_view fv = {
+			fl, l, fl->seg_cap, s->c.n_kv_heads,
+			(void *)(host + r.appends), (void *)(host + r.sims), (void *)(host + r.now),
+			(void *)(host + r.next), (void *)(host + r.plans), (void *)(host + r.items),
+			(void *)(host + r.segs), host + r.corr, host + r.unread, (void *)(host + r.cosine),
+			(void *)(host + r.tally),
+		};
 		for (uint32_t i = 0; i < captured; i++) {
 			if (i < batch)
-				fixed_entry(s, fl, l, i, seqs[i], positions[i], appends, items, segs, seg_cap);
+				entry_fill(s, &fv, i, seqs[i], positions[i]);
 			else
-				fixed_entry_empty(s, fl, i, appends, items, seg_cap);
+				entry_empty(s, &fv, i);
 		}
 	}
-	/* the graph after the resident copies the host part queued */
+	/* the graph after what the host part queued (resident pages and
+	 * summaries, waits for an uncaptured step's selections) */
 	int err = kvr_dev_event_record(s->dev, s->eng.fixed.replay_ready, s->compute);
 	if (!err && launch_stream)
 		err = kvr_dev_stream_wait_event(s->dev, launch_stream, s->eng.fixed.replay_ready);
+	kvr_sched_layer_leave(s);
 	if (err) { /* the tokens' bookkeeping is done: the step fails as a whole */
 		snprintf(s->last_error, sizeof(s->last_error), "ordering the replay: %s", kvr_dev_last_error(s->dev));
 		kvr_sched_step_abandon(s, batch, seqs, positions, 0, err, s->last_error);
@@ -306,6 +613,7 @@ int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *s
 	for (uint32_t i = 0; i < batch; i++)
 		status[i] = s->eng.step_fail[seqs[i]];
 	s->eng.fixed.replay_stream = launch_stream;
+	s->eng.fixed.replayed = 1;
 	const uint64_t spent = kvr_now_ns() - t0;
 	/* statistics read by kvr_get_stats: relaxed */
 	for (uint32_t i = 0; i < batch; i++)
@@ -317,4 +625,36 @@ int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *s
 		kvr_trace_span(tr, "replay (host part)", KVR_TRACK_ENGINE, batch == 1 ? seqs[0] : UINT32_MAX,
 			       UINT32_MAX, batch, t0, t0 + spent);
 	return 0;
+}
+
+void kvr_sched_replay_tally(struct kvr_sched *s)
+{
+	if (!s->eng.fixed.replayed)
+		return;
+	s->eng.fixed.replayed = 0;
+
+	const uint32_t n_kv = s->c.n_kv_heads, batch = s->eng.fixed.layers[0].batch;
+	for (uint32_t l = 0; l < s->c.n_layers; l++) {
+		struct fixed_regions r;
+		fixed_layout(s, batch, s->eng.fixed.layers[l].seg_cap, &r);
+		const unsigned char *host = s->eng.scratch[l].m.host;
+		const struct fixed_tally *t = (const void *)(host + r.tally);
+		for (uint32_t i = 0; i < batch; i++) {
+			if (!t[i].checked)
+				continue;
+			const uint8_t *corr = host + r.corr + (uint64_t)i * n_kv;
+			uint32_t n_corr = 0;
+			for (uint32_t m = 0; m < n_kv; m++) {
+				n_corr += corr[m] != 0;
+				if (corr[m]) /* a statistic read by kvr_get_head_corrections: relaxed */
+					atomic_fetch_add_explicit(&s->head_corrections[(uint64_t)t[i].seq * n_kv + m], 1,
+								  memory_order_relaxed);
+			}
+			count(s, t[i].seq, KVR_C_CORRECTED_HEADS, n_corr);
+			if (n_corr) {
+				count(s, t[i].seq, KVR_C_SELECTIONS, 1);
+				count(s, t[i].seq, KVR_C_CORRECTION_WAITS, 1);
+			}
+		}
+	}
 }

@@ -204,6 +204,7 @@ void kvr_sched_destroy(struct kvr_sched *s)
 	kvr_dev_event_destroy(s->dev, s->eng.appended);
 	kvr_dev_event_destroy(s->dev, s->eng.fixed.replay_done);
 	kvr_dev_event_destroy(s->dev, s->eng.fixed.replay_ready);
+	kvr_sched_capture_free(s);
 	free(s->eng.fixed.layers);
 	free((void *)s->seq_counters);
 	free((void *)s->head_corrections);

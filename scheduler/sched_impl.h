@@ -251,7 +251,6 @@ struct kvr_sched {
 		 * the reservation, and per layer what its capture was given */
 		struct fixed_shape {
 			uint32_t batch;       /* reserved sequences per step; 0: none */
-			uint32_t seg_cap;     /* segments per attention item */
 			uint64_t max_tokens;  /* reserved tokens per sequence */
 			struct fixed_layer {
 				const void *q, *k, *v;
@@ -259,7 +258,18 @@ struct kvr_sched {
 				const void *scratch_host; /* the layer scratch the graph uploads from */
 				const void *scratch_dev;  /* ... and its kernels read */
 				uint32_t batch;           /* the captured batch; 0: not captured */
+				uint32_t seg_cap;         /* reserved segments per attention item */
 			} *layers;            /* [n_layers] */
+			/* the sparse modes: the selections' scores (device scratch;
+			 * this step's on compute, the next step's on `fork`, each
+			 * [batch][n_kv][pages + 1]), the stream the next step's
+			 * selections fork to inside the graph and its events */
+			float *scores_now, *scores_next;
+			size_t scores_now_bytes, scores_next_bytes;
+			struct kvr_stream *fork;
+			struct kvr_event *fork_ready, *fork_done;
+			int fork_used;        /* the capture forked to it (joined at its last layer) */
+			int replayed;         /* the open step was replayed (step_end tallies it) */
 			/* the open step was replayed: its graph runs on this stream
 			 * (step_end waits for it there) */
 			struct kvr_stream *replay_stream;
@@ -334,6 +344,12 @@ struct kvr_sched {
  * the earlier ones appended). Engine thread. */
 void kvr_sched_mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
 			   const char *reason);
+
+/* capture.c (engine thread): its streams and buffers freed (the
+ * scheduler's teardown); a replayed step's corrections counted once its
+ * graph has run (step_end). */
+void kvr_sched_capture_free(struct kvr_sched *s);
+void kvr_sched_replay_tally(struct kvr_sched *s);
 
 /* step.c: the bytes of a layer scratch for an (uncaptured) layer call of
  * `batch` sequences of up to max_pages full pages each. */

@@ -1200,6 +1200,7 @@ int kvr_sched_step_end(struct kvr_sched *s)
 		   * device failed: an attention may still read them) */
 		kvr_units_step_end(s);
 	tally_plans(s);
+	kvr_sched_replay_tally(s);
 	kvr_sched_free_deferred(s);
 	settle_failed(s);
 	s->eng.step_serial++;

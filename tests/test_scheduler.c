@@ -2567,72 +2567,113 @@ static int replay_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **t
 	return 0;
 }
 
-/* Mode dense on cudaemu-strict: a step captured once and replayed at every
- * later step (a page completing in each sequence, the batch shrinking for
- * a step) gives the outputs of the same steps decoded uncaptured, bit for
- * bit, with no host wait; the tokens it stored are those (an uncaptured step
- * after the replays agrees too). */
+/* On cudaemu-strict with options `o`: two sequences prefilled to n0[0] and
+ * n0[1] tokens, a step captured once and replayed at each of `steps`
+ * steps (pages completing, the batch shrinking for a step) give the
+ * outputs of the same steps decoded uncaptured, bit for bit, with no host
+ * wait; the tokens the replays stored read back the same in an uncaptured
+ * step; the statistics agree. */
+static void capture_matches(struct opts o, const uint64_t n0[2], uint32_t steps, const char *what,
+			    struct kvr_stats *stats)
+{
+	const uint32_t dtype = o.dtype;
+	struct kvr_context *ref = ctx_open(&o), *cap = ctx_open(&o);
+	struct tseq a[2], b[2];
+	struct tseq *as[2] = { &a[0], &a[1] }, *bs[2] = { &b[0], &b[1] };
+	for (int i = 0; i < 2; i++) {
+		tseq_init(&a[i], 40 + i), tseq_init(&b[i], 40 + i);
+		tseq_prefill(ref, dtype, &a[i], n0[i]);
+		tseq_prefill(cap, dtype, &b[i], n0[i]);
+	}
+	cr_assert_eq(kvr_decode_reserve(cap, 2, CAP), 0, "%s: %s", what, kvr_last_error(cap));
+	struct kvr_stream *es = NULL;
+	cr_assert_eq(kvr_dev_stream_create(cap->dev, 0, &es), 0);
+	struct kvr_graph *g = capture_step(cap, bs, 2, es);
+	struct qgen qg[2];
+	qgen_init(&qg[0], 7), qgen_init(&qg[1], 8);
+	static float q[2][NL][Q_ROW], out_ref[2][NL][Q_ROW], out_cap[2][NL][Q_ROW];
+	for (uint32_t step = 0; step < steps; step++) {
+		const uint32_t nb = step == 5 ? 1 : 2; /* fewer sequences than captured */
+		for (uint32_t i = 0; i < nb; i++)
+			qgen_next(&qg[i], dtype, q[i]);
+		int32_t st_ref[2][NL], st_cap[2];
+		step_batch(ref, dtype, as, nb, (const float(*)[NL][Q_ROW])q, out_ref, st_ref);
+		cr_assert_eq(replay_batch(cap, dtype, bs, nb, (const float(*)[NL][Q_ROW])q, out_cap, st_cap, es, g), 0,
+			     "%s step %u: %s", what, step, kvr_last_error(cap));
+		for (uint32_t i = 0; i < nb; i++) {
+			cr_assert_eq(st_ref[i][0], 0);
+			cr_assert_eq(st_cap[i], 0, "%s step %u: %s", what, step, kvr_last_error(cap));
+			for (uint32_t l = 0; l < NL; l++)
+				cr_assert(!memcmp(out_ref[i][l], out_cap[i][l], sizeof(out_ref[i][l])),
+					  "%s step %u sequence %u layer %u: the replay differs from the uncaptured step",
+					  what, step, i, l);
+		}
+	}
+	for (int i = 0; i < 2; i++)
+		cr_assert_eq(a[i].n, b[i].n);
+	/* what the replays stored (and, sparse, selected), read by an
+	 * uncaptured step */
+	for (uint32_t i = 0; i < 2; i++)
+		qgen_next(&qg[i], dtype, q[i]);
+	int32_t st[2][NL];
+	step_batch(ref, dtype, as, 2, (const float(*)[NL][Q_ROW])q, out_ref, st);
+	step_batch(cap, dtype, bs, 2, (const float(*)[NL][Q_ROW])q, out_cap, st);
+	cr_assert(!memcmp(out_ref, out_cap, sizeof(out_ref)), "%s: an uncaptured step after the replays differs",
+		  what);
+	for (int i = 0; i < 2; i++) /* the last step's controller jobs counted */
+		kvr_sched_seq_quiesce(ref->sched, a[i].id), kvr_sched_seq_quiesce(cap->sched, b[i].id);
+	struct kvr_stats sr = { .size = sizeof(sr) }, sc = { .size = sizeof(sc) };
+	kvr_get_stats(ref, &sr), kvr_get_stats(cap, &sc);
+	cr_assert_eq(sc.layer_decodes, sr.layer_decodes, "%s", what);
+	cr_assert_eq(sc.dense_decodes, sr.dense_decodes, "%s", what);
+	cr_assert_eq(sc.checked_heads, sr.checked_heads, "%s", what);
+	cr_assert_eq(sc.corrected_heads, sr.corrected_heads, "%s", what);
+	cr_assert_eq(sc.correction_waits, sr.correction_waits, "%s", what);
+	cr_assert_eq(sc.selections, sr.selections, "%s: %llu selections, uncaptured %llu", what,
+		     (unsigned long long)sc.selections, (unsigned long long)sr.selections);
+	cr_assert_eq(sc.steps, sr.steps, "%s: the captured step counted (%llu steps, %llu uncaptured)", what,
+		     (unsigned long long)sc.steps, (unsigned long long)sr.steps);
+	cr_assert_eq(sc.host_waits, 0, "%s", what);
+	*stats = sc;
+	kvr_dev_graph_destroy(cap->dev, g);
+	kvr_dev_stream_destroy(cap->dev, es);
+	ctx_close(ref, &o), ctx_close(cap, &o);
+	for (int i = 0; i < 2; i++)
+		tseq_fini(&a[i]), tseq_fini(&b[i]);
+}
+
 Test(scheduler, captured_dense_step_replays_bit_exact, .timeout = 300)
 {
 	static const uint32_t dtypes[] = { KVR_DTYPE_F32, KVR_DTYPE_F16 };
+	const uint64_t n0[2] = { 3 * P + 5, P - 3 };
 	for (int di = 0; di < 2; di++) {
-		const uint32_t dtype = dtypes[di];
-		struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_DENSE, KVR_RECALL_ZERO_COPY, dtype);
-		struct kvr_context *ref = ctx_open(&o), *cap = ctx_open(&o);
-		struct tseq a[2], b[2];
-		struct tseq *as[2] = { &a[0], &a[1] }, *bs[2] = { &b[0], &b[1] };
-		const uint64_t n0[2] = { 3 * P + 5, P - 3 };
-		for (int i = 0; i < 2; i++) {
-			tseq_init(&a[i], 40 + i), tseq_init(&b[i], 40 + i);
-			tseq_prefill(ref, dtype, &a[i], n0[i]);
-			tseq_prefill(cap, dtype, &b[i], n0[i]);
-		}
-		cr_assert_eq(kvr_decode_reserve(cap, 2, CAP), 0, "%s", kvr_last_error(cap));
-		struct kvr_stream *es = NULL;
-		cr_assert_eq(kvr_dev_stream_create(cap->dev, 0, &es), 0);
-		struct kvr_graph *g = capture_step(cap, bs, 2, es);
-		struct qgen qg[2];
-		qgen_init(&qg[0], 7), qgen_init(&qg[1], 8);
-		static float q[2][NL][Q_ROW], out_ref[2][NL][Q_ROW], out_cap[2][NL][Q_ROW];
-		for (uint32_t step = 0; step < 2 * P + 3; step++) {
-			const uint32_t nb = step == 5 ? 1 : 2; /* fewer sequences than captured */
-			for (uint32_t i = 0; i < nb; i++)
-				qgen_next(&qg[i], dtype, q[i]);
-			int32_t st_ref[2][NL], st_cap[2];
-			step_batch(ref, dtype, as, nb, (const float(*)[NL][Q_ROW])q, out_ref, st_ref);
-			cr_assert_eq(replay_batch(cap, dtype, bs, nb, (const float(*)[NL][Q_ROW])q, out_cap, st_cap, es, g),
-				     0, "step %u: %s", step, kvr_last_error(cap));
-			for (uint32_t i = 0; i < nb; i++) {
-				cr_assert_eq(st_ref[i][0], 0);
-				cr_assert_eq(st_cap[i], 0, "step %u: %s", step, kvr_last_error(cap));
-				for (uint32_t l = 0; l < NL; l++)
-					cr_assert(!memcmp(out_ref[i][l], out_cap[i][l], sizeof(out_ref[i][l])),
-						  "%s step %u sequence %u layer %u: the replay differs from the "
-						  "uncaptured step",
-						  kvr_dtype_name(dtype), step, i, l);
-			}
-		}
-		for (int i = 0; i < 2; i++)
-			cr_assert_eq(a[i].n, b[i].n);
-		/* what the replays stored, read by an uncaptured step */
-		for (uint32_t i = 0; i < 2; i++)
-			qgen_next(&qg[i], dtype, q[i]);
-		int32_t st[2][NL];
-		step_batch(ref, dtype, as, 2, (const float(*)[NL][Q_ROW])q, out_ref, st);
-		step_batch(cap, dtype, bs, 2, (const float(*)[NL][Q_ROW])q, out_cap, st);
-		cr_assert(!memcmp(out_ref, out_cap, sizeof(out_ref)), "an uncaptured step after the replays differs");
-		struct kvr_stats sr = { .size = sizeof(sr) }, sc = { .size = sizeof(sc) };
-		kvr_get_stats(ref, &sr), kvr_get_stats(cap, &sc);
-		cr_assert_eq(sc.layer_decodes, sr.layer_decodes);
-		cr_assert_eq(sc.steps, sr.steps, "the captured step counted (%llu steps, %llu uncaptured)",
-			     (unsigned long long)sc.steps, (unsigned long long)sr.steps);
-		cr_assert_eq(sc.host_waits, 0);
-		kvr_dev_graph_destroy(cap->dev, g);
-		kvr_dev_stream_destroy(cap->dev, es);
-		ctx_close(ref, &o), ctx_close(cap, &o);
-		for (int i = 0; i < 2; i++)
-			tseq_fini(&a[i]), tseq_fini(&b[i]);
+		struct kvr_stats st;
+		capture_matches(opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_DENSE, KVR_RECALL_ZERO_COPY, dtypes[di]),
+				n0, 2 * P + 3, kvr_dtype_name(dtypes[di]), &st);
 	}
+}
+
+/* The sparse modes with zero-copy recall: one sequence turning sparse
+ * during the replays (its first sparse step selects afresh), one sparse
+ * from the first, freekv correcting heads now and then; the next step's
+ * selection runs inside the graph. */
+Test(scheduler, captured_sparse_steps_replay_bit_exact, .timeout = 400)
+{
+	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
+	const uint64_t n0[2] = { BUDGET - 3, BUDGET + 2 * P };
+	for (int mi = 0; mi < 3; mi++) {
+		struct kvr_stats st;
+		capture_matches(opts_default(KVR_DEV_CUDAEMU_STRICT, modes[mi], KVR_RECALL_ZERO_COPY, KVR_DTYPE_F32),
+				n0, 2 * P + 3, kvr_mode_name(modes[mi]), &st);
+		cr_assert_gt(st.selections, 0, "%s: nothing selected: the test cannot tell", kvr_mode_name(modes[mi]));
+		if (modes[mi] == KVR_MODE_FREEKV)
+			cr_assert_gt(st.corrected_heads, 0, "no correction: the test cannot tell");
+	}
+	/* quantised pages, read in place */
+	struct opts o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, KVR_DTYPE_F16);
+	o.kv_format = KVR_KV_FORMAT_K8V4;
+	struct kvr_stats st;
+	capture_matches(o, n0, P + 3, "freekv k8v4", &st);
 }
 
 /* Every refusal of capture and replay says why and leaves the context
@@ -2725,10 +2766,10 @@ Test(scheduler, capture_refusals_leave_the_context_usable, .timeout = 200)
 	ctx_close(ctx, &o);
 
 	/* configurations that cannot be captured say why */
-	o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, dtype);
+	o = opts_default(KVR_DEV_CUDAEMU_STRICT, KVR_MODE_FREEKV, KVR_RECALL_STREAMED, dtype);
 	ctx = ctx_open(&o);
 	cr_assert_eq(kvr_decode_reserve(ctx, 1, CAP), -ENOTSUP);
-	cr_assert(strstr(kvr_last_error(ctx), "mode dense"), "%s", kvr_last_error(ctx));
+	cr_assert(strstr(kvr_last_error(ctx), "streamed recall"), "%s", kvr_last_error(ctx));
 	ctx_close(ctx, &o);
 	o = opts_default(KVR_DEV_CPU, KVR_MODE_DENSE, KVR_RECALL_ZERO_COPY, dtype);
 	ctx = ctx_open(&o);
