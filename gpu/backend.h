@@ -175,11 +175,14 @@ int kvr_dev_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 int kvr_dev_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_similarity_item *items, uint32_t n,
 		       struct kvr_stream *stream);
-/* Allocate now the kernel scratch `stream` wants for attention over n items
- * (cuda's split partials), which a captured attention cannot allocate; 0
- * where there is none. Not inside a capture. */
-int kvr_dev_attention_reserve(struct kvr_dev *dev, const struct kvr_shape *shape, uint32_t n,
-			      struct kvr_stream *stream);
+/* Allocate now the kernel scratch that attention over n_att items and
+ * score over n_score items captured on `stream` use (cuda: split partials,
+ * page-score cache), which a captured kernel cannot allocate; a shape may
+ * be NULL (none of that kernel). 0 where there is none. Not inside a
+ * capture. Graphs captured before on the stream may hold the old scratch:
+ * capture them again. */
+int kvr_dev_capture_reserve(struct kvr_dev *dev, struct kvr_stream *stream, const struct kvr_shape *att_shape,
+			    uint32_t n_att, const struct kvr_shape *score_shape, uint32_t n_score);
 int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		      const struct kvr_attention_item *items, uint32_t n,
 		      const struct kvr_kv_segment *segments, uint32_t n_segments,

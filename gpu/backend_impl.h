@@ -45,10 +45,10 @@ struct kvr_dev_ops {
 	 * engine's stream as a kvr_stream; capture status of a stream. */
 	int (*stream_wrap)(struct kvr_dev *dev, void *native, struct kvr_stream **out);
 	void *(*stream_native)(struct kvr_dev *dev, struct kvr_stream *stream);
-	/* Optional (NULL: nothing to reserve): the kernel scratch attention
-	 * over n items wants on the stream, allocated now. */
-	int (*attention_reserve)(struct kvr_dev *dev, const struct kvr_shape *shape, uint32_t n,
-				 struct kvr_stream *stream);
+	/* Optional (NULL: nothing to reserve): the kernel scratch a captured
+	 * attention and score on the stream want, allocated now. */
+	int (*capture_reserve)(struct kvr_dev *dev, struct kvr_stream *stream, const struct kvr_shape *att_shape,
+			       uint32_t n_att, const struct kvr_shape *score_shape, uint32_t n_score);
 	int (*stream_capturing)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*stream_begin_capture)(struct kvr_dev *dev, struct kvr_stream *stream);
 	int (*stream_end_capture)(struct kvr_dev *dev, struct kvr_stream *stream, struct kvr_graph **out);

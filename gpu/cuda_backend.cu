@@ -32,9 +32,9 @@
  * the whole device.
  * While a stream is being captured into a CUDA graph only the operations of a
  * captured decode step are accepted on it (enqueue_begin; scheduler/capture.c),
- * and those never allocate or wait: a captured attention uses a scratch of
- * its own, allocated by attention_reserve (kvr_decode_reserve) and left
- * alone by every uncaptured op.
+ * and those never allocate or wait: a captured attention or score uses a
+ * kernel scratch of the stream's own, allocated by capture_reserve
+ * (kvr_decode_reserve) and left alone by every uncaptured op.
  *
  * Errors: allocation failures are -ENOMEM; errors that leave the CUDA context
  * unusable (an illegal address in a kernel, ECC, ...) are -ENOTRECOVERABLE;
@@ -751,8 +751,8 @@ static int kernel_result(struct kvr_dev *dev, int rc)
 KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter), false)
 KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload), false)
 KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize), false)
-KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity), false)
-KERNEL_OP(plan, kvr_plan_item, KVR_KERNEL_SYMBOL(launch_plan), false)
+KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity), true)
+KERNEL_OP(plan, kvr_plan_item, KVR_KERNEL_SYMBOL(launch_plan), true)
 KERNEL_OP(append, kvr_append_item, KVR_KERNEL_SYMBOL(launch_append), true)
 
 static int op_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
@@ -803,9 +803,13 @@ static int op_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 	struct cuda_stream *cs = as_stream(stream);
 	struct cuda_dev *cd = impl(dev);
 	device_scope scope(cd->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "score", false, &cs->capturing);
+	int rc = enqueue_begin(dev, scope, cs->s, "score", true, &cs->capturing);
 	if (rc)
 		return rc;
+	if (cs->capturing) /* the scratch only reservations change (capture_reserve) */
+		return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_score_scratch)(
+						  shape, items, n, cs->graph_scratch, cs->graph_scratch_bytes,
+						  cd->sm_count, cs->s));
 	/* the page-score cache if it can be had; the minimum (no cache) if not */
 	rc = stream_scratch(dev, cs,
 			    KVR_KERNEL_SYMBOL(score_scratch_bytes)(shape, n, cd->sm_count,
@@ -833,11 +837,17 @@ static int attention_scratch(struct kvr_dev *dev, struct cuda_stream *cs, const 
 	return rc == -ENOTRECOVERABLE ? rc : 0;
 }
 
-static int op_attention_reserve(struct kvr_dev *dev, const struct kvr_shape *shape, uint32_t n,
-				struct kvr_stream *stream)
+static int op_capture_reserve(struct kvr_dev *dev, struct kvr_stream *stream, const struct kvr_shape *att_shape,
+			      uint32_t n_att, const struct kvr_shape *score_shape, uint32_t n_score)
 {
-	return enqueue_on(dev, stream, "attention_reserve", [&](struct cuda_stream *cs, struct cuda_dev *) {
-		const size_t bytes = KVR_KERNEL_SYMBOL(attention_scratch_bytes)(shape, n, impl(dev)->sm_count);
+	return enqueue_on(dev, stream, "capture_reserve", [&](struct cuda_stream *cs, struct cuda_dev *cd) {
+		size_t bytes = att_shape && n_att
+				       ? KVR_KERNEL_SYMBOL(attention_scratch_bytes)(att_shape, n_att, cd->sm_count)
+				       : 0;
+		const size_t score = score_shape && n_score ? KVR_KERNEL_SYMBOL(score_scratch_bytes)(
+								      score_shape, n_score, cd->sm_count, SCORE_CACHE_PAGES)
+							    : 0;
+		bytes = score > bytes ? score : bytes;
 		if (bytes <= cs->graph_scratch_bytes)
 			return 0;
 		/* graphs captured with the old one are stale by then (kvrecall.h:
@@ -848,7 +858,7 @@ static int op_attention_reserve(struct kvr_dev *dev, const struct kvr_shape *sha
 		cs->graph_scratch_bytes = 0;
 		const cudaError_t e = cudaMalloc(&cs->graph_scratch, bytes);
 		if (e != cudaSuccess)
-			return cuda_fail(dev, e, "cudaMalloc (captured attention's scratch)");
+			return cuda_fail(dev, e, "cudaMalloc (a captured step's kernel scratch)");
 		cs->graph_scratch_bytes = bytes;
 		return 0;
 	});
@@ -873,7 +883,8 @@ static int select_on(struct kvr_dev *dev, const struct kvr_shape *shape, const s
 		     const struct kvr_score_item *items_host, uint32_t n, struct kvr_stream *stream,
 		     const char *what)
 {
-	return enqueue_on(dev, stream, what, [&](struct cuda_stream *cs, struct cuda_dev *) {
+	/* the hand-written twin (no host items) is one kernel: capturable */
+	return enqueue_on(dev, stream, what, items_host == NULL, [&](struct cuda_stream *cs, struct cuda_dev *) {
 		char msg[KVR_DEV_MESSAGE_BYTES];
 		const int rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg,
 						    sizeof(msg));
@@ -957,7 +968,7 @@ static struct kvr_dev_ops make_cuda_ops(void)
 #undef SET_OP
 	o.stream_wrap = op_stream_wrap;
 	o.stream_native = op_stream_native;
-	o.attention_reserve = op_attention_reserve;
+	o.capture_reserve = op_capture_reserve;
 	/* capture: the ops a captured decode step enqueues accept a capturing
 	 * stream (enqueue_begin); the others refuse it */
 	o.stream_capturing = op_stream_capturing;

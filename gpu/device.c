@@ -409,12 +409,14 @@ int kvr_dev_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 	return dev->ops->similarity(dev, shape, items, n, stream);
 }
 
-int kvr_dev_attention_reserve(struct kvr_dev *dev, const struct kvr_shape *shape, uint32_t n,
-			      struct kvr_stream *stream)
+int kvr_dev_capture_reserve(struct kvr_dev *dev, struct kvr_stream *stream, const struct kvr_shape *att_shape,
+			    uint32_t n_att, const struct kvr_shape *score_shape, uint32_t n_score)
 {
-	if (!shape || !stream)
-		return kvr_dev_fail(dev, -EINVAL, "attention_reserve: %s is NULL", shape ? "stream" : "shape");
-	return dev->ops->attention_reserve ? dev->ops->attention_reserve(dev, shape, n, stream) : 0;
+	if (!stream)
+		return kvr_dev_fail(dev, -EINVAL, "capture_reserve: stream is NULL");
+	return dev->ops->capture_reserve ? dev->ops->capture_reserve(dev, stream, att_shape, n_att, score_shape,
+								     n_score)
+					 : 0;
 }
 
 int kvr_dev_attention(struct kvr_dev *dev, const struct kvr_shape *shape,

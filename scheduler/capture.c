@@ -135,6 +135,13 @@ int kvr_sched_capturable(const struct kvr_sched *s, const char **why)
 	return *why ? -ENOTSUP : 0;
 }
 
+/* 1 where the mode selects the next step's pages after each layer (on the
+ * controller uncaptured, on the fork in a graph). */
+static int selects_next(const struct kvr_sched *s)
+{
+	return s->c.mode == KVR_MODE_SPECULATIVE || s->c.mode == KVR_MODE_FREEKV;
+}
+
 /* The stream the next step's selections fork to in a graph, its events. */
 static int fork_open(struct kvr_sched *s)
 {
@@ -209,9 +216,14 @@ int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_
 			return err;
 		}
 	}
-	/* the attention's kernel scratch too, which a captured launch may not
-	 * allocate (it would run unsplit) */
-	err = kvr_dev_attention_reserve(s->dev, &s->head_shape, batch * s->c.n_kv_heads, s->compute);
+	/* the kernels' scratch too (attention's split partials, score's page
+	 * cache), which a captured launch may not allocate: compute runs
+	 * attention and this step's selections, the fork the next step's */
+	const int sparse = s->c.mode != KVR_MODE_DENSE;
+	err = kvr_dev_capture_reserve(s->dev, s->compute, &s->head_shape, batch * s->c.n_kv_heads,
+				      sparse ? &s->shape : NULL, batch);
+	if (!err && sparse && selects_next(s))
+		err = kvr_dev_capture_reserve(s->dev, s->eng.fixed.fork, NULL, 0, &s->shape, batch);
 	if (err) {
 		snprintf(s->last_error, sizeof(s->last_error), "reserve: the attention's scratch: %s",
 			 kvr_dev_last_error(s->dev));
@@ -220,13 +232,6 @@ int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_
 	s->eng.fixed.batch = batch;
 	s->eng.fixed.max_tokens = max_tokens;
 	return 0;
-}
-
-/* 1 where the mode selects the next step's pages after each layer (on the
- * controller uncaptured, on the fork in a graph). */
-static int selects_next(const struct kvr_sched *s)
-{
-	return s->c.mode == KVR_MODE_SPECULATIVE || s->c.mode == KVR_MODE_FREEKV;
 }
 
 int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch, int first, const void *q,
