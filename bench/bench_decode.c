@@ -24,6 +24,12 @@
  * ends with a synchronise of the engine's stream (the legacy default stream),
  * so it covers the GPU work, not just its launch.
  *
+ * --capture (cuda) adds, after each row, the same steps replayed from a CUDA
+ * graph captured once (kvr_decode_reserve, kvr_decode_replay; docs/api.md,
+ * "Decode steps in a CUDA graph"), on a stream of the engine's own: rows
+ * with "captured": true. A configuration that cannot be captured (streamed
+ * recall, say) gets none, with the reason on stderr.
+ *
  * --trace FILE traces 4 steps at --trace-context tokens (Chrome trace-event
  * JSON, kvr_trace_write) and exits.
  *
@@ -60,7 +66,7 @@ static struct {
 	uint32_t resolved_controller; /* what the contexts resolved `controller` to */
 	uint32_t resolved_recall;     /* ... and `recall`, for the last context made (its mode's) */
 	const char *backend_name;
-	int capture; /* --capture: dense rows once more, captured into a CUDA graph and replayed */
+	int capture; /* --capture: each row once more, captured into a CUDA graph and replayed */
 } g = {
 	.recall = KVR_RECALL_AUTO, /* the library's choice per backend and mode */
 	.buffers = 2,
@@ -180,6 +186,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t batch, uint64_t max_
 }
 
 struct result {
+	int not_capturable;                /* --capture: the configuration refuses capture (no row) */
 	double us_per_layer;               /* the batch's step ÷ layers, median */
 	double mean_us_per_layer;          /* the same, mean (the counters below are sums) */
 	double critical_us_per_layer;      /* the engine's time inside decode_layer, mean */
@@ -205,7 +212,12 @@ static struct kvr_graph *capture_step(struct kvr_context *ctx, const uint32_t *s
 {
 	void *native = kvr_dev_stream_native(engine.dev, engine.capture_stream);
 	struct kvr_graph *graph = NULL;
-	if (kvr_decode_reserve(ctx, batch, max_tokens))
+	const int rc = kvr_decode_reserve(ctx, batch, max_tokens);
+	if (rc == -ENOTSUP) {
+		fprintf(stderr, "\rnot captured: %s\n", kvr_last_error(ctx));
+		return NULL;
+	}
+	if (rc)
 		die("decode_reserve", kvr_last_error(ctx));
 	if (kvr_decode_begin(ctx, seqs, pos, batch))
 		die("decode_begin", kvr_last_error(ctx));
@@ -223,7 +235,8 @@ static struct kvr_graph *capture_step(struct kvr_context *ctx, const uint32_t *s
 
 /* Prefill L tokens into each of `batch` sequences, then time `steps` decode
  * steps of the batch (tracing the last 4 into trace_path when it is set);
- * `captured`: the steps replay one captured step (cuda, mode dense). */
+ * `captured`: the steps replay one captured step (cuda; where the
+ * configuration refuses, no steps and .not_capturable). */
 static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t steps, const char *trace_path,
 			 int captured)
 {
@@ -260,6 +273,11 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 		for (uint32_t b = 0; b < batch; b++)
 			pos[b] = L;
 		graph = capture_step(ctx, seqs, pos, batch, L + steps, status);
+		if (!graph) {
+			free(times), free(k), free(v), free(qf), free(q), free(out), free(status), free(seqs), free(pos);
+			kvr_context_destroy(ctx);
+			return (struct result){ .not_capturable = 1 };
+		}
 	}
 	struct kvr_stats st0 = { .size = sizeof(st0) }, st1 = { .size = sizeof(st1) };
 	kvr_get_stats(ctx, &st0);
@@ -333,6 +351,7 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 	for (uint32_t s = 0; s < steps; s++)
 		sum += times[s];
 	struct result r = {
+		0,
 		bench_median(times, steps) / layers * 1e6,
 		sum / n_layers * 1e6,
 		crit / n_layers / 1e3,
@@ -370,7 +389,8 @@ static int usage(void)
 		"         [--kv-format f16|k8v4|k4v2|mixed] [--spilled PCT [--spill-dir DIR]]\n"
 		"         [--quick] [--capture] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
 		"  --trace: only trace 4 steps at --trace-context tokens and exit\n"
-		"  --capture (cuda): each dense row once more, its steps replayed from a CUDA graph\n");
+		"  --capture (cuda): each row once more, its steps replayed from a CUDA graph (where the\n"
+		"             configuration can be captured: zero-copy recall)\n");
 	return 2;
 }
 
@@ -517,8 +537,7 @@ int bench_decode(int argc, char **argv)
 	uint32_t n_contexts = 0;
 	for (uint64_t L = 8192; L <= max_context; L *= 2)
 		n_contexts++;
-	const uint32_t captured_rows = g.capture && (!have_mode || only_mode == KVR_MODE_DENSE);
-	const uint32_t total = n_batches * (1 + n_contexts * ((have_mode ? 1 : 4) + captured_rows));
+	const uint32_t total = n_batches * (1 + n_contexts * (have_mode ? 1 : 4) * (g.capture ? 2 : 1));
 	uint32_t done = 0;
 	bench_json_open(json, "decode", g.backend_name, argc, argv);
 	fprintf(json, "  \"shape\": ");
@@ -538,14 +557,17 @@ int bench_decode(int argc, char **argv)
 		fprintf(stderr, "\rbatch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps)\n",
 			batch, B, base.us_per_layer, g.sh.n_layers, steps);
 		for (uint64_t L = 8192; L <= max_context; L *= 2)
-			for (size_t mi = 0; mi < 5; mi++) {
-				/* 4: dense again, captured (--capture) */
-				const int captured = mi == 4;
-				const uint32_t mode = captured ? KVR_MODE_DENSE : modes[mi];
+			for (size_t x = 0; x < 8; x++) {
+				/* each mode, then (--capture) the same steps replayed from a graph */
+				const size_t mi = x / 2;
+				const int captured = x % 2;
+				const uint32_t mode = modes[mi];
 				if ((have_mode && mode != only_mode) || (captured && !g.capture))
 					continue;
 				bench_progress("decode", done++, total);
 				const struct result r = run(mode, batch, L, steps, NULL, captured);
+				if (r.not_capturable)
+					continue;
 				const double budget = (1.0 + (double)L / ((double)p * B)) * base.us_per_layer;
 				fprintf(stderr, "\rL=%7llu %-11s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
 						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "

@@ -521,12 +521,14 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx);
  * positions may change from step to step; a sequence that fails gets zeros
  * and its status, as with kvr_decode_layer.
  *
- * What can be captured in this version: mode dense on the cuda backend with
- * the device append (pool layout HND, kv_format plain, K8V4 or K4V2; no
- * spill tier). Elsewhere kvr_decode_layer on a capturing stream and
- * kvr_decode_replay return -ENOTSUP saying why. docs/architecture.md,
- * "Capturing a step in a CUDA graph", has the details and the plan for the
- * sparse modes.
+ * What can be captured, on the cuda backend with pool layout HND,
+ * kv_format plain, K8V4 or K4V2 and no spill tier: every mode with
+ * zero-copy recall, the sparse ones where window_tokens >= page_tokens (a
+ * captured sparse step selects the next step's pages inside the graph,
+ * not on the controller thread). Elsewhere kvr_decode_reserve,
+ * kvr_decode_layer on a capturing stream and kvr_decode_replay return
+ * -ENOTSUP saying why (docs/architecture.md, "Capturing a step in a CUDA
+ * graph").
  */
 /* Size the step's buffers for steps of up to `batch` sequences of up to
  * max_tokens tokens each, which a capture needs (it may not allocate);
@@ -536,7 +538,9 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx);
 KVR_API int kvr_decode_reserve(struct kvr_context *ctx, uint32_t batch, uint64_t max_tokens);
 /* Do the host part of every layer of the open step, whose graph the engine
  * launches next on `stream` (its cudaStream_t; kvr_decode_end waits for it
- * there). status[i] receives sequence i's result for the whole step. Refused
+ * there). The tokens count as stored from here: a step ended without its
+ * graph's launch holds undefined K/V at their positions. status[i]
+ * receives sequence i's result for the whole step. Refused
  * as a whole, the step unchanged: -EINVAL (no step open, status NULL, a
  * layer already decoded, no whole step captured since the last reservation,
  * more sequences than the capture), -ESTALE (an uncaptured step outgrew the
