@@ -487,7 +487,6 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 			entry_empty(s, fv, i);
 			return;
 		}
-		const uint32_t sink = s->c.sink_tokens / p, win_first = kvr_window_first(&s->c, n_tokens);
 		const int32_t *now = (all || check) ? s->eng.now_sel + (uint64_t)i * n_kv * kk : NULL;
 		for (uint32_t m = 0; m < n_kv; m++) {
 			const uint64_t j = (uint64_t)i * n_kv + m;
@@ -495,32 +494,10 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 			uint32_t n_head = 0, n_tail = 0;
 			kvr_sched_build_planned(s, lane, m, n_tokens, fv->segs + j * fv->seg_cap, &n_head, &n_tail,
 						&seg_err);
-			const uint64_t run = (uint64_t)m * s->head_bytes;
 			struct kvr_plan_item *pl = &fv->plans[j];
-			*pl = (struct kvr_plan_item){
-				.attention = pl->attention,
-				.segments = pl->segments,
-				.selected = lane->selected + (uint64_t)m * kk,
-				.corrected_sel = now ? now + (uint64_t)m * kk : NULL,
-				.corrected = check ? corr + m : NULL,
-				.page_addr = addrs,
-				.addr_end = addrs ? n_addrs : 0,
-				.k_offset = run,
-				.v_offset = s->kv_format ? UINT64_MAX : run + (uint64_t)p * s->c.head_dim * s->eb,
-				.n_head = n_head,
-				.n_tail = n_tail,
-				.k = kk,
-				.sel_begin = sink,
-				.sel_end = win_first > sink ? win_first : sink,
-				.seg_tokens = p,
-				.seg_row = s->kv_format ? 0 : s->c.head_dim,
-				.seg_head_stride = s->kv_format ? (uint32_t)s->head_bytes : 0,
-				.seg_format = s->kv_format,
-				/* the lane keeps q_i for the next step */
-				.q_from = qi + m * head_q,
-				.q_to = (unsigned char *)lane->prev_q + m * head_q,
-				.q_bytes = (uint32_t)head_q,
-			};
+			/* the lane keeps q_i for the next step */
+			*pl = kvr_sched_plan_item(s, lane, m, n_tokens, pl->attention, pl->segments, n_head, n_tail, now,
+						  check ? corr : NULL, addrs, n_addrs, qi + m * head_q);
 		}
 		lane->has_prev = 1;
 		if (selects_next(s)) { /* from the query the plan kernel keeps */

@@ -351,6 +351,19 @@ void kvr_sched_mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, ui
 void kvr_sched_capture_free(struct kvr_sched *s);
 void kvr_sched_replay_tally(struct kvr_sched *s);
 
+/* step.c: head m's plan item of a lane holding n_tokens, zero-copy (the
+ * streamed fields are the caller's): the selected pages are `now`'s where
+ * `corr` flags the head (every head when corr is NULL and now is not),
+ * else the lane's selection; their memory from addrs; attention and
+ * segments the kernels' views of its attention item and segment list
+ * (n_head leading, then k slots, then n_tail); q_head (or NULL) the head's
+ * query rows, which the kernel keeps in the lane's prev_q. */
+struct kvr_plan_item kvr_sched_plan_item(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
+					 uint64_t n_tokens, struct kvr_attention_item *attention,
+					 struct kvr_kv_segment *segments, uint32_t n_head, uint32_t n_tail,
+					 const int32_t *now, const uint8_t *corr, const uint64_t *addrs,
+					 uint32_t n_addrs, const unsigned char *q_head);
+
 /* step.c: the bytes of a layer scratch for an (uncaptured) layer call of
  * `batch` sequences of up to max_pages full pages each. */
 size_t kvr_sched_layer_scratch_bytes(const struct kvr_sched *s, uint32_t batch, uint32_t max_pages);

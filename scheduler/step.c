@@ -733,6 +733,41 @@ static int plan_scores_fit(struct kvr_sched *s, size_t floats)
 	return err;
 }
 
+struct kvr_plan_item kvr_sched_plan_item(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
+					 uint64_t n_tokens, struct kvr_attention_item *attention,
+					 struct kvr_kv_segment *segments, uint32_t n_head, uint32_t n_tail,
+					 const int32_t *now, const uint8_t *corr, const uint64_t *addrs,
+					 uint32_t n_addrs, const unsigned char *q_head)
+{
+	const uint32_t kk = s->k, p = s->c.page_tokens;
+	const uint32_t sink = s->c.sink_tokens / p, win_first = kvr_window_first(&s->c, n_tokens);
+	const uint64_t run = (uint64_t)m * s->head_bytes, head_q = (uint64_t)s->G * s->c.head_dim * s->eb;
+	return (struct kvr_plan_item){
+		.attention = attention,
+		.segments = segments,
+		.selected = lane->selected + (uint64_t)m * kk,
+		.corrected_sel = now ? now + (uint64_t)m * kk : NULL,
+		.corrected = corr ? corr + m : NULL,
+		.page_addr = addrs,
+		.addr_end = addrs ? n_addrs : 0,
+		.k_offset = run,
+		/* quantised: one run from k (kernels.h, attention) */
+		.v_offset = s->kv_format ? UINT64_MAX : run + (uint64_t)p * s->c.head_dim * s->eb,
+		.n_head = n_head,
+		.n_tail = n_tail,
+		.k = kk,
+		.sel_begin = sink,
+		.sel_end = win_first > sink ? win_first : sink,
+		.seg_tokens = p,
+		.seg_row = s->kv_format ? 0 : s->c.head_dim, /* quantised: first_row */
+		.seg_head_stride = s->kv_format ? (uint32_t)s->head_bytes : 0,
+		.seg_format = s->kv_format,
+		.q_from = q_head,
+		.q_to = q_head ? (unsigned char *)lane->prev_q + m * head_q : NULL,
+		.q_bytes = (uint32_t)head_q,
+	};
+}
+
 /* Entry i's attention items on the device plan, one per KV head: the
  * segments around the selected pages built here, the selected pages' by the
  * plan kernel from the lane's selection, or from `now` (this step's) where
@@ -742,11 +777,10 @@ static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *la
 			  const uint8_t *corr, const uint64_t *addrs, uint32_t n_addrs)
 {
 	struct kvr_sched *s = lc->s;
-	const uint32_t kk = lc->kk, p = s->c.page_tokens;
+	const uint32_t kk = lc->kk;
 	const uint64_t n_tokens = lc->e[i].n_tokens;
 	const unsigned char *qi = lc->q_dev + i * lc->q_row;
 	unsigned char *out_row = (unsigned char *)lc->out + i * lc->q_row;
-	const uint32_t sink = s->c.sink_tokens / p, win_first = kvr_window_first(&s->c, n_tokens);
 	const int streamed = s->recall == KVR_RECALL_STREAMED;
 	lc->e[i].first_plan = lc->n_plans;
 	lc->e[i].planned = 1;
@@ -759,32 +793,11 @@ static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *la
 		struct kvr_attention_item *item = &lc->items[lc->n_items++];
 		*item = (struct kvr_attention_item){ qi + m * lc->head_q_bytes, out_row + m * lc->head_q_bytes,
 						     NULL, first, n_head + n_tail };
-		const uint64_t run = (uint64_t)m * s->head_bytes;
-		lc->plans[lc->n_plans++] = (struct kvr_plan_item){
-			.attention = kvr_mirror_dev_at(&lc->ls->m, item),
-			.segments = kvr_mirror_dev_at(&lc->ls->m, lc->segs + first),
-			.selected = lane->selected + (uint64_t)m * kk,
-			.corrected_sel = now ? now + (uint64_t)m * kk : NULL,
-			.corrected = corr ? corr + m : NULL,
-			.page_addr = addrs,
-			.addr_end = addrs ? n_addrs : 0,
-			.k_offset = run,
-			/* quantised: one run from k (kernels.h, attention) */
-			.v_offset = s->kv_format ? UINT64_MAX : run + (uint64_t)p * s->c.head_dim * s->eb,
-			.n_head = n_head,
-			.n_tail = n_tail,
-			.k = kk,
-			.sel_begin = sink,
-			.sel_end = win_first > sink ? win_first : sink,
-			.seg_tokens = p,
-			.seg_row = s->kv_format ? 0 : s->c.head_dim, /* quantised: first_row */
-			.seg_head_stride = s->kv_format ? (uint32_t)s->head_bytes : 0,
-			.seg_format = s->kv_format,
-			/* the lane keeps q_i for the next step (post_next_step) */
-			.q_from = kk && lc->device_append ? qi + m * lc->head_q_bytes : NULL,
-			.q_to = kk && lc->device_append ? (unsigned char *)lane->prev_q + m * lc->head_q_bytes : NULL,
-			.q_bytes = (uint32_t)lc->head_q_bytes,
-		};
+		/* the lane keeps q_i for the next step (post_next_step) */
+		lc->plans[lc->n_plans++] = kvr_sched_plan_item(
+			s, lane, m, n_tokens, kvr_mirror_dev_at(&lc->ls->m, item),
+			kvr_mirror_dev_at(&lc->ls->m, lc->segs + first), n_head, n_tail, now, corr, addrs, n_addrs,
+			kk && lc->device_append ? qi + m * lc->head_q_bytes : NULL);
 		if (streamed) { /* the slots: planned, and the misses moved, on the device */
 			struct kvr_plan_item *pl = &lc->plans[lc->n_plans - 1];
 			const uint64_t at = (uint64_t)(lc->n_plans - 1);
