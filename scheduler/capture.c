@@ -393,7 +393,8 @@ static int entry_selection(struct kvr_sched *s, const struct fixed_view *fv, uin
 }
 
 /* Entry i's token into the layer (the pool's bookkeeping; the graph's
- * append kernel writes it), and its items. 0, or the sequence failed. */
+ * append kernel writes it), and its items; where that fails, the
+ * sequence's step fails and the entry does nothing. */
 static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_t i, uint32_t seq,
 		       uint64_t position)
 {
