@@ -2567,10 +2567,10 @@ static int replay_batch(struct kvr_context *ctx, uint32_t dtype, struct tseq **t
 	return 0;
 }
 
-/* On cudaemu-strict with options `o`: two sequences prefilled to n0[0] and
- * n0[1] tokens, a step captured once and replayed at each of `steps`
- * steps (pages completing, the batch shrinking for a step) give the
- * outputs of the same steps decoded uncaptured, bit for bit, with no host
+/* On options `o`'s device (cudaemu-strict, or cuda): two sequences
+ * prefilled to n0[0] and n0[1] tokens, a step captured once and replayed at
+ * each of `steps` steps (pages completing, the batch shrinking for a step)
+ * give the outputs of the same steps decoded uncaptured, bit for bit, with no host
  * wait; the tokens the replays stored read back the same in an uncaptured
  * step; the statistics agree. */
 static void capture_matches(struct opts o, const uint64_t n0[2], uint32_t steps, const char *what,
@@ -2674,6 +2674,21 @@ Test(scheduler, captured_sparse_steps_replay_bit_exact, .timeout = 900)
 	o.kv_format = KVR_KV_FORMAT_K8V4;
 	struct kvr_stats st;
 	capture_matches(o, n0, P + 3, "freekv k8v4", &st);
+}
+
+/* The same on a GPU (skipped without one, as in CI): CUDA's own capture
+ * and graphs, the kernels' reserved scratch, the fork stream. */
+Test(scheduler, captured_steps_replay_bit_exact_cuda, .timeout = 400)
+{
+	cuda_or_skip();
+	const uint64_t dense_n0[2] = { 3 * P + 5, P - 3 }, sparse_n0[2] = { BUDGET - 3, BUDGET + 2 * P };
+	struct kvr_stats st;
+	capture_matches(opts_default(KVR_DEV_CUDA, KVR_MODE_DENSE, KVR_RECALL_ZERO_COPY, KVR_DTYPE_F16), dense_n0,
+			2 * P + 3, "cuda dense", &st);
+	static const uint32_t modes[] = { KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV, KVR_MODE_BLOCKING };
+	for (int mi = 0; mi < 3; mi++)
+		capture_matches(opts_default(KVR_DEV_CUDA, modes[mi], KVR_RECALL_ZERO_COPY, KVR_DTYPE_F16), sparse_n0,
+				2 * P + 3, kvr_mode_name(modes[mi]), &st);
 }
 
 /* Every refusal of capture and replay says why and leaves the context
