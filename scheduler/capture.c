@@ -451,7 +451,7 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 			fv->plans[j].n_head = n; /* the plan (sparse layers) keeps them: k = 0 */
 		}
 		count(s, seq, KVR_C_DENSE_DECODES, 1);
-	} else if (kk) {
+	} else { /* the device plan: k >= 1 (kvr_sched_capturable) */
 		all = s->c.mode == KVR_MODE_BLOCKING || !lane->has_prev;
 		check = !all && s->c.mode == KVR_MODE_FREEKV;
 
@@ -507,16 +507,6 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 				count(s, seq, KVR_C_SELECTIONS, 1);
 			else /* its next step selects afresh */
 				lane->has_prev = 0;
-		}
-	} else { /* k = 0: sinks and window only */
-		for (uint32_t m = 0; m < n_kv; m++) {
-			const uint64_t j = (uint64_t)i * n_kv + m;
-			int seg_err = 0;
-			uint32_t n_head = 0, n_tail = 0;
-			const uint32_t n = kvr_sched_build_planned(s, lane, m, n_tokens, fv->segs + j * fv->seg_cap,
-								   &n_head, &n_tail, &seg_err);
-			fv->items[j].n_segments = n;
-			fv->plans[j].n_head = n; /* k = 0 in the plan: kept as they are */
 		}
 	}
 	s->eng.fixed.unwritten_from = UINT32_MAX;

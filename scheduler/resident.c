@@ -150,17 +150,16 @@ const unsigned char *kvr_resident_page(struct kvr_sched *s, struct kvr_lane *lan
 		slot = sink + logical % window;
 	else
 		return NULL;
-	if (logical >= s->eng.fixed.unwritten_from) /* a replay: the graph writes it later */
-		return slot / RES_CHUNK_PAGES < lane->res_n_chunks && lane->res_held[slot] == (int32_t)logical
-			       ? lane->res_chunks[slot / RES_CHUNK_PAGES] +
-					 (uint64_t)(slot % RES_CHUNK_PAGES) * s->head_bytes * s->c.n_kv_heads
-			       : NULL;
-	if (ensure_slot(s, lane, slot))
-		return NULL; /* out of device memory: the pool page, over the bus */
+	/* a replay's page the graph writes later: only a copy already held */
+	const int no_copy = logical >= s->eng.fixed.unwritten_from;
+	if (no_copy ? slot / RES_CHUNK_PAGES >= lane->res_n_chunks : ensure_slot(s, lane, slot) != 0)
+		return NULL; /* no slot (out of device memory): the pool page, over the bus */
 	const uint64_t page_bytes = s->head_bytes * s->c.n_kv_heads;
 	unsigned char *dst = lane->res_chunks[slot / RES_CHUNK_PAGES] +
 			     (uint64_t)(slot % RES_CHUNK_PAGES) * page_bytes;
 	if (lane->res_held[slot] != (int32_t)logical) {
+		if (no_copy)
+			return NULL;
 		const void *src = kvr_pool_page_data(s->pool, page_id);
 		if (!src || kvr_dev_memcpy_async(s->dev, dst, src, page_bytes, KVR_COPY_H2D, s->compute))
 			return NULL;
