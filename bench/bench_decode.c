@@ -67,7 +67,13 @@ static struct {
 	uint32_t resolved_recall;     /* ... and `recall`, for the last context made (its mode's) */
 	const char *backend_name;
 	int capture; /* --capture: each row once more, captured into a CUDA graph and replayed */
+	/* --estimate off|on|both: the sparse rows without the estimate of the
+	 * pages not retrieved, with it, or each without then with it (its cost:
+	 * the "estimate_cost_ratio" of the second row) */
+	int estimate_off, estimate_on;
+	uint32_t estimate; /* the context being made: config estimate */
 } g = {
+	.estimate_off = 1,
 	.recall = KVR_RECALL_AUTO, /* the library's choice per backend and mode */
 	.buffers = 2,
 	.pool_layout = KVR_POOL_HND,
@@ -144,6 +150,7 @@ static struct kvr_context *make_ctx(uint32_t mode, uint32_t batch, uint64_t max_
 	c.window_tokens = g.window;
 	c.mode = mode;
 	c.tau = 0.9f;
+	c.estimate = mode == KVR_MODE_DENSE ? 0 : g.estimate;
 	c.dense_layers[0] = 0;
 	c.max_sequences = batch;
 	c.max_batch = batch;
@@ -387,8 +394,12 @@ static int usage(void)
 		"         [--max-context 131072] [--mode M] [--recall auto|zero-copy|streamed] [--buffers 1|2]\n"
 		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
 		"         [--kv-format f16|k8v4|k4v2|mixed] [--spilled PCT [--spill-dir DIR]]\n"
-		"         [--quick] [--capture] [--json FILE] [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
+		"         [--quick] [--capture] [--estimate off|on|both] [--json FILE]\n"
+		"         [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
 		"  --trace: only trace 4 steps at --trace-context tokens and exit\n"
+		"  --estimate: the sparse modes without (off, the default) or with (on) the estimate of\n"
+		"             the pages not retrieved, or each row without then with it (both: the second\n"
+		"             row's estimate_cost_ratio is its time over the first's)\n"
 		"  --capture (cuda): each row once more, its steps replayed from a CUDA graph (where the\n"
 		"             configuration can be captured: zero-copy recall)\n");
 	return 2;
@@ -447,6 +458,11 @@ int bench_decode(int argc, char **argv)
 								: KVR_CONTROLLER_AUTO;
 			if (g.controller == KVR_CONTROLLER_AUTO && strcmp(val, "auto"))
 				return usage();
+		} else if (!strcmp(a, "--estimate")) {
+			if (strcmp(val, "off") && strcmp(val, "on") && strcmp(val, "both"))
+				return usage();
+			g.estimate_off = strcmp(val, "on") != 0;
+			g.estimate_on = strcmp(val, "off") != 0;
 		} else if (!strcmp(a, "--backend")) {
 			g.backend = !strcmp(val, "cuda") ? KVR_BACKEND_CUDA : !strcmp(val, "cpu") ? KVR_BACKEND_CPU : 0;
 			if (!g.backend) {
@@ -537,7 +553,8 @@ int bench_decode(int argc, char **argv)
 	uint32_t n_contexts = 0;
 	for (uint64_t L = 8192; L <= max_context; L *= 2)
 		n_contexts++;
-	const uint32_t total = n_batches * (1 + n_contexts * (have_mode ? 1 : 4) * (g.capture ? 2 : 1));
+	const uint32_t total = n_batches * (1 + n_contexts * (have_mode ? 1 : 4) * (g.capture ? 2 : 1) *
+						(g.estimate_off + g.estimate_on));
 	uint32_t done = 0;
 	bench_json_open(json, "decode", g.backend_name, argc, argv);
 	fprintf(json, "  \"shape\": ");
@@ -557,23 +574,34 @@ int bench_decode(int argc, char **argv)
 		fprintf(stderr, "\rbatch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps)\n",
 			batch, B, base.us_per_layer, g.sh.n_layers, steps);
 		for (uint64_t L = 8192; L <= max_context; L *= 2)
-			for (size_t x = 0; x < 8; x++) {
-				/* each mode, then (--capture) the same steps replayed from a graph */
-				const size_t mi = x / 2;
-				const int captured = x % 2;
-				const uint32_t mode = modes[mi];
-				if ((have_mode && mode != only_mode) || (captured && !g.capture))
+			for (size_t x = 0; x < 16; x++) {
+				/* each mode, then (--capture) the same steps replayed from a
+				 * graph, each without then (--estimate) with the estimate */
+				const size_t mi = x / 4;
+				const int captured = x / 2 % 2;
+				const uint32_t estimate = x % 2, mode = modes[mi];
+				if ((have_mode && mode != only_mode) || (captured && !g.capture) ||
+				    (estimate ? !g.estimate_on : !g.estimate_off))
 					continue;
 				bench_progress("decode", done++, total);
+				if (estimate && mode == KVR_MODE_DENSE)
+					continue; /* dense attends every page: nothing to estimate */
+				g.estimate = estimate;
 				const struct result r = run(mode, batch, L, steps, NULL, captured);
 				if (r.not_capturable)
 					continue;
+				/* the estimate's cost: this row over the same row without it */
+				static double us_without;
+				const double cost = estimate && g.estimate_off ? r.us_per_layer / us_without : 0.0;
+				if (!estimate)
+					us_without = r.us_per_layer;
 				const double budget = (1.0 + (double)L / ((double)p * B)) * base.us_per_layer;
-				fprintf(stderr, "\rL=%7llu %-11s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
+				fprintf(stderr, "\rL=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
 						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
 						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
 						"critical share %.2f; hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
-					(unsigned long long)L, kvr_mode_name(mode), captured ? " (captured)" : "", r.us_per_layer,
+					(unsigned long long)L, kvr_mode_name(mode), captured ? " (captured)" : "",
+					estimate ? " +estimate" : "", r.us_per_layer,
 					r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.mean_us_per_layer,
 					r.critical_us_per_layer,
 					100 * r.corrected_rate, r.correction_waits_per_layer, 100 * r.correction_wait_share,
@@ -589,14 +617,16 @@ int bench_decode(int argc, char **argv)
 					"\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
 					"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
 					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
-					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f}",
+					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f, "
+					"\"estimate\": %s, \"estimate_cost_ratio\": %.4f}",
 					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(mode), captured ? "true" : "false",
 					kvr_recall_name(g.resolved_recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
 					base.us_per_layer, r.us_per_layer / base.us_per_layer, r.us_per_layer / budget,
 					r.mean_us_per_layer, r.critical_us_per_layer, r.corrected_rate, (unsigned long long)r.selections,
 					r.correction_waits_per_layer, r.correction_wait_share, r.controller_wait_share,
 					r.recall_wait_share, r.critical_share, r.controller_us_per_layer, r.hit_rate,
-					r.recalled_kib_per_layer, r.host_waits_per_layer, r.host_wait_share);
+					r.recalled_kib_per_layer, r.host_waits_per_layer, r.host_wait_share,
+					estimate ? "true" : "false", cost);
 				first = 0;
 			}
 	}

@@ -420,13 +420,24 @@ static void offload_page(const struct kvr_page_geometry *g, const struct kvr_pag
 				       scratch);
 }
 
-static void summarize_page(const struct kvr_page_geometry *g, const struct kvr_page_item *it)
+/* The page's key bounds and, with KVR_SHAPE_ESTIMATES, its estimate rows
+ * (summary.h), from the unquantised rows. */
+static void summarize_page(const struct kvr_shape *shape, const struct kvr_page_geometry *g,
+			   const struct kvr_page_item *it)
 {
 	const uint64_t eb = g->elem_bytes;
-	for (uint32_t h = 0; h < g->n_kv_heads; h++)
-		kvr_summarize_keys(g, (const unsigned char *)it->k_rows + (uint64_t)h * g->head_dim * eb,
-				   it->row_stride, (unsigned char *)it->summary + kvr_summary_index(g, h, 0, 0) * eb,
-				   (unsigned char *)it->summary + kvr_summary_index(g, h, 1, 0) * eb);
+	unsigned char *out = it->summary;
+	for (uint32_t h = 0; h < g->n_kv_heads; h++) {
+		const uint64_t col = (uint64_t)h * g->head_dim * eb;
+		kvr_summarize_keys(g, (const unsigned char *)it->k_rows + col, it->row_stride,
+				   out + kvr_summary_index(g, h, KVR_SUMMARY_MIN, 0) * eb,
+				   out + kvr_summary_index(g, h, KVR_SUMMARY_MAX, 0) * eb);
+		if (shape->flags & KVR_SHAPE_ESTIMATES)
+			kvr_summarize_means(g, (const unsigned char *)it->k_rows + col,
+					    (const unsigned char *)it->v_rows + col, it->row_stride,
+					    out + kvr_summary_index(g, h, KVR_SUMMARY_KEY_MEAN, 0) * eb,
+					    out + kvr_summary_index(g, h, KVR_SUMMARY_VALUE_MEAN, 0) * eb);
+	}
 }
 
 static void offload_task(void *arg, uint32_t i)
@@ -438,7 +449,7 @@ static void offload_task(void *arg, uint32_t i)
 static void summarize_task(void *arg, uint32_t i)
 {
 	const struct page_job *job = arg;
-	summarize_page(&job->g, (const struct kvr_page_item *)job->items + i);
+	summarize_page(job->shape, &job->g, (const struct kvr_page_item *)job->items + i);
 }
 
 /* The token's n_kv·d keys and values into its row of the tile; a page it
@@ -459,7 +470,7 @@ static void append_task(void *arg, uint32_t i)
 	const struct kvr_page_item page = kvr_append_page_item(it);
 	offload_page(g, &page);
 	if (page.summary)
-		summarize_page(g, &page);
+		summarize_page(job->shape, g, &page);
 }
 
 static void run_page_job(struct kvr_dev *dev, const struct kvr_shape *shape, const void *items,
@@ -793,7 +804,7 @@ static void attention_task(void *arg, uint32_t index)
 	int bad = (uint64_t)it->first_segment + it->n_segments > job->n_segments;
 	for (uint32_t i = 0; !bad && i < it->n_segments; i++) {
 		const struct kvr_kv_segment *sg = &job->segments[it->first_segment + i];
-		bad = sg->format && (uint64_t)sg->first_row + sg->n_tokens >
+		bad = kvr_segment_quantised(sg->format) && (uint64_t)sg->first_row + sg->n_tokens >
 					    kvr_kv_segment_rows(sg->format, sh->page_tokens);
 	}
 	if (bad) {

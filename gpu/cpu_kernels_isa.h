@@ -182,7 +182,8 @@ ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_
 		  const VA_T *qbuf, vf *park, float *raw, vf *vmax, const uint32_t t)
 {
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, dv = d / VA_LANES;
-	const uint64_t page_bytes = (uint64_t)sh->n_kv_heads * 2 * d * kvr_elem_bytes(t);
+	const uint64_t page_bytes = kvr_summary_page_elems(sh->n_kv_heads, d, (sh->flags & KVR_SHAPE_ESTIMATES) != 0) *
+				    kvr_elem_bytes(t);
 	const uint64_t head_bytes = 2ull * d * kvr_elem_bytes(t);
 	const vf scale = SPLAT16(sh->scale);
 	for (uint32_t j0 = 0; j0 < n_dom; j0 += 16) {
@@ -254,7 +255,7 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 	kvr_score_domain(it, &dom_begin, &dom_end);
 	const uint32_t n_dom = dom_end - dom_begin, n_pad = (n_dom + 15u) & ~15u;
 	const uint32_t n_cand = it->cand_end - it->cand_begin, cand_off = it->cand_begin - dom_begin;
-	const uint64_t eb = kvr_elem_bytes(t), page_elems = (uint64_t)sh->n_kv_heads * 2 * d;
+	const uint64_t eb = kvr_elem_bytes(t), page_elems = kvr_summary_page_elems(sh->n_kv_heads, d, (sh->flags & KVR_SHAPE_ESTIMATES) != 0);
 	const uint32_t dv = d / VA_LANES;
 	for (uint32_t g = 0; g < G; g++)
 		for (uint32_t c = 0; c < dv; c++)
@@ -596,7 +597,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	float seg_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t si = 0; si < n_segs; si++) {
 		const struct kvr_kv_segment *seg = &segs[si];
-		const uint32_t fmt = seg->format;
+		/* quantised codes (their format), or plain rows (0): tokens, or
+		 * page estimates whose logits get ln(p) (kernels.h) */
+		const uint32_t fmt = kvr_segment_quantised(seg->format) ? seg->format : 0u;
+		const float log_weight = kvr_segment_log_weight(seg->format, sh->page_tokens);
 		const uint64_t seg_tok0 = seg_first_token;
 		seg_first_token += seg->n_tokens;
 		if (causal && seg_tok0 > last_pos) { /* after every query of the block */
@@ -624,11 +628,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		 * quantised run: two lines per token), keeping one segment of loads
 		 * in flight. */
 		const struct kvr_kv_segment *next = si + 1 < n_segs ? &segs[si + 1] : NULL;
-		const int next_plain = next && !next->format;
+		const int next_plain = next && !kvr_segment_quantised(next->format);
 		const unsigned char *nkb = next_plain ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride * eb : NULL;
 		const unsigned char *nvb = next_plain ? (const unsigned char *)next->v + (uint64_t)m * next->head_stride * eb : NULL;
 		const uint64_t nrow = next_plain ? (uint64_t)next->row_stride * eb : 0;
-		const unsigned char *nrun = next && next->format ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride : NULL;
+		const unsigned char *nrun = next && !next_plain ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride : NULL;
 		const uint64_t nrun_bytes = nrun ? gq[next->format].head_bytes : 0;
 		const uint32_t n_next = next ? next->n_tokens : 0;
 		const struct ISA_FN(token_prefetch) pf = {
@@ -664,6 +668,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					for (uint32_t g = 0; g < G; g++)
 						s[g][b] = ks * s[g][b] - kz * q_sum[g];
 				}
+			if (log_weight != 0.0f) /* estimate rows: each is a page's p tokens */
+				for (uint32_t g = 0; g < G; g++)
+					for (uint32_t b = 0; b < nb; b++)
+						s[g][b] += log_weight;
 			if (causal && tok0 + nb - 1 > pos0) /* the diagonal: no query sees a later token */
 				for (uint32_t g = 0; g < G; g++) {
 					const uint64_t lim = pos0 + g / hq;

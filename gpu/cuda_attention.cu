@@ -328,12 +328,12 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	att_map_init<ET>(d, tile, map);
 	chunk16 pre[ATT_CHUNKS];
 	uint32_t rows = att_rows(segs, n_segs, seg, off, tile, left);
-	if (rows && !(QUANT && segs[seg].format))
+	if (rows && !(QUANT && kvr_segment_quantised(segs[seg].format)))
 		att_fetch<ET>(segs[seg], off, rows, m, map, pre);
 	while (rows > 0) {
 		if (causal && tok > last_pos)
 			break; /* uniform: every thread holds the same tok */
-		if (QUANT && segs[seg].format)
+		if (QUANT && kvr_segment_quantised(segs[seg].format))
 			att_store_quant(segs[seg], off, rows, m, shape.page_tokens, d, k_s, v_s);
 		else
 			att_store<ET>(pre, rows, d, map, k_s, v_s);
@@ -348,9 +348,11 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 		left -= rows;
 		att_advance(segs, n_segs, &seg, &off, rows);
 		const uint32_t next = att_rows(segs, n_segs, seg, off, tile, left);
-		if (next && !(QUANT && segs[seg].format))
+		if (next && !(QUANT && kvr_segment_quantised(segs[seg].format)))
 			att_fetch<ET>(segs[seg], off, next, m, map, pre);
 
+		/* estimate rows stand for p tokens each: ln(p) on their logits */
+		const float log_weight = kvr_segment_log_weight(segs[tile_seg].format, shape.page_tokens);
 		/* QK and the online-softmax update; the head loop is warp-uniform */
 		for (uint32_t g = warp; g < gc; g += ATT_WARPS) {
 			const float *qg = q_s + g * d;
@@ -371,7 +373,7 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 						a0 = fmaf(qv.v[2], kv.v[2], a0);
 						a1 = fmaf(qv.v[3], kv.v[3], a1);
 					}
-					s[h] = shape.scale * (a0 + a1);
+					s[h] = shape.scale * (a0 + a1) + log_weight;
 					if (causal && tile_tok + t > pos0 + (g0 + g) / hq)
 						s[h] = -INFINITY; /* a later token than the query */
 				}

@@ -294,8 +294,20 @@ KVR_DEV void summarize_column(const struct kvr_shape &shape, const struct kvr_pa
 		kvr_minmax_step(kvr_load_f32(it.k_rows, ET, (uint64_t)t * it.row_stride + col), &mn,
 				&mx);
 	const uint32_t h = col / d, c = col - h * d;
-	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, 0, c), mn);
-	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, 1, c), mx);
+	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, KVR_SUMMARY_MIN, c), mn);
+	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, KVR_SUMMARY_MAX, c), mx);
+	if (!(shape.flags & KVR_SHAPE_ESTIMATES))
+		return;
+	/* the estimate rows: sums in token order from row 0, as the cpu's */
+	float sk = kvr_load_f32(it.k_rows, ET, col), sv = kvr_load_f32(it.v_rows, ET, col);
+	for (uint32_t t = 1; t < g.page_tokens; t++) {
+		sk += kvr_load_f32(it.k_rows, ET, (uint64_t)t * it.row_stride + col);
+		sv += kvr_load_f32(it.v_rows, ET, (uint64_t)t * it.row_stride + col);
+	}
+	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, KVR_SUMMARY_KEY_MEAN, c),
+		      kvr_summary_mean(sk, g.page_tokens));
+	kvr_store_f32(it.summary, ET, kvr_summary_index(&g, h, KVR_SUMMARY_VALUE_MEAN, c),
+		      kvr_summary_mean(sv, g.page_tokens));
 }
 
 /* One thread per (KV head, dim) column of an item's p key rows; consecutive

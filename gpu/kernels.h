@@ -22,6 +22,10 @@
  *              the bits the host pool writes for the same rows.
  * summarize    For each item, the key summary of those rows: [n_kv][2][d],
  *              element-wise min then max over the p keys; NaN propagates.
+ *              With KVR_SHAPE_ESTIMATES also the estimate rows after them,
+ *              [n_kv][2][d]: the mean key, then the mean value (v_rows),
+ *              each column summed in fp32 in token order from token 0 and
+ *              divided by p (layouts/summary.h).
  * score        For each item (a sequence) and KV head m, for each page j of
  *              the softmax domain [dom_begin, dom_end) — every page [0,
  *              norm_end) when norm_end > 0 (FreeKV's P^h: sink, candidates
@@ -83,6 +87,13 @@
  *              e^-70; NaN as the output): the share of attention
  *              segment s received is exp(lse_s − log Σ_s' exp(lse_s')).
  *              Mixed page formats rank pages by it.
+ *              A segment whose format is KVR_KV_ESTIMATE holds plain rows
+ *              (row_stride, head_stride in elements, as a plain segment)
+ *              that each stand for page_tokens tokens: a page's mean key
+ *              and mean value (summary.h). Its token t's logit is
+ *              scale · q_h·k_t + ln(page_tokens) (fp32, logf), so it adds
+ *              p·exp(scale · q_h·k̄)·v̄ to the numerator and p·exp(...) to
+ *              the denominator: the estimate of an unselected page.
  * dense        Attention over one contiguous run per item: token t of KV head
  *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
  *              mode and dense layers use it; it is also the reference the
@@ -135,6 +146,7 @@
 #ifndef KVR_GPU_KERNELS_H
 #define KVR_GPU_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "../layouts/hd.h"
@@ -196,7 +208,8 @@ static inline KVR_HD struct kvr_page_item kvr_append_page_item(const struct kvr_
 
 struct kvr_score_item {
 	const void *q;         /* [n_qo][d] */
-	const void *summaries; /* [n_pages][n_kv][2][d]; page j at j·n_kv·2·d elements */
+	const void *summaries; /* [n_pages] page summaries (summary.h); page j's key bounds
+	                          [n_kv][2][d] at j · kvr_summary_page_elems elements */
 	float *scores;         /* [n_kv][cand_end - cand_begin] */
 	int32_t *selected;     /* [n_kv][k] */
 	uint32_t cand_begin;   /* first candidate page */
@@ -243,8 +256,30 @@ struct kvr_kv_segment {
 		uint32_t first_row;  /* quantised: the run's row of the first token */
 	};
 	uint32_t head_stride; /* between KV heads: elements (plain), bytes (quantised) */
-	uint32_t format;      /* enum kvr_kv_format (layouts/kvquant.h); 0 = plain */
+	uint32_t format;      /* enum kvr_kv_format (layouts/kvquant.h); 0 = plain;
+	                         KVR_KV_ESTIMATE: plain rows of page estimates */
 };
+
+/* A segment's format is quantised codes (first_row; head_stride in bytes),
+ * not plain rows (plain pages and page estimates). */
+static inline KVR_HD int kvr_segment_quantised(uint32_t format)
+{
+	return format != KVR_KV_PLAIN && format != KVR_KV_ESTIMATE;
+}
+
+/* What a segment adds to each of its tokens' logits: ln(p) for estimate
+ * rows (each stands for a page of p tokens), 0 for tokens. p is a power of
+ * two: log2(p)·ln 2 is one correctly rounded product, the same bits on every
+ * backend (a library logf may differ by an ulp between host and device). */
+static inline KVR_HD float kvr_segment_log_weight(uint32_t format, uint32_t page_tokens)
+{
+	if (format != KVR_KV_ESTIMATE)
+		return 0.0f;
+	uint32_t log2p = 0;
+	while (log2p < 31 && (1u << log2p) < page_tokens)
+		log2p++;
+	return (1u << log2p) == page_tokens ? (float)log2p * 0.693147182f : logf((float)page_tokens);
+}
 
 /* plan: one attention item's segments of the selected pages (below). */
 struct kvr_plan_item {
@@ -535,6 +570,10 @@ enum kvr_shape_flags {
 	 * KVR_SHAPE_SEGMENT_LSE a segment's log-sum-exp is over the tokens the
 	 * head sees (−inf when none); not for dense (-EINVAL). */
 	KVR_SHAPE_CAUSAL = 1u << 1,
+	/* page summaries carry estimate rows (layouts/summary.h): summarize
+	 * and append write the mean key and mean value after the key bounds,
+	 * and score reads the bounds kvr_summary_page_elems(.., 1) apart */
+	KVR_SHAPE_ESTIMATES = 1u << 2,
 };
 
 #ifdef __cplusplus

@@ -187,6 +187,9 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 		       (unsigned long long)params->chunk_bytes);
 	if (params->kv_format > KVR_KV_MIXED)
 		REJECT("pool: unknown page format %u", params->kv_format);
+	if (params->keep_summaries > KVR_POOL_SUMMARIES_ESTIMATES)
+		REJECT("pool: keep_summaries must be 0 (none), 1 (key bounds) or 2 (bounds and "
+		       "estimates) (got %u)", params->keep_summaries);
 	if (params->kv_format != KVR_KV_PLAIN && params->layout != KVR_POOL_LAYOUT_HND)
 		REJECT("pool: quantised pages need the HND layout");
 	const uint64_t head_bytes =
@@ -228,7 +231,9 @@ int kvr_pool_create(const struct kvr_pool_params *params, struct kvr_pool **out,
 		kvr_quant_geometry_init(&pool->quant, g->page_tokens, g->head_dim, 1, pool->fill_format);
 	pool->head_bytes = head_bytes;
 	pool->page_bytes = page_bytes;
-	pool->summary_bytes = params->keep_summaries ? kvr_summary_bytes(g) : 0;
+	pool->summary_bytes = params->keep_summaries
+				      ? kvr_summary_bytes(g, params->keep_summaries == KVR_POOL_SUMMARIES_ESTIMATES)
+				      : 0;
 	pool->capacity_pages = (uint32_t)capacity_pages;
 
 	uint64_t chunk = params->chunk_bytes ? params->chunk_bytes : KVR_POOL_DEFAULT_CHUNK_BYTES;

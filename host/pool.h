@@ -52,6 +52,13 @@ enum kvr_pool_layout {
 	KVR_POOL_LAYOUT_NHD = 1, /* token-major rows: 2·p copies per KV head (ablation) */
 };
 
+/* What summaries a pool keeps per page (layouts/summary.h). */
+enum kvr_pool_summaries {
+	KVR_POOL_SUMMARIES_NONE = 0,
+	KVR_POOL_SUMMARIES_BOUNDS = 1,    /* the key bounds (min, max) */
+	KVR_POOL_SUMMARIES_ESTIMATES = 2, /* the bounds and the estimate rows */
+};
+
 enum kvr_pool_flags {
 	KVR_POOL_NO_HUGEPAGES = 1u << 0, /* skip madvise(MADV_HUGEPAGE) */
 	KVR_POOL_NO_LOCK = 1u << 1,      /* neither register nor mlock the chunks */
@@ -71,7 +78,8 @@ struct kvr_pool_params {
 	uint64_t capacity_bytes;           /* hard limit on page memory, bytes */
 	uint64_t chunk_bytes;              /* bytes per mapping, multiple of 2 MiB; 0 = default */
 	uint32_t flags;                    /* enum kvr_pool_flags */
-	uint32_t keep_summaries;           /* 1: compute and keep key summaries on write */
+	uint32_t keep_summaries;           /* enum kvr_pool_summaries: what summaries a page
+	                                      write computes and keeps (0: none) */
 	kvr_pool_log_fn log_fn;            /* warnings (lock failures); NULL = silent */
 	void *log_user;
 	/* Registration of host memory with the context's device (pinned and

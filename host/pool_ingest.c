@@ -35,10 +35,17 @@ static void page_fill(struct kvr_pool *pool, uint32_t id, unsigned char *page, u
 	if (!summary)
 		return;
 	const uint64_t eb = g->elem_bytes;
-	for (uint32_t h = 0; h < g->n_kv_heads; h++)
-		kvr_summarize_keys(g, (const unsigned char *)k_rows + (uint64_t)h * g->head_dim * eb,
-				   row_stride, summary + kvr_summary_index(g, h, 0, 0) * eb,
-				   summary + kvr_summary_index(g, h, 1, 0) * eb);
+	for (uint32_t h = 0; h < g->n_kv_heads; h++) {
+		const uint64_t col = (uint64_t)h * g->head_dim * eb;
+		kvr_summarize_keys(g, (const unsigned char *)k_rows + col, row_stride,
+				   summary + kvr_summary_index(g, h, KVR_SUMMARY_MIN, 0) * eb,
+				   summary + kvr_summary_index(g, h, KVR_SUMMARY_MAX, 0) * eb);
+		if (pool->params.keep_summaries == KVR_POOL_SUMMARIES_ESTIMATES)
+			kvr_summarize_means(g, (const unsigned char *)k_rows + col,
+					    (const unsigned char *)v_rows + col, row_stride,
+					    summary + kvr_summary_index(g, h, KVR_SUMMARY_KEY_MEAN, 0) * eb,
+					    summary + kvr_summary_index(g, h, KVR_SUMMARY_VALUE_MEAN, 0) * eb);
+	}
 }
 
 /* Lock held. The page a write to (t, logical) may fill: copy-on-write when it

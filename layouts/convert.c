@@ -326,6 +326,36 @@ static AVX512_TARGET void summarize_avx512(const struct kvr_page_geometry *g, co
 	summarize_scalar(g, keys, stride, min_out, max_out, d);
 }
 
+/* The same sum on every ISA: rows widened to f32 (exact), then added column
+ * by column in token order, which the compiler vectorises across columns
+ * without reordering any one column's additions. */
+static void sum_rows(const struct kvr_page_geometry *g, const void *rows, uint64_t stride,
+		     float *sum, float *row)
+{
+	const uint32_t d = g->head_dim;
+	const uint64_t eb = g->elem_bytes;
+	kvr_convert_to_f32(sum, rows, g->elem_type, d);
+	for (uint32_t p = 1; p < g->page_tokens; p++) {
+		kvr_convert_to_f32(row, (const unsigned char *)rows + p * stride * eb, g->elem_type, d);
+		for (uint32_t c = 0; c < d; c++)
+			sum[c] += row[c];
+	}
+}
+
+void kvr_summarize_means(const struct kvr_page_geometry *g, const void *keys, const void *values,
+			 uint64_t stride, void *key_mean_out, void *value_mean_out)
+{
+	float sum[256], row[256]; /* head_dim <= 256 (config.c) */
+	if (g->head_dim > 256)
+		return;
+	sum_rows(g, keys, stride, sum, row);
+	for (uint32_t c = 0; c < g->head_dim; c++)
+		kvr_store_f32(key_mean_out, g->elem_type, c, kvr_summary_mean(sum[c], g->page_tokens));
+	sum_rows(g, values, stride, sum, row);
+	for (uint32_t c = 0; c < g->head_dim; c++)
+		kvr_store_f32(value_mean_out, g->elem_type, c, kvr_summary_mean(sum[c], g->page_tokens));
+}
+
 void kvr_summarize_keys(const struct kvr_page_geometry *g, const void *keys, uint64_t key_stride,
 			void *min_out, void *max_out)
 {

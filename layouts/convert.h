@@ -48,4 +48,12 @@ int kvr_convert_isa_parse(const char *name, enum kvr_convert_isa *isa);
 void kvr_summarize_keys(const struct kvr_page_geometry *g, const void *keys, uint64_t key_stride,
 			void *min_out, void *max_out);
 
+/* Estimate rows of one KV head of one page (summary.h): the mean of its p
+ * keys and the mean of its p values, each column summed in fp32 in token
+ * order from token 0 and divided by p. keys/values: p rows of d elements,
+ * row i at + i * stride elements. key_mean_out/value_mean_out: d elements
+ * each, same element type. NaN propagates. */
+void kvr_summarize_means(const struct kvr_page_geometry *g, const void *keys, const void *values,
+			 uint64_t stride, void *key_mean_out, void *value_mean_out);
+
 #endif /* KVR_LAYOUTS_CONVERT_H */

@@ -53,6 +53,10 @@ enum kvr_kv_format {
 	 * bytes, more tokens when quantised harder). Never a pool page's
 	 * format; kvr_quant_half_piece copies a K8V4 run's half into one. */
 	KVR_KV_K8V4_HALF = 4,
+	/* Not a page's format: an attention segment of page estimates (plain
+	 * rows of mean keys and values, each standing for page_tokens tokens;
+	 * gpu/kernels.h). kvr_quant_geometry_init refuses it. */
+	KVR_KV_ESTIMATE = 5,
 };
 
 struct kvr_quant_geometry {
@@ -254,7 +258,7 @@ static inline KVR_HD uint64_t kvr_kv_run_bytes(uint32_t format, uint32_t page_to
  * Plain segments are not bounded by a page. */
 static inline KVR_HD uint32_t kvr_kv_segment_rows(uint32_t format, uint32_t page_tokens)
 {
-	if (format == KVR_KV_PLAIN)
+	if (format == KVR_KV_PLAIN || format == KVR_KV_ESTIMATE)
 		return UINT32_MAX;
 	if (format == KVR_KV_K8V4 || format == KVR_KV_K4V2)
 		return page_tokens;

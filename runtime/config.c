@@ -291,6 +291,15 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 			   c->spill_queue_depth);
 	if (c->spill_reserved)
 		return say(m, mb, -EINVAL, "spill_reserved: must be 0 (got %u)", c->spill_reserved);
+	if (c->estimate > 1)
+		return say(m, mb, -EINVAL, "estimate: must be 0 (off) or 1 (on) (got %u)", c->estimate);
+	if (c->estimate_reserved)
+		return say(m, mb, -EINVAL, "estimate_reserved: must be 0 (got %u)", c->estimate_reserved);
+	if (c->estimate && c->kv_format == KVR_KV_FORMAT_MIXED)
+		return say(m, mb, -ENOTSUP,
+			   "estimate: not with kv_format mixed (3): mixed pages rank pages by the "
+			   "attention share of their segments, which the estimate's segments would "
+			   "join; use plain, k8v4 or k4v2 pages");
 	if (!memchr(c->spill_dir, '\0', sizeof(c->spill_dir)))
 		return say(m, mb, -EINVAL, "spill_dir: must be NUL-terminated within %zu bytes",
 			   sizeof(c->spill_dir));

@@ -255,6 +255,19 @@ struct kvr_config {
 	 * caller's (it sizes the work split). Ignored by the cuda backend. */
 	kvr_parallel_for_fn parallel_for; /* NULL = the backend's own workers. Default NULL. */
 	void *parallel_user;              /* passed back to parallel_for untouched */
+
+	/* Added in 0.7 (an older config, without them, takes their defaults):
+	 * the estimate of the pages not retrieved. With estimate = 1 every
+	 * full page also keeps its mean key and mean value per KV head (beside
+	 * its key bounds: twice the summary memory, 2/p of the KV instead of
+	 * 1/p), and the sparse modes (blocking, speculative, freekv) add to
+	 * attention, for each candidate page they did not select, that page's
+	 * p tokens estimated as its mean key and value: p·exp(scale·q·k̄) in
+	 * the softmax's denominator and that times v̄ in its numerator
+	 * (docs/architecture.md, "Estimating the pages not retrieved"). Not
+	 * with mixed pages. Default 0 (off). */
+	uint32_t estimate;
+	uint32_t estimate_reserved; /* must be 0 */
 };
 
 /*

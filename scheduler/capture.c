@@ -123,6 +123,9 @@ int kvr_sched_capturable(const struct kvr_sched *s, const char **why)
 		*why = "a spill tier pins the pages a step reads, which a replay cannot repeat";
 	else if (s->c.mode == KVR_MODE_DENSE)
 		return 0;
+	else if (s->estimates)
+		*why = "the estimate (config estimate) builds its segments on the host, around the "
+		       "selection it reads: turn it off to capture a sparse mode";
 	else if (!s->device_plan)
 		*why = "this configuration plans recall on the host (budget, sink and window leave "
 		       "no page to select, or more than the device plan takes)";

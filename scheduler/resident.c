@@ -174,7 +174,7 @@ const void *kvr_resident_summaries(struct kvr_sched *s, struct kvr_lane *lane, u
 	const void *host = kvr_pool_summary(s->pool, lane->seq, lane->layer, 0);
 	if (!device_has_own_memory(s) || !host || !n_pages)
 		return host;
-	const uint64_t one = 2ull * s->c.n_kv_heads * s->c.head_dim * s->eb;
+	const uint64_t one = kvr_summary_page_elems(s->c.n_kv_heads, s->c.head_dim, s->estimates) * s->eb;
 	if (n_pages > lane->sum_cap) {
 		/* grow: the engine, inside a layer, frees the old copy at the
 		 * step's end (a kernel it queued may still read it); the

@@ -46,7 +46,8 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 	s->units_per_slot = c->kv_format ? kvr_units_per_slot(c) : 0;
 	const float scale = 1.0f / sqrtf((float)c->head_dim);
 	s->shape = (struct kvr_shape){ c->n_qo_heads, c->n_kv_heads, c->head_dim, c->page_tokens,
-				       c->dtype, scale, c->tau, 0, 0, 0, 0 };
+				       c->dtype, scale, c->tau, c->estimate ? KVR_SHAPE_ESTIMATES : 0u, 0, 0, 0 };
+	s->estimates = c->estimate != 0;
 	s->head_shape = (struct kvr_shape){ s->G, 1, c->head_dim, c->page_tokens, c->dtype, scale,
 					    c->tau, 0, 0, 0, 0 };
 	s->lse_shape = s->head_shape;
@@ -123,7 +124,9 @@ int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **o
 			   s->pool_layout == KVR_POOL_LAYOUT_HND && !s->hooks.host_step;
 	/* streamed: the plan kernel moves misses straight from the pinned pool,
 	 * which a spill tier cannot promise holds them */
-	s->device_plan = s->device_append && kvr_sched_k_plannable(c) &&
+	/* the estimate's segments (segments.c) are built on the host, around
+	 * the selection it reads: no device plan with it in this version */
+	s->device_plan = s->device_append && kvr_sched_k_plannable(c) && !c->estimate &&
 			 (s->recall == KVR_RECALL_ZERO_COPY ||
 			  (s->recall == KVR_RECALL_STREAMED && !s->kv_format && !kvr_pool_spill_file(s->pool)));
 	s->eng.engine_sel.stream = s->engine_inline;

@@ -19,6 +19,7 @@
 #include "../gpu/backend.h"
 #include "../gpu/memory.h"
 #include "../host/pool.h"
+#include "../layouts/summary.h"
 #include "scheduler.h"
 #include "trace.h"
 
@@ -167,6 +168,9 @@ struct kvr_sched {
 	 * selected on the device (zero-copy recall; streamed with plain pages
 	 * and no spill tier) */
 	int device_plan;
+	/* the pages keep estimate rows, and sparse attention adds the
+	 * unselected candidates' estimate (c.estimate; segments.c) */
+	int estimates;
 	int compute_host_sync;            /* compute runs its work as it is queued (cpu, cudaemu
 	                                     inline): a stream wait there blocks the engine */
 	struct kvr_stream *ctl_inline;    /* controller: its kernels */

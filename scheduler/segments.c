@@ -109,6 +109,43 @@ static void sort_pairs(int32_t *page, uint32_t *slot, uint32_t n)
 	}
 }
 
+/* The estimate (c.estimate) of KV head m's candidate pages [first, end) that
+ * attention does not read exactly (`attended`: n_attended pages, ascending,
+ * all in range): one KVR_KV_ESTIMATE segment per run of consecutive such
+ * pages, whose rows are the pages' mean keys and values in the pool's
+ * summaries (summary.h; mapped host memory, which every backend reads in
+ * place, as zero-copy recall reads pages), each standing for a page's p
+ * tokens (kernels.h). At most one segment per unattended page, so a list
+ * still holds at most one segment per full page plus the tail. */
+static uint32_t estimate_segments(struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
+				  uint32_t first, uint32_t end, const int32_t *attended,
+				  uint32_t n_attended, struct kvr_kv_segment *out)
+{
+	const unsigned char *sum = kvr_pool_summary(s->pool, lane->seq, lane->layer, 0);
+	if (!sum || first >= end)
+		return 0;
+	struct kvr_page_geometry g;
+	kvr_page_geometry_init(&g, s->c.page_tokens, s->c.head_dim, s->c.n_kv_heads, s->c.dtype);
+	const uint64_t page_elems = kvr_summary_page_elems(s->c.n_kv_heads, s->c.head_dim, 1);
+	const uint64_t k_at = kvr_summary_index(&g, m, KVR_SUMMARY_KEY_MEAN, 0) * s->eb;
+	const uint64_t v_at = kvr_summary_index(&g, m, KVR_SUMMARY_VALUE_MEAN, 0) * s->eb;
+	uint32_t n = 0, run = first, i = 0;
+	for (;;) {
+		/* the next attended page at or after `run`, or end */
+		while (i < n_attended && (uint32_t)attended[i] < run)
+			i++;
+		const uint32_t stop = i < n_attended && (uint32_t)attended[i] < end ? (uint32_t)attended[i] : end;
+		if (stop > run) {
+			const unsigned char *rows = sum + (uint64_t)run * page_elems * s->eb;
+			out[n++] = (struct kvr_kv_segment){ rows + k_at, rows + v_at, stop - run,
+							    { (uint32_t)page_elems }, 0, KVR_KV_ESTIMATE };
+		}
+		if (stop >= end)
+			return n;
+		run = stop + 1;
+	}
+}
+
 /* Segments of KV head m of one sequence (n_tokens after the append): sink
  * pages, the selected pages (`sel`: zero-copy; or the lane's slots), window
  * pages, the tail. Dense: every full page, then the tail. */
@@ -145,6 +182,8 @@ uint32_t kvr_sched_build_segments(struct kvr_sched *s, struct kvr_lane *lane, ui
 					slots[n_sel++] = j;
 				}
 			sort_pairs(pages, slots, n_sel);
+			if (s->estimates)
+				n += estimate_segments(s, lane, m, sink, win_first, pages, n_sel, out + n);
 			const uint64_t row = (uint64_t)s->c.n_kv_heads * d;
 			for (uint32_t i = 0; i < n_sel; i++) {
 				if (s->kv_format) { /* one run in the slot's unit, or two halves */
@@ -183,6 +222,15 @@ uint32_t kvr_sched_build_segments(struct kvr_sched *s, struct kvr_lane *lane, ui
 					continue;
 				}
 				out[n++] = seg;
+			}
+			if (s->estimates) { /* the attended pages, ascending */
+				int32_t *pages = s->eng.seg_pages;
+				uint32_t n_sel = 0;
+				for (uint32_t i = 0; i < s->k; i++)
+					if (sel[i] >= 0 && (uint32_t)sel[i] >= sink && (uint32_t)sel[i] < win_first)
+						pages[n_sel++] = sel[i];
+				sort_pairs(pages, s->eng.seg_slots, n_sel);
+				n += estimate_segments(s, lane, m, sink, win_first, pages, n_sel, out + n);
 			}
 		}
 		for (uint32_t j = win_first > sink ? win_first : sink; j < n_full; j++)

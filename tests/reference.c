@@ -122,6 +122,18 @@ void ref_summarize(const struct kvr_shape *sh, const struct kvr_page_item *items
 				}
 				kvr_store_f32(it->summary, type, (m * 2 + 0) * d + c, mn);
 				kvr_store_f32(it->summary, type, (m * 2 + 1) * d + c, mx);
+				if (!(sh->flags & KVR_SHAPE_ESTIMATES))
+					continue;
+				/* the estimate rows after the bounds block: fp32 sums in
+				 * token order from token 0, over p (kernels.h) */
+				float sk = kvr_load_f32(it->k_rows, type, m * d + c);
+				float sv = kvr_load_f32(it->v_rows, type, m * d + c);
+				for (uint64_t t = 1; t < p; t++) {
+					sk += kvr_load_f32(it->k_rows, type, t * it->row_stride + m * d + c);
+					sv += kvr_load_f32(it->v_rows, type, t * it->row_stride + m * d + c);
+				}
+				kvr_store_f32(it->summary, type, (n_kv * 2 + m * 2 + 0) * d + c, sk / (float)p);
+				kvr_store_f32(it->summary, type, (n_kv * 2 + m * 2 + 1) * d + c, sv / (float)p);
 			}
 	}
 }
@@ -286,6 +298,8 @@ void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *it, doub
 	const uint32_t n_kv = sh->n_kv_heads, G = sh->n_qo_heads / n_kv, d = sh->head_dim;
 	const uint32_t type = sh->elem_type;
 	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
+	/* page j's key bounds, at the page stride of summaries with or without estimate rows */
+	const uint64_t page_elems = (uint64_t)n_kv * d * (sh->flags & KVR_SHAPE_ESTIMATES ? 4 : 2);
 	if (!n_cand)
 		return;
 	/* the softmax domain (kernels.h): every page [0, norm_end) when set */
@@ -304,7 +318,7 @@ void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *it, doub
 			double smax = -INFINITY;
 			for (uint32_t j = 0; j < n_dom; j++) {
 				/* summary of page (first + j), KV head m: min row, max row */
-				const uint64_t base = ((uint64_t)(first + j) * n_kv + m) * 2 * d;
+				const uint64_t base = (uint64_t)(first + j) * page_elems + (uint64_t)m * 2 * d;
 				double acc = 0.0;
 				for (uint32_t c = 0; c < d; c++) {
 					const double q = ref_load(it->q, type, h * d + c);
@@ -359,7 +373,7 @@ void ref_similarity(const struct kvr_shape *sh, const struct kvr_similarity_item
 static double seg_elem(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, uint64_t m,
 		       int half, uint64_t t, uint32_t c)
 {
-	if (seg->format == KVR_KV_PLAIN)
+	if (seg->format == KVR_KV_PLAIN || seg->format == KVR_KV_ESTIMATE)
 		return ref_load(half ? seg->v : seg->k, sh->elem_type,
 				m * seg->head_stride + t * seg->row_stride + c);
 	struct kvr_quant_geometry g;
@@ -413,7 +427,9 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 					dot += x;
 					mag += fabs(x);
 				}
-				logit[i] = (double)sh->scale * dot;
+				/* an estimate row is a page's p tokens */
+				logit[i] = (double)sh->scale * dot +
+					   (segs[s].format == KVR_KV_ESTIMATE ? log((double)sh->page_tokens) : 0.0);
 				lmax = logit[i] > lmax ? logit[i] : lmax;
 				mag *= fabs((double)sh->scale);
 				if (isfinite(mag) && mag > hs->logit_mag)

@@ -895,6 +895,66 @@ static void summarize_case(struct env *e, uint32_t ci, uint32_t ti)
 
 CONFORMANCE_CASES(summarize, ARRAY_LEN(page_shapes))
 
+/*
+ * Summaries with estimate rows (KVR_SHAPE_ESTIMATES, issue 24): the key
+ * bounds where they are without them, then each head's mean key and mean
+ * value (fp32 sums in token order from token 0, over p): bit-exact on every
+ * backend, from rows with a padded stride, a column of signed zeros (a
+ * mean of -0.0 stays -0.0) and large values whose sums would round
+ * differently in another order.
+ */
+static void summarize_estimates_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	PAGE_CASE_SETUP(0xe571);
+	enum { PAGES = 3 };
+	struct kvr_shape shx = sh;
+	shx.flags |= KVR_SHAPE_ESTIMATES;
+	const uint32_t d = pc->d, n_kv = pc->n_kv;
+	const uint32_t stride = n_kv * d + pc->pad;
+	const uint64_t rows = (uint64_t)PAGES * pc->p * stride, sum = 4ull * n_kv * d;
+	const size_t eb = ebytes(type);
+
+	void *k = halloc(rows * eb), *v = halloc(rows * eb), *summ = halloc(PAGES * sum * eb);
+	fill_uniform(&r, k, type, rows, -4.0, 4.0);
+	fill_uniform(&r, v, type, rows, -300.0, 300.0);
+	fill_bytes(&r, summ, PAGES * sum * eb);
+	for (uint32_t t = 0; t < pc->p; t++) { /* page 0, head 0, dim 0: -0.0 only */
+		ref_store(k, type, (uint64_t)t * stride, -0.0);
+		ref_store(v, type, (uint64_t)t * stride, -0.0);
+	}
+	struct kvr_page_item items[PAGES];
+	for (uint32_t i = 0; i < PAGES; i++)
+		items[i] = (struct kvr_page_item){
+			.k_rows = elem_ptr(k, type, (uint64_t)i * pc->p * stride),
+			.v_rows = elem_ptr(v, type, (uint64_t)i * pc->p * stride),
+			.summary = elem_ptr(summ, type, i * sum),
+			.row_stride = stride,
+		};
+	put(c, k, rows * eb);
+	put(c, v, rows * eb);
+	put(c, summ, PAGES * sum * eb);
+	DEV_OK(c, kvr_dev_summarize(c->dev, &shx, dev_page_items(c, items, PAGES), PAGES, c->s));
+	void *got = halloc(PAGES * sum * eb);
+	get(c, got, summ, PAGES * sum * eb);
+
+	ref_summarize(&shx, items, PAGES);
+	static const char *const row_names[] = { "min", "max", "mean key", "mean value" };
+	for (uint64_t i = 0; i < PAGES * sum; i++) {
+		const uint64_t pg = i / sum, in = i % sum, block = in / (2 * n_kv * d);
+		const uint64_t m = in % (2 * n_kv * d) / (2 * d), w = in % (2 * d) / d, dim = i % d;
+		cr_assert(!memcmp(elem_ptr(got, type, i), elem_ptr(summ, type, i), eb),
+			  "%s: summarize (estimates) %s config %u: page %lu head %lu %s dim %lu: "
+			  "got %g, want %g (bit-exact)",
+			  c->name, type_names[ti], ci, (unsigned long)pg, (unsigned long)m,
+			  row_names[block * 2 + w], (unsigned long)dim, ref_load(got, type, i),
+			  ref_load(summ, type, i));
+	}
+	cr_assert(signbit(ref_load(got, type, 2ull * n_kv * d)) && signbit(ref_load(got, type, 2ull * n_kv * d + d)),
+		  "%s: summarize (estimates): the mean of -0.0 keys and values is -0.0", c->name);
+}
+
+CONFORMANCE_CASES(summarize_estimates, ARRAY_LEN(page_shapes))
+
 /* ================================================================== score + select */
 
 /* One score test case: items over a q buffer, a summaries buffer per item
@@ -1962,6 +2022,65 @@ static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 }
 
 CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
+
+/*
+ * Estimate segments (KVR_KV_ESTIMATE, issue 24) beside pages, as the sparse
+ * modes' estimate builds them: rows of mean keys and values in a table of
+ * summaries with estimate rows (row_stride: a page's summary), each
+ * standing for p tokens (ln p on its logit). Items: one estimate row alone
+ * (its output is the mean value, whatever the weight); a page, an estimate
+ * run of three pages and a tile; the same with queries 40x larger (the
+ * estimate holds the running maximum); two estimate runs around a page
+ * (the order of segments does not matter to the result).
+ */
+static void attention_estimate_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	CASE_SETUP(numeric_shapes, 0xe57a);
+	enum { PAGES = 2, SUMS = 6, ITEMS = 4 };
+	const uint32_t p = sh.page_tokens, d = sh.head_dim, n_kv = sh.n_kv_heads;
+	const uint64_t page = 2ull * n_kv * p * d, tile = (uint64_t)p * n_kv * d, sum = 4ull * n_kv * d;
+	const size_t eb = ebytes(type);
+	void *pool = halloc(PAGES * page * eb), *kt = halloc(tile * eb), *vt = halloc(tile * eb);
+	void *summ = halloc(SUMS * sum * eb);
+	fill_uniform(&r, pool, type, PAGES * page, -1.0, 1.0);
+	fill_uniform(&r, kt, type, tile, -1.0, 1.0);
+	fill_uniform(&r, vt, type, tile, -1.0, 1.0);
+	fill_uniform(&r, summ, type, SUMS * sum, -1.0, 1.0);
+	put(c, pool, PAGES * page * eb);
+	put(c, kt, tile * eb);
+	put(c, vt, tile * eb);
+	put(c, summ, SUMS * sum * eb);
+	/* KV head m's mean key of summary j at j·sum + (2·n_kv + 2m)·d; the
+	 * items are whole layers here, so head_stride steps 2d between heads */
+	const struct kvr_kv_segment est[] = {
+		{ .k = elem_ptr(summ, type, 2ull * n_kv * d), .v = elem_ptr(summ, type, 2ull * n_kv * d + d),
+		  .n_tokens = 1, .row_stride = (uint32_t)sum, .head_stride = 2 * d, .format = KVR_KV_ESTIMATE },
+		{ .k = elem_ptr(summ, type, 1 * sum + 2ull * n_kv * d),
+		  .v = elem_ptr(summ, type, 1 * sum + 2ull * n_kv * d + d), .n_tokens = 3,
+		  .row_stride = (uint32_t)sum, .head_stride = 2 * d, .format = KVR_KV_ESTIMATE },
+		{ .k = elem_ptr(summ, type, 4 * sum + 2ull * n_kv * d),
+		  .v = elem_ptr(summ, type, 4 * sum + 2ull * n_kv * d + d), .n_tokens = 2,
+		  .row_stride = (uint32_t)sum, .head_stride = 2 * d, .format = KVR_KV_ESTIMATE },
+	};
+	const struct kvr_kv_segment segs[] = {
+		est[0],                                            /* item 0 */
+		hnd_segment(&sh, pool, 0, p), est[1],              /* items 1, 2 */
+		nhd_segment(&sh, kt, vt, 0, 0, p),
+		est[2], hnd_segment(&sh, pool, 1, p), est[1],      /* item 3 */
+	};
+	static const uint32_t first[ITEMS] = { 0, 1, 1, 4 };
+	static const uint32_t count[ITEMS] = { 1, 3, 3, 3 };
+	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
+	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
+	scaled_query(q, type, per, 2, 1, 40.0); /* item 2: item 1's query x40 */
+	struct kvr_attention_item items[ITEMS];
+	attention_items(items, ITEMS, q, out, type, per, first, count);
+	char what[96];
+	snprintf(what, sizeof(what), "attention (estimates) config %u", ci);
+	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+}
+
+CONFORMANCE_CASES(attention_estimate, ARRAY_LEN(numeric_shapes))
 
 /*
  * Causal query blocks (KVR_SHAPE_CAUSAL, the prefill): each KV head's group

@@ -113,12 +113,19 @@ struct opts {
 	uint32_t kv_format;  /* KVR_KV_FORMAT_*: plain unless a test says otherwise */
 	uint64_t ram_pages;  /* > 0: a spill tier with this many pages in RAM */
 	int host_step;       /* the host reads q, k, v and selections (hooks.host_step) */
+	int estimate;        /* config estimate: unselected candidates' estimate (issue 24) */
 };
 
 /* The page format the model attends over (set by run_drift from its opts):
  * tokens of offloaded pages are what attention reads of them, their
  * quantised values; selection still uses the raw keys' summaries. */
 static uint32_t model_kv_format;
+/* The model adds the estimate of the candidate pages not selected (config
+ * estimate; set by run_drift): each such page as one token of its mean key
+ * and mean value (fp32 sums in token order over P, in the dtype) whose
+ * logit gets ln P, i.e. P·exp(q·k̄/√d) and that times v̄ (kernels.h). */
+static int model_estimate;
+static uint32_t model_dtype;
 
 static struct opts opts_default(uint32_t dev_kind, uint32_t mode, uint32_t recall, uint32_t dtype)
 {
@@ -163,6 +170,7 @@ static void config_of(const struct opts *o, struct kvr_config *c)
 	c->controller = o->controller;
 	c->kv_format = o->kv_format;
 	c->pool_ram_bytes = o->ram_pages * page_bytes(o->dtype);
+	c->estimate = (uint32_t)o->estimate;
 }
 
 /* Device buffers for the decode calls of a context on a separate-memory
@@ -632,7 +640,27 @@ static void ref_attend(const struct tseq *t, uint32_t l, uint64_t n, const float
 		kvr_quant_row(vr, D, 1, gq.value_bits, codes, sz);
 		kvr_dequant_row(codes, D, gq.value_bits, sz, vq[tok]);
 	}
-	static double logit[CAP];
+	/* the estimate: every full candidate page [sink, win_first) not
+	 * attended, from its raw (unquantised) keys and values */
+	static float km[MAX_PAGES][D], vm[MAX_PAGES][D];
+	uint32_t n_est = 0;
+	for (uint32_t pg = sink; model_estimate && !dense && pg < win_first && pg < n_full; pg++) {
+		if (use[(uint64_t)pg * P])
+			continue;
+		for (uint32_t c = 0; c < D; c++) {
+			float sk = 0, sv = 0;
+			for (uint32_t r = 0; r < P; r++) {
+				sk += t->k[l][((uint64_t)pg * P + r) * KV_ROW + m * D + c];
+				sv += t->v[l][((uint64_t)pg * P + r) * KV_ROW + m * D + c];
+			}
+			km[n_est][c] = sk / P;
+			vm[n_est][c] = sv / P;
+		}
+		round_dtype(km[n_est], D, model_dtype);
+		round_dtype(vm[n_est], D, model_dtype);
+		n_est++;
+	}
+	static double logit[CAP], est_logit[MAX_PAGES];
 	for (uint32_t g = 0; g < G; g++) {
 		const float *qh = q + (m * G + g) * D;
 		double mxl = -INFINITY, sum = 0, acc[D] = { 0 };
@@ -645,6 +673,13 @@ static void ref_attend(const struct tseq *t, uint32_t l, uint64_t n, const float
 			logit[tok] = dot / sqrt((double)D);
 			mxl = logit[tok] > mxl ? logit[tok] : mxl;
 		}
+		for (uint32_t e = 0; e < n_est; e++) {
+			double dot = 0;
+			for (uint32_t c = 0; c < D; c++)
+				dot += (double)qh[c] * km[e][c];
+			est_logit[e] = dot / sqrt((double)D) + log((double)P);
+			mxl = est_logit[e] > mxl ? est_logit[e] : mxl;
+		}
 		for (uint64_t tok = 0; tok < n; tok++) {
 			if (!use[tok])
 				continue;
@@ -652,6 +687,12 @@ static void ref_attend(const struct tseq *t, uint32_t l, uint64_t n, const float
 			sum += w;
 			for (uint32_t c = 0; c < D; c++)
 				acc[c] += w * vq[tok][c];
+		}
+		for (uint32_t e = 0; e < n_est; e++) {
+			const double w = exp(est_logit[e] - mxl);
+			sum += w;
+			for (uint32_t c = 0; c < D; c++)
+				acc[c] += w * vm[e][c];
 		}
 		for (uint32_t c = 0; c < D; c++)
 			out[g * D + c] = acc[c] / sum;
@@ -839,6 +880,8 @@ static void run_drift(const struct opts *o, struct drift *r, struct check *ck)
 {
 	hooks_reset(0x5eed + o->mode * 7 + o->recall);
 	model_kv_format = o->kv_format;
+	model_estimate = o->estimate;
+	model_dtype = o->dtype;
 	struct kvr_context *ctx = ctx_open(o);
 	struct tseq t[DRIFT_MAX_SEQS], *tp[DRIFT_MAX_SEQS];
 	struct qgen qg[DRIFT_MAX_SEQS];
@@ -1382,12 +1425,14 @@ Test(scheduler, attended_set_invariant_across_window_moves, .timeout = 240)
  * outputs also differ from attention over sink + window alone, so a dropped
  * page would show.
  */
-static void big_budget_run(uint32_t recall, uint32_t budget, float *outs, uint32_t n_steps)
+static void big_budget_run_as(uint32_t mode, uint32_t estimate, uint32_t recall, uint32_t budget, float *outs,
+			      uint32_t n_steps)
 {
 	enum { BP = 32, BD = 32, BKV = 1, BQO = 2, BN = 34 * 1024 };
 	struct kvr_config c;
 	th_config(&c, 1, BQO, BKV, BD, KVR_DTYPE_F32, BP, 512, 512, budget);
-	c.mode = KVR_MODE_FREEKV;
+	c.mode = mode;
+	c.estimate = estimate;
 	c.recall = recall;
 	th_config_sparse(&c, 1);
 	c.backend = KVR_BACKEND_CPU;
@@ -1419,6 +1464,11 @@ static void big_budget_run(uint32_t recall, uint32_t budget, float *outs, uint32
 	kvr_context_destroy(ctx);
 }
 
+static void big_budget_run(uint32_t recall, uint32_t budget, float *outs, uint32_t n_steps)
+{
+	big_budget_run_as(KVR_MODE_FREEKV, 0, recall, budget, outs, n_steps);
+}
+
 Test(scheduler, streamed_equals_zero_copy_at_budget_32768, .timeout = 240)
 {
 	enum { STEPS = 4, ROW = 64 };
@@ -1436,6 +1486,77 @@ Test(scheduler, streamed_equals_zero_copy_at_budget_32768, .timeout = 240)
 		diff = fmax(diff, fabs((double)small[i] - zc[i]));
 	cr_assert_gt(diff, 1e-5, "the pages past 511 made no difference: the test cannot see a cap");
 }
+
+/*
+ * Issue 24, the estimate of the pages not retrieved: with a budget holding
+ * the whole context there is no unselected candidate, the estimate adds
+ * nothing, and freekv with it equals dense without it bit for bit; with a
+ * budget of sink + window + 8 pages it changes the outputs (so the equality
+ * above could fail).
+ */
+Test(scheduler, estimate_with_whole_context_budget_equals_dense, .timeout = 240)
+{
+	enum { STEPS = 3, ROW = 64 };
+	static float dense[STEPS * ROW], est[STEPS * ROW], small[STEPS * ROW], small_off[STEPS * ROW];
+	big_budget_run_as(KVR_MODE_DENSE, 0, KVR_RECALL_ZERO_COPY, 36 * 1024, dense, STEPS);
+	for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+		big_budget_run_as(KVR_MODE_FREEKV, 1, recall, 36 * 1024, est, STEPS);
+		for (uint32_t i = 0; i < STEPS * ROW; i++)
+			cr_assert(!memcmp(&dense[i], &est[i], sizeof(float)),
+				  "%s step %u element %u: freekv with the estimate %a, dense %a",
+				  kvr_recall_name(recall), i / ROW, i % ROW, (double)est[i], (double)dense[i]);
+	}
+	big_budget_run_as(KVR_MODE_FREEKV, 1, KVR_RECALL_ZERO_COPY, 512 + 512 + 8 * 32, small, STEPS);
+	big_budget_run_as(KVR_MODE_FREEKV, 0, KVR_RECALL_ZERO_COPY, 512 + 512 + 8 * 32, small_off, STEPS);
+	double diff = 0;
+	for (uint32_t i = 0; i < STEPS * ROW; i++)
+		diff = fmax(diff, fabs((double)small[i] - small_off[i]));
+	cr_assert_gt(diff, 1e-4, "the estimate of ~1000 unselected pages changed nothing");
+}
+
+/*
+ * Issue 24: in every sparse mode, both recalls, every step's output equals
+ * the model's attention over sink + selected pages + window + tail exactly
+ * plus each other candidate page as P tokens of its mean key and mean value
+ * (ref_attend; the kernels' formula, kernels.h KVR_KV_ESTIMATE), and differs
+ * from the same run without the estimate. Quantised pages: the estimate
+ * comes from the unquantised rows.
+ */
+static void estimate_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
+{
+	static const uint32_t modes[] = { KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
+	struct drift with, without;
+	drift_alloc(&with, n_seqs, n_steps);
+	drift_alloc(&without, n_seqs, n_steps);
+	for (uint32_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++)
+		for (uint32_t recall = KVR_RECALL_ZERO_COPY; recall <= KVR_RECALL_STREAMED; recall++) {
+			struct check ck;
+			struct opts o = opts_default(dev_kind, modes[mi], recall, KVR_DTYPE_F32);
+			o.estimate = 1;
+			run_drift(&o, &with, &ck);
+			cr_assert_gt(ck.compared, n_seqs * NL * n_steps * N_KV / 2, "%s: %u compared, %u ambiguous",
+				     kvr_mode_name(modes[mi]), ck.compared, ck.ambiguous);
+			o.estimate = 0;
+			run_drift(&o, &without, &ck);
+			double diff = 0;
+			for (size_t i = 0; i < drift_floats(&with); i++)
+				diff = fmax(diff, fabs((double)with.outs[i] - without.outs[i]));
+			cr_assert_gt(diff, 1e-3, "%s %s: the estimate changed no output", dev_name(dev_kind),
+				     kvr_mode_name(modes[mi]));
+		}
+	/* quantised pages, f16 (the means rounded to it) */
+	struct check ck;
+	struct opts o = opts_default(dev_kind, KVR_MODE_FREEKV, KVR_RECALL_ZERO_COPY, KVR_DTYPE_F16);
+	o.kv_format = KVR_KV_FORMAT_K8V4;
+	o.estimate = 1;
+	run_drift(&o, &with, &ck);
+	cr_assert_gt(ck.compared, n_steps, "the model compared too few outputs");
+	free(with.outs);
+	free(without.outs);
+}
+
+ON_DEVICE(estimate_matches_the_model_cpu, estimate_on, KVR_DEV_CPU, 2, 24, 240)
+ON_DEVICE(estimate_matches_the_model_cudaemu_strict, estimate_on, KVR_DEV_CUDAEMU_STRICT, 1, 6, 400)
 
 Test(scheduler, blocking_selects_with_current_query, .timeout = 120)
 {

@@ -29,6 +29,7 @@
 struct opts {
 	const char *model, *prompt, *chat, *file, *question, *json;
 	uint32_t max_tokens, threads, budget, sink, window, mode, kv_format, recall;
+	uint32_t estimate; /* config estimate: the pages not retrieved, estimated (sparse modes) */
 	float tau, temperature, top_p;
 	uint64_t seed;
 	int ignore_eos, compare, quiet, have_tau, have_budget, have_sink, have_window;
@@ -52,6 +53,8 @@ void runner_generate_usage(void)
 		"                      cpu; streamed keeps a device page cache, as on a GPU)\n"
 		"  --budget B --sink S --window W --tau T   kvrecall's selection (defaults: B 2048,\n"
 		"                      S = W = 512 or B/4 when smaller, tau 0.9)\n"
+		"  --estimate on|off   add the estimate of the pages not retrieved (their mean key\n"
+		"                      and value, p tokens each) to sparse attention (default off)\n"
 		"  --temperature T --top-p P --seed N      sampling (default greedy)\n"
 		"  --threads N         workers besides the main thread (default: cores - 1)\n"
 		"  --compare           also generate densely (f16 pages) and report where the\n"
@@ -125,6 +128,13 @@ static int parse(int argc, char **argv, struct opts *o)
 				fprintf(stderr, "kvrecall generate: --recall auto|zero-copy|streamed, not '%s'\n", v);
 				return 2;
 			}
+			i++;
+		} else if (!strcmp(a, "--estimate") && v) {
+			if (strcmp(v, "on") && strcmp(v, "off")) {
+				fprintf(stderr, "kvrecall generate: --estimate on|off, not '%s'\n", v);
+				return 2;
+			}
+			o->estimate = !strcmp(v, "on");
 			i++;
 		} else if (!strcmp(a, "--tau") && v) {
 			o->tau = strtof(v, NULL);
@@ -409,6 +419,7 @@ static int make_context(const struct model *m, const struct opts *o, uint32_t mo
 	c.mode = mode;
 	c.kv_format = kv_format;
 	c.recall = o->recall;
+	c.estimate = mode == KVR_MODE_DENSE ? 0 : o->estimate;
 	c.backend = KVR_BACKEND_CPU;
 	c.max_sequences = 1;
 	c.max_batch = 1;
@@ -640,12 +651,15 @@ void runner_eval_usage(void)
 		"                      runs first and is the reference, and dense also runs\n"
 		"                      with each other format (quantisation alone)\n"
 		"  --budget B --sink S --window W --tau T   as for generate\n"
+		"  --estimate off|on|both   the sparse modes without (default) or with the estimate\n"
+		"                      of the pages not retrieved, or each without then with it,\n"
+		"                      side by side (and how much of the gap over dense it closes)\n"
 		"  --threads N         workers besides the main thread\n"
 		"  --json FILE         results as JSON\n");
 }
 
 struct eval_result {
-	uint32_t mode, kv_format;
+	uint32_t mode, kv_format, estimate;
 	double nll, seconds;
 	double decode_seconds;   /* the decode steps alone, prefill excluded */
 	uint64_t decode_attn_ns; /* inside kvrecall's decode attention calls */
@@ -680,6 +694,7 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, uint3
 	memset(r, 0, sizeof(*r));
 	r->mode = mode;
 	r->kv_format = kv_format;
+	r->estimate = mode == KVR_MODE_DENSE ? 0 : o->estimate;
 	const double t0 = now_s();
 	rc = logits ? kvr_seq_create(ctx, &seq) : -ENOMEM;
 	if (!rc)
@@ -700,7 +715,8 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, uint3
 		if (pos + 1 < n)
 			rc = model_decode(m, ctx, seq, ids[pos], pos, logits, err, sizeof(err));
 		if (!o->quiet && (pos - prefill) % 64 == 63)
-			fprintf(stderr, "\r%-11s %u/%u positions, ppl %.3f", kvr_mode_name(mode),
+			fprintf(stderr, "\r%-11s%s %u/%u positions, ppl %.3f", kvr_mode_name(mode),
+				r->estimate ? " +estimate" : "",
 				pos - prefill + 1, n - prefill, exp(r->nll / (double)r->positions));
 	}
 	if (!o->quiet)
@@ -722,6 +738,7 @@ int runner_eval(int argc, char **argv)
 	/* eval's own options first; the rest are generate's */
 	uint32_t context = 8192, prefill = 0, modes[4], n_modes = 0;
 	uint32_t formats[4] = { KVR_KV_FORMAT_PLAIN }, n_formats = 0;
+	int estimate_off = 1, estimate_on = 0; /* --estimate off|on|both */
 	char **rest = calloc((size_t)argc + 6, sizeof(*rest));
 	/* --file may repeat: the texts are read in order and joined by a blank
 	 * line, so that 8K tokens can come from Debian's own shorter texts */
@@ -736,6 +753,15 @@ int runner_eval(int argc, char **argv)
 			files[n_files++] = argv[++i];
 		} else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
 			context = (uint32_t)strtoul(argv[++i], NULL, 10);
+		} else if (!strcmp(argv[i], "--estimate") && i + 1 < argc) {
+			const char *v = argv[++i];
+			if (strcmp(v, "off") && strcmp(v, "on") && strcmp(v, "both")) {
+				fprintf(stderr, "kvrecall eval: --estimate off|on|both, not '%s'\n", v);
+				free(rest), free(files);
+				return 2;
+			}
+			estimate_off = strcmp(v, "on") != 0;
+			estimate_on = strcmp(v, "off") != 0;
 		} else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) {
 			prefill = (uint32_t)strtoul(argv[++i], NULL, 10);
 		} else if (!strcmp(argv[i], "--kv-formats") && i + 1 < argc) {
@@ -839,7 +865,7 @@ int runner_eval(int argc, char **argv)
 			o.file, n_files > 1 ? " and the other files" : "", n_ids, context, prefill);
 		rc = -EINVAL;
 	}
-	struct eval_result res[1 + 4 * 5];
+	struct eval_result res[1 + 4 * 9];
 	uint32_t n_res = 0;
 	if (!rc && !(dense_top = malloc((context - prefill) * sizeof(*dense_top))))
 		rc = -ENOMEM;
@@ -851,23 +877,30 @@ int runner_eval(int argc, char **argv)
 			rc = eval_mode(m, &o, KVR_MODE_DENSE, formats[f], ids, context, prefill, dense_top,
 				       &res[n_res++]);
 		for (uint32_t i = 0; !rc && i < n_modes; i++)
-			rc = eval_mode(m, &o, modes[i], formats[f], ids, context, prefill, dense_top,
-				       &res[n_res++]);
+			for (uint32_t e = 0; !rc && e < 2; e++) {
+				if (e ? !estimate_on : !estimate_off)
+					continue;
+				o.estimate = e;
+				rc = eval_mode(m, &o, modes[i], formats[f], ids, context, prefill, dense_top,
+					       &res[n_res++]);
+			}
 	}
 	if (!rc) {
 		const double dense_ppl = exp(res[0].nll / (double)res[0].positions);
 		printf("context %u tokens (%s%s), prefill %u, decoded %u; B = %u, tau = %.2f\n", context,
 		       o.file, n_files > 1 ? " and more" : "", prefill, context - prefill, budget,
 		       (double)(o.have_tau ? o.tau : 0.9f));
-		printf("| mode | pages | perplexity | gap over dense | top-1 agreement with dense | corrected heads | "
-		       "decode tokens/s | attention ms/token | seconds |\n|---|---|---|---|---|---|---|---|---|\n");
+		printf("| mode | pages | estimate | perplexity | gap over dense | top-1 agreement with dense | "
+		       "corrected heads | decode tokens/s | attention ms/token | seconds |\n"
+		       "|---|---|---|---|---|---|---|---|---|---|\n");
 		for (uint32_t i = 0; i < n_res; i++) {
 			const double ppl = exp(res[i].nll / (double)res[i].positions);
 			/* the last position is scored without a decode after it */
 			const double steps = res[i].positions > 1 ? (double)(res[i].positions - 1) : 1.0;
-			printf("| %s | %s | %.4f | %+.4f | %.4f | %.1f%% | %.1f | %.3f | %.0f |\n",
+			printf("| %s | %s | %s | %.4f | %+.4f | %.4f | %.1f%% | %.1f | %.3f | %.0f |\n",
 			       kvr_mode_name(res[i].mode),
-			       res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16", ppl,
+			       res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16",
+			       res[i].mode == KVR_MODE_DENSE ? "-" : res[i].estimate ? "on" : "off", ppl,
 			       ppl - dense_ppl,
 			       (double)res[i].agree / (double)res[i].positions,
 			       res[i].kv.checked_heads ? 100.0 * (double)res[i].kv.corrected_heads /
@@ -876,6 +909,18 @@ int runner_eval(int argc, char **argv)
 			       steps / res[i].decode_seconds, (double)res[i].decode_attn_ns / steps / 1e6,
 			       res[i].seconds);
 		}
+		/* --estimate both: how much of each sparse row's gap the estimate closes */
+		for (uint32_t i = 1; i < n_res; i++) {
+			if (!res[i].estimate || res[i - 1].estimate || res[i - 1].mode != res[i].mode)
+				continue;
+			const double off = exp(res[i - 1].nll / (double)res[i - 1].positions) - dense_ppl;
+			const double on = exp(res[i].nll / (double)res[i].positions) - dense_ppl;
+			printf("%s %s: perplexity gap over dense %+.4f without the estimate, %+.4f with it "
+			       "(%.2f of it); top-1 agreement %.4f -> %.4f\n",
+			       kvr_mode_name(res[i].mode), res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16",
+			       off, on, off != 0.0 ? on / off : 0.0, (double)res[i - 1].agree / (double)res[i - 1].positions,
+			       (double)res[i].agree / (double)res[i].positions);
+		}
 		if (o.json) {
 			FILE *f = fopen(o.json, "w");
 			if (f) {
@@ -883,7 +928,8 @@ int runner_eval(int argc, char **argv)
 					   "\"results\": [",
 					context, prefill, budget, (double)(o.have_tau ? o.tau : 0.9f));
 				for (uint32_t i = 0; i < n_res; i++)
-					fprintf(f, "%s{\"mode\": \"%s\", \"kv_format\": \"%s\", \"perplexity\": %.6f, \"top1_agreement\": "
+					fprintf(f, "%s{\"mode\": \"%s\", \"kv_format\": \"%s\", \"estimate\": %s, "
+						   "\"perplexity\": %.6f, \"top1_agreement\": "
 						   "%.6f, \"positions\": %llu, \"corrected_heads\": %llu, "
 						   "\"checked_heads\": %llu, \"seconds\": %.2f, "
 						   "\"decode_seconds\": %.3f, \"decode_steps\": %llu, "
@@ -892,6 +938,7 @@ int runner_eval(int argc, char **argv)
 						   "\"device_units\": %llu, \"device_units_used\": %llu}",
 						i ? ", " : "", kvr_mode_name(res[i].mode),
 						res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16",
+						res[i].estimate ? "true" : "false",
 						exp(res[i].nll / (double)res[i].positions),
 						(double)res[i].agree / (double)res[i].positions,
 						(unsigned long long)res[i].positions,

@@ -54,6 +54,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../layouts/summary.h"
 #include "../cpu_backend.h"
 #include "cudaemu.h"
 
@@ -442,6 +443,8 @@ static int check_items(struct check *c, const struct emu_op *op)
 	const uint64_t eb = kvr_elem_bytes(sh->elem_type), d = sh->head_dim, p = sh->page_tokens;
 	const uint64_t n_kv = sh->n_kv_heads, n_qo = sh->n_qo_heads;
 	const uint64_t q_bytes = n_qo * d * eb;
+	const int estimates = (sh->flags & KVR_SHAPE_ESTIMATES) != 0;
+	const uint64_t summary = kvr_summary_page_elems((uint32_t)n_kv, (uint32_t)d, estimates) * eb;
 	int err = 0;
 	static const int item_struct_of[] = {
 		[EMU_SCATTER] = ITEM_kvr_scatter_item,       [EMU_OFFLOAD] = ITEM_kvr_page_item,
@@ -474,8 +477,9 @@ static int check_items(struct check *c, const struct emu_op *op)
 			if ((err = check_data(c, "item", i, "k_rows", it[i].k_rows, 0, rows)))
 				break;
 			if (op->kernel == EMU_SUMMARIZE) {
-				err = check_data(c, "item", i, "summary", it[i].summary, 0,
-						 n_kv * 2 * d * eb);
+				err = check_data(c, "item", i, "summary", it[i].summary, 0, summary);
+				if (!err && estimates) /* the estimate rows' values */
+					err = check_data(c, "item", i, "v_rows", it[i].v_rows, 0, rows);
 			} else if (!(err = check_data(c, "item", i, "v_rows", it[i].v_rows, 0, rows))) {
 				/* quantised: n_kv runs (nothing for a format the shape cannot hold) */
 				err = check_data(c, "item", i, "hnd_page", it[i].hnd_page, 0,
@@ -510,14 +514,14 @@ static int check_items(struct check *c, const struct emu_op *op)
 						      : n_kv * 2 * p * d * eb);
 			if (!err)
 				err = check_data(c, "item", i, "summary", it[i].summary, 0,
-						 it[i].summary ? n_kv * 2 * d * eb : 0);
+						 it[i].summary ? summary : 0);
 		}
 		break;
 	}
 	case EMU_SCORE:
 	case EMU_SELECT: {
 		const struct kvr_score_item *it = op->items;
-		const uint64_t page = n_kv * 2 * d * eb;
+		const uint64_t page = summary;
 		for (uint32_t i = 0; i < op->n && !err; i++) {
 			const uint64_t n_cand =
 				it[i].cand_end > it[i].cand_begin ? it[i].cand_end - it[i].cand_begin : 0;
@@ -581,7 +585,7 @@ static int check_items(struct check *c, const struct emu_op *op)
 				const struct kvr_kv_segment *s = &op->segments[j];
 				if (!s->n_tokens)
 					continue;
-				if (s->format) { /* quantised: n_kv runs from k, head_stride bytes apart */
+				if (kvr_segment_quantised(s->format)) { /* n_kv runs from k, head_stride bytes apart */
 					struct kvr_quant_geometry g;
 					if (kvr_quant_geometry_init(&g, (uint32_t)p, (uint32_t)d, 1, s->format)) {
 						snprintf(c->msg, sizeof(c->msg),
