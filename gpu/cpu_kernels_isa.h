@@ -339,6 +339,10 @@ struct ISA_FN(token_prefetch) {
 	const unsigned char *nkb, *nvb, *nrun, *vb;
 	uint64_t nrow, nrun_bytes, row, row_bytes;
 	uint32_t n_next;
+	/* an estimate segment's own rows (a page's summary apart: a stride no
+	 * hardware prefetcher follows), fetched a block ahead; NULL otherwise */
+	const unsigned char *ekb, *evb;
+	uint32_t n_own;
 };
 
 static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const struct ISA_FN(token_prefetch) *pf,
@@ -360,6 +364,11 @@ static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const s
 	if (pf->vb)
 		for (uint64_t l = 0; l < pf->row_bytes; l += 64)
 			__builtin_prefetch(pf->vb + tok * pf->row + l, 0, 3);
+	if (pf->ekb && tok + 16u < pf->n_own)
+		for (uint64_t l = 0; l < pf->row_bytes; l += 64) {
+			__builtin_prefetch(pf->ekb + (tok + 16u) * pf->row + l, 0, 2);
+			__builtin_prefetch(pf->evb + (tok + 16u) * pf->row + l, 0, 2);
+		}
 }
 
 /* Quantised rows are read as codes: attention folds each token's scale s
@@ -638,6 +647,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const struct ISA_FN(token_prefetch) pf = {
 			.nkb = nkb, .nvb = nvb, .nrow = nrow, .nrun = nrun, .nrun_bytes = nrun_bytes,
 			.vb = fmt ? NULL : vb, .row = row, .row_bytes = row_bytes, .n_next = n_next,
+			.ekb = log_weight != 0.0f ? kb : NULL, .evb = vb, .n_own = seg->n_tokens,
 		};
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
