@@ -1964,6 +1964,22 @@ static void attention_and_check(struct env *e, struct dctx *c, const char *what,
 	run_and_check(e, c, what, sh, n, q, out, items, segs, n_segs, NULL);
 }
 
+/* n_items items over segments [first[i], first[i] + count[i]) with random
+ * queries (item `to`'s: item `from`'s x40, logits in the hundreds), run
+ * and checked against the reference. */
+static void attend_listed(struct env *e, struct dctx *c, struct rng *r, const struct kvr_shape *sh,
+			  const struct kvr_kv_segment *segs, uint32_t n_segs, const uint32_t *first,
+			  const uint32_t *count, uint32_t n_items, uint32_t to, uint32_t from, const char *what)
+{
+	struct kvr_attention_item items[8];
+	cr_assert(n_items <= 8);
+	void *q = new_queries(r, sh, n_items, 2.0), *out = new_outputs(sh, n_items);
+	const uint64_t per = (uint64_t)sh->n_qo_heads * sh->head_dim;
+	scaled_query(q, sh->elem_type, per, to, from, 40.0);
+	attention_items(items, n_items, q, out, sh->elem_type, per, first, count);
+	attention_and_check(e, c, what, sh, items, n_items, segs, n_segs, q, out);
+}
+
 /*
  * Items of different lengths in one call over HND pages and NHD tiles mixed
  * in one item: no segments at all (zeros); exactly one page; pages and full
@@ -2011,14 +2027,10 @@ static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 	};
 	static const uint32_t first[ITEMS] = { 0, 0, 1, 6, 9, 1, 10 };
 	static const uint32_t count[ITEMS] = { 0, 1, 5, 3, 1, 5, 2 };
-	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
-	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
-	scaled_query(q, type, per, 5, 2, 40.0); /* item 5: item 2's query x40 */
-	struct kvr_attention_item items[ITEMS];
-	attention_items(items, ITEMS, q, out, type, per, first, count);
 	char what[96];
 	snprintf(what, sizeof(what), "attention config %u", ci);
-	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+	/* item 5: item 2's query x40 */
+	attend_listed(e, c, &r, &sh, segs, ARRAY_LEN(segs), first, count, ITEMS, 5, 2, what);
 }
 
 CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
@@ -2070,14 +2082,10 @@ static void attention_estimate_case(struct env *e, uint32_t ci, uint32_t ti)
 	};
 	static const uint32_t first[ITEMS] = { 0, 1, 1, 4 };
 	static const uint32_t count[ITEMS] = { 1, 3, 3, 3 };
-	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
-	const uint64_t per = (uint64_t)sh.n_qo_heads * sh.head_dim;
-	scaled_query(q, type, per, 2, 1, 40.0); /* item 2: item 1's query x40 */
-	struct kvr_attention_item items[ITEMS];
-	attention_items(items, ITEMS, q, out, type, per, first, count);
 	char what[96];
 	snprintf(what, sizeof(what), "attention (estimates) config %u", ci);
-	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ARRAY_LEN(segs), q, out);
+	/* item 2: item 1's query x40 */
+	attend_listed(e, c, &r, &sh, segs, ARRAY_LEN(segs), first, count, ITEMS, 2, 1, what);
 }
 
 CONFORMANCE_CASES(attention_estimate, ARRAY_LEN(numeric_shapes))
