@@ -34,6 +34,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../host/pool.h"
 #include "../scheduler/scheduler.h"
 #include "backend.h"
 #include "cudaemu.h"
@@ -740,6 +741,7 @@ struct check {
 	int32_t last_sel[NL][N_KV][K_SEL];
 	struct kvr_stats stats; /* the context's, at the end of a drift run */
 	uint64_t alloc_rounds, free_rounds; /* quantised streamed: the unit cache's (units.c) */
+	uint64_t pool_evictions;            /* spill tier: pages that left RAM */
 };
 
 static struct kvr_stats ctx_stats(struct kvr_context *ctx);
@@ -942,6 +944,9 @@ static void run_drift(const struct opts *o, struct drift *r, struct check *ck)
 		kvr_sched_seq_quiesce(ctx->sched, t[s].id);
 	ck->stats = ctx_stats(ctx);
 	kvr_units_rounds(ctx->sched, &ck->alloc_rounds, &ck->free_rounds);
+	struct kvr_pool_stats ps;
+	kvr_pool_get_stats(ctx->pool, &ps);
+	ck->pool_evictions = ps.evictions;
 	ctx_close(ctx, o);
 	for (uint32_t s = 0; s < ns; s++)
 		tseq_fini(&t[s]);
@@ -1551,6 +1556,15 @@ static void estimate_on(uint32_t dev_kind, uint32_t n_seqs, uint32_t n_steps)
 	o.estimate = 1;
 	run_drift(&o, &with, &ck);
 	cr_assert_gt(ck.compared, n_steps, "the model compared too few outputs");
+	/* a spill tier: pages in the file, their estimate rows in RAM (the
+	 * summaries are never spilled), with random delays */
+	o = opts_default(dev_kind, KVR_MODE_FREEKV, KVR_RECALL_STREAMED, KVR_DTYPE_F32);
+	o.estimate = 1;
+	o.ram_pages = 24ull * n_seqs; /* of ~46 pages per sequence */
+	o.hooks = 1;
+	run_drift(&o, &with, &ck);
+	cr_assert_gt(ck.compared, n_steps, "the model compared too few outputs (spill tier)");
+	cr_assert_gt(ck.pool_evictions, 0, "no page left RAM: the case tests no spill tier");
 	free(with.outs);
 	free(without.outs);
 }
