@@ -175,6 +175,9 @@ static void run_round(uint32_t round)
 		c.threads = kvr_thread_pool_threads(shared_pool);
 	}
 	const struct kvr_sched_hooks hooks = { urand(2) ? delay : NULL, NULL, urand(2), 0 };
+	/* the estimate of the pages not retrieved (not with mixed pages), drawn
+	 * last so the rounds' other draws stay what they were */
+	c.estimate = urand(2) && c.kv_format != KVR_KV_FORMAT_MIXED;
 	struct kvr_context *ctx = NULL;
 	int r = kvr_context_create_internal(&c, dev_kind == KVR_DEV_CPU ? 0 : dev_kind, &hooks, &ctx);
 	CHECK(r == 0, "context: %d %s", r, kvr_last_error(NULL));
@@ -200,11 +203,12 @@ static void run_round(uint32_t round)
 		}
 	}
 	printf("round %u: %s, %s, %s, %s, %s pool, %s pages, dense layer 0 %d, chunk %u, buffers %u, async %u, "
-	       "delays %d, spill %d, shared pool %d\n",
+	       "delays %d, spill %d, shared pool %d, estimate %u\n",
 	       round, staged ? "cudaemu-strict" : "cpu", kvr_mode_name(mode), kvr_recall_name(recall),
 	       kvr_dtype_name(dtype),
 	       c.pool_layout == KVR_POOL_NHD ? "NHD" : "HND", kvr_kv_format_name(c.kv_format), (int)c.dense_layers[0],
-	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL, spill, shared);
+	       c.recall_chunk_pages, c.recall_buffers, hooks.async_compute, hooks.delay != NULL, spill, shared,
+	       c.estimate);
 
 	struct sseq seqs[MAX_SEQS];
 	memset(seqs, 0, sizeof(seqs));
