@@ -928,17 +928,15 @@ int runner_eval(int argc, char **argv)
 					   "\"results\": [",
 					context, prefill, budget, (double)(o.have_tau ? o.tau : 0.9f));
 				for (uint32_t i = 0; i < n_res; i++)
-					fprintf(f, "%s{\"mode\": \"%s\", \"kv_format\": \"%s\", \"estimate\": %s, "
-						   "\"perplexity\": %.6f, \"top1_agreement\": "
+					fprintf(f, "%s{\"mode\": \"%s\", \"kv_format\": \"%s\", \"perplexity\": %.6f, \"top1_agreement\": "
 						   "%.6f, \"positions\": %llu, \"corrected_heads\": %llu, "
 						   "\"checked_heads\": %llu, \"seconds\": %.2f, "
 						   "\"decode_seconds\": %.3f, \"decode_steps\": %llu, "
 						   "\"decode_attention_ns\": %llu, \"bytes_recalled\": %llu, "
 						   "\"pages_judged\": %llu, \"pages_demoted\": %llu, "
-						   "\"device_units\": %llu, \"device_units_used\": %llu}",
+						   "\"device_units\": %llu, \"device_units_used\": %llu, \"estimate\": %s}",
 						i ? ", " : "", kvr_mode_name(res[i].mode),
 						res[i].kv_format ? kvr_kv_format_name(res[i].kv_format) : "f16",
-						res[i].estimate ? "true" : "false",
 						exp(res[i].nll / (double)res[i].positions),
 						(double)res[i].agree / (double)res[i].positions,
 						(unsigned long long)res[i].positions,
@@ -951,7 +949,8 @@ int runner_eval(int argc, char **argv)
 						(unsigned long long)res[i].kv.pages_judged,
 						(unsigned long long)res[i].kv.pages_demoted,
 						(unsigned long long)res[i].kv.device_units,
-						(unsigned long long)res[i].kv.device_units_used);
+						(unsigned long long)res[i].kv.device_units_used,
+						res[i].estimate ? "true" : "false");
 				fprintf(f, "]}\n");
 				fclose(f);
 			}
