@@ -180,7 +180,9 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, NH <= 4 ? 3 : 2)
 	uint32_t r_begin, r_end;
 	score_chunk(n_dom, plan.splits, b, &r_begin, &r_end);
 	const uint32_t tid = threadIdx.x, grp = tid / KVR_DOT_LANES, lane16 = tid % KVR_DOT_LANES;
-	const uint64_t page_elems = kvr_summary_page_elems(n_kv, d, (shape.flags & KVR_SHAPE_ESTIMATES) != 0);
+	/* 32 bits (n_kv·4·d fits): a 64-bit stride held across the loop cost
+	 * score_pages_kernel<.., 16> a spill on sm_90 */
+	const uint32_t page_elems = (uint32_t)kvr_summary_page_elems(n_kv, d, (shape.flags & KVR_SHAPE_ESTIMATES) != 0);
 	const uint64_t head_off = (uint64_t)m * 2u * d;
 	const bool cached = n_dom <= plan.cache;
 	float *pmax = scratch + (((uint64_t)item * n_kv + m) * plan.splits + b) * G;
@@ -283,7 +285,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 4)
 			lane_sum = lane_sum + e;
 		}
 	} else {
-		const uint64_t page_elems = kvr_summary_page_elems(n_kv, d, (shape.flags & KVR_SHAPE_ESTIMATES) != 0), head_off = (uint64_t)m * 2u * d;
+		const uint32_t page_elems = (uint32_t)kvr_summary_page_elems(n_kv, d, (shape.flags & KVR_SHAPE_ESTIMATES) != 0);
+		const uint64_t head_off = (uint64_t)m * 2u * d;
 		for (uint32_t b0 = 0; b0 < n_dom; b0 += KVR_SUM_LANES) {
 			for (uint32_t r1 = 0; r1 < KVR_SUM_LANES; r1 += SCORE_GROUPS) {
 				const uint32_t r = b0 + r1 + grp;
@@ -358,7 +361,8 @@ static __global__ void KVR_LAUNCH_BOUNDS(SCORE_THREADS, 2)
 	/* not cached: recompute the Quest scores; with more than SCORE_HEADS
 	 * heads, a later chunk continues the group sum in g order through the
 	 * scores array itself */
-	const uint64_t page_elems = kvr_summary_page_elems(n_kv, d, (shape.flags & KVR_SHAPE_ESTIMATES) != 0), head_off = (uint64_t)m * 2u * d;
+	const uint32_t page_elems = (uint32_t)kvr_summary_page_elems(n_kv, d, (shape.flags & KVR_SHAPE_ESTIMATES) != 0);
+	const uint64_t head_off = (uint64_t)m * 2u * d;
 	for (uint32_t g0 = 0; g0 < G; g0 += SCORE_HEADS) {
 		const uint32_t gc = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
 		const bool last_chunk = g0 + gc == G;
