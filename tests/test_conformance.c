@@ -1020,11 +1020,17 @@ static void build_score_case(struct rng *r, const struct kvr_shape *sh, struct s
 		const uint32_t begin = spec[i][0], end = spec[i][1], n_cand = end - begin;
 		const uint32_t norm_end = spec[i][3], first = norm_end ? 0 : begin;
 		const uint32_t last = norm_end > end ? norm_end : end;
-		const uint64_t page = 2ull * n_kv * d;
+		/* with KVR_SHAPE_ESTIMATES a page's summary carries estimate
+		 * rows after its bounds: NaN here, which score must not read */
+		const int est = (sh->flags & KVR_SHAPE_ESTIMATES) != 0;
+		const uint64_t page = (est ? 4ull : 2ull) * n_kv * d;
 		sc->summ_bytes[i] = (last ? last : 1) * page * eb;
 		sc->summ[i] = halloc(sc->summ_bytes[i]);
 		for (uint64_t x = 0; x < (uint64_t)first * page; x++)
 			store_nan(sc->summ[i], type, x);
+		for (uint32_t j = first; est && j < last; j++)
+			for (uint64_t x = 2ull * n_kv * d; x < page; x++)
+				store_nan(sc->summ[i], type, (uint64_t)j * page + x);
 		for (uint32_t j = first; j < last; j++)
 			for (uint32_t m = 0; m < n_kv; m++)
 				for (uint32_t cc = 0; cc < d; cc++) {
@@ -1069,6 +1075,8 @@ static int force_isa(enum kvr_convert_isa isa)
 static void score_select_case(struct env *e, uint32_t ci, uint32_t ti)
 {
 	CASE_SETUP(numeric_shapes, 0x5c03e);
+	if (ci % 2) /* summaries with estimate rows: the bounds a page's summary apart */
+		sh.flags |= KVR_SHAPE_ESTIMATES;
 	const uint32_t n_kv = sh.n_kv_heads;
 	struct score_case sc;
 	build_score_case(&r, &sh, &sc, ci == 2);
