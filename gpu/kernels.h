@@ -91,7 +91,8 @@
  *              (row_stride, head_stride in elements, as a plain segment)
  *              that each stand for page_tokens tokens: a page's mean key
  *              and mean value (summary.h). Its token t's logit is
- *              scale · q_h·k_t + ln(page_tokens) (fp32, logf), so it adds
+ *              scale · q_h·k_t + ln(page_tokens) (fp32, as
+ *              kvr_segment_log_weight computes it), so it adds
  *              p·exp(scale · q_h·k̄)·v̄ to the numerator and p·exp(...) to
  *              the denominator: the estimate of an unselected page.
  * dense        Attention over one contiguous run per item: token t of KV head
