@@ -9,8 +9,10 @@
 #                         with freekv retrieval (B = 1024) on the CPU backend;
 #                         extra arguments go to `kvrecall generate` (e.g.
 #                         --mode dense --max-tokens 100)
-#   ./kvrecall.sh test    install what is missing, build everything, run every
-#                         test suite
+#   ./kvrecall.sh test    install what is missing (with a Python virtual
+#                         environment holding torch and transformers for the
+#                         transformers backend's tests), build everything, run
+#                         every test suite (C and Python)
 #   ./kvrecall.sh deps    install the Debian packages only
 #   ./kvrecall.sh build   configure and build only
 #
@@ -32,7 +34,15 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 debian_packages=(gcc g++ meson ninja-build pkg-config libhwloc-dev hwloc-nox liburing-dev
-	libnuma-dev numactl libcriterion-dev python3 python3-pip base-files)
+	libnuma-dev numactl libcriterion-dev python3 python3-pip base-files
+	python3-dev python3-venv python3-numpy python3-pytest)
+
+# The transformers backend's tests run in a virtual environment of their own
+# (Debian's python3 refuses pip outside one): torch and transformers from
+# PyPI, about 3 GB the first time (two minutes here), then pip's cache and a
+# stamp of what was installed keep later runs fast. KVRECALL_VENV moves it;
+# KVRECALL_VENV=none skips it (those tests then skip, saying why).
+venv_packages=(numpy pytest torch 'transformers>=5.0,<6' 'accelerate>=1.0' 'gguf>=0.10')
 
 deps() {
 	local missing=()
@@ -47,6 +57,19 @@ deps() {
 	"${sudo[@]}" apt-get update -q
 	DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q --no-install-recommends \
 		"${missing[@]}"
+}
+
+python_venv() {
+	[ "${KVRECALL_VENV:-}" = none ] && return 0
+	local venv=${KVRECALL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvrecall/venv}
+	local stamp="$venv/.kvrecall-packages" want="${venv_packages[*]}"
+	if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+		return 0
+	fi
+	echo "kvrecall.sh: preparing $venv (${venv_packages[*]})" >&2
+	/usr/bin/python3 -m venv "$venv"
+	"$venv/bin/pip" install -q --disable-pip-version-check "${venv_packages[@]}"
+	echo "$want" >"$stamp"
 }
 
 build() {
@@ -90,6 +113,7 @@ deps) deps ;;
 build) deps && build ;;
 test)
 	deps
+	python_venv
 	build
 	meson test -C "$BUILD_DIR" -v --print-errorlogs "$@"
 	;;

@@ -462,11 +462,18 @@ static int check_tensor(const ContextObject *c, const struct kvr_py_tensor *t, c
 				      role);
 		return -1;
 	}
+	/* [rows, heads, d], or any shape [rows, ...] whose other dims hold
+	 * heads x d elements and end in d or heads x d (transformers' decode
+	 * query [batch, heads, 1, d], a projection's [tokens, heads x d]) */
 	const uint64_t row = (uint64_t)heads * d;
-	const int64_t last = t->ndim > 0 && t->ndim <= 8 ? t->shape[t->ndim - 1] : -1;
-	const int last_ok = t->ndim >= 1 && (last == (int64_t)d || last == (int64_t)row);
-	uint64_t n = t->numel >= 0 && row ? (uint64_t)t->numel / row : 0;
-	if (!last_ok || (uint64_t)t->numel != n * row || (rows && n != rows) || (!rows && n == 0)) {
+	const int64_t last = t->ndim >= 2 && t->ndim <= 8 ? t->shape[t->ndim - 1] : -1;
+	int64_t inner = 1;
+	for (int i = 1; i < t->ndim && i < 8; i++)
+		inner *= t->shape[i];
+	const int shape_ok = t->ndim >= 2 && t->ndim <= 8 && (last == (int64_t)d || last == (int64_t)row) &&
+			     inner == (int64_t)row;
+	const uint64_t n = shape_ok ? (uint64_t)t->shape[0] : 0;
+	if (!shape_ok || (rows && n != rows)) {
 		char shape[160] = "(";
 		size_t off = 1;
 		for (int i = 0; i < t->ndim && i < 8 && off < sizeof shape - 24; i++)
@@ -475,14 +482,14 @@ static int check_tensor(const ContextObject *c, const struct kvr_py_tensor *t, c
 		snprintf(shape + off, sizeof shape - off, "%s)", t->ndim == 1 ? "," : "");
 		if (rows)
 			kvr_py_raisef(-EINVAL,
-				      "%s: %s: expected shape (%llu, %u, %u) (%llu x %u heads x head_dim), or any "
-				      "C-contiguous shape of as many elements ending in %u or %llu; got %s",
-				      call, role, (unsigned long long)rows, heads, d, (unsigned long long)rows, heads, d,
-				      d, (unsigned long long)row, shape);
+				      "%s: %s: expected shape (%llu, %u, %u) (%llu x %u heads x head_dim), or "
+				      "(%llu, ...) with the same elements per row, ending in %u or %llu; got %s",
+				      call, role, (unsigned long long)rows, heads, d, (unsigned long long)rows, heads,
+				      (unsigned long long)rows, d, (unsigned long long)row, shape);
 		else
 			kvr_py_raisef(-EINVAL,
-				      "%s: %s: expected shape (n_tokens, %u, %u) (tokens x %u heads x head_dim), or any "
-				      "C-contiguous shape whose size is a multiple of %llu ending in %u or %llu; got %s",
+				      "%s: %s: expected shape (n_tokens, %u, %u) (tokens x %u heads x head_dim), or "
+				      "(n_tokens, ...) with %llu elements per token, ending in %u or %llu; got %s",
 				      call, role, heads, d, heads, (unsigned long long)row, d, (unsigned long long)row,
 				      shape);
 		return -1;
@@ -613,7 +620,7 @@ static PyObject *context_prefill_attention(PyObject *obj, PyObject *args, PyObje
 		return NULL;
 	PyObject *out = oo;
 	if (out == Py_None) {
-		out = kvr_py_empty_like(qo);
+		out = kvr_py_empty_like(qo, &q);
 		if (!out) {
 			kvr_py_tensor_release(&q);
 			return NULL;
@@ -1098,7 +1105,7 @@ static PyObject *step_layer(PyObject *obj, PyObject *const *args, Py_ssize_t nar
 		goto out;
 	got = 3;
 	if (out == Py_None) {
-		out = kvr_py_empty_like(a[1]);
+		out = kvr_py_empty_like(a[1], &q);
 		if (!out)
 			goto out;
 	} else {

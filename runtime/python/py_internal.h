@@ -46,6 +46,7 @@ struct kvr_py_tensor {
 	void *data;
 	int dtype;            /* enum kvr_dtype, or -1 for any other element type */
 	const char *dtype_name; /* what the caller passed, for messages ("float64") */
+	char dtype_buf[40];     /* dtype_name's storage when it is built (torch's names) */
 	int device;           /* enum kvr_py_device */
 	int device_index;     /* CUDA device ordinal (0 on the host) */
 	int ndim;
@@ -69,10 +70,11 @@ int kvr_py_tensor_get(PyObject *obj, const char *call, const char *role, int wri
 void kvr_py_tensor_release(struct kvr_py_tensor *t);
 /* "float16", "bfloat16", "float32" */
 const char *kvr_py_dtype_display(int dtype);
-/* A new array like `like` (torch: new_empty, else numpy.empty), with
- * `like`'s element type and device, holding `numel` elements shaped as
- * like's shape; NULL with an exception on failure. */
-PyObject *kvr_py_empty_like(PyObject *like);
+/* A new array shaped and typed like `like` (seen as `t`): torch's
+ * new_empty for a torch tensor (same device), else a numpy array on the
+ * host; NULL with an exception on failure (a CUDA array that is not
+ * torch's: the caller must pass `out`). */
+PyObject *kvr_py_empty_like(PyObject *like, const struct kvr_py_tensor *t);
 /* torch's current CUDA stream (a cudaStream_t as an integer) for device
  * `index`, or 0 (the legacy default stream) when torch is not loaded;
  * -1 with an exception on failure. */

@@ -180,6 +180,19 @@ static int from_torch(PyObject *obj, const char *call, const char *role, int wri
 		t->dtype = KVR_DTYPE_BF16;
 	else if (dtype == torch_f32)
 		t->dtype = KVR_DTYPE_F32;
+	else {
+		/* "torch.float64" -> "float64" */
+		PyObject *s = PyObject_Str(dtype);
+		Py_ssize_t n = 0;
+		const char *u = s ? PyUnicode_AsUTF8AndSize(s, &n) : NULL;
+		if (u) {
+			const char *dot = strrchr(u, '.');
+			snprintf(t->dtype_buf, sizeof t->dtype_buf, "%s", dot ? dot + 1 : u);
+			t->dtype_name = t->dtype_buf;
+		}
+		Py_XDECREF(s);
+		PyErr_Clear();
+	}
 	Py_DECREF(dtype);
 
 	PyObject *flag = PyObject_GetAttr(obj, str_is_cuda);
@@ -248,9 +261,6 @@ static int from_torch(PyObject *obj, const char *call, const char *role, int wri
 	Py_DECREF(ptr);
 	if (PyErr_Occurred())
 		return -1;
-	if (t->dtype < 0) {
-		t->dtype_name = "a torch dtype other than float16, bfloat16 and float32";
-	}
 	return 0;
 }
 
@@ -501,11 +511,11 @@ void kvr_py_tensor_release(struct kvr_py_tensor *t)
 	Py_CLEAR(t->keep);
 }
 
-PyObject *kvr_py_empty_like(PyObject *like)
+PyObject *kvr_py_empty_like(PyObject *like, const struct kvr_py_tensor *t)
 {
 	if (intern_names())
 		return NULL;
-	if (is_torch_tensor(like)) {
+	if (t->is_torch) {
 		PyObject *shape = PyObject_GetAttr(like, str_shape);
 		if (!shape)
 			return NULL;
@@ -513,11 +523,18 @@ PyObject *kvr_py_empty_like(PyObject *like)
 		Py_DECREF(shape);
 		return out;
 	}
-	PyObject *np = PyImport_ImportModule("numpy");
-	if (!np)
+	if (t->device != KVR_PY_HOST) {
+		kvr_py_raise(-22, "out: pass an output array: only torch tensors and host arrays can be allocated here");
 		return NULL;
-	PyObject *out = PyObject_CallMethod(np, "empty_like", "O", like);
-	Py_DECREF(np);
+	}
+	const char *dtype = t->dtype == KVR_DTYPE_F16 ? "float16" : t->dtype == KVR_DTYPE_F32 ? "float32" : "uint16";
+	PyObject *shape = PyTuple_New(t->ndim);
+	for (int i = 0; shape && i < t->ndim && i < 8; i++)
+		PyTuple_SetItem(shape, i, PyLong_FromLongLong(t->shape[i]));
+	PyObject *np = shape ? PyImport_ImportModule("numpy") : NULL;
+	PyObject *out = np ? PyObject_CallMethod(np, "empty", "Os", shape, dtype) : NULL;
+	Py_XDECREF(np);
+	Py_XDECREF(shape);
 	return out;
 }
 

@@ -395,6 +395,7 @@ def kvrecall_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     """The attention function registered as ``"kvrecall"``: query ``[B, Hq, L, D]``
     and the layer's new key/value ``[B, Hkv, L, D]`` in, ``([B, L, Hq, D], None)`` out."""
     cache = getattr(_active, "cache", None)
+    _active.cache = None  # not kept alive by this thread past its layer
     if cache is None or cache._awaiting != module.layer_idx:
         raise RuntimeError(
             f"attn_implementation '{ATTN_IMPLEMENTATION}' needs a kvrecall.transformers.KVRecallCache: pass "
