@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "py_internal.h"
 
@@ -132,6 +133,9 @@ typedef struct {
 	PyObject *pool;        /* the ThreadPool object lent to the context, or NULL */
 	StepObject *open_step; /* borrowed: the step holds the context, not the reverse */
 	struct log_queue *log;
+	/* Time inside kvr_decode_layer as the binding sees it (under `lock`),
+	 * so that a benchmark can tell the binding's own cost from kvrecall's. */
+	uint64_t layer_calls, layer_call_ns;
 } ContextObject;
 
 struct step_object {
@@ -916,6 +920,20 @@ static PyObject *context_last_error(PyObject *obj, PyObject *unused)
 	return PyUnicode_FromString(msg);
 }
 
+static PyObject *context_binding_stats(PyObject *obj, PyObject *unused)
+{
+	(void)unused;
+	ContextObject *self = (ContextObject *)obj;
+	uint64_t calls, ns;
+	Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&self->lock);
+	calls = self->layer_calls;
+	ns = self->layer_call_ns;
+	pthread_mutex_unlock(&self->lock);
+	Py_END_ALLOW_THREADS
+	return Py_BuildValue("{s:K,s:K}", "layer_calls", (unsigned long long)calls, "layer_call_ns",
+			     (unsigned long long)ns);
+}
+
 static PyMethodDef context_methods[] = {
 	{ "close", context_close, METH_NOARGS,
 	  "Cancel an open step, destroy the context and free its memory. Idempotent." },
@@ -946,6 +964,9 @@ static PyMethodDef context_methods[] = {
 	{ "trace_start", context_trace_start, METH_O, "trace_start(max_spans): record spans." },
 	{ "trace_write", context_trace_write, METH_O, "trace_write(path): write the Chrome trace JSON." },
 	{ "last_error", context_last_error, METH_NOARGS, "The message of the context's last failed call." },
+	{ "binding_stats", context_binding_stats, METH_NOARGS,
+	  "{'layer_calls', 'layer_call_ns'}: decode layer calls and the time inside kvr_decode_layer, as the "
+	  "binding measures it (the rest of a call's time is the binding's)." },
 	{ NULL, NULL, 0, NULL },
 };
 
@@ -1052,6 +1073,24 @@ static PyObject *stream_arg(ContextObject *c, PyObject *so, int device_index, vo
 	return Py_None;
 }
 
+static uint64_t now_ns(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* kvr_decode_layer, timed. Under the context's lock, without the GIL. */
+static int timed_decode_layer(ContextObject *c, uint32_t layer, const void *q, const void *k, const void *v,
+			      void *out, int32_t *status, void *stream)
+{
+	const uint64_t t0 = now_ns();
+	const int rc = kvr_decode_layer(c->ctx, layer, q, k, v, out, status, stream);
+	c->layer_call_ns += now_ns() - t0;
+	c->layer_calls++;
+	return rc;
+}
+
 /* layer(layer, q, k, v, out=None, *, stream=None, check=True) -> out.
  * Fast path of the transformers adapter: METH_FASTCALL, the keywords
  * matched by hand. */
@@ -1125,7 +1164,7 @@ static PyObject *step_layer(PyObject *obj, PyObject *const *args, Py_ssize_t nar
 		goto out;
 	int rc;
 	char msg[512] = "";
-	CTX_CALL(c, rc, msg, kvr_decode_layer(c->ctx, layer, q.data, k.data, v.data, o.data, s->layer_status, stream));
+	CTX_CALL(c, rc, msg, timed_decode_layer(c, layer, q.data, k.data, v.data, o.data, s->layer_status, stream));
 	if (rc) {
 		call_error(c, rc, msg, "decode_layer");
 		goto out;

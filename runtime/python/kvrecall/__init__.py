@@ -405,6 +405,12 @@ class Context:
         (an :class:`Error`, not raised), or None."""
         return self._c.async_error()
 
+    def binding_stats(self) -> dict:
+        """Decode layer calls and the nanoseconds spent inside ``kvr_decode_layer``
+        as the binding measures them (``layer_calls``, ``layer_call_ns``): a
+        call's time from Python beyond that is the binding's own cost."""
+        return self._c.binding_stats()
+
     def last_error(self) -> str:
         """The message of the context's most recent failed call, or ""."""
         return self._c.last_error()
