@@ -195,25 +195,19 @@ static int from_torch(PyObject *obj, const char *call, const char *role, int wri
 	}
 	Py_DECREF(dtype);
 
-	PyObject *flag = PyObject_GetAttr(obj, str_is_cuda);
+	/* is_cpu first: one attribute for the cpu backend's tensors */
+	PyObject *flag = PyObject_GetAttr(obj, str_is_cpu);
 	if (!flag)
 		return -1;
-	const int cuda = flag == Py_True;
+	const int cpu = flag == Py_True;
 	Py_DECREF(flag);
-	if (cuda) {
-		t->device = KVR_PY_CUDA;
-		PyObject *idx = PyObject_CallMethodObjArgs(obj, str_get_device, NULL);
-		if (!idx)
-			return -1;
-		t->device_index = (int)PyLong_AsLong(idx);
-		Py_DECREF(idx);
-	} else {
-		flag = PyObject_GetAttr(obj, str_is_cpu);
+	if (!cpu) {
+		flag = PyObject_GetAttr(obj, str_is_cuda);
 		if (!flag)
 			return -1;
-		const int cpu = flag == Py_True;
+		const int cuda = flag == Py_True;
 		Py_DECREF(flag);
-		if (!cpu) {
+		if (!cuda) {
 			PyObject *dev = PyObject_GetAttrString(obj, "device");
 			PyObject *s = dev ? PyObject_Str(dev) : NULL;
 			Py_ssize_t n = 0;
@@ -225,6 +219,12 @@ static int from_torch(PyObject *obj, const char *call, const char *role, int wri
 			PyErr_Clear();
 			return bad(call, role, "a tensor on device '%s': kvrecall reads CPU or CUDA memory", name);
 		}
+		t->device = KVR_PY_CUDA;
+		PyObject *idx = PyObject_CallMethodObjArgs(obj, str_get_device, NULL);
+		if (!idx)
+			return -1;
+		t->device_index = (int)PyLong_AsLong(idx);
+		Py_DECREF(idx);
 	}
 
 	PyObject *shape = PyObject_GetAttr(obj, str_shape);

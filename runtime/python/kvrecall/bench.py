@@ -8,9 +8,10 @@
 
 ``decode`` loads SmolLM2-135M-Instruct from the demo's GGUF (transformers'
 ``gguf_file=``, float32), prefills a prompt of each --contexts length (the GPL
-texts), then times --steps greedy decode steps for each row: DynamicCache +
-sdpa, KVRecallCache dense, and freekv at each --budgets. It reports decode
-tokens/s, the adapter's and the binding's cost per layer, and the bytes of KV
+texts) into each row's cache, then times greedy decode steps for each row: DynamicCache +
+sdpa, KVRecallCache dense, and freekv at each --budgets, in rounds that
+alternate between the rows (the shared machine's speed varies). It reports
+the median decode tokens/s, the adapter's and the binding's cost per layer, and the bytes of KV
 torch holds. ``accuracy`` checks that KVRecallCache dense gives sdpa's greedy
 tokens on the demo's prompt, and measures perplexity teacher-forced over the
 GPL texts (as ``kvrecall eval``). Needs torch and transformers (and gguf,
@@ -113,41 +114,64 @@ class AdapterTimer:
         cache._decode = timed
 
 
-def decode_row(model: Any, ids: list, row: dict, steps: int, threads: int) -> dict:
-    import torch
+class Row:
+    """One cache under test: prefilled once, then timed in rounds that
+    alternate with the other rows', so that every row sees the shared
+    machine's slow and fast moments alike."""
 
-    cache = make_cache(row, model, threads)
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        out = model(x, cache=cache, logits_to_keep=1)
-        prefill_s = time.perf_counter() - t0
-        nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(2):  # warm-up steps, not timed
-            nxt = model(nxt, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        timer = AdapterTimer(cache) if row["cache"] == "kvrecall" else None
-        before = cache.stats() if row["cache"] == "kvrecall" else {}
-        bind0 = cache.context.binding_stats() if timer else {}
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            nxt = model(nxt, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        decode_s = time.perf_counter() - t0
-    result = dict(row, context=len(ids), steps=steps, prefill_s=prefill_s, decode_s=decode_s,
-                  tokens_per_s=steps / decode_s, ms_per_token=1e3 * decode_s / steps,
-                  torch_kv_bytes=torch_kv_bytes(cache))
-    if timer is not None:
-        after = cache.stats()
-        bind1 = cache.context.binding_stats()
-        calls = bind1["layer_calls"] - bind0["layer_calls"]
-        c_ns = bind1["layer_call_ns"] - bind0["layer_call_ns"]
-        result.update(
-            kvrecall_us_per_layer=c_ns / calls / 1e3,
-            adapter_us_per_layer=(timer.ns - c_ns) / timer.calls / 1e3,
-            corrected_heads=after["corrected_heads"] - before["corrected_heads"],
-            checked_heads=after["checked_heads"] - before["checked_heads"],
-            kvrecall_kv_bytes=_kvrecall_kv_bytes(cache, len(ids) + steps + 2))
-        cache.close()
-    return result
+    def __init__(self, model: Any, ids: list, spec: dict, threads: int) -> None:
+        import torch
+
+        self.model, self.spec = model, spec
+        self.cache = make_cache(spec, model, threads)
+        self.samples: list = []
+        self.adapter_ns = self.adapter_calls = self.call_ns = self.calls = 0
+        self.timer = AdapterTimer(self.cache) if spec["cache"] == "kvrecall" else None
+        with torch.no_grad():
+            if spec["cache"] == "dynamic":
+                model.set_attn_implementation("sdpa")
+            t0 = time.perf_counter()
+            out = model(torch.tensor([ids]), cache=self.cache, logits_to_keep=1)
+            self.prefill_s = time.perf_counter() - t0
+            self.next = out.logits[:, -1:].argmax(-1)
+            self.steps(2)  # warm-up, not timed
+        if self.timer:
+            self.timer.ns = self.timer.calls = 0
+            self.bind0 = self.cache.context.binding_stats()
+            self.stats0 = self.cache.stats()
+
+    def steps(self, n: int) -> float:
+        import torch
+
+        if self.spec["cache"] == "dynamic":
+            self.model.set_attn_implementation("sdpa")
+        elif self.model.config._attn_implementation != "kvrecall":
+            self.model.set_attn_implementation("kvrecall")
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                self.next = self.model(self.next, cache=self.cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            return time.perf_counter() - t0
+
+    def result(self, context: int, steps: int) -> dict:
+        import statistics
+
+        rates = [steps / s for s in self.samples]
+        r = dict(self.spec, context=context, steps=steps, rounds=len(rates), prefill_s=self.prefill_s,
+                 tokens_per_s=statistics.median(rates), tokens_per_s_rounds=rates,
+                 ms_per_token=1e3 / statistics.median(rates), torch_kv_bytes=torch_kv_bytes(self.cache))
+        if self.timer:
+            bind1 = self.cache.context.binding_stats()
+            after = self.cache.stats()
+            calls = bind1["layer_calls"] - self.bind0["layer_calls"]
+            c_ns = bind1["layer_call_ns"] - self.bind0["layer_call_ns"]
+            r.update(kvrecall_us_per_layer=c_ns / calls / 1e3,
+                     adapter_us_per_layer=(self.timer.ns - c_ns) / self.timer.calls / 1e3,
+                     corrected_heads=after["corrected_heads"] - self.stats0["corrected_heads"],
+                     checked_heads=after["checked_heads"] - self.stats0["checked_heads"],
+                     kvrecall_kv_bytes=_kvrecall_kv_bytes(self.cache, context))
+            self.cache.close()
+        return r
 
 
 def _kvrecall_kv_bytes(cache: Any, tokens: int) -> int:
@@ -169,14 +193,20 @@ def cmd_decode(a: argparse.Namespace) -> dict:
     results = []
     for context in a.contexts:
         ids = gpl_ids(tok, context)
-        for row in rows:
-            r = decode_row(model, ids, row, a.steps, a.kvrecall_threads)
+        live = [Row(model, ids, spec, a.kvrecall_threads) for spec in rows]
+        for _ in range(a.rounds):
+            for row in live:
+                row.samples.append(row.steps(a.steps))
+        for row in live:
+            r = row.result(context, a.steps)
             results.append(r)
             print(f"{context:6d}  {r['name']:28s} {r['tokens_per_s']:7.2f} tokens/s  "
-                  f"({r['ms_per_token']:.1f} ms/token; torch KV {r['torch_kv_bytes'] / 2**20:.1f} MiB"
+                  f"(median of {r['rounds']} rounds: {r['ms_per_token']:.1f} ms/token; torch KV "
+                  f"{r['torch_kv_bytes'] / 2**20:.1f} MiB"
                   + (f"; adapter {r['adapter_us_per_layer']:.1f} us/layer beside kvrecall's "
                      f"{r['kvrecall_us_per_layer']:.1f}" if "adapter_us_per_layer" in r else "") + ")",
                   flush=True)
+        del live
     for context in a.contexts:
         base = next(r for r in results if r["context"] == context and r["cache"] == "dynamic")
         for r in results:
@@ -340,7 +370,7 @@ def cmd_plot(a: argparse.Namespace) -> None:
     m = data.get("machine", {})
     ax.set_title(f"transformers on SmolLM2-135M (float32), {data.get('threads', '?')} threads: {m.get('cpu', '')}",
                  fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
     print(f"wrote {a.out}")
@@ -367,7 +397,9 @@ def main(argv: Optional[list] = None) -> int:
     d.add_argument("--budgets", type=ints, default=[1024, 2048])
     d.add_argument("--sink", type=int, default=128)
     d.add_argument("--window", type=int, default=128)
-    d.add_argument("--steps", type=int, default=32)
+    d.add_argument("--steps", type=int, default=16, help="decode steps per round (default 16)")
+    d.add_argument("--rounds", type=int, default=5,
+                   help="rounds; each times every row once, in turn (default 5: the median is reported)")
 
     b = sub.add_parser("binding", help="the binding's cost per layer call")
     common(b)

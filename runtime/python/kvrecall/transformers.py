@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "kvrecall.transformers needs transformers >= 5.0 (pip install 'kvrecall[transformers]')"
     ) from exc
 
-from . import Config, Context, NotSupported, Sequence
+from . import Config, Context, InvalidArgument, NotSupported
 
 __all__ = ["KVRecallCache", "kvrecall_attention", "ATTN_IMPLEMENTATION", "SUPPORTED_TRANSFORMERS"]
 
@@ -376,9 +376,14 @@ class KVRecallCache(Cache):
         batch, n_qo, _, head_dim = query.shape
         out = torch.empty((batch, 1, n_qo, head_dim), dtype=query.dtype, device=query.device)
         try:
-            step.layer(layer, query if query.is_contiguous() else query.contiguous(),
-                       key if key.is_contiguous() else key.contiguous(),
-                       value if value.is_contiguous() else value.contiguous(), out)
+            try:
+                step.layer(layer, query, key, value, out)
+            except InvalidArgument:
+                # a model whose projections leave strided views: copy them (the
+                # usual decode tensors are contiguous, and this costs nothing then)
+                if all(t.is_contiguous() for t in (query, key, value)):
+                    raise
+                step.layer(layer, query.contiguous(), key.contiguous(), value.contiguous(), out)
         except BaseException:
             self._cancel_step()
             raise
