@@ -1368,7 +1368,7 @@ static PyType_Slot step_slots[] = {
 };
 
 PyType_Spec kvr_py_step_spec = {
-	.name = "kvrecall._kvrecall.DecodeStep",
+	.name = "kvrecall.DecodeStep",
 	.basicsize = sizeof(StepObject),
 	.flags = Py_TPFLAGS_DEFAULT,
 	.slots = step_slots,

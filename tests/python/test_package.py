@@ -505,4 +505,8 @@ def test_create_decode_destroy_loop_keeps_memory_flat():
         once()
     gc.collect()
     grown = rss_bytes() - before
+    if "asan" in os.environ.get("LD_PRELOAD", ""):
+        # ASan's quarantine keeps freed memory (256 MiB by default): the loop
+        # still runs, for ASan to check every access; the plain build checks RSS
+        pytest.skip(f"under ASan RSS includes its quarantine (grew {grown} bytes)")
     assert grown < 8 << 20, f"RSS grew by {grown} bytes over 150 contexts"
