@@ -277,13 +277,13 @@ static int context_init(PyObject *self_obj, PyObject *args, PyObject *kwargs)
 	return 0;
 }
 
-static void step_finish(StepObject *s, int commit);
+static void step_cancel(StepObject *s);
 
 /* Close: cancel an open step, destroy the context. Python thread (GIL). */
 static void context_close_impl(ContextObject *self)
 {
 	if (self->open_step)
-		step_finish(self->open_step, 0);
+		step_cancel(self->open_step);
 	struct kvr_context *ctx = NULL;
 	Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&self->lock);
 	ctx = self->ctx;
@@ -1018,9 +1018,10 @@ static int step_end_impl(StepObject *s, char *msg, size_t msg_bytes)
 	return rc;
 }
 
-static void step_finish(StepObject *s, int commit)
+/* End an open step that nobody will finish: a partly decoded step is taken
+ * back; its message is of no use to anyone. */
+static void step_cancel(StepObject *s)
 {
-	(void)commit;
 	char msg[512] = "";
 	if (s->open)
 		(void)step_end_impl(s, msg, sizeof msg);
@@ -1031,7 +1032,7 @@ static void step_dealloc(PyObject *obj)
 	StepObject *s = (StepObject *)obj;
 	PyTypeObject *tp = Py_TYPE(obj);
 	if (s->owner) {
-		step_finish(s, 0);
+		step_cancel(s);
 		Py_CLEAR(s->owner);
 	}
 	free(s->status);
@@ -1257,7 +1258,7 @@ static PyObject *step_replay(PyObject *obj, PyObject *args)
 	Py_RETURN_NONE;
 }
 
-static PyObject *step_enter(PyObject *obj, PyObject *unused)
+static PyObject *return_self(PyObject *obj, PyObject *unused)
 {
 	(void)unused;
 	Py_INCREF(obj);
@@ -1336,7 +1337,7 @@ static PyMethodDef step_methods[] = {
 	  "that failed raises SequenceError (the others' outputs are valid); status has each one's code." },
 	{ "end", step_end, METH_NOARGS, "Close the step (every layer must have been decoded)." },
 	{ "replay", step_replay, METH_VARARGS, "replay(stream=None): the host part of a captured step's replay." },
-	{ "__enter__", step_enter, METH_NOARGS, NULL },
+	{ "__enter__", return_self, METH_NOARGS, NULL },
 	{ "__exit__", step_exit, METH_VARARGS, NULL },
 	{ NULL, NULL, 0, NULL },
 };
@@ -1349,7 +1350,7 @@ static PyGetSetDef step_getset[] = {
 	{ NULL, NULL, NULL, NULL, NULL },
 };
 
-static PyObject *step_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+static PyObject *generic_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
 	(void)args;
 	(void)kwargs;
@@ -1358,7 +1359,7 @@ static PyObject *step_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static PyType_Slot step_slots[] = {
-	{ Py_tp_new, step_new },
+	{ Py_tp_new, generic_new },
 	{ Py_tp_dealloc, step_dealloc },
 	{ Py_tp_methods, step_methods },
 	{ Py_tp_getset, step_getset },
@@ -1486,7 +1487,7 @@ static PyObject *pool_get_closed(PyObject *obj, void *closure)
 
 static PyMethodDef pool_methods[] = {
 	{ "close", pool_close, METH_NOARGS, "Stop the workers (refused while a context uses the pool)." },
-	{ "__enter__", step_enter, METH_NOARGS, NULL },
+	{ "__enter__", return_self, METH_NOARGS, NULL },
 	{ "__exit__", pool_exit, METH_VARARGS, NULL },
 	{ NULL, NULL, 0, NULL },
 };
@@ -1498,7 +1499,7 @@ static PyGetSetDef pool_getset[] = {
 };
 
 static PyType_Slot pool_slots[] = {
-	{ Py_tp_new, step_new },
+	{ Py_tp_new, generic_new },
 	{ Py_tp_init, pool_init },
 	{ Py_tp_dealloc, pool_dealloc },
 	{ Py_tp_methods, pool_methods },

@@ -157,9 +157,10 @@ class Row:
         import statistics
 
         rates = [steps / s for s in self.samples]
+        rate = statistics.median(rates)
         r = dict(self.spec, context=context, steps=steps, rounds=len(rates), prefill_s=self.prefill_s,
-                 tokens_per_s=statistics.median(rates), tokens_per_s_rounds=rates,
-                 ms_per_token=1e3 / statistics.median(rates), torch_kv_bytes=torch_kv_bytes(self.cache))
+                 tokens_per_s=rate, tokens_per_s_rounds=rates, ms_per_token=1e3 / rate,
+                 torch_kv_bytes=torch_kv_bytes(self.cache))
         if self.timer:
             bind1 = self.cache.context.binding_stats()
             after = self.cache.stats()
@@ -231,47 +232,46 @@ def cmd_binding(a: argparse.Namespace) -> dict:
     shape = dict(n_layers=30, n_qo_heads=9, n_kv_heads=3, head_dim=64, dtype="f32")
     for kind, mode, context in [(k, m, c) for k in kinds for c in (a.short, a.context)
                                 for m in ("dense", "freekv")]:
-        if True:
-            cfg = kvrecall.Config(**shape, mode=mode, budget_tokens=1024, sink_tokens=128, window_tokens=128,
-                                  threads=a.kvrecall_threads)
-            with kvrecall.Context(cfg) as ctx:
-                seq = ctx.sequence()
-                rng = np.random.default_rng(0)
-                kv = rng.standard_normal((context, 3, 64), dtype=np.float32)
-                for layer in range(30):
-                    ctx.prefill(seq, layer, kv, kv)
-                q = rng.standard_normal((1, 9, 64), dtype=np.float32)
-                k = rng.standard_normal((1, 3, 64), dtype=np.float32)
-                o = np.empty_like(q)
-                if kind == "torch":
-                    q, k, o = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(o)
-                for _ in range(3):
-                    with ctx.decode_step([seq]) as step:
-                        for layer in range(30):
-                            step.layer(layer, q, k, k, o)
-                before = ctx.stats()
-                bind0 = ctx.binding_stats()
-                wall = 0
-                for _ in range(a.steps):
-                    step = ctx.decode_step([seq])
-                    layer_call = step.layer
-                    t = time.perf_counter_ns()
+        cfg = kvrecall.Config(**shape, mode=mode, budget_tokens=1024, sink_tokens=128, window_tokens=128,
+                              threads=a.kvrecall_threads)
+        with kvrecall.Context(cfg) as ctx:
+            seq = ctx.sequence()
+            rng = np.random.default_rng(0)
+            kv = rng.standard_normal((context, 3, 64), dtype=np.float32)
+            for layer in range(30):
+                ctx.prefill(seq, layer, kv, kv)
+            q = rng.standard_normal((1, 9, 64), dtype=np.float32)
+            k = rng.standard_normal((1, 3, 64), dtype=np.float32)
+            o = np.empty_like(q)
+            if kind == "torch":
+                q, k, o = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(o)
+            for _ in range(3):
+                with ctx.decode_step([seq]) as step:
                     for layer in range(30):
-                        layer_call(layer, q, k, k, o)
-                    wall += time.perf_counter_ns() - t
-                    step.end()
-                after = ctx.stats()
-                bind1 = ctx.binding_stats()
-                calls = bind1["layer_calls"] - bind0["layer_calls"]
-                c_ns = bind1["layer_call_ns"] - bind0["layer_call_ns"]
-                r = {"tensors": kind, "mode": mode, "context": context, "calls": calls,
-                     "python_us_per_call": wall / calls / 1e3, "kvrecall_us_per_call": c_ns / calls / 1e3,
-                     "kvrecall_critical_us_per_call": (after["critical_ns"] - before["critical_ns"]) / calls / 1e3,
-                     "binding_us_per_call": (wall - c_ns) / calls / 1e3}
-                out.append(r)
-                print(f"{kind:6s} {mode:7s} {context:6d} tokens: {r['python_us_per_call']:7.2f} us per layer call "
-                      f"from Python, {r['kvrecall_us_per_call']:7.2f} inside kvr_decode_layer: binding "
-                      f"{r['binding_us_per_call']:.2f} us", flush=True)
+                        step.layer(layer, q, k, k, o)
+            before = ctx.stats()
+            bind0 = ctx.binding_stats()
+            wall = 0
+            for _ in range(a.steps):
+                step = ctx.decode_step([seq])
+                layer_call = step.layer
+                t = time.perf_counter_ns()
+                for layer in range(30):
+                    layer_call(layer, q, k, k, o)
+                wall += time.perf_counter_ns() - t
+                step.end()
+            after = ctx.stats()
+            bind1 = ctx.binding_stats()
+            calls = bind1["layer_calls"] - bind0["layer_calls"]
+            c_ns = bind1["layer_call_ns"] - bind0["layer_call_ns"]
+            r = {"tensors": kind, "mode": mode, "context": context, "calls": calls,
+                 "python_us_per_call": wall / calls / 1e3, "kvrecall_us_per_call": c_ns / calls / 1e3,
+                 "kvrecall_critical_us_per_call": (after["critical_ns"] - before["critical_ns"]) / calls / 1e3,
+                 "binding_us_per_call": (wall - c_ns) / calls / 1e3}
+            out.append(r)
+            print(f"{kind:6s} {mode:7s} {context:6d} tokens: {r['python_us_per_call']:7.2f} us per layer call "
+                  f"from Python, {r['kvrecall_us_per_call']:7.2f} inside kvr_decode_layer: binding "
+                  f"{r['binding_us_per_call']:.2f} us", flush=True)
     return {"benchmark": "binding", "rows": out}
 
 

@@ -159,7 +159,6 @@ class KVRecallCache(Cache):
         self._step = None
         self._awaiting = None
         self._device = None
-        self._out = None
 
     @classmethod
     def for_model(cls, model: Any, mode: str = "freekv", budget: int = 2048, **config: Any) -> "KVRecallCache":
