@@ -534,8 +534,12 @@ Test(dequant, sizes_and_errors)
 	}
 	cr_expect_str_eq(kq_type_name(KQ_TYPE_Q4_1), "q4_1");
 	cr_expect_str_eq(kq_type_name(KQ_TYPE_Q6_K), "q6_K");
-	/* unsupported: removed ids 4/5, Q2_K, Q3_K, Q8_K, IQ types, out of range */
-	const uint32_t bad[] = { 4, 5, 10, 11, 15, 16, 20, 23, 24, 28, 29, 31, 34, 39, 1000, UINT32_MAX };
+	/* Q8_K: an activation type, with a layout but no matrix of its own */
+	cr_expect_eq(kq_block_elems(KQ_TYPE_Q8_K), 256u);
+	cr_expect_eq(kq_block_bytes(KQ_TYPE_Q8_K), 292u);
+	cr_expect_str_eq(kq_type_name(KQ_TYPE_Q8_K), "q8_K");
+	/* unsupported: removed ids 4/5, Q2_K, Q3_K, IQ types, out of range */
+	const uint32_t bad[] = { 4, 5, 10, 11, 16, 20, 23, 24, 28, 29, 31, 34, 39, 1000, UINT32_MAX };
 	float y[256] = { 0 };
 	uint8_t w[256] = { 0 };
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -828,18 +832,20 @@ Test(matmul, every_path_bit_identical_to_matvec)
 Test(matmul, other_types_and_errors)
 {
 	enum { ROWS = 4, COLS = 256, N = 3 };
-	uint8_t w[ROWS * 210] = { 0 }, xq[N * 36 * 8] = { 0 };
+	uint8_t w[ROWS * 210] = { 0 }, xq[N * 36 * 8] = { 0 }, xk[N * 292];
 	float x[N * COLS], y[N * ROWS], want[ROWS];
 	unsigned char space[64];
 	for (int i = 0; i < N * COLS; i++)
 		x[i] = uniform(-1, 1);
+	for (int t = 0; t < N; t++)
+		cr_assert_eq(kq_quantize_row_q8_k(x + t * COLS, xk + t * 292, COLS), 0);
 	for (int r = 0; r < ROWS; r++)
 		rand_row(KQ_TYPE_Q6_K, w + r * 210, COLS);
-	/* a type without the integer route: per row through kq_matvec, no workspace */
+	/* a type without the batched route: per row through kq_matvec, no workspace */
 	cr_assert_eq(kq_matmul_workspace_bytes(KQ_TYPE_Q6_K, COLS, N), 0);
-	cr_assert_eq(kq_matmul(KQ_TYPE_Q6_K, w, 210, ROWS, COLS, NULL, 0, x, COLS, N, y, ROWS, 0, ROWS, NULL, 0), 0);
+	cr_assert_eq(kq_matmul(KQ_TYPE_Q6_K, w, 210, ROWS, COLS, xk, 292, NULL, 0, N, y, ROWS, 0, ROWS, NULL, 0), 0);
 	for (int t = 0; t < N; t++) {
-		cr_assert_eq(kq_matvec(KQ_TYPE_Q6_K, w, 210, ROWS, COLS, NULL, x + t * COLS, want, 0, ROWS), 0);
+		cr_assert_eq(kq_matvec(KQ_TYPE_Q6_K, w, 210, ROWS, COLS, xk + t * 292, NULL, want, 0, ROWS), 0);
 		for (int r = 0; r < ROWS; r++)
 			cr_assert(same_bits(y[t * ROWS + r], want[r]));
 	}
@@ -956,8 +962,9 @@ Test(matvec, other_types_double_dot)
 	const uint64_t colsv[3] = { 256, 768, 1536 };
 	for (size_t t = 0; t < N_TYPES; t++) {
 		const uint32_t type = all_types[t].type;
-		if (type == KQ_TYPE_Q4_1 || type == KQ_TYPE_Q8_0 || type == KQ_TYPE_Q8_1)
-			continue;
+		if (type == KQ_TYPE_Q4_1 || type == KQ_TYPE_Q8_0 || type == KQ_TYPE_Q8_1 || type == KQ_TYPE_Q4_K ||
+		    type == KQ_TYPE_Q5_K || type == KQ_TYPE_Q6_K)
+			continue; /* the integer routes */
 		cr_assert_eq(kq_matvec_act_type(type), KQ_TYPE_F32);
 		for (int c = 0; c < 3; c++) {
 			const uint64_t n = colsv[c];
@@ -1045,17 +1052,103 @@ Test(matvec, threads_splitting_rows)
 	}
 }
 
+/* Q8_K as llama.cpp's quantize_row_q8_K_ref: the value of largest magnitude
+ * sets d = max/-127 and maps to -127·sign; the rest round half to even. */
+Test(quantize, q8_k_reference)
+{
+	float x[256] = { 0 };
+	uint8_t q[292];
+	x[0] = 1.0f;  /* 1·63.5 = 63.5: a tie, to 64 (even) and negated with the scale's sign */
+	x[1] = -2.0f; /* the largest: -127·(-2)/(-2)... = 127 */
+	x[2] = 0.5f;  /* 31.75 -> 32 */
+	x[3] = 3.0f / 127.0f; /* 1.5 -> 2 */
+	for (int j = 16; j < 32; j++)
+		x[j] = 0.25f;
+	cr_assert_eq(kq_quantize_row_q8_k(x, q, 256), 0);
+	float d;
+	memcpy(&d, q, 4);
+	const int8_t *qs = (const int8_t *)(q + 4);
+	cr_expect(same_bits(d, 1.0f / (-127.0f / -2.0f)), "d = %a", (double)d);
+	cr_expect_eq(qs[0], 64);
+	cr_expect_eq(qs[1], -127);
+	cr_expect_eq(qs[2], 32);
+	cr_expect_eq(qs[3], 2);
+	int16_t bsums[16];
+	memcpy(bsums, q + 260, sizeof(bsums));
+	cr_expect_eq(bsums[0], 64 - 127 + 32 + 2);
+	cr_expect_eq(bsums[1], 16 * 16); /* 0.25·63.5 = 15.875 -> 16 */
+	memset(x, 0, sizeof(x));
+	cr_assert_eq(kq_quantize_row_q8_k(x, q, 256), 0);
+	memcpy(&d, q, 4);
+	cr_expect_eq(d, 0.0f);
+	cr_expect_eq(kq_quantize_row_q8_k(x, q, 128), -EINVAL);
+}
+
+/* Q4_K, Q5_K and Q6_K against Q8_K: the integer route equals the exact dot
+ * of the dequantised weights and activation to f32 rounding of the block
+ * sums, and the f32 activation's dot to the activation's rounding. */
+Test(matvec, k_quants_against_exact)
+{
+	const uint32_t types[3] = { KQ_TYPE_Q4_K, KQ_TYPE_Q5_K, KQ_TYPE_Q6_K };
+	const uint64_t rows = 17, cols = 1024, nb = cols / 256;
+	for (int ti = 0; ti < 3; ti++) {
+		const uint32_t type = types[ti];
+		uint64_t wrow;
+		cr_assert_eq(kq_row_bytes(type, cols, &wrow), 0);
+		uint8_t *w = xmalloc(rows * wrow), *xq = xmalloc(nb * 292);
+		float *x = xmalloc(cols * 4), *xd = xmalloc(cols * 4), *wd = xmalloc(cols * 4), y[17];
+		for (uint64_t r = 0; r < rows; r++)
+			rand_row(type, w + r * wrow, cols);
+		for (uint64_t i = 0; i < cols; i++)
+			x[i] = uniform(-1, 1) * (i % 61 == 0 ? 8.0f : 1.0f);
+		cr_assert_eq(kq_quantize_row_q8_k(x, xq, cols), 0);
+		cr_assert_eq(kq_dequantize_row(KQ_TYPE_Q8_K, xq, xd, cols), 0);
+		cr_assert_eq(kq_matvec(type, w, wrow, rows, cols, xq, NULL, y, 0, rows), 0);
+		for (uint64_t r = 0; r < rows; r++) {
+			ref_row(type, w + r * wrow, wd, cols);
+			double exact_q = 0, exact_x = 0, mag = 0, wabs = 0;
+			for (uint64_t i = 0; i < cols; i++) {
+				exact_q += (double)wd[i] * xd[i];
+				exact_x += (double)wd[i] * x[i];
+				mag += fabs((double)wd[i] * xd[i]);
+				wabs += fabs((double)wd[i]);
+			}
+			float dx;
+			memcpy(&dx, xq, 4);
+			/* block values (4 products, a subtraction) and their sum: a few ulp of the magnitudes */
+			const double bound_q = (double)(nb + 8) * 0x1p-23 * mag + 1e-30;
+			cr_assert_leq(fabs(y[r] - exact_q), bound_q, "%s row %lu: %a vs %a", kq_type_name(type),
+				      (unsigned long)r, (double)y[r], exact_q);
+			/* each activation within half a step of its quant */
+			const double bound_x = bound_q + wabs * 0.5 * fabs((double)dx) * 1.001;
+			cr_assert_leq(fabs(y[r] - exact_x), bound_x, "%s row %lu against f32", kq_type_name(type),
+				      (unsigned long)r);
+		}
+		/* a planted error of one quant step in the activation moves the result */
+		const float before = y[0];
+		xq[4 + 5] = (uint8_t)((int8_t)xq[4 + 5] + ((int8_t)xq[4 + 5] < 100 ? 1 : -1));
+		cr_assert_eq(kq_matvec(type, w, wrow, rows, cols, xq, NULL, y, 0, 1), 0);
+		ref_row(type, w, wd, cols);
+		if (wd[5] != 0.0f)
+			cr_expect_neq(y[0], before, "%s ignores activation quant 5", kq_type_name(type));
+		free(w), free(xq), free(x), free(xd), free(wd);
+	}
+}
+
 Test(matvec, act_types_and_errors)
 {
 	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_Q4_1), KQ_TYPE_Q8_1);
 	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_Q8_0), KQ_TYPE_Q8_0);
-	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_Q6_K), KQ_TYPE_F32);
+	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_Q4_K), KQ_TYPE_Q8_K);
+	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_Q6_K), KQ_TYPE_Q8_K);
 	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_F16), KQ_TYPE_F32);
 	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_Q8_1), -ENOTSUP); /* an activation type */
+	cr_expect_eq(kq_matvec_act_type(KQ_TYPE_Q8_K), -ENOTSUP);
 	uint8_t w[2 * 20 * 2] = { 0 }, xq[2 * 36] = { 0 };
 	float x[64] = { 0 }, y[2] = { -7.0f, -7.0f };
 	cr_expect_eq(kq_matvec(KQ_TYPE_Q4_1, w, 40, 2, 64, NULL, x, y, 0, 2), -EINVAL); /* needs x_q */
-	cr_expect_eq(kq_matvec(KQ_TYPE_Q6_K, w, 210, 2, 256, xq, NULL, y, 0, 2), -EINVAL); /* needs x_f32 */
+	cr_expect_eq(kq_matvec(KQ_TYPE_F16, w, 512, 2, 256, xq, NULL, y, 0, 2), -EINVAL); /* needs x_f32 */
+	cr_expect_eq(kq_matvec(KQ_TYPE_Q6_K, w, 210, 2, 256, NULL, x, y, 0, 2), -EINVAL); /* needs x_q */
 	cr_expect_eq(kq_matvec(KQ_TYPE_Q4_1, w, 40, 2, 63, xq, NULL, y, 0, 2), -EINVAL); /* cols */
 	cr_expect_eq(kq_matvec(KQ_TYPE_Q4_1, w, 39, 2, 64, xq, NULL, y, 0, 2), -EINVAL); /* row_bytes */
 	cr_expect_eq(kq_matvec(KQ_TYPE_Q4_1, w, 40, 2, 64, xq, NULL, y, 1, 3), -EINVAL); /* row_end */

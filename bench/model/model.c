@@ -1,8 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * model.c — the Llama forward pass of the real-model runner (model.h): loading
- * and validating the GGUF's hyperparameters and tensors, and prefill and decode
- * through kvrecall's public API.
+ * model.c — the forward pass of the real-model runner (model.h) for the
+ * llama, qwen2 and qwen3 architectures: loading and validating the GGUF's
+ * hyperparameters and tensors, and prefill and decode through kvrecall's
+ * public API. The architectures share one layer function; what differs (Q/K/V
+ * biases, per-head Q/K norms, NEOX or NORM RoPE, frequency factors) is
+ * switched by what the loader found, so a new family adds a loader entry, not
+ * a copy of the forward pass.
  *
  * Where the numbers come from: activations are quantised per matrix input the
  * way llama.cpp does (Q8_1 for Q4_1 weights, Q8_0 for Q8_0 weights: quant.h),
@@ -30,6 +34,8 @@ enum { PREFILL_CHUNK = 64 }; /* tokens per layer pass: 4 of kvrecall's prefill q
 
 struct layer_w {
 	const struct gguf_tensor *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *gate, *up, *down;
+	const struct gguf_tensor *bq, *bk, *bv;      /* qwen2 (optional elsewhere); NULL: none */
+	const struct gguf_tensor *q_norm, *k_norm;   /* qwen3; NULL: none */
 };
 
 struct model {
@@ -37,6 +43,7 @@ struct model {
 	struct model_hparams hp;
 	struct layer_w *layers;
 	const struct gguf_tensor *token_embd, *output_norm, *output;
+	const struct gguf_tensor *rope_freqs; /* Llama 3's frequency factors; NULL: none */
 	struct kvr_thread_pool *pool;
 	/* scratch, one row per token of a chunk ([PREFILL_CHUNK][...]) */
 	float *x;             /* residual stream, n_embd */
@@ -124,13 +131,70 @@ static int tensor(const struct model *m, const char *name, uint64_t ne0, uint64_
 			    (unsigned long long)t->ne[0], (unsigned long long)got1,
 			    (unsigned long long)ne0, (unsigned long long)ne1);
 	if (!ne1 && t->type != KQ_TYPE_F32)
-		return fail(err, eb, -ENOTSUP, "model: tensor %s is %s; norms must be F32", name,
-			    gguf_type_name(t->type));
+		return fail(err, eb, -ENOTSUP, "model: tensor %s is %s; vectors (norms, biases) must be F32",
+			    name, gguf_type_name(t->type));
+	/* Vectors are read as floats in place: a file whose general.alignment
+	 * (or a buffer whose address) leaves them off a 4-byte boundary is
+	 * refused rather than read with misaligned loads. */
+	if (!ne1 && ((uintptr_t)t->data & (sizeof(float) - 1)))
+		return fail(err, eb, -EINVAL,
+			    "model: tensor %s's data is not 4-byte aligned (general.alignment %u)", name,
+			    gguf_alignment(m->g));
 	if (ne1 && kq_matvec_act_type(t->type) < 0)
 		return fail(err, eb, -ENOTSUP, "model: tensor %s has type %s, which this runner cannot "
 					       "multiply",
 			    name, gguf_type_name(t->type));
 	*out = t;
+	return 0;
+}
+
+static const struct {
+	const char *name;
+	enum model_arch arch;
+} archs[] = { { "llama", MODEL_ARCH_LLAMA }, { "qwen2", MODEL_ARCH_QWEN2 }, { "qwen3", MODEL_ARCH_QWEN3 } };
+
+/* The key "{arch}.suffix" into buf. */
+static const char *arch_key(const struct model *m, const char *suffix, char *buf, size_t bytes)
+{
+	snprintf(buf, bytes, "%s.%s", m->hp.arch_name, suffix);
+	return buf;
+}
+
+/* Rope scaling from {arch}.rope.scaling.* (or the older scale_linear): none
+ * and linear are applied; the others (yarn, longrope) change the attention
+ * itself and are refused by name rather than run wrong. */
+static int load_rope_scaling(struct model *m, char *err, size_t eb)
+{
+	struct model_hparams *hp = &m->hp;
+	char key[96], fkey[96];
+	const char *type;
+	size_t type_len;
+	float factor = 1.0f;
+	hp->rope_freq_scale = 1.0f;
+	int rc = gguf_get_str(m->g, arch_key(m, "rope.scaling.type", key, sizeof(key)), &type, &type_len);
+	if (rc == -ENOENT) {
+		/* older files: {arch}.rope.scale_linear */
+		if ((rc = get_f32(m->g, arch_key(m, "rope.scale_linear", fkey, sizeof(fkey)), 1.0f, &factor, err,
+				  eb)))
+			return rc;
+	} else if (rc) {
+		return gguf_key_error(m->g, key, rc, "a string", err, eb);
+	} else if (type_len == 4 && !memcmp(type, "none", 4)) {
+		factor = 1.0f;
+	} else if (type_len == 6 && !memcmp(type, "linear", 6)) {
+		if ((rc = get_f32(m->g, arch_key(m, "rope.scaling.factor", fkey, sizeof(fkey)), 1.0f, &factor,
+				  err, eb)))
+			return rc;
+	} else {
+		return fail(err, eb, -ENOTSUP,
+			    "model: %s is \"%.*s\"; this runner applies rope scaling \"none\" and "
+			    "\"linear\" only",
+			    key, (int)(type_len > 32 ? 32 : type_len), type);
+	}
+	if (!(factor >= 1.0f && factor <= 1024.0f) && factor != 0.0f)
+		return fail(err, eb, -EINVAL, "model: rope scaling factor %g is out of range [1, 1024]",
+			    (double)factor);
+	hp->rope_freq_scale = factor > 0.0f ? 1.0f / factor : 1.0f;
 	return 0;
 }
 
@@ -143,38 +207,72 @@ static int load_hparams(struct model *m, char *err, size_t eb)
 	int rc = gguf_get_str(g, "general.architecture", &arch, &arch_len);
 	if (rc)
 		return gguf_key_error(g, "general.architecture", rc, "a string", err, eb);
-	if (arch_len != 5 || memcmp(arch, "llama", 5))
-		return fail(err, eb, -ENOTSUP, "model: architecture \"%.*s\" is not llama", (int)arch_len,
-			    arch);
+	hp->arch_name = NULL;
+	for (size_t i = 0; i < sizeof(archs) / sizeof(archs[0]); i++)
+		if (strlen(archs[i].name) == arch_len && !memcmp(arch, archs[i].name, arch_len)) {
+			hp->arch = archs[i].arch;
+			hp->arch_name = archs[i].name;
+		}
+	if (!hp->arch_name)
+		return fail(err, eb, -ENOTSUP,
+			    "model: general.architecture is \"%.*s\"; this runner reads llama, qwen2 "
+			    "and qwen3",
+			    (int)(arch_len > 64 ? 64 : arch_len), arch);
+	hp->rope_neox = hp->arch != MODEL_ARCH_LLAMA;
+	hp->qkv_bias = hp->arch == MODEL_ARCH_QWEN2;
+	hp->qk_norm = hp->arch == MODEL_ARCH_QWEN3;
 	uint32_t ctx_len = 0;
-	if ((rc = get_u32(g, "llama.block_count", 0, 1, &hp->n_layers, err, eb)) ||
-	    (rc = get_u32(g, "llama.embedding_length", 0, 1, &hp->n_embd, err, eb)) ||
-	    (rc = get_u32(g, "llama.attention.head_count", 0, 1, &hp->n_head, err, eb)) ||
-	    (rc = get_u32(g, "llama.feed_forward_length", 0, 1, &hp->n_ff, err, eb)) ||
-	    (rc = get_u32(g, "llama.context_length", 0, 0, &ctx_len, err, eb)) ||
-	    (rc = get_f32(g, "llama.rope.freq_base", 10000.0f, &hp->rope_base, err, eb)) ||
-	    (rc = get_f32(g, "llama.attention.layer_norm_rms_epsilon", 1e-5f, &hp->rms_eps, err, eb)))
+	char k1[96], k2[96], k3[96], k4[96], k5[96], k6[96], k7[96];
+	if ((rc = get_u32(g, arch_key(m, "block_count", k1, 96), 0, 1, &hp->n_layers, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "embedding_length", k2, 96), 0, 1, &hp->n_embd, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "attention.head_count", k3, 96), 0, 1, &hp->n_head, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "feed_forward_length", k4, 96), 0, 1, &hp->n_ff, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "context_length", k5, 96), 0, 0, &ctx_len, err, eb)) ||
+	    (rc = get_f32(g, arch_key(m, "rope.freq_base", k6, 96), 10000.0f, &hp->rope_base, err, eb)) ||
+	    (rc = get_f32(g, arch_key(m, "attention.layer_norm_rms_epsilon", k7, 96), 1e-5f, &hp->rms_eps,
+			  err, eb)))
 		return rc;
 	hp->ctx_len = ctx_len;
 	if (!hp->n_layers || !hp->n_embd || !hp->n_head || !hp->n_ff)
 		return fail(err, eb, -EINVAL, "model: a zero hyperparameter (layers %u, embedding %u, "
 					      "heads %u, feed-forward %u)",
 			    hp->n_layers, hp->n_embd, hp->n_head, hp->n_ff);
-	if ((rc = get_u32(g, "llama.attention.head_count_kv", hp->n_head, 0, &hp->n_head_kv, err, eb)))
-		return rc;
-	if ((rc = get_u32(g, "llama.attention.key_length", hp->n_embd / hp->n_head, 0, &hp->head_dim,
+	if ((rc = get_u32(g, arch_key(m, "attention.head_count_kv", k1, 96), hp->n_head, 0, &hp->n_head_kv,
 			  err, eb)))
 		return rc;
-	if ((rc = get_u32(g, "llama.rope.dimension_count", hp->head_dim, 0, &hp->n_rot, err, eb)))
+	if ((rc = get_u32(g, arch_key(m, "attention.key_length", k1, 96), hp->n_embd / hp->n_head, 0,
+			  &hp->head_dim, err, eb)))
 		return rc;
-	if (!hp->n_head_kv || hp->n_head % hp->n_head_kv || !hp->head_dim || hp->n_rot > hp->head_dim)
+	uint32_t v_len = 0;
+	if ((rc = get_u32(g, arch_key(m, "attention.value_length", k1, 96), hp->head_dim, 0, &v_len, err,
+			  eb)))
+		return rc;
+	if (v_len != hp->head_dim)
+		return fail(err, eb, -ENOTSUP,
+			    "model: %s is %u but the key length is %u; kvrecall pages hold one head size",
+			    k1, v_len, hp->head_dim);
+	if ((rc = get_u32(g, arch_key(m, "rope.dimension_count", k1, 96), hp->head_dim, 0, &hp->n_rot, err,
+			  eb)))
+		return rc;
+	if (!hp->n_head_kv || hp->n_head % hp->n_head_kv || !hp->head_dim || hp->n_rot > hp->head_dim ||
+	    hp->n_rot % 2)
 		return fail(err, eb, -EINVAL,
 			    "model: %u heads, %u KV heads, head size %u, %u rotated dimensions do not fit",
 			    hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_rot);
 	if (!(hp->rms_eps > 0.0f) || !(hp->rope_base > 1.0f))
 		return fail(err, eb, -EINVAL, "model: rms epsilon %g or rope base %g out of range",
 			    (double)hp->rms_eps, (double)hp->rope_base);
-	return 0;
+	return load_rope_scaling(m, err, eb);
+}
+
+/* tensor() for one that may be absent: *out NULL then, unless required. */
+static int tensor_opt(const struct model *m, const char *name, uint64_t ne0, uint64_t ne1, int required,
+		      const struct gguf_tensor **out, char *err, size_t eb)
+{
+	*out = NULL;
+	if (!required && !gguf_find_tensor(m->g, name))
+		return 0;
+	return tensor(m, name, ne0, ne1, out, err, eb);
 }
 
 static int load_tensors(struct model *m, char *err, size_t eb)
@@ -208,8 +306,20 @@ static int load_tensors(struct model *m, char *err, size_t eb)
 		rc = tensor(m, "output.weight", hp->n_embd, hp->n_vocab, &m->output, err, eb);
 	else
 		m->output = m->token_embd; /* tied embeddings */
+	m->hp.tied_output = m->output == m->token_embd;
+	if (!rc)
+		rc = tensor_opt(m, "rope_freqs.weight", hp->n_rot / 2, 0, 0, &m->rope_freqs, err, eb);
 	if (rc)
 		return rc;
+	if (m->rope_freqs) {
+		const float *f = m->rope_freqs->data;
+		for (uint32_t i = 0; i < hp->n_rot / 2; i++)
+			if (!(f[i] > 0.0f && f[i] < 1e6f))
+				return fail(err, eb, -EINVAL, "model: rope_freqs.weight[%u] = %g is not a positive "
+							      "frequency factor",
+					    i, (double)f[i]);
+		m->hp.rope_factors = 1;
+	}
 	m->layers = calloc(hp->n_layers, sizeof(*m->layers));
 	if (!m->layers)
 		return fail(err, eb, -ENOMEM, "model: out of memory");
@@ -231,6 +341,21 @@ static int load_tensors(struct model *m, char *err, size_t eb)
 		T(up, "ffn_up", hp->n_embd, hp->n_ff)
 		T(down, "ffn_down", hp->n_ff, hp->n_embd)
 #undef T
+#define OPT(field, suffix, ne0, required)                                            \
+	if (!rc) {                                                                   \
+		snprintf(name, sizeof(name), "blk.%u." suffix, l);                   \
+		rc = tensor_opt(m, name, ne0, 0, required, &w->field, err, eb);      \
+	}
+		/* llama.cpp reads Q/K/V biases wherever a llama file has them */
+		OPT(bq, "attn_q.bias", qd, hp->qkv_bias)
+		OPT(bk, "attn_k.bias", kvd, hp->qkv_bias)
+		OPT(bv, "attn_v.bias", kvd, hp->qkv_bias)
+		OPT(q_norm, "attn_q_norm.weight", hp->head_dim, hp->qk_norm)
+		OPT(k_norm, "attn_k_norm.weight", hp->head_dim, hp->qk_norm)
+#undef OPT
+		if (!rc && !!w->q_norm != !!w->k_norm)
+			rc = fail(err, eb, -EINVAL, "model: layer %u has only one of attn_q_norm and "
+						    "attn_k_norm", l);
 	}
 	return rc;
 }
@@ -265,7 +390,9 @@ static int open_model(struct model *m, int rc, uint32_t threads, struct model **
 		int failed = 0;
 		const size_t C = PREFILL_CHUNK;
 		m->widest = widest;
-		m->act_stride = (widest / 32 * 36 + 63) & ~(size_t)63; /* Q8_1 blocks: the largest */
+		/* the larger of Q8_1 (36 bytes per 32) and Q8_K (292 per 256) rows */
+		const size_t q8_1 = widest / 32 * 36, q8_k = (widest + 255) / 256 * 292;
+		m->act_stride = ((q8_1 > q8_k ? q8_1 : q8_k) + 63) & ~(size_t)63;
 		m->x = zalloc(C * hp->n_embd * sizeof(float), &failed);
 		m->in = zalloc(C * widest * sizeof(float), &failed);
 		m->q = zalloc(C * qd * sizeof(float), &failed);
@@ -422,6 +549,8 @@ static int quantise_inputs(struct model *m, uint32_t type, uint32_t n, uint64_t 
 			rc = kq_quantize_row_q8_1(x, dst, cols);
 		else if (act == KQ_TYPE_Q8_0)
 			rc = kq_quantize_row_q8_0(x, dst, cols);
+		else if (act == KQ_TYPE_Q8_K)
+			rc = kq_quantize_row_q8_k(x, dst, cols);
 		if (rc)
 			return rc;
 	}
@@ -475,6 +604,12 @@ static void norm_rows(struct model *m, const float *w, uint32_t n)
 			   m->hp.rms_eps);
 }
 
+static void add_bias(float *x, const float *b, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++)
+		x[i] += b[i];
+}
+
 /* One layer for n tokens at positions pos..: `attend` hands q16/k16/v16 to
  * kvrecall and fills o16. */
 static int layer(struct model *m, const struct layer_w *w, uint32_t n, uint64_t pos,
@@ -492,18 +627,33 @@ static int layer(struct model *m, const struct layer_w *w, uint32_t n, uint64_t 
 	if (rc)
 		return rc;
 	if (m->rope_pos != pos || m->rope_n < n) {
+		const float *factors = m->rope_freqs ? m->rope_freqs->data : NULL;
 		for (uint32_t t = 0; t < n; t++)
-			op_rope_cos_sin(m->n_rot, pos + t, hp->rope_base, m->rope_cs + (size_t)t * m->n_rot);
+			op_rope_cos_sin_scaled(m->n_rot, pos + t, hp->rope_base, hp->rope_freq_scale, factors,
+					       m->rope_cs + (size_t)t * m->n_rot);
 		m->rope_pos = pos;
 		m->rope_n = n;
 	}
+	void (*rope)(float *, uint32_t, const float *) = hp->rope_neox ? op_rope_apply_neox : op_rope_apply;
 	for (uint32_t t = 0; t < n; t++) {
 		float *q = m->q + (size_t)t * qd, *k = m->k + (size_t)t * kvd, *v = m->v + (size_t)t * kvd;
 		const float *cs = m->rope_cs + (size_t)t * m->n_rot;
+		if (w->bq) {
+			add_bias(q, w->bq->data, qd);
+			add_bias(k, w->bk->data, kvd);
+			add_bias(v, w->bv->data, kvd);
+		}
+		if (w->q_norm) {
+			/* Qwen3: RMSNorm of each head's query and key before RoPE */
+			for (uint32_t h = 0; h < hp->n_head; h++)
+				op_rmsnorm(q + (size_t)h * hd, q + (size_t)h * hd, w->q_norm->data, hd, hp->rms_eps);
+			for (uint32_t h = 0; h < hp->n_head_kv; h++)
+				op_rmsnorm(k + (size_t)h * hd, k + (size_t)h * hd, w->k_norm->data, hd, hp->rms_eps);
+		}
 		for (uint32_t h = 0; h < hp->n_head; h++)
-			op_rope_apply(q + (size_t)h * hd, m->n_rot, cs);
+			rope(q + (size_t)h * hd, m->n_rot, cs);
 		for (uint32_t h = 0; h < hp->n_head_kv; h++)
-			op_rope_apply(k + (size_t)h * hd, m->n_rot, cs);
+			rope(k + (size_t)h * hd, m->n_rot, cs);
 		uint16_t *q16 = m->q16 + (size_t)t * qd, *k16 = m->k16 + (size_t)t * kvd,
 			 *v16 = m->v16 + (size_t)t * kvd;
 		for (uint32_t i = 0; i < qd; i++)

@@ -1,13 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * model.h — a Llama-architecture GGUF model run on the CPU with its attention
+ * model.h — a Llama, Qwen2 or Qwen3 GGUF model run on the CPU with its attention
  * through kvrecall's public API, as an inference engine would call it:
  * kvr_prefill + kvr_prefill_attention for the prompt, kvr_decode_begin /
  * kvr_decode_layer / kvr_decode_end per generated token.
  *
- * Every hyperparameter comes from the file (llama.* keys); the forward pass is
- * RMSNorm -> Q, K, V projections -> RoPE (NORM pairing, as GGUF's converter
- * expects) -> attention (kvrecall, f16 KV) -> output projection, residual ->
+ * Every hyperparameter comes from the file ({arch}.* keys); the forward pass is
+ * RMSNorm -> Q, K, V projections (+ biases: qwen2) -> per-head RMSNorm of Q
+ * and K (qwen3) -> RoPE (NORM pairing for llama, whose converter permutes Q
+ * and K; NEOX for the Qwens; Llama 3's frequency factors) -> attention
+ * (kvrecall, f16 KV) -> output projection, residual ->
  * RMSNorm -> SwiGLU feed-forward, residual; then the final RMSNorm and the
  * output matrix (token_embd when the file ties them). Matrix products are
  * quant.h's, split by rows over the model's kvr_thread_pool.
@@ -24,15 +26,31 @@
 #include "gguf.h"
 #include "kvrecall.h"
 
+/* The architectures the runner reads (general.architecture). One forward
+ * pass serves all three; they differ in steps the loader switches on. */
+enum model_arch {
+	MODEL_ARCH_LLAMA = 0, /* Llama 1-3, SmolLM2: NORM RoPE (the converter permutes Q/K) */
+	MODEL_ARCH_QWEN2 = 1, /* Qwen2/2.5, DeepSeek-R1-Distill-Qwen: Q/K/V biases, NEOX RoPE */
+	MODEL_ARCH_QWEN3 = 2, /* Qwen3: per-head RMSNorm of Q and K before RoPE, NEOX RoPE */
+};
+
 struct model_hparams {
+	enum model_arch arch;
+	const char *arch_name; /* "llama", "qwen2", "qwen3" */
 	uint32_t n_layers, n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, n_vocab;
-	uint64_t ctx_len;  /* llama.context_length: what the model was trained for */
+	uint64_t ctx_len;  /* {arch}.context_length: what the model was trained for */
 	float rope_base, rms_eps;
+	float rope_freq_scale; /* 1/factor of linear rope scaling; 1 without */
+	int rope_neox;         /* 1: NEOX pairing (i, i + n_rot/2); 0: NORM (2i, 2i+1) */
+	int rope_factors;      /* 1: rope_freqs.weight divides each pair's frequency (Llama 3) */
+	int qkv_bias;          /* 1: the layers add attn_{q,k,v}.bias */
+	int qk_norm;           /* 1: attn_{q,k}_norm per head (Qwen3) */
+	int tied_output;       /* 1: the output matrix is token_embd (no output.weight) */
 };
 
 struct model;
 
-/* Open and validate a GGUF model (architecture llama, every tensor present
+/* Open and validate a GGUF model (architecture llama, qwen2 or qwen3; every tensor present
  * with the shape the hyperparameters imply, types quant.h multiplies).
  * threads = workers besides the caller for the matrix products. */
 int model_open(const char *path, uint32_t threads, struct model **out, char *err, size_t err_bytes);

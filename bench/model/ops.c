@@ -26,11 +26,17 @@ void op_rmsnorm(float *out, const float *x, const float *w, size_t n, float eps)
 
 /* cos and sin of pair i/2's angle at pos: theta = pos * base^(-i/n_rot), in
  * double (positions reach 1e5+) */
-static void rope_angle(uint32_t i, uint32_t n_rot, uint64_t pos, float base, float *c, float *s)
+static void rope_angle_scaled(uint32_t i, uint32_t n_rot, uint64_t pos, float base, double scale,
+			      float *c, float *s)
 {
-	const double theta = (double)pos * pow((double)base, -(double)i / (double)n_rot);
+	const double theta = (double)pos * pow((double)base, -(double)i / (double)n_rot) * scale;
 	*c = (float)cos(theta);
 	*s = (float)sin(theta);
+}
+
+static void rope_angle(uint32_t i, uint32_t n_rot, uint64_t pos, float base, float *c, float *s)
+{
+	rope_angle_scaled(i, n_rot, pos, base, 1.0, c, s);
 }
 
 static void rope_pair(float *x, float c, float s)
@@ -44,6 +50,25 @@ void op_rope_cos_sin(uint32_t n_rot, uint64_t pos, float base, float *cs)
 {
 	for (uint32_t i = 0; i + 1 < n_rot; i += 2)
 		rope_angle(i, n_rot, pos, base, &cs[i], &cs[i + 1]);
+}
+
+void op_rope_cos_sin_scaled(uint32_t n_rot, uint64_t pos, float base, float freq_scale,
+			    const float *factors, float *cs)
+{
+	for (uint32_t i = 0; i + 1 < n_rot; i += 2) {
+		const double scale = (double)freq_scale / (factors ? (double)factors[i / 2] : 1.0);
+		rope_angle_scaled(i, n_rot, pos, base, scale, &cs[i], &cs[i + 1]);
+	}
+}
+
+void op_rope_apply_neox(float *x, uint32_t n_rot, const float *cs)
+{
+	const uint32_t half = n_rot / 2;
+	for (uint32_t i = 0; i < half; i++) {
+		const float c = cs[2 * i], s = cs[2 * i + 1], a = x[i], b = x[i + half];
+		x[i] = a * c - b * s;
+		x[i + half] = a * s + b * c;
+	}
 }
 
 void op_rope_apply(float *x, uint32_t n_rot, const float *cs)

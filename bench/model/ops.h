@@ -30,6 +30,19 @@ void op_rope_norm(float *x, uint32_t head_dim, uint32_t n_rot, uint64_t pos, flo
  * op_rope_norm's. */
 void op_rope_cos_sin(uint32_t n_rot, uint64_t pos, float base, float *cs);
 void op_rope_apply(float *x, uint32_t n_rot, const float *cs);
+/*
+ * The general form, as llama.cpp's rope with frequency factors computes it:
+ * pair i's angle is pos * freq_scale * base^(-2i/n_rot) / factors[i] (factors
+ * NULL: all 1; n_rot/2 of them otherwise: Llama 3's rope_freqs.weight, which
+ * its converter writes for the "llama3" scaling; freq_scale is 1/factor of
+ * linear scaling). With freq_scale 1 and no factors the bits are
+ * op_rope_cos_sin's.
+ */
+void op_rope_cos_sin_scaled(uint32_t n_rot, uint64_t pos, float base, float freq_scale,
+			    const float *factors, float *cs);
+/* NEOX pairing (Qwen2, Qwen3 and every GGUF whose converter does not permute
+ * Q and K): dimension i rotates with i + n_rot/2, by pair i's angle in cs. */
+void op_rope_apply_neox(float *x, uint32_t n_rot, const float *cs);
 
 /* gate[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)). */
 void op_swiglu(float *gate, const float *up, size_t n);

@@ -30,6 +30,7 @@
  * the path choice, an atomic read on every call and written by kq_isa_force.
  */
 #include <errno.h>
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -80,6 +81,7 @@ static const struct kq_traits *traits(uint32_t type)
 		[KQ_TYPE_Q4_K] = { KQ_QK_K, KQ_Q4_K_BYTES, "q4_K" },
 		[KQ_TYPE_Q5_K] = { KQ_QK_K, KQ_Q5_K_BYTES, "q5_K" },
 		[KQ_TYPE_Q6_K] = { KQ_QK_K, KQ_Q6_K_BYTES, "q6_K" },
+		[KQ_TYPE_Q8_K] = { KQ_QK_K, KQ_Q8_K_BYTES, "q8_K" },
 		[KQ_TYPE_BF16] = { 1, 2, "bf16" },
 	};
 	if (type >= sizeof(t) / sizeof(t[0]) || !t[type].elems)
@@ -266,6 +268,16 @@ static void deq_q6_k(const uint8_t *s, float *y, uint64_t nb)
 				y[l + 96] = d * (float)sc[is + 6] * (float)q4;
 			}
 		}
+	}
+}
+
+static void deq_q8_k(const uint8_t *s, float *y, uint64_t nb)
+{
+	for (uint64_t b = 0; b < nb; b++, s += KQ_Q8_K_BYTES) {
+		float d;
+		memcpy(&d, s, sizeof(d));
+		for (int j = 0; j < 256; j++)
+			*y++ = d * (float)(int8_t)s[4 + j];
 	}
 }
 
@@ -957,6 +969,7 @@ static dequant_fn *dequantizer(uint32_t type)
 		[KQ_TYPE_Q4_0] = deq_q4_0, [KQ_TYPE_Q4_1] = deq_q4_1, [KQ_TYPE_Q5_0] = deq_q5_0,
 		[KQ_TYPE_Q5_1] = deq_q5_1, [KQ_TYPE_Q8_0] = deq_q8_0, [KQ_TYPE_Q8_1] = deq_q8_1,
 		[KQ_TYPE_Q4_K] = deq_q4_k, [KQ_TYPE_Q5_K] = deq_q5_k, [KQ_TYPE_Q6_K] = deq_q6_k,
+		[KQ_TYPE_Q8_K] = deq_q8_k,
 	};
 	dequant_fn *fast = NULL;
 	if (type == KQ_TYPE_Q4_1 || type == KQ_TYPE_Q8_0)
@@ -1046,17 +1059,160 @@ int kq_quantize_row_q8_1(const float *x, void *dst, uint64_t n)
 	return 0;
 }
 
+/* llama.cpp's nearest_int: round half to even through the float's mantissa
+ * (|v| < 2^22; the caller's values are within ±127.5) */
+static inline int nearest_int(float v)
+{
+	const float f = v + 12582912.0f;
+	int32_t i;
+	memcpy(&i, &f, sizeof(i));
+	return (i & 0x007fffff) - 0x00400000;
+}
+
+int kq_quantize_row_q8_k(const float *x, void *dst, uint64_t n)
+{
+	if (n % KQ_QK_K || (n && (!x || !dst)))
+		return -EINVAL;
+	uint8_t *o = dst;
+	for (uint64_t b = 0; b < n / KQ_QK_K; b++, o += KQ_Q8_K_BYTES, x += KQ_QK_K) {
+		float amax = 0.0f, max = 0.0f;
+		for (int j = 0; j < 256; j++) {
+			const float a = fabsf(x[j]);
+			if (a > amax) {
+				amax = a;
+				max = x[j];
+			}
+		}
+		int8_t *q = (int8_t *)(o + 4);
+		int16_t bsums[16];
+		float d = 0.0f;
+		if (amax > 0.0f && amax <= FLT_MAX) {
+			const float iscale = -127.0f / max;
+			for (int j = 0; j < 256; j++) {
+				const float v = iscale * x[j];
+				/* NaN and out-of-range products (a NaN in the block) give 0 */
+				const int qi = v == v && fabsf(v) < 128.0f ? nearest_int(v) : 0;
+				q[j] = (int8_t)(qi > 127 ? 127 : qi);
+			}
+			d = 1.0f / iscale;
+		} else {
+			memset(q, 0, 256);
+		}
+		for (int g = 0; g < 16; g++) {
+			int s = 0;
+			for (int j = 0; j < 16; j++)
+				s += q[16 * g + j];
+			bsums[g] = (int16_t)s;
+		}
+		memcpy(o, &d, sizeof(d));
+		memcpy(o + 260, bsums, sizeof(bsums));
+	}
+	return 0;
+}
+
 /* ----------------------------------------------------- matrix-vector */
 
 int kq_matvec_act_type(uint32_t type)
 {
-	if (!traits(type) || type == KQ_TYPE_Q8_1)
+	if (!traits(type) || type == KQ_TYPE_Q8_1 || type == KQ_TYPE_Q8_K)
 		return -ENOTSUP;
 	if (type == KQ_TYPE_Q4_1)
 		return KQ_TYPE_Q8_1;
 	if (type == KQ_TYPE_Q8_0)
 		return KQ_TYPE_Q8_0;
+	if (type == KQ_TYPE_Q4_K || type == KQ_TYPE_Q5_K || type == KQ_TYPE_Q6_K)
+		return KQ_TYPE_Q8_K;
 	return KQ_TYPE_F32;
+}
+
+/*
+ * K-quant super-blocks against a Q8_K activation block: the integer part of
+ * each (exact in int32: |Σ| <= 256·63·63·128 < 2^31) and its float value.
+ * The quants are unpacked into int8 rows first so that the dots are plain
+ * loops the compiler vectorises.
+ */
+static inline int32_t dot32_u8_i8(const uint8_t *a, const int8_t *b)
+{
+	int32_t s = 0;
+	for (int l = 0; l < 32; l++)
+		s += (int32_t)a[l] * b[l];
+	return s;
+}
+
+static inline int32_t dot16_i8_i8(const int8_t *a, const int8_t *b)
+{
+	int32_t s = 0;
+	for (int l = 0; l < 16; l++)
+		s += (int32_t)a[l] * b[l];
+	return s;
+}
+
+static float block_q4_k_q8_k(const uint8_t *w, const uint8_t *x, bool five)
+{
+	const uint8_t *sc = w + 4, *qh = w + 16, *ql = w + (five ? 48 : 16);
+	const int8_t *q8 = (const int8_t *)(x + 4);
+	int16_t bsums[16];
+	memcpy(bsums, x + 260, sizeof(bsums));
+	uint8_t u[256];
+	for (int g = 0; g < 4; g++, ql += 32)
+		for (int l = 0; l < 32; l++) {
+			u[64 * g + l] = ql[l] & 0x0f;
+			u[64 * g + 32 + l] = ql[l] >> 4;
+			if (five) {
+				u[64 * g + l] += (qh[l] >> (2 * g) & 1) << 4;
+				u[64 * g + 32 + l] += (qh[l] >> (2 * g + 1) & 1) << 4;
+			}
+		}
+	int32_t isum = 0, msum = 0;
+	for (int j = 0; j < 8; j++) {
+		int s, m;
+		scale_min_k4(j, sc, &s, &m);
+		isum += s * dot32_u8_i8(u + 32 * j, q8 + 32 * j);
+		msum += m * (bsums[2 * j] + bsums[2 * j + 1]);
+	}
+	float dx;
+	memcpy(&dx, x, sizeof(dx));
+	return kq_h(w) * dx * (float)isum - kq_h(w + 2) * dx * (float)msum;
+}
+
+static float block_q6_k_q8_k(const uint8_t *w, const uint8_t *x)
+{
+	const uint8_t *ql = w, *qh = w + 128;
+	const int8_t *sc = (const int8_t *)(w + 192), *q8 = (const int8_t *)(x + 4);
+	int8_t q[256];
+	for (int half = 0; half < 2; half++, ql += 64, qh += 32) {
+		int8_t *o = q + 128 * half;
+		for (int l = 0; l < 32; l++) {
+			o[l] = (int8_t)(((ql[l] & 0x0f) | ((qh[l] >> 0) & 3) << 4) - 32);
+			o[l + 32] = (int8_t)(((ql[l + 32] & 0x0f) | ((qh[l] >> 2) & 3) << 4) - 32);
+			o[l + 64] = (int8_t)(((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
+			o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+		}
+	}
+	int32_t isum = 0;
+	for (int j = 0; j < 16; j++)
+		isum += sc[j] * dot16_i8_i8(q + 16 * j, q8 + 16 * j);
+	float dx;
+	memcpy(&dx, x, sizeof(dx));
+	return kq_h(w + 208) * dx * (float)isum;
+}
+
+/* Rows [r0, r1) of a K-quant matrix: per row, super-block values summed in
+ * increasing order into one f32. */
+static void matvec_k(uint32_t type, const uint8_t *w, uint64_t row_bytes, uint64_t nb, const uint8_t *x,
+		     float *y, uint64_t r0, uint64_t r1)
+{
+	const uint32_t wbytes = kq_block_bytes(type);
+	for (uint64_t r = r0; r < r1; r++) {
+		const uint8_t *wr = w + r * row_bytes;
+		float acc = 0.0f;
+		for (uint64_t b = 0; b < nb; b++) {
+			const uint8_t *wb = wr + b * wbytes, *xb = x + b * KQ_Q8_K_BYTES;
+			acc += type == KQ_TYPE_Q6_K ? block_q6_k_q8_k(wb, xb)
+						    : block_q4_k_q8_k(wb, xb, type == KQ_TYPE_Q5_K);
+		}
+		y[r] = acc;
+	}
 }
 
 /* Rows [r0, r1) of a Q4_1 or Q8_0 matrix against its quantised activation.
@@ -1153,6 +1309,8 @@ int kq_matvec(uint32_t type, const void *w, uint64_t row_bytes, uint64_t rows, u
 		return -EINVAL;
 	if (act == KQ_TYPE_F32)
 		matvec_generic(type, w, row_bytes, cols, x_f32, y, row_begin, row_end);
+	else if (act == KQ_TYPE_Q8_K)
+		matvec_k(type, w, row_bytes, cols / KQ_QK_K, x_q, y, row_begin, row_end);
 	else
 		matvec_int(type, w, row_bytes, cols / KQ_QK, x_q, y, row_begin, row_end);
 	return 0;
@@ -1184,7 +1342,8 @@ int kq_matmul(uint32_t type, const void *w, uint64_t row_bytes, uint64_t rows, u
 	if (act < 0)
 		return act;
 	const enum kq_isa isa = kq_isa_active();
-	const bool fast = act != KQ_TYPE_F32 && isa != KQ_ISA_SCALAR && n > 1 && cols > 0;
+	const bool fast = (type == KQ_TYPE_Q4_1 || type == KQ_TYPE_Q8_0) && isa != KQ_ISA_SCALAR && n > 1 &&
+			  cols > 0;
 	if (fast) {
 		/* the same checks as kq_matvec's, before anything is written */
 		uint64_t packed;

@@ -8,7 +8,7 @@
  * Types and layouts are ggml's (ggml/include/ggml.h `enum ggml_type`,
  * ggml/src/ggml-common.h `block_*`), so a tensor's bytes are used as they lie
  * in the file. Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
- * Q4_K, Q5_K, Q6_K. Everything else answers -ENOTSUP.
+ * Q4_K, Q5_K, Q6_K, Q8_K. Everything else answers -ENOTSUP.
  *
  * Numerics (what the model's comparison with llama.cpp rests on):
  *  - Dequantisation is exact but for one rounding per element: every
@@ -30,8 +30,16 @@
  *    dots, each scaled per block, and the m·s terms apart), so a product
  *    agrees with llama.cpp's to f32 rounding (~1e-7 of the sum of the
  *    terms' magnitudes), not bit for bit.
+ *  - Q4_K, Q5_K and Q6_K take llama.cpp's route too: the activation
+ *    quantised to Q8_K (per 256 values d = max/-127 of the value of largest
+ *    magnitude, q = nearest(x/d) clamped to 127, the sums of each 16 quants
+ *    kept), exact integer dots per 32 (Q4_K, Q5_K) or 16 (Q6_K) elements
+ *    times the 6- or 8-bit sub-block scale, and per super-block
+ *    y += d_w·d_x·Σ_int − dmin_w·d_x·Σ(min·bsum) in f32 (one path; the order
+ *    of llama.cpp's float sums differs, so agreement is to f32 rounding).
  *  - The other types are dequantised and dotted with an f32 activation in
- *    double precision (correct, not fast: the SmolLM2 file has none).
+ *    double precision (correct, not fast: no file the runner targets has them
+ *    in bulk).
  *
  * Threads: every function is pure over its arguments (any thread, any number
  * at once), except kq_isa_force, which changes the path all threads take
@@ -56,6 +64,7 @@ enum kq_type {
 	KQ_TYPE_Q4_K = 12,
 	KQ_TYPE_Q5_K = 13,
 	KQ_TYPE_Q6_K = 14,
+	KQ_TYPE_Q8_K = 15, /* activations of the K-quants only */
 	KQ_TYPE_BF16 = 30,
 };
 
@@ -71,6 +80,7 @@ enum kq_type {
 #define KQ_Q4_K_BYTES 144u /* d, dmin, scales[12], qs[128] */
 #define KQ_Q5_K_BYTES 176u /* d, dmin, scales[12], qh[32], qs[128] */
 #define KQ_Q6_K_BYTES 210u /* ql[128], qh[64], scales[16], d */
+#define KQ_Q8_K_BYTES 292u /* d (f32), qs[256], bsums[16] (int16: sums of 16 quants) */
 
 /* Elements per block (1 for F32/F16/BF16); 0 for an unsupported type. */
 uint32_t kq_block_elems(uint32_t type);
@@ -94,19 +104,21 @@ int kq_dequantize_row(uint32_t type, const void *src, float *dst, uint64_t n);
  * (no undefined behaviour). */
 int kq_quantize_row_q8_0(const float *x, void *dst, uint64_t n);
 int kq_quantize_row_q8_1(const float *x, void *dst, uint64_t n);
+/* llama.cpp's Q8_K (quantize_row_q8_K_ref): n a multiple of 256. */
+int kq_quantize_row_q8_k(const float *x, void *dst, uint64_t n);
 
 /* The activation a matrix of this weight type multiplies: KQ_TYPE_Q8_1 for
- * Q4_1, KQ_TYPE_Q8_0 for Q8_0, KQ_TYPE_F32 for the other supported types;
- * -ENOTSUP otherwise. */
+ * Q4_1, KQ_TYPE_Q8_0 for Q8_0, KQ_TYPE_Q8_K for Q4_K/Q5_K/Q6_K, KQ_TYPE_F32
+ * for the other supported types; -ENOTSUP otherwise (Q8_1, Q8_K). */
 int kq_matvec_act_type(uint32_t type);
 
 /*
  * y[r] = W[r,:]·x for r in [row_begin, row_end): W is `rows` rows of `cols`
  * elements of `type`, row r at w + r·row_bytes (row_bytes >= the packed row
  * size, so a row may be padded); y is indexed by absolute row, so threads
- * splitting the rows share one y. x is x_q (cols/32 blocks of
- * kq_matvec_act_type(type)) for Q4_1 and Q8_0, x_f32 (cols floats) for the
- * others; the unused one may be NULL. Returns 0, -ENOTSUP (type), or
+ * splitting the rows share one y. x is x_q (the blocks of
+ * kq_matvec_act_type(type)) for Q4_1, Q8_0 and the K-quants, x_f32 (cols
+ * floats) for the others; the unused one may be NULL. Returns 0, -ENOTSUP (type), or
  * -EINVAL (a needed pointer NULL, cols not whole blocks, row_bytes too small,
  * row_begin > row_end or row_end > rows); y is untouched on error.
  *

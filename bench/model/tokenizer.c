@@ -38,6 +38,25 @@
 enum tok_pre {
 	PRE_SMOLLM, /* digits one by one, then the GPT-2 regex */
 	PRE_GPT2,   /* the GPT-2 regex alone */
+	PRE_LLAMA3, /* Llama 3's regex: digits in runs of up to 3; whole words first */
+	PRE_QWEN2,  /* Qwen2's: Llama 3's with every digit alone */
+};
+
+/* tokenizer.ggml.pre values and the pre-tokenizer llama.cpp runs for each */
+static const struct {
+	const char *name;
+	enum tok_pre pre;
+} pre_names[] = {
+	{ "smollm", PRE_SMOLLM },   { "gpt2", PRE_GPT2 },   { "llama-bpe", PRE_LLAMA3 },
+	{ "llama3", PRE_LLAMA3 },   { "llama-v3", PRE_LLAMA3 }, { "qwen2", PRE_QWEN2 },
+	{ "deepseek-r1-qwen", PRE_QWEN2 },
+};
+
+/* Texts of the tokens that end a turn in the families the runner reads,
+ * besides the file's eos/eot/eom ids (llama.cpp's end-of-generation set). */
+static const char *const eog_texts[] = {
+	"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>", "<end_of_turn>",
+	"<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>", /* <｜end▁of▁sentence｜> */
 };
 
 struct merge_slot {
@@ -66,7 +85,12 @@ struct tok {
 	size_t n_special;
 
 	enum tok_pre pre;
+	int ignore_merges;    /* a word that is a token is that token, unmerged (Llama 3) */
+	unsigned char byte_level[256][2]; /* each byte's byte-level character, UTF-8 */
+	uint8_t byte_level_len[256];
 	int32_t bos, eos, unk;
+	int32_t eog[16];      /* tokens that end generation */
+	size_t n_eog;
 	int add_bos;
 };
 
@@ -273,6 +297,16 @@ static int check_id(int32_t id, size_t n, const char *what, char *err, size_t er
 	return 0;
 }
 
+static void add_eog(struct tok *t, int32_t id)
+{
+	if (id < 0 || t->n_eog == sizeof(t->eog) / sizeof(t->eog[0]))
+		return;
+	for (size_t i = 0; i < t->n_eog; i++)
+		if (t->eog[i] == id)
+			return;
+	t->eog[t->n_eog++] = id;
+}
+
 int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t err_bytes)
 {
 	if (!out) {
@@ -289,14 +323,13 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 			"byte-level BPE)", v->model);
 		return -ENOTSUP;
 	}
-	enum tok_pre pre;
-	if (v->pre && !strcmp(v->pre, "smollm"))
-		pre = PRE_SMOLLM;
-	else if (v->pre && !strcmp(v->pre, "gpt2"))
-		pre = PRE_GPT2;
-	else {
-		set_err(err, err_bytes, "tokenizer: pre-tokenizer \"%s\" is not supported (only "
-			"\"smollm\" and \"gpt2\")", v->pre ? v->pre : "(none)");
+	int pre = -1;
+	for (size_t i = 0; v->pre && i < sizeof(pre_names) / sizeof(pre_names[0]); i++)
+		if (!strcmp(v->pre, pre_names[i].name))
+			pre = (int)pre_names[i].pre;
+	if (pre < 0) {
+		set_err(err, err_bytes, "tokenizer: tokenizer.ggml.pre \"%s\" is not supported (smollm, "
+			"gpt2, llama-bpe, qwen2 and deepseek-r1-qwen are)", v->pre ? v->pre : "(none)");
 		return -ENOTSUP;
 	}
 	if (v->n_tokens >= INT32_MAX || v->n_merges >= UINT32_MAX) {
@@ -307,6 +340,7 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 	int ret;
 	if ((ret = check_id(v->bos_id, v->n_tokens, "bos", err, err_bytes)) ||
 	    (ret = check_id(v->eos_id, v->n_tokens, "eos", err, err_bytes)) ||
+
 	    (ret = check_id(v->unk_id, v->n_tokens, "unk", err, err_bytes)))
 		return ret;
 
@@ -314,7 +348,8 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 	if (!t)
 		goto nomem;
 	t->n_tokens = v->n_tokens;
-	t->pre = pre;
+	t->pre = (enum tok_pre)pre;
+	t->ignore_merges = t->pre == PRE_LLAMA3;
 	t->bos = v->bos_id;
 	t->eos = v->eos_id;
 	t->unk = v->unk_id;
@@ -375,8 +410,19 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 	byte_to_unicode_table(b2u);
 	for (unsigned b = 0; b < 256; b++) {
 		unsigned char u[4];
-		size_t k = utf8_encode(b2u[b], u);
+		size_t k = utf8_encode(b2u[b], u); /* b2u < 0x144: 1 or 2 bytes */
 		t->byte_id[b] = tok_find(t, (const char *)u, k);
+		memcpy(t->byte_level[b], u, k);
+		t->byte_level_len[b] = (uint8_t)k;
+	}
+	add_eog(t, t->eos);
+	for (size_t i = 0; i < v->n_eog_ids && i < 4; i++)
+		if (v->eog_ids[i] >= 0 && (size_t)v->eog_ids[i] < n)
+			add_eog(t, v->eog_ids[i]);
+	for (size_t i = 0; i < sizeof(eog_texts) / sizeof(eog_texts[0]); i++) {
+		const int32_t id = tok_find(t, eog_texts[i], strlen(eog_texts[i]));
+		if (id >= 0 && type_is_special(t->type[id]))
+			add_eog(t, id);
 	}
 
 	size_t longest = 0;
@@ -478,6 +524,12 @@ struct enc {
 	int32_t *sym_id, *sym_prev, *sym_next;
 	struct heap_entry *heap;
 	size_t heap_n;
+	/* a word's byte-level form, for the whole-word lookup (ignore_merges) */
+	char *word_text;
+	size_t word_text_cap;
+	/* tok_pretokenize: record piece ends (bytes from base) instead of BPE */
+	uint32_t *ends;
+	const unsigned char *base;
 };
 
 #define SYM_DEAD INT32_MIN /* a symbol merged into its left neighbour */
@@ -602,11 +654,53 @@ static int bpe_word(struct enc *e, const unsigned char *w, size_t m)
 	return 0;
 }
 
+/* A word that is itself a token becomes that token without BPE: llama.cpp's
+ * ignore_merges, which Llama 3's tokenizer sets (its merges do not always
+ * rebuild the vocabulary's own words). */
+static int whole_word(struct enc *e, const unsigned char *w, size_t m, int32_t *id)
+{
+	const struct tok *t = e->t;
+	*id = -1;
+	if (2 * m > e->word_text_cap) {
+		size_t cap = e->word_text_cap ? e->word_text_cap : 64;
+		while (cap < 2 * m)
+			cap *= 2;
+		char *p = realloc(e->word_text, cap);
+		if (!p)
+			return -ENOMEM;
+		e->word_text = p;
+		e->word_text_cap = cap;
+	}
+	size_t k = 0;
+	for (size_t i = 0; i < m; i++) {
+		memcpy(e->word_text + k, t->byte_level[w[i]], t->byte_level_len[w[i]]);
+		k += t->byte_level_len[w[i]];
+	}
+	*id = tok_find(t, e->word_text, k);
+	return 0;
+}
+
 static int emit_word(struct enc *e, const unsigned char *s, size_t from, size_t to)
 {
 	if (to <= from)
 		return 0;
-	return bpe_word(e, s + e->offs[from], e->offs[to] - e->offs[from]);
+	const unsigned char *w = s + e->offs[from];
+	const size_t m = e->offs[to] - e->offs[from];
+	if (e->ends) {
+		emit(e, (int32_t)(w + m - e->base));
+		return 0;
+	}
+	if (e->t->ignore_merges && m > 1) {
+		int32_t id;
+		const int ret = whole_word(e, w, m, &id);
+		if (ret)
+			return ret;
+		if (id >= 0) {
+			emit(e, id);
+			return 0;
+		}
+	}
+	return bpe_word(e, w, m);
 }
 
 /* The GPT-2 regex over units [ini, end) of the current fragment
@@ -661,6 +755,94 @@ word:
 	return 0;
 }
 
+/*
+ * Llama 3's regex over units [ini, end), and Qwen2's with max_digits 1:
+ *   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+ *    ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * (a transcription of llama.cpp's unicode_regex_split_custom_llama3; for
+ * Qwen2's \p{N} llama.cpp runs the regex itself, which takes the same
+ * alternatives in the same order, so one matcher serves both). The lookahead
+ * treats the piece's end as the end of the text, as llama.cpp's does.
+ */
+static int split_llama3(struct enc *e, const unsigned char *s, size_t ini, size_t end,
+			unsigned max_digits)
+{
+	const uint32_t *cp = e->cps;
+	const uint8_t *cls = e->cls;
+#define CLS_AT(p) ((p) < end ? (int)cls[p] : -1)
+#define CP_AT(p) ((p) < end ? cp[p] : UNI_INVALID)
+#define LOWER(c) ((c) >= 'A' && (c) <= 'Z' ? (c) + 32 : (c))
+	size_t prev = ini, pos = ini;
+	int ret;
+	while (pos < end) {
+		const uint32_t c = cp[pos];
+		const int k = cls[pos];
+		if (c == '\'' && pos + 1 < end) {
+			const uint32_t c1 = LOWER(cp[pos + 1]);
+			if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
+				pos += 2;
+				goto word;
+			}
+			if (pos + 2 < end) {
+				const uint32_t c2 = LOWER(cp[pos + 2]);
+				if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') ||
+				    (c1 == 'l' && c2 == 'l')) {
+					pos += 3;
+					goto word;
+				}
+			}
+		}
+		/* [^\r\n\p{L}\p{N}]?\p{L}+ */
+		if (c != '\r' && c != '\n' && k != UNI_NUMBER &&
+		    (k == UNI_LETTER || CLS_AT(pos + 1) == UNI_LETTER)) {
+			pos++;
+			while (CLS_AT(pos) == UNI_LETTER)
+				pos++;
+			goto word;
+		}
+		/* \p{N}{1,max_digits}: a run cut into pieces of max_digits */
+		if (k == UNI_NUMBER) {
+			size_t run = 0;
+			while (CLS_AT(pos) == UNI_NUMBER && run < max_digits)
+				pos++, run++;
+			goto word;
+		}
+		/*  ?[^\s\p{L}\p{N}]+[\r\n]* */
+		const int k2 = c == ' ' ? CLS_AT(pos + 1) : k;
+		if (k2 == UNI_OTHER) {
+			pos += c == ' ';
+			while (CLS_AT(pos) == UNI_OTHER)
+				pos++;
+			while (CP_AT(pos) == '\r' || CP_AT(pos) == '\n')
+				pos++;
+			goto word;
+		}
+		/* \s*[\r\n]+ up to the run's last line break, else \s+(?!\S), else \s+ */
+		size_t n_ws = 0, last_break = 0;
+		while (CLS_AT(pos + n_ws) == UNI_SPACE) {
+			if (cp[pos + n_ws] == '\r' || cp[pos + n_ws] == '\n')
+				last_break = pos + n_ws + 1;
+			n_ws++;
+		}
+		if (last_break)
+			pos = last_break;
+		else if (n_ws > 1 && pos + n_ws < end)
+			pos += n_ws - 1;
+		else if (n_ws)
+			pos += n_ws;
+		else
+			pos++; /* unreachable: every unit has a class */
+word:
+		if ((ret = emit_word(e, s, prev, pos)))
+			return ret;
+		prev = pos;
+	}
+#undef CLS_AT
+#undef CP_AT
+#undef LOWER
+	return 0;
+}
+
 /* Pre-tokenize and encode one fragment of text without special tokens. */
 static int encode_text(struct enc *e, const unsigned char *s, size_t n)
 {
@@ -673,6 +855,10 @@ static int encode_text(struct enc *e, const unsigned char *s, size_t n)
 	e->offs[nu] = (uint32_t)n;
 	if (e->t->pre == PRE_GPT2)
 		return split_gpt2(e, s, 0, nu);
+	if (e->t->pre == PRE_LLAMA3)
+		return split_llama3(e, s, 0, nu, 3);
+	if (e->t->pre == PRE_QWEN2)
+		return split_llama3(e, s, 0, nu, 1);
 	/* smollm: `\p{N}` first — each digit is a piece, and so is each run between */
 	size_t start = 0;
 	int ret;
@@ -797,10 +983,55 @@ out:
 	free(e.sym_prev);
 	free(e.sym_next);
 	free(e.heap);
+	free(e.word_text);
 	if (ret)
 		return ret;
 	*n_ids = e.n_ids;
 	return e.n_ids > e.max_ids ? -ENOSPC : 0;
+}
+
+int tok_pretokenize(const struct tok *t, const char *text, size_t len, uint32_t *ends,
+		    size_t max_ends, size_t *n_ends)
+{
+	*n_ends = 0;
+	if ((!text && len) || (!ends && max_ends))
+		return -EINVAL;
+	if (len >= UINT32_MAX)
+		return -EOVERFLOW;
+	if (!len)
+		return 0;
+	/* emit() stores int32 values: the ends go through the ids array */
+	struct enc e = { .t = t, .ids = (int32_t *)ends, .max_ids = max_ends, .ends = ends,
+			 .base = (const unsigned char *)text };
+	int ret = -ENOMEM;
+	e.cps = malloc(len * sizeof(*e.cps));
+	e.offs = malloc((len + 1) * sizeof(*e.offs));
+	e.cls = malloc(len);
+	if (e.cps && e.offs && e.cls)
+		ret = encode_text(&e, (const unsigned char *)text, len);
+	free(e.cps);
+	free(e.offs);
+	free(e.cls);
+	if (ret)
+		return ret;
+	*n_ends = e.n_ids;
+	return e.n_ids > max_ends ? -ENOSPC : 0;
+}
+
+int tok_is_eog(const struct tok *t, int32_t id)
+{
+	for (size_t i = 0; i < t->n_eog; i++)
+		if (t->eog[i] == id)
+			return 1;
+	return 0;
+}
+
+const char *tok_pre_name(const struct tok *t)
+{
+	for (size_t i = 0; i < sizeof(pre_names) / sizeof(pre_names[0]); i++)
+		if (pre_names[i].pre == t->pre)
+			return pre_names[i].name;
+	return "?";
 }
 
 /* ---------------------------------------------------------------------------

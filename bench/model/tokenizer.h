@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * tokenizer.h — the byte-level BPE tokenizer of the real-model runner
- * (GGUF tokenizer.ggml.model = "gpt2"), as llama.cpp runs it for
- * SmolLM2: control tokens found in the text first, then the pre-tokenizer
- * (for "smollm": every digit its own piece, then the GPT-2 regex), then BPE
- * merges by rank inside each piece. Also decoding (whole sequences, or token
- * by token for streaming) and the ChatML prompt of SmolLM2-Instruct.
+ * (GGUF tokenizer.ggml.model = "gpt2"), as llama.cpp runs it: control tokens
+ * found in the text first, then the pre-tokenizer named by tokenizer.ggml.pre
+ * ("smollm": every digit its own piece, then the GPT-2 regex; "gpt2";
+ * "llama-bpe": Llama 3's regex, digits in threes, and a word that is a token
+ * kept whole; "qwen2" and "deepseek-r1-qwen": Llama 3's regex with single
+ * digits), then BPE merges by rank inside each piece. Also decoding (whole
+ * sequences, or token by token for streaming); chat templates are chat.h's.
  *
  * The vocabulary comes in as plain arrays (struct tok_vocab), so this file
  * does not depend on the GGUF reader; tok_create copies what it needs.
@@ -48,6 +50,10 @@ struct tok_vocab {
 	const struct tok_str *merges;  /* "left right", highest priority first */
 	int32_t bos_id, eos_id, unk_id; /* -1 when the file has none */
 	int add_bos;                   /* tokenizer.ggml.add_bos_token */
+	/* more ids that end generation (tokenizer.ggml.eot_token_id, eom_token_id);
+	 * ids out of range are ignored */
+	int32_t eog_ids[4];
+	size_t n_eog_ids;
 };
 
 struct tok;
@@ -119,6 +125,19 @@ struct tok_message {
  * -EINVAL for a NULL role or content. */
 int tok_chat_template(const struct tok_message *msgs, size_t n, int add_generation_prompt,
 		      char *out, size_t out_bytes, size_t *len);
+
+/* The pre-tokenizer alone over text[0..len) (no special tokens, no BPE): the
+ * byte offset where each piece ends, in order. For tests and benchmarks.
+ * Returns 0 and the count in *n_ends; -ENOSPC (full count in *n_ends, the
+ * first max_ends written), -EINVAL, -EOVERFLOW, -ENOMEM. */
+int tok_pretokenize(const struct tok *t, const char *text, size_t len, uint32_t *ends,
+		    size_t max_ends, size_t *n_ends);
+/* 1 when id ends generation: eos, the vocabulary's eog_ids, and the control
+ * tokens that end a turn in the families read (<|eot_id|>, <|im_end|>,
+ * <|endoftext|>, <｜end▁of▁sentence｜>, ...), as llama.cpp's set. */
+int tok_is_eog(const struct tok *t, int32_t id);
+/* The pre-tokenizer's name ("llama-bpe", "qwen2", ...). */
+const char *tok_pre_name(const struct tok *t);
 
 size_t tok_n_tokens(const struct tok *t);
 int32_t tok_bos(const struct tok *t);  /* -1 if none */

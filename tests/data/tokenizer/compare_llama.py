@@ -33,7 +33,7 @@ class Vocab(C.Structure):
 		    ("tokens", C.POINTER(Str)), ("types", C.POINTER(C.c_int32)),
 		    ("n_merges", C.c_size_t), ("merges", C.POINTER(Str)),
 		    ("bos_id", C.c_int32), ("eos_id", C.c_int32), ("unk_id", C.c_int32),
-		    ("add_bos", C.c_int)]
+		    ("add_bos", C.c_int), ("eog_ids", C.c_int32 * 4), ("n_eog_ids", C.c_size_t)]
 
 
 ALPHABET = list("abcdefgxyzABCXYZ0123456789 \t\n\r'\"!?.,;:-_()[]{}<>|/\\@#$%^&*+=~`") + [
