@@ -1134,6 +1134,56 @@ Test(gguf, model_refuses_a_block_count_the_file_cannot_hold)
 	}
 }
 
+/* A llama file with general.alignment = 1 whose output norm starts at
+ * norm_off bytes into the data section (9 one-byte filler tensors make the
+ * count a one-layer model needs). */
+static void misaligned_file(struct wbuf *b, uint64_t norm_off)
+{
+	w_hdr(b, 3, 11, 6);
+	kv_str(b, "general.architecture", "llama");
+	kv_u32(b, "general.alignment", 1);
+	kv_u32(b, "llama.block_count", 1);
+	kv_u32(b, "llama.embedding_length", 4);
+	kv_u32(b, "llama.attention.head_count", 1);
+	kv_u32(b, "llama.feed_forward_length", 4);
+	w_tensor(b, "token_embd.weight", 2, (const uint64_t[]){ 4, 2 }, GGUF_GGML_F32, 0);
+	w_tensor(b, "output_norm.weight", 1, (const uint64_t[]){ 4 }, GGUF_GGML_F32, norm_off);
+	for (int i = 0; i < 9; i++) {
+		char name[8];
+		snprintf(name, sizeof(name), "x%d", i);
+		w_tensor(b, name, 1, (const uint64_t[]){ 1 }, GGUF_GGML_I8, 56 + (uint64_t)i);
+	}
+	w_zero(b, 72);
+}
+
+/* Found by a probe under UBSan: general.alignment = 1 let an F32 norm start
+ * at an odd address, and RMSNorm loaded it as floats. The model loader now
+ * refuses vectors it would read in place off a 4-byte boundary. */
+Test(gguf, model_refuses_misaligned_vectors)
+{
+	struct wbuf b = { 0 };
+	misaligned_file(&b, 33);
+	const size_t header = b.n - 72;
+	wfree(&b);
+	/* an offset that lands off a 4-byte boundary in a 64-byte-aligned copy */
+	uint64_t off = 33;
+	while ((header + off) % 4 == 0)
+		off++;
+	misaligned_file(&b, off);
+	uint8_t *copy = aligned_alloc(64, (b.n + 63) / 64 * 64);
+	cr_assert_not_null(copy);
+	memcpy(copy, b.p, b.n);
+	struct model *m = (struct model *)1;
+	char err[512] = "";
+	const int rc = model_open_memory(copy, b.n, 0, &m, err, sizeof(err));
+	cr_expect_eq(rc, -EINVAL, "rc %d (%s)", rc, err);
+	cr_expect_null(m);
+	cr_expect(strstr(err, "output_norm.weight's data is not 4-byte aligned (general.alignment 1)"), "%s",
+		  err);
+	free(copy);
+	wfree(&b);
+}
+
 /* Open b (an exact-size copy, kept in *copy) and build its tokenizer. */
 static int tokenizer_of(struct wbuf *b, uint8_t **copy, struct tok **t, char *err, size_t n)
 {

@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "chat.h"
 #include "gguf.h"
 #include "kvrecall.h"
 #include "model.h"
@@ -33,20 +34,31 @@ struct opts {
 	float tau, temperature, top_p;
 	uint64_t seed;
 	int ignore_eos, compare, quiet, have_tau, have_budget, have_sink, have_window;
+	int think;               /* -1: the chat template's default, 0 off, 1 on */
+	int beyond_context;      /* run past the model's trained context */
+	uint32_t modes[4];       /* --compare LIST: the runs, in order */
+	uint32_t n_modes;
+	uint32_t timeline;       /* tokens per point of the speed-against-position record */
 };
 
 void runner_generate_usage(void)
 {
 	fprintf(stderr,
 		"usage: kvrecall generate [options]\n"
-		"  --model PATH        a Llama-architecture GGUF (default: SmolLM2-135M-Instruct Q4_1\n"
-		"                      in the model cache; fetched on first use)\n"
+		"  --model PATH        a GGUF of architecture llama (Llama 1-3, SmolLM2), qwen2\n"
+		"                      (Qwen2.5, DeepSeek-R1-Distill-Qwen) or qwen3 (default:\n"
+		"                      SmolLM2-135M-Instruct Q4_1 in the model cache; fetched on first use)\n"
 		"  --prompt TEXT       raw prompt, no chat template\n"
-		"  --chat TEXT         one user message in the model's chat template\n"
+		"  --chat TEXT         one user message in the model's chat template (ChatML,\n"
+		"                      Llama 3 or DeepSeek-R1, chosen from the GGUF)\n"
+		"  --think on|off      reasoning models (Qwen3, R1 distills): let the answer open\n"
+		"                      with its thinking (on, the default) or an empty thinking block\n"
 		"  --file PATH         a document as context (with --question: asked about it)\n"
 		"  --question TEXT     the question about --file\n"
 		"  --max-tokens N      tokens to generate (default 256)\n"
 		"  --ignore-eos        keep generating past the end-of-turn token\n"
+		"  --beyond-context    let prompt + generation run past the model's trained\n"
+		"                      context_length (refused, or generation stopped there, otherwise)\n"
 		"  --mode M            dense | blocking | speculative | freekv (default freekv)\n"
 		"  --kv-format F       KV pages: f16 | k8v4 | k4v2 | mixed (default f16)\n"
 		"  --recall R          auto | zero-copy | streamed (default auto: zero-copy on the\n"
@@ -57,8 +69,12 @@ void runner_generate_usage(void)
 		"                      and value, p tokens each) to sparse attention (default off)\n"
 		"  --temperature T --top-p P --seed N      sampling (default greedy)\n"
 		"  --threads N         workers besides the main thread (default: cores - 1)\n"
-		"  --compare           also generate densely (f16 pages) and report where the\n"
-		"                      outputs diverge\n"
+		"  --compare [LIST]    also generate densely (f16 pages) and report where the\n"
+		"                      outputs diverge; with a LIST (dense,freekv) run exactly those\n"
+		"                      modes in turn, the first streamed, and print tokens/s against\n"
+		"                      position for each (the long-generation view)\n"
+		"  --timeline N        tokens per point of the speed-against-position record\n"
+		"                      (default 256; in --json as each run's \"timeline\")\n"
 		"  --quiet             no streamed text; statistics only\n"
 		"  --json FILE         statistics as JSON\n");
 }
@@ -77,6 +93,8 @@ static int parse(int argc, char **argv, struct opts *o)
 	o->mode = KVR_MODE_FREEKV;
 	o->top_p = 1.0f;
 	o->seed = 42;
+	o->think = -1;
+	o->timeline = 256;
 	const long cores = sysconf(_SC_NPROCESSORS_ONLN);
 	o->threads = cores > 1 ? (uint32_t)(cores - 1) : 0;
 	for (int i = 0; i < argc; i++) {
@@ -105,6 +123,7 @@ static int parse(int argc, char **argv, struct opts *o)
 		NUM("--budget", budget, o->have_budget = 1)
 		NUM("--sink", sink, o->have_sink = 1)
 		NUM("--window", window, o->have_window = 1)
+		NUM("--timeline", timeline, (void)0)
 #undef STR
 #undef NUM
 		if (!strcmp(a, "--mode") && v) {
@@ -153,6 +172,31 @@ static int parse(int argc, char **argv, struct opts *o)
 			o->ignore_eos = 1;
 		} else if (!strcmp(a, "--compare")) {
 			o->compare = 1;
+			if (v && v[0] != '-') { /* a list of modes: run each in turn */
+				char list[128];
+				snprintf(list, sizeof(list), "%s", v);
+				for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok;
+				     tok = strtok_r(NULL, ",", &save)) {
+					uint32_t mode;
+					if (kvr_mode_parse(tok, &mode) || mode == KVR_MODE_AUTO || o->n_modes == 4) {
+						fprintf(stderr, "kvrecall generate: --compare takes up to 4 modes "
+								"(dense, blocking, speculative, freekv), not '%s'\n",
+							v);
+						return 2;
+					}
+					o->modes[o->n_modes++] = mode;
+				}
+				i++;
+			}
+		} else if (!strcmp(a, "--think") && v) {
+			if (strcmp(v, "on") && strcmp(v, "off")) {
+				fprintf(stderr, "kvrecall generate: --think on|off, not '%s'\n", v);
+				return 2;
+			}
+			o->think = !strcmp(v, "on");
+			i++;
+		} else if (!strcmp(a, "--beyond-context")) {
+			o->beyond_context = 1;
 		} else if (!strcmp(a, "--quiet")) {
 			o->quiet = 1;
 		} else {
@@ -168,6 +212,15 @@ static int parse(int argc, char **argv, struct opts *o)
 	if (!o->max_tokens) {
 		fprintf(stderr, "kvrecall generate: --max-tokens must be at least 1\n");
 		return 2;
+	}
+	if (!o->timeline) {
+		fprintf(stderr, "kvrecall generate: --timeline must be at least 1 token\n");
+		return 2;
+	}
+	if (!o->n_modes) { /* --mode, then dense when --compare asks for it */
+		o->modes[o->n_modes++] = o->mode;
+		if (o->compare && o->mode != KVR_MODE_DENSE)
+			o->modes[o->n_modes++] = KVR_MODE_DENSE;
 	}
 	return 0;
 }
@@ -308,6 +361,12 @@ int runner_tokenizer(const struct gguf *g, struct tok **out, char *err, size_t e
 		v.bos_id = gguf_get_u32(g, "tokenizer.ggml.bos_token_id", &id) ? -1 : (int32_t)id;
 		v.eos_id = gguf_get_u32(g, "tokenizer.ggml.eos_token_id", &id) ? -1 : (int32_t)id;
 		v.unk_id = gguf_get_u32(g, "tokenizer.ggml.unknown_token_id", &id) ? -1 : (int32_t)id;
+		/* Llama 3 ends a turn with <|eot_id|>, not its eos */
+		static const char *const eog_keys[] = { "tokenizer.ggml.eot_token_id",
+							"tokenizer.ggml.eom_token_id" };
+		for (size_t k = 0; k < 2; k++)
+			if (!gguf_get_u32(g, eog_keys[k], &id) && id < n_tok)
+				v.eog_ids[v.n_eog_ids++] = (int32_t)id;
 		if (!gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos))
 			v.add_bos = add_bos;
 		rc = tok_create(&v, out, err, eb);
@@ -348,7 +407,8 @@ static char *read_file(const char *path, size_t *len)
 }
 
 /* The prompt's token ids (malloc'd into *ids). */
-static int encode_prompt(const struct opts *o, const struct tok *t, int32_t **ids, size_t *n)
+static int encode_prompt(const struct opts *o, const struct tok *t, const struct chat_format *cf,
+			 int32_t **ids, size_t *n)
 {
 	char *text = NULL, *doc = NULL;
 	size_t len = 0;
@@ -375,9 +435,9 @@ static int encode_prompt(const struct opts *o, const struct tok *t, int32_t **id
 		snprintf(msg, ml, "%s%s%s", doc ? doc : "", doc ? "\n\n" : "", q);
 		const struct tok_message m = { "user", msg };
 		size_t need = 0;
-		tok_chat_template(&m, 1, 1, NULL, 0, &need);
+		chat_render(cf, &m, 1, 1, o->think, NULL, 0, &need);
 		text = malloc(need + 1);
-		if (text && tok_chat_template(&m, 1, 1, text, need + 1, &len))
+		if (text && chat_render(cf, &m, 1, 1, o->think, text, need + 1, &len))
 			len = 0;
 		free(msg);
 		special = 1;
@@ -403,12 +463,38 @@ static int encode_prompt(const struct opts *o, const struct tok *t, int32_t **id
 
 /* ------------------------------------------------------------------ generation */
 
+/* One point of the speed-against-position record: the tokens generated since
+ * the previous point. */
+struct timeline_point {
+	uint64_t position;     /* the context's length at the point (prompt + generated) */
+	double tokens_per_s;   /* decode speed over the interval */
+	double attention_ms;   /* kvrecall's attention per token over the interval (all layers) */
+	double corrected;      /* corrected heads / checked heads over the interval */
+	double hit_rate;       /* pages hit / pages wanted over the interval (streamed recall) */
+	double rss_mib;        /* the process's resident memory at the point */
+};
+
 struct run_stats {
+	uint32_t mode;
 	double prefill_s, decode_s;
 	uint64_t prefill_attn_ns, decode_attn_ns;
 	size_t prompt_tokens, generated;
 	struct kvr_stats kv;
+	struct timeline_point *timeline;
+	size_t n_timeline;
 };
+
+static double rss_mib(void)
+{
+	FILE *f = fopen("/proc/self/statm", "r");
+	unsigned long long size = 0, resident = 0;
+	if (f) {
+		if (fscanf(f, "%llu %llu", &size, &resident) != 2)
+			resident = 0;
+		fclose(f);
+	}
+	return (double)resident * (double)sysconf(_SC_PAGESIZE) / (1 << 20);
+}
 
 static int make_context(const struct model *m, const struct opts *o, uint32_t mode, uint32_t kv_format,
 			size_t tokens, struct kvr_context **ctx)
@@ -463,7 +549,7 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 		fprintf(stderr, "kvrecall generate: bad sampling options or out of memory\n");
 		return -EINVAL;
 	}
-	char err[512];
+	char err[512] = "";
 	uint32_t seq;
 	memset(st, 0, sizeof(*st));
 	st->prompt_tokens = n_prompt;
@@ -487,6 +573,16 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 	tok_stream_init(&ts, 0);
 	char piece[1024];
 	size_t plen;
+	/* the speed-against-position record: a point every o->timeline tokens */
+	const size_t max_points = o->max_tokens / o->timeline + 2;
+	st->timeline = calloc(max_points, sizeof(*st->timeline));
+	if (!st->timeline)
+		rc = -ENOMEM;
+	struct kvr_stats last_kv = { .size = sizeof(last_kv) };
+	kvr_get_stats(ctx, &last_kv);
+	double last_t = now_s();
+	uint64_t last_attn = model_attention_ns(m, 0);
+	size_t last_n = 0;
 	t0 = now_s();
 	size_t n = 0;
 	while (!rc && n < o->max_tokens) {
@@ -498,11 +594,34 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 			fwrite(piece, 1, plen, stdout);
 			fflush(stdout);
 		}
-		if (!o->ignore_eos && (int32_t)next == tok_eos(t))
+		if (!o->ignore_eos && tok_is_eog(t, (int32_t)next))
 			break;
 		if (n == o->max_tokens)
 			break;
 		rc = model_decode(m, ctx, seq, (int32_t)next, n_prompt + n - 1, logits, err, sizeof(err));
+		/* a point every o->timeline tokens, and one for the rest at the end */
+		const int last = n + 1 == o->max_tokens && n > last_n;
+		if (!rc && (n - last_n == o->timeline || last) && st->n_timeline < max_points) {
+			struct kvr_stats kv = { .size = sizeof(kv) };
+			kvr_get_stats(ctx, &kv);
+			const double now = now_s();
+			const uint64_t attn = model_attention_ns(m, 0);
+			const uint64_t checked = kv.checked_heads - last_kv.checked_heads;
+			const uint64_t wanted = kv.pages_hit + kv.pages_recalled - last_kv.pages_hit - last_kv.pages_recalled;
+			st->timeline[st->n_timeline++] = (struct timeline_point){
+				.position = n_prompt + n,
+				.tokens_per_s = (double)(n - last_n) / (now - last_t),
+				.attention_ms = (double)(attn - last_attn) / 1e6 / (double)(n - last_n),
+				.corrected = checked ? (double)(kv.corrected_heads - last_kv.corrected_heads) / (double)checked
+						     : 0.0,
+				.hit_rate = wanted ? (double)(kv.pages_hit - last_kv.pages_hit) / (double)wanted : -1.0,
+				.rss_mib = rss_mib(),
+			};
+			last_kv = kv;
+			last_t = now;
+			last_attn = attn;
+			last_n = n;
+		}
 		if (!o->quiet && stream && n % 32 == 0)
 			fprintf(stderr, "\r\033[2K[%zu tokens, %.1f tokens/s]\r", n, (double)n / (now_s() - t0));
 	}
@@ -516,6 +635,9 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 	st->decode_attn_ns = model_attention_ns(m, 0) - d0;
 	st->kv.size = sizeof(st->kv);
 	kvr_get_stats(ctx, &st->kv);
+	st->mode = mode;
+	if (rc == -ENOMEM && !st->timeline)
+		snprintf(err, sizeof(err), "out of memory");
 	if (rc)
 		fprintf(stderr, "kvrecall generate: %s\n", err);
 	*n_out = n;
@@ -546,6 +668,61 @@ static void print_stats(FILE *f, const char *what, const struct run_stats *s)
 		(double)s->kv.bytes_recalled / (1 << 20));
 }
 
+/* The run's statistics as one JSON object (no newline). */
+static void json_run(FILE *f, const struct run_stats *st)
+{
+	fprintf(f, "{\"mode\": \"%s\", \"prompt_tokens\": %zu, \"generated\": %zu, "
+		   "\"prefill_s\": %.4f, \"decode_s\": %.4f, \"decode_attention_ns\": %llu, "
+		   "\"corrected_heads\": %llu, \"checked_heads\": %llu, \"pages_recalled\": %llu, "
+		   "\"pages_hit\": %llu, \"bytes_recalled\": %llu, \"pages_judged\": %llu, "
+		   "\"pages_demoted\": %llu, \"device_units\": %llu, \"device_units_used\": %llu, "
+		   "\"timeline\": [",
+		kvr_mode_name(st->mode), st->prompt_tokens, st->generated, st->prefill_s, st->decode_s,
+		(unsigned long long)st->decode_attn_ns, (unsigned long long)st->kv.corrected_heads,
+		(unsigned long long)st->kv.checked_heads, (unsigned long long)st->kv.pages_recalled,
+		(unsigned long long)st->kv.pages_hit, (unsigned long long)st->kv.bytes_recalled,
+		(unsigned long long)st->kv.pages_judged, (unsigned long long)st->kv.pages_demoted,
+		(unsigned long long)st->kv.device_units, (unsigned long long)st->kv.device_units_used);
+	for (size_t i = 0; i < st->n_timeline; i++) {
+		const struct timeline_point *p = &st->timeline[i];
+		fprintf(f, "%s{\"position\": %llu, \"tokens_per_s\": %.2f, \"attention_ms\": %.4f, "
+			   "\"corrected\": %.5f, \"hit_rate\": %.4f, \"rss_mib\": %.1f}",
+			i ? ", " : "", (unsigned long long)p->position, p->tokens_per_s, p->attention_ms,
+			p->corrected, p->hit_rate, p->rss_mib);
+	}
+	fprintf(f, "]}");
+}
+
+/* Speed against position, one column per run (the long-generation view). */
+static void print_timeline(FILE *f, const struct run_stats *runs, size_t n_runs)
+{
+	size_t rows = 0;
+	for (size_t r = 0; r < n_runs; r++)
+		rows = runs[r].n_timeline > rows ? runs[r].n_timeline : rows;
+	if (!rows)
+		return;
+	fprintf(f, "\n%10s", "position");
+	for (size_t r = 0; r < n_runs; r++)
+		fprintf(f, "  %9s tok/s  corr.  RSS MiB", kvr_mode_name(runs[r].mode));
+	fprintf(f, "\n");
+	for (size_t i = 0; i < rows; i++) {
+		const struct timeline_point *first = NULL;
+		for (size_t r = 0; r < n_runs && !first; r++)
+			if (i < runs[r].n_timeline)
+				first = &runs[r].timeline[i];
+		fprintf(f, "%10llu", (unsigned long long)first->position);
+		for (size_t r = 0; r < n_runs; r++) {
+			if (i >= runs[r].n_timeline) {
+				fprintf(f, "  %15s  %5s  %7s", "-", "-", "-");
+				continue;
+			}
+			const struct timeline_point *p = &runs[r].timeline[i];
+			fprintf(f, "  %15.1f  %4.1f%%  %7.0f", p->tokens_per_s, 100.0 * p->corrected, p->rss_mib);
+		}
+		fprintf(f, "\n");
+	}
+}
+
 int runner_generate(int argc, char **argv)
 {
 	struct opts o;
@@ -569,63 +746,117 @@ int runner_generate(int argc, char **argv)
 		model_close(m);
 		return 1;
 	}
+	const struct model_hparams *hp = model_hparams(m);
+	struct chat_format cf;
+	const char *tmpl = NULL;
+	size_t tmpl_len = 0;
+	if (gguf_get_str(model_gguf(m), "tokenizer.chat_template", &tmpl, &tmpl_len))
+		tmpl = NULL;
+	chat_detect(tmpl, tmpl_len, hp->arch_name, t, &cf);
 	int32_t *prompt = NULL;
 	size_t n_prompt = 0;
-	if ((rc = encode_prompt(&o, t, &prompt, &n_prompt)) || !n_prompt) {
-		fprintf(stderr, "kvrecall generate: the prompt could not be encoded (%d)\n", rc);
+	rc = encode_prompt(&o, t, &cf, &prompt, &n_prompt);
+	if (rc || !n_prompt) {
+		if (rc)
+			fprintf(stderr, "kvrecall generate: the prompt could not be encoded (%s)\n", strerror(-rc));
+		else
+			fprintf(stderr, "kvrecall generate: the prompt is empty\n");
+		free(prompt);
 		tok_destroy(t);
 		model_close(m);
 		return 1;
 	}
-	const struct model_hparams *hp = model_hparams(m);
-	if (!o.quiet)
-		fprintf(stderr, "model %s: %u layers, %u/%u heads of %u, vocabulary %u; prompt %zu tokens; "
-				"mode %s\n",
-			path, hp->n_layers, hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_vocab, n_prompt,
-			kvr_mode_name(o.mode));
-	int32_t *out = malloc(o.max_tokens * sizeof(*out)), *ref = NULL;
-	struct run_stats st, st_ref;
-	size_t n_out = 0, n_ref = 0;
-	rc = out ? generate(m, t, &o, o.mode, o.kv_format, prompt, n_prompt, !o.quiet, out, &n_out, &st) : -ENOMEM;
-	if (!rc) {
-		print_stats(stderr, kvr_mode_name(o.mode), &st);
-		if (o.compare && o.mode != KVR_MODE_DENSE) {
-			ref = malloc(o.max_tokens * sizeof(*ref));
-			rc = ref ? generate(m, t, &o, KVR_MODE_DENSE, KVR_KV_FORMAT_PLAIN, prompt, n_prompt, 0, ref, &n_ref,
-					    &st_ref)
-				 : -ENOMEM;
-			if (!rc) {
-				print_stats(stderr, "dense", &st_ref);
-				size_t same = 0;
-				while (same < n_out && same < n_ref && out[same] == ref[same])
-					same++;
-				if (same == n_out && same == n_ref)
-					fprintf(stderr, "compare: identical to dense over all %zu tokens\n", n_out);
-				else
-					fprintf(stderr, "compare: first divergence from dense at generated token %zu "
-							"(of %zu / %zu)\n",
-						same, n_out, n_ref);
-			}
+	/* The model's trained context bounds what it can attend to sensibly: a
+	 * prompt past it is refused before any work, and generation stops at it,
+	 * unless the user asks to go beyond. */
+	uint32_t max_tokens = o.max_tokens;
+	if (hp->ctx_len && !o.beyond_context) {
+		if (n_prompt >= hp->ctx_len) {
+			fprintf(stderr,
+				"kvrecall generate: the prompt is %zu tokens; the model was trained for a context of "
+				"%llu (%s.context_length). Shorten it, or pass --beyond-context to run past the "
+				"trained context (the output's quality there is unknown).\n",
+				n_prompt, (unsigned long long)hp->ctx_len, hp->arch_name);
+			free(prompt);
+			tok_destroy(t);
+			model_close(m);
+			return 1;
 		}
+		if (n_prompt + max_tokens > hp->ctx_len) {
+			max_tokens = (uint32_t)(hp->ctx_len - n_prompt);
+			fprintf(stderr, "kvrecall generate: generating at most %u tokens: the model's context is %llu "
+					"(--beyond-context goes on past it)\n",
+				max_tokens, (unsigned long long)hp->ctx_len);
+		}
+	} else if (hp->ctx_len && n_prompt + max_tokens > hp->ctx_len) {
+		fprintf(stderr, "kvrecall generate: warning: running to %zu tokens, past the %llu the model was "
+				"trained for; expect its output to degrade there\n",
+			n_prompt + max_tokens, (unsigned long long)hp->ctx_len);
 	}
+	o.max_tokens = max_tokens;
+	if (!o.quiet)
+		fprintf(stderr, "model %s: %s, %u layers, %u/%u heads of %u, vocabulary %u (pre-tokenizer %s, chat "
+				"%s%s); prompt %zu tokens; mode %s\n",
+			path, hp->arch_name, hp->n_layers, hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_vocab,
+			tok_pre_name(t), chat_style_name(cf.style), cf.thinking ? ", thinking" : "", n_prompt,
+			kvr_mode_name(o.modes[0]));
+	struct run_stats runs[4];
+	int32_t *outs[4] = { NULL };
+	size_t n_outs[4] = { 0 };
+	memset(runs, 0, sizeof(runs));
+	size_t done = 0;
+	for (; done < o.n_modes && !rc; done++) {
+		const uint32_t mode = o.modes[done];
+		/* the runs after the first are references: plain f16 pages, not streamed */
+		const uint32_t kv_format = done ? KVR_KV_FORMAT_PLAIN : o.kv_format;
+		if (!(outs[done] = malloc(o.max_tokens * sizeof(int32_t)))) {
+			rc = -ENOMEM;
+			break;
+		}
+		rc = generate(m, t, &o, mode, kv_format, prompt, n_prompt, !o.quiet && !done, outs[done], &n_outs[done],
+			      &runs[done]);
+		if (!rc)
+			print_stats(stderr, kvr_mode_name(mode), &runs[done]);
+	}
+	for (size_t r = 1; !rc && r < done; r++) {
+		size_t same = 0;
+		while (same < n_outs[0] && same < n_outs[r] && outs[0][same] == outs[r][same])
+			same++;
+		if (same == n_outs[0] && same == n_outs[r])
+			fprintf(stderr, "compare: %s identical to %s over all %zu tokens\n", kvr_mode_name(o.modes[r]),
+				kvr_mode_name(o.modes[0]), n_outs[0]);
+		else
+			fprintf(stderr, "compare: %s first diverges from %s at generated token %zu (of %zu / %zu)\n",
+				kvr_mode_name(o.modes[r]), kvr_mode_name(o.modes[0]), same, n_outs[0], n_outs[r]);
+	}
+	if (!rc && (done > 1 || o.max_tokens >= 4 * o.timeline))
+		print_timeline(stderr, runs, done);
 	if (!rc && o.json) {
 		FILE *f = fopen(o.json, "w");
-		if (f) {
-			fprintf(f, "{\"mode\": \"%s\", \"prompt_tokens\": %zu, \"generated\": %zu, "
-				   "\"prefill_s\": %.4f, \"decode_s\": %.4f, \"decode_attention_ns\": %llu, "
-				   "\"corrected_heads\": %llu, \"checked_heads\": %llu, \"pages_recalled\": %llu, "
-				   "\"pages_hit\": %llu, \"bytes_recalled\": %llu, \"pages_judged\": %llu, "
-				   "\"pages_demoted\": %llu, \"device_units\": %llu, \"device_units_used\": %llu}\n",
-				kvr_mode_name(o.mode), st.prompt_tokens, st.generated, st.prefill_s, st.decode_s,
-				(unsigned long long)st.decode_attn_ns, (unsigned long long)st.kv.corrected_heads,
-				(unsigned long long)st.kv.checked_heads, (unsigned long long)st.kv.pages_recalled,
-				(unsigned long long)st.kv.pages_hit, (unsigned long long)st.kv.bytes_recalled,
-				(unsigned long long)st.kv.pages_judged, (unsigned long long)st.kv.pages_demoted,
-				(unsigned long long)st.kv.device_units, (unsigned long long)st.kv.device_units_used);
-			fclose(f);
+		if (!f) {
+			fprintf(stderr, "kvrecall generate: cannot write %s: %s\n", o.json, strerror(errno));
+			rc = -errno;
+		} else {
+			/* the first run's fields at the top (the single-run form), every run in "runs" */
+			json_run(f, &runs[0]);
+			fseek(f, -1, SEEK_CUR); /* reopen the object */
+			fprintf(f, ", \"model\": \"%s\", \"threads\": %u, \"timeline_tokens\": %u, \"runs\": [",
+				hp->arch_name, o.threads, o.timeline);
+			for (size_t r = 0; r < done; r++) {
+				if (r)
+					fprintf(f, ", ");
+				json_run(f, &runs[r]);
+			}
+			fprintf(f, "]}\n");
+			if (fclose(f))
+				rc = -EIO;
 		}
 	}
-	free(out), free(ref), free(prompt);
+	for (size_t r = 0; r < 4; r++) {
+		free(outs[r]);
+		free(runs[r].timeline);
+	}
+	free(prompt);
 	tok_destroy(t);
 	model_close(m);
 	return rc ? 1 : 0;

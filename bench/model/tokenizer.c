@@ -85,6 +85,7 @@ struct tok {
 	size_t n_special;
 
 	enum tok_pre pre;
+	const char *pre_name; /* tokenizer.ggml.pre, as pre_names spells it */
 	int ignore_merges;    /* a word that is a token is that token, unmerged (Llama 3) */
 	unsigned char byte_level[256][2]; /* each byte's byte-level character, UTF-8 */
 	uint8_t byte_level_len[256];
@@ -324,9 +325,12 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 		return -ENOTSUP;
 	}
 	int pre = -1;
+	const char *pre_name = NULL;
 	for (size_t i = 0; v->pre && i < sizeof(pre_names) / sizeof(pre_names[0]); i++)
-		if (!strcmp(v->pre, pre_names[i].name))
+		if (!strcmp(v->pre, pre_names[i].name)) {
 			pre = (int)pre_names[i].pre;
+			pre_name = pre_names[i].name;
+		}
 	if (pre < 0) {
 		set_err(err, err_bytes, "tokenizer: tokenizer.ggml.pre \"%s\" is not supported (smollm, "
 			"gpt2, llama-bpe, qwen2 and deepseek-r1-qwen are)", v->pre ? v->pre : "(none)");
@@ -349,6 +353,7 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 		goto nomem;
 	t->n_tokens = v->n_tokens;
 	t->pre = (enum tok_pre)pre;
+	t->pre_name = pre_name;
 	t->ignore_merges = t->pre == PRE_LLAMA3;
 	t->bos = v->bos_id;
 	t->eos = v->eos_id;
@@ -1028,10 +1033,7 @@ int tok_is_eog(const struct tok *t, int32_t id)
 
 const char *tok_pre_name(const struct tok *t)
 {
-	for (size_t i = 0; i < sizeof(pre_names) / sizeof(pre_names[0]); i++)
-		if (pre_names[i].pre == t->pre)
-			return pre_names[i].name;
-	return "?";
+	return t->pre_name;
 }
 
 /* ---------------------------------------------------------------------------
