@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "gguf.h"
+#include "chat.h"
 #include "tokenizer.h"
 #include "unicode.h"
 
@@ -477,6 +478,108 @@ Test(tokenizer, chat_template_chatml)
 	cr_expect_eq(len, 153);
 	struct tok_message bad[] = { { "user", NULL } };
 	cr_expect_eq(tok_chat_template(bad, 1, 1, out, sizeof(out), &len), -EINVAL);
+}
+
+/* ---------------------------------------------------------------------------
+ * The other families' prompt formats (bench/model/chat.h), as their published
+ * templates render them (transformers' apply_chat_template)
+ * ------------------------------------------------------------------------- */
+
+#define R1_USER "<\xef\xbd\x9c" "User\xef\xbd\x9c>"
+#define R1_ASSISTANT "<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>"
+#define R1_END "<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>"
+
+static const char *render_as(const char *tmpl, const char *arch, const struct tok_message *m, size_t n,
+			     int think, char *out, size_t cap)
+{
+	struct chat_format f;
+	chat_detect(tmpl, tmpl ? strlen(tmpl) : 0, arch, NULL, &f);
+	size_t len;
+	cr_assert_eq(chat_render(&f, m, n, 1, think, out, cap, &len), 0);
+	cr_assert_eq(len, strlen(out));
+	return out;
+}
+
+Test(chat, detects_the_family)
+{
+	struct chat_format f;
+	chat_detect("{{ bos_token }}<|start_header_id|>", 34, "llama", NULL, &f);
+	cr_expect_eq(f.style, CHAT_LLAMA3);
+	cr_expect_eq(f.llama31_preamble, 0);
+	const char *r1 = "{{ bos_token }}{{ ns.system_prompt }}" R1_USER R1_ASSISTANT "<think>\\n";
+	chat_detect(r1, strlen(r1), "qwen2", NULL, &f);
+	cr_expect_eq(f.style, CHAT_DEEPSEEK_R1);
+	cr_expect_eq(f.thinking, 1);
+	const char *qwen3 = "<|im_start|>{%- if enable_thinking is defined and enable_thinking is false %}";
+	chat_detect(qwen3, strlen(qwen3), "qwen3", NULL, &f);
+	cr_expect_eq(f.style, CHAT_CHATML);
+	cr_expect_eq(f.thinking, 1);
+	cr_expect_null(f.default_system);
+	const char *qwen25 = "<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+			     "assistant.<|im_end|>";
+	chat_detect(qwen25, strlen(qwen25), "qwen2", NULL, &f);
+	cr_expect_str_eq(f.default_system, "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
+	cr_expect_eq(f.thinking, 0);
+	/* no template: by architecture */
+	chat_detect(NULL, 0, "qwen3", NULL, &f);
+	cr_expect(f.style == CHAT_CHATML && f.thinking);
+	chat_detect(NULL, 0, "llama", NULL, &f);
+	cr_expect(f.style == CHAT_CHATML && !f.thinking);
+	cr_expect_str_eq(chat_style_name(CHAT_DEEPSEEK_R1), "deepseek-r1");
+}
+
+Test(chat, llama3)
+{
+	char out[1024];
+	struct tok_message m[] = { { "system", "Be brief." }, { "user", " Hi \n" } };
+	cr_expect_str_eq(render_as("<|start_header_id|>", "llama", m, 2, -1, out, sizeof(out)),
+			 "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+			 "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+			 "<|start_header_id|>assistant<|end_header_id|>\n\n");
+	/* 3.1: the dated system header, holding the system message */
+	cr_expect_str_eq(render_as("<|start_header_id|> Cutting Knowledge Date", "llama", m, 2, -1, out, sizeof(out)),
+			 "<|start_header_id|>system<|end_header_id|>\n\n"
+			 "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|>"
+			 "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+			 "<|start_header_id|>assistant<|end_header_id|>\n\n");
+}
+
+Test(chat, deepseek_r1_thinking)
+{
+	char out[1024];
+	struct tok_message m[] = { { "system", "S." }, { "user", "Q1" },
+				   { "assistant", "<think>\nlet me see\n</think>\n\nA1" }, { "user", "Q2" } };
+	const char *tmpl = R1_USER R1_ASSISTANT;
+	cr_expect_str_eq(render_as(tmpl, "qwen2", m, 4, -1, out, sizeof(out)),
+			 "S." R1_USER "Q1" R1_ASSISTANT "A1" R1_END R1_USER "Q2" R1_ASSISTANT "<think>\n");
+	cr_expect_str_eq(render_as(tmpl, "qwen2", m + 3, 1, 0, out, sizeof(out)),
+			 R1_USER "Q2" R1_ASSISTANT "<think>\n\n</think>\n\n");
+}
+
+Test(chat, qwen3_thinking_switch)
+{
+	char out[1024];
+	struct tok_message m[] = { { "user", "Hi" }, { "assistant", "<think>\nhm\n</think>\n\nHello" },
+				   { "user", "More" } };
+	const char *tmpl = "<|im_start|> enable_thinking";
+	const char *turns = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+			    "<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n";
+	char want[512];
+	cr_expect_str_eq(render_as(tmpl, "qwen3", m, 3, -1, out, sizeof(out)), turns);
+	snprintf(want, sizeof(want), "%s<think>\n\n</think>\n\n", turns);
+	cr_expect_str_eq(render_as(tmpl, "qwen3", m, 3, 0, out, sizeof(out)), want);
+	/* Qwen2.5: its default system turn, no thinking */
+	const char *q25 = "<|im_start|> You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+	cr_expect_str_eq(render_as(q25, "qwen2", m, 1, 0, out, sizeof(out)),
+			 "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+			 "assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+	struct tok_message bad[] = { { "tool", "x" } };
+	struct chat_format f;
+	chat_detect(tmpl, strlen(tmpl), "qwen3", NULL, &f);
+	size_t len;
+	cr_expect_eq(chat_render(&f, bad, 1, 1, -1, out, sizeof(out), &len), -EINVAL);
+	cr_expect_eq(chat_render(&f, m, 3, 1, -1, out, 8, &len), -ENOSPC);
+	cr_expect_eq(len, strlen(turns));
 }
 
 /* ---------------------------------------------------------------------------

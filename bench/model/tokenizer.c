@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chat.h"
 #include "tokenizer.h"
 #include "unicode.h"
 
@@ -1134,45 +1135,15 @@ int tok_stream_flush(struct tok_stream *s, char *out, size_t out_bytes, size_t *
  * Chat template and accessors
  * ------------------------------------------------------------------------- */
 
-struct writer {
-	char *out;
-	size_t cap, len;
-};
-
-static void put(struct writer *w, const char *s)
-{
-	size_t n = strlen(s);
-	if (w->len + n <= w->cap)
-		memcpy(w->out + w->len, s, n);
-	w->len += n;
-}
-
 int tok_chat_template(const struct tok_message *msgs, size_t n, int add_generation_prompt,
 		      char *out, size_t out_bytes, size_t *len)
 {
-	struct writer w = { out, out_bytes, 0 };
-	*len = 0;
-	for (size_t i = 0; i < n; i++)
-		if (!msgs[i].role || !msgs[i].content)
-			return -EINVAL;
-	/* the GGUF's template injects the system turn only inside the message
-	 * loop, so an empty conversation renders no system turn */
-	if (n && strcmp(msgs[0].role, "system"))
-		put(&w, "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
-			"trained by Hugging Face<|im_end|>\n");
-	for (size_t i = 0; i < n; i++) {
-		put(&w, "<|im_start|>");
-		put(&w, msgs[i].role);
-		put(&w, "\n");
-		put(&w, msgs[i].content);
-		put(&w, "<|im_end|>\n");
-	}
-	if (add_generation_prompt)
-		put(&w, "<|im_start|>assistant\n");
-	*len = w.len;
-	if (w.len < out_bytes)
-		out[w.len] = '\0';
-	return w.len > out_bytes ? -ENOSPC : 0;
+	/* SmolLM2-Instruct's template: ChatML with its default system turn */
+	static const char marks[] = "<|im_start|> You are a helpful AI assistant named SmolLM, trained by "
+				    "Hugging Face";
+	struct chat_format f;
+	chat_detect(marks, sizeof(marks) - 1, NULL, NULL, &f);
+	return chat_render(&f, msgs, n, add_generation_prompt, -1, out, out_bytes, len);
 }
 
 size_t tok_n_tokens(const struct tok *t)
