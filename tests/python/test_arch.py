@@ -153,3 +153,51 @@ def test_pretokenizer_matches_llama_cpp(files, pre):
 	assert not bad, (f"{pre}: {len(bad)} of {len(want)} groups of {GROUP} strings tokenize unlike llama.cpp "
 			 f"(tests/data/tokenizer/compare_llama.py shows the ids):{detail}")
 	print(f"{pre}: {len(items)} strings tokenized as llama.cpp does")
+
+
+def generate(*args):
+	exe = os.environ.get("KVR_EXE")
+	if not exe or not os.access(exe, os.X_OK):
+		pytest.skip("KVR_EXE does not name the kvrecall command (run through meson test)")
+	return subprocess.run([exe, "generate", "--threads", "0", *map(str, args)], capture_output=True, text=True, errors="replace",
+			      timeout=300)
+
+
+@pytest.mark.parametrize("name,chat", [("llama-q8_0", "llama3"), ("qwen2-q4_k_m", "deepseek-r1, thinking"),
+				       ("qwen3-q5_k_m", "chatml, thinking")])
+def test_generate_chat_and_document(files, tmp_path, name, chat):
+	"""--chat and --file/--question in each family's chat format, every mode."""
+	path, _ = files[name]
+	r = generate("--model", path, "--chat", "Hello, who are you?", "--max-tokens", 16, "--mode", "dense")
+	assert r.returncode == 0, r.stderr
+	assert f"chat {chat}" in r.stderr, r.stderr
+	doc = tmp_path / "doc.txt"
+	doc.write_text("The quick brown fox jumps over the lazy dog. 1234 5678.\n" * 40)
+	for mode in ("dense", "freekv"):
+		r = generate("--model", path, "--file", doc, "--question", "What does the fox do?", "--max-tokens", 24,
+			     "--mode", mode, "--budget", 256, "--think", "off", "--json", tmp_path / "run.json")
+		assert r.returncode == 0, r.stderr
+		assert f"{mode}: prompt" in r.stderr
+
+
+def test_generate_refuses_what_it_cannot_run_well(files, tmp_path):
+	path, _ = files["qwen3-q8_0"]
+	r = generate("--model", path, "--prompt", "")
+	assert r.returncode == 1 and "the prompt is empty" in r.stderr
+	# past the trained context (4096): refused before any work, unless asked for
+	doc = tmp_path / "long.txt"
+	doc.write_text("word " * 6000)
+	r = generate("--model", path, "--file", doc, "--max-tokens", 4)
+	assert r.returncode == 1
+	assert "trained for a context of 4096 (qwen3.context_length)" in r.stderr
+	assert "--beyond-context" in r.stderr
+	r = generate("--model", path, "--prompt", "hello", "--max-tokens", 5000, "--ignore-eos", "--quiet",
+		     "--mode", "dense", "--timeline", 1024, "--json", tmp_path / "lg.json")
+	assert r.returncode == 0, r.stderr
+	import json
+	run = json.loads((tmp_path / "lg.json").read_text())
+	n_prompt = run["prompt_tokens"]
+	assert f"generating at most {4096 - n_prompt} tokens" in r.stderr
+	assert run["generated"] == 4096 - n_prompt and run["runs"][0]["mode"] == "dense"
+	assert [p["position"] for p in run["timeline"]][:3] == [n_prompt + 1024, n_prompt + 2048, n_prompt + 3072]
+	assert all(p["tokens_per_s"] > 0 and p["rss_mib"] > 0 for p in run["timeline"])
