@@ -9,6 +9,13 @@
 #                         with freekv retrieval (B = 1024) on the CPU backend;
 #                         extra arguments go to `kvrecall generate` (e.g.
 #                         --mode dense --max-tokens 100)
+#   ./kvrecall.sh longgen after the demo's set-up, the long-generation demo:
+#                         SmolLM2 writes 8,000 tokens from a short prompt, densely
+#                         and with freekv (B = 1024), and prints decode tokens/s,
+#                         corrections and resident memory against position; the
+#                         record (JSON) and its plot (SVG) go to the cache
+#                         (~/.cache/kvrecall/longgen.*); extra arguments go to
+#                         `kvrecall generate` (e.g. --max-tokens 2000)
 #   ./kvrecall.sh test    install what is missing (with a Python virtual
 #                         environment holding torch and transformers for the
 #                         transformers backend's tests), build everything, run
@@ -127,8 +134,19 @@ demo)
 		--question "What does this license require from someone who distributes modified versions of the program?" \
 		--mode freekv --budget 1024 --max-tokens 300 "$@"
 	;;
+longgen)
+	deps
+	demo_build
+	bench/model/fetch_model.sh >/dev/null
+	out=${XDG_CACHE_HOME:-$HOME/.cache}/kvrecall/longgen
+	"$KVRECALL" generate --chat "Tell me a very long story about a lighthouse keeper who finds a map." \
+		--max-tokens 8000 --ignore-eos --compare dense,freekv --budget 1024 --timeline 500 \
+		--json "$out.json" "$@"
+	python3 bench/plot_longgen.py "$out.json" "$out.svg"
+	echo "record: $out.json; plot: $out.svg"
+	;;
 *)
-	sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
 	exit 2
 	;;
 esac

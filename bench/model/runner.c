@@ -617,6 +617,10 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 				.hit_rate = wanted ? (double)(kv.pages_hit - last_kv.pages_hit) / (double)wanted : -1.0,
 				.rss_mib = rss_mib(),
 			};
+			if (!stream && !o->quiet) /* a run that prints no text shows it is alive */
+				fprintf(stderr, "%s: %zu tokens generated, %.1f tokens/s at position %llu\n",
+					kvr_mode_name(mode), n, st->timeline[st->n_timeline - 1].tokens_per_s,
+					(unsigned long long)(n_prompt + n));
 			last_kv = kv;
 			last_t = now;
 			last_attn = attn;
