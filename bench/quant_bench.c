@@ -2,7 +2,8 @@
 /*
  * quant_bench.c — single-thread GB/s (weight bytes per second) of the real-
  * model runner's quantised matrix-vector products (bench/model/quant.h) on
- * the model's matrix shapes, on every instruction-set path the CPU has.
+ * SmolLM2's and Qwen3-0.6B's matrix shapes, on every instruction-set path
+ * the CPU has.
  * (It used to be a skipped test in tests/test_quant.c; a benchmark asserts
  * nothing, so it lives here. tests/test_quant.c checks that every path gives
  * the same bits.)
@@ -102,8 +103,10 @@ static void bench_setup(struct bench_case *c)
 		x[i] = uniform(-1, 1);
 	if (c->type == KQ_TYPE_Q4_1)
 		kq_quantize_row_q8_1(x, c->xq, c->cols);
-	else
+	else if (c->type == KQ_TYPE_Q8_0)
 		kq_quantize_row_q8_0(x, c->xq, c->cols);
+	else
+		kq_quantize_row_q8_k(x, c->xq, c->cols);
 	free(x);
 	for (int k = 0; k < KQ_ISA_COUNT; k++)
 		c->best[k] = 1e30;
@@ -128,6 +131,9 @@ int main(int argc, char **argv)
 		{ .type = KQ_TYPE_Q4_1, .rows = 576, .cols = 1536, .what = "q4_1 1536x576 (ffn_down, L2)" },
 		{ .type = KQ_TYPE_Q8_0, .rows = 49152, .cols = 576, .what = "q8_0 576x49152 (logits, 30 MB)" },
 		{ .type = KQ_TYPE_Q8_0, .rows = 1024, .cols = 576, .what = "q8_0 576x1024 (L2)" },
+		/* Qwen3-0.6B Q4_K_M's feed-forward (one path: the K-quants are not vectorised by hand) */
+		{ .type = KQ_TYPE_Q4_K, .rows = 3072, .cols = 1024, .what = "q4_K 1024x3072 (ffn_up, Qwen3-0.6B)" },
+		{ .type = KQ_TYPE_Q6_K, .rows = 1024, .cols = 3072, .what = "q6_K 3072x1024 (ffn_down)" },
 	};
 	const int n_cases = (int)(sizeof(cs) / sizeof(cs[0]));
 	for (int k = 0; k < n_cases; k++)

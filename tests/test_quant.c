@@ -1124,6 +1124,17 @@ Test(matvec, k_quants_against_exact)
 			cr_assert_leq(fabs(y[r] - exact_x), bound_x, "%s row %lu against f32", kq_type_name(type),
 				      (unsigned long)r);
 		}
+		/* every instruction-set path: the same bits */
+		enum kq_isa isas[KQ_ISA_COUNT];
+		const int n_isa = isa_list(isas);
+		for (int k = 0; k < n_isa; k++) {
+			float yk[17];
+			cr_assert_eq(kq_isa_force(isas[k]), 0);
+			cr_assert_eq(kq_matvec(type, w, wrow, rows, cols, xq, NULL, yk, 0, rows), 0);
+			for (uint64_t r = 0; r < rows; r++)
+				cr_assert(same_bits(yk[r], y[r]), "%s on %s, row %lu: %a vs %a", kq_type_name(type),
+					  kq_isa_name(isas[k]), (unsigned long)r, (double)yk[r], (double)y[r]);
+		}
 		/* a planted error of one quant step in the activation moves the result */
 		const float before = y[0];
 		xq[4 + 5] = (uint8_t)((int8_t)xq[4 + 5] + ((int8_t)xq[4 + 5] < 100 ? 1 : -1));

@@ -1197,19 +1197,106 @@ static float block_q6_k_q8_k(const uint8_t *w, const uint8_t *x)
 	return kq_h(w + 208) * dx * (float)isum;
 }
 
+/* The same super-block values on the vector paths (AVX2 serves the AVX-512
+ * ones): the integer sums are exact either way, and the float expression is
+ * the scalar one, so every path gives the same bits. maddubs takes the
+ * unsigned quants first: a pair of products is at most 2·63·127 < 2^15. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static inline int32_t hsum_i32_avx2(__m256i v)
+{
+	__m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+	s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+	s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+	return _mm_cvtsi128_si32(s);
+}
+
+static float block_q4_k_q8_k_avx2(const uint8_t *w, const uint8_t *x, bool five)
+{
+	const uint8_t *sc = w + 4, *ql = w + (five ? 48 : 16);
+	const int8_t *q8 = (const int8_t *)(x + 4);
+	const __m256i m4 = _mm256_set1_epi8(0x0f), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+	const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+	int16_t bsums[16];
+	memcpy(bsums, x + 260, sizeof(bsums));
+	__m256i acc = _mm256_setzero_si256();
+	int32_t msum = 0;
+	for (int g = 0; g < 4; g++) {
+		const __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * g));
+		__m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+		if (five) { /* bit 2g (low half) and 2g+1 (high half) of qh add 16 */
+			lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one8), 4));
+			hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one8), 4));
+		}
+		int s1, m1, s2, m2;
+		scale_min_k4(2 * g, sc, &s1, &m1);
+		scale_min_k4(2 * g + 1, sc, &s2, &m2);
+		const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * g))), ones);
+		const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * g + 32))), ones);
+		acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_mullo_epi32(plo, _mm256_set1_epi32(s1)),
+							     _mm256_mullo_epi32(phi, _mm256_set1_epi32(s2))));
+		msum += m1 * (bsums[4 * g] + bsums[4 * g + 1]) + m2 * (bsums[4 * g + 2] + bsums[4 * g + 3]);
+	}
+	const int32_t isum = hsum_i32_avx2(acc);
+	float dx;
+	memcpy(&dx, x, sizeof(dx));
+	return kq_h(w) * dx * (float)isum - kq_h(w + 2) * dx * (float)msum;
+}
+
+static float block_q6_k_q8_k_avx2(const uint8_t *w, const uint8_t *x)
+{
+	const int8_t *sc = (const int8_t *)(w + 192), *q8 = (const int8_t *)(x + 4);
+	const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+	int16_t bsums[16];
+	memcpy(bsums, x + 260, sizeof(bsums));
+	__m256i acc = _mm256_setzero_si256();
+	for (int half = 0; half < 2; half++) {
+		const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+		const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+		const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+		/* the quants + 32, unsigned (0..63), of elements 32k.. of this half */
+		const __m256i u[4] = {
+			_mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
+			_mm256_or_si256(_mm256_and_si256(l1, m4),
+					_mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
+			_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+					_mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
+			_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+					_mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4)),
+		};
+		for (int k = 0; k < 4; k++) {
+			const int j = 8 * half + 2 * k; /* sub-blocks j, j+1 of 16 */
+			const __m256i p = _mm256_maddubs_epi16(u[k], _mm256_loadu_si256((const __m256i *)(q8 + 128 * half + 32 * k)));
+			const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+			acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sv));
+		}
+	}
+	int32_t offset = 0; /* the +32 taken back: 32·Σ sc_j·Σq8 over sub-block j */
+	for (int j = 0; j < 16; j++)
+		offset += sc[j] * bsums[j];
+	const int32_t isum = hsum_i32_avx2(acc) - 32 * offset;
+	float dx;
+	memcpy(&dx, x, sizeof(dx));
+	return kq_h(w + 208) * dx * (float)isum;
+}
+#pragma GCC pop_options
+
 /* Rows [r0, r1) of a K-quant matrix: per row, super-block values summed in
  * increasing order into one f32. */
 static void matvec_k(uint32_t type, const uint8_t *w, uint64_t row_bytes, uint64_t nb, const uint8_t *x,
 		     float *y, uint64_t r0, uint64_t r1)
 {
 	const uint32_t wbytes = kq_block_bytes(type);
+	const bool vec = kq_isa_active() != KQ_ISA_SCALAR, q6 = type == KQ_TYPE_Q6_K, five = type == KQ_TYPE_Q5_K;
 	for (uint64_t r = r0; r < r1; r++) {
 		const uint8_t *wr = w + r * row_bytes;
 		float acc = 0.0f;
 		for (uint64_t b = 0; b < nb; b++) {
 			const uint8_t *wb = wr + b * wbytes, *xb = x + b * KQ_Q8_K_BYTES;
-			acc += type == KQ_TYPE_Q6_K ? block_q6_k_q8_k(wb, xb)
-						    : block_q4_k_q8_k(wb, xb, type == KQ_TYPE_Q5_K);
+			if (vec)
+				acc += q6 ? block_q6_k_q8_k_avx2(wb, xb) : block_q4_k_q8_k_avx2(wb, xb, five);
+			else
+				acc += q6 ? block_q6_k_q8_k(wb, xb) : block_q4_k_q8_k(wb, xb, five);
 		}
 		y[r] = acc;
 	}
