@@ -573,10 +573,11 @@ static void seed_values(struct wbuf *b)
 	w_tensors(b, t, n_t, 64);
 }
 
-/* A Llama model small enough to fuzz whole (2 layers, 4-wide, F32 and F16
- * weights) with a tokenizer of 14 tokens: model_open_memory and
- * runner_tokenizer both accept it. */
-static void seed_model(struct wbuf *b)
+/* A model small enough to fuzz whole (2 layers, 4-wide, F32 and F16
+ * weights) with a tokenizer of 14 tokens, of architecture `arch` (llama;
+ * qwen2 with Q/K/V biases; qwen3 with per-head Q/K norms) and pre-tokenizer
+ * `pre`: model_open_memory and runner_tokenizer both accept it. */
+static void seed_model_of(struct wbuf *b, const char *arch, const char *pre)
 {
 	enum { E = 4, FF = 8, V = 14, HEADS = 2, KV_HEADS = 1, HD = 2, L = 2 };
 	static const char *const tokens[] = {
@@ -584,7 +585,8 @@ static void seed_model(struct wbuf *b)
 		"he", "ll", "hell", "hello", "\xc4\xa0h", "1",
 	};
 	static const char *const merges[] = { "h e", "l l", "he ll", "hell o", "\xc4\xa0 h" };
-	struct tensor_spec t[2 + 9 * L + 1];
+	struct tensor_spec t[2 + 12 * L + 1];
+	const bool qwen2 = !strcmp(arch, "qwen2"), qwen3 = !strcmp(arch, "qwen3");
 	size_t n = 0;
 	t[n++] = (struct tensor_spec){ "token_embd.weight", 2, { E, V }, GGUF_GGML_F32 };
 	t[n++] = (struct tensor_spec){ "output_norm.weight", 1, { E }, GGUF_GGML_F32 };
@@ -603,21 +605,33 @@ static void seed_model(struct wbuf *b)
 						       { shape[k][0], vec ? 1 : shape[k][1] },
 						       vec || k % 2 ? GGUF_GGML_F32 : GGUF_GGML_F16 };
 		}
+	static char extra[L][3][40];
+	static const char *const bias[3] = { "attn_q.bias", "attn_k.bias", "attn_v.bias" };
+	static const char *const norm[2] = { "attn_q_norm.weight", "attn_k_norm.weight" };
+	for (int l = 0; l < L && (qwen2 || qwen3); l++)
+		for (int k = 0; k < (qwen2 ? 3 : 2); k++) {
+			snprintf(extra[l][k], sizeof(extra[l][k]), "blk.%d.%s", l, qwen2 ? bias[k] : norm[k]);
+			t[n++] = (struct tensor_spec){ extra[l][k], 1,
+						       { qwen3 ? HD : k ? KV_HEADS * HD : HEADS * HD }, GGUF_GGML_F32 };
+		}
 	t[n++] = (struct tensor_spec){ "output.weight", 2, { E, V }, GGUF_GGML_F32 };
 	w_hdr(b, n, 21);
-	kv_str(b, "general.architecture", "llama");
-	kv_u32(b, "llama.block_count", L);
-	kv_u32(b, "llama.embedding_length", E);
-	kv_u32(b, "llama.attention.head_count", HEADS);
-	kv_u32(b, "llama.attention.head_count_kv", KV_HEADS);
-	kv_u32(b, "llama.feed_forward_length", FF);
-	kv_u32(b, "llama.context_length", 2048);
-	kv_u32(b, "llama.attention.key_length", HD);
-	kv_u32(b, "llama.rope.dimension_count", HD);
-	kv_f32(b, "llama.rope.freq_base", 10000.0f);
-	kv_f32(b, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+	char key[64];
+#define KEY(suffix) (snprintf(key, sizeof(key), "%s." suffix, arch), key)
+	kv_str(b, "general.architecture", arch);
+	kv_u32(b, KEY("block_count"), L);
+	kv_u32(b, KEY("embedding_length"), E);
+	kv_u32(b, KEY("attention.head_count"), HEADS);
+	kv_u32(b, KEY("attention.head_count_kv"), KV_HEADS);
+	kv_u32(b, KEY("feed_forward_length"), FF);
+	kv_u32(b, KEY("context_length"), 2048);
+	kv_u32(b, KEY("attention.key_length"), HD);
+	kv_u32(b, KEY("rope.dimension_count"), HD);
+	kv_f32(b, KEY("rope.freq_base"), 10000.0f);
+	kv_f32(b, KEY("attention.layer_norm_rms_epsilon"), 1e-5f);
+#undef KEY
 	kv_str(b, "tokenizer.ggml.model", "gpt2");
-	kv_str(b, "tokenizer.ggml.pre", "smollm");
+	kv_str(b, "tokenizer.ggml.pre", pre);
 	w_arr(b, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, V);
 	for (int i = 0; i < V; i++)
 		put_str(b, tokens[i], strlen(tokens[i]));
@@ -634,6 +648,21 @@ static void seed_model(struct wbuf *b)
 	put_le(b, 0, 1);
 	kv_u32(b, "general.alignment", 32);
 	w_tensors(b, t, n, 32);
+}
+
+static void seed_model(struct wbuf *b)
+{
+	seed_model_of(b, "llama", "smollm");
+}
+
+static void seed_model_qwen2(struct wbuf *b)
+{
+	seed_model_of(b, "qwen2", "deepseek-r1-qwen");
+}
+
+static void seed_model_qwen3(struct wbuf *b)
+{
+	seed_model_of(b, "qwen3", "qwen2");
 }
 
 /* A byte-level vocabulary: every byte's character, control tokens and a few
@@ -672,7 +701,8 @@ static void seed_vocab(struct wbuf *b)
 
 static void seeds(void (*add)(void *ctx, const uint8_t *p, size_t n), void *ctx)
 {
-	void (*const build[])(struct wbuf *) = { seed_values, seed_model, seed_vocab };
+	void (*const build[])(struct wbuf *) = { seed_values, seed_model, seed_model_qwen2, seed_model_qwen3,
+						 seed_vocab };
 	for (size_t i = 0; i < sizeof(build) / sizeof(build[0]); i++) {
 		struct wbuf b = { 0 };
 		build[i](&b);
@@ -802,6 +832,19 @@ static const char *const dict[] = {
 	"blk.0.attn_q.weight",
 	"gpt2",
 	"smollm",
+	"qwen2",
+	"qwen3",
+	"llama-bpe",
+	"deepseek-r1-qwen",
+	"rope_freqs.weight",
+	"blk.0.attn_q.bias",
+	"blk.0.attn_q_norm.weight",
+	"llama.rope.scaling.type",
+	"llama.rope.scaling.factor",
+	"linear",
+	"yarn",
+	"tokenizer.ggml.eot_token_id",
+	"tokenizer.chat_template",
 	NULL,
 };
 
