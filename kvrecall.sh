@@ -42,7 +42,7 @@ fi
 
 debian_packages=(gcc g++ meson ninja-build pkg-config libhwloc-dev hwloc-nox liburing-dev
 	libnuma-dev numactl libcriterion-dev python3 python3-pip base-files
-	python3-dev python3-venv python3-numpy python3-pytest)
+	python3-dev python3-venv python3-numpy python3-pytest libpcre2-dev)
 
 # The transformers backend's tests run in a virtual environment of their own
 # (Debian's python3 refuses pip outside one): torch and transformers from
