@@ -209,6 +209,8 @@ struct result {
 	double recalled_kib_per_layer;
 	double host_waits_per_layer;       /* the engine's waits for the device per (step, layer) */
 	double host_wait_share;            /* their time, of the engine's inside decode_layer */
+	/* the controller's time per layer by part (kvr_stats' controller_*_ns) */
+	double ctl_handoff_us, ctl_prepare_us, ctl_score_us, ctl_topk_us, ctl_recall_us;
 };
 
 /* The engine's capture of one step of the batch at positions `pos`
@@ -377,6 +379,11 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 		(double)(st1.bytes_recalled - st0.bytes_recalled) / n_layers / 1024.0,
 		(double)(st1.host_waits - st0.host_waits) / n_layers,
 		crit > 0 ? (double)(st1.host_wait_ns - st0.host_wait_ns) / crit : 0,
+		(double)(st1.controller_handoff_ns - st0.controller_handoff_ns) / n_layers / 1e3,
+		(double)(st1.controller_prepare_ns - st0.controller_prepare_ns) / n_layers / 1e3,
+		(double)(st1.controller_score_ns - st0.controller_score_ns) / n_layers / 1e3,
+		(double)(st1.controller_topk_ns - st0.controller_topk_ns) / n_layers / 1e3,
+		(double)(st1.controller_recall_ns - st0.controller_recall_ns) / n_layers / 1e3,
 	};
 	free(times), free(k), free(v), free(qf), free(q), free(out), free(status), free(seqs), free(pos);
 	if (graph)
@@ -599,13 +606,15 @@ int bench_decode(int argc, char **argv)
 				fprintf(stderr, "\rL=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
 						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
 						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
-						"critical share %.2f; hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
+						"critical share %.2f (handoff %.0f, prepare %.0f, score %.0f, top-k %.0f, recall %.0f us); "
+					"hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
 					(unsigned long long)L, kvr_mode_name(mode), captured ? " (captured)" : "",
 					estimate ? " +estimate" : "", r.us_per_layer,
 					r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.mean_us_per_layer,
 					r.critical_us_per_layer,
 					100 * r.corrected_rate, r.correction_waits_per_layer, 100 * r.correction_wait_share,
-					r.controller_us_per_layer, r.critical_share, r.hit_rate, r.recalled_kib_per_layer,
+					r.controller_us_per_layer, r.critical_share, r.ctl_handoff_us, r.ctl_prepare_us,
+					r.ctl_score_us, r.ctl_topk_us, r.ctl_recall_us, r.hit_rate, r.recalled_kib_per_layer,
 					r.host_waits_per_layer);
 				fprintf(json,
 					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"captured\": %s, \"recall\": \"%s\", "
@@ -618,6 +627,8 @@ int bench_decode(int argc, char **argv)
 					"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
 					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
 					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f, "
+					"\"controller_split_us_per_layer\": {\"handoff\": %.2f, \"prepare\": %.2f, "
+					"\"score\": %.2f, \"topk\": %.2f, \"recall\": %.2f}, "
 					"\"estimate\": %s, \"estimate_cost_ratio\": %.4f}",
 					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(mode), captured ? "true" : "false",
 					kvr_recall_name(g.resolved_recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
@@ -625,7 +636,8 @@ int bench_decode(int argc, char **argv)
 					r.mean_us_per_layer, r.critical_us_per_layer, r.corrected_rate, (unsigned long long)r.selections,
 					r.correction_waits_per_layer, r.correction_wait_share, r.controller_wait_share,
 					r.recall_wait_share, r.critical_share, r.controller_us_per_layer, r.hit_rate,
-					r.recalled_kib_per_layer, r.host_waits_per_layer, r.host_wait_share,
+					r.recalled_kib_per_layer, r.host_waits_per_layer, r.host_wait_share, r.ctl_handoff_us,
+					r.ctl_prepare_us, r.ctl_score_us, r.ctl_topk_us, r.ctl_recall_us,
 					estimate ? "true" : "false", cost);
 				first = 0;
 			}

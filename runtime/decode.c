@@ -338,6 +338,11 @@ static void fill_stats(const uint64_t cnt[KVR_C_COUNT], uint64_t steps, uint64_t
 	st.device_units_used = units_used;
 	st.host_waits = cnt[KVR_C_HOST_WAITS];
 	st.host_wait_ns = cnt[KVR_C_HOST_WAIT_NS];
+	st.controller_handoff_ns = cnt[KVR_C_CTL_HANDOFF_NS];
+	st.controller_prepare_ns = cnt[KVR_C_CTL_PREPARE_NS];
+	st.controller_score_ns = cnt[KVR_C_CTL_SCORE_NS];
+	st.controller_topk_ns = cnt[KVR_C_CTL_TOPK_NS];
+	st.controller_recall_ns = cnt[KVR_C_CTL_RECALL_NS];
 	const uint32_t size = out->size < sizeof(st) ? out->size : (uint32_t)sizeof(st);
 	memcpy(out, &st, size);
 	out->size = size;

@@ -40,7 +40,7 @@ extern "C" {
  * ------------------------------------------------------------------------- */
 
 #define KVR_VERSION_MAJOR 0
-#define KVR_VERSION_MINOR 7
+#define KVR_VERSION_MINOR 8
 #define KVR_VERSION_PATCH 0
 /* One integer, comparable: major * 10000 + minor * 100 + patch. */
 #define KVR_VERSION_NUMBER \
@@ -614,6 +614,18 @@ struct kvr_stats {
 	 * context's. */
 	uint64_t host_waits;
 	uint64_t host_wait_ns;
+	/* Added in 0.8. The controller's time (controller_ns, plus the wait for
+	 * it to take a job) by part: from a job's post to the controller taking
+	 * it (waking the thread, and the jobs queued before it); in its
+	 * selections, preparing them (candidates, summaries, the score item), the
+	 * score kernel, and top-k with group consistency (the select kernel, and
+	 * on a GPU the wait for both kernels); streamed, planning and issuing the
+	 * recall. The device plan's batched selections are not split (0). */
+	uint64_t controller_handoff_ns;
+	uint64_t controller_prepare_ns;
+	uint64_t controller_score_ns;
+	uint64_t controller_topk_ns;
+	uint64_t controller_recall_ns;
 };
 
 /* Copy the context's counters into *stats. stats->size must be set; at most

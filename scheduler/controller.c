@@ -74,6 +74,7 @@ static void run_job(struct kvr_sched *s, struct kvr_lane *lane)
 	if (!err && s->recall == KVR_RECALL_STREAMED) {
 		const uint64_t t1 = kvr_now_ns();
 		err = kvr_recall_issue(s, lane, lane->job_heads);
+		count(s, lane->seq, KVR_C_CTL_RECALL_NS, kvr_now_ns() - t1);
 		if (err && lane->job_urgent) {
 			/* the engine waits to attend over this recall: its sequence's
 			 * step fails with the error (a status, not an asynchronous
@@ -220,6 +221,10 @@ static void *controller_main(void *arg)
 					s->queue.normal_tail = NULL;
 			}
 		pthread_mutex_unlock(&s->queue.lock);
+		const uint64_t taken = kvr_now_ns();
+		for (uint32_t i = 0; i < n; i++) /* posted_ns: published by the queue mutex */
+			count(s, batch[i]->seq, KVR_C_CTL_HANDOFF_NS,
+			      taken > batch[i]->posted_ns ? taken - batch[i]->posted_ns : 0);
 		if (batchable(s, lane))
 			run_select_batch(s, batch, n);
 		else
@@ -272,6 +277,7 @@ void kvr_controller_post(struct kvr_sched *s, struct kvr_lane *lane, int urgent)
 	/* relaxed: the queue mutex below publishes the store with the job */
 	atomic_store_explicit(&lane->in_flight, 1, memory_order_relaxed);
 	lane->job_urgent = (uint32_t)urgent;
+	lane->posted_ns = kvr_now_ns();
 	lane->next = NULL;
 	pthread_mutex_lock(&s->queue.lock);
 	struct kvr_lane **head = urgent ? &s->queue.urgent_head : &s->queue.normal_head;
@@ -303,10 +309,12 @@ void kvr_controller_post_many(struct kvr_sched *s, struct kvr_lane *const *lanes
 		}
 		return;
 	}
+	const uint64_t now = kvr_now_ns();
 	for (uint32_t i = 0; i < n; i++) {
 		/* relaxed: the queue mutex below publishes the stores with the jobs */
 		atomic_store_explicit(&lanes[i]->in_flight, 1, memory_order_relaxed);
 		lanes[i]->job_urgent = 0;
+		lanes[i]->posted_ns = now;
 		lanes[i]->next = i + 1 < n ? lanes[i + 1] : NULL;
 	}
 	pthread_mutex_lock(&s->queue.lock);

@@ -34,6 +34,8 @@ struct kvr_lane {
 	                               engine in lane_acquire; the engine sets it before
 	                               queueing (the queue mutex publishes the job) */
 	uint32_t seq, layer;
+	uint64_t posted_ns;       /* when the engine queued the lane's job (the queue
+	                             mutex publishes it with the job) */
 	uint32_t has_prev;        /* prev_q and selected are valid */
 	unsigned char *prev_q;    /* [n_qo][d]: the query of the lane's latest step (mapped;
 				     device memory under the device append) */

@@ -57,6 +57,12 @@ enum kvr_counter {
 	KVR_C_UNITS_RELEASED, /* mixed pages: of which given back while the sequence lives */
 	KVR_C_HOST_WAITS,     /* the engine thread's waits for the device in layer calls (waits.c) */
 	KVR_C_HOST_WAIT_NS,
+	/* the controller's time by part (controller.c, select.c) */
+	KVR_C_CTL_HANDOFF_NS, /* from a job's post to the controller taking it */
+	KVR_C_CTL_PREPARE_NS, /* its selections: candidates, summaries, the score item */
+	KVR_C_CTL_SCORE_NS,   /* its selections: the score kernel */
+	KVR_C_CTL_TOPK_NS,    /* its selections: top-k and group consistency (the select kernel) */
+	KVR_C_CTL_RECALL_NS,  /* streamed: the recall it plans and issues */
 	KVR_C_COUNT
 };
 

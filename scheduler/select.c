@@ -62,6 +62,9 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 	struct kvr_score_item *item = sel->item.host;
 	if (sel->n_ring)
 		return -EINVAL; /* an asynchronous selector selects in batches (kvr_select_pages_batch) */
+	/* the controller's selections are timed by part (kvr_stats) */
+	const int timed = sel == &s->rec.ctl_sel;
+	const uint64_t t0 = timed ? kvr_now_ns() : 0;
 	size_t need = 0;
 	int err = kvr_select_item(s, lane, q, n_tokens, next, selected, sel->scores, sel->scores_bytes / sizeof(float),
 			      &need, stream, item);
@@ -81,14 +84,24 @@ int kvr_select_pages(struct kvr_sched *s, struct kvr_lane *lane, const void *q, 
 	const struct kvr_score_item *item_dev = kvr_mirror_dev_at(&sel->item, item);
 	if (!err)
 		err = kvr_mirror_to_device(s->dev, &sel->item, item, sizeof(*item), stream);
+	const uint64_t t1 = timed ? kvr_now_ns() : 0;
 	if (!err)
 		err = kvr_dev_score(s->dev, &s->shape, item_dev, 1, stream);
+	const uint64_t t2 = timed ? kvr_now_ns() : 0;
 	if (!err)
 		err = kvr_dev_select(s->dev, &s->shape, item_dev, 1, stream);
 	/* the host plans with `selected` (and reuses the item and the scores);
 	 * the inline streams of host-addressable devices have run it already */
 	if (!err)
 		err = kvr_sched_wait_stream(s, stream, lane->seq, lane->layer, "wait selection");
+	if (timed) {
+		/* on an inline stream each kernel ran inside its call; elsewhere the
+		 * kernels' time shows in the wait, counted with the select kernel */
+		const uint64_t t3 = kvr_now_ns();
+		count(s, lane->seq, KVR_C_CTL_PREPARE_NS, t1 - t0);
+		count(s, lane->seq, KVR_C_CTL_SCORE_NS, t2 - t1);
+		count(s, lane->seq, KVR_C_CTL_TOPK_NS, t3 - t2);
+	}
 	return err;
 }
 

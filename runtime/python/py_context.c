@@ -791,6 +791,8 @@ static const struct {
 	S(controller_wait_ns), S(recall_waits), S(recall_wait_ns), S(pages_recalled), S(pages_hit),
 	S(bytes_recalled), S(critical_ns), S(controller_ns), S(controller_jobs), S(pages_judged),
 	S(pages_demoted), S(device_units), S(device_units_used), S(host_waits), S(host_wait_ns),
+	S(controller_handoff_ns), S(controller_prepare_ns), S(controller_score_ns), S(controller_topk_ns),
+	S(controller_recall_ns),
 #undef S
 };
 
