@@ -110,15 +110,13 @@ static void put_trimmed(struct writer *w, const char *s)
  * "</think>", leading newlines dropped (Qwen3's and R1's templates). */
 static void put_answer(struct writer *w, const char *s, int thinking)
 {
-	const char *end = thinking ? NULL : s;
+	const char *answer = s;
 	for (const char *p = s; thinking && (p = strstr(p, THINK_CLOSE)); p += strlen(THINK_CLOSE))
-		end = p + strlen(THINK_CLOSE);
-	if (!end)
-		end = s;
-	if (end != s)
-		while (*end == '\n')
-			end++;
-	put(w, end);
+		answer = p + strlen(THINK_CLOSE);
+	if (answer != s)
+		while (*answer == '\n')
+			answer++;
+	put(w, answer);
 }
 
 int chat_render(const struct chat_format *f, const struct tok_message *msgs, size_t n,

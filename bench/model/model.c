@@ -222,14 +222,14 @@ static int load_hparams(struct model *m, char *err, size_t eb)
 	hp->qkv_bias = hp->arch == MODEL_ARCH_QWEN2;
 	hp->qk_norm = hp->arch == MODEL_ARCH_QWEN3;
 	uint32_t ctx_len = 0;
-	char k1[96], k2[96], k3[96], k4[96], k5[96], k6[96], k7[96];
-	if ((rc = get_u32(g, arch_key(m, "block_count", k1, 96), 0, 1, &hp->n_layers, err, eb)) ||
-	    (rc = get_u32(g, arch_key(m, "embedding_length", k2, 96), 0, 1, &hp->n_embd, err, eb)) ||
-	    (rc = get_u32(g, arch_key(m, "attention.head_count", k3, 96), 0, 1, &hp->n_head, err, eb)) ||
-	    (rc = get_u32(g, arch_key(m, "feed_forward_length", k4, 96), 0, 1, &hp->n_ff, err, eb)) ||
-	    (rc = get_u32(g, arch_key(m, "context_length", k5, 96), 0, 0, &ctx_len, err, eb)) ||
-	    (rc = get_f32(g, arch_key(m, "rope.freq_base", k6, 96), 10000.0f, &hp->rope_base, err, eb)) ||
-	    (rc = get_f32(g, arch_key(m, "attention.layer_norm_rms_epsilon", k7, 96), 1e-5f, &hp->rms_eps,
+	char key[96]; /* each getter is done with it before the next call */
+	if ((rc = get_u32(g, arch_key(m, "block_count", key, sizeof(key)), 0, 1, &hp->n_layers, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "embedding_length", key, sizeof(key)), 0, 1, &hp->n_embd, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "attention.head_count", key, sizeof(key)), 0, 1, &hp->n_head, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "feed_forward_length", key, sizeof(key)), 0, 1, &hp->n_ff, err, eb)) ||
+	    (rc = get_u32(g, arch_key(m, "context_length", key, sizeof(key)), 0, 0, &ctx_len, err, eb)) ||
+	    (rc = get_f32(g, arch_key(m, "rope.freq_base", key, sizeof(key)), 10000.0f, &hp->rope_base, err, eb)) ||
+	    (rc = get_f32(g, arch_key(m, "attention.layer_norm_rms_epsilon", key, sizeof(key)), 1e-5f, &hp->rms_eps,
 			  err, eb)))
 		return rc;
 	hp->ctx_len = ctx_len;
@@ -237,21 +237,21 @@ static int load_hparams(struct model *m, char *err, size_t eb)
 		return fail(err, eb, -EINVAL, "model: a zero hyperparameter (layers %u, embedding %u, "
 					      "heads %u, feed-forward %u)",
 			    hp->n_layers, hp->n_embd, hp->n_head, hp->n_ff);
-	if ((rc = get_u32(g, arch_key(m, "attention.head_count_kv", k1, 96), hp->n_head, 0, &hp->n_head_kv,
+	if ((rc = get_u32(g, arch_key(m, "attention.head_count_kv", key, sizeof(key)), hp->n_head, 0, &hp->n_head_kv,
 			  err, eb)))
 		return rc;
-	if ((rc = get_u32(g, arch_key(m, "attention.key_length", k1, 96), hp->n_embd / hp->n_head, 0,
+	if ((rc = get_u32(g, arch_key(m, "attention.key_length", key, sizeof(key)), hp->n_embd / hp->n_head, 0,
 			  &hp->head_dim, err, eb)))
 		return rc;
 	uint32_t v_len = 0;
-	if ((rc = get_u32(g, arch_key(m, "attention.value_length", k1, 96), hp->head_dim, 0, &v_len, err,
+	if ((rc = get_u32(g, arch_key(m, "attention.value_length", key, sizeof(key)), hp->head_dim, 0, &v_len, err,
 			  eb)))
 		return rc;
 	if (v_len != hp->head_dim)
 		return fail(err, eb, -ENOTSUP,
 			    "model: %s is %u but the key length is %u; kvrecall pages hold one head size",
-			    k1, v_len, hp->head_dim);
-	if ((rc = get_u32(g, arch_key(m, "rope.dimension_count", k1, 96), hp->head_dim, 0, &hp->n_rot, err,
+			    key, v_len, hp->head_dim);
+	if ((rc = get_u32(g, arch_key(m, "rope.dimension_count", key, sizeof(key)), hp->head_dim, 0, &hp->n_rot, err,
 			  eb)))
 		return rc;
 	if (!hp->n_head_kv || hp->n_head % hp->n_head_kv || !hp->head_dim || hp->n_rot > hp->head_dim ||
@@ -306,7 +306,6 @@ static int load_tensors(struct model *m, char *err, size_t eb)
 		rc = tensor(m, "output.weight", hp->n_embd, hp->n_vocab, &m->output, err, eb);
 	else
 		m->output = m->token_embd; /* tied embeddings */
-	m->hp.tied_output = m->output == m->token_embd;
 	if (!rc)
 		rc = tensor_opt(m, "rope_freqs.weight", hp->n_rot / 2, 0, 0, &m->rope_freqs, err, eb);
 	if (rc)
@@ -318,7 +317,6 @@ static int load_tensors(struct model *m, char *err, size_t eb)
 				return fail(err, eb, -EINVAL, "model: rope_freqs.weight[%u] = %g is not a positive "
 							      "frequency factor",
 					    i, (double)f[i]);
-		m->hp.rope_factors = 1;
 	}
 	m->layers = calloc(hp->n_layers, sizeof(*m->layers));
 	if (!m->layers)

@@ -42,10 +42,8 @@ struct model_hparams {
 	float rope_base, rms_eps;
 	float rope_freq_scale; /* 1/factor of linear rope scaling; 1 without */
 	int rope_neox;         /* 1: NEOX pairing (i, i + n_rot/2); 0: NORM (2i, 2i+1) */
-	int rope_factors;      /* 1: rope_freqs.weight divides each pair's frequency (Llama 3) */
-	int qkv_bias;          /* 1: the layers add attn_{q,k,v}.bias */
-	int qk_norm;           /* 1: attn_{q,k}_norm per head (Qwen3) */
-	int tied_output;       /* 1: the output matrix is token_embd (no output.weight) */
+	int qkv_bias;          /* 1: the layers must have attn_{q,k,v}.bias */
+	int qk_norm;           /* 1: the layers must have attn_{q,k}_norm, per head (Qwen3) */
 };
 
 struct model;

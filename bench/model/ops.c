@@ -46,11 +46,6 @@ static void rope_pair(float *x, float c, float s)
 	x[1] = a * s + b * c;
 }
 
-void op_rope_cos_sin(uint32_t n_rot, uint64_t pos, float base, float *cs)
-{
-	for (uint32_t i = 0; i + 1 < n_rot; i += 2)
-		rope_angle(i, n_rot, pos, base, &cs[i], &cs[i + 1]);
-}
 
 void op_rope_cos_sin_scaled(uint32_t n_rot, uint64_t pos, float base, float freq_scale,
 			    const float *factors, float *cs)
@@ -59,6 +54,11 @@ void op_rope_cos_sin_scaled(uint32_t n_rot, uint64_t pos, float base, float freq
 		const double scale = (double)freq_scale / (factors ? (double)factors[i / 2] : 1.0);
 		rope_angle_scaled(i, n_rot, pos, base, scale, &cs[i], &cs[i + 1]);
 	}
+}
+
+void op_rope_cos_sin(uint32_t n_rot, uint64_t pos, float base, float *cs)
+{
+	op_rope_cos_sin_scaled(n_rot, pos, base, 1.0f, NULL, cs); /* the angle times 1.0: the same bits */
 }
 
 void op_rope_apply_neox(float *x, uint32_t n_rot, const float *cs)

@@ -86,6 +86,17 @@ static double now_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* An on|off option's value into *out (1 or 0); 0, or 2 (usage) after a message. */
+static int on_off(const char *name, const char *v, int *out)
+{
+	if (strcmp(v, "on") && strcmp(v, "off")) {
+		fprintf(stderr, "kvrecall generate: %s on|off, not '%s'\n", name, v);
+		return 2;
+	}
+	*out = !strcmp(v, "on");
+	return 0;
+}
+
 static int parse(int argc, char **argv, struct opts *o)
 {
 	memset(o, 0, sizeof(*o));
@@ -149,11 +160,10 @@ static int parse(int argc, char **argv, struct opts *o)
 			}
 			i++;
 		} else if (!strcmp(a, "--estimate") && v) {
-			if (strcmp(v, "on") && strcmp(v, "off")) {
-				fprintf(stderr, "kvrecall generate: --estimate on|off, not '%s'\n", v);
+			int on;
+			if (on_off(a, v, &on))
 				return 2;
-			}
-			o->estimate = !strcmp(v, "on");
+			o->estimate = (uint32_t)on;
 			i++;
 		} else if (!strcmp(a, "--tau") && v) {
 			o->tau = strtof(v, NULL);
@@ -189,11 +199,8 @@ static int parse(int argc, char **argv, struct opts *o)
 				i++;
 			}
 		} else if (!strcmp(a, "--think") && v) {
-			if (strcmp(v, "on") && strcmp(v, "off")) {
-				fprintf(stderr, "kvrecall generate: --think on|off, not '%s'\n", v);
+			if (on_off(a, v, &o->think))
 				return 2;
-			}
-			o->think = !strcmp(v, "on");
 			i++;
 		} else if (!strcmp(a, "--beyond-context")) {
 			o->beyond_context = 1;
@@ -759,21 +766,22 @@ int runner_generate(int argc, char **argv)
 	chat_detect(tmpl, tmpl_len, hp->arch_name, t, &cf);
 	int32_t *prompt = NULL;
 	size_t n_prompt = 0;
+	struct run_stats runs[4];
+	int32_t *outs[4] = { NULL };
+	size_t n_outs[4] = { 0 };
+	memset(runs, 0, sizeof(runs));
 	rc = encode_prompt(&o, t, &cf, &prompt, &n_prompt);
 	if (rc || !n_prompt) {
 		if (rc)
 			fprintf(stderr, "kvrecall generate: the prompt could not be encoded (%s)\n", strerror(-rc));
 		else
 			fprintf(stderr, "kvrecall generate: the prompt is empty\n");
-		free(prompt);
-		tok_destroy(t);
-		model_close(m);
-		return 1;
+		rc = rc ? rc : -EINVAL;
+		goto out;
 	}
 	/* The model's trained context bounds what it can attend to sensibly: a
 	 * prompt past it is refused before any work, and generation stops at it,
 	 * unless the user asks to go beyond. */
-	uint32_t max_tokens = o.max_tokens;
 	if (hp->ctx_len && !o.beyond_context) {
 		if (n_prompt >= hp->ctx_len) {
 			fprintf(stderr,
@@ -781,33 +789,26 @@ int runner_generate(int argc, char **argv)
 				"%llu (%s.context_length). Shorten it, or pass --beyond-context to run past the "
 				"trained context (the output's quality there is unknown).\n",
 				n_prompt, (unsigned long long)hp->ctx_len, hp->arch_name);
-			free(prompt);
-			tok_destroy(t);
-			model_close(m);
-			return 1;
+			rc = -EINVAL;
+			goto out;
 		}
-		if (n_prompt + max_tokens > hp->ctx_len) {
-			max_tokens = (uint32_t)(hp->ctx_len - n_prompt);
+		if (n_prompt + o.max_tokens > hp->ctx_len) {
+			o.max_tokens = (uint32_t)(hp->ctx_len - n_prompt);
 			fprintf(stderr, "kvrecall generate: generating at most %u tokens: the model's context is %llu "
 					"(--beyond-context goes on past it)\n",
-				max_tokens, (unsigned long long)hp->ctx_len);
+				o.max_tokens, (unsigned long long)hp->ctx_len);
 		}
-	} else if (hp->ctx_len && n_prompt + max_tokens > hp->ctx_len) {
+	} else if (hp->ctx_len && n_prompt + o.max_tokens > hp->ctx_len) {
 		fprintf(stderr, "kvrecall generate: warning: running to %zu tokens, past the %llu the model was "
 				"trained for; expect its output to degrade there\n",
-			n_prompt + max_tokens, (unsigned long long)hp->ctx_len);
+			n_prompt + o.max_tokens, (unsigned long long)hp->ctx_len);
 	}
-	o.max_tokens = max_tokens;
 	if (!o.quiet)
 		fprintf(stderr, "model %s: %s, %u layers, %u/%u heads of %u, vocabulary %u (pre-tokenizer %s, chat "
 				"%s%s); prompt %zu tokens; mode %s\n",
 			path, hp->arch_name, hp->n_layers, hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_vocab,
 			tok_pre_name(t), chat_style_name(cf.style), cf.thinking ? ", thinking" : "", n_prompt,
 			kvr_mode_name(o.modes[0]));
-	struct run_stats runs[4];
-	int32_t *outs[4] = { NULL };
-	size_t n_outs[4] = { 0 };
-	memset(runs, 0, sizeof(runs));
 	size_t done = 0;
 	for (; done < o.n_modes && !rc; done++) {
 		const uint32_t mode = o.modes[done];
@@ -856,6 +857,7 @@ int runner_generate(int argc, char **argv)
 				rc = -EIO;
 		}
 	}
+out:
 	for (size_t r = 0; r < 4; r++) {
 		free(outs[r]);
 		free(runs[r].timeline);

@@ -87,7 +87,6 @@ struct tok {
 
 	enum tok_pre pre;
 	const char *pre_name; /* tokenizer.ggml.pre, as pre_names spells it */
-	int ignore_merges;    /* a word that is a token is that token, unmerged (Llama 3) */
 	unsigned char byte_level[256][2]; /* each byte's byte-level character, UTF-8 */
 	uint8_t byte_level_len[256];
 	int32_t bos, eos, unk;
@@ -345,7 +344,6 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 	int ret;
 	if ((ret = check_id(v->bos_id, v->n_tokens, "bos", err, err_bytes)) ||
 	    (ret = check_id(v->eos_id, v->n_tokens, "eos", err, err_bytes)) ||
-
 	    (ret = check_id(v->unk_id, v->n_tokens, "unk", err, err_bytes)))
 		return ret;
 
@@ -355,7 +353,6 @@ int tok_create(const struct tok_vocab *v, struct tok **out, char *err, size_t er
 	t->n_tokens = v->n_tokens;
 	t->pre = (enum tok_pre)pre;
 	t->pre_name = pre_name;
-	t->ignore_merges = t->pre == PRE_LLAMA3;
 	t->bos = v->bos_id;
 	t->eos = v->eos_id;
 	t->unk = v->unk_id;
@@ -696,7 +693,7 @@ static int emit_word(struct enc *e, const unsigned char *s, size_t from, size_t 
 		emit(e, (int32_t)(w + m - e->base));
 		return 0;
 	}
-	if (e->t->ignore_merges && m > 1) {
+	if (e->t->pre == PRE_LLAMA3 && m > 1) { /* llama.cpp's ignore_merges */
 		int32_t id;
 		const int ret = whole_word(e, w, m, &id);
 		if (ret)
@@ -707,6 +704,26 @@ static int emit_word(struct enc *e, const unsigned char *s, size_t from, size_t 
 		}
 	}
 	return bpe_word(e, w, m);
+}
+
+/* Where the regexes' whitespace alternatives end a piece that starts with
+ * whitespace at unit pos: with `breaks` (Llama 3's and Qwen2's regex) first
+ * `\s*[\r\n]+`, up to the run's last line break; then `\s+(?!\S)`, all but
+ * the run's last unit when more of the fragment follows (the fragment's end
+ * counts as the text's end, as in llama.cpp); else `\s+`, the whole run. */
+static size_t whitespace_end(const struct enc *e, size_t pos, size_t end, int breaks)
+{
+	size_t n_ws = 0, last_break = 0;
+	while (pos + n_ws < end && e->cls[pos + n_ws] == UNI_SPACE) {
+		if (breaks && (e->cps[pos + n_ws] == '\r' || e->cps[pos + n_ws] == '\n'))
+			last_break = pos + n_ws + 1;
+		n_ws++;
+	}
+	if (last_break)
+		return last_break;
+	if (n_ws > 1 && pos + n_ws < end)
+		return pos + n_ws - 1;
+	return pos + (n_ws ? n_ws : 1); /* 1: unreachable, every unit has a class */
 }
 
 /* The GPT-2 regex over units [ini, end) of the current fragment
@@ -743,15 +760,7 @@ static int split_gpt2(struct enc *e, const unsigned char *s, size_t ini, size_t 
 				pos++;
 			goto word;
 		}
-		size_t n_ws = 0;
-		while (CLS_AT(pos + n_ws) == UNI_SPACE)
-			n_ws++;
-		if (n_ws > 1 && pos + n_ws < end)
-			pos += n_ws - 1; /* `\s+(?!\S)`: leave the last space to the next word */
-		else if (n_ws > 0)
-			pos += n_ws; /* `\s+` */
-		else
-			pos++; /* unreachable: every unit has a class */
+		pos = whitespace_end(e, pos, end, 0);
 word:
 		if ((ret = emit_word(e, s, prev, pos)))
 			return ret;
@@ -823,21 +832,7 @@ static int split_llama3(struct enc *e, const unsigned char *s, size_t ini, size_
 				pos++;
 			goto word;
 		}
-		/* \s*[\r\n]+ up to the run's last line break, else \s+(?!\S), else \s+ */
-		size_t n_ws = 0, last_break = 0;
-		while (CLS_AT(pos + n_ws) == UNI_SPACE) {
-			if (cp[pos + n_ws] == '\r' || cp[pos + n_ws] == '\n')
-				last_break = pos + n_ws + 1;
-			n_ws++;
-		}
-		if (last_break)
-			pos = last_break;
-		else if (n_ws > 1 && pos + n_ws < end)
-			pos += n_ws - 1;
-		else if (n_ws)
-			pos += n_ws;
-		else
-			pos++; /* unreachable: every unit has a class */
+		pos = whitespace_end(e, pos, end, 1);
 word:
 		if ((ret = emit_word(e, s, prev, pos)))
 			return ret;

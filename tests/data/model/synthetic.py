@@ -145,19 +145,19 @@ def vocabulary(specials, seed=7, n_merges=1500):
 		tokens.append(merged)
 		return True
 
-	for ch in WIDE:
-		parts = [BYTE_LEVEL[b] for b in ch.encode()]
+	def add_whole(text):
+		"""Merges that build text's byte-level form left to right."""
+		parts = [BYTE_LEVEL[b] for b in text.encode()]
 		acc = parts[0]
 		for p in parts[1:]:
 			add_merge(acc, p)
 			acc += p
+
+	for ch in WIDE:
+		add_whole(ch)
 	pieces = [bl(a) for a in MERGE_ATOMS]
 	for a in MERGE_ATOMS:
-		parts = [BYTE_LEVEL[b] for b in a.encode()]
-		acc = parts[0]
-		for p in parts[1:]:
-			add_merge(acc, p)
-			acc += p
+		add_whole(a)
 	tries = 0
 	while len(merges) < n_merges and tries < 50 * n_merges:
 		tries += 1
