@@ -132,7 +132,7 @@ FMA_CHAINS_FN(fma_chains_avx2, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_
 static void fma_task(void *arg, uint32_t t)
 {
 	struct fma_job *job = arg;
-	job->sink[t % 64] = kvr_convert_isa_active() == KVR_CONVERT_AVX512 ? fma_chains_avx512(job->iterations)
+	job->sink[t % 64] = kvr_convert_isa_active() >= KVR_CONVERT_AVX512 ? fma_chains_avx512(job->iterations)
 									     : fma_chains_avx2(job->iterations);
 }
 
@@ -144,7 +144,7 @@ static double fma_peak(struct kvr_dev *dev, uint32_t threads)
 	const double t0 = bench_now_s();
 	kvr_cpu_parallel_for(dev, fma_task, &job, threads);
 	const double s = bench_now_s() - t0;
-	const double per_iter = FMA_CHAINS * (kvr_convert_isa_active() == KVR_CONVERT_AVX512 ? 16.0 : 8.0);
+	const double per_iter = FMA_CHAINS * (kvr_convert_isa_active() >= KVR_CONVERT_AVX512 ? 16.0 : 8.0);
 	return (double)job.iterations * per_iter * threads / s;
 }
 
@@ -159,6 +159,7 @@ struct options {
 	uint32_t skip_selection;
 	uint32_t softmax_candidates; /* 1: each head's softmax over the candidates only */
 	int isa;                     /* -1: the best the CPU has */
+	uint32_t kv_format;          /* the attention pages' format (kvquant.h): 0 plain f16 */
 	struct bench_shape sh;       /* --preset or the shape flags (bench_shape.h) */
 	const char *json_path;
 };
@@ -168,7 +169,8 @@ static void usage(void)
 	fprintf(stderr, "usage: kernels_bench [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m] "
 			"[--kv-heads N --qo-heads N --head-dim D --page-tokens P] [--threads 1,2] "
 			"[--budget 2048] [--batch N (default: 8, or more to span 2x the LLC)] [--pool-mib 256] [--reps 9] [--skip-selection] "
-			"[--isa scalar|avx2|avx512] [--softmax all|candidates] [--json FILE]\n");
+			"[--isa scalar|avx2|avx512|avx512vnni] [--kv-format f16|k8v4|k4v2] [--softmax all|candidates] "
+			"[--json FILE]\n");
 }
 
 
@@ -220,6 +222,16 @@ int main(int argc, char **argv)
 			if (kvr_convert_isa_parse(v, &isa))
 				return usage(), 2;
 			opt.isa = (int)isa, i++;
+		} else if (!strcmp(a, "--kv-format") && v) {
+			if (!strcmp(v, "f16"))
+				opt.kv_format = KVR_KV_PLAIN;
+			else if (!strcmp(v, "k8v4"))
+				opt.kv_format = KVR_KV_K8V4;
+			else if (!strcmp(v, "k4v2"))
+				opt.kv_format = KVR_KV_K4V2;
+			else
+				return usage(), 2;
+			i++;
 		} else if (!strcmp(a, "--softmax") && v) {
 			/* the group-consistency domain (issue 19 item 5): every page
 			 * (what the scheduler does) or the candidates only */
@@ -249,7 +261,13 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	const uint32_t t = KVR_ELEM_F16;
-	const uint64_t head_bytes = 2ull * p * d * 2, page_bytes = head_bytes * n_kv;
+	/* a page's KV head run: plain f16 rows, or a quantised run (kvquant.h) */
+	struct kvr_quant_geometry qg = { 0 };
+	if (opt.kv_format && kvr_quant_geometry_init(&qg, p, d, n_kv, opt.kv_format)) {
+		fprintf(stderr, "kernels_bench: d %u cannot be quantised (a multiple of 16)\n", d);
+		return 2;
+	}
+	const uint64_t head_bytes = opt.kv_format ? qg.head_bytes : 2ull * p * d * 2, page_bytes = head_bytes * n_kv;
 	const uint32_t n_pages = (uint32_t)(opt.pool_bytes / page_bytes);
 	const uint32_t pages_per_seq = opt.budget_tokens / p;
 
@@ -272,6 +290,14 @@ int main(int argc, char **argv)
 	unsigned char *pool = bench_huge_alloc("kernels_bench", (size_t)n_pages * page_bytes);
 	for (uint64_t i = 0; i < (uint64_t)n_pages * page_bytes / 2; i++)
 		((uint16_t *)pool)[i] = kvr_f32_to_f16((float)((int32_t)(rng() % 2048) - 1024) / 1024.0f);
+	/* quantised: those bytes are the codes; every (s, z) as [-1, 1] gives */
+	for (uint64_t r = 0; opt.kv_format && r < (uint64_t)n_pages * n_kv; r++)
+		for (uint32_t tok = 0; tok < p; tok++) {
+			uint16_t *ksz = kvr_quant_key_sz(&qg, pool + r * head_bytes, tok);
+			uint16_t *vsz = kvr_quant_value_sz(&qg, pool + r * head_bytes, tok);
+			ksz[0] = kvr_f32_to_f16(2.0f / (float)((1u << qg.key_bits) - 1u)), ksz[1] = kvr_f32_to_f16(1.0f);
+			vsz[0] = kvr_f32_to_f16(2.0f / (float)((1u << qg.value_bits) - 1u)), vsz[1] = kvr_f32_to_f16(1.0f);
+		}
 	unsigned char *seq_buf = bench_huge_alloc("kernels_bench", (size_t)opt.batch * pages_per_seq * n_kv * head_bytes);
 	memset(seq_buf, 1, (size_t)opt.batch * pages_per_seq * n_kv * head_bytes);
 
@@ -290,6 +316,9 @@ int main(int argc, char **argv)
 			const unsigned char *page = pool + (uint64_t)(rng() % n_pages) * page_bytes;
 			segs[s * pages_per_seq + j] = (struct kvr_kv_segment){ page, page + (uint64_t)p * d * 2, p, { d },
 									      2 * p * d, 0 };
+			if (opt.kv_format)
+				segs[s * pages_per_seq + j] = (struct kvr_kv_segment){
+					.k = page, .n_tokens = p, .head_stride = (uint32_t)head_bytes, .format = opt.kv_format };
 			for (uint32_t m = 0; m < n_kv; m++)
 				runs[((uint64_t)s * pages_per_seq + j) * n_kv + m] = page + m * head_bytes;
 		}
@@ -307,10 +336,12 @@ int main(int argc, char **argv)
 		sys.cpu_model, sys.n_cores, (unsigned long long)sys.l3_bytes,
 		kvr_convert_isa_name(kvr_convert_isa_active()));
 	fprintf(json, "  \"shape\": {\"preset\": \"%s\", \"n_kv_heads\": %u, \"n_qo_heads\": %u, \"head_dim\": %u, "
-		      "\"page_tokens\": %u, \"dtype\": \"f16\", \"budget_tokens\": %u, \"batch\": %u, \"pool_bytes\": %llu, "
-		      "\"softmax\": \"%s\"},\n",
-		opt.sh.preset, n_kv, n_qo, d, p, opt.budget_tokens, opt.batch, (unsigned long long)opt.pool_bytes,
-		opt.softmax_candidates ? "candidates" : "all");
+		      "\"page_tokens\": %u, \"dtype\": \"f16\", \"kv_format\": \"%s\", \"quant_dots\": \"%s\", "
+		      "\"budget_tokens\": %u, \"batch\": %u, \"pool_bytes\": %llu, \"softmax\": \"%s\"},\n",
+		opt.sh.preset, n_kv, n_qo, d, p,
+		opt.kv_format == KVR_KV_K8V4 ? "k8v4" : opt.kv_format == KVR_KV_K4V2 ? "k4v2" : "f16",
+		kvr_cpu_quant_float_dots() ? "float" : "integer", opt.budget_tokens, opt.batch,
+		(unsigned long long)opt.pool_bytes, opt.softmax_candidates ? "candidates" : "all");
 	fprintf(json, "  \"attention\": [\n");
 
 	double attention_1t_s = 0;
@@ -353,7 +384,7 @@ int main(int argc, char **argv)
 		attention_last_gbps = kv_bytes / a / 1e9;
 		/* Compute bound: 2·G·d multiply-adds per token and KV head. */
 		const double peak = fma_peak(dev, threads);
-		const double fmas = 2.0 * (n_qo / n_kv) * d * ((double)kv_bytes / (2.0 * d * 2));
+		const double fmas = 2.0 * (n_qo / n_kv) * d * ((double)n_segs * n_kv * p); /* per token */
 		const double ceiling_gbps = kv_bytes / (fmas / peak) / 1e9;
 		fprintf(stderr, "attention %u thread%s: %7.2f GB/s of K+V; gather-read %7.2f GB/s (ratio %.3f); "
 				"sequential read %7.2f GB/s (ratio %.3f); %.1f us per sequence-layer; "

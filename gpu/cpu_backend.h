@@ -59,4 +59,12 @@ void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_dense_item *items, uint32_t n);
 void kvr_cpu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n);
 
+/* How attention reads quantised keys: 0, integer dots against the query
+ * rounded to 8 bits (kvquant.h's contract, the default); 1, float dots on
+ * the unrounded query, when the environment has KVR_QUANT_DOTS=float (read
+ * at first use: a comparison for accuracy studies). Any thread. */
+int kvr_cpu_quant_float_dots(void);
+/* Tests: choose either way; call it before starting work. */
+void kvr_cpu_quant_dots_force(int float_dots);
+
 #endif /* KVR_GPU_CPU_BACKEND_H */

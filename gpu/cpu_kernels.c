@@ -17,6 +17,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,6 +78,83 @@ static inline __attribute__((always_inline)) __m128i codes_bytes16(const uint8_t
 	const __m128i x0 = _mm_and_si128(b, m), x1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
 	const __m128i x2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), x3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
 	return _mm_unpacklo_epi16(_mm_unpacklo_epi8(x0, x1), _mm_unpacklo_epi8(x2, x3));
+}
+
+/* ------------------------------------------------------------------ integer key dots */
+
+/*
+ * Quantised keys are read as integer dot products (kvquant.h's contract):
+ * each query row of the group is rounded to 8 bits once per attention call
+ * (kvr_qk8_prepare), and a block's dots Σ_c q8_c·Q_c come from the ISA's
+ * byte or word multiply-adds (qk_dots_*), exact integers. The query codes
+ * are kept in the orders the key rows are read in:
+ *   q8:  natural order (8-bit keys: byte c is element c);
+ *   q8n: a 4-bit row's nibble order, the even elements then the odd ones
+ *        (byte j holds elements 2j and 2j + 1 in its low and high nibble);
+ *   q16: q8 widened, for the paths that multiply words (vpmaddwd).
+ * Every row is zero past d, so whole-vector loads of the codes may run over.
+ */
+struct kvr_qk8 {
+	int8_t q8[KVR_MAX_GROUP_CPU][256];
+	int8_t q8n[KVR_MAX_GROUP_CPU][256];
+	int16_t q16[KVR_MAX_GROUP_CPU][256];
+	float scale[KVR_MAX_GROUP_CPU];      /* s_q of each row */
+	float code_sum_f[KVR_MAX_GROUP_CPU]; /* Σ_c q8_c, exact as a float */
+};
+
+/* The logits s[g][b] = s_q·(s_b·Σ_c q8[g][c]·Q_b[c] − z_b·Σ_c q8[g][c]) of
+ * query heads 0..G−1 against a block of nb ≤ 16 key code rows krow +
+ * b·kstride of `bits` (8 or 4) bits, whose (s, z) pairs are sz[2b], sz[2b + 1]
+ * (f16). */
+typedef void (*qk_dots_fn)(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
+			   uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16]);
+
+/* From the integer dots in s to the logits (the scalar paths). */
+static inline __attribute__((always_inline)) void qk_logits_scalar(const struct kvr_qk8 *qq, uint32_t G, uint32_t nb,
+								   const uint16_t *sz, float (*s)[16])
+{
+	for (uint32_t b = 0; b < nb; b++) {
+		const float ks = kvr_f16_to_f32(sz[2 * b]), kz = kvr_f16_to_f32(sz[2 * b + 1]);
+		for (uint32_t g = 0; g < G; g++)
+			s[g][b] = qq->scale[g] * (ks * s[g][b] - kz * qq->code_sum_f[g]);
+	}
+}
+
+/* Head g's row (d floats, already scaled) into qq. */
+static void kvr_qk8_prepare(struct kvr_qk8 *qq, uint32_t g, const float *x, uint32_t d)
+{
+	int32_t sum;
+	memset(qq->q8[g], 0, sizeof(qq->q8[g]));
+	memset(qq->q8n[g], 0, sizeof(qq->q8n[g]));
+	qq->scale[g] = kvr_quant_query_row(x, d, qq->q8[g], &sum);
+	qq->code_sum_f[g] = (float)sum;
+	for (uint32_t j = 0; j < d / 2; j++) {
+		qq->q8n[g][j] = qq->q8[g][2 * j];
+		qq->q8n[g][d / 2 + j] = qq->q8[g][2 * j + 1];
+	}
+	for (uint32_t c = 0; c < 256; c++)
+		qq->q16[g][c] = qq->q8[g][c];
+}
+
+/* The portable path: plain integer loops (SSE2 by the compiler at best). */
+static void qk_dots_base(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
+			 uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
+{
+	for (uint32_t b = 0; b < nb; b++) {
+		const unsigned char *row = krow + b * kstride;
+		for (uint32_t g = 0; g < G; g++) {
+			int32_t acc = 0;
+			if (bits == 8)
+				for (uint32_t c = 0; c < d; c++)
+					acc += (int32_t)qq->q8[g][c] * row[c];
+			else
+				for (uint32_t j = 0; j < d / 2; j++)
+					acc += (int32_t)qq->q8n[g][j] * (row[j] & 15) +
+					       (int32_t)qq->q8n[g][d / 2 + j] * (row[j] >> 4);
+			s[g][b] = (float)acc;
+		}
+	}
+	qk_logits_scalar(qq, G, nb, sz, s);
 }
 
 /* ------------------------------------------------------------------ AVX-512 */
@@ -147,6 +225,57 @@ static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *ro
 {
 	return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes_bytes16(row, bits, c)));
 }
+/* Integer key dots without VNNI: 8-bit codes widened to words against q16
+ * (vpmaddwd), 4-bit codes as bytes against q8n (vpmaddubsw: 15·127·2 per
+ * word pair, no saturation), four query heads at a time (a group's last
+ * block repeats its last head and drops the copies). */
+static void qk_dots_avx512(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
+			   uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
+{
+	const uint32_t row_bytes = d * bits / 8;
+	const __m512i low4 = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
+	for (uint32_t b = 0; b < nb; b++) {
+		const unsigned char *row = krow + b * kstride;
+		for (uint32_t g = 0; g < G; g += 4) {
+			uint32_t hs[4];
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < 4; h++)
+				hs[h] = g + h < G ? g + h : G - 1;
+			__m512i acc[4];
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < 4; h++)
+				acc[h] = _mm512_setzero_si512();
+			if (bits == 8)
+				for (uint32_t o = 0; o < row_bytes; o += 32) { /* row_bytes: a multiple of 16 */
+					const __mmask32 m = row_bytes - o >= 32 ? 0xffffffffu : 0xffffu;
+					const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, row + o));
+					_Pragma("GCC unroll 4")
+					for (uint32_t h = 0; h < 4; h++)
+						acc[h] = _mm512_add_epi32(acc[h], _mm512_madd_epi16(x, _mm512_loadu_si512(qq->q16[hs[h]] + o)));
+				}
+			else
+				for (uint32_t o = 0; o < row_bytes; o += 64) {
+					const __mmask64 m = row_bytes - o >= 64 ? ~0ull : (1ull << (row_bytes - o)) - 1u;
+					const __m512i x = _mm512_maskz_loadu_epi8(m, row + o);
+					const __m512i lo = _mm512_and_si512(x, low4);
+					const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+					_Pragma("GCC unroll 4")
+					for (uint32_t h = 0; h < 4; h++) {
+						const __m512i p = _mm512_add_epi16(
+							_mm512_maddubs_epi16(lo, _mm512_loadu_si512(qq->q8n[hs[h]] + o)),
+							_mm512_maddubs_epi16(hi, _mm512_loadu_si512(qq->q8n[hs[h]] + d / 2 + o)));
+						acc[h] = _mm512_add_epi32(acc[h], _mm512_madd_epi16(p, ones));
+					}
+				}
+			float four[4];
+			hsum4_avx512((vf)_mm512_cvtepi32_ps(acc[0]), (vf)_mm512_cvtepi32_ps(acc[1]),
+				     (vf)_mm512_cvtepi32_ps(acc[2]), (vf)_mm512_cvtepi32_ps(acc[3]), four);
+			for (uint32_t h = 0; h < 4 && g + h < G; h++)
+				s[g + h][b] = four[h];
+		}
+	}
+	qk_logits_scalar(qq, G, nb, sz, s);
+}
 #define ISA avx512
 #define CODES16(row, bits, c) codes16_avx512(row, bits, c)
 #define F16TOF32(h) _cvtsh_ss(h)
@@ -160,6 +289,116 @@ static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *ro
 #define HSUM4(a, b, c, d, out) hsum4_avx512(a, b, c, d, out)
 #define HMAX16(v) _mm512_reduce_max_ps((__m512)(v))
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
+#pragma GCC pop_options
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+/* ------------------------------------------------------------------ AVX-512 VNNI */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+/* The 16 x 16 dword transpose of x in place: row r's dword j becomes lane
+ * r of x[j]. Two rounds within 128-bit lanes (4 x 4 blocks), two across. */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i *x)
+{
+	__m512i a[16], b[16];
+	_Pragma("GCC unroll 8")
+	for (int k = 0; k < 8; k++) {
+		a[2 * k] = _mm512_unpacklo_epi32(x[2 * k], x[2 * k + 1]);
+		a[2 * k + 1] = _mm512_unpackhi_epi32(x[2 * k], x[2 * k + 1]);
+	}
+	/* b[4k + i], lane L: rows 4k..4k + 3 of dword 4L + i */
+	_Pragma("GCC unroll 4")
+	for (int k = 0; k < 4; k++) {
+		b[4 * k + 0] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+		b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+		b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+		b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+	}
+	_Pragma("GCC unroll 4")
+	for (int i = 0; i < 4; i++) {
+		/* lanes [quad 0 L0, quad 0 L2, quad 1 L0, quad 1 L2] and the L1/L3 twin */
+		const __m512i e01 = _mm512_shuffle_i32x4(b[i], b[4 + i], 0x88);
+		const __m512i o01 = _mm512_shuffle_i32x4(b[i], b[4 + i], 0xdd);
+		const __m512i e23 = _mm512_shuffle_i32x4(b[8 + i], b[12 + i], 0x88);
+		const __m512i o23 = _mm512_shuffle_i32x4(b[8 + i], b[12 + i], 0xdd);
+		x[i] = _mm512_shuffle_i32x4(e01, e23, 0x88);      /* dword i */
+		x[8 + i] = _mm512_shuffle_i32x4(e01, e23, 0xdd);  /* dword 8 + i */
+		x[4 + i] = _mm512_shuffle_i32x4(o01, o23, 0x88);  /* dword 4 + i */
+		x[12 + i] = _mm512_shuffle_i32x4(o01, o23, 0xdd); /* dword 12 + i */
+	}
+}
+
+/*
+ * Integer key dots with vpdpbusd (unsigned code bytes times signed query
+ * bytes, four products a lane, into 32 bits), with the block's tokens in
+ * the lanes: each 64-byte column of the 16 code rows is transposed (row b's
+ * dword j into lane b of column j), and column j meets query dword j
+ * broadcast, for every head of a block of eight whose accumulators stay in
+ * registers. No horizontal sums: a head's 16 dots come out as one vector,
+ * and its logits (kvr_qk8) are formed on 16 tokens at once. 4-bit columns
+ * split into their low nibbles (the even elements, against q8n's first
+ * half) and high ones (the odd, against its second).
+ */
+static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
+			       uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
+{
+	enum { HB = 8 }; /* heads a pass */
+	const uint32_t row_bytes = d * bits / 8;
+	const __m512i low4 = _mm512_set1_epi8(0x0f);
+	/* the block's (s, z): 16 pairs of f16, deinterleaved */
+	const __m512i pairs = _mm512_maskz_loadu_epi16(nb >= 16 ? 0xffffffffu : (1u << (2 * nb)) - 1u, sz);
+	const __m512 sz_lo = _mm512_cvtph_ps(_mm512_castsi512_si256(pairs));
+	const __m512 sz_hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1));
+	const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+	const __m512 ks = _mm512_permutex2var_ps(sz_lo, even, sz_hi);
+	const __m512 kz = _mm512_permutex2var_ps(sz_lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), sz_hi);
+	for (uint32_t g0 = 0; g0 < G; g0 += HB) {
+		const uint32_t nh = G - g0 < HB ? G - g0 : HB;
+		__m512i acc[HB];
+		_Pragma("GCC unroll 8")
+		for (uint32_t h = 0; h < HB; h++)
+			acc[h] = _mm512_setzero_si512();
+		for (uint32_t o = 0; o < row_bytes; o += 64) {
+			const __mmask64 m = row_bytes - o >= 64 ? ~0ull : (1ull << (row_bytes - o)) - 1u;
+			const uint32_t cols = row_bytes - o >= 64 ? 16u : (row_bytes - o) / 4u;
+			__m512i x[16];
+			_Pragma("GCC unroll 16")
+			for (uint32_t b = 0; b < 16; b++)
+				x[b] = b < nb ? _mm512_maskz_loadu_epi8(m, krow + b * kstride + o) : _mm512_setzero_si512();
+			transpose16_epi32(x);
+			for (uint32_t j = 0; j < cols; j++) {
+				if (bits == 8) {
+					_Pragma("GCC unroll 8")
+					for (uint32_t h = 0; h < HB; h++)
+						if (h < nh) {
+							int32_t qd;
+							memcpy(&qd, qq->q8[g0 + h] + o + 4 * j, 4);
+							acc[h] = _mm512_dpbusd_epi32(acc[h], x[j], _mm512_set1_epi32(qd));
+						}
+				} else {
+					const __m512i lo = _mm512_and_si512(x[j], low4);
+					const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x[j], 4), low4);
+					_Pragma("GCC unroll 8")
+					for (uint32_t h = 0; h < HB; h++)
+						if (h < nh) {
+							int32_t qe, qo;
+							memcpy(&qe, qq->q8n[g0 + h] + o + 4 * j, 4);
+							memcpy(&qo, qq->q8n[g0 + h] + d / 2 + o + 4 * j, 4);
+							acc[h] = _mm512_dpbusd_epi32(acc[h], lo, _mm512_set1_epi32(qe));
+							acc[h] = _mm512_dpbusd_epi32(acc[h], hi, _mm512_set1_epi32(qo));
+						}
+				}
+			}
+		}
+		_Pragma("GCC unroll 8")
+		for (uint32_t h = 0; h < HB; h++)
+			if (h < nh) {
+				const __m512 dots = _mm512_cvtepi32_ps(acc[h]);
+				const __m512 t = _mm512_sub_ps(_mm512_mul_ps(ks, dots),
+							       _mm512_mul_ps(kz, _mm512_set1_ps(qq->code_sum_f[g0 + h])));
+				_mm512_storeu_ps(s[g0 + h], _mm512_mul_ps(_mm512_set1_ps(qq->scale[g0 + h]), t));
+			}
+	}
+}
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -297,6 +536,65 @@ static inline __attribute__((always_inline)) void codes16x2_avx2(const uint8_t *
 	const __m128i b = codes_bytes16(row, bits, c);
 	out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
 	out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+/* Integer key dots on AVX2: 8-bit codes widened to words against q16
+ * (vpmaddwd), 4-bit codes as bytes against q8n (vpmaddubsw, no saturation
+ * at 15·127·2), 32, 16 or 8 code bytes a load; four query heads at a time
+ * (see qk_dots_avx512). */
+static inline __attribute__((always_inline)) __m256i codes_bytes32_avx2(const unsigned char *p, uint32_t left)
+{
+	if (left >= 32)
+		return _mm256_loadu_si256((const __m256i *)p);
+	if (left >= 16)
+		return _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+	return _mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)p));
+}
+static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
+			 uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
+{
+	const uint32_t row_bytes = d * bits / 8;
+	const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+	for (uint32_t b = 0; b < nb; b++) {
+		const unsigned char *row = krow + b * kstride;
+		for (uint32_t g = 0; g < G; g += 4) {
+			uint32_t hs[4];
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < 4; h++)
+				hs[h] = g + h < G ? g + h : G - 1;
+			__m256i acc[4];
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < 4; h++)
+				acc[h] = _mm256_setzero_si256();
+			if (bits == 8)
+				for (uint32_t o = 0; o < row_bytes; o += 16) {
+					const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + o)));
+					_Pragma("GCC unroll 4")
+					for (uint32_t h = 0; h < 4; h++)
+						acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(x, _mm256_loadu_si256(
+												     (const __m256i *)(qq->q16[hs[h]] + o))));
+				}
+			else
+				for (uint32_t o = 0; o < row_bytes; o += 32) {
+					const __m256i x = codes_bytes32_avx2(row + o, row_bytes - o);
+					const __m256i lo = _mm256_and_si256(x, low4);
+					const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+					_Pragma("GCC unroll 4")
+					for (uint32_t h = 0; h < 4; h++) {
+						const __m256i p = _mm256_add_epi16(
+							_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(qq->q8n[hs[h]] + o))),
+							_mm256_maddubs_epi16(hi, _mm256_loadu_si256(
+											 (const __m256i *)(qq->q8n[hs[h]] + d / 2 + o))));
+						acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(p, ones));
+					}
+				}
+			float four[4];
+			hsum4x8_avx2(_mm256_cvtepi32_ps(acc[0]), _mm256_cvtepi32_ps(acc[1]), _mm256_cvtepi32_ps(acc[2]),
+				     _mm256_cvtepi32_ps(acc[3]), four);
+			for (uint32_t h = 0; h < 4 && g + h < G; h++)
+				s[g + h][b] = four[h];
+		}
+	}
+	qk_logits_scalar(qq, G, nb, sz, s);
 }
 #define ISA avx2
 #define F16TOF32(h) _cvtsh_ss(h)
@@ -559,6 +857,7 @@ static void score_task(void *arg, uint32_t index)
 	void *qbuf = tmp + park_bytes;
 	float *raw = (float *)(void *)(tmp + park_bytes + q_bytes);
 	switch (job->isa) {
+	case KVR_CONVERT_AVX512_VNNI:
 	case KVR_CONVERT_AVX512:
 		score_head_avx512(sh, it, m, raw, park, qbuf);
 		break;
@@ -750,19 +1049,45 @@ void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 	kvr_cpu_parallel_for(dev, similarity_task, &job, n * shape->n_kv_heads);
 }
 
+/* 1: quantised keys are read with float dots (no query rounding), the
+ * comparison KVR_QUANT_DOTS=float asks for; 0: integer dots (the default);
+ * -1: not read yet. Relaxed: a self-contained value, written once at first
+ * use (racing first calls write the same) or by kvr_cpu_quant_dots_force. */
+static _Atomic int quant_float_dots = -1;
+
+int kvr_cpu_quant_float_dots(void)
+{
+	int v = atomic_load_explicit(&quant_float_dots, memory_order_relaxed);
+	if (v < 0) {
+		const char *env = getenv("KVR_QUANT_DOTS");
+		v = env && !strcmp(env, "float");
+		atomic_store_explicit(&quant_float_dots, v, memory_order_relaxed);
+	}
+	return v;
+}
+
+void kvr_cpu_quant_dots_force(int float_dots)
+{
+	atomic_store_explicit(&quant_float_dots, float_dots ? 1 : 0, memory_order_relaxed);
+}
+
 static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh, const void *q,
 			   void *out, const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
 			   float *lse)
 {
+	const int float_dots = kvr_cpu_quant_float_dots();
 	switch (isa) {
+	case KVR_CONVERT_AVX512_VNNI:
+		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512vnni);
+		break;
 	case KVR_CONVERT_AVX512:
-		attention_head_avx512(sh, q, out, segs, n_segs, m, lse);
+		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512);
 		break;
 	case KVR_CONVERT_AVX2:
-		attention_head_avx2(sh, q, out, segs, n_segs, m, lse);
+		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2);
 		break;
 	default:
-		attention_head_base(sh, q, out, segs, n_segs, m, lse);
+		attention_head_base(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_base);
 		break;
 	}
 }

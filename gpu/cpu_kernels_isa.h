@@ -333,11 +333,14 @@ static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_scor
 
 /* What attention prefetches while it reads token `tok` of a segment (see
  * attention_impl): the next segment's row tok (a plain page's K and V rows,
- * or two lines of a quantised run) into L2, and this segment's V row (plain
+ * or a share of a quantised run) into L2, and this segment's V row (plain
  * pages; vb NULL otherwise) into L1. */
 struct ISA_FN(token_prefetch) {
 	const unsigned char *nkb, *nvb, *nrun, *vb;
-	uint64_t nrow, nrun_bytes, row, row_bytes;
+	/* nrun_step: a quantised next run's bytes per token of this segment
+	 * (whole lines), so that the run arrives whole, its value codes and
+	 * (s, z) too, by the end of this segment */
+	uint64_t nrow, nrun_bytes, nrun_step, row, row_bytes;
 	uint32_t n_next;
 	/* an estimate segment's own rows (a page's summary apart: a stride no
 	 * hardware prefetcher follows), fetched a block ahead; NULL otherwise */
@@ -353,10 +356,9 @@ static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const s
 			__builtin_prefetch(pf->nkb + tok * pf->nrow + l, 0, 2);
 			__builtin_prefetch(pf->nvb + tok * pf->nrow + l, 0, 2);
 		}
-	else if (pf->nrun && tok * 128u < pf->nrun_bytes) {
-		__builtin_prefetch(pf->nrun + tok * 128u, 0, 2);
-		__builtin_prefetch(pf->nrun + tok * 128u + 64u, 0, 2);
-	}
+	else if (pf->nrun && tok * pf->nrun_step < pf->nrun_bytes)
+		for (uint64_t l = 0; l < pf->nrun_step; l += 64)
+			__builtin_prefetch(pf->nrun + tok * pf->nrun_step + l, 0, 2);
 	/* This token's V row into L1 now, for the V pass after the block's
 	 * softmax: the next-segment prefetch brought it only to L2, and the V
 	 * pass's loads waited on it (on SmolLM2's shape a fifth of the kernel's
@@ -562,7 +564,7 @@ ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *
 static inline __attribute__((always_inline)) void
 ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 		       const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
-		       const uint32_t chunks)
+		       const uint32_t chunks, qk_dots_fn qk)
 {
 	enum { BLOCK = 16 };
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
@@ -588,6 +590,18 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		q_sum[g] = HSUMA(t16);
 		z_acc[g] = 0.0f;
 	}
+	/* quantised keys with integer dots (qk): the queries rounded to 8 bits
+	 * (kvquant.h, kvr_quant_query_row), once per call */
+	struct kvr_qk8 qq;
+	int any_quantised = 0;
+	for (uint32_t si = 0; si < n_segs; si++)
+		any_quantised |= kvr_segment_quantised(segs[si].format);
+	if (qk && any_quantised)
+		for (uint32_t g = 0; g < G; g++) {
+			float row[256];
+			memcpy(row, q[g], (size_t)d * sizeof(float));
+			kvr_qk8_prepare(&qq, g, row, d);
+		}
 
 	const uint64_t row_bytes = (uint64_t)d * eb;
 	/* quantised segments' run geometry, per format (kvquant.h); the caller
@@ -643,9 +657,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const uint64_t nrow = next_plain ? (uint64_t)next->row_stride * eb : 0;
 		const unsigned char *nrun = next && !next_plain ? (const unsigned char *)next->k + (uint64_t)m * next->head_stride : NULL;
 		const uint64_t nrun_bytes = nrun ? gq[next->format].head_bytes : 0;
+		const uint64_t nrun_step = seg->n_tokens ? ((nrun_bytes + seg->n_tokens - 1) / seg->n_tokens + 63) & ~63ull : 0;
 		const uint32_t n_next = next ? next->n_tokens : 0;
 		const struct ISA_FN(token_prefetch) pf = {
-			.nkb = nkb, .nvb = nvb, .nrow = nrow, .nrun = nrun, .nrun_bytes = nrun_bytes,
+			.nkb = nkb, .nvb = nvb, .nrow = nrow, .nrun = nrun, .nrun_bytes = nrun_bytes, .nrun_step = nrun_step,
 			.vb = fmt ? NULL : vb, .row = row, .row_bytes = row_bytes, .n_next = n_next,
 			.ekb = log_weight != 0.0f ? kb : NULL, .evb = vb, .n_own = seg->n_tokens,
 		};
@@ -657,7 +672,12 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
 			/* K, two tokens at a time (prefetching the next segment's rows
 			 * as we go): each query vector read serves two keys. */
-			{
+			if (fmt && qk) { /* integer dots on the key codes */
+				for (uint32_t b = 0; b < nb; b++)
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+				qk(&qq, G, d, krow0 + t0 * kstride, kstride, gq[fmt].key_bits, nb,
+				   kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
+			} else {
 				uint32_t b = 0;
 				for (; b + 2 <= nb; b += 2) {
 					ISA_FN(prefetch_token)(&pf, t0 + b);
@@ -671,7 +691,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 										   kstride, t, bits, chunks, s, b));
 				}
 			}
-			if (fmt) /* the dots were over codes: s·(q·Q) − z·Σq */
+			if (fmt && !qk) /* float dots over codes: s·(q·Q) − z·Σq */
 				for (uint32_t b = 0; b < nb; b++) {
 					const uint16_t *sz = kvr_quant_key_sz(&gq[fmt], run, first + t0 + b);
 					const float ks = F16TOF32(sz[0]), kz = F16TOF32(sz[1]);
@@ -984,7 +1004,8 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 #undef CA_V
 
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
-				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse)
+				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
+				   qk_dots_fn qk)
 {
 	/* head_dim: a multiple of 32 up to 256 (value_heads relies on it) */
 	if ((sh->flags & KVR_SHAPE_CAUSAL) && !lse) {
@@ -996,7 +1017,7 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 			return;
 		}
 	}
-	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES);
+	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES, qk);
 }
 
 #undef ISA_FN

@@ -192,6 +192,48 @@ KVR_DEV void att_store_quant(const struct kvr_kv_segment &s, uint32_t off, uint3
 	}
 }
 
+/* The block's query rows into q_s: as given (plain tiles), or rounded as
+ * quantised keys' contract has it (kvquant.h, kvr_quant_query_row: the row
+ * times the scale rounded to 8 bits against s_q = max|x|/127), held as
+ * s_q·q8/scale so that the tile loop's scale·Σ q̂·k̂ is s_q·Σ q8·k̂ to a few
+ * float ulp. A warp a head (its max over the lanes); the same float
+ * operations as the host's, NaN for a row with a non-finite element. */
+template <uint32_t ET>
+KVR_DEV void att_load_q(const void *q, uint64_t qo_base, uint32_t gc, uint32_t d, float scale, bool rounded,
+			float *q_s)
+{
+	const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+	if (!rounded) {
+		for (uint32_t e = threadIdx.x; e < gc * d; e += ATT_THREADS)
+			q_s[e] = load_elem<ET>(q, qo_base + e);
+		return;
+	}
+	for (uint32_t g = warp; g < gc; g += ATT_WARPS) {
+		float amax = 0.0f;
+		bool finite = true;
+		for (uint32_t c = lane; c < d; c += 32) {
+			const float a = fabsf(load_elem<ET>(q, qo_base + (uint64_t)g * d + c) * scale);
+			finite &= a <= 3.40282347e38f;
+			amax = fmaxf(amax, a);
+		}
+		amax = warp_max(amax);
+		finite = __all_sync(0xffffffffu, finite);
+		const float s_q = amax / 127.0f;
+		for (uint32_t c = lane; c < d; c += 32) {
+			float r = 0.0f;
+			if (!finite) {
+				r = NAN;
+			} else if (amax > 0.0f) {
+				const float x = load_elem<ET>(q, qo_base + (uint64_t)g * d + c) * scale;
+				const float t = x / s_q + 12582912.0f;
+				r = fminf(fmaxf(t - 12582912.0f, -127.0f), 127.0f);
+				r = s_q * r / scale;
+			}
+			q_s[g * d + c] = r;
+		}
+	}
+}
+
 /* Move (seg, off) past `rows` tokens and any empty segments. */
 KVR_DEV void att_advance(const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t *seg,
 			 uint32_t *off, uint32_t rows)
@@ -291,7 +333,6 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	float *alpha_s = smem + plan.off_alpha;
 	const uint32_t kstride = d + ATT_K_PAD;
 	const uint64_t qo_base = (uint64_t)(m * G + g0) * d;
-	const uint32_t n_out = gc * d;
 	/* PV ownership: `side` = 256/d heads side by side; this thread owns
 	 * column c_own of heads g_own, g_own + side, ... (n_mine <= NACC of them) */
 	const uint32_t side = ATT_THREADS / d, c_own = tid % d, g_own = tid / d;
@@ -307,8 +348,9 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	const uint32_t hq = causal ? shape.causal_heads_per_query : 1u;
 	const uint64_t pos0 = shape.causal_first_position, last_pos = pos0 + (g0 + gc - 1) / hq;
 
-	for (uint32_t e = tid; e < n_out; e += ATT_THREADS)
-		q_s[e] = load_elem<ET>(q, qo_base + e);
+	/* q_s holds the rows as given, or rounded while the tiles are quantised */
+	bool q_rounded = QUANT && n_segs && seg < n_segs && kvr_segment_quantised(segs[seg].format);
+	att_load_q<ET>(q, qo_base, gc, d, shape.scale, q_rounded, q_s);
 	for (uint32_t g = tid; g < gc; g += ATT_THREADS) {
 		m_s[g] = -INFINITY;
 		l_s[g] = 0.0f;
@@ -333,6 +375,12 @@ static __device__ void attend(const struct kvr_shape &shape, const struct att_pl
 	while (rows > 0) {
 		if (causal && tok > last_pos)
 			break; /* uniform: every thread holds the same tok */
+		/* every thread is past the last tile's reads of q_s (the barrier
+		 * before its PV) */
+		if (QUANT && kvr_segment_quantised(segs[seg].format) != q_rounded) {
+			q_rounded = !q_rounded;
+			att_load_q<ET>(q, qo_base, gc, d, shape.scale, q_rounded, q_s);
+		}
 		if (QUANT && kvr_segment_quantised(segs[seg].format))
 			att_store_quant(segs[seg], off, rows, m, shape.page_tokens, d, k_s, v_s);
 		else

@@ -32,7 +32,7 @@ static enum kvr_convert_isa isa_best(void)
 {
 	const struct kvr_isa *isa = kvr_isa_get();
 	if (isa->avx512 && isa->f16c)
-		return KVR_CONVERT_AVX512;
+		return isa->avx512_vnni ? KVR_CONVERT_AVX512_VNNI : KVR_CONVERT_AVX512;
 	if (isa->avx2 && isa->f16c)
 		return KVR_CONVERT_AVX2;
 	return KVR_CONVERT_SCALAR;
@@ -62,7 +62,7 @@ int kvr_convert_isa_request(enum kvr_convert_isa *isa, char *why, size_t why_byt
 		return 1;
 	}
 	if (why && why_bytes)
-		snprintf(why, why_bytes, "KVR_CPU_ISA=%.32s names no path (scalar, avx2, avx512): ignored",
+		snprintf(why, why_bytes, "KVR_CPU_ISA=%.32s names no path (scalar, avx2, avx512, avx512vnni): ignored",
 			 env);
 	return -1;
 }
@@ -87,7 +87,7 @@ enum kvr_convert_isa kvr_convert_isa_force(enum kvr_convert_isa want)
 }
 
 static const char *const isa_names[] = { [KVR_CONVERT_SCALAR] = "scalar", [KVR_CONVERT_AVX2] = "avx2",
-					 [KVR_CONVERT_AVX512] = "avx512" };
+					 [KVR_CONVERT_AVX512] = "avx512", [KVR_CONVERT_AVX512_VNNI] = "avx512vnni" };
 
 const char *kvr_convert_isa_name(enum kvr_convert_isa isa)
 {
@@ -236,6 +236,7 @@ void kvr_convert_to_f32(float *dst, const void *src, uint32_t elem_type, size_t 
 		return;
 	}
 	switch (kvr_convert_isa_active()) {
+	case KVR_CONVERT_AVX512_VNNI:
 	case KVR_CONVERT_AVX512:
 		to_f32_avx512(dst, src, elem_type, n);
 		break;
@@ -255,6 +256,7 @@ void kvr_convert_from_f32(void *dst, const float *src, uint32_t elem_type, size_
 		return;
 	}
 	switch (kvr_convert_isa_active()) {
+	case KVR_CONVERT_AVX512_VNNI:
 	case KVR_CONVERT_AVX512:
 		from_f32_avx512(dst, src, elem_type, n);
 		break;
@@ -360,6 +362,7 @@ void kvr_summarize_keys(const struct kvr_page_geometry *g, const void *keys, uin
 			void *min_out, void *max_out)
 {
 	switch (kvr_convert_isa_active()) {
+	case KVR_CONVERT_AVX512_VNNI:
 	case KVR_CONVERT_AVX512:
 		summarize_avx512(g, keys, key_stride, min_out, max_out);
 		break;

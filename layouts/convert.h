@@ -18,6 +18,9 @@ enum kvr_convert_isa {
 	KVR_CONVERT_SCALAR = 0,
 	KVR_CONVERT_AVX2 = 1,   /* F16C + AVX2 */
 	KVR_CONVERT_AVX512 = 2, /* AVX-512 F/BW/VL */
+	/* AVX-512 with VNNI: the conversions are AVX-512's; the cpu kernels'
+	 * integer dot products on quantised pages use vpdpbusd */
+	KVR_CONVERT_AVX512_VNNI = 3,
 };
 
 /* n elements of elem_type -> f32. */
@@ -26,7 +29,7 @@ void kvr_convert_to_f32(float *dst, const void *src, uint32_t elem_type, size_t 
 void kvr_convert_from_f32(void *dst, const float *src, uint32_t elem_type, size_t n);
 
 /* The ISA the conversions and the cpu backend's kernels use now: the best
- * the CPU has, or the environment's KVR_CPU_ISA=scalar|avx2|avx512 (clamped
+ * the CPU has, or the environment's KVR_CPU_ISA=scalar|avx2|avx512|avx512vnni (clamped
  * to what the CPU has), read at first use. */
 enum kvr_convert_isa kvr_convert_isa_active(void);
 /* KVR_CPU_ISA as read: 1 and *isa when it names a path, 0 when unset, -1
@@ -37,7 +40,8 @@ int kvr_convert_isa_request(enum kvr_convert_isa *isa, char *why, size_t why_byt
  * conversions: call it before starting work. */
 enum kvr_convert_isa kvr_convert_isa_force(enum kvr_convert_isa isa);
 const char *kvr_convert_isa_name(enum kvr_convert_isa isa);
-/* The ISA kvr_convert_isa_name calls `name` ("scalar", "avx2", "avx512"):
+/* The ISA kvr_convert_isa_name calls `name` ("scalar", "avx2", "avx512",
+ * "avx512vnni"):
  * 0 and *isa, or -EINVAL when it names none. */
 int kvr_convert_isa_parse(const char *name, enum kvr_convert_isa *isa);
 

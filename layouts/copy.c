@@ -75,6 +75,7 @@ static void copy_one(void *dst, const void *src, size_t bytes, const void *next)
 		return;
 	}
 	switch (kvr_convert_isa_active()) {
+	case KVR_CONVERT_AVX512_VNNI:
 	case KVR_CONVERT_AVX512:
 		copy_avx512(dst, src, bytes, next);
 		break;

@@ -48,6 +48,7 @@ static void isa_detect(void)
 		isa_cached.avx2 = (b & bit_AVX2) && fma;
 		isa_cached.avx512 = zmm_state && (b & bit_AVX512F) && (b & bit_AVX512BW) &&
 				    (b & bit_AVX512VL);
+		isa_cached.avx512_vnni = isa_cached.avx512 && (c & bit_AVX512VNNI);
 	}
 #endif
 }

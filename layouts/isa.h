@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * isa.h — run-time detection of the x86 vector extensions the cpu kernels and
- * conversions choose between (AVX2+FMA, AVX-512 F/BW/VL, F16C). Host-only.
+ * conversions choose between (AVX2+FMA, AVX-512 F/BW/VL and VNNI, F16C). Host-only.
  */
 #ifndef KVR_LAYOUTS_ISA_H
 #define KVR_LAYOUTS_ISA_H
@@ -12,6 +12,7 @@
 struct kvr_isa {
 	bool avx2;   /* AVX2 and FMA, with YMM state enabled by the OS */
 	bool avx512; /* AVX-512 F, BW and VL, with ZMM state enabled by the OS */
+	bool avx512_vnni; /* and AVX-512 VNNI (vpdpbusd: byte dot products) */
 	bool f16c;   /* F16C half-precision conversions */
 };
 

@@ -338,4 +338,47 @@ static inline KVR_HD void kvr_quant_axpy(const uint8_t *row, uint32_t n, uint32_
 		acc[c] += ws * (float)kvr_quant_get(row, c, bits) - wz;
 }
 
+/*
+ * The query side of integer dot products on quantised keys (the accuracy
+ * contract of K8V4 and K4V2 pages, kernels.h): each query row, already
+ * multiplied by the attention scale, is rounded to 8 bits, symmetric,
+ *     s_q = max_c |x_c| / 127,   q8_c = rint(x_c / s_q) clamped to ±127,
+ * every operation in float (rint: nearest even). A key's logit is then
+ *     s_q·(s·Σ_c q8_c·Q_c − z·Σ_c q8_c),
+ * the exact logit of the rounded query s_q·q8 against the dequantised key,
+ * its dot an exact integer (|Σ| ≤ 256·127·255 < 2^24, so exact as a float
+ * too). An all-zero row gets s_q = 0 and zero codes; a row with a
+ * non-finite element gets s_q = NaN and zero codes, so its logits are NaN
+ * as float dots would make them. Returns s_q; *code_sum = Σ_c q8_c.
+ */
+static inline KVR_HD float kvr_quant_query_row(const float *x, uint32_t d, int8_t *q8, int32_t *code_sum)
+{
+	float amax = 0.0f;
+	int finite = 1;
+	for (uint32_t c = 0; c < d; c++) {
+		const float a = x[c] < 0.0f ? -x[c] : x[c];
+		finite &= a <= 3.40282347e38f; /* false for inf and NaN */
+		amax = a > amax ? a : amax;
+	}
+	*code_sum = 0;
+	if (!finite || amax == 0.0f) {
+		for (uint32_t c = 0; c < d; c++)
+			q8[c] = 0;
+		return finite ? 0.0f : kvr_bits_to_f32(0x7fc00000u);
+	}
+	const float s = amax / 127.0f;
+	int32_t sum = 0;
+	for (uint32_t c = 0; c < d; c++) {
+		/* nearest even by the 1.5·2^23 trick (exact for |t| < 2^22; here
+		 * |t| ≤ 127 and a bit) */
+		const float t = x[c] / s + 12582912.0f;
+		float r = t - 12582912.0f;
+		r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+		q8[c] = (int8_t)r;
+		sum += (int32_t)r;
+	}
+	*code_sum = sum;
+	return s;
+}
+
 #endif /* KVR_LAYOUTS_KVQUANT_H */

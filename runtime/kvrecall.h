@@ -705,7 +705,7 @@ struct kvr_system_info {
 
 	/* Since 0.7.0 (a 0.6 caller's smaller size is accepted; these are not
 	 * written then). */
-	char cpu_kernels[16];        /* the cpu kernels' path in use: "avx512", "avx2", "scalar" */
+	char cpu_kernels[16];        /* the cpu kernels' path in use: "avx512vnni", "avx512", "avx2", "scalar" */
 	char cpu_kernels_note[96];   /* why not the best the CPU has (KVR_CPU_ISA), or "" */
 };
 

@@ -387,13 +387,81 @@ static double seg_elem(const struct kvr_shape *sh, const struct kvr_kv_segment *
 	return (double)kvr_f16_to_f32(sz[0]) * kvr_quant_get(row, c, bits) - (double)kvr_f16_to_f32(sz[1]);
 }
 
+/* Quantised keys' contract (kvquant.h): the logits of a quantised segment
+ * are those of the query row rounded to 8 bits. Written here from the
+ * definition, not from kvr_quant_query_row: x_c = q_c·scale in float,
+ * s_q = max|x_c| / 127 in float, r_c = x_c / s_q rounded to the nearest
+ * even integer (libm's nearbyintf) and clamped to ±127. rounded[c] = s_q·r_c
+ * / scale in double (so scale·Σ rounded·k = s_q·Σ r·k exactly), code_mag =
+ * s_q·Σ|r_c| and code_sum = s_q·Σ r_c for the magnitude of the kernels'
+ * terms; NaN everywhere for a row with a non-finite element. */
+struct rounded_query {
+	double q[256];
+	double s_q, sum; /* s_q, Σ r_c */
+};
+
+static void round_query(const struct kvr_shape *sh, const void *q, uint64_t h, struct rounded_query *rq)
+{
+	const uint32_t d = sh->head_dim;
+	float x[256], amax = 0.0f;
+	int finite = 1;
+	for (uint32_t c = 0; c < d; c++) {
+		x[c] = (float)ref_load(q, sh->elem_type, h * d + c) * sh->scale;
+		finite &= isfinite(x[c]);
+		if (fabsf(x[c]) > amax)
+			amax = fabsf(x[c]);
+	}
+	rq->sum = 0.0;
+	rq->s_q = finite ? (double)(amax / 127.0f) : NAN;
+	for (uint32_t c = 0; c < d; c++) {
+		if (!finite || amax == 0.0f) {
+			rq->q[c] = finite ? 0.0 : NAN;
+			continue;
+		}
+		float r = nearbyintf(x[c] / (amax / 127.0f));
+		r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+		rq->q[c] = rq->s_q * r / (double)sh->scale;
+		rq->sum += r;
+	}
+}
+
+/* The logit of query head h against token t of a segment, and its
+ * magnitude (what the kernels' float rounding scales with): the query as
+ * given for plain rows, rounded (rq) for quantised ones, whose kernels also
+ * form s_q·(s·Σ r·Q − z·Σ r): those two terms' sizes count as well. */
+static double seg_logit(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, const void *q, uint64_t h,
+			const struct rounded_query *rq, uint64_t t, double *mag)
+{
+	const uint32_t d = sh->head_dim, G = sh->n_qo_heads / sh->n_kv_heads;
+	const int quantised = seg->format != KVR_KV_PLAIN && seg->format != KVR_KV_ESTIMATE;
+	double dot = 0.0, m = 0.0, codes = 0.0;
+	for (uint32_t c = 0; c < d; c++) {
+		const double k = seg_elem(sh, seg, h / G, 0, t, c);
+		const double qc = quantised ? rq->q[c] : ref_load(q, sh->elem_type, h * d + c);
+		dot += qc * k;
+		m += fabs(qc * k);
+		codes += fabs(qc) * 255.0;
+	}
+	double term = 0.0;
+	if (quantised) { /* |s·Σ r·Q| ≤ s·255·Σ|r|; |z·Σ r| */
+		struct kvr_quant_geometry g;
+		kvr_quant_geometry_init(&g, sh->page_tokens, d, 1, seg->format);
+		const unsigned char *run = (const unsigned char *)seg->k + (uint64_t)(h / G) * seg->head_stride;
+		const uint16_t *sz = kvr_quant_key_sz(&g, (void *)(uintptr_t)run, (uint32_t)(t + seg->first_row));
+		term = fabs((double)kvr_f16_to_f32(sz[0])) * codes +
+		       fabs((double)kvr_f16_to_f32(sz[1]) * rq->s_q * rq->sum) / fabs((double)sh->scale);
+	}
+	*mag = fabs((double)sh->scale) * (m > term ? m : term);
+	return (double)sh->scale * dot;
+}
+
 /* Attention of every query head over a list of segments: the definition,
- * softmax(scale · q·K^T)·V, with a max-subtracted two-pass softmax. */
+ * softmax(scale · q·K^T)·V, with a max-subtracted two-pass softmax; over a
+ * quantised segment, q is the rounded query (round_query). */
 static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_kv_segment *segs,
 		   uint32_t n_segs, double *out, struct ref_head_scale *scale)
 {
 	const uint32_t n_qo = sh->n_qo_heads, G = n_qo / sh->n_kv_heads, d = sh->head_dim;
-	const uint32_t type = sh->elem_type;
 	uint64_t n_tok = 0;
 	for (uint32_t s = 0; s < n_segs; s++)
 		n_tok += segs[s].n_tokens;
@@ -418,20 +486,15 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 			continue; /* no tokens: zeros */
 		double lmax = -INFINITY;
 		uint64_t i = 0;
+		struct rounded_query rq;
+		round_query(sh, q, h, &rq);
 		for (uint32_t s = 0; s < n_segs; s++)
 			for (uint64_t t = 0; t < segs[s].n_tokens && i < visible; t++, i++) {
-				double dot = 0.0, mag = 0.0;
-				for (uint32_t c = 0; c < d; c++) {
-					const double x = ref_load(q, type, (uint64_t)h * d + c) *
-							 seg_elem(sh, &segs[s], m, 0, t, c);
-					dot += x;
-					mag += fabs(x);
-				}
+				double mag;
 				/* an estimate row is a page's p tokens */
-				logit[i] = (double)sh->scale * dot +
+				logit[i] = seg_logit(sh, &segs[s], q, h, &rq, t, &mag) +
 					   (segs[s].format == KVR_KV_ESTIMATE ? log((double)sh->page_tokens) : 0.0);
 				lmax = logit[i] > lmax ? logit[i] : lmax;
-				mag *= fabs((double)sh->scale);
 				if (isfinite(mag) && mag > hs->logit_mag)
 					hs->logit_mag = mag;
 			}
@@ -472,7 +535,7 @@ void ref_attention_at(const struct kvr_shape *sh, const struct kvr_attention_ite
 void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_item *item,
 		       const struct kvr_kv_segment *segments, double *lse)
 {
-	const uint32_t n_qo = sh->n_qo_heads, G = n_qo / sh->n_kv_heads, d = sh->head_dim;
+	const uint32_t n_qo = sh->n_qo_heads, G = n_qo / sh->n_kv_heads;
 	const struct kvr_kv_segment *segs = segments + item->first_segment;
 	for (uint32_t h = 0; h < n_qo; h++) {
 		/* KVR_SHAPE_CAUSAL: the head's tokens end after its position */
@@ -486,12 +549,11 @@ void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_it
 			double *logit = malloc((n_t ? n_t : 1) * sizeof(*logit));
 			if (!logit)
 				abort();
+			struct rounded_query rq;
+			round_query(sh, item->q, h, &rq);
 			for (uint64_t t = 0; t < n_t; t++) {
-				double dot = 0.0;
-				for (uint32_t c = 0; c < d; c++)
-					dot += ref_load(item->q, sh->elem_type, (uint64_t)h * d + c) *
-					       seg_elem(sh, &segs[s], h / G, 0, t, c);
-				logit[t] = (double)sh->scale * dot;
+				double mag;
+				logit[t] = seg_logit(sh, &segs[s], item->q, h, &rq, t, &mag);
 				mx = logit[t] > mx ? logit[t] : mx;
 			}
 			for (uint64_t t = 0; t < n_t; t++)

@@ -2466,6 +2466,81 @@ static void attention_quant_case(struct env *e, uint32_t ci, uint32_t ti)
 
 CONFORMANCE_CASES(attention_quant, ARRAY_LEN(numeric_shapes))
 
+/* The worst error over an item's outputs in units of the contract's bound
+ * (> 1: the check would fail). */
+static double worst_of_bound(const struct kvr_shape *sh, const void *got, const double *ref,
+			     const struct ref_head_scale *scale)
+{
+	double worst = 0.0;
+	for (uint32_t h = 0; h < sh->n_qo_heads; h++)
+		for (uint32_t c = 0; c < sh->head_dim; c++) {
+			const double g = ref_load(got, sh->elem_type, (uint64_t)h * sh->head_dim + c);
+			const double err = fabs(g - ref[(uint64_t)h * sh->head_dim + c]);
+			const double ratio = err / ref_attention_bound(sh->elem_type, &scale[h]);
+			worst = ratio > worst ? ratio : worst;
+		}
+	return worst;
+}
+
+/*
+ * The quantised pages' bound is tight enough to see one code step: attention
+ * over the first two tokens of a K8V4 and of a K4V2 page passes, and the
+ * same outputs against a reference whose page has one key code moved by
+ * one step (token 0, KV head 0, at query head 0's largest element) fail.
+ * f32 only: f16 and bf16 outputs round off more than a code step moves.
+ */
+static void attention_quant_planted_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	if (all_types[ti] != KVR_ELEM_F32)
+		return;
+	CASE_SETUP(numeric_shapes, 0x91a7);
+	const uint32_t p = sh.page_tokens, row = sh.n_kv_heads * sh.head_dim, d = sh.head_dim;
+	const size_t eb = ebytes(type);
+	void *rows_k = halloc((size_t)p * row * eb), *rows_v = halloc((size_t)p * row * eb);
+	float *scratch = halloc(d * sizeof(float));
+	fill_uniform(&r, rows_k, type, (uint64_t)p * row, -1.0, 1.0);
+	fill_uniform(&r, rows_v, type, (uint64_t)p * row, -1.0, 1.0);
+	static const uint32_t formats[2] = { KVR_KV_K8V4, KVR_KV_K4V2 };
+	for (uint32_t f = 0; f < 2; f++) {
+		struct kvr_quant_geometry g;
+		cr_assert_eq(kvr_quant_geometry_init(&g, p, d, sh.n_kv_heads, formats[f]), 0);
+		unsigned char *page = halloc(g.page_bytes);
+		for (uint32_t m = 0; m < sh.n_kv_heads; m++)
+			kvr_quant_run_from_nhd(&g, rows_k, rows_v, row, type, m, p, page + (uint64_t)m * g.head_bytes,
+					       scratch);
+		put(c, page, g.page_bytes);
+		const struct kvr_kv_segment seg = { .k = page, .n_tokens = 2, .head_stride = (uint32_t)g.head_bytes,
+						    .format = formats[f] };
+		void *q = new_queries(&r, &sh, 1, 2.0), *out = new_outputs(&sh, 1);
+		const size_t per = (size_t)sh.n_qo_heads * d;
+		const struct kvr_attention_item item = { .q = q, .out = out, .first_segment = 0, .n_segments = 1 };
+		put(c, q, per * eb);
+		put(c, out, per * eb);
+		DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, &item, 1), 1,
+					    dev_segments(c, &seg, 1), 1, c->s));
+		void *got = halloc(per * eb);
+		get(c, got, out, per * eb);
+		double *ref = halloc(per * sizeof(double));
+		struct ref_head_scale *scale = halloc(sh.n_qo_heads * sizeof(*scale));
+		ref_attention(&sh, &item, &seg, ref, scale);
+		const double clean = worst_of_bound(&sh, got, ref, scale);
+		cr_assert(clean <= 1.0, "%s: %s config %u: %.3g of the bound without a planted error", e->bc->name,
+			  f ? "K4V2" : "K8V4", ci, clean);
+		uint32_t at = 0; /* query head 0's largest element */
+		for (uint32_t x = 1; x < d; x++)
+			if (fabs(ref_load(q, type, x)) > fabs(ref_load(q, type, at)))
+				at = x;
+		uint8_t *krow = kvr_quant_key_row(&g, page, 0);
+		const uint32_t code = kvr_quant_get(krow, at, g.key_bits);
+		kvr_quant_put(krow, at, g.key_bits, code ? code - 1u : 1u);
+		ref_attention(&sh, &item, &seg, ref, scale);
+		const double planted = worst_of_bound(&sh, got, ref, scale);
+		cr_assert(planted > 1.0, "%s: %s config %u: a key code one step off stays inside the bound (%.3g of it)",
+			  e->bc->name, f ? "K4V2" : "K8V4", ci, planted);
+	}
+}
+CONFORMANCE_CASES(attention_quant_planted, ARRAY_LEN(numeric_shapes))
+
 /* Dense items over NHD rows: 0, 1, p, 37 and 1500 tokens, rows contiguous or padded. */
 static void dense_and_check(struct env *e, struct dctx *c, const char *what,
 			    const struct kvr_shape *sh, const struct kvr_dense_item *items,

@@ -46,7 +46,7 @@ def test_version_and_system_info():
     assert kvrecall.version() == kvrecall.__version__
     info = kvrecall.system_info()
     assert info["version"] == kvrecall.__version__
-    assert info["cpu_kernels"] in ("avx512", "avx2", "scalar")
+    assert info["cpu_kernels"] in ("avx512vnni", "avx512", "avx2", "scalar")
     assert info["memory_bytes"] > 0
 
 
