@@ -2484,9 +2484,10 @@ static double worst_of_bound(const struct kvr_shape *sh, const void *got, const 
 
 /*
  * The quantised pages' bound is tight enough to see one code step: attention
- * over the first two tokens of a K8V4 and of a K4V2 page passes, and the
- * same outputs against a reference whose page has one key code moved by
- * one step (token 0, KV head 0, at query head 0's largest element) fail.
+ * over the first two tokens of a K8V4 and of a K4V2 page (equal keys, so
+ * equal weights) passes, and the same outputs against a reference whose
+ * page has one key code moved by one step (token 0, KV head 0, at query
+ * head 0's largest element), or one value code, fail.
  * f32 only: f16 and bf16 outputs round off more than a code step moves.
  */
 static void attention_quant_planted_case(struct env *e, uint32_t ci, uint32_t ti)
@@ -2500,6 +2501,9 @@ static void attention_quant_planted_case(struct env *e, uint32_t ci, uint32_t ti
 	float *scratch = halloc(d * sizeof(float));
 	fill_uniform(&r, rows_k, type, (uint64_t)p * row, -1.0, 1.0);
 	fill_uniform(&r, rows_v, type, (uint64_t)p * row, -1.0, 1.0);
+	/* token 1's keys are token 0's: equal logits, weights of 1/2 each, where
+	 * a logit's change moves the outputs most */
+	memcpy((unsigned char *)rows_k + row * eb, rows_k, row * eb);
 	static const uint32_t formats[2] = { KVR_KV_K8V4, KVR_KV_K4V2 };
 	for (uint32_t f = 0; f < 2; f++) {
 		struct kvr_quant_geometry g;
@@ -2511,7 +2515,7 @@ static void attention_quant_planted_case(struct env *e, uint32_t ci, uint32_t ti
 		put(c, page, g.page_bytes);
 		const struct kvr_kv_segment seg = { .k = page, .n_tokens = 2, .head_stride = (uint32_t)g.head_bytes,
 						    .format = formats[f] };
-		void *q = new_queries(&r, &sh, 1, 2.0), *out = new_outputs(&sh, 1);
+		void *q = new_queries(&r, &sh, 1, 8.0), *out = new_outputs(&sh, 1);
 		const size_t per = (size_t)sh.n_qo_heads * d;
 		const struct kvr_attention_item item = { .q = q, .out = out, .first_segment = 0, .n_segments = 1 };
 		put(c, q, per * eb);
@@ -2537,6 +2541,16 @@ static void attention_quant_planted_case(struct env *e, uint32_t ci, uint32_t ti
 		const double planted = worst_of_bound(&sh, got, ref, scale);
 		cr_assert(planted > 1.0, "%s: %s config %u: a key code one step off stays inside the bound (%.3g of it)",
 			  e->bc->name, f ? "K4V2" : "K8V4", ci, planted);
+		kvr_quant_put(krow, at, g.key_bits, code);
+		/* and a value code one step off (token 0, element 0) */
+		uint8_t *vrow = kvr_quant_value_row(&g, page, 0);
+		const uint32_t vcode = kvr_quant_get(vrow, 0, g.value_bits);
+		kvr_quant_put(vrow, 0, g.value_bits, vcode ? vcode - 1u : 1u);
+		ref_attention(&sh, &item, &seg, ref, scale);
+		const double planted_v = worst_of_bound(&sh, got, ref, scale);
+		cr_assert(planted_v > 1.0,
+			  "%s: %s config %u: a value code one step off stays inside the bound (%.3g of it)",
+			  e->bc->name, f ? "K4V2" : "K8V4", ci, planted_v);
 	}
 }
 CONFORMANCE_CASES(attention_quant_planted, ARRAY_LEN(numeric_shapes))
