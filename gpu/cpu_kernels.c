@@ -335,6 +335,13 @@ static void qk_dots_avx512(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, con
 	}
 	qk_logits_scalar(qq, G, nb, sz, s);
 }
+/* Four bytes at p in every 32-bit lane: a load-port broadcast, which the
+ * multiply-adds may take as their {1to16} operand. */
+static inline __attribute__((always_inline)) __m512i bcast32_avx512(const void *p)
+{
+	return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
+}
+
 /* The integer value path on AVX-512 (see kvr_pv16), with DPWSSD(acc, a, b)
  * = acc + the word-pair dot products of a and b: vpdpwssd with VNNI,
  * vpmaddwd and vpaddd without. Four heads a pass, each with the four code
@@ -395,7 +402,8 @@ static void qk_dots_avx512(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, con
 						const __m512i uidx = _mm512_add_epi32(widx, _mm512_set1_epi32((int32_t)(k * u))); \
 						_Pragma("GCC unroll 4") for (uint32_t h = 0; h < 4; h++) { \
 							const uint32_t hh = g0 + h < G ? g0 + h : G - 1;  \
-							const __m512i w = _mm512_permutexvar_epi32(       \
+							const __m512i w = k == 1 ? bcast32_avx512(&pw->w16[hh][2 * u]) \
+								: _mm512_permutexvar_epi32(               \
 								uidx, _mm512_castsi256_si512(_mm256_load_si256( \
 									      (const __m256i *)pw->w16[hh]))); \
 							_Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++) \
@@ -513,9 +521,8 @@ static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d,
 					_Pragma("GCC unroll 8")
 					for (uint32_t h = 0; h < HB; h++)
 						if (h < nh) {
-							int32_t qd;
-							memcpy(&qd, qq->q8[g0 + h] + o + 4 * j, 4);
-							acc[h] = _mm512_dpbusd_epi32(acc[h], x[j], _mm512_set1_epi32(qd));
+							acc[h] = _mm512_dpbusd_epi32(acc[h], x[j],
+										     bcast32_avx512(qq->q8[g0 + h] + o + 4 * j));
 						}
 				} else {
 					const __m512i lo = _mm512_and_si512(x[j], low4);
@@ -523,11 +530,10 @@ static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d,
 					_Pragma("GCC unroll 8")
 					for (uint32_t h = 0; h < HB; h++)
 						if (h < nh) {
-							int32_t qe, qo;
-							memcpy(&qe, qq->q8n[g0 + h] + o + 4 * j, 4);
-							memcpy(&qo, qq->q8n[g0 + h] + d / 2 + o + 4 * j, 4);
-							acc[h] = _mm512_dpbusd_epi32(acc[h], lo, _mm512_set1_epi32(qe));
-							acc[h] = _mm512_dpbusd_epi32(acc[h], hi, _mm512_set1_epi32(qo));
+							acc[h] = _mm512_dpbusd_epi32(acc[h], lo,
+										     bcast32_avx512(qq->q8n[g0 + h] + o + 4 * j));
+							acc[h] = _mm512_dpbusd_epi32(
+								acc[h], hi, bcast32_avx512(qq->q8n[g0 + h] + d / 2 + o + 4 * j));
 						}
 				}
 			}
