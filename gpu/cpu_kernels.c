@@ -95,11 +95,13 @@ static inline __attribute__((always_inline)) __m128i codes_bytes16(const uint8_t
  * Every row is zero past d, so whole-vector loads of the codes may run over.
  */
 struct kvr_qk8 {
-	int8_t q8[KVR_MAX_GROUP_CPU][256];
-	int8_t q8n[KVR_MAX_GROUP_CPU][256];
-	int16_t q16[KVR_MAX_GROUP_CPU][256];
-	float scale[KVR_MAX_GROUP_CPU];      /* s_q of each row */
-	float code_sum_f[KVR_MAX_GROUP_CPU]; /* Σ_c q8_c, exact as a float */
+	/* rows of the group's heads (the caller's arrays, sized for the group:
+	 * a decode step's four heads take 4 KiB of its stack, not 64) */
+	int8_t (*q8)[256];
+	int8_t (*q8n)[256];
+	int16_t (*q16)[256];
+	float *scale;      /* s_q of each row */
+	float *code_sum_f; /* Σ_c q8_c, exact as a float */
 };
 
 /* The logits s[g][b] = s_q·(s_b·Σ_c q8[g][c]·Q_b[c] − z_b·Σ_c q8[g][c]) of

@@ -650,10 +650,14 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	}
 	/* quantised keys with integer dots (qk): the queries rounded to 8 bits
 	 * (kvquant.h, kvr_quant_query_row), once per call */
-	struct kvr_qk8 qq;
 	int any_quantised = 0;
 	for (uint32_t si = 0; si < n_segs; si++)
 		any_quantised |= kvr_segment_quantised(segs[si].format);
+	const uint32_t Gq = qk && any_quantised ? G : 1u; /* rows the arrays hold */
+	int8_t q8_rows[Gq][256], q8n_rows[Gq][256];
+	int16_t q16_rows[Gq][256];
+	float q_scale[Gq], q_code_sum[Gq];
+	struct kvr_qk8 qq = { q8_rows, q8n_rows, q16_rows, q_scale, q_code_sum };
 	if (qk && any_quantised)
 		for (uint32_t g = 0; g < G; g++) {
 			float row[256];
@@ -663,7 +667,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	/* quantised values with integer dots (pv): the current V code width's
 	 * slots (pv_slot_dims), put back into acc when it changes and at the end */
 	struct kvr_pv16 pw;
-	float acc_q[KVR_MAX_GROUP_CPU][256];
+	float acc_q[pv && any_quantised ? G : 1u][256];
 	int16_t slot_dim[256];
 	uint32_t acc_q_bits = 0, n_slots = 0;
 
