@@ -8,7 +8,9 @@
  *
  * The hot kernels (score, attention) come from cpu_kernels_isa.h, compiled
  * here for AVX-512, AVX2+FMA+F16C and baseline x86-64, and chosen at run time
- * with the same choice as the conversions (layouts/convert.c). Selection
+ * with the same choice as the conversions (layouts/convert.c). Attention over
+ * quantised pages uses integer dot products (kvquant.h's contract), written
+ * here per ISA: AVX-512 VNNI, AVX-512, AVX2 and portable C. Selection
  * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
  * kernels agree bit for bit on which pages are selected.
  *

@@ -38,6 +38,12 @@
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
  * canonical lane l), so every ISA — and the CUDA kernels — produce the same
  * bits and select the same pages. Attention is accurate, not bit-exact.
+ *
+ * Attention over quantised pages takes two per-ISA functions from the
+ * including file (cpu_kernels.c): the integer key dots (qk_dots_fn, on the
+ * query rounded to 8 bits) and the integer value dots (pv_dots_fn, on the
+ * weights rounded to 16 bits); either may be NULL, and the codes are then
+ * read as floats (the portable path's values, KVR_QUANT_DOTS=float).
  */
 
 /* attention's vectors: the 16-float ones unless the including file chose */
