@@ -665,13 +665,22 @@ static void ref_attend(const struct tseq *t, uint32_t l, uint64_t n, const float
 	for (uint32_t g = 0; g < G; g++) {
 		const float *qh = q + (m * G + g) * D;
 		double mxl = -INFINITY, sum = 0, acc[D] = { 0 };
+		/* quantised pages meet the query rounded to 8 bits per row
+		 * (kvquant.h's contract): the logit is s_q·Σ q8·k */
+		float xs[D];
+		int8_t q8[D];
+		int32_t q8_sum;
+		for (uint32_t c = 0; c < D; c++)
+			xs[c] = qh[c] * (1.0f / sqrtf((float)D));
+		const double s_q = kvr_quant_query_row(xs, D, q8, &q8_sum);
 		for (uint64_t tok = 0; tok < n; tok++) {
 			if (!use[tok])
 				continue;
+			const int rounded = quant && tok < (uint64_t)n_full * P;
 			double dot = 0;
 			for (uint32_t c = 0; c < D; c++)
-				dot += (double)qh[c] * kq[tok][c];
-			logit[tok] = dot / sqrt((double)D);
+				dot += (rounded ? (double)q8[c] : (double)qh[c]) * kq[tok][c];
+			logit[tok] = rounded ? s_q * dot : dot / sqrt((double)D);
 			mxl = logit[tok] > mxl ? logit[tok] : mxl;
 		}
 		for (uint32_t e = 0; e < n_est; e++) {
