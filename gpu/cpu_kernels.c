@@ -9,8 +9,11 @@
  * The hot kernels (score, attention) come from cpu_kernels_isa.h, compiled
  * here for AVX-512, AVX2+FMA+F16C and baseline x86-64, and chosen at run time
  * with the same choice as the conversions (layouts/convert.c). Attention over
- * quantised pages uses integer dot products (kvquant.h's contract), written
- * here per ISA: AVX-512 VNNI, AVX-512, AVX2 and portable C. Selection
+ * quantised pages takes its keys by integer dot products (kvquant.h's
+ * contract), written here per ISA: AVX-512 VNNI, AVX-512, AVX2 and portable
+ * C; values stay float multiply-adds on the unpacked codes (integer value
+ * dots over token pairs were measured no faster at d = 128 and slower at
+ * d = 64 and on AVX2: docs/benchmarks.md). Selection
  * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
  * kernels agree bit for bit on which pages are selected.
  *
@@ -138,65 +141,6 @@ static void kvr_qk8_prepare(struct kvr_qk8 *qq, uint32_t g, const float *x, uint
 	}
 	for (uint32_t c = 0; c < 256; c++)
 		qq->q16[g][c] = qq->q8[g][c];
-}
-
-/*
- * Quantised values by integer dot products: a block's softmax weights times
- * each token's value scale, w_b = p_b·s_b, are rounded to 16 bits per query
- * head (s_w = max_b w_b / 32767, w16_b = rint(w_b / s_w)), and Σ_b w16_b·Q_b
- * comes from word multiply-adds (vpdpwssd, vpmaddwd) over pairs of tokens:
- * two rows' code bytes are interleaved, split into their bit planes (the
- * nibbles or crumbs, i.e. the elements) and widened to words, so that each
- * 32-bit lane holds one element of two tokens and meets their two weights.
- * The lanes come out in a fixed order of their own ("slots"): they are
- * accumulated that way, as floats scaled by s_w, for the whole call, and
- * put back in element order once (pv_slot_dims says where each slot goes).
- * A weight is off by at most s_w/2 = 2^-16 of its block's largest, so the
- * output moves by at most 2^-15 of the values' magnitude (tests/reference.h).
- */
-struct kvr_pv16 {
-	int16_t w16[KVR_MAX_GROUP_CPU][16] __attribute__((aligned(32)));
-	float s_w[KVR_MAX_GROUP_CPU];
-};
-
-/* acc_q[g·256 + slot] += s_w[g]·Σ_b w16[g][b]·Q_b[element of the slot] for
- * the nb ≤ 16 value code rows vrow + b·vstride of `bits` (4 or 2) bits. */
-typedef void (*pv_dots_fn)(const struct kvr_pv16 *pw, uint32_t G, uint32_t d, const unsigned char *vrow,
-			   uint64_t vstride, uint32_t bits, uint32_t nb, float *acc_q);
-
-/* Rows the integer value path takes: a power of two from 16 to 128 bytes
- * (4-bit values: d = 32, 64, 128, 256; 2-bit: 64, 128, 256). Others go the
- * float way. */
-static inline int pv_row_ok(uint32_t d, uint32_t bits)
-{
-	const uint32_t r = d * bits / 8;
-	return (bits == 4 || bits == 2) && r >= 16 && r <= 128 && !(r & (r - 1));
-}
-
-/* The element of each slot of a path whose registers are reg_bytes (64 or
- * 32) wide, -1 for none; returns the slot count (at most 256). Mirrors the
- * kernels' data flow: a register holds k = reg_bytes / row_bytes rows (or a
- * row spans z registers); byte pairs of two tokens come from the low (P = 0)
- * or high (P = 1) half of each 128-bit lane; the zero-widening of a plane
- * gives lane bytes 0..7 (r even) or 8..15 (r odd) of the pairs. */
-static uint32_t pv_slot_dims(uint32_t reg_bytes, uint32_t bits, uint32_t d, int16_t *dim_of)
-{
-	const uint32_t row = d * bits / 8, planes = 8 / bits, lanes = reg_bytes / 4;
-	const uint32_t k = row <= reg_bytes ? reg_bytes / row : 1, z = row <= reg_bytes ? 1 : row / reg_bytes;
-	const uint32_t per_row = reg_bytes / k; /* a row's bytes in one register */
-	uint32_t n = 0;
-	for (uint32_t zi = 0; zi < z; zi++)
-		for (uint32_t P = 0; P < 2; P++)
-			for (uint32_t pp = 0; pp < planes / 2; pp++)
-				for (uint32_t r = 0; r < 4; r++)
-					for (uint32_t lane = 0; lane < lanes; lane++, n++) {
-						const uint32_t L = lane / 4, dw = lane % 4;
-						const uint32_t x = 16 * L + 8 * P + 4 * (r & 1) + dw;
-						const uint32_t rb = x % per_row + zi * reg_bytes;
-						const uint32_t e = rb * planes + 2 * pp + (r >> 1);
-						dim_of[n] = rb < row && e < d ? (int16_t)e : (int16_t)-1;
-					}
-	return n;
 }
 
 /* The portable path: plain integer loops (SSE2 by the compiler at best). */
@@ -346,91 +290,6 @@ static inline __attribute__((always_inline)) __m512i bcast32_avx512(const void *
 	return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
 }
 
-/* The integer value path on AVX-512 (see kvr_pv16), with DPWSSD(acc, a, b)
- * = acc + the word-pair dot products of a and b: vpdpwssd with VNNI,
- * vpmaddwd and vpaddd without. Four heads a pass, each with the four code
- * registers of one sub-pass (a register part, a lane half, two planes). */
-#define KVR_PV_AVX512_BODY(DPWSSD)                                                                        \
-	const uint32_t row = d * bits / 8, planes = 8 / bits;                                             \
-	const uint32_t k = row <= 64 ? 64 / row : 1, z = row <= 64 ? 1 : row / 64;                     \
-	const uint32_t units = 16 / (2 * k);                                                              \
-	const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1)), zero = _mm512_setzero_si512();     \
-	/* dword lane 4L + e of a unit's weights: its tokens' pair, row slot L / (4/k) */                \
-	__m512i widx = _mm512_setzero_si512();                                                            \
-	{                                                                                                 \
-		int32_t ix[16];                                                                           \
-		for (uint32_t l = 0; l < 16; l++)                                                         \
-			ix[l] = (int32_t)(l / 4 / (4 / k));                                               \
-		widx = _mm512_loadu_si512(ix);                                                            \
-	}                                                                                                 \
-	uint32_t sigma = 0;                                                                               \
-	for (uint32_t zi = 0; zi < z; zi++)                                                               \
-		for (uint32_t P = 0; P < 2; P++)                                                          \
-			for (uint32_t pp = 0; pp < planes / 2; pp++, sigma++)                             \
-				for (uint32_t g0 = 0; g0 < G; g0 += 4) {                                  \
-					__m512i acc[4][4];                                                \
-					_Pragma("GCC unroll 4") for (uint32_t h = 0; h < 4; h++)          \
-						_Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++)  \
-							acc[h][r] = zero;                                 \
-					for (uint32_t u = 0; u < units; u++) {                            \
-						__m512i ab[2];                                            \
-						for (uint32_t t = 0; t < 2; t++) { /* A: even tokens, B: odd */ \
-							const unsigned char *rw[4];                       \
-							for (uint32_t i = 0; i < k; i++) {                \
-								uint32_t tok = 2 * k * u + 2 * i + t;     \
-								tok = tok < nb ? tok : nb - 1;            \
-								rw[i] = vrow + tok * vstride + zi * 64;   \
-							}                                                 \
-							if (k == 1)                                       \
-								ab[t] = _mm512_loadu_si512(rw[0]);        \
-							else if (k == 2)                                  \
-								ab[t] = _mm512_inserti64x4(               \
-									_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)rw[0])), \
-									_mm256_loadu_si256((const __m256i *)rw[1]), 1); \
-							else                                              \
-								ab[t] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4( \
-									_mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)rw[0])), \
-									_mm_loadu_si128((const __m128i *)rw[1]), 1), \
-									_mm_loadu_si128((const __m128i *)rw[2]), 2), \
-									_mm_loadu_si128((const __m128i *)rw[3]), 3); \
-						}                                                         \
-						const __m512i pr = P ? _mm512_unpackhi_epi8(ab[0], ab[1])  \
-								     : _mm512_unpacklo_epi8(ab[0], ab[1]); \
-						const __m512i p0 = _mm512_and_si512(_mm512_srli_epi16(pr, 2 * pp * bits), mask); \
-						const __m512i p1 = _mm512_and_si512(_mm512_srli_epi16(pr, (2 * pp + 1) * bits), mask); \
-						__m512i c[4];                                             \
-						c[0] = _mm512_unpacklo_epi8(p0, zero);                    \
-						c[1] = _mm512_unpackhi_epi8(p0, zero);                    \
-						c[2] = _mm512_unpacklo_epi8(p1, zero);                    \
-						c[3] = _mm512_unpackhi_epi8(p1, zero);                    \
-						const __m512i uidx = _mm512_add_epi32(widx, _mm512_set1_epi32((int32_t)(k * u))); \
-						_Pragma("GCC unroll 4") for (uint32_t h = 0; h < 4; h++) { \
-							const uint32_t hh = g0 + h < G ? g0 + h : G - 1;  \
-							const __m512i w = k == 1 ? bcast32_avx512(&pw->w16[hh][2 * u]) \
-								: _mm512_permutexvar_epi32(               \
-								uidx, _mm512_castsi256_si512(_mm256_load_si256( \
-									      (const __m256i *)pw->w16[hh]))); \
-							_Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++) \
-								acc[h][r] = DPWSSD(acc[h][r], c[r], w);   \
-						}                                                         \
-					}                                                                 \
-					for (uint32_t h = 0; h < 4 && g0 + h < G; h++) {                  \
-						const __m512 sw = _mm512_set1_ps(pw->s_w[g0 + h]);        \
-						_Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++) { \
-							float *q = acc_q + (uint64_t)(g0 + h) * 256 + (sigma * 4 + r) * 16; \
-							_mm512_storeu_ps(q, _mm512_add_ps(_mm512_loadu_ps(q), \
-								_mm512_mul_ps(sw, _mm512_cvtepi32_ps(acc[h][r])))); \
-						}                                                         \
-					}                                                                 \
-				}
-
-#define KVR_DPWSSD_AVX512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
-static void pv_dots_avx512(const struct kvr_pv16 *pw, uint32_t G, uint32_t d, const unsigned char *vrow,
-			   uint64_t vstride, uint32_t bits, uint32_t nb, float *acc_q)
-{
-	KVR_PV_AVX512_BODY(KVR_DPWSSD_AVX512)
-}
-
 #define ISA avx512
 #define CODES16(row, bits, c) codes16_avx512(row, bits, c)
 #define F16TOF32(h) _cvtsh_ss(h)
@@ -551,11 +410,6 @@ static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d,
 				_mm512_storeu_ps(s[g0 + h], _mm512_mul_ps(_mm512_set1_ps(qq->scale[g0 + h]), t));
 			}
 	}
-}
-static void pv_dots_avx512vnni(const struct kvr_pv16 *pw, uint32_t G, uint32_t d, const unsigned char *vrow,
-			       uint64_t vstride, uint32_t bits, uint32_t nb, float *acc_q)
-{
-	KVR_PV_AVX512_BODY(_mm512_dpwssd_epi32)
 }
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -753,67 +607,6 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
 		}
 	}
 	qk_logits_scalar(qq, G, nb, sz, s);
-}
-/* The integer value path on AVX2 (see kvr_pv16 and KVR_PV_AVX512_BODY):
- * 32-byte registers, vpmaddwd and vpaddd, two heads a pass (eight
- * accumulators of the sixteen registers). */
-static void pv_dots_avx2(const struct kvr_pv16 *pw, uint32_t G, uint32_t d, const unsigned char *vrow,
-			 uint64_t vstride, uint32_t bits, uint32_t nb, float *acc_q)
-{
-	const uint32_t row = d * bits / 8, planes = 8 / bits;
-	const uint32_t k = row <= 32 ? 32 / row : 1, z = row <= 32 ? 1 : row / 32;
-	const uint32_t units = 16 / (2 * k);
-	const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1)), zero = _mm256_setzero_si256();
-	const __m256i widx = k == 1 ? _mm256_setzero_si256() : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-	uint32_t sigma = 0;
-	for (uint32_t zi = 0; zi < z; zi++)
-		for (uint32_t P = 0; P < 2; P++)
-			for (uint32_t pp = 0; pp < planes / 2; pp++, sigma++)
-				for (uint32_t g0 = 0; g0 < G; g0 += 2) {
-					__m256i acc[2][4];
-					_Pragma("GCC unroll 2") for (uint32_t h = 0; h < 2; h++)
-						_Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++)
-							acc[h][r] = zero;
-					for (uint32_t u = 0; u < units; u++) {
-						__m256i ab[2];
-						for (uint32_t t = 0; t < 2; t++) { /* A: even tokens, B: odd */
-							const unsigned char *rw[2];
-							for (uint32_t i = 0; i < k; i++) {
-								uint32_t tok = 2 * k * u + 2 * i + t;
-								tok = tok < nb ? tok : nb - 1;
-								rw[i] = vrow + tok * vstride + zi * 32;
-							}
-							ab[t] = k == 1 ? _mm256_loadu_si256((const __m256i *)rw[0])
-								       : _mm256_inserti128_si256(
-										 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)rw[0])),
-										 _mm_loadu_si128((const __m128i *)rw[1]), 1);
-						}
-						const __m256i pr = P ? _mm256_unpackhi_epi8(ab[0], ab[1]) : _mm256_unpacklo_epi8(ab[0], ab[1]);
-						const __m256i p0 = _mm256_and_si256(_mm256_srli_epi16(pr, 2 * pp * bits), mask);
-						const __m256i p1 = _mm256_and_si256(_mm256_srli_epi16(pr, (2 * pp + 1) * bits), mask);
-						__m256i c[4];
-						c[0] = _mm256_unpacklo_epi8(p0, zero);
-						c[1] = _mm256_unpackhi_epi8(p0, zero);
-						c[2] = _mm256_unpacklo_epi8(p1, zero);
-						c[3] = _mm256_unpackhi_epi8(p1, zero);
-						const __m256i uidx = _mm256_add_epi32(widx, _mm256_set1_epi32((int32_t)(k * u)));
-						_Pragma("GCC unroll 2") for (uint32_t h = 0; h < 2; h++) {
-							const uint32_t hh = g0 + h < G ? g0 + h : G - 1;
-							const __m256i w = _mm256_permutevar8x32_epi32(
-								_mm256_load_si256((const __m256i *)pw->w16[hh]), uidx);
-							_Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++)
-								acc[h][r] = _mm256_add_epi32(acc[h][r], _mm256_madd_epi16(c[r], w));
-						}
-					}
-					for (uint32_t h = 0; h < 2 && g0 + h < G; h++) {
-						const __m256 sw = _mm256_set1_ps(pw->s_w[g0 + h]);
-						_Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++) {
-							float *q = acc_q + (uint64_t)(g0 + h) * 256 + (sigma * 4 + r) * 8;
-							_mm256_storeu_ps(q, _mm256_add_ps(_mm256_loadu_ps(q),
-											  _mm256_mul_ps(sw, _mm256_cvtepi32_ps(acc[h][r]))));
-						}
-					}
-				}
 }
 #define ISA avx2
 #define F16TOF32(h) _cvtsh_ss(h)
@@ -1297,19 +1090,16 @@ static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh,
 	const int float_dots = kvr_cpu_quant_float_dots();
 	switch (isa) {
 	case KVR_CONVERT_AVX512_VNNI:
-		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512vnni,
-				      float_dots ? NULL : pv_dots_avx512vnni);
+		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512vnni);
 		break;
 	case KVR_CONVERT_AVX512:
-		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512,
-				      float_dots ? NULL : pv_dots_avx512);
+		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512);
 		break;
 	case KVR_CONVERT_AVX2:
-		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2,
-				    float_dots ? NULL : pv_dots_avx2);
+		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2);
 		break;
-	default: /* the portable path keeps float values */
-		attention_head_base(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_base, NULL);
+	default:
+		attention_head_base(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_base);
 		break;
 	}
 }

@@ -39,11 +39,10 @@
  * canonical lane l), so every ISA — and the CUDA kernels — produce the same
  * bits and select the same pages. Attention is accurate, not bit-exact.
  *
- * Attention over quantised pages takes two per-ISA functions from the
- * including file (cpu_kernels.c): the integer key dots (qk_dots_fn, on the
- * query rounded to 8 bits) and the integer value dots (pv_dots_fn, on the
- * weights rounded to 16 bits); either may be NULL, and the codes are then
- * read as floats (the portable path's values, KVR_QUANT_DOTS=float).
+ * Attention over quantised pages takes the integer key dots (qk_dots_fn, on
+ * the query rounded to 8 bits) from the including file (cpu_kernels.c), per
+ * ISA; NULL reads the key codes as floats (KVR_QUANT_DOTS=float). Value
+ * codes are always read as floats.
  */
 
 /* attention's vectors: the 16-float ones unless the including file chose */
@@ -544,64 +543,6 @@ ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *
 	}
 }
 
-/* The block's weights s[g][b] (softmax times value scale) rounded to 16 bits
- * per head (kvr_pv16); lanes past nb are 0 already (the softmax's padding).
- * 0 when a weight is not finite (the block goes the float way, where NaN
- * propagates). GCC's generic vectors: a handful of instructions a head. */
-static inline __attribute__((always_inline)) int ISA_FN(pv_weights)(struct kvr_pv16 *pw, const float (*s)[16],
-								    uint32_t G)
-{
-	typedef int16_t v16h __attribute__((vector_size(32)));
-	for (uint32_t g = 0; g < G; g++) {
-		vf x;
-		memcpy(&x, s[g], sizeof(x));
-		vf m = x;
-		m = blend(m > __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), m,
-			  __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-		m = blend(m > __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11), m,
-			  __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-		m = blend(m > __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13), m,
-			  __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-		m = blend(m > __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14), m,
-			  __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-		const float wmax = m[0];
-		/* every lane in [0, FLT_MAX]: false for NaN, inf and negatives */
-		const vi ok = (x >= 0.0f) & (x <= 3.40282347e38f);
-		int all = 1;
-		for (int l = 0; l < 16; l++)
-			all &= ok[l] != 0;
-		if (!all)
-			return 0;
-		const float inv = wmax > 0.0f ? 32767.0f / wmax : 0.0f;
-		pw->s_w[g] = wmax / 32767.0f;
-		vf w = x * inv + 0.5f;
-		w = blend(w < 32767.0f, w, (vf){ 0 } + 32767.0f);
-		const v16h h = __builtin_convertvector(__builtin_convertvector(w, vi), v16h);
-		memcpy(pw->w16[g], &h, sizeof(h));
-	}
-	return 1;
-}
-
-/* acc_q's slots added into acc in element order, and cleared. */
-static inline __attribute__((always_inline)) void ISA_FN(pv_flush)(VA_T (*acc)[VA_MAX_CHUNKS], float (*acc_q)[256],
-								   uint32_t G, uint32_t chunks, const int16_t *slot_dim,
-								   uint32_t n_slots)
-{
-	for (uint32_t g = 0; g < G; g++) {
-		float row[256] = { 0 };
-		for (uint32_t x = 0; x < n_slots; x++) {
-			if (slot_dim[x] >= 0)
-				row[slot_dim[x]] += acc_q[g][x];
-			acc_q[g][x] = 0.0f;
-		}
-		for (uint32_t c = 0; c < chunks; c++) {
-			VA_T v;
-			memcpy(&v, row + c * VA_LANES, sizeof(v));
-			acc[g][c] = acc[g][c] + v;
-		}
-	}
-}
-
 /* `call` with its `bits` argument a constant: 0 for a plain segment, the
  * key (K) or value (V) code width of each quantised format otherwise (K8V4
  * and its halves: 8 and 4; K4V2: 4 and 2). */
@@ -628,7 +569,7 @@ static inline __attribute__((always_inline)) void ISA_FN(pv_flush)(VA_T (*acc)[V
 static inline __attribute__((always_inline)) void
 ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 		       const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
-		       const uint32_t chunks, qk_dots_fn qk, pv_dots_fn pv)
+		       const uint32_t chunks, qk_dots_fn qk)
 {
 	enum { BLOCK = 16 };
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
@@ -670,12 +611,6 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			memcpy(row, q[g], (size_t)d * sizeof(float));
 			kvr_qk8_prepare(&qq, g, row, d);
 		}
-	/* quantised values with integer dots (pv): the current V code width's
-	 * slots (pv_slot_dims), put back into acc when it changes and at the end */
-	struct kvr_pv16 pw;
-	float acc_q[pv && any_quantised ? G : 1u][256];
-	int16_t slot_dim[256];
-	uint32_t acc_q_bits = 0, n_slots = 0;
 
 	const uint64_t row_bytes = (uint64_t)d * eb;
 	/* quantised segments' run geometry, per format (kvquant.h); the caller
@@ -700,16 +635,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const float log_weight = kvr_segment_log_weight(seg->format, sh->page_tokens);
 		const uint64_t seg_tok0 = seg_first_token;
 		seg_first_token += seg->n_tokens;
-		const uint32_t vbits = fmt ? gq[fmt].value_bits : 0;
-		const int int_values = fmt && pv && pv_row_ok(d, vbits);
-		if (int_values && acc_q_bits != vbits) {
-			if (acc_q_bits)
-				ISA_FN(pv_flush)(acc, acc_q, G, chunks, slot_dim, n_slots);
-			n_slots = pv_slot_dims(VA_LANES * 4u, vbits, d, slot_dim);
-			for (uint32_t g = 0; g < G; g++)
-				memset(acc_q[g], 0, n_slots * sizeof(float));
-			acc_q_bits = vbits;
-		}
+
 		if (causal && seg_tok0 > last_pos) { /* after every query of the block */
 			for (uint32_t g = 0; lse && g < G; g++)
 				lse[(uint64_t)(m * G + g) * n_segs + si] = -INFINITY;
@@ -825,8 +751,6 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
 					z_acc[g] *= alpha;
-					for (uint32_t x = 0; acc_q_bits && x < n_slots; x++)
-						acc_q[g][x] *= alpha;
 				}
 				run_sum[g] = run_sum[g] * alpha + psum;
 				seg_sum[g] = seg_sum[g] * alpha + psum;
@@ -854,14 +778,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					z_acc[g] += HSUMA(zsum);
 				}
 			}
-			/* V: integer dots on the codes with the weights rounded to 16
-			 * bits (kvr_pv16), or each value vector read once and used by
-			 * every head of a block of four */
-			if (!int_values || !ISA_FN(pv_weights)(&pw, (const float (*)[16])s, G))
-				ATT_BITS_CASES(fmt, 'V', ISA_FN(value_dots)(acc, G, vrow0 + t0 * vstride, vstride, t, bits,
-									      (const float (*)[16])s, nb, chunks));
-			else
-				pv(&pw, G, d, vrow0 + t0 * vstride, vstride, vbits, nb, &acc_q[0][0]);
+			/* V: each value vector read once and used by every head of a
+			 * block of four */
+			ATT_BITS_CASES(fmt, 'V', ISA_FN(value_dots)(acc, G, vrow0 + t0 * vstride, vstride, t, bits,
+								      (const float (*)[16])s, nb, chunks));
 		}
 		if (lse) /* log(0) = −inf for an empty segment */
 			for (uint32_t g = 0; g < G; g++)
@@ -869,8 +789,6 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					seg->n_tokens ? run_max[g] + logf(seg_sum[g]) : -INFINITY;
 	}
 
-	if (acc_q_bits)
-		ISA_FN(pv_flush)(acc, acc_q, G, chunks, slot_dim, n_slots);
 	for (uint32_t g = 0; g < G; g++) {
 		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
 		float row[256];
@@ -1110,7 +1028,7 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
-				   qk_dots_fn qk, pv_dots_fn pv)
+				   qk_dots_fn qk)
 {
 	/* head_dim: a multiple of 32 up to 256 (value_heads relies on it) */
 	if ((sh->flags & KVR_SHAPE_CAUSAL) && !lse) {
@@ -1122,7 +1040,7 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 			return;
 		}
 	}
-	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES, qk, pv);
+	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES, qk);
 }
 
 #undef ISA_FN

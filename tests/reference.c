@@ -29,8 +29,7 @@ double ref_attention_tol(uint32_t elem_type)
 
 double ref_attention_bound(uint32_t elem_type, const struct ref_head_scale *s)
 {
-	return (ref_attention_tol(elem_type) + REF_LOGIT_ERR * s->logit_mag) * s->v_mag +
-	       REF_VALUE_WEIGHT_ERR * s->vq_mag;
+	return (ref_attention_tol(elem_type) + REF_LOGIT_ERR * s->logit_mag) * s->v_mag;
 }
 
 double ref_load(const void *base, uint32_t elem_type, uint64_t i)
@@ -388,23 +387,6 @@ static double seg_elem(const struct kvr_shape *sh, const struct kvr_kv_segment *
 	return (double)kvr_f16_to_f32(sz[0]) * kvr_quant_get(row, c, bits) - (double)kvr_f16_to_f32(sz[1]);
 }
 
-/* |s·Q| of element c of token t's value in a quantised segment (0 for a
- * plain one): what the kernels' rounded weights multiply. */
-static double quantised_value_scaled(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, uint64_t m,
-				     uint64_t t, uint32_t c)
-{
-	if (seg->format == KVR_KV_PLAIN || seg->format == KVR_KV_ESTIMATE)
-		return 0.0;
-	struct kvr_quant_geometry g;
-	if (kvr_quant_geometry_init(&g, sh->page_tokens, sh->head_dim, 1, seg->format))
-		return 0.0;
-	unsigned char *run = (unsigned char *)(uintptr_t)seg->k + m * seg->head_stride;
-	t += seg->first_row;
-	const uint8_t *row = kvr_quant_value_row(&g, run, (uint32_t)t);
-	const uint16_t *sz = kvr_quant_value_sz(&g, run, (uint32_t)t);
-	return fabs((double)kvr_f16_to_f32(sz[0]) * kvr_quant_get(row, c, g.value_bits));
-}
-
 /* Quantised keys' contract (kvquant.h): the logits of a quantised segment
  * are those of the query row rounded to 8 bits. Written here from the
  * definition, not from kvr_quant_query_row: x_c = q_c·scale in float,
@@ -492,7 +474,7 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 		struct ref_head_scale *hs = &scale[h];
 		for (uint32_t c = 0; c < d; c++)
 			o[c] = 0.0;
-		hs->v_mag = hs->logit_mag = hs->vq_mag = 0.0;
+		hs->v_mag = hs->logit_mag = 0.0;
 		/* KVR_SHAPE_CAUSAL: head h % G is query token (h % G) / hq, which
 		 * sees the tokens up to its position, counted over the segments */
 		uint64_t visible = n_tok;
@@ -527,10 +509,6 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 					o[c] += w * v;
 					if (isfinite(v) && fabs(v) > hs->v_mag)
 						hs->v_mag = fabs(v);
-					/* a quantised value's s·Q = v + z */
-					const double vq = quantised_value_scaled(sh, &segs[s], m, t, c);
-					if (isfinite(vq) && vq > hs->vq_mag)
-						hs->vq_mag = vq;
 				}
 			}
 		for (uint32_t c = 0; c < d; c++)

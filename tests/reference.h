@@ -72,33 +72,25 @@
 #define REF_LOGIT_ERR (8.0 * 0x1p-24)
 
 /*
- * Quantised pages (K8V4, K4V2: kvquant.h) have a contract of their own:
- *  - keys: the logits are those of the query row rounded to 8 bits
- *    (kvr_quant_query_row), which the reference computes too, so what is
- *    left is float error as above, its magnitude taken over the kernels'
- *    terms s_q·s·Σ r·Q and s_q·z·Σ r as well (they may cancel);
- *  - values: a kernel may round its softmax weights (times each token's
- *    value scale) to 16 bits, per query head and block of at most 16
- *    tokens, against the block's largest. A weight is then off by at most
- *    2^-16 of that largest, and the output by at most
- *    16·2^-16·(Σ over blocks of their largest weight)/(Σ of all weights)
- *    ·max|s·Q| ≤ 16/65534·vq_mag, vq_mag the largest |s·Q| = |v + z| of a
- *    quantised value attended to.
- * One code step of a key or a value moves the outputs by more than that
- * (the planted-error test checks it at f32).
+ * Quantised pages (K8V4, K4V2: kvquant.h) have a contract of their own for
+ * their keys: the logits are those of the query row rounded to 8 bits
+ * (kvr_quant_query_row), which the reference computes too, so what is left
+ * is float error as above, its magnitude taken over the kernels' terms
+ * s_q·s·Σ r·Q and s_q·z·Σ r as well (they may cancel). Their values are
+ * float multiply-adds on the codes, within the float bound. One code step
+ * of a key or a value moves the outputs by more than the bound (the
+ * planted-error test checks it at f32).
  */
-#define REF_VALUE_WEIGHT_ERR (16.0 / 65534.0)
 double ref_attention_tol(uint32_t elem_type);
 
 /* What a head's bound scales with (computed by the reference). */
 struct ref_head_scale {
 	double v_mag;     /* largest finite |v| attended to; 0 when no token */
 	double logit_mag; /* largest scale·Σ_c |q_c·k_c| over the tokens */
-	double vq_mag;    /* largest |s·Q| of a quantised value attended to; 0 when none */
 };
 
 /* The allowed absolute error of one output element of a head:
- * (tol(dtype) + REF_LOGIT_ERR·logit_mag)·v_mag + REF_VALUE_WEIGHT_ERR·vq_mag. */
+ * (tol(dtype) + REF_LOGIT_ERR·logit_mag)·v_mag. */
 double ref_attention_bound(uint32_t elem_type, const struct ref_head_scale *s);
 
 /* ---- element access (half.h's scalar conversions) ---- */
