@@ -635,7 +635,6 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		const float log_weight = kvr_segment_log_weight(seg->format, sh->page_tokens);
 		const uint64_t seg_tok0 = seg_first_token;
 		seg_first_token += seg->n_tokens;
-
 		if (causal && seg_tok0 > last_pos) { /* after every query of the block */
 			for (uint32_t g = 0; lse && g < G; g++)
 				lse[(uint64_t)(m * G + g) * n_segs + si] = -INFINITY;
