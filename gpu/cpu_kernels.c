@@ -296,6 +296,10 @@ static inline __attribute__((always_inline)) __m512i bcast32_avx512(const void *
 #define LOAD16(row, t, i) load16_avx512(row, t, i)
 #define MAX16(a, b) ((vf)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define FOLD16X16(v) fold16x16_avx512(v)
+#define QMASK_T __mmask16
+#define QMASK_MAKE(q) _mm512_movepi32_mask(_mm512_castps_si512((__m512)(q)))
+#define QMASK_GET(masks, i, q) ((masks)[i])
+#define QSELECT(k, a, b) ((vf)_mm512_mask_blend_ps((k), (__m512)(b), (__m512)(a)))
 #define FMA16(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
 #define HSUM16(v) _mm512_reduce_add_ps((__m512)(v))
 #define SPLAT16(x) ((vf)_mm512_set1_ps(x))
@@ -612,6 +616,10 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
 #define F16TOF32(h) _cvtsh_ss(h)
 #define MAX16(a, b) max16_avx2(a, b)
 #define FOLD16X16(v) fold16x16_avx2(v)
+#define QMASK_T unsigned char /* unused: vblendvps reads the query's sign bits */
+#define QMASK_MAKE(q) 0
+#define QMASK_GET(masks, i, q) ((void)(masks), (q))
+#define QSELECT(k, a, b) _mm256_blendv_ps((b), (a), (k))
 #define SPLAT16(x) splat16_avx2(x)
 #define FOLD16(v) fold16_avx2(v)
 /* attention on native 8-float vectors */
@@ -690,6 +698,10 @@ static inline __attribute__((always_inline)) vf codes16_base(const uint8_t *row,
 #define LOAD16(row, t, i) load16_base(row, t, i)
 #define MAX16(a, b) max16_base(a, b)
 #define FOLD16X16(v) fold16x16_base(v)
+#define QMASK_T unsigned char /* unused: the blend compares the query's bits */
+#define QMASK_MAKE(q) 0
+#define QMASK_GET(masks, i, q) ((void)(masks), (vi)(q) < 0)
+#define QSELECT(k, a, b) blend((k), (a), (b))
 #define FMA16(a, b, c) fma16_base(a, b, c)
 #define HSUM16(v) hsum16_base(v)
 #define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
@@ -842,52 +854,153 @@ struct head_job {
 	uint32_t parts; /* attention: tasks per (item, KV head); see kvr_cpu_attention */
 };
 
-static void score_task(void *arg, uint32_t index)
+/* The two phases of a score launch (cpu_kernels_isa.h, "score"): A over
+ * (item, run of pages) tasks, B over (item, KV head) tasks. raw holds every
+ * item's raw scores, item i's rows from raw_at[i]; a_first[i] is item i's
+ * first phase-A task (a_first[n] their number), run_pages the pages of a run
+ * (a multiple of 16). */
+struct score_job {
+	const struct kvr_shape *shape;
+	const struct kvr_score_item *items;
+	enum kvr_convert_isa isa;
+	float *raw;
+	const uint64_t *raw_at;
+	const uint32_t *a_first;
+	uint32_t n_items, run_pages;
+};
+
+/* 1 when phase A and B skip the item: nothing to score. */
+static int score_skips(const struct kvr_shape *sh, const struct kvr_score_item *it)
 {
-	const struct head_job *job = arg;
+	return it->cand_end <= it->cand_begin || kvr_score_gated_off(it, sh->n_kv_heads);
+}
+
+static void score_pages_task(void *arg, uint32_t index)
+{
+	const struct score_job *job = arg;
 	const struct kvr_shape *sh = job->shape;
-	const struct kvr_score_item *it = (const struct kvr_score_item *)job->items + index / sh->n_kv_heads;
-	const uint32_t m = index % sh->n_kv_heads, G = sh->n_qo_heads / sh->n_kv_heads;
-	const uint32_t n_cand = it->cand_end > it->cand_begin ? it->cand_end - it->cand_begin : 0;
-	if (!n_cand || kvr_score_gated_off(it, sh->n_kv_heads))
-		return;
+	uint32_t i = 0;
+	while (job->a_first[i + 1] <= index)
+		i++;
+	const struct kvr_score_item *it = job->items + i;
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(it, &dom_begin, &dom_end);
-	/* scratch: G x 16 parked accumulators (vectors), the group's queries as
-	 * floats, then G rows of raw scores over the softmax domain padded to
-	 * whole vectors */
-	const size_t park_bytes = (size_t)G * 16 * sizeof(vf);
-	const size_t q_bytes = ((size_t)G * sh->head_dim * sizeof(float) + 63) & ~(size_t)63;
-	const size_t raw_bytes = (size_t)G * ((dom_end - dom_begin + 15u) & ~15u) * sizeof(float);
-	unsigned char *tmp = aligned_alloc(64, (park_bytes + q_bytes + raw_bytes + 63) & ~(size_t)63);
-	if (!tmp) { /* cannot score: rank every candidate equal (lowest pages win) */
-		for (uint32_t j = 0; j < n_cand; j++)
-			it->scores[(uint64_t)m * n_cand + j] = 0.0f;
+	const uint32_t j_begin = (index - job->a_first[i]) * job->run_pages;
+	const uint32_t j_end = dom_end - dom_begin - j_begin < job->run_pages ? dom_end - dom_begin
+									     : j_begin + job->run_pages;
+	/* scratch: n_qo x 16 parked accumulators, the queries as floats, their
+	 * sign masks (at most a byte per element) */
+	const size_t park_bytes = (size_t)sh->n_qo_heads * 16 * sizeof(vf);
+	const size_t q_bytes = ((size_t)sh->n_qo_heads * sh->head_dim * sizeof(float) + 63) & ~(size_t)63;
+	const size_t m_bytes = ((size_t)sh->n_qo_heads * sh->head_dim + 63) & ~(size_t)63;
+	unsigned char *tmp = aligned_alloc(64, park_bytes + q_bytes + m_bytes);
+	float *raw = job->raw + job->raw_at[i];
+	if (!tmp) { /* cannot score: rank the run's pages equal */
+		const uint32_t n_pad = (dom_end - dom_begin + 15u) & ~15u;
+		for (uint32_t h = 0; h < sh->n_qo_heads; h++)
+			for (uint32_t j = j_begin; j < ((j_end + 15u) & ~15u); j++)
+				raw[(uint64_t)h * n_pad + j] = j < j_end ? 0.0f : -INFINITY;
 		return;
 	}
 	vf *park = (vf *)(void *)tmp;
-	void *qbuf = tmp + park_bytes;
-	float *raw = (float *)(void *)(tmp + park_bytes + q_bytes);
+	void *qbuf = tmp + park_bytes, *qm = tmp + park_bytes + q_bytes;
 	switch (job->isa) {
 	case KVR_CONVERT_AVX512_VNNI:
 	case KVR_CONVERT_AVX512:
-		score_head_avx512(sh, it, m, raw, park, qbuf);
+		score_pages_avx512(sh, it, j_begin, j_end, raw, park, qbuf, qm);
 		break;
 	case KVR_CONVERT_AVX2:
-		score_head_avx2(sh, it, m, raw, park, qbuf);
+		score_pages_avx2(sh, it, j_begin, j_end, raw, park, qbuf, qm);
 		break;
 	default:
-		score_head_base(sh, it, m, raw, park, qbuf);
+		score_pages_base(sh, it, j_begin, j_end, raw, park, qbuf, qm);
 		break;
 	}
 	free(tmp);
 }
 
+static void score_finish_task(void *arg, uint32_t index)
+{
+	const struct score_job *job = arg;
+	const struct kvr_shape *sh = job->shape;
+	const uint32_t i = index / sh->n_kv_heads, m = index % sh->n_kv_heads;
+	const struct kvr_score_item *it = job->items + i;
+	if (score_skips(sh, it))
+		return;
+	float *raw = job->raw + job->raw_at[i];
+	switch (job->isa) {
+	case KVR_CONVERT_AVX512_VNNI:
+	case KVR_CONVERT_AVX512:
+		score_finish_avx512(sh, it, m, raw);
+		break;
+	case KVR_CONVERT_AVX2:
+		score_finish_avx2(sh, it, m, raw);
+		break;
+	default:
+		score_finish_base(sh, it, m, raw);
+		break;
+	}
+}
+
+/* Pages per phase-A task: about four tasks per thread, so that the threads
+ * finish together, but no fewer than 64 pages, so that a task's prefetch
+ * runs ahead of it for most of its pages. */
+static uint32_t score_run_pages(uint32_t n_dom, uint32_t threads)
+{
+	const uint32_t tasks = 4 * (threads ? threads : 1);
+	uint32_t run = (n_dom + tasks - 1) / tasks;
+	run = (run + 15u) & ~15u;
+	return run < 64 ? 64 : run;
+}
+
 void kvr_cpu_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_score_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
-	kvr_cpu_parallel_for(dev, score_task, &job, n * shape->n_kv_heads);
+	if (!n)
+		return;
+	uint64_t *raw_at = malloc((size_t)n * sizeof(*raw_at) + (size_t)(n + 1) * sizeof(uint32_t));
+	if (!raw_at)
+		goto unscored;
+	uint32_t *a_first = (uint32_t *)(void *)(raw_at + n);
+	/* one run length for the launch, from its longest domain */
+	uint32_t longest = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t b, e;
+		kvr_score_domain(&items[i], &b, &e);
+		if (!score_skips(shape, &items[i]) && e - b > longest)
+			longest = e - b;
+	}
+	const uint32_t run = score_run_pages(longest, kvr_cpu_threads(dev));
+	uint64_t floats = 0;
+	a_first[0] = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t b, e;
+		kvr_score_domain(&items[i], &b, &e);
+		const uint32_t n_dom = score_skips(shape, &items[i]) ? 0 : e - b;
+		raw_at[i] = floats;
+		floats += (uint64_t)shape->n_qo_heads * ((n_dom + 15u) & ~15u);
+		a_first[i + 1] = a_first[i] + (n_dom + run - 1) / run;
+	}
+	float *raw = aligned_alloc(64, ((floats ? floats : 1) * sizeof(float) + 63) & ~(size_t)63);
+	if (!raw) {
+		free(raw_at);
+		goto unscored;
+	}
+	struct score_job job = { shape, items, kvr_convert_isa_active(), raw, raw_at, a_first, n, run };
+	kvr_cpu_parallel_for(dev, score_pages_task, &job, a_first[n]);
+	kvr_cpu_parallel_for(dev, score_finish_task, &job, n * shape->n_kv_heads);
+	free(raw);
+	free(raw_at);
+	return;
+unscored: /* out of memory: rank every candidate equal (the lowest pages win) */
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_score_item *it = &items[i];
+		if (score_skips(shape, it))
+			continue;
+		const uint64_t cells = (uint64_t)shape->n_kv_heads * (it->cand_end - it->cand_begin);
+		for (uint64_t c = 0; c < cells; c++)
+			it->scores[c] = 0.0f;
+	}
 }
 
 /* Order-preserving map of a float's bits (kernels.h, "select"). */

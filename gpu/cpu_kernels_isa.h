@@ -30,6 +30,12 @@
  *                         above on VA_T (EXPA: kvr_expf's formula)
  *   CODES16A(row, bits, c16, out)  codes 16c16..16c16+15 as 16 / VA_LANES
  *                         vectors into out
+ *   QMASK_T, QMASK_MAKE(q), QMASK_GET(masks, i, q), QSELECT(k, a, b)  the
+ *                         score's blend by a query vector's sign bits: the
+ *                         mask type, a mask made once per query vector, the
+ *                         mask of vector i (stored, or made from q itself
+ *                         where the blend reads sign bits), and per lane
+ *                         "sign bit set ? a : b"
  *                         left undefined, they are the 16-float ones (so an
  *                         ISA that defines them needs no LOAD16, FMA16,
  *                         HSUM16, HSUM4, HMAX16 or CODES16)
@@ -107,10 +113,11 @@ static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
 
 /* ------------------------------------------------------------------ score */
 
-/* Pages ahead of the one being scored whose summary rows are prefetched (into
- * L2: into L1 they evict the rows in use): one head's rows of consecutive
- * pages are n_kv·2·d elements apart, too far for the hardware prefetcher. */
-#define KVR_SCORE_PREFETCH_PAGES 12u
+/* Bytes ahead of the page being scored whose summaries are prefetched (into
+ * L2: into L1 they evict the rows in use). A page's summaries, all KV heads,
+ * are one contiguous run (4 KiB for 8 heads of 128 f16 dimensions), which the
+ * hardware prefetcher follows inside a 4 KiB page but not across one. */
+#define KVR_SCORE_PREFETCH_BYTES 4096u
 
 /* Query heads of a group scored together against one page's rows: their
  * accumulators (2 native vectors each on AVX2) and the page's two rows stay in
@@ -118,13 +125,16 @@ static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
 #define KVR_SCORE_HEAD_BLOCK 4u
 
 /* The raw canonical accumulators of `n` query heads (q: their rows, each
- * d / VA_LANES vectors) against one page's min and max rows (`sum`), parked
- * in park[h * 16]. Lane l of the canonical 16-lane accumulator sums the terms
- * of dimensions l, 16 + l, 32 + l, ... in that order (kmath.h); with 8-lane
- * vectors it is kept as two halves, dimensions 16c..16c+7 and 16c+8..16c+15. */
+ * d / VA_LANES vectors; qm: the rows' sign masks, QMASK_GET's first
+ * argument) against one page's min and max rows (`sum`), parked in
+ * park[h * 16]. Lane l of the canonical 16-lane accumulator takes the terms
+ * of dimensions l, 16 + l, 32 + l, ... in that order (kmath.h's
+ * kvr_quest_acc: one fused multiply-add of q by the bound its sign selects);
+ * with 8-lane vectors it is kept as two halves, dimensions 16c..16c+7 and
+ * 16c+8..16c+15. */
 static inline __attribute__((always_inline)) void
-ISA_FN(score_page_heads)(const unsigned char *sum, uint32_t t, uint32_t d, const VA_T *q, vf *park,
-			 const uint32_t n)
+ISA_FN(score_page_heads)(const unsigned char *sum, uint32_t t, uint32_t d, const VA_T *q, const QMASK_T *qm,
+			 vf *park, const uint32_t n)
 {
 	enum { per16 = 16 / VA_LANES };
 	const uint32_t dv = d / VA_LANES;
@@ -141,7 +151,8 @@ ISA_FN(score_page_heads)(const unsigned char *sum, uint32_t t, uint32_t d, const
 			_Pragma("GCC unroll 4")
 			for (uint32_t h = 0; h < n; h++) {
 				const VA_T qv = q[h * dv + c + k];
-				acc[h][k] = acc[h][k] + MAXA(qv * mn, qv * mx);
+				const VA_T bound = QSELECT(QMASK_GET(qm, h * dv + c + k, qv), mn, mx);
+				acc[h][k] = FMAA(qv, bound, acc[h][k]);
 			}
 		}
 	}
@@ -151,142 +162,154 @@ ISA_FN(score_page_heads)(const unsigned char *sum, uint32_t t, uint32_t d, const
 }
 
 /*
- * Scores of KV head m of one item (kernels.h, "score"), bit for bit as
- * kmath.h's canonical orders give them, in three passes:
- *  1. raw scores: each page's min and max rows are scored against the query
- *     heads of the group, a block of KVR_SCORE_HEAD_BLOCK heads at a time
- *     with the page's rows in registers (score_page_heads); each head's
- *     16-lane accumulator is parked, and 16 pages' accumulators are folded
- *     together (FOLD16X16: lane-wise adds of shuffled halves, each page's
- *     canonical order, a fifth of the work of 16 single folds), keeping a
- *     lane-wise running max for the softmax;
- *  2. per query head: kvr_expf of (score - max) in place, summed in the
- *     canonical 256 lanes (16 vectors) and folded;
- *  3. one pass writing the group mean.
+ * Scores of one item (kernels.h, "score"), bit for bit as kmath.h's canonical
+ * orders give them, in two phases that kvr_cpu_score runs as two parallel
+ * loops:
+ *  A. raw scores (score_raw), a run of pages at a time for every KV head: a
+ *     page's summaries, all heads, are read front to back (one contiguous
+ *     run, so the hardware prefetcher streams it; one head's rows of
+ *     successive pages lie a page's summaries apart, a stride that from DRAM
+ *     ran at half attention's bytes per second). Each head's min and max rows
+ *     are scored against the query heads of its group, a block of
+ *     KVR_SCORE_HEAD_BLOCK heads at a time with the rows in registers
+ *     (score_page_heads); each query head's 16-lane accumulator is parked,
+ *     and 16 pages' accumulators are folded together (FOLD16X16: lane-wise
+ *     adds of shuffled halves, each page's canonical order, a fifth of the
+ *     work of 16 single folds). A page's raw score does not depend on the
+ *     run it was scored in, so the split into runs changes no bit.
+ *  B. per KV head (score_finish): for each query head, the max over the
+ *     domain, kvr_expf of (score - max) in place, summed in the canonical
+ *     256 lanes and folded; then one pass writing the group mean. It runs on
+ *     the native vectors (VA_T): lane l of vector i is canonical lane
+ *     i·VA_LANES + l, whatever the width.
  *
- * The quest term is MAXA(q·min, q·max): x86 max is `a > b ? a : b`, which is
- * kvr_quest_term itself, NaN and signed zeros included. (One multiply by the
- * bound that q's sign selects is exact for finite q and min <= max, but on
- * Zen 4 the select, the per-page check of min <= max and the extra load of
- * the sign masks cost as much as the multiply they save.)
+ * A dimension's term is kvr_quest_acc: a blend of min and max by the query's
+ * sign bit (the masks made once per query, QMASK_MAKE), then one FMA into the
+ * accumulator, two operations where the larger of two products, added, took
+ * four (scoring then costs about what attention costs per byte).
  *
  * The softmax spans the item's domain (kvr_score_domain: every complete page
  * when norm_end is set), so raw holds a score per domain page; only the
  * candidates, a sub-range of the domain, are written out.
  *
- * raw: G rows of n_pad (n_dom rounded up to 16) floats; park: G x 16
- * vectors; qbuf: G·d floats (the group's queries as floats, 64-byte aligned).
+ * raw: a row of n_pad (n_dom rounded up to 16) floats per query head, row
+ * m·G + g for query head g of KV head m.
  */
-/* Pass 1 of score_head for one element type `t` (a constant at each call,
- * so the page's loads compile straight): the raw scores of every domain page
- * into raw (G rows of n_pad) and each head's lane-wise running max into vmax.
- * Lanes past n_dom in the last batch are stored as -inf (no lane max) and
- * zeroed after the exp. */
+
+/* The item's queries, every head, as floats into qbuf (n_qo·d, 64-byte
+ * aligned), and their sign masks into qm (n_qo·d / VA_LANES). */
+static void ISA_FN(score_load_q)(const struct kvr_shape *sh, const struct kvr_score_item *it, VA_T *qbuf,
+				 QMASK_T *qm)
+{
+	const uint32_t dv = sh->head_dim / VA_LANES;
+	for (uint32_t h = 0; h < sh->n_qo_heads; h++)
+		for (uint32_t c = 0; c < dv; c++) {
+			qbuf[h * dv + c] = LOADA(it->q, sh->elem_type, (uint64_t)h * sh->head_dim + c * VA_LANES);
+			qm[h * dv + c] = QMASK_MAKE(qbuf[h * dv + c]);
+		}
+}
+
+/* Phase A for one element type `t` (a constant at each call, so the page's
+ * loads compile straight): the raw scores of domain pages [j_begin, j_end)
+ * (j_begin a multiple of 16) into raw, for every KV head. Lanes past j_end in
+ * the last batch of the domain are stored as -inf (no max) and zeroed after
+ * the exp. park: n_qo x 16 vectors. */
 static inline __attribute__((always_inline)) void
-ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_t n_dom, uint32_t n_pad,
-		  const VA_T *qbuf, vf *park, float *raw, vf *vmax, const uint32_t t)
+ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_t j_begin, uint32_t j_end,
+		  uint32_t n_pad, const VA_T *qbuf, const QMASK_T *qm, vf *park, float *raw, const uint32_t t)
 {
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, dv = d / VA_LANES;
-	const uint64_t page_bytes = kvr_summary_page_elems(sh->n_kv_heads, d, (sh->flags & KVR_SHAPE_ESTIMATES) != 0) *
+	const uint32_t n_kv = sh->n_kv_heads;
+	const uint64_t page_bytes = kvr_summary_page_elems(n_kv, d, (sh->flags & KVR_SHAPE_ESTIMATES) != 0) *
 				    kvr_elem_bytes(t);
-	const uint64_t head_bytes = 2ull * d * kvr_elem_bytes(t);
+	const uint64_t head_bytes = 2ull * d * kvr_elem_bytes(t), run_bytes = n_kv * head_bytes;
+	const uint32_t ahead = (uint32_t)((KVR_SCORE_PREFETCH_BYTES + run_bytes - 1) / run_bytes);
 	const vf scale = SPLAT16(sh->scale);
-	for (uint32_t j0 = 0; j0 < n_dom; j0 += 16) {
-		const uint32_t nb = n_dom - j0 < 16 ? n_dom - j0 : 16;
+	for (uint32_t j0 = j_begin; j0 < j_end; j0 += 16) {
+		const uint32_t nb = j_end - j0 < 16 ? j_end - j0 : 16;
 		for (uint32_t b = 0; b < nb; b++) {
 			const uint32_t j = j0 + b;
-			const unsigned char *sum = base + (uint64_t)j * page_bytes;
-			if (j + KVR_SCORE_PREFETCH_PAGES < n_dom)
-				for (uint64_t l = 0; l < head_bytes; l += 64)
-					__builtin_prefetch(sum + KVR_SCORE_PREFETCH_PAGES * page_bytes + l, 0, 2);
-			for (uint32_t g = 0; g < G; g += KVR_SCORE_HEAD_BLOCK) {
-				const VA_T *qg = qbuf + g * dv;
-				vf *pg = park + g * 16 + b;
-				switch (G - g) { /* a constant block size: accumulators in registers */
-				case 1: ISA_FN(score_page_heads)(sum, t, d, qg, pg, 1); break;
-				case 2: ISA_FN(score_page_heads)(sum, t, d, qg, pg, 2); break;
-				case 3: ISA_FN(score_page_heads)(sum, t, d, qg, pg, 3); break;
-				default: ISA_FN(score_page_heads)(sum, t, d, qg, pg, KVR_SCORE_HEAD_BLOCK); break;
+			const unsigned char *page = base + (uint64_t)j * page_bytes;
+			if (j + ahead < j_end)
+				for (uint64_t l = 0; l < run_bytes; l += 64)
+					__builtin_prefetch(page + ahead * page_bytes + l, 0, 2);
+			for (uint32_t m = 0; m < n_kv; m++) {
+				const unsigned char *sum = page + m * head_bytes;
+				for (uint32_t g = 0; g < G; g += KVR_SCORE_HEAD_BLOCK) {
+					const VA_T *qg = qbuf + (m * G + g) * dv;
+					const QMASK_T *mg = qm + (m * G + g) * dv;
+					vf *pg = park + (m * G + g) * 16 + b;
+					switch (G - g) { /* a constant block size: accumulators in registers */
+					case 1: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, 1); break;
+					case 2: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, 2); break;
+					case 3: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, 3); break;
+					default: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, KVR_SCORE_HEAD_BLOCK); break;
+					}
 				}
 			}
 		}
-		for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past n_dom */
-			for (uint32_t g = 0; g < G; g++)
-				park[g * 16 + b] = SPLAT16(0.0f);
-		for (uint32_t g = 0; g < G; g++) {
-			vf s = scale * FOLD16X16(park + g * 16);
+		for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past the run */
+			for (uint32_t h = 0; h < sh->n_qo_heads; h++)
+				park[h * 16 + b] = SPLAT16(0.0f);
+		for (uint32_t h = 0; h < sh->n_qo_heads; h++) {
+			vf s = scale * FOLD16X16(park + h * 16);
 			if (nb < 16)
 				s = blend(ISA_FN(lane_index)() < (int32_t)nb, s, SPLAT16(-INFINITY));
-			memcpy(raw + (uint64_t)g * n_pad + j0, &s, sizeof(s));
-			vmax[g] = MAX16(s, vmax[g]); /* a NaN score is passed over, as in the scalar max */
+			memcpy(raw + (uint64_t)h * n_pad + j0, &s, sizeof(s));
 		}
 	}
 }
 
-/*
- * Scores of KV head m of one item (kernels.h, "score"), bit for bit as
- * kmath.h's canonical orders give them, in three passes:
- *  1. raw scores (score_raw): each page's min and max rows are scored against
- *     the query heads of the group, a block of KVR_SCORE_HEAD_BLOCK heads at
- *     a time with the page's rows in registers (score_page_heads); each
- *     head's 16-lane accumulator is parked, and 16 pages' accumulators are
- *     folded together (FOLD16X16: lane-wise adds of shuffled halves, each
- *     page's canonical order, a fifth of the work of 16 single folds),
- *     keeping a lane-wise running max for the softmax;
- *  2. per query head: kvr_expf of (score - max) in place, summed in the
- *     canonical 256 lanes and folded;
- *  3. one pass writing the group mean.
- * Passes 2 and 3 run on the native vectors (VA_T): lane l of vector i is
- * canonical lane i·VA_LANES + l, whatever the width.
- *
- * The quest term is MAXA(q·min, q·max): x86 max is `a > b ? a : b`, which is
- * kvr_quest_term itself, NaN and signed zeros included. (One multiply by the
- * bound that q's sign selects is exact for finite q and min <= max, but on
- * Zen 4 the select, the per-page check of min <= max and the extra load of
- * the sign masks cost as much as the multiply they save.)
- *
- * The softmax spans the item's domain (kvr_score_domain: every complete page
- * when norm_end is set), so raw holds a score per domain page; only the
- * candidates, a sub-range of the domain, are written out.
- *
- * raw: G rows of n_pad (n_dom rounded up to 16) floats; park: G x 16
- * vectors; qbuf: G·d floats (the group's queries, 64-byte aligned).
- */
-static void ISA_FN(score_head)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t m,
-			       float *raw, vf *park, VA_T *qbuf)
+/* Phase A of one item over domain pages [j_begin, j_end): raw as above;
+ * qbuf: n_qo·d floats, park: n_qo x 16 vectors, both 64-byte aligned; qm:
+ * n_qo·d / VA_LANES masks (at most n_qo·d bytes). */
+static void ISA_FN(score_pages)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t j_begin,
+				uint32_t j_end, float *raw, vf *park, VA_T *qbuf, QMASK_T *qm)
 {
-	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
+	const uint32_t t = sh->elem_type;
+	uint32_t dom_begin, dom_end;
+	kvr_score_domain(it, &dom_begin, &dom_end);
+	const uint32_t n_pad = (dom_end - dom_begin + 15u) & ~15u;
+	const uint64_t page_elems = kvr_summary_page_elems(sh->n_kv_heads, sh->head_dim,
+							   (sh->flags & KVR_SHAPE_ESTIMATES) != 0);
+	ISA_FN(score_load_q)(sh, it, qbuf, qm);
+	const unsigned char *base = (const unsigned char *)it->summaries +
+				    (uint64_t)dom_begin * page_elems * kvr_elem_bytes(t);
+	switch (t) { /* the element type as a constant: its loads compile straight */
+	case KVR_ELEM_F16: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F16); break;
+	case KVR_ELEM_BF16: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_BF16); break;
+	default: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F32); break;
+	}
+}
+
+/* Phase B for KV head m of one item: raw is the item's (every row complete). */
+static void ISA_FN(score_finish)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t m,
+				 float *raw)
+{
+	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads;
 	uint32_t dom_begin, dom_end;
 	kvr_score_domain(it, &dom_begin, &dom_end);
 	const uint32_t n_dom = dom_end - dom_begin, n_pad = (n_dom + 15u) & ~15u;
 	const uint32_t n_cand = it->cand_end - it->cand_begin, cand_off = it->cand_begin - dom_begin;
-	const uint64_t eb = kvr_elem_bytes(t), page_elems = kvr_summary_page_elems(sh->n_kv_heads, d, (sh->flags & KVR_SHAPE_ESTIMATES) != 0);
-	const uint32_t dv = d / VA_LANES;
-	for (uint32_t g = 0; g < G; g++)
-		for (uint32_t c = 0; c < dv; c++)
-			qbuf[g * dv + c] = LOADA(it->q, t, (uint64_t)(m * G + g) * d + c * VA_LANES);
-
-	vf vmax[KVR_MAX_GROUP_CPU];
-	for (uint32_t g = 0; g < G; g++)
-		vmax[g] = SPLAT16(-INFINITY);
-	const unsigned char *base = (const unsigned char *)it->summaries +
-				    ((uint64_t)dom_begin * page_elems + (uint64_t)m * 2 * d) * eb;
-	switch (t) { /* the element type as a constant: its loads compile straight */
-	case KVR_ELEM_F16: ISA_FN(score_raw)(sh, base, n_dom, n_pad, qbuf, park, raw, vmax, KVR_ELEM_F16); break;
-	case KVR_ELEM_BF16: ISA_FN(score_raw)(sh, base, n_dom, n_pad, qbuf, park, raw, vmax, KVR_ELEM_BF16); break;
-	default: ISA_FN(score_raw)(sh, base, n_dom, n_pad, qbuf, park, raw, vmax, KVR_ELEM_F32); break;
-	}
+	raw += (uint64_t)m * G * n_pad;
 
 	enum { n_lanes = KVR_SUM_LANES / VA_LANES };
 	float inv[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
 		float *s = raw + (uint64_t)g * n_pad;
-		/* The max over the domain (NaN passed over). Only a zero's sign
-		 * can depend on the order, and x - (±0) is the same for x != 0 while
-		 * kvr_expf(±0) = 1: it does not matter. */
+		/* The max over the domain, NaN passed over (MAXA keeps its second
+		 * operand when the first is NaN; the padding is -inf). Only a
+		 * zero's sign can depend on the order, and x - (±0) is the same
+		 * for x != 0 while kvr_expf(±0) = 1: it does not matter. */
+		VA_T vmax = SPLATA(-INFINITY);
+		for (uint32_t j = 0; j < n_pad; j += VA_LANES) {
+			VA_T x;
+			memcpy(&x, s + j, sizeof(x));
+			vmax = MAXA(x, vmax);
+		}
 		float mxs = -INFINITY;
-		for (int l = 0; l < 16; l++)
-			mxs = vmax[g][l] > mxs ? vmax[g][l] : mxs;
+		for (int l = 0; l < VA_LANES; l++)
+			mxs = vmax[l] > mxs ? vmax[l] : mxs;
 		const VA_T vmxs = SPLATA(mxs);
 		VA_T lanes[n_lanes];
 		for (uint32_t l = 0; l < n_lanes; l++)
@@ -1072,3 +1095,7 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef MAXA
 #undef HMAXA
 #undef EXPA
+#undef QMASK_T
+#undef QMASK_MAKE
+#undef QMASK_GET
+#undef QSELECT

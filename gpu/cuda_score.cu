@@ -79,7 +79,7 @@ static __device__ __forceinline__ struct split_block split_block_of(const struct
 }
 
 /* each(g, s_g) for g = 0 .. gc-1 in order (gc <= NH), s_g = scale · Σ_c
- * max(q_gc·min_c, q_gc·max_c) for the page whose summary (min row then max
+ * q_gc·(q_gc's sign bit set ? min_c : max_c) (kvr_quest_acc) for the page whose summary (min row then max
  * row) starts at element `row` of `summaries`; all 32 lanes of the warp call
  * it (the fold shuffles), every lane of a group gets the same s_g, and `valid`
  * says whether this lane's group has a page (each is called regardless).
@@ -116,7 +116,7 @@ KVR_DEV void quest_scores(const void *summaries, uint64_t row, bool valid, uint3
 					KVR_UNROLL
 					for (uint32_t g = 0; g < NH; g++)
 						if (g < gc)
-							acc[g] = acc[g] + kvr_quest_term(q_s[g * d + c], lo, hi);
+							acc[g] = kvr_quest_acc(acc[g], q_s[g * d + c], lo, hi);
 				}
 			}
 		}

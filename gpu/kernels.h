@@ -32,8 +32,9 @@
  *              and the window's complete pages), the candidates [cand_begin,
  *              cand_end) when norm_end = 0; dom_end is at least cand_end —
  *              per query head h of m's group, s_hj = scale · Σ_c
- *              max(q_hc·min_jc, q_hc·max_jc) (sum in the canonical 16-lane
- *              order, kmath.h); softmax over the domain per h (max, kvr_expf,
+ *              q_hc·(sign bit of q_hc set ? min_jc : max_jc), each term
+ *              added by one fused multiply-add (kvr_quest_acc; the sum in
+ *              the canonical 16-lane order, kmath.h); softmax over the domain per h (max, kvr_expf,
  *              sum in the canonical 256-lane order counted from dom_begin);
  *              then, for each candidate j only, the mean over the group:
  *              score_mj = (Σ_g e_hj·(1/sum_h)) · (1/G), g in order. Written

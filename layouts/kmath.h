@@ -75,11 +75,14 @@ static inline KVR_HD float kvr_fold_lanes(float *acc, uint32_t lanes)
 }
 
 /* Quest's upper bound on q·k for any key k between kmin and kmax, one
- * dimension: the larger of the two products (both plain multiplies). */
-static inline KVR_HD float kvr_quest_term(float q, float kmin, float kmax)
+ * dimension, added to acc: q times the bound its sign selects (kmin when q's
+ * sign bit is set), in one fused multiply-add. For finite bounds with
+ * kmin <= kmax that product is the larger of q·kmin and q·kmax; selecting by
+ * the sign bit costs a blend where the larger of two products costs two
+ * multiplies and a max, and the FMA saves the add. */
+static inline KVR_HD float kvr_quest_acc(float acc, float q, float kmin, float kmax)
 {
-	const float a = q * kmin, b = q * kmax;
-	return a > b ? a : b;
+	return fmaf(q, signbit(q) ? kmin : kmax, acc);
 }
 
 /* Online softmax state of one query head: running max m, running sum l, and

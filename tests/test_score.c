@@ -2,7 +2,7 @@
 /*
  * test_score.c — the cpu backend's score and select kernels, bit for bit,
  * against a plain scalar transcription of kernels.h's definitions written
- * here (kmath.h's kvr_quest_term, kvr_fold_lanes and kvr_expf, loops in the
+ * here (kmath.h's quest term, kvr_fold_lanes and kvr_expf, loops in the
  * canonical orders, nothing vectorised, nothing reordered).
  *
  * The CUDA kernels compute the same canonical orders, so the pages the cpu
@@ -62,7 +62,8 @@ static struct kvr_dev *cpu_dev(void)
 /* ------------------------------------------------------------------ reference */
 
 /* kernels.h "score", literally: per KV head m and query head h of its group,
- * s_hj = scale · Σ_c max(q_hc·min_jc, q_hc·max_jc) in 16 lanes folded by
+ * s_hj = scale · Σ_c q_hc·(q_hc's sign bit set ? min_jc : max_jc), each term
+ * added by one fused multiply-add, in 16 lanes folded by
  * halves for every page j of the softmax domain; softmax over the domain
  * (max, kvr_expf, 256 lanes folded from its first page); group mean for each
  * candidate. The domain is written out here rather than taken from
@@ -89,7 +90,7 @@ static void ref_score(const struct kvr_shape *sh, const struct kvr_score_item *i
 					const float q = kvr_load_f32(it->q, t, qh + c);
 					const float lo = kvr_load_f32(it->summaries, t, base + c);
 					const float hi = kvr_load_f32(it->summaries, t, base + d + c);
-					lanes[c % KVR_DOT_LANES] = lanes[c % KVR_DOT_LANES] + kvr_quest_term(q, lo, hi);
+					lanes[c % KVR_DOT_LANES] = fmaf(q, signbit(q) ? lo : hi, lanes[c % KVR_DOT_LANES]);
 				}
 				s[j] = sh->scale * kvr_fold_lanes(lanes, KVR_DOT_LANES);
 			}
