@@ -122,12 +122,19 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	}
 
 	c->recall = kvr_config_recall(c);
-	/* The controller thread everywhere: running its jobs inline on a
-	 * 2-core machine, where the engine's attention already fills the cores,
-	 * showed no consistent gain (docs/benchmarks.md, "Controller
-	 * placement"); engines that want no second thread can ask for inline. */
-	if (c->controller == KVR_CONTROLLER_AUTO)
-		c->controller = KVR_CONTROLLER_THREAD;
+	/* Inline where the cpu backend's threads take every core: the engine's
+	 * attention then fills the cores, and a controller thread's selection
+	 * waited 0.3-1.1 ms per job for a core and ran on one, where inline it
+	 * runs on all of them right after the attention. Measured on 2 cores
+	 * (docs/benchmarks.md, "The freekv step on two cores"): the step at
+	 * 1.00-1.20x its budget inline against 1.18-1.45x with the thread.
+	 * Elsewhere (a GPU computes, or cores are left over) the thread
+	 * overlaps the selection with the step. */
+	if (c->controller == KVR_CONTROLLER_AUTO) {
+		const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+		const int cores_full = c->backend == KVR_BACKEND_CPU && (cores <= 1 || (long)c->threads + 1 >= cores);
+		c->controller = cores_full ? KVR_CONTROLLER_INLINE : KVR_CONTROLLER_THREAD;
+	}
 	uint64_t fixed, per_seq;
 	kvr_config_device_bytes(c, c->recall, &fixed, &per_seq);
 	if (c->device_bytes == 0)

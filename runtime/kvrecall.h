@@ -112,8 +112,9 @@ enum kvr_recall {
 /* Where the controller's jobs (the next step's selection and, streamed, its
  * recall) run. */
 enum kvr_controller {
-	KVR_CONTROLLER_AUTO = 0,   /* thread (inline showed no consistent gain on the
-	                              cpu backend: docs/benchmarks.md) */
+	KVR_CONTROLLER_AUTO = 0,   /* inline on the cpu backend when its threads take
+	                              every core (the caller's and `threads` workers),
+	                              thread otherwise (docs/benchmarks.md) */
 	KVR_CONTROLLER_THREAD = 1, /* the context's controller thread, beside the engine */
 	KVR_CONTROLLER_INLINE = 2, /* on the engine's thread, right after the layer's
 	                              attention: no second thread (for engines that want

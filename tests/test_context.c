@@ -78,7 +78,8 @@ Test(context, automatic_fields_resolved)
 	cr_expect_geq(out.numa_node, 0);
 	cr_expect_gt(out.pool_bytes, 0);
 	cr_expect_neq(out.recall, KVR_RECALL_AUTO);
-	cr_expect_eq(out.controller, KVR_CONTROLLER_THREAD, "controller %s",
+	/* the cpu backend's threads take every core: the jobs run inline */
+	cr_expect_eq(out.controller, KVR_CONTROLLER_INLINE, "controller %s",
 		     kvr_controller_name(out.controller));
 	/* max_sequences (64) sequences of tail tiles: 30 layers x K and V x 32·3·64·2 bytes,
 	 * plus, streamed, the page cache of 29 sparse layers x (2048-1024)/32 pages */
@@ -290,8 +291,32 @@ Test(context, config_from_0_2_caller_accepted)
 	struct kvr_config out;
 	kvr_config_init(&out);
 	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
-	cr_expect_eq(out.controller, KVR_CONTROLLER_THREAD);
+	cr_expect_eq(out.controller, KVR_CONTROLLER_INLINE);
 	kvr_context_destroy(ctx);
+}
+
+/* controller = auto: the thread where a core is left over for it (fewer
+ * backend threads than cores), inline where the backend's threads take them
+ * all. */
+Test(context, controller_auto_follows_spare_cores)
+{
+	const long n = sysconf(_SC_NPROCESSORS_ONLN);
+	const uint32_t workers[] = { 0, n > 1 ? (uint32_t)(n - 1) : 0, (uint32_t)n + 3 };
+	for (int i = 0; i < 3; i++) {
+		struct kvr_config in = base();
+		in.backend = KVR_BACKEND_CPU;
+		in.threads = workers[i];
+		struct kvr_context *ctx = NULL;
+		cr_assert_eq(kvr_context_create(&in, &ctx), 0, "%s", kvr_last_error(NULL));
+		struct kvr_config out;
+		kvr_config_init(&out);
+		cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
+		const int spare = (long)workers[i] + 1 < n;
+		cr_expect_eq(out.controller, spare ? KVR_CONTROLLER_THREAD : KVR_CONTROLLER_INLINE,
+			     "%u workers on %ld cores: controller %s", workers[i], n,
+			     kvr_controller_name(out.controller));
+		kvr_context_destroy(ctx);
+	}
 }
 
 /* Getters refuse NULL and short structs with a fresh message, not a stale one. */
