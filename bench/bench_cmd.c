@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * bench_cmd.c — `kvrecall bench`: the benchmarks users run on their own
- * hardware before integrating kvrecall (issue 8). This file owns the command's
+ * hardware before integrating kvrecall. This file owns the command's
  * shared parts — option parsing, the backend device, the JSON envelope that
  * records the machine and the build beside every result, the progress line —
  * and the `copy` benchmark, whose peak every other figure is divided by.
@@ -182,12 +182,25 @@ void bench_json_close(FILE *f)
 }
 
 /* A progress line on stderr when it is a terminal: "label [#####.....] 42%". */
-void bench_progress(const char *label, uint32_t done, uint32_t total)
+/* 1 when stderr is a terminal: progress bars only there (in a file their
+ * carriage returns would land as they are) */
+static int stderr_tty(void)
 {
 	static int tty = -1;
 	if (tty < 0)
 		tty = isatty(STDERR_FILENO);
-	if (!tty || !total)
+	return tty;
+}
+
+void bench_progress_clear(void)
+{
+	if (stderr_tty())
+		fprintf(stderr, "\r%*s\r", 50, "");
+}
+
+void bench_progress(const char *label, uint32_t done, uint32_t total)
+{
+	if (!stderr_tty() || !total)
 		return;
 	const uint32_t width = 30, filled = done * width / total;
 	char bar[32];

@@ -33,5 +33,8 @@ void bench_json_close(FILE *f);
 
 /* A progress bar on stderr when it is a terminal; done == total clears it. */
 void bench_progress(const char *label, uint32_t done, uint32_t total);
+/* Erases a progress bar before a line of results (on a terminal; nothing
+ * elsewhere). */
+void bench_progress_clear(void);
 
 #endif /* KVR_BENCH_CMD_H */

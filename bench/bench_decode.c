@@ -223,7 +223,8 @@ static struct kvr_graph *capture_step(struct kvr_context *ctx, const uint32_t *s
 	struct kvr_graph *graph = NULL;
 	const int rc = kvr_decode_reserve(ctx, batch, max_tokens);
 	if (rc == -ENOTSUP) {
-		fprintf(stderr, "\rnot captured: %s\n", kvr_last_error(ctx));
+		bench_progress_clear();
+		fprintf(stderr, "not captured: %s\n", kvr_last_error(ctx));
 		return NULL;
 	}
 	if (rc)
@@ -578,7 +579,8 @@ int bench_decode(int argc, char **argv)
 		/* attention over the B tokens alone: a dense decode at L = B */
 		bench_progress("decode", done++, total);
 		const struct result base = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL, 0);
-		fprintf(stderr, "\rbatch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps)\n",
+		bench_progress_clear();
+		fprintf(stderr, "batch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps)\n",
 			batch, B, base.us_per_layer, g.sh.n_layers, steps);
 		for (uint64_t L = 8192; L <= max_context; L *= 2)
 			for (size_t x = 0; x < 16; x++) {
@@ -603,7 +605,8 @@ int bench_decode(int argc, char **argv)
 				if (!estimate)
 					us_without = r.us_per_layer;
 				const double budget = (1.0 + (double)L / ((double)p * B)) * base.us_per_layer;
-				fprintf(stderr, "\rL=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
+				bench_progress_clear();
+				fprintf(stderr, "L=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
 						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
 						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
 						"critical share %.2f (handoff %.0f, prepare %.0f, score %.0f, top-k %.0f, recall %.0f us); "

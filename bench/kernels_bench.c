@@ -233,7 +233,7 @@ int main(int argc, char **argv)
 				return usage(), 2;
 			i++;
 		} else if (!strcmp(a, "--softmax") && v) {
-			/* the group-consistency domain (issue 19 item 5): every page
+			/* the group-consistency domain: every page
 			 * (what the scheduler does) or the candidates only */
 			if (strcmp(v, "all") && strcmp(v, "candidates"))
 				return usage(), 2;

@@ -7,7 +7,7 @@ redrawn on any machine that ran the benchmark).
     python3 bench/plot_decode.py decode.json docs/decode-step.svg
 
 One panel: microseconds per layer against context length (both axes log2) for
-each mode, with the cpu target of issue 6 drawn as a dashed line:
+each mode, with the cpu target drawn as a dashed line:
 1.1 x (1 + L/(p*B)) x attention over the B tokens alone.
 """
 import json

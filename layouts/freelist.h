@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * freelist.h — LeanKV's circular free-page list (issue 9): the index math by
+ * freelist.h — LeanKV's circular free-page list: the index math by
  * which many heads allocate pages from, and return pages to, one list in
  * parallel, each finding its slice from an exclusive prefix sum over the
  * per-head counts. The device page cache's manager runs it in kernels (one

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * kvquant.h — the quantised page formats K8V4 and K4V2 (issue 9; LeanKV's
+ * kvquant.h — the quantised page formats K8V4 and K4V2 (LeanKV's
  * asymmetric per-vector quantisation, keys at more bits than values) and their
  * per-element math, shared by the cpu backend, the CUDA kernels and cudaemu.
  *

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * capture.c — a decode step that a CUDA graph can hold (issue 23, item 5;
- * docs/architecture.md, "Capturing a step in a CUDA graph"): the layer
+ * capture.c — a decode step that a CUDA graph can hold
+ * (docs/architecture.md, "Capturing a step in a CUDA graph"): the layer
  * calls made while the engine's stream is captured record each layer's
  * device work in a fixed shape and store nothing; a replayed step has its
  * host part done here for every layer at once (kvr_sched_replay_step), then

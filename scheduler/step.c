@@ -34,8 +34,8 @@
  *
  * The device path (a device with memory of its own, an HND pool of plain,
  * K8V4 or K4V2 pages):
- * the host never waits for the device inside a layer call (issue 23;
- * waits.c counts the waits that remain). The device append writes the token
+ * the host never waits for the device inside a layer call (waits.c
+ * counts the waits that remain). The device append writes the token
  * into the tail tile and converts a completed page on the compute stream
  * (the host does the pool's bookkeeping only). The device plan (zero-copy,
  * or streamed without a spill tier) replaces 2-4: the similarity kernel

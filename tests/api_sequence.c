@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * api_sequence.c — seeded random sequences of public API calls, each checked
- * against a reference model this program keeps itself (issue 19, item 2).
+ * against a reference model this program keeps itself.
  *
  * It owns: random valid and invalid configs; a model of every sequence's
  * stored K/V per layer, of the open decode step and of the counters; and the
@@ -43,8 +43,8 @@
 
 /* ------------------------------------------------------------------ library bugs it found */
 
-/* Each case the program exercises that the library once got wrong (issue
- * 19; every one is fixed and has a directed test in its suite). The checks
+/* Each case the program exercises that the library once got wrong (every
+ * one is fixed and has a directed test in its suite). The checks
  * assert the correct behaviour; --skip-known keeps the program from issuing
  * a case (some of them corrupted memory, after which nothing else could be
  * trusted). */

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * fuzz_gguf.c — the fuzz harness for GGUF files, the runner's most exposed
- * input (issue 19): any bytes go to gguf_open_memory, and a file that opens
+ * input: any bytes go to gguf_open_memory, and a file that opens
  * has every accessor of gguf.h called on everything it holds, every byte
  * handed out read (so ASan sees a read out of bounds), and the promises of
  * gguf.h checked against an independent reading; then the two loaders that

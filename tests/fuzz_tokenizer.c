@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * fuzz_tokenizer.c — the fuzz harness for the tokenizer (issue 19): prompts
+ * fuzz_tokenizer.c — the fuzz harness for the tokenizer: prompts
  * are untrusted text, and a GGUF's vocabulary is untrusted too, so an input
  * chooses a vocabulary (one of four built here, or one it spells out itself:
  * tokens, types, merges, bos/eos/unk) and a text, which is encoded with and

@@ -896,7 +896,7 @@ static void summarize_case(struct env *e, uint32_t ci, uint32_t ti)
 CONFORMANCE_CASES(summarize, ARRAY_LEN(page_shapes))
 
 /*
- * Summaries with estimate rows (KVR_SHAPE_ESTIMATES, issue 24): the key
+ * Summaries with estimate rows (KVR_SHAPE_ESTIMATES, the estimate of the pages not retrieved): the key
  * bounds where they are without them, then each head's mean key and mean
  * value (fp32 sums in token order from token 0, over p): bit-exact on every
  * backend, from rows with a padded stride, a column of signed zeros (a
@@ -2044,7 +2044,7 @@ static void attention_case(struct env *e, uint32_t ci, uint32_t ti)
 CONFORMANCE_CASES(attention, ARRAY_LEN(numeric_shapes))
 
 /*
- * Estimate segments (KVR_KV_ESTIMATE, issue 24) beside pages, as the sparse
+ * Estimate segments (KVR_KV_ESTIMATE) beside pages, as the sparse
  * modes' estimate builds them: rows of mean keys and values in a table of
  * summaries with estimate rows (row_stride: a page's summary), each
  * standing for p tokens (ln p on its logit). Items: one estimate row alone

@@ -428,7 +428,7 @@ Test(decode, prefill_attention_is_causal_dense_attention)
 	history_done(&h, ctx);
 }
 
-/* The open step guards its sequences (issue 19): a sequence named by the step
+/* The open step guards its sequences: a sequence named by the step
  * cannot be freed, forked, truncated or prefilled until kvr_decode_end (-EBUSY,
  * nothing changed); a layer decoded twice is refused alone and leaves the step
  * intact; a step ended with a layer never decoded is refused and taken back

@@ -169,7 +169,7 @@ static int prefill_attend(struct kvr_context *ctx, uint64_t seed, uint32_t from,
 	return rc;
 }
 
-/* Prefill attention with the spill tier (issue 22): the sequence's pages come
+/* Prefill attention with the spill tier: the sequence's pages come
  * back from the file as each call needs them. A call whose prefix fits in
  * half the RAM frames reads it in place: outputs bit-identical to a pool in
  * RAM. A longer one streams the pages before its queries through in windows

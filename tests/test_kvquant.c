@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * test_kvquant.c — the quantised page formats of layouts/kvquant.h (issue 9):
+ * test_kvquant.c — the quantised page formats of layouts/kvquant.h:
  * every element dequantises to within half a quantisation step of its input
  * (plus the f16 rounding of the zero point, which only the clamp at either end
  * can add, and the float rounding of s·Q − z), for keys and values of K8V4

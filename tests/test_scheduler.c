@@ -114,7 +114,7 @@ struct opts {
 	uint32_t kv_format;  /* KVR_KV_FORMAT_*: plain unless a test says otherwise */
 	uint64_t ram_pages;  /* > 0: a spill tier with this many pages in RAM */
 	int host_step;       /* the host reads q, k, v and selections (hooks.host_step) */
-	int estimate;        /* config estimate: unselected candidates' estimate (issue 24) */
+	int estimate;        /* config estimate: unselected candidates' estimate */
 };
 
 /* The page format the model attends over (set by run_drift from its opts):
@@ -1502,7 +1502,7 @@ Test(scheduler, streamed_equals_zero_copy_at_budget_32768, .timeout = 240)
 }
 
 /*
- * Issue 24, the estimate of the pages not retrieved: with a budget holding
+ * The estimate of the pages not retrieved: with a budget holding
  * the whole context there is no unselected candidate, the estimate adds
  * nothing, and freekv with it equals dense without it bit for bit; with a
  * budget of sink + window + 8 pages it changes the outputs (so the equality
@@ -1529,7 +1529,7 @@ Test(scheduler, estimate_with_whole_context_budget_equals_dense, .timeout = 240)
 }
 
 /*
- * Issue 24: in every sparse mode, both recalls, every step's output equals
+ * The estimate: in every sparse mode, both recalls, every step's output equals
  * the model's attention over sink + selected pages + window + tail exactly
  * plus each other candidate page as P tokens of its mean key and mean value
  * (ref_attend; the kernels' formula, kernels.h KVR_KV_ESTIMATE), and differs
@@ -2459,7 +2459,7 @@ Test(scheduler, truncate_rewrites_resident_pages, .timeout = 120)
 }
 
 /*
- * Issue 23's measure: the engine thread's host waits for the device per
+ * The device path's promise, measured: the engine thread's host waits for the device per
  * (step, layer) on cudaemu-strict (a device with memory of its own, so the
  * GPU paths run), per mode and recall kind, counted by kvr_stats.host_waits.
  * The table is printed; each count is asserted exactly, so a wait added

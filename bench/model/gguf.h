@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * gguf.h — a read-only reader for GGUF version 3 model files (ggml's
- * docs/gguf.md), as used by the real-model runner (issue 7).
+ * docs/gguf.md), as used by the real-model runner.
  *
  * The file is memory-mapped (or handed in as memory) and validated completely
  * at open: every length, count, type, shape and offset is checked against the

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: MIT
 #
 # llama_side_by_side.sh — kvrecall's decode against llama.cpp's on the same
-# GGUF and the same number of threads, back to back (issue 21).
+# GGUF and the same number of threads, back to back.
 #
 # llama.cpp is the one vendored in the llama-cpp-python sdist the tests'
 # fixtures came from (tests/data/model/make_logits.py). The sdist is fetched

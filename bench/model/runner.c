@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -84,6 +85,52 @@ static double now_s(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A progress line on stderr. On a terminal it is rewritten in place (and
+ * progress_end closes it with a newline); on a pipe or a file, where carriage
+ * returns and escape codes would land in the log as they are, each update is
+ * a plain line of its own, at most one every PROGRESS_FILE_S seconds. */
+#define PROGRESS_FILE_S 10.0
+
+struct progress {
+	int tty, shown;
+	double last;
+};
+
+static void progress_init(struct progress *p)
+{
+	p->tty = isatty(STDERR_FILENO);
+	p->shown = 0;
+	p->last = -1e30;
+}
+
+static void progress_printf(struct progress *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void progress_printf(struct progress *p, const char *fmt, ...)
+{
+	if (!p->tty) {
+		const double now = now_s();
+		if (now - p->last < PROGRESS_FILE_S)
+			return;
+		p->last = now;
+	}
+	va_list ap;
+	va_start(ap, fmt);
+	if (p->tty)
+		fputs("\r\033[2K", stderr);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	if (!p->tty)
+		fputc('\n', stderr);
+	fflush(stderr);
+	p->shown = 1;
+}
+
+static void progress_end(struct progress *p)
+{
+	if (p->tty && p->shown)
+		fputc('\n', stderr);
+	p->shown = 0;
 }
 
 /* An on|off option's value into *out (1 or 0); 0, or 2 (usage) after a message. */
@@ -565,17 +612,22 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 	double t0 = now_s();
 	/* prefill in slices, for a progress line */
 	const uint32_t slice = 512;
+	struct progress prog;
+	progress_init(&prog);
 	for (size_t at = 0; !rc && at < n_prompt; at += slice) {
 		const uint32_t c = n_prompt - at < slice ? (uint32_t)(n_prompt - at) : slice;
 		rc = model_prefill(m, ctx, seq, prompt + at, c, at, at + c == n_prompt ? logits : NULL, err,
 				   sizeof(err));
 		if (!o->quiet)
-			fprintf(stderr, "\rprefill %zu/%zu tokens, %.0f tokens/s", at + c, n_prompt,
-				(double)(at + c) / (now_s() - t0));
+			progress_printf(&prog, "prefill %zu/%zu tokens, %.0f tokens/s", at + c, n_prompt,
+					(double)(at + c) / (now_s() - t0));
 	}
 	st->prefill_s = now_s() - t0;
-	if (!o->quiet)
-		fprintf(stderr, "\n");
+	if (!o->quiet) {
+		progress_end(&prog);
+		if (!prog.tty) /* the last slice's line, if the rate limit held it back */
+			fprintf(stderr, "prefill %zu tokens in %.1f s\n", n_prompt, st->prefill_s);
+	}
 	struct tok_stream ts;
 	tok_stream_init(&ts, 0);
 	char piece[1024];
@@ -633,7 +685,8 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 			last_attn = attn;
 			last_n = n;
 		}
-		if (!o->quiet && stream && n % 32 == 0)
+		/* on a terminal only: in a file it would land inside the answer */
+		if (!o->quiet && stream && n % 32 == 0 && prog.tty)
 			fprintf(stderr, "\r\033[2K[%zu tokens, %.1f tokens/s]\r", n, (double)n / (now_s() - t0));
 	}
 	if (stream && !tok_stream_flush(&ts, piece, sizeof(piece), &plen))
@@ -933,6 +986,8 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, uint3
 	r->kv_format = kv_format;
 	r->estimate = mode == KVR_MODE_DENSE ? 0 : o->estimate;
 	const double t0 = now_s();
+	struct progress prog;
+	progress_init(&prog);
 	rc = logits ? kvr_seq_create(ctx, &seq) : -ENOMEM;
 	if (!rc)
 		rc = model_prefill(m, ctx, seq, ids, prefill, 0, logits, err, sizeof(err));
@@ -952,12 +1007,12 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, uint3
 		if (pos + 1 < n)
 			rc = model_decode(m, ctx, seq, ids[pos], pos, logits, err, sizeof(err));
 		if (!o->quiet && (pos - prefill) % 64 == 63)
-			fprintf(stderr, "\r%-11s%s %u/%u positions, ppl %.3f", kvr_mode_name(mode),
-				r->estimate ? " +estimate" : "",
-				pos - prefill + 1, n - prefill, exp(r->nll / (double)r->positions));
+			progress_printf(&prog, "%-11s%s %u/%u positions, ppl %.3f", kvr_mode_name(mode),
+					r->estimate ? " +estimate" : "", pos - prefill + 1, n - prefill,
+					exp(r->nll / (double)r->positions));
 	}
 	if (!o->quiet)
-		fprintf(stderr, "\n");
+		progress_end(&prog);
 	r->seconds = now_s() - t0;
 	r->decode_seconds = now_s() - t_decode;
 	r->decode_attn_ns = model_attention_ns(m, 0) - attn0;
