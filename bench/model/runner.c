@@ -691,8 +691,10 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 	}
 	if (stream && !tok_stream_flush(&ts, piece, sizeof(piece), &plen))
 		fwrite(piece, 1, plen, stdout);
-	if (stream)
+	if (stream) { /* ended before the statistics on stderr, in a shared log too */
 		fputc('\n', stdout);
+		fflush(stdout);
+	}
 	st->decode_s = now_s() - t0;
 	st->generated = n;
 	st->prefill_attn_ns = model_attention_ns(m, 1) - a0;
