@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * step.c — the decode step of DESIGN.md per (sequence, layer), on the
- * engine's thread: one layer call for a batch, failed sequences' bookkeeping,
- * and the step's end. Selection is select.c, the segments attention reads
+ * engine's thread: one layer call for a batch and its host path, failed
+ * sequences' bookkeeping, and the step's end. The append of the tokens is
+ * step_append.c, the device plan step_device.c (what they share with this
+ * file: step_impl.h). Selection is select.c, the segments attention reads
  * segments.c, lanes' lifecycle lanes.c, prefill attention prefill.c, the
  * scheduler's own lifecycle sched.c.
  *
@@ -54,8 +56,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "sched_impl.h"
-static void zero_output(struct kvr_sched *s, void *out_row);
+#include "step_impl.h"
 
 /* The step of `seq` failed at `layer` for `reason`: its later layers fail
  * too, and step_end takes back what its earlier layers appended. The reason
@@ -84,8 +85,8 @@ void kvr_sched_mark_failed(struct kvr_sched *s, uint32_t seq, uint32_t layer, ui
 /* A sequence's step failed after the lanes were acquired: zeros for its
  * output, the reason kept (mark_failed) and counted, its lane to start
  * afresh. `reason` NULL: the spill tier's read error `err`. */
-static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
-			  const char *reason, unsigned char *out)
+void kvr_step_fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, uint64_t position, int err,
+			    const char *reason, unsigned char *out)
 {
 	struct kvr_lane *lane = lane_of(s, seq, layer);
 	if (!reason)
@@ -93,14 +94,13 @@ static void fail_sequence(struct kvr_sched *s, uint32_t seq, uint32_t layer, uin
 			 : err == -EIO	 ? "reading a page from the spill file failed"
 					 : kvr_strerror(err);
 	kvr_sched_mark_failed(s, seq, layer, position, err, reason);
-	zero_output(s, out);
+	kvr_step_zero_output(s, out);
 	count(s, seq, KVR_C_FAILED_DECODES, 1);
 	lane->has_prev = 0;
 	if (lane->slot_page)
 		for (uint32_t j = 0; j < s->c.n_kv_heads * s->k; j++)
 			lane->slot_page[j] = -1;
 }
-
 
 /* Step end: every layer of a failed sequence back at its step's position. */
 static void settle_failed(struct kvr_sched *s)
@@ -132,32 +132,13 @@ static void settle_failed(struct kvr_sched *s)
 
 /* ------------------------------------------------------------------ one layer */
 
-enum seq_kind {
-	SEQ_FAILED = 0,
-	SEQ_DENSE,     /* dense path */
-	SEQ_SPARSE,    /* sparse, nothing corrected */
-	SEQ_CORRECTED, /* sparse, some heads corrected */
-};
-
-/* The engine's view of one batch entry during a layer call. */
-struct entry {
-	uint32_t kind;
-	uint32_t any_corrected;
-	uint64_t n_tokens;
-	uint32_t seq;
-	uint32_t checked; /* device plan: the device flagged its heads (step_end tallies) */
-	uint32_t first_plan; /* device plan, streamed: its first plan item (recall counts) */
-	uint32_t planned;    /* ... it has n_kv plan items */
-	uint32_t all_corrected; /* device plan: every head selected with q_i */
-};
-
 /* Wait (streamed recall) until the lane's latest recall is complete before
  * attention reads its slots: a stream wait on the compute stream. A GPU
  * honours it on the device; a host-synchronous compute stream (cpu, cudaemu)
  * by blocking the engine, which is measured here as a recall wait. That block
  * emulates the device's order and is no host wait of the scheduler's
  * (waits.c). */
-static int wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correction)
+int kvr_step_wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correction)
 {
 	if (s->recall != KVR_RECALL_STREAMED)
 		return 0;
@@ -181,10 +162,10 @@ static int wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correctio
  * The items and segments sit in the host view of the layer's scratch `ls`;
  * segments from seg_begin on are this call's (they reach the kernels' view
  * first). */
-static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scratch *ls,
-			 const struct kvr_attention_item *items, uint32_t n_items,
-			 const struct kvr_kv_segment *segs, uint32_t seg_begin, uint32_t n_segs,
-			 struct kvr_lane **lanes, uint32_t n_lanes, int uploaded)
+int kvr_step_run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scratch *ls,
+			   const struct kvr_attention_item *items, uint32_t n_items,
+			   const struct kvr_kv_segment *segs, uint32_t seg_begin, uint32_t n_segs,
+			   struct kvr_lane **lanes, uint32_t n_lanes, int uploaded)
 {
 	if (!n_items)
 		return 0;
@@ -216,49 +197,12 @@ static int run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scrat
 }
 
 /* A failed sequence's output rows: zeros, after the attention queued before. */
-static void zero_output(struct kvr_sched *s, void *out_row)
+void kvr_step_zero_output(struct kvr_sched *s, void *out_row)
 {
 	kvr_dev_memcpy_async(s->dev, out_row, s->eng.zero_row, s->q_row, KVR_COPY_H2D, s->compute);
 }
 
 /* One layer call's state, shared by its phases (engine thread). */
-struct layer_call {
-	struct kvr_sched *s;
-	uint32_t layer, batch;
-	const uint32_t *seqs;
-	const uint64_t *positions;
-	void *out;
-	int32_t *status;
-	struct kvr_trace *tr;
-	uint64_t t_enter;
-	uint32_t n_kv, kk;
-	uint64_t q_row, kv_row, head_q_bytes;
-	/* q_dev feeds kernels; q_host, k_host, v_host the host's own work
-	 * (NULL with a device append) */
-	const unsigned char *q_dev, *k_dev, *v_dev, *q_host, *k_host, *v_host;
-	/* the device appends the tokens (append_on_device), the host never
-	 * reads q, k, v */
-	int device_append;
-	uint32_t max_pages; /* full pages of the longest sequence after the append */
-	/* the layer's scratch (kvr_sched.scratch[layer]) carved by layer_scratch */
-	struct layer_scratch *ls;
-	struct kvr_attention_item *items;
-	struct kvr_kv_segment *segs;
-	struct entry *e;
-	float *cosine;
-	uint8_t *corrected;        /* [batch][n_kv] */
-	struct kvr_lane **att_lanes; /* lanes whose attention is queued */
-	struct kvr_append_item *appends; /* [batch] device append: the tokens, pages they complete */
-	/* the device plan's kernel items */
-	struct kvr_similarity_item *sims;   /* [batch] */
-	struct kvr_score_item *score_items; /* [batch] */
-	struct kvr_plan_item *plans;        /* [batch][n_kv] */
-	uint32_t n_plans;
-	struct kvr_scatter_item *plan_scatter; /* [batch][n_kv][k] streamed: the misses' moves */
-	uint32_t *recall_counts;            /* [batch][n_kv][2] streamed: misses, hits */
-	uint32_t n_items, n_segs, n_att, n_appends, n_filled;
-	int append_error; /* queue_appends could not queue its kernel */
-};
 
 /* Order the layer's work after the engine's stream and give the host its
  * view of q, k, v (the append and the previous query are host work). */
@@ -307,131 +251,11 @@ fail:
 	return err;
 }
 
-/* The device append of entry i's token (lc->device_append): the pool's
- * bookkeeping on the host, and an append item (queue_appends) that copies
- * the rows from the engine's k and v into the tail tile and converts a page
- * the token completes. The host touches no data, so it waits for nothing.
- * On failure *why says why and nothing of the entry was queued. */
-static int append_on_device(struct layer_call *lc, uint32_t i, const struct kvr_tail_tile *tail,
-			    const char **why)
-{
-	struct kvr_sched *s = lc->s;
-	const uint32_t seq = lc->seqs[i];
-	struct kvr_pool_fill fill;
-	int err = kvr_pool_append_token(s->pool, seq, lc->layer, lc->positions[i], &fill);
-	if (err) {
-		*why = kvr_pool_last_error(s->pool);
-		return err;
-	}
-	if (fill.page && s->spill) { /* pinned by the pool until the device has written it */
-		err = kvr_sched_hold_pin(s, fill.id);
-		if (err) {
-			kvr_pool_unpin_live(s->pool, &fill.id, 1);
-			kvr_pool_truncate(s->pool, seq, lc->layer, lc->positions[i]);
-			*why = "out of memory for the step's pins";
-			return err;
-		}
-	}
-	lc->appends[lc->n_appends++] = (struct kvr_append_item){
-		.k_row = lc->k_dev + i * lc->kv_row,
-		.v_row = lc->v_dev + i * lc->kv_row,
-		.k_tile = tail->keys,
-		.v_tile = tail->values,
-		.hnd_page = fill.page,
-		.summary = fill.page ? fill.summary : NULL,
-		.row = (uint32_t)(lc->positions[i] % s->c.page_tokens),
-		.row_stride = s->c.n_kv_heads * s->c.head_dim,
-		.format = s->kv_format,
-	};
-	lc->n_filled += fill.page != NULL;
-	return 0;
-}
-
-/* The layer's tokens into their tail tiles and the pages they complete into
- * the pool (HND page and key summary: kvr_pool_write_page's work, on the
- * device), one kernel on the compute stream before any attention reads
- * them. A failure here is the device's: the layer fails (the pool's counts
- * go back with the step, step_end). */
-static void queue_appends(struct layer_call *lc)
-{
-	struct kvr_sched *s = lc->s;
-	const size_t bytes = lc->n_appends * sizeof(*lc->appends);
-	int err = kvr_mirror_to_device(s->dev, &lc->ls->m, lc->appends, bytes, s->compute);
-	if (!err)
-		err = kvr_dev_append(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->appends), lc->n_appends,
-				     s->compute);
-	/* the engine's own stream (the host path's corrections select on it)
-	 * reads the new pages' summaries: it waits for them on the device */
-	if (!err && lc->n_filled)
-		err = kvr_dev_event_record(s->dev, s->eng.appended, s->compute);
-	if (!err && lc->n_filled)
-		err = kvr_dev_stream_wait_event(s->dev, s->engine_inline, s->eng.appended);
-	if (err)
-		lc->append_error = err;
-}
-
-/* 1. Acquire the lanes, append the tokens; a sequence that fails here gets
- * its status, zeros, and no further work this layer. */
-static void layer_append(struct layer_call *lc)
-{
-	struct kvr_sched *s = lc->s;
-	const uint32_t layer = lc->layer;
-	for (uint32_t i = 0; i < lc->batch; i++) {
-		const uint32_t seq = lc->seqs[i];
-		unsigned char *out_row = (unsigned char *)lc->out + i * lc->q_row;
-		struct kvr_lane *lane = lane_of(s, seq, layer);
-		const uint64_t waited = kvr_lane_acquire(s, lane);
-		if (waited) {
-			count(s, seq, KVR_C_CONTROLLER_WAITS, 1);
-			count(s, seq, KVR_C_CONTROLLER_WAIT_NS, waited);
-			if (lc->tr)
-				kvr_trace_span(lc->tr, "wait controller", KVR_TRACK_ENGINE, seq, layer, 0,
-					       kvr_now_ns() - waited, kvr_now_ns());
-		}
-		kvr_importance_harvest(s, lane); /* before this step overwrites its lse */
-		if (s->eng.step_fail[seq]) { /* an earlier layer of this step failed it */
-			lc->status[i] = s->eng.step_fail[seq];
-			zero_output(s, out_row);
-			count(s, seq, KVR_C_FAILED_DECODES, 1);
-			continue;
-		}
-		if (lane->recall_error) {
-			/* the recall this step would attend over could not read its pages
-			 * from the spill file: fail this sequence's step, append nothing;
-			 * the lane recalls afresh at its next step */
-			lc->status[i] = lane->recall_error;
-			lane->recall_error = 0;
-			fail_sequence(s, seq, layer, lc->positions[i], lc->status[i], NULL, out_row);
-			continue;
-		}
-		struct kvr_tail_tile tail = { s->tails[seq] + (uint64_t)layer * 2 * s->tile_bytes,
-					      s->tails[seq] + ((uint64_t)layer * 2 + 1) * s->tile_bytes };
-		const char *why = NULL;
-		if (lc->device_append) {
-			lc->status[i] = append_on_device(lc, i, &tail, &why);
-		} else {
-			lc->status[i] = kvr_pool_ingest(s->pool, seq, layer, lc->positions[i], 1,
-							lc->k_host + i * lc->kv_row,
-							lc->v_host + i * lc->kv_row, &tail);
-			why = kvr_pool_last_error(s->pool);
-		}
-		if (lc->status[i]) {
-			zero_output(s, out_row);
-			count(s, seq, KVR_C_FAILED_DECODES, 1);
-			kvr_sched_mark_failed(s, seq, layer, lc->positions[i], lc->status[i], why);
-			continue;
-		}
-		lane->appended_step = s->eng.step_serial;
-	}
-	if (lc->n_appends)
-		queue_appends(lc);
-}
-
 /* The layer scratch's regions for a layer call of `batch` sequences of up
  * to max_pages full pages: offsets into off[], the total returned. What the
  * device plan's kernels read comes first and in one run (appends, sims,
  * score items, plans, items, segments), so that one copy uploads it
- * (attend_on_device); then what only the host reads or the kernels write. */
+ * (kvr_step_attend_on_device); then what only the host reads or the kernels write. */
 enum { APPENDS, SIMS, SCORE_ITEMS, PLANS, ITEMS, SEGS, ENTRIES, COSINE, CORRECTED, ATT_LANES, PLAN_SCATTER,
        RECALL_COUNTS, N_REGIONS };
 static size_t scratch_layout(const struct kvr_sched *s, uint32_t batch, uint32_t max_pages, size_t off[N_REGIONS])
@@ -541,8 +365,8 @@ static int check_similarity(struct layer_call *lc, uint32_t i, struct kvr_lane *
  * selects with q_i (blocking, a lane's first sparse step) and `*check` where
  * freekv checks the heads first. Neither is set with nothing to select
  * (k = 0: sinks and window only). */
-static uint32_t start_entry(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, int *select_all,
-			    int *check)
+uint32_t kvr_step_start_entry(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, int *select_all,
+			      int *check)
 {
 	const struct kvr_config *c = &lc->s->c;
 	struct entry *e = &lc->e[i];
@@ -571,7 +395,7 @@ static int layer_corrections(struct layer_call *lc)
 		struct kvr_lane *lane = lane_of(s, lc->seqs[i], lc->layer);
 		uint8_t *corr = lc->corrected + (uint64_t)i * lc->n_kv;
 		int all, check;
-		if (start_entry(lc, i, lane, &all, &check) != SEQ_SPARSE)
+		if (kvr_step_start_entry(lc, i, lane, &all, &check) != SEQ_SPARSE)
 			continue;
 		if (all) {
 			memset(corr, 1, lc->n_kv);
@@ -593,8 +417,8 @@ static int layer_corrections(struct layer_call *lc)
  * lane's selection; `first_err` (an urgent recall's failure) fails it at
  * once. On failure nothing of entry i stays queued (items, segments, pins)
  * and the error is returned for the caller to fail the sequence. */
-static int queue_items(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, int dense,
-		       int slots, const int32_t *now_sel, const uint8_t *corr, int first_err)
+int kvr_step_queue_items(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, int dense,
+			 int slots, const int32_t *now_sel, const uint8_t *corr, int first_err)
 {
 	struct kvr_sched *s = lc->s;
 	const uint32_t items_before = lc->n_items, segs_before = lc->n_segs, kk = lc->kk;
@@ -638,17 +462,17 @@ static int attend_uncorrected(struct layer_call *lc)
 		const int dense = lc->e[i].kind == SEQ_DENSE;
 		const int slots = !dense && lc->kk && s->recall == KVR_RECALL_STREAMED;
 		if (slots)
-			err = wait_recall(s, lane, 0);
-		const int seg_err = queue_items(lc, i, lane, dense, slots, NULL, NULL, 0);
+			err = kvr_step_wait_recall(s, lane, 0);
+		const int seg_err = kvr_step_queue_items(lc, i, lane, dense, slots, NULL, NULL, 0);
 		if (seg_err)
-			fail_sequence(s, lc->seqs[i], lc->layer, lc->positions[i], seg_err,
-				      s->last_error, (unsigned char *)lc->out + i * lc->q_row);
+			kvr_step_fail_sequence(s, lc->seqs[i], lc->layer, lc->positions[i], seg_err,
+					       s->last_error, (unsigned char *)lc->out + i * lc->q_row);
 		else
 			count(s, lc->seqs[i], KVR_C_DENSE_DECODES, (uint64_t)dense);
 	}
 	if (!err)
-		err = run_attention(s, lc->layer, lc->ls, lc->items, lc->n_items, lc->segs, 0,
-				    lc->n_segs, lc->att_lanes, lc->n_att, 0);
+		err = kvr_step_run_attention(s, lc->layer, lc->ls, lc->items, lc->n_items, lc->segs, 0,
+					     lc->n_segs, lc->att_lanes, lc->n_att, 0);
 	return err;
 }
 
@@ -691,7 +515,7 @@ static int attend_corrected(struct layer_call *lc)
 			lane->job = LANE_JOB_RECALL;
 			kvr_controller_post(s, lane, 1);
 			kvr_lane_acquire(s, lane);
-			err = wait_recall(s, lane, 1);
+			err = kvr_step_wait_recall(s, lane, 1);
 			kvr_sched_count_host_wait(s, seq, layer, "wait urgent recall planning", t1,
 						  kvr_now_ns());
 			if (lc->tr)
@@ -702,313 +526,18 @@ static int attend_corrected(struct layer_call *lc)
 		count(s, seq, KVR_C_CORRECTION_WAIT_NS, kvr_now_ns() - t0);
 		const int recall_err = lane->recall_error; /* the urgent recall failed */
 		lane->recall_error = 0;
-		const int seg_err = queue_items(lc, i, lane, 0, s->recall == KVR_RECALL_STREAMED,
-						now_sel, corr, recall_err);
+		const int seg_err = kvr_step_queue_items(lc, i, lane, 0, s->recall == KVR_RECALL_STREAMED,
+							 now_sel, corr, recall_err);
 		if (seg_err)
-			fail_sequence(s, seq, layer, lc->positions[i], seg_err,
-				      recall_err ? s->urgent_message : s->last_error,
-				      (unsigned char *)lc->out + i * lc->q_row);
+			kvr_step_fail_sequence(s, seq, layer, lc->positions[i], seg_err,
+					       recall_err ? s->urgent_message : s->last_error,
+					       (unsigned char *)lc->out + i * lc->q_row);
 	}
 	if (!err)
-		err = run_attention(s, layer, lc->ls, lc->items + first_item,
-				    lc->n_items - first_item, lc->segs, first_seg, lc->n_segs,
-				    lc->att_lanes + first_att, lc->n_att - first_att, 0);
+		err = kvr_step_run_attention(s, layer, lc->ls, lc->items + first_item,
+					     lc->n_items - first_item, lc->segs, first_seg, lc->n_segs,
+					     lc->att_lanes + first_att, lc->n_att - first_att, 0);
 	return err;
-}
-
-/* The device plan's scores scratch holds `floats`; a smaller one is replaced
- * (the old one may still be read by an earlier layer's kernels: freed at the
- * step's end). */
-static int plan_scores_fit(struct kvr_sched *s, size_t floats)
-{
-	if (s->eng.plan_scores_bytes >= floats * sizeof(float))
-		return 0;
-	void *old = s->eng.plan_scores;
-	const size_t grown = kvr_grown_bytes(s->eng.plan_scores_bytes, floats * sizeof(float));
-	s->eng.plan_scores = NULL;
-	s->eng.plan_scores_bytes = 0;
-	int err = kvr_scratch_grow(s->dev, (void **)&s->eng.plan_scores, &s->eng.plan_scores_bytes, grown);
-	if (old)
-		kvr_sched_defer_free(s, old, 0);
-	return err;
-}
-
-struct kvr_plan_item kvr_sched_plan_item(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
-					 uint64_t n_tokens, struct kvr_attention_item *attention,
-					 struct kvr_kv_segment *segments, uint32_t n_head, uint32_t n_tail,
-					 const int32_t *now, const uint8_t *corr, const uint64_t *addrs,
-					 uint32_t n_addrs, const unsigned char *q_head)
-{
-	const uint32_t kk = s->k, p = s->c.page_tokens;
-	const uint32_t sink = s->c.sink_tokens / p, win_first = kvr_window_first(&s->c, n_tokens);
-	const uint64_t run = (uint64_t)m * s->head_bytes, head_q = (uint64_t)s->G * s->c.head_dim * s->eb;
-	return (struct kvr_plan_item){
-		.attention = attention,
-		.segments = segments,
-		.selected = lane->selected + (uint64_t)m * kk,
-		.corrected_sel = now ? now + (uint64_t)m * kk : NULL,
-		.corrected = corr ? corr + m : NULL,
-		.page_addr = addrs,
-		.addr_end = addrs ? n_addrs : 0,
-		.k_offset = run,
-		/* quantised: one run from k (kernels.h, attention) */
-		.v_offset = s->kv_format ? UINT64_MAX : run + (uint64_t)p * s->c.head_dim * s->eb,
-		.n_head = n_head,
-		.n_tail = n_tail,
-		.k = kk,
-		.sel_begin = sink,
-		.sel_end = win_first > sink ? win_first : sink,
-		.seg_tokens = p,
-		.seg_row = s->kv_format ? 0 : s->c.head_dim, /* quantised: first_row */
-		.seg_head_stride = s->kv_format ? (uint32_t)s->head_bytes : 0,
-		.seg_format = s->kv_format,
-		.q_from = q_head,
-		.q_to = q_head ? (unsigned char *)lane->prev_q + m * head_q : NULL,
-		.q_bytes = (uint32_t)head_q,
-	};
-}
-
-/* Entry i's attention items on the device plan, one per KV head: the
- * segments around the selected pages built here, the selected pages' by the
- * plan kernel from the lane's selection, or from `now` (this step's) where
- * `corr` flags the head, or for every head when `corr` is NULL and `now` is
- * not. */
-static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, const int32_t *now,
-			  const uint8_t *corr, const uint64_t *addrs, uint32_t n_addrs)
-{
-	struct kvr_sched *s = lc->s;
-	const uint32_t kk = lc->kk;
-	const uint64_t n_tokens = lc->e[i].n_tokens;
-	const unsigned char *qi = lc->q_dev + i * lc->q_row;
-	unsigned char *out_row = (unsigned char *)lc->out + i * lc->q_row;
-	const int streamed = s->recall == KVR_RECALL_STREAMED;
-	lc->e[i].first_plan = lc->n_plans;
-	lc->e[i].planned = 1;
-	for (uint32_t m = 0; m < lc->n_kv; m++) {
-		int seg_err = 0; /* no spill tier here: nothing to pin */
-		uint32_t n_head = 0, n_tail = 0;
-		const uint32_t first = lc->n_segs;
-		lc->n_segs += kvr_sched_build_planned(s, lane, m, n_tokens, lc->segs + first, &n_head, &n_tail,
-						      &seg_err);
-		struct kvr_attention_item *item = &lc->items[lc->n_items++];
-		*item = (struct kvr_attention_item){ qi + m * lc->head_q_bytes, out_row + m * lc->head_q_bytes,
-						     NULL, first, n_head + n_tail };
-		/* the lane keeps q_i for the next step (post_next_step) */
-		lc->plans[lc->n_plans++] = kvr_sched_plan_item(
-			s, lane, m, n_tokens, kvr_mirror_dev_at(&lc->ls->m, item),
-			kvr_mirror_dev_at(&lc->ls->m, lc->segs + first), n_head, n_tail, now, corr, addrs, n_addrs,
-			kk && lc->device_append ? qi + m * lc->head_q_bytes : NULL);
-		if (streamed) { /* the slots: planned, and the misses moved, on the device */
-			struct kvr_plan_item *pl = &lc->plans[lc->n_plans - 1];
-			const uint64_t at = (uint64_t)(lc->n_plans - 1);
-			pl->seg_row = lc->n_kv * s->c.head_dim;
-			pl->v_offset = UINT64_MAX; /* the run's keys and values: the scatter's */
-			pl->slot_col = m * s->c.head_dim * s->eb;
-			pl->slot_page = lane->slot_page + (uint64_t)m * kk;
-			pl->scatter = kvr_mirror_dev_at(&lc->ls->m, lc->plan_scatter + at * kk);
-			pl->recall_count = lc->recall_counts + 2 * at;
-			pl->slot_k = lane->slot_k;
-			pl->slot_v = lane->slot_v;
-			pl->tile_bytes = s->tile_bytes;
-			pl->kv_head = m;
-		}
-	}
-	lc->att_lanes[lc->n_att++] = lane;
-	count(s, lc->seqs[i], KVR_C_LAYER_DECODES, 1);
-}
-
-/*
- * 2-4 on the device plan (s->device_plan: a device with memory of its own,
- * zero-copy recall, or streamed with plain pages and no spill tier): the
- * host decides only what it knows
- * without reading the device — dense or sparse, and which sparse entries
- * select with q_i on every head (blocking, a lane's first sparse step) or
- * check first (freekv). Then, on the compute stream in one pass for the
- * batch: the similarity kernel flags each checked head; score and select
- * with q_i (gated by those flags: they run only where a head was flagged)
- * into now_sel; the plan kernel builds each item's selected-page segments
- * from now_sel where flagged, else from the lane's selection; attention.
- * Nothing is read back: step_end tallies the flags once the step is done.
- * Outputs equal the host path's bit for bit where the attention calls group
- * the same items (the host path attends corrected sequences in a second
- * call).
- */
-static int attend_on_device(struct layer_call *lc)
-{
-	struct kvr_sched *s = lc->s;
-	const struct kvr_config *c = &s->c;
-	const uint32_t n_kv = lc->n_kv, kk = lc->kk, layer = lc->layer;
-	uint32_t n_sims = 0, n_scores = 0;
-	size_t scores_used = 0;
-	int err = plan_scores_fit(s, (size_t)lc->batch * n_kv * (lc->max_pages + 1));
-	if (err) {
-		snprintf(s->last_error, sizeof(s->last_error), "out of device memory for the selections' scores");
-		return err;
-	}
-	lc->n_plans = 0;
-	for (uint32_t i = 0; i < lc->batch; i++) {
-		struct entry *e = &lc->e[i];
-		const uint32_t seq = lc->seqs[i];
-		struct kvr_lane *lane = lane_of(s, seq, layer);
-		int all, check;
-		const uint32_t kind = start_entry(lc, i, lane, &all, &check);
-		if (kind == SEQ_FAILED)
-			continue;
-		if (kind == SEQ_DENSE) {
-			const int seg_err = queue_items(lc, i, lane, 1, 0, NULL, NULL, 0);
-			if (seg_err)
-				fail_sequence(s, seq, layer, lc->positions[i], seg_err, s->last_error,
-					      (unsigned char *)lc->out + i * lc->q_row);
-			else
-				count(s, seq, KVR_C_DENSE_DECODES, 1);
-			continue;
-		}
-		const unsigned char *qi = lc->q_dev + i * lc->q_row;
-		uint8_t *corr = lc->corrected + (uint64_t)i * n_kv; /* mapped: the device writes it */
-		int32_t *now = (all || check) ? s->eng.now_sel + (uint64_t)i * n_kv * kk : NULL;
-		if (check) {
-			lc->sims[n_sims++] = (struct kvr_similarity_item){
-				qi, lane->prev_q, lc->cosine + (uint64_t)i * n_kv, corr };
-			e->checked = 1;
-			count(s, seq, KVR_C_CHECKED_HEADS, n_kv);
-		}
-		if (now) {
-			size_t need = 0;
-			struct kvr_score_item *si = &lc->score_items[n_scores];
-			err = kvr_select_item(s, lane, qi, e->n_tokens, c->mode != KVR_MODE_BLOCKING, now,
-					      s->eng.plan_scores + scores_used,
-					      s->eng.plan_scores_bytes / sizeof(float) - scores_used, &need,
-					      s->compute, si);
-			if (err == -ENODATA) { /* no summaries: nothing selected */
-				for (uint32_t x = 0; x < n_kv * kk; x++)
-					now[x] = -1;
-				err = 0;
-			} else if (!err) {
-				si->gate = check ? corr : NULL;
-				scores_used += need;
-				n_scores++;
-			} else {
-				snprintf(s->last_error, sizeof(s->last_error), "selection: %s",
-					 err == -ENOMEM ? "out of device memory for the summaries"
-							: "scores scratch too small (bug)");
-				return err;
-			}
-			if (all) { /* it runs: counted now (a checked one at step_end) */
-				count(s, seq, KVR_C_SELECTIONS, 1);
-				count(s, seq, KVR_C_CORRECTION_WAITS, 1);
-			}
-		}
-		/* every page a selection may name: the correction's serves step
-		 * i+1, whose candidates reach one page further (streamed recalls
-		 * whatever is selected) */
-		const uint32_t n_addrs = kvr_window_first(c, e->n_tokens + 1);
-		const uint64_t *addrs = kvr_resident_page_addrs(s, lane, n_addrs);
-		if (!addrs && n_addrs) {
-			snprintf(s->last_error, sizeof(s->last_error), "out of memory for the page table");
-			return -ENOMEM;
-		}
-		/* streamed: the lane's latest recall (the controller's) lands
-		 * before the plan reads its slot table (a stream wait) */
-		if (s->recall == KVR_RECALL_STREAMED && (err = wait_recall(s, lane, 0))) {
-			snprintf(s->last_error, sizeof(s->last_error), "ordering the lane's recall: %s",
-				 kvr_dev_last_error(s->dev));
-			return err;
-		}
-		/* the lane's selection for this step, which the controller issued
-		 * without waiting for it (on the device plan its selector is
-		 * asynchronous, sched.c): a stream wait. Also where this step
-		 * selects afresh (`all`) after an older job no step waited for
-		 * (the lane went dense between): that selection reads prev_q and,
-		 * streamed, its prefetch writes the slots, both of which this
-		 * layer's plan rewrites */
-		if (!all || lane->sel_unwaited) {
-			if ((err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done))) {
-				snprintf(s->last_error, sizeof(s->last_error), "ordering the lane's selection: %s",
-					 kvr_dev_last_error(s->dev));
-				return err;
-			}
-			lane->sel_unwaited = 0;
-		}
-		e->all_corrected = (uint32_t)all;
-		queue_planned(lc, i, lane, now, check ? corr : NULL, addrs, n_addrs);
-	}
-	/* everything the kernels read, in one copy (layer_scratch lays it out
-	 * as one run, sims to the last segment), then the kernels, in order on
-	 * compute */
-	if (!err)
-		err = kvr_mirror_to_device(s->dev, &lc->ls->m, lc->sims,
-					   (size_t)((const unsigned char *)(lc->segs + lc->n_segs) -
-						    (const unsigned char *)lc->sims),
-					   s->compute);
-	if (!err && n_sims)
-		err = kvr_dev_similarity(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->sims), n_sims,
-					 s->compute);
-	const struct kvr_score_item *score_dev = kvr_mirror_dev_at(&lc->ls->m, lc->score_items);
-	if (!err && n_scores)
-		err = kvr_dev_score(s->dev, &s->shape, score_dev, n_scores, s->compute);
-	if (!err && n_scores)
-		err = kvr_dev_select(s->dev, &s->shape, score_dev, n_scores, s->compute);
-	if (!err && lc->n_plans)
-		err = kvr_dev_plan(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->plans), lc->n_plans,
-				   s->compute);
-	if (!err && lc->n_plans && s->recall == KVR_RECALL_STREAMED) /* the misses, pool -> slots */
-		err = kvr_dev_scatter(s->dev, &s->shape, kvr_mirror_dev_at(&lc->ls->m, lc->plan_scatter),
-				      lc->n_plans * kk, s->compute);
-	if (err) {
-		snprintf(s->last_error, sizeof(s->last_error), "the layer's selections: %s",
-			 kvr_dev_last_error(s->dev));
-		return err;
-	}
-	err = run_attention(s, layer, lc->ls, lc->items, lc->n_items, lc->segs, 0, lc->n_segs, lc->att_lanes,
-			    lc->n_att, 1);
-	if (!err && lc->n_plans) /* the flags and recall counts, once the step is done */
-		s->eng.tally[layer] = (struct plan_tally){ lc->e, lc->corrected, lc->recall_counts, lc->batch };
-	return err;
-}
-
-/* The device plan's flags of every layer of the step, now that its work is
- * done: the corrections' statistics the host path counts as it goes. */
-static void tally_plans(struct kvr_sched *s)
-{
-	const uint32_t n_kv = s->c.n_kv_heads;
-	for (uint32_t l = 0; l < s->c.n_layers; l++) {
-		struct plan_tally *t = &s->eng.tally[l];
-		for (uint32_t i = 0; i < t->batch; i++) {
-			const struct entry *e = &t->e[i];
-			if (e->planned && s->recall == KVR_RECALL_STREAMED) {
-				/* hits of the heads this step recalled for (the corrected
-				 * ones); the others re-plan what the controller recalled
-				 * and counted already */
-				uint64_t misses = 0, hits = 0;
-				for (uint32_t m = 0; m < n_kv; m++) {
-					const int recalled = e->all_corrected ||
-							     (e->checked && t->corrected[(uint64_t)i * n_kv + m]);
-					misses += t->recall_counts[2 * ((uint64_t)e->first_plan + m)];
-					if (recalled)
-						hits += t->recall_counts[2 * ((uint64_t)e->first_plan + m) + 1];
-				}
-				count(s, e->seq, KVR_C_PAGES_RECALLED, misses);
-				count(s, e->seq, KVR_C_PAGES_HIT, hits);
-				count(s, e->seq, KVR_C_BYTES_RECALLED, misses * s->head_bytes);
-			}
-			if (!e->checked)
-				continue;
-			const uint8_t *corr = t->corrected + (uint64_t)i * n_kv;
-			uint32_t n_corr = 0;
-			for (uint32_t m = 0; m < n_kv; m++) {
-				n_corr += corr[m] != 0;
-				if (corr[m]) /* a statistic read by kvr_get_head_corrections: relaxed */
-					atomic_fetch_add_explicit(&s->head_corrections[(uint64_t)e->seq * n_kv + m], 1,
-								  memory_order_relaxed);
-			}
-			count(s, e->seq, KVR_C_CORRECTED_HEADS, n_corr);
-			if (n_corr) {
-				count(s, e->seq, KVR_C_SELECTIONS, 1);
-				count(s, e->seq, KVR_C_CORRECTION_WAITS, 1);
-			}
-		}
-		t->batch = 0;
-	}
 }
 
 /* 5. Keep q_i; post the next step's work (mixed pages: judge those the next
@@ -1145,14 +674,14 @@ static int layer_call(struct layer_call *lc, const void *q, const void *k, const
 		err = layer_scratch(lc);
 	if (err)
 		return err;
-	layer_append(lc);
+	kvr_step_layer_append(lc);
 	if (lc->append_error) {
 		snprintf(s->last_error, sizeof(s->last_error), "appending the tokens: %s",
 			 kvr_dev_last_error(s->dev));
 		return lc->append_error;
 	}
 	if (s->device_plan) {
-		err = attend_on_device(lc);
+		err = kvr_step_attend_on_device(lc);
 	} else {
 		if ((err = layer_corrections(lc)))
 			return err;
@@ -1212,7 +741,7 @@ int kvr_sched_step_end(struct kvr_sched *s)
 	if (!err) /* ... and its units: the slots' spares go back (not when the
 		   * device failed: an attention may still read them) */
 		kvr_units_step_end(s);
-	tally_plans(s);
+	kvr_step_tally_plans(s);
 	kvr_sched_replay_tally(s);
 	kvr_sched_free_deferred(s);
 	settle_failed(s);
