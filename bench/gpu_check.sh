@@ -26,8 +26,8 @@
 # Flags for run: --quick (one test per test stage, a short benchmark: about a
 # minute on cudaemu), --skip STAGE[,STAGE] (conformance, scheduler, memcheck,
 # selftest, decode). Exit status 0 when every stage that ran passed.
-# Stages and their rough device time on an H100: conformance 1 min,
-# scheduler 2 min, memcheck 3 min, selftest 1 min, decode 1 min.
+# Stages in order (memcheck last, the slowest, so that a run cut short keeps
+# the others): conformance, scheduler, selftest, decode, memcheck.
 set -uo pipefail
 
 usage() {
@@ -167,23 +167,6 @@ criterion() {
 stage conformance criterion "$root/tests/test_conformance" --filter="$conf_filter" --jobs=1
 stage scheduler criterion "$root/tests/test_scheduler" --filter="$sched_filter" --jobs=1
 
-if [ $emu = 1 ]; then
-	printf '%-12s skipped (no GPU: cudaemu has no device memory to check)\n' memcheck | tee -a "$summary"
-elif ! command -v compute-sanitizer >/dev/null 2>&1; then
-	printf '%-12s skipped (compute-sanitizer is not installed)\n' memcheck | tee -a "$summary"
-else
-	memcheck() {
-		local rc=0
-		for run in "tests/test_conformance --filter=$conf_filter" "tests/test_scheduler --filter=$sched_filter"; do
-			# shellcheck disable=SC2086
-			compute-sanitizer --tool memcheck --target-processes all --error-exitcode 99 \
-				"$root"/$run --jobs=1 || rc=1
-		done
-		return $rc
-	}
-	stage memcheck memcheck
-fi
-
 selftest_args=(--backend "$backend" --json "$out/selftest.json")
 [ $emu = 1 ] && selftest_args+=(--no-sanitizer)
 stage selftest "$root/bench/kvrecall" selftest "${selftest_args[@]}"
@@ -202,6 +185,24 @@ else
 	}
 fi
 stage decode decode
+
+# memcheck last: the slowest stage, so a run cut short keeps the others
+if [ $emu = 1 ]; then
+	printf '%-12s skipped (no GPU: cudaemu has no device memory to check)\n' memcheck | tee -a "$summary"
+elif ! command -v compute-sanitizer >/dev/null 2>&1; then
+	printf '%-12s skipped (compute-sanitizer is not installed)\n' memcheck | tee -a "$summary"
+else
+	memcheck() {
+		local rc=0
+		for run in "tests/test_conformance --filter=$conf_filter" "tests/test_scheduler --filter=$sched_filter"; do
+			# shellcheck disable=SC2086
+			compute-sanitizer --tool memcheck --target-processes all --error-exitcode 99 \
+				"$root"/$run --jobs=1 || rc=1
+		done
+		return $rc
+	}
+	stage memcheck memcheck
+fi
 
 # the decode rows, one line each (python3 where there is one)
 if command -v python3 >/dev/null 2>&1; then
