@@ -12,7 +12,7 @@
 #       here: build with CUDA (release, the card's arch; or take BUILD as it
 #       is) and copy the test and bench executables, stripped, with every
 #       shared library they need beyond the C runtime and the driver, into
-#       DIR (about 40 MiB).
+#       DIR (26 MiB for sm_90).
 #   bench/gpu_check.sh run --bundle DIR [--out OUT] [flags]
 #       on the GPU machine: run the stages from the bundle.
 #   bench/gpu_check.sh run --build BUILD [--out OUT] [flags]
@@ -23,7 +23,7 @@
 #       scheduler's cudaemu-strict tests); memcheck skipped; selftest and the
 #       decode benchmark on the cpu backend as a check of the commands.
 #
-# Flags for run: --quick (one test per test stage, a short benchmark: about a
+# Flags for run: --quick (one test per test stage, a short benchmark: under a
 # minute on cudaemu), --skip STAGE[,STAGE] (conformance, scheduler, memcheck,
 # selftest, decode). Exit status 0 when every stage that ran passed.
 # Stages in order (memcheck last, the slowest, so that a run cut short keeps

@@ -866,7 +866,7 @@ struct score_job {
 	float *raw;
 	const uint64_t *raw_at;
 	const uint32_t *a_first;
-	uint32_t n_items, run_pages;
+	uint32_t run_pages;
 };
 
 /* 1 when phase A and B skip the item: nothing to score. */
@@ -986,7 +986,7 @@ void kvr_cpu_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 		free(raw_at);
 		goto unscored;
 	}
-	struct score_job job = { shape, items, kvr_convert_isa_active(), raw, raw_at, a_first, n, run };
+	struct score_job job = { shape, items, kvr_convert_isa_active(), raw, raw_at, a_first, run };
 	kvr_cpu_parallel_for(dev, score_pages_task, &job, a_first[n]);
 	kvr_cpu_parallel_for(dev, score_finish_task, &job, n * shape->n_kv_heads);
 	free(raw);
