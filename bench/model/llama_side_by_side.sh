@@ -8,9 +8,9 @@
 # fixtures came from (tests/data/model/make_logits.py). The sdist is fetched
 # from PyPI into the cache (outside the repository) and only `llama-bench` is
 # built, once per ISA:
-#   native  GGML_NATIVE=ON (AVX-512 where the CPU has it), one build per CPU
-#           model and flag set (a build from another machine may stop on an
-#           illegal instruction)
+#   native  GGML_NATIVE=ON (AVX-512 where the CPU has it; AMX off), one build
+#           per CPU model and flag set (a build from another machine may stop
+#           on an illegal instruction)
 #   avx2    AVX2+FMA+F16C, AVX-512 off, to compare with KVR_CPU_ISA=avx2
 #
 #   bench/model/llama_side_by_side.sh [native|avx2] [CONTEXT ...]
@@ -40,7 +40,11 @@ isa=${1:-native}
 contexts=("$@")
 [ ${#contexts[@]} -gt 0 ] || contexts=(4096 8192)
 case $isa in
-native) flags=(-DGGML_NATIVE=ON) ;;
+# AMX is left out: where the kernel or the hypervisor does not grant the
+# tiles (seen on a Xeon VM that lists amx_tile), ggml's AMX products stop on
+# an illegal instruction at the first prompt batch.
+native) flags=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+	       "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16") ;;
 avx2) flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 	     -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
 *) echo "llama_side_by_side.sh: ISA is native or avx2, not '$isa'" >&2; exit 2 ;;
@@ -52,7 +56,7 @@ src=$cache/$SDIST/vendor/llama.cpp
 build_dir=build-$isa
 if [ "$isa" = native ]; then
 	cpu_key=$(grep -E '^(model name|flags)' /proc/cpuinfo 2>/dev/null | sort -u | sha256sum | cut -c1-12) || true
-	build_dir=build-native-${cpu_key:-unknown}
+	build_dir=build-native-noamx-${cpu_key:-unknown}
 fi
 bench=$src/$build_dir/bin/llama-bench
 if [ ! -x "$bench" ]; then
