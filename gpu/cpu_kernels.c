@@ -11,9 +11,11 @@
  * with the same choice as the conversions (layouts/convert.c). Attention over
  * quantised pages takes its keys by integer dot products (kvquant.h's
  * contract), written here per ISA: AVX-512 VNNI, AVX-512, AVX2 and portable
- * C; values stay float multiply-adds on the unpacked codes (integer value
- * dots over token pairs were measured no faster at d = 128 and slower at
- * d = 64 and on AVX2: docs/benchmarks.md). Selection
+ * C. Values are float multiply-adds on the unpacked codes, except on AVX-512
+ * VNNI for 4-bit values at d = 128 or 256, where they are integer sums with
+ * the weights rounded to 16 bits (pv_dots_avx512vnni: 7% off the dense K8V4
+ * step; the same with vpdpwssd over token pairs was measured no faster, and
+ * AVX2 and d = 64 slower: docs/history.md). Selection
  * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
  * kernels agree bit for bit on which pages are selected.
  *
@@ -115,6 +117,38 @@ struct kvr_qk8 {
  * (f16). */
 typedef void (*qk_dots_fn)(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
 			   uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16]);
+
+/*
+ * Quantised values may be read as integer dot products too (kvquant.h's
+ * contract for values): a block's weights w_b = p_b·s_b of each query head
+ * (p the softmax weight, s the token's value scale) are rounded to 16 bits
+ * against the block's largest, r_b = round(65535·w_b / max w), and
+ * Σ_b w_b·Q_b becomes (max w / 65535)·Σ_b r_b·Q_b, exact integers. The sums
+ * land in vacc[g] in the ISA's own channel order (pv_channel maps it back
+ * at the end of the call). Only where the ISA has such a path and the
+ * value rows suit it (pv_fits); elsewhere values are float multiply-adds.
+ */
+typedef void (*pv_dots_fn)(uint32_t G, uint32_t d, const unsigned char *vrow, uint64_t vstride, uint32_t nb,
+			   const float (*w)[16], float (*vacc)[256]);
+
+/* 4-bit value rows of whole 64-byte vectors: d = 128 or 256. At d = 64 the
+ * same on 256-bit vectors was measured slower than the float path (SmolLM2's
+ * shape, G = 3: the dense K8V4 step 4-8% slower), so it is not used there. */
+static inline int pv_fits(uint32_t value_bits, uint32_t d)
+{
+	return value_bits == 4 && d % 128u == 0 && d <= 256u;
+}
+
+/* The channel of vacc's element i (pv_dots_avx512vnni's order): per 64-byte
+ * piece of the row (128 channels), vector k of 16 lanes, lane 4L + j holds
+ * byte 16L + 4(k mod 4) + j of the piece, its low nibble for k < 4 (the
+ * even channel), its high one for k >= 4 (the odd). */
+static inline uint32_t pv_channel(uint32_t i)
+{
+	const uint32_t piece = i / 128u, k = i / 16u % 8u, lane = i % 16u;
+	const uint32_t byte = 16u * (lane / 4u) + 4u * (k % 4u) + lane % 4u;
+	return piece * 128u + 2u * byte + k / 4u;
+}
 
 /* From the integer dots in s to the logits (the scalar paths). */
 static inline __attribute__((always_inline)) void qk_logits_scalar(const struct kvr_qk8 *qq, uint32_t G, uint32_t nb,
@@ -413,6 +447,99 @@ static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d,
 							       _mm512_mul_ps(kz, _mm512_set1_ps(qq->code_sum_f[g0 + h])));
 				_mm512_storeu_ps(s[g0 + h], _mm512_mul_ps(_mm512_set1_ps(qq->scale[g0 + h]), t));
 			}
+	}
+}
+
+/*
+ * Integer value dots with vpdpbusd (pv_dots_fn): the 4-bit codes of four
+ * tokens interleaved in each dword (byte t of the dword is token t's code
+ * of one channel) meet the four tokens' weights broadcast, so one
+ * instruction does four tokens' multiply-adds for 16 channels. A weight
+ * has 16 bits, taken as its high and its low byte (vpdpbusd multiplies
+ * unsigned bytes, the weights', by signed ones, the codes'), so each
+ * product is two instructions and 256·hi + lo is exact: 16 tokens times
+ * 65535 times 15 stays under 2^24. Per 64-byte piece of the rows: the low
+ * nibbles (even channels) then the high ones, four vectors each, for two
+ * heads at a time whose 16 accumulators stay in registers over the block.
+ * Rows past nb read as zeros (their weights are 0 too, and the run may end
+ * there).
+ */
+static void pv_dots_avx512vnni(uint32_t G, uint32_t d, const unsigned char *vrow, uint64_t vstride, uint32_t nb,
+			       const float (*w)[16], float (*vacc)[256])
+{
+	enum { HB = 2 };
+	static const unsigned char zero_row[128] __attribute__((aligned(64)));
+	const uint32_t row_bytes = d / 2u;
+	const __m512i low4 = _mm512_set1_epi8(0x0f);
+	/* each head's 16 weights as high and low bytes (a dword per four
+	 * tokens), and the scale back: max w / 65535 */
+	uint32_t whi[KVR_MAX_GROUP_CPU][4], wlo[KVR_MAX_GROUP_CPU][4];
+	float wscale[KVR_MAX_GROUP_CPU];
+	for (uint32_t g = 0; g < G; g++) {
+		const __m512 x = _mm512_loadu_ps(w[g]);
+		const float mx = _mm512_reduce_max_ps(x);
+		const int live = mx > 0.0f && mx <= 3.4e38f; /* all zero (or not finite: run_sum says NaN) */
+		wscale[g] = live ? mx / 65535.0f : 0.0f;
+		const __m512i r = _mm512_min_epi32(
+			_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(live ? 65535.0f / mx : 0.0f))),
+					 _mm512_setzero_si512()),
+			_mm512_set1_epi32(65535));
+		_mm_storeu_si128((__m128i *)whi[g], _mm512_cvtepi32_epi8(_mm512_srli_epi32(r, 8)));
+		_mm_storeu_si128((__m128i *)wlo[g], _mm512_cvtepi32_epi8(r));
+	}
+	const unsigned char *rowp[16];
+	for (uint32_t b = 0; b < 16; b++)
+		rowp[b] = b < nb ? vrow + b * vstride : zero_row;
+	for (uint32_t o = 0; o < row_bytes; o += 64) {
+		for (uint32_t half = 0; half < 2; half++) { /* low nibbles, then high */
+			for (uint32_t g0 = 0; g0 < G; g0 += HB) {
+				const uint32_t nh = G - g0 < HB ? G - g0 : HB;
+				__m512i ahi[HB][4], alo[HB][4];
+				_Pragma("GCC unroll 2")
+				for (uint32_t h = 0; h < HB; h++)
+					_Pragma("GCC unroll 4")
+					for (uint32_t k = 0; k < 4; k++)
+						ahi[h][k] = alo[h][k] = _mm512_setzero_si512();
+				for (uint32_t t = 0; t < 16; t += 4) {
+					__m512i c[4];
+					_Pragma("GCC unroll 4")
+					for (uint32_t i = 0; i < 4; i++) {
+						const __m512i r = _mm512_loadu_si512(rowp[t + i] + o);
+						c[i] = half ? _mm512_and_si512(_mm512_srli_epi16(r, 4), low4)
+							    : _mm512_and_si512(r, low4);
+					}
+					const __m512i a0 = _mm512_unpacklo_epi8(c[0], c[1]), a1 = _mm512_unpackhi_epi8(c[0], c[1]);
+					const __m512i b0 = _mm512_unpacklo_epi8(c[2], c[3]), b1 = _mm512_unpackhi_epi8(c[2], c[3]);
+					const __m512i x[4] = { _mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
+							       _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1) };
+					_Pragma("GCC unroll 2")
+					for (uint32_t h = 0; h < HB; h++)
+						if (h < nh) {
+							const __m512i wh = _mm512_set1_epi32((int)whi[g0 + h][t / 4]);
+							const __m512i wl = _mm512_set1_epi32((int)wlo[g0 + h][t / 4]);
+							_Pragma("GCC unroll 4")
+							for (uint32_t k = 0; k < 4; k++) {
+								ahi[h][k] = _mm512_dpbusd_epi32(ahi[h][k], wh, x[k]);
+								alo[h][k] = _mm512_dpbusd_epi32(alo[h][k], wl, x[k]);
+							}
+						}
+				}
+				_Pragma("GCC unroll 2")
+				for (uint32_t h = 0; h < HB; h++)
+					if (h < nh) {
+						const __m512 sc = _mm512_set1_ps(wscale[g0 + h]);
+						const __m512 sc256 = _mm512_set1_ps(wscale[g0 + h] * 256.0f);
+						float *dst = vacc[g0 + h] + 2u * o + 64u * half;
+						_Pragma("GCC unroll 4")
+						for (uint32_t k = 0; k < 4; k++) {
+							const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(alo[h][k]), sc,
+											  _mm512_loadu_ps(dst + 16u * k));
+							_mm512_storeu_ps(dst + 16u * k,
+									 _mm512_fmadd_ps(_mm512_cvtepi32_ps(ahi[h][k]), sc256, lo));
+						}
+					}
+			}
+		}
 	}
 }
 #pragma GCC pop_options
@@ -1203,16 +1330,17 @@ static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh,
 	const int float_dots = kvr_cpu_quant_float_dots();
 	switch (isa) {
 	case KVR_CONVERT_AVX512_VNNI:
-		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512vnni);
+		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512vnni,
+				      float_dots ? NULL : pv_dots_avx512vnni);
 		break;
 	case KVR_CONVERT_AVX512:
-		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512);
+		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512, NULL);
 		break;
 	case KVR_CONVERT_AVX2:
-		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2);
+		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2, NULL);
 		break;
 	default:
-		attention_head_base(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_base);
+		attention_head_base(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_base, NULL);
 		break;
 	}
 }

@@ -48,7 +48,8 @@
  * Attention over quantised pages takes the integer key dots (qk_dots_fn, on
  * the query rounded to 8 bits) from the including file (cpu_kernels.c), per
  * ISA; NULL reads the key codes as floats (KVR_QUANT_DOTS=float). Value
- * codes are always read as floats.
+ * codes likewise take the including file's integer value dots (pv_dots_fn)
+ * where it has them and pv_fits; float multiply-adds otherwise.
  */
 
 /* attention's vectors: the 16-float ones unless the including file chose */
@@ -592,7 +593,7 @@ ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *
 static inline __attribute__((always_inline)) void
 ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 		       const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
-		       const uint32_t chunks, qk_dots_fn qk)
+		       const uint32_t chunks, qk_dots_fn qk, pv_dots_fn pv)
 {
 	enum { BLOCK = 16 };
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
@@ -624,6 +625,12 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	for (uint32_t si = 0; si < n_segs; si++)
 		any_quantised |= kvr_segment_quantised(segs[si].format);
 	const uint32_t Gq = qk && any_quantised ? G : 1u; /* rows the arrays hold */
+	/* quantised values with integer dots (pv): their sums in pv's channel
+	 * order, rescaled with acc, added in at the end */
+	const int pv_on = pv && any_quantised && pv_fits(4, d);
+	float vacc[pv_on ? G : 1u][256];
+	if (pv_on)
+		memset(vacc, 0, sizeof(vacc));
 	int8_t q8_rows[Gq][256], q8n_rows[Gq][256];
 	int16_t q16_rows[Gq][256];
 	float q_scale[Gq], q_code_sum[Gq];
@@ -773,6 +780,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
 					z_acc[g] *= alpha;
+					if (pv_on)
+						for (uint32_t c = 0; c < d; c++)
+							vacc[g][c] *= alpha;
 				}
 				run_sum[g] = run_sum[g] * alpha + psum;
 				seg_sum[g] = seg_sum[g] * alpha + psum;
@@ -801,9 +811,12 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				}
 			}
 			/* V: each value vector read once and used by every head of a
-			 * block of four */
-			ATT_BITS_CASES(fmt, 'V', ISA_FN(value_dots)(acc, G, vrow0 + t0 * vstride, vstride, t, bits,
-								      (const float (*)[16])s, nb, chunks));
+			 * block of four (or integer dots on 4-bit codes: pv) */
+			if (fmt && pv_on && pv_fits(gq[fmt].value_bits, d))
+				pv(G, d, vrow0 + t0 * vstride, vstride, nb, (const float (*)[16])s, vacc);
+			else
+				ATT_BITS_CASES(fmt, 'V', ISA_FN(value_dots)(acc, G, vrow0 + t0 * vstride, vstride, t,
+									      bits, (const float (*)[16])s, nb, chunks));
 		}
 		if (lse) /* log(0) = −inf for an empty segment */
 			for (uint32_t g = 0; g < G; g++)
@@ -816,9 +829,18 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		float row[256];
 		const float inv = run_sum[g] == 0.0f ? 0.0f : 1.0f / run_sum[g];
 		const VA_T zv = SPLATA(z_acc[g]);
+		if (pv_on) /* the integer value sums, back in channel order */
+			for (uint32_t i = 0; i < d; i++)
+				row[pv_channel(i)] = vacc[g][i];
 		_Pragma("GCC unroll 32")
 		for (uint32_t c = 0; c < chunks; c++) {
-			const VA_T o = (acc[g][c] - zv) * inv;
+			VA_T o = acc[g][c] - zv;
+			if (pv_on) {
+				VA_T v;
+				memcpy(&v, row + c * VA_LANES, sizeof(v));
+				o = o + v;
+			}
+			o = o * inv;
 			memcpy(row + c * VA_LANES, &o, sizeof(o));
 		}
 		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, row, t, d);
@@ -1050,7 +1072,7 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 
 static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_rows, void *out_rows,
 				   const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m, float *lse,
-				   qk_dots_fn qk)
+				   qk_dots_fn qk, pv_dots_fn pv)
 {
 	/* head_dim: a multiple of 32 up to 256 (value_heads relies on it) */
 	if ((sh->flags & KVR_SHAPE_CAUSAL) && !lse) {
@@ -1062,7 +1084,7 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 			return;
 		}
 	}
-	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES, qk);
+	ISA_FN(attention_impl)(sh, q_rows, out_rows, segs, n_segs, m, lse, sh->head_dim / VA_LANES, qk, pv);
 }
 
 #undef ISA_FN

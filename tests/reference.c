@@ -29,7 +29,7 @@ double ref_attention_tol(uint32_t elem_type)
 
 double ref_attention_bound(uint32_t elem_type, const struct ref_head_scale *s)
 {
-	return (ref_attention_tol(elem_type) + REF_LOGIT_ERR * s->logit_mag) * s->v_mag;
+	return (ref_attention_tol(elem_type) + REF_LOGIT_ERR * s->logit_mag) * s->v_mag + s->qv_err;
 }
 
 double ref_load(const void *base, uint32_t elem_type, uint64_t i)
@@ -455,6 +455,24 @@ static double seg_logit(const struct kvr_shape *sh, const struct kvr_kv_segment 
 	return (double)sh->scale * dot;
 }
 
+/* A segment's value code width, 0 for plain rows and estimates. */
+static uint32_t quant_value_bits(const struct kvr_shape *sh, const struct kvr_kv_segment *seg)
+{
+	if (seg->format == KVR_KV_PLAIN || seg->format == KVR_KV_ESTIMATE)
+		return 0;
+	struct kvr_quant_geometry g;
+	return kvr_quant_geometry_init(&g, sh->page_tokens, sh->head_dim, 1, seg->format) ? 0 : g.value_bits;
+}
+
+/* Token t's value scale s in a quantised segment (KV head m). */
+static double value_scale(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, uint64_t m, uint64_t t)
+{
+	struct kvr_quant_geometry g;
+	kvr_quant_geometry_init(&g, sh->page_tokens, sh->head_dim, 1, seg->format);
+	unsigned char *run = (unsigned char *)(uintptr_t)seg->k + m * seg->head_stride;
+	return (double)kvr_f16_to_f32(kvr_quant_value_sz(&g, run, (uint32_t)(t + seg->first_row))[0]);
+}
+
 /* Attention of every query head over a list of segments: the definition,
  * softmax(scale · q·K^T)·V, with a max-subtracted two-pass softmax; over a
  * quantised segment, q is the rounded query (round_query). */
@@ -474,7 +492,7 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 		struct ref_head_scale *hs = &scale[h];
 		for (uint32_t c = 0; c < d; c++)
 			o[c] = 0.0;
-		hs->v_mag = hs->logit_mag = 0.0;
+		hs->v_mag = hs->logit_mag = hs->qv_err = 0.0;
 		/* KVR_SHAPE_CAUSAL: head h % G is query token (h % G) / hq, which
 		 * sees the tokens up to its position, counted over the segments */
 		uint64_t visible = n_tok;
@@ -498,9 +516,12 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 				if (isfinite(mag) && mag > hs->logit_mag)
 					hs->logit_mag = mag;
 			}
-		double sum = 0.0;
+		double sum = 0.0, qv = 0.0; /* qv: Σ_blocks (max w / 131070)·n·(2^vb − 1) */
 		i = 0;
-		for (uint32_t s = 0; s < n_segs; s++)
+		for (uint32_t s = 0; s < n_segs; s++) {
+			const uint32_t vb = quant_value_bits(sh, &segs[s]);
+			double block_max = 0.0;
+			uint32_t block_n = 0;
 			for (uint64_t t = 0; t < segs[s].n_tokens && i < visible; t++, i++) {
 				const double w = exp(logit[i] - lmax);
 				sum += w;
@@ -510,9 +531,22 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 					if (isfinite(v) && fabs(v) > hs->v_mag)
 						hs->v_mag = fabs(v);
 				}
+				if (vb) { /* the token's weight as the kernels round it: p·s */
+					const double ws = w * value_scale(sh, &segs[s], m, t);
+					block_max = isfinite(ws) && ws > block_max ? ws : block_max;
+					block_n++;
+					if (t % 16 == 15) {
+						qv += block_max / 131070.0 * block_n * (double)((1u << vb) - 1u);
+						block_max = 0.0, block_n = 0;
+					}
+				}
 			}
+			if (block_n)
+				qv += block_max / 131070.0 * block_n * (double)((1u << vb) - 1u);
+		}
 		for (uint32_t c = 0; c < d; c++)
 			o[c] /= sum;
+		hs->qv_err = sum > 0.0 && isfinite(qv / sum) ? qv / sum : 0.0;
 	}
 	free(logit);
 }

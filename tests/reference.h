@@ -76,10 +76,16 @@
  * their keys: the logits are those of the query row rounded to 8 bits
  * (kvr_quant_query_row), which the reference computes too, so what is left
  * is float error as above, its magnitude taken over the kernels' terms
- * s_q·s·Σ r·Q and s_q·z·Σ r as well (they may cancel). Their values are
- * float multiply-adds on the codes, within the float bound. One code step
- * of a key or a value moves the outputs by more than the bound (the
- * planted-error test checks it at f32).
+ * s_q·s·Σ r·Q and s_q·z·Σ r as well (they may cancel). Their values may
+ * be read with the weights rounded too: in each block of 16 consecutive
+ * tokens of a segment (from its first token), a head's weights w = p·s (p
+ * the softmax weight, s the token's value scale) may be rounded to 16 bits
+ * against the block's largest, an error of up to max w / 131070 per token,
+ * so a head's outputs may move by up to
+ *     qv_err = Σ_blocks (max w / 131070)·n·(2^vb − 1) / Σ p
+ * (n the block's tokens, vb the value bits) on top of the float bound. One
+ * code step of a key or a value moves the outputs by more than the bound
+ * (the planted-error test checks it at f32).
  */
 double ref_attention_tol(uint32_t elem_type);
 
@@ -87,10 +93,11 @@ double ref_attention_tol(uint32_t elem_type);
 struct ref_head_scale {
 	double v_mag;     /* largest finite |v| attended to; 0 when no token */
 	double logit_mag; /* largest scale·Σ_c |q_c·k_c| over the tokens */
+	double qv_err;    /* the rounding of quantised values' weights (above); 0 without */
 };
 
 /* The allowed absolute error of one output element of a head:
- * (tol(dtype) + REF_LOGIT_ERR·logit_mag)·v_mag. */
+ * (tol(dtype) + REF_LOGIT_ERR·logit_mag)·v_mag + qv_err. */
 double ref_attention_bound(uint32_t elem_type, const struct ref_head_scale *s);
 
 /* ---- element access (half.h's scalar conversions) ---- */
