@@ -5,7 +5,7 @@
  * and its start and end on the GPU, every CUDA runtime and driver call with
  * its span on the host thread, and every synchronisation. It is how the
  * decode step's time on an H100 was taken apart (docs/benchmarks.md,
- * the H100 run of 2026-11-26), on machines without Nsight Systems. Not part of
+ * "The GPU path"), on machines without Nsight Systems. Not part of
  * the library; built by hand where CUPTI's headers are:
  *
  *   cc -O2 -shared -fPIC -I$CUDA/include bench/cupti_timeline.c \

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * decode_bench.c — `kvrecall bench decode` under its earlier name: the
- * commands beside older results in docs/benchmarks.md call it. Main thread.
+ * commands beside older results in docs/history.md call it. Main thread.
  */
 #include "bench_cmd.h"
 

@@ -88,7 +88,7 @@ void kvr_config_device_bytes(const struct kvr_config *c, uint32_t recall, uint64
  * zero-copy: attention reads the pool in place, so copying pages only costs
  * bandwidth. On cuda streamed where the device plan covers it (plain pages
  * of an HND pool, a sparse mode): on an H100 with the device plan
- * (docs/benchmarks.md, the H100 run of 2026-11-26) streamed recall took less
+ * (docs/benchmarks.md, "The GPU path": 2026-11-26) streamed recall took less
  * time than zero-copy in every sparse row, 8K-32K, batch 1 and 8, since
  * attention then reads slots in device memory instead of pages over PCIe
  * and only misses move. Quantised pages stay zero-copy there: with

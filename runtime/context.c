@@ -94,8 +94,9 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	/* FreeKV on a GPU. On the cpu backend the engine's attention and the
 	 * controller's selection share the same cores, so overlapping them gains
 	 * nothing on a small machine, and blocking — which also selects with the
-	 * current query, the most accurate choice — measured fastest
-	 * (docs/benchmarks.md, "Decode step per mode"). */
+	 * current query, the most accurate choice — costs no more than the
+	 * overlapped modes there (docs/benchmarks.md, "The decode step per
+	 * mode"). */
 	if (c->mode == KVR_MODE_AUTO)
 		c->mode = c->backend == KVR_BACKEND_CUDA ? KVR_MODE_FREEKV : KVR_MODE_BLOCKING;
 
@@ -126,7 +127,7 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	 * attention then fills the cores, and a controller thread's selection
 	 * waited 0.3-1.1 ms per job for a core and ran on one, where inline it
 	 * runs on all of them right after the attention. Measured on 2 cores
-	 * (docs/benchmarks.md, "The freekv step on two cores"): the step at
+	 * (docs/history.md, "The freekv step on two cores"): the step at
 	 * 1.00-1.20x its budget inline against 1.18-1.45x with the thread.
 	 * Elsewhere (a GPU computes, or cores are left over) the thread
 	 * overlaps the selection with the step. */

@@ -132,7 +132,7 @@ static int batchable(const struct kvr_sched *s, const struct kvr_lane *lane)
  * sel_done. One lane at a time, a layer's jobs at batch 8 enqueued about ten
  * operations per lane on this thread (uploads, three score kernels, select,
  * plan, scatter, events), which on an H100 kept speculative and freekv well
- * behind blocking, whose engine selects the batch at once (docs/benchmarks.md).
+ * behind blocking, whose engine selects the batch at once (docs/history.md).
  * Each lane is counted, traced and, on failure, forgotten as run_job does.
  */
 static void run_select_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n)

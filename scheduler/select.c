@@ -31,7 +31,7 @@ int kvr_select_item(struct kvr_sched *s, struct kvr_lane *lane, const void *q, u
 	 * sink or the window then weighs less in its group's mean than one
 	 * spread over the candidates. Measured: lower perplexity gaps where
 	 * sink and window are a sizeable share of the pages, neutral at 8K
-	 * (docs/benchmarks.md, "Group consistency"). The page the newest token
+	 * (docs/history.md, "Group consistency"). The page the newest token
 	 * completed is left out: its summary may still be on its way (the rule
 	 * kvr_window_first applies with W = 0). */
 	const uint32_t with_summary = n_tokens ? (uint32_t)((n_tokens - 1) / s->c.page_tokens) : 0;

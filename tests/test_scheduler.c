@@ -2494,7 +2494,7 @@ Test(scheduler, host_waits_per_layer, .timeout = 240)
 {
 	/* 6 steps x 2 layers, the first step selecting afresh: none, the step's
 	 * end aside (the device append and the device plan; before them 1.3 to
-	 * 3.2 per layer, docs/benchmarks.md). */
+	 * 3.2 per layer, docs/history.md). */
 	static const double strict[3][2] = { { 0, 0 }, { 0, 0 }, { 0, 0 } };
 	host_waits_on(KVR_DEV_CUDAEMU_STRICT, strict);
 	host_waits_on(KVR_DEV_CPU, NULL); /* printed beside: the host-visible path */
