@@ -94,8 +94,8 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	/* FreeKV on a GPU. On the cpu backend the engine's attention and the
 	 * controller's selection share the same cores, so overlapping them gains
 	 * nothing on a small machine, and blocking — which also selects with the
-	 * current query, the most accurate choice — costs no more than the
-	 * overlapped modes there (docs/benchmarks.md, "The decode step per
+	 * current query, the most accurate choice — costs within about 5% of
+	 * the overlapped modes there (docs/benchmarks.md, "The decode step per
 	 * mode"). */
 	if (c->mode == KVR_MODE_AUTO)
 		c->mode = c->backend == KVR_BACKEND_CUDA ? KVR_MODE_FREEKV : KVR_MODE_BLOCKING;
