@@ -78,6 +78,10 @@
  *              enters the arithmetic
  *              as s·Q − z (f16 s and z, fp32 arithmetic), dequantised on
  *              the fly: quantised and plain segments mix in one item.
+ *              Within the quantised pages' accuracy contract (docs/api.md,
+ *              tests/reference.h) keys may meet the query rounded to 8
+ *              bits, and a 16-token block's value weights p·s may be
+ *              rounded to 16 bits against the block's largest.
  *              With KVR_SHAPE_SEGMENT_LSE, an item whose segment_lse is not
  *              NULL also gets, for query head h and segment s,
  *              segment_lse[h·n_segments + s] = log Σ_t exp(scale · q_h·k_t)
