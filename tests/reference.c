@@ -368,6 +368,16 @@ void ref_similarity(const struct kvr_shape *sh, const struct kvr_similarity_item
 
 /* ------------------------------------------------------------------ attention */
 
+/* KV head m's run of a quantised segment and its geometry (*g); NULL for a
+ * format kvquant.h does not know. */
+static unsigned char *quant_run(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, uint64_t m,
+				struct kvr_quant_geometry *g)
+{
+	if (kvr_quant_geometry_init(g, sh->page_tokens, sh->head_dim, 1, seg->format))
+		return NULL;
+	return (unsigned char *)(uintptr_t)seg->k + m * seg->head_stride;
+}
+
 /* Element c of token t of KV head m in a segment, keys (half 0) or values:
  * plain rows, or a quantised run dequantised (kernels.h). */
 static double seg_elem(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, uint64_t m,
@@ -377,9 +387,9 @@ static double seg_elem(const struct kvr_shape *sh, const struct kvr_kv_segment *
 		return ref_load(half ? seg->v : seg->k, sh->elem_type,
 				m * seg->head_stride + t * seg->row_stride + c);
 	struct kvr_quant_geometry g;
-	if (kvr_quant_geometry_init(&g, sh->page_tokens, sh->head_dim, 1, seg->format))
+	unsigned char *run = quant_run(sh, seg, m, &g);
+	if (!run)
 		return NAN; /* an unknown format: the kernels must not silently agree */
-	unsigned char *run = (unsigned char *)(uintptr_t)seg->k + m * seg->head_stride;
 	t += seg->first_row;
 	const uint8_t *row = half ? kvr_quant_value_row(&g, run, (uint32_t)t) : kvr_quant_key_row(&g, run, (uint32_t)t);
 	const uint16_t *sz = half ? kvr_quant_value_sz(&g, run, (uint32_t)t) : kvr_quant_key_sz(&g, run, (uint32_t)t);
@@ -468,9 +478,8 @@ static uint32_t quant_value_bits(const struct kvr_shape *sh, const struct kvr_kv
 static double value_scale(const struct kvr_shape *sh, const struct kvr_kv_segment *seg, uint64_t m, uint64_t t)
 {
 	struct kvr_quant_geometry g;
-	kvr_quant_geometry_init(&g, sh->page_tokens, sh->head_dim, 1, seg->format);
-	unsigned char *run = (unsigned char *)(uintptr_t)seg->k + m * seg->head_stride;
-	return (double)kvr_f16_to_f32(kvr_quant_value_sz(&g, run, (uint32_t)(t + seg->first_row))[0]);
+	unsigned char *run = quant_run(sh, seg, m, &g);
+	return run ? (double)kvr_f16_to_f32(kvr_quant_value_sz(&g, run, (uint32_t)(t + seg->first_row))[0]) : NAN;
 }
 
 /* Attention of every query head over a list of segments: the definition,
