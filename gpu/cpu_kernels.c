@@ -12,10 +12,11 @@
  * quantised pages takes its keys by integer dot products (kvquant.h's
  * contract), written here per ISA: AVX-512 VNNI, AVX-512, AVX2 and portable
  * C. Values are float multiply-adds on the unpacked codes, except on AVX-512
- * VNNI for 4-bit values at d = 128 or 256, where they are integer sums with
- * the weights rounded to 16 bits (pv_dots_avx512vnni: 7% off the dense K8V4
- * step; the same with vpdpwssd over token pairs was measured no faster, and
- * AVX2 and d = 64 slower: docs/history.md). Selection
+ * VNNI for 4- and 2-bit values at d a multiple of 64, where they are integer
+ * sums with the weights rounded to 16 bits (pv_dots_avx512vnni: the dense
+ * step over K4V2 pages 1.7x faster at 32K, K8V4 1.2x; the same with
+ * vpdpwssd over token pairs was measured no faster, and on AVX2 slower:
+ * docs/history.md). Selection
  * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
  * kernels agree bit for bit on which pages are selected.
  *
@@ -124,30 +125,32 @@ typedef void (*qk_dots_fn)(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, con
  * (p the softmax weight, s the token's value scale) are rounded to 16 bits
  * against the block's largest, r_b = round(65535·w_b / max w), and
  * Σ_b w_b·Q_b becomes (max w / 65535)·Σ_b r_b·Q_b, exact integers. The sums
- * land in vacc[g] in the ISA's own channel order (pv_channel maps it back
- * at the end of the call). Only where the ISA has such a path and the
- * value rows suit it (pv_fits); elsewhere values are float multiply-adds.
+ * of `bits`-bit value codes land in vacc[g] in the ISA's own channel order
+ * for that width (pv_channel maps it back, in attention_impl). Only where
+ * the ISA has such a path and the value rows suit it (pv_fits); elsewhere
+ * values are float multiply-adds.
  */
-typedef void (*pv_dots_fn)(uint32_t G, uint32_t d, const unsigned char *vrow, uint64_t vstride, uint32_t nb,
-			   const float (*w)[16], float (*vacc)[256]);
+typedef void (*pv_dots_fn)(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
+			   uint32_t nb, const float (*w)[16], float (*vacc)[256]);
 
-/* 4-bit value rows of whole 64-byte vectors: d = 128 or 256. At d = 64 the
- * same on 256-bit vectors was measured slower than the float path (SmolLM2's
- * shape, G = 3: the dense K8V4 step 4-8% slower), so it is not used there. */
+/* 4- and 2-bit value rows of whole 64-channel sub-pieces (d = 64, 128,
+ * 192, 256). */
 static inline int pv_fits(uint32_t value_bits, uint32_t d)
 {
-	return value_bits == 4 && d % 128u == 0 && d <= 256u;
+	return (value_bits == 4 || value_bits == 2) && d % 64u == 0 && d <= 256u;
 }
 
-/* The channel of vacc's element i (pv_dots_avx512vnni's order): per 64-byte
- * piece of the row (128 channels), vector k of 16 lanes, lane 4L + j holds
- * byte 16L + 4(k mod 4) + j of the piece, its low nibble for k < 4 (the
- * even channel), its high one for k >= 4 (the odd). */
-static inline uint32_t pv_channel(uint32_t i)
+/* The channel of vacc's element i for `bits`-bit codes
+ * (pv_dots_avx512vnni's order): per sub-piece of 64 channels, vector k of
+ * 16 lanes, lane 4L + j holds byte lane β = 16L + 4k + j, which is plane
+ * β / n of the sub-piece's byte β mod n (n its bytes: 32 at 4 bits, 16 at
+ * 2; plane: the nibble or crumb, low first). */
+static inline uint32_t pv_channel(uint32_t i, uint32_t bits)
 {
-	const uint32_t piece = i / 128u, k = i / 16u % 8u, lane = i % 16u;
-	const uint32_t byte = 16u * (lane / 4u) + 4u * (k % 4u) + lane % 4u;
-	return piece * 128u + 2u * byte + k / 4u;
+	const uint32_t sub = i / 64u, k = i / 16u % 4u, lane = i % 16u;
+	const uint32_t beta = 16u * (lane / 4u) + 4u * k + lane % 4u;
+	const uint32_t n = 8u * bits, planes = 8u / bits;
+	return planes * (sub * n + beta % n) + beta / n;
 }
 
 /* From the integer dots in s to the logits (the scalar paths). */
@@ -451,26 +454,25 @@ static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d,
 }
 
 /*
- * Integer value dots with vpdpbusd (pv_dots_fn): the 4-bit codes of four
- * tokens interleaved in each dword (byte t of the dword is token t's code
- * of one channel) meet the four tokens' weights broadcast, so one
- * instruction does four tokens' multiply-adds for 16 channels. A weight
- * has 16 bits, taken as its high and its low byte (vpdpbusd multiplies
- * unsigned bytes, the weights', by signed ones, the codes'), so each
- * product is two instructions and 256·hi + lo is exact: 16 tokens times
- * 65535 times 15 stays under 2^24. Per 64-byte piece of the rows: the low
- * nibbles (even channels) then the high ones, four vectors each, for two
- * heads at a time whose 16 accumulators stay in registers over the block.
- * Rows past nb read as zeros (their weights are 0 too, and the run may end
- * there).
+ * Integer value dots with vpdpbusd (pv_dots_fn): the codes of four tokens
+ * interleaved in each dword (byte t of the dword is token t's code of one
+ * channel) meet the four tokens' weights broadcast, so one instruction does
+ * four tokens' multiply-adds for 16 channels. The row is taken 64 channels
+ * at a time (a sub-piece: 32 bytes of 4-bit codes or 16 of 2-bit ones),
+ * broadcast to every 256- or 128-bit lane and shifted per lane so that each
+ * lane holds one nibble or crumb plane of it (pv_channel's order); the
+ * block's 16 interleaved vectors are built once and serve every head.
+ * A weight has 16 bits, taken as its high and its low byte (vpdpbusd
+ * multiplies unsigned bytes, the weights', by signed ones, the codes'): the
+ * high bytes' sums first, shifted left by 8, then the low bytes' added in
+ * the same accumulator, exact since 16 tokens · 65535 · 15 < 2^24 (also
+ * exactly a float). Rows past nb read as zeros (their weights are 0 too,
+ * and the run may end there).
  */
-static void pv_dots_avx512vnni(uint32_t G, uint32_t d, const unsigned char *vrow, uint64_t vstride, uint32_t nb,
-			       const float (*w)[16], float (*vacc)[256])
+static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
+			       uint32_t nb, const float (*w)[16], float (*vacc)[256])
 {
-	enum { HB = 2 };
-	static const unsigned char zero_row[128] __attribute__((aligned(64)));
-	const uint32_t row_bytes = d / 2u;
-	const __m512i low4 = _mm512_set1_epi8(0x0f);
+	static const unsigned char zero_row[64] __attribute__((aligned(64)));
 	/* each head's 16 weights as high and low bytes (a dword per four
 	 * tokens), and the scale back: max w / 65535 */
 	uint32_t whi[KVR_MAX_GROUP_CPU][4], wlo[KVR_MAX_GROUP_CPU][4];
@@ -490,55 +492,62 @@ static void pv_dots_avx512vnni(uint32_t G, uint32_t d, const unsigned char *vrow
 	const unsigned char *rowp[16];
 	for (uint32_t b = 0; b < 16; b++)
 		rowp[b] = b < nb ? vrow + b * vstride : zero_row;
-	for (uint32_t o = 0; o < row_bytes; o += 64) {
-		for (uint32_t half = 0; half < 2; half++) { /* low nibbles, then high */
-			for (uint32_t g0 = 0; g0 < G; g0 += HB) {
-				const uint32_t nh = G - g0 < HB ? G - g0 : HB;
-				__m512i ahi[HB][4], alo[HB][4];
-				_Pragma("GCC unroll 2")
-				for (uint32_t h = 0; h < HB; h++)
-					_Pragma("GCC unroll 4")
-					for (uint32_t k = 0; k < 4; k++)
-						ahi[h][k] = alo[h][k] = _mm512_setzero_si512();
-				for (uint32_t t = 0; t < 16; t += 4) {
-					__m512i c[4];
-					_Pragma("GCC unroll 4")
-					for (uint32_t i = 0; i < 4; i++) {
-						const __m512i r = _mm512_loadu_si512(rowp[t + i] + o);
-						c[i] = half ? _mm512_and_si512(_mm512_srli_epi16(r, 4), low4)
-							    : _mm512_and_si512(r, low4);
-					}
-					const __m512i a0 = _mm512_unpacklo_epi8(c[0], c[1]), a1 = _mm512_unpackhi_epi8(c[0], c[1]);
-					const __m512i b0 = _mm512_unpacklo_epi8(c[2], c[3]), b1 = _mm512_unpackhi_epi8(c[2], c[3]);
-					const __m512i x[4] = { _mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
-							       _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1) };
-					_Pragma("GCC unroll 2")
-					for (uint32_t h = 0; h < HB; h++)
-						if (h < nh) {
-							const __m512i wh = _mm512_set1_epi32((int)whi[g0 + h][t / 4]);
-							const __m512i wl = _mm512_set1_epi32((int)wlo[g0 + h][t / 4]);
-							_Pragma("GCC unroll 4")
-							for (uint32_t k = 0; k < 4; k++) {
-								ahi[h][k] = _mm512_dpbusd_epi32(ahi[h][k], wh, x[k]);
-								alo[h][k] = _mm512_dpbusd_epi32(alo[h][k], wl, x[k]);
-							}
-						}
-				}
-				_Pragma("GCC unroll 2")
-				for (uint32_t h = 0; h < HB; h++)
-					if (h < nh) {
-						const __m512 sc = _mm512_set1_ps(wscale[g0 + h]);
-						const __m512 sc256 = _mm512_set1_ps(wscale[g0 + h] * 256.0f);
-						float *dst = vacc[g0 + h] + 2u * o + 64u * half;
-						_Pragma("GCC unroll 4")
-						for (uint32_t k = 0; k < 4; k++) {
-							const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(alo[h][k]), sc,
-											  _mm512_loadu_ps(dst + 16u * k));
-							_mm512_storeu_ps(dst + 16u * k,
-									 _mm512_fmadd_ps(_mm512_cvtepi32_ps(ahi[h][k]), sc256, lo));
-						}
-					}
+	/* per 16-bit lane, the shift that brings each 256-bit (4-bit codes) or
+	 * 128-bit (2-bit) lane's plane down to its low bits */
+	const __m512i shift = bits == 4 ? _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004ll, 0x0004000400040004ll,
+							      0x0004000400040004ll, 0x0004000400040004ll)
+					: _mm512_setr_epi64(0, 0, 0x0002000200020002ll, 0x0002000200020002ll,
+							    0x0004000400040004ll, 0x0004000400040004ll,
+							    0x0006000600060006ll, 0x0006000600060006ll);
+	const __m512i mask = _mm512_set1_epi8((char)((1u << bits) - 1u));
+	const uint32_t sub_bytes = 8u * bits; /* a sub-piece's 64 codes */
+	for (uint32_t s = 0; s < d / 64u; s++) {
+		__m512i x[4][4]; /* [tokens 4i..4i+3][channel vector k] */
+		_Pragma("GCC unroll 4")
+		for (uint32_t i = 0; i < 4; i++) {
+			__m512i c[4];
+			_Pragma("GCC unroll 4")
+			for (uint32_t t = 0; t < 4; t++) {
+				const unsigned char *p = rowp[4 * i + t] + s * sub_bytes;
+				const __m512i r = bits == 4 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p))
+							    : _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+				c[t] = _mm512_and_si512(_mm512_srlv_epi16(r, shift), mask);
 			}
+			const __m512i a0 = _mm512_unpacklo_epi8(c[0], c[1]), a1 = _mm512_unpackhi_epi8(c[0], c[1]);
+			const __m512i b0 = _mm512_unpacklo_epi8(c[2], c[3]), b1 = _mm512_unpackhi_epi8(c[2], c[3]);
+			x[i][0] = _mm512_unpacklo_epi16(a0, b0);
+			x[i][1] = _mm512_unpackhi_epi16(a0, b0);
+			x[i][2] = _mm512_unpacklo_epi16(a1, b1);
+			x[i][3] = _mm512_unpackhi_epi16(a1, b1);
+		}
+		for (uint32_t g = 0; g < G; g++) {
+			__m512i acc[4];
+			_Pragma("GCC unroll 4")
+			for (uint32_t k = 0; k < 4; k++)
+				acc[k] = _mm512_setzero_si512();
+			_Pragma("GCC unroll 4")
+			for (uint32_t i = 0; i < 4; i++) {
+				const __m512i wh = _mm512_set1_epi32((int)whi[g][i]);
+				_Pragma("GCC unroll 4")
+				for (uint32_t k = 0; k < 4; k++)
+					acc[k] = _mm512_dpbusd_epi32(acc[k], wh, x[i][k]);
+			}
+			_Pragma("GCC unroll 4")
+			for (uint32_t k = 0; k < 4; k++)
+				acc[k] = _mm512_slli_epi32(acc[k], 8);
+			_Pragma("GCC unroll 4")
+			for (uint32_t i = 0; i < 4; i++) {
+				const __m512i wl = _mm512_set1_epi32((int)wlo[g][i]);
+				_Pragma("GCC unroll 4")
+				for (uint32_t k = 0; k < 4; k++)
+					acc[k] = _mm512_dpbusd_epi32(acc[k], wl, x[i][k]);
+			}
+			const __m512 sc = _mm512_set1_ps(wscale[g]);
+			float *dst = vacc[g] + 64u * s;
+			_Pragma("GCC unroll 4")
+			for (uint32_t k = 0; k < 4; k++)
+				_mm512_storeu_ps(dst + 16u * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k]), sc,
+										_mm512_loadu_ps(dst + 16u * k)));
 		}
 	}
 }

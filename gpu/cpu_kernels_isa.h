@@ -386,8 +386,10 @@ static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const s
 			__builtin_prefetch(pf->nvb + tok * pf->nrow + l, 0, 2);
 		}
 	else if (pf->nrun && tok * pf->nrun_step < pf->nrun_bytes)
+		/* into L1: a run is 3-7 KiB, and into L2 its lines were read
+		 * back 6% slower (K8V4, pages from DRAM) */
 		for (uint64_t l = 0; l < pf->nrun_step; l += 64)
-			__builtin_prefetch(pf->nrun + tok * pf->nrun_step + l, 0, 2);
+			__builtin_prefetch(pf->nrun + tok * pf->nrun_step + l, 0, 3);
 	/* This token's V row into L1 now, for the V pass after the block's
 	 * softmax: the next-segment prefetch brought it only to L2, and the V
 	 * pass's loads waited on it (on SmolLM2's shape a fifth of the kernel's
@@ -567,6 +569,25 @@ ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *
 	}
 }
 
+/* acc[g] += the integer value sums vacc[g] of `bits`-bit codes (in
+ * pv_channel's order), and vacc back to zeros: when the value width of
+ * the segments changes (mixed pages), and at the end. */
+static void ISA_FN(pv_flush)(VA_T (*acc)[VA_MAX_CHUNKS], float (*vacc)[256], uint32_t G, uint32_t d,
+			     uint32_t chunks, uint32_t bits)
+{
+	for (uint32_t g = 0; g < G; g++) {
+		float row[256];
+		for (uint32_t i = 0; i < d; i++)
+			row[pv_channel(i, bits)] = vacc[g][i];
+		for (uint32_t c = 0; c < chunks; c++) {
+			VA_T v;
+			memcpy(&v, row + c * VA_LANES, sizeof(v));
+			acc[g][c] = acc[g][c] + v;
+		}
+		memset(vacc[g], 0, (size_t)d * sizeof(float));
+	}
+}
+
 /* `call` with its `bits` argument a constant: 0 for a plain segment, the
  * key (K) or value (V) code width of each quantised format otherwise (K8V4
  * and its halves: 8 and 4; K4V2: 4 and 2). */
@@ -626,9 +647,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		any_quantised |= kvr_segment_quantised(segs[si].format);
 	const uint32_t Gq = qk && any_quantised ? G : 1u; /* rows the arrays hold */
 	/* quantised values with integer dots (pv): their sums in pv's channel
-	 * order, rescaled with acc, added in at the end */
-	const int pv_on = pv && any_quantised && pv_fits(4, d);
+	 * order for pv_bits-bit codes, rescaled with acc, added into acc when
+	 * a segment of the other width comes and at the end */
+	const int pv_on = pv && any_quantised && (pv_fits(4, d) || pv_fits(2, d));
 	float vacc[pv_on ? G : 1u][256];
+	uint32_t pv_bits = 0; /* the order vacc holds; 0: nothing yet */
 	if (pv_on)
 		memset(vacc, 0, sizeof(vacc));
 	int8_t q8_rows[Gq][256], q8n_rows[Gq][256];
@@ -711,8 +734,15 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
 			/* K, two tokens at a time (prefetching the next segment's rows
 			 * as we go): each query vector read serves two keys. */
-			if (fmt && qk) { /* integer dots on the key codes */
-				for (uint32_t b = 0; b < nb; b++)
+			/* Integer dots on the key codes. The block's share of the next
+			 * run is prefetched in three parts, a quarter before the key
+			 * dots, a quarter after them and half before the values: all
+			 * of it at once filled the line fill buffers and stalled the
+			 * key dots' loads behind it (K8V4 from DRAM 15% slower, K4V2
+			 * 5%: docs/benchmarks.md). */
+			const uint32_t pf_qk = nb / 4u, pf_mid = nb / 2u;
+			if (fmt && qk) {
+				for (uint32_t b = 0; b < pf_qk; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 				qk(&qq, G, d, krow0 + t0 * kstride, kstride, gq[fmt].key_bits, nb,
 				   kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
@@ -730,6 +760,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 										   kstride, t, bits, chunks, s, b));
 				}
 			}
+			if (fmt && qk)
+				for (uint32_t b = pf_qk; b < pf_mid; b++)
+					ISA_FN(prefetch_token)(&pf, t0 + b);
 			if (fmt && !qk) /* float dots over codes: s·(q·Q) − z·Σq */
 				for (uint32_t b = 0; b < nb; b++) {
 					const uint16_t *sz = kvr_quant_key_sz(&gq[fmt], run, first + t0 + b);
@@ -811,10 +844,18 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				}
 			}
 			/* V: each value vector read once and used by every head of a
-			 * block of four (or integer dots on 4-bit codes: pv) */
-			if (fmt && pv_on && pv_fits(gq[fmt].value_bits, d))
-				pv(G, d, vrow0 + t0 * vstride, vstride, nb, (const float (*)[16])s, vacc);
-			else
+			 * block of four (or integer dots on the codes: pv) */
+			if (fmt && qk)
+				for (uint32_t b = pf_mid; b < nb; b++)
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+			if (fmt && pv_on && pv_fits(gq[fmt].value_bits, d)) {
+				if (pv_bits != gq[fmt].value_bits) {
+					if (pv_bits)
+						ISA_FN(pv_flush)(acc, vacc, G, d, chunks, pv_bits);
+					pv_bits = gq[fmt].value_bits;
+				}
+				pv(G, d, pv_bits, vrow0 + t0 * vstride, vstride, nb, (const float (*)[16])s, vacc);
+			} else
 				ATT_BITS_CASES(fmt, 'V', ISA_FN(value_dots)(acc, G, vrow0 + t0 * vstride, vstride, t,
 									      bits, (const float (*)[16])s, nb, chunks));
 		}
@@ -824,22 +865,16 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					seg->n_tokens ? run_max[g] + logf(seg_sum[g]) : -INFINITY;
 	}
 
+	if (pv_bits)
+		ISA_FN(pv_flush)(acc, vacc, G, d, chunks, pv_bits);
 	for (uint32_t g = 0; g < G; g++) {
 		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
 		float row[256];
 		const float inv = run_sum[g] == 0.0f ? 0.0f : 1.0f / run_sum[g];
 		const VA_T zv = SPLATA(z_acc[g]);
-		if (pv_on) /* the integer value sums, back in channel order */
-			for (uint32_t i = 0; i < d; i++)
-				row[pv_channel(i)] = vacc[g][i];
 		_Pragma("GCC unroll 32")
 		for (uint32_t c = 0; c < chunks; c++) {
 			VA_T o = acc[g][c] - zv;
-			if (pv_on) {
-				VA_T v;
-				memcpy(&v, row + c * VA_LANES, sizeof(v));
-				o = o + v;
-			}
 			o = o * inv;
 			memcpy(row + c * VA_LANES, &o, sizeof(o));
 		}
