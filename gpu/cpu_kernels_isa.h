@@ -52,6 +52,12 @@
  * where it has them and pv_fits; float multiply-adds otherwise.
  */
 
+/* 8-bit key codes by float multiply-adds (exact: see attention_impl) where
+ * the ISA's integer dots are no faster: AVX2 (cpu_kernels.c) */
+#ifndef QK8_AS_FLOATS
+#define QK8_AS_FLOATS 0
+#endif
+
 /* attention's vectors: the 16-float ones unless the including file chose */
 #ifndef VA_T
 #define KVR_VA_DEFAULT 1
@@ -658,11 +664,21 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	int16_t q16_rows[Gq][256];
 	float q_scale[Gq], q_code_sum[Gq];
 	struct kvr_qk8 qq = { q8_rows, q8n_rows, q16_rows, q_scale, q_code_sum };
+	/* QK8_AS_FLOATS: 8-bit key codes against the rounded query's codes as
+	 * floats (q8f), by the float multiply-adds of plain keys; every
+	 * product and partial sum is an integer below 2^24, so the dots are
+	 * the integer ones exactly */
+	VA_T q8f[QK8_AS_FLOATS && qk && any_quantised ? G : 1u][VA_MAX_CHUNKS];
 	if (qk && any_quantised)
 		for (uint32_t g = 0; g < G; g++) {
 			float row[256];
 			memcpy(row, q[g], (size_t)d * sizeof(float));
 			kvr_qk8_prepare(&qq, g, row, d);
+			if (QK8_AS_FLOATS)
+				for (uint32_t c = 0; c < d; c++)
+					row[c] = (float)q8_rows[g][c];
+			if (QK8_AS_FLOATS)
+				memcpy(q8f[g], row, (size_t)d * sizeof(float));
 		}
 
 	const uint64_t row_bytes = (uint64_t)d * eb;
@@ -741,7 +757,22 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			 * key dots' loads behind it (K8V4 from DRAM 15% slower, K4V2
 			 * 5%: docs/benchmarks.md). */
 			const uint32_t pf_qk = nb / 4u, pf_mid = nb / 2u;
-			if (fmt && qk) {
+			const int qk_floats = QK8_AS_FLOATS && fmt && qk && gq[fmt].key_bits == 8;
+			if (qk_floats) { /* the integer dots by float multiply-adds */
+				uint32_t b = 0;
+				for (; b + 2 <= nb; b += 2) {
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+					ISA_FN(prefetch_token)(&pf, t0 + b + 1);
+					ISA_FN(key_dots)((const VA_T (*)[VA_MAX_CHUNKS])q8f, G, 2, krow0 + (t0 + b) * kstride,
+							 kstride, t, 8, chunks, s, b);
+				}
+				if (b < nb) {
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+					ISA_FN(key_dots)((const VA_T (*)[VA_MAX_CHUNKS])q8f, G, 1, krow0 + (t0 + b) * kstride,
+							 kstride, t, 8, chunks, s, b);
+				}
+				qk_logits_scalar(&qq, G, nb, kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
+			} else if (fmt && qk) {
 				for (uint32_t b = 0; b < pf_qk; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 				qk(&qq, G, d, krow0 + t0 * kstride, kstride, gq[fmt].key_bits, nb,
@@ -760,7 +791,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 										   kstride, t, bits, chunks, s, b));
 				}
 			}
-			if (fmt && qk)
+			if (fmt && qk && !qk_floats)
 				for (uint32_t b = pf_qk; b < pf_mid; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 			if (fmt && !qk) /* float dots over codes: s·(q·Q) − z·Σq */
@@ -845,7 +876,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			}
 			/* V: each value vector read once and used by every head of a
 			 * block of four (or integer dots on the codes: pv) */
-			if (fmt && qk)
+			if (fmt && qk && !qk_floats)
 				for (uint32_t b = pf_mid; b < nb; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 			if (fmt && pv_on && pv_fits(gq[fmt].value_bits, d)) {
@@ -1156,3 +1187,4 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef QMASK_MAKE
 #undef QMASK_GET
 #undef QSELECT
+#undef QK8_AS_FLOATS
