@@ -772,9 +772,9 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
 #define MAXA(a, b) _mm256_max_ps(a, b)
 #define HMAXA(v) hmax8_avx2(v)
 #define EXPA(x) exp8_avx2(x)
-/* 8-bit keys: vpmaddwd on widened codes does no fewer operations than the
- * float multiply-adds and adds a horizontal sum per token (the dense K8V4
- * step 7% slower on Llama-8B's shape, 19% on SmolLM2's) */
+/* 8-bit keys at d <= 64: vpmaddwd on widened codes does no fewer operations
+ * than the float multiply-adds and adds a horizontal sum per token (the
+ * dense K8V4 step on SmolLM2's shape 10-16% faster as floats) */
 #define QK8_AS_FLOATS 1
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options

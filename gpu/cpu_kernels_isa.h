@@ -52,7 +52,7 @@
  * where it has them and pv_fits; float multiply-adds otherwise.
  */
 
-/* 8-bit key codes by float multiply-adds (exact: see attention_impl) where
+/* 8-bit key codes by float multiply-adds at d <= 64 (exact: see attention_impl) where
  * the ISA's integer dots are no faster: AVX2 (cpu_kernels.c) */
 #ifndef QK8_AS_FLOATS
 #define QK8_AS_FLOATS 0
@@ -667,18 +667,21 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	/* QK8_AS_FLOATS: 8-bit key codes against the rounded query's codes as
 	 * floats (q8f), by the float multiply-adds of plain keys; every
 	 * product and partial sum is an integer below 2^24, so the dots are
-	 * the integer ones exactly */
-	VA_T q8f[QK8_AS_FLOATS && qk && any_quantised ? G : 1u][VA_MAX_CHUNKS];
+	 * the integer ones exactly. Only at d <= 64, where the integer path's
+	 * horizontal sum per token weighs most: at d = 128 the float form made
+	 * the dense K8V4 step from DRAM 6% slower (docs/benchmarks.md). */
+	const int q8_floats = QK8_AS_FLOATS && qk && any_quantised && d <= 64;
+	VA_T q8f[q8_floats ? G : 1u][VA_MAX_CHUNKS];
 	if (qk && any_quantised)
 		for (uint32_t g = 0; g < G; g++) {
 			float row[256];
 			memcpy(row, q[g], (size_t)d * sizeof(float));
 			kvr_qk8_prepare(&qq, g, row, d);
-			if (QK8_AS_FLOATS)
+			if (q8_floats) {
 				for (uint32_t c = 0; c < d; c++)
 					row[c] = (float)q8_rows[g][c];
-			if (QK8_AS_FLOATS)
 				memcpy(q8f[g], row, (size_t)d * sizeof(float));
+			}
 		}
 
 	const uint64_t row_bytes = (uint64_t)d * eb;
@@ -757,17 +760,20 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			 * key dots' loads behind it (K8V4 from DRAM 15% slower, K4V2
 			 * 5%: docs/benchmarks.md). */
 			const uint32_t pf_qk = nb / 4u, pf_mid = nb / 2u;
-			const int qk_floats = QK8_AS_FLOATS && fmt && qk && gq[fmt].key_bits == 8;
+			const int qk_floats = q8_floats && fmt && gq[fmt].key_bits == 8;
 			if (qk_floats) { /* the integer dots by float multiply-adds */
 				uint32_t b = 0;
 				for (; b + 2 <= nb; b += 2) {
-					ISA_FN(prefetch_token)(&pf, t0 + b);
-					ISA_FN(prefetch_token)(&pf, t0 + b + 1);
+					if (b < pf_mid) { /* half the share here, as below */
+						ISA_FN(prefetch_token)(&pf, t0 + b);
+						ISA_FN(prefetch_token)(&pf, t0 + b + 1);
+					}
 					ISA_FN(key_dots)((const VA_T (*)[VA_MAX_CHUNKS])q8f, G, 2, krow0 + (t0 + b) * kstride,
 							 kstride, t, 8, chunks, s, b);
 				}
 				if (b < nb) {
-					ISA_FN(prefetch_token)(&pf, t0 + b);
+					if (b < pf_mid)
+						ISA_FN(prefetch_token)(&pf, t0 + b);
 					ISA_FN(key_dots)((const VA_T (*)[VA_MAX_CHUNKS])q8f, G, 1, krow0 + (t0 + b) * kstride,
 							 kstride, t, 8, chunks, s, b);
 				}
@@ -876,7 +882,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			}
 			/* V: each value vector read once and used by every head of a
 			 * block of four (or integer dots on the codes: pv) */
-			if (fmt && qk && !qk_floats)
+			if (fmt && qk)
 				for (uint32_t b = pf_mid; b < nb; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 			if (fmt && pv_on && pv_fits(gq[fmt].value_bits, d)) {
