@@ -525,22 +525,20 @@ static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsi
 			_Pragma("GCC unroll 4")
 			for (uint32_t k = 0; k < 4; k++)
 				acc[k] = _mm512_setzero_si512();
-			_Pragma("GCC unroll 4")
-			for (uint32_t i = 0; i < 4; i++) {
-				const __m512i wh = _mm512_set1_epi32((int)whi[g][i]);
+			_Pragma("GCC unroll 2")
+			for (uint32_t pass = 0; pass < 2; pass++) { /* high bytes, then low */
+				if (pass) {
+					_Pragma("GCC unroll 4")
+					for (uint32_t k = 0; k < 4; k++)
+						acc[k] = _mm512_slli_epi32(acc[k], 8);
+				}
 				_Pragma("GCC unroll 4")
-				for (uint32_t k = 0; k < 4; k++)
-					acc[k] = _mm512_dpbusd_epi32(acc[k], wh, x[i][k]);
-			}
-			_Pragma("GCC unroll 4")
-			for (uint32_t k = 0; k < 4; k++)
-				acc[k] = _mm512_slli_epi32(acc[k], 8);
-			_Pragma("GCC unroll 4")
-			for (uint32_t i = 0; i < 4; i++) {
-				const __m512i wl = _mm512_set1_epi32((int)wlo[g][i]);
-				_Pragma("GCC unroll 4")
-				for (uint32_t k = 0; k < 4; k++)
-					acc[k] = _mm512_dpbusd_epi32(acc[k], wl, x[i][k]);
+				for (uint32_t i = 0; i < 4; i++) {
+					const __m512i wb = _mm512_set1_epi32((int)(pass ? wlo[g][i] : whi[g][i]));
+					_Pragma("GCC unroll 4")
+					for (uint32_t k = 0; k < 4; k++)
+						acc[k] = _mm512_dpbusd_epi32(acc[k], wb, x[i][k]);
+				}
 			}
 			const __m512 sc = _mm512_set1_ps(wscale[g]);
 			float *dst = vacc[g] + 64u * s;

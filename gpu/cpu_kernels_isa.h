@@ -751,51 +751,45 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			if (causal && tok0 > last_pos)
 				break;
 			float s[KVR_MAX_GROUP_CPU][BLOCK];
-			/* K, two tokens at a time (prefetching the next segment's rows
-			 * as we go): each query vector read serves two keys. */
-			/* Integer dots on the key codes. The block's share of the next
-			 * run is prefetched in three parts, a quarter before the key
-			 * dots, a quarter after them and half before the values: all
-			 * of it at once filled the line fill buffers and stalled the
-			 * key dots' loads behind it (K8V4 from DRAM 15% slower, K4V2
-			 * 5%: docs/benchmarks.md). */
+			/* The next run's share for this block (quantised segments) is
+			 * prefetched in three parts, a quarter before the integer key
+			 * dots, a quarter after them and half before the values: all of
+			 * it at once filled the line fill buffers and stalled the key
+			 * dots' loads behind it (K8V4 from DRAM 15% slower, K4V2 5%:
+			 * docs/history.md). */
 			const uint32_t pf_qk = nb / 4u, pf_mid = nb / 2u;
+			/* 8-bit key codes by float multiply-adds (q8_floats): the
+			 * integer dots, on the rounded query's codes */
 			const int qk_floats = q8_floats && fmt && gq[fmt].key_bits == 8;
-			if (qk_floats) { /* the integer dots by float multiply-adds */
-				uint32_t b = 0;
-				for (; b + 2 <= nb; b += 2) {
-					if (b < pf_mid) { /* half the share here, as below */
-						ISA_FN(prefetch_token)(&pf, t0 + b);
-						ISA_FN(prefetch_token)(&pf, t0 + b + 1);
-					}
-					ISA_FN(key_dots)((const VA_T (*)[VA_MAX_CHUNKS])q8f, G, 2, krow0 + (t0 + b) * kstride,
-							 kstride, t, 8, chunks, s, b);
-				}
-				if (b < nb) {
-					if (b < pf_mid)
-						ISA_FN(prefetch_token)(&pf, t0 + b);
-					ISA_FN(key_dots)((const VA_T (*)[VA_MAX_CHUNKS])q8f, G, 1, krow0 + (t0 + b) * kstride,
-							 kstride, t, 8, chunks, s, b);
-				}
-				qk_logits_scalar(&qq, G, nb, kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
-			} else if (fmt && qk) {
+			if (fmt && qk && !qk_floats) { /* integer dots on the key codes */
 				for (uint32_t b = 0; b < pf_qk; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 				qk(&qq, G, d, krow0 + t0 * kstride, kstride, gq[fmt].key_bits, nb,
 				   kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
 			} else {
+				/* K, two tokens at a time (prefetching the next segment's
+				 * rows as we go, half the block's share with qk_floats):
+				 * each query vector read serves two keys */
+				const VA_T (*kq)[VA_MAX_CHUNKS] = qk_floats ? (const VA_T (*)[VA_MAX_CHUNKS])q8f
+									    : (const VA_T (*)[VA_MAX_CHUNKS])q;
+				const uint32_t pf_end = qk_floats ? pf_mid : nb;
 				uint32_t b = 0;
 				for (; b + 2 <= nb; b += 2) {
-					ISA_FN(prefetch_token)(&pf, t0 + b);
-					ISA_FN(prefetch_token)(&pf, t0 + b + 1);
-					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(q, G, 2, krow0 + (t0 + b) * kstride,
+					if (b < pf_end) {
+						ISA_FN(prefetch_token)(&pf, t0 + b);
+						ISA_FN(prefetch_token)(&pf, t0 + b + 1);
+					}
+					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(kq, G, 2, krow0 + (t0 + b) * kstride,
 										   kstride, t, bits, chunks, s, b));
 				}
 				if (b < nb) {
-					ISA_FN(prefetch_token)(&pf, t0 + b);
-					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(q, G, 1, krow0 + (t0 + b) * kstride,
+					if (b < pf_end)
+						ISA_FN(prefetch_token)(&pf, t0 + b);
+					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(kq, G, 1, krow0 + (t0 + b) * kstride,
 										   kstride, t, bits, chunks, s, b));
 				}
+				if (qk_floats)
+					qk_logits_scalar(&qq, G, nb, kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
 			}
 			if (fmt && qk && !qk_floats)
 				for (uint32_t b = pf_qk; b < pf_mid; b++)
