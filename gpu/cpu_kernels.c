@@ -1148,6 +1148,22 @@ static inline uint32_t ordered_bits(float x)
 	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/* Bit l set where ordered_bits(scores[l]) < floor, l < 16 (SSE2: the
+ * ordered bits with the top bit flipped compare as signed integers). */
+static inline uint32_t below_mask16(const float *scores, uint32_t floor)
+{
+	const __m128i f = _mm_set1_epi32((int32_t)(floor ^ 0x80000000u));
+	uint32_t mask = 0;
+	for (int v = 0; v < 4; v++) {
+		const __m128i u = _mm_castps_si128(_mm_loadu_ps(scores + 4 * v));
+		/* negative: u ^ 0x7fffffff (= ~u with the top bit flipped); else u */
+		const __m128i sgn = _mm_srli_epi32(_mm_srai_epi32(u, 31), 1);
+		const __m128i key = _mm_xor_si128(u, sgn);
+		mask |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(f, key))) << (4 * v);
+	}
+	return mask;
+}
+
 static int cmp_u32(const void *a, const void *b)
 {
 	const uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
@@ -1203,36 +1219,81 @@ static void largest_first(uint64_t *a, uint32_t n, uint32_t k)
  * The `take` largest of n scores, ties to the lower index (kernels.h,
  * "select"), written ascending to idx. Each candidate's key is its ordered
  * score above its inverted index, so keys are unique and the take largest
- * keys are the answer. One pass keeps only the keys above a threshold in buf
- * (cap > take entries); when buf fills, a quickselect raises the threshold
- * to its take-th largest key and drops the rest. With scores in no
- * particular order almost every key soon falls below the threshold, a
- * compare per candidate; scores rising page after page make every key an
- * entry, and the quickselects then cost a few steps per candidate, still
- * less than the radix select before it, which read all n keys eight times.
+ * keys are the answer.
+ *
+ * A first pass bounds the answer from below: split the scores into `take`
+ * interleaved columns (candidate j in column j % take) and take each column's
+ * largest; those are take distinct candidates, so the take-th largest score
+ * is at least the smallest of them. The pass is take running maxima over
+ * rows, which vectorises, and interleaving keeps the bound tight both for
+ * scores in no order and for scores rising page after page (each column's
+ * largest is then in the last row).
+ *
+ * The second pass keeps only the keys at or above the bound in buf (cap >
+ * take entries); when buf fills, a quickselect raises the threshold to its
+ * take-th largest key and drops the rest. It goes 16 candidates at a time:
+ * one vector compare finds those whose score reaches the threshold's, and only
+ * they are looked at; with the bound they are few.
  */
 static void top_scores(const float *scores, uint32_t n, uint32_t take, uint64_t *buf, uint32_t cap,
 		       uint32_t *idx)
 {
 	uint64_t threshold = 0; /* every key is above it: its low half is 0xffffffff - j > 0 */
+	if (take && n >= 2 * take) {
+		/* the column maxima, in buf's first take words as 32-bit lanes */
+		uint32_t *col = (uint32_t *)(void *)buf;
+		for (uint32_t c = 0; c < take; c++)
+			col[c] = ordered_bits(scores[c]);
+		for (uint32_t r = take; r + take <= n; r += take)
+			for (uint32_t c = 0; c < take; c++) {
+				const uint32_t v = ordered_bits(scores[r + c]);
+				col[c] = v > col[c] ? v : col[c];
+			}
+		uint32_t bound = col[0];
+		for (uint32_t c = 1; c < take; c++)
+			bound = col[c] < bound ? col[c] : bound;
+		/* keys with ordered score >= bound are above (bound << 32) - 1 */
+		threshold = bound ? ((uint64_t)bound << 32) - 1 : 0;
+	}
 	uint32_t held = 0;
-	for (uint32_t j = 0; j < n; j++) {
-		const uint64_t key = (uint64_t)ordered_bits(scores[j]) << 32 | (0xffffffffu - j);
-		if (key > threshold) {
-			buf[held++] = key;
-			if (held == cap) {
-				largest_first(buf, held, take);
-				held = take;
-				threshold = buf[0];
-				for (uint32_t i = 1; i < take; i++)
-					threshold = buf[i] < threshold ? buf[i] : threshold;
+	for (uint32_t j0 = 0; j0 < n; j0 += 16) {
+		const uint32_t j_end = n - j0 < 16 ? n : j0 + 16;
+		uint32_t mask = 0xffffu;
+		if (j_end - j0 == 16) { /* the candidates whose score reaches the threshold's */
+			const uint32_t floor = (uint32_t)(threshold >> 32);
+			mask = ~below_mask16(scores + j0, floor) & 0xffffu;
+		}
+		for (; mask; mask &= mask - 1) {
+			const uint32_t j = j0 + (uint32_t)__builtin_ctz(mask);
+			if (j >= j_end)
+				break;
+			const uint64_t key = (uint64_t)ordered_bits(scores[j]) << 32 | (0xffffffffu - j);
+			if (key > threshold) {
+				buf[held++] = key;
+				if (held == cap) {
+					largest_first(buf, held, take);
+					held = take;
+					threshold = buf[0];
+					for (uint32_t i = 1; i < take; i++)
+						threshold = buf[i] < threshold ? buf[i] : threshold;
+				}
 			}
 		}
 	}
 	largest_first(buf, held, take);
-	for (uint32_t i = 0; i < take; i++)
-		idx[i] = 0xffffffffu - (uint32_t)buf[i];
-	qsort(idx, take, sizeof(*idx), cmp_u32);
+	if (take > 64) {
+		for (uint32_t i = 0; i < take; i++)
+			idx[i] = 0xffffffffu - (uint32_t)buf[i];
+		qsort(idx, take, sizeof(*idx), cmp_u32);
+		return;
+	}
+	for (uint32_t i = 0; i < take; i++) { /* ascending: an insertion sort beats qsort's calls */
+		const uint32_t v = 0xffffffffu - (uint32_t)buf[i];
+		uint32_t at = i;
+		for (; at > 0 && idx[at - 1] > v; at--)
+			idx[at] = idx[at - 1];
+		idx[at] = v;
+	}
 }
 
 static void select_task(void *arg, uint32_t index)
@@ -1276,6 +1337,12 @@ void kvr_cpu_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 	kvr_cpu_parallel_for(dev, select_task, &job, n * shape->n_kv_heads);
 }
 
+/* The cosine of each query head with its previous query, mean over the group.
+ * The rows are converted in bulk first (kvr_convert_to_f32: the vector path,
+ * bit-identical to kvr_load_f32) and the lanes then run down the columns,
+ * dimension c into lane c % KVR_DOT_LANES in ascending c, the canonical order
+ * (kmath.h) the other backends sum in; converting element by element cost
+ * more than the sums. */
 static void similarity_task(void *arg, uint32_t index)
 {
 	const struct head_job *job = arg;
@@ -1283,18 +1350,20 @@ static void similarity_task(void *arg, uint32_t index)
 	const struct kvr_similarity_item *it =
 		(const struct kvr_similarity_item *)job->items + index / sh->n_kv_heads;
 	const uint32_t m = index % sh->n_kv_heads, G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim;
+	const uint64_t eb = kvr_elem_bytes(sh->elem_type);
+	float a[256] __attribute__((aligned(64))), b[256] __attribute__((aligned(64)));
 	float mean = 0.0f;
 	for (uint32_t g = 0; g < G; g++) {
 		const uint64_t base = (uint64_t)(m * G + g) * d;
+		kvr_convert_to_f32(a, (const unsigned char *)it->q + base * eb, sh->elem_type, d);
+		kvr_convert_to_f32(b, (const unsigned char *)it->q_prev + base * eb, sh->elem_type, d);
 		float dot[KVR_DOT_LANES] = { 0 }, na[KVR_DOT_LANES] = { 0 }, nb[KVR_DOT_LANES] = { 0 };
-		for (uint32_t c = 0; c < d; c++) {
-			const float a = kvr_load_f32(it->q, sh->elem_type, base + c);
-			const float b = kvr_load_f32(it->q_prev, sh->elem_type, base + c);
-			const uint32_t l = c % KVR_DOT_LANES;
-			dot[l] = dot[l] + a * b;
-			na[l] = na[l] + a * a;
-			nb[l] = nb[l] + b * b;
-		}
+		for (uint32_t c = 0; c < d; c += KVR_DOT_LANES)
+			for (uint32_t l = 0; l < KVR_DOT_LANES; l++) {
+				dot[l] = dot[l] + a[c + l] * b[c + l];
+				na[l] = na[l] + a[c + l] * a[c + l];
+				nb[l] = nb[l] + b[c + l] * b[c + l];
+			}
 		const float sd = kvr_fold_lanes(dot, KVR_DOT_LANES);
 		const float sa = kvr_fold_lanes(na, KVR_DOT_LANES), sb = kvr_fold_lanes(nb, KVR_DOT_LANES);
 		const float cosine = (sa == 0.0f || sb == 0.0f) ? 0.0f : sd / sqrtf(sa * sb);

@@ -1485,7 +1485,10 @@ static int32_t *device_select(struct dctx *c, const struct kvr_shape *sh,
 
 /* One select item of the tie tests: candidates [begin, begin + n_cand), k. */
 struct select_case {
-	uint32_t begin, n_cand, k, mode; /* mode 0: few values; 1: all equal; 2: distinct */
+	/* mode 0: few values; 1: all equal; 2: distinct; 3: rising page after
+	 * page, three pages per value (ties); 4: every 7th page high, the rest
+	 * few values (one column of the lower bound's far above the others) */
+	uint32_t begin, n_cand, k, mode;
 };
 
 /* The items of a select_case list for n_kv heads, over one scores buffer and
@@ -1527,6 +1530,10 @@ static struct select_set select_set_build(struct rng *r, const struct select_cas
 				v = 0.5f;
 			else if (spec[i].mode == 2)
 				v = (float)rng_uniform(r, lo, hi);
+			else if (spec[i].mode == 3)
+				v = (float)((x % spec[i].n_cand) / 3) * 0.125f - 4.0f;
+			else if (spec[i].mode == 4 && (x % spec[i].n_cand) % 7 == 0)
+				v = 100.0f + (float)rng_below(r, 4);
 			set.scores[s_at[i] + x] = v;
 		}
 		set.items[i] = (struct kvr_score_item){
@@ -1554,7 +1561,9 @@ static void select_set_expect(const struct select_set *set, const int32_t *got, 
 
 /*
  * Random scores full of ties (drawn from a few values, signed zeros
- * included), all-equal scores, and distinct ones; k from 0 past n_cand, an
+ * included), all-equal scores, distinct ones, scores rising page after page
+ * and spikes every 7th page (the cpu select's lower bound at its tightest and
+ * its loosest); k from 0 past n_cand, an
  * empty candidate range, ranges that do not start at page 0, over 256
  * candidates. Exact: ties to the lower page, ascending output, -1 padding,
  * k = 0 writes nothing (the guard entries after every item must survive).
@@ -1564,9 +1573,11 @@ CONFORMANCE_TEST(select_ties_and_k)
 	struct dctx *c = &e->main;
 	struct rng r = { 0x5e1ec7 };
 	static const struct select_case spec[] = {
-		{ 0, 1, 1, 0 },    { 2, 7, 3, 0 },   { 1, 40, 1, 0 },   { 4, 40, 39, 0 },
-		{ 0, 40, 40, 0 },  { 7, 40, 45, 0 }, { 0, 300, 17, 2 }, { 3, 300, 0, 0 },
-		{ 9, 0, 3, 0 },    { 0, 12, 5, 1 },  { 6, 33, 16, 0 },  { 0, 260, 250, 0 },
+		{ 0, 1, 1, 0 },    { 2, 7, 3, 0 },   { 1, 40, 1, 0 },    { 4, 40, 39, 0 },
+		{ 0, 40, 40, 0 },  { 7, 40, 45, 0 }, { 0, 300, 17, 2 },  { 3, 300, 0, 0 },
+		{ 9, 0, 3, 0 },    { 0, 12, 5, 1 },  { 6, 33, 16, 0 },   { 0, 260, 250, 0 },
+		{ 0, 1000, 32, 3 }, { 5, 999, 32, 4 }, { 0, 640, 64, 3 }, { 2, 1000, 32, 0 },
+		{ 0, 2000, 100, 4 }, { 1, 700, 32, 1 },
 	};
 	for (uint32_t n_kv = 1; n_kv <= 3; n_kv += 2) {
 		const struct shape_cfg cfg = { n_kv, n_kv, 64, 16, 0 };
