@@ -465,9 +465,15 @@ static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d,
  * A weight has 16 bits, taken as its high and its low byte (vpdpbusd
  * multiplies unsigned bytes, the weights', by signed ones, the codes'): the
  * high bytes' sums first, shifted left by 8, then the low bytes' added in
- * the same accumulator, exact since 16 tokens · 65535 · 15 < 2^24 (also
- * exactly a float). Rows past nb read as zeros (their weights are 0 too,
- * and the run may end there).
+ * the same accumulator, exact since 16 tokens · 65535 · 8 < 2^24 (also
+ * exactly a float). The codes are taken centred, Q − 2^(bits−1) (−8..7,
+ * −2..1), and attention_impl moves the zero point to match (z − c·s):
+ * Σ p·s·Q and Σ p·z nearly cancel for values near the middle of their
+ * range, so the weights' rounding, relative to the first, was a large share
+ * of their difference (uncentred, K8V4's perplexity on SmolLM2 was 0.4–0.5%
+ * above float value sums; centred, 0.1–0.2%: docs/history.md). Rows past nb
+ * read as zeros: centred, they are −c, but their weights are 0 (and the run
+ * may end there).
  */
 static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
 			       uint32_t nb, const float (*w)[16], float (*vacc)[256])
@@ -500,6 +506,7 @@ static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsi
 							    0x0004000400040004ll, 0x0004000400040004ll,
 							    0x0006000600060006ll, 0x0006000600060006ll);
 	const __m512i mask = _mm512_set1_epi8((char)((1u << bits) - 1u));
+	const __m512i centre = _mm512_set1_epi8((char)(1u << (bits - 1u)));
 	const uint32_t sub_bytes = 8u * bits; /* a sub-piece's 64 codes */
 	for (uint32_t s = 0; s < d / 64u; s++) {
 		__m512i x[4][4]; /* [tokens 4i..4i+3][channel vector k] */
@@ -511,7 +518,7 @@ static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsi
 				const unsigned char *p = rowp[4 * i + t] + s * sub_bytes;
 				const __m512i r = bits == 4 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p))
 							    : _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
-				c[t] = _mm512_and_si512(_mm512_srlv_epi16(r, shift), mask);
+				c[t] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srlv_epi16(r, shift), mask), centre);
 			}
 			const __m512i a0 = _mm512_unpacklo_epi8(c[0], c[1]), a1 = _mm512_unpackhi_epi8(c[0], c[1]);
 			const __m512i b0 = _mm512_unpacklo_epi8(c[2], c[3]), b1 = _mm512_unpackhi_epi8(c[2], c[3]);

@@ -855,9 +855,14 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			if (fmt) { /* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
 				float vsb[BLOCK] __attribute__((aligned(64))), vzb[BLOCK] __attribute__((aligned(64)));
 				const uint16_t *sz = kvr_quant_value_sz(&gq[fmt], run, first + t0);
+				/* the integer value sums take the codes centred (Q − c, c
+				 * half the code range: pv_dots), so their zero point is
+				 * z − c·s here */
+				const float centre = pv_on && pv_fits(gq[fmt].value_bits, d)
+							     ? (float)(1u << (gq[fmt].value_bits - 1u)) : 0.0f;
 				for (uint32_t b = 0; b < BLOCK; b++) {
 					vsb[b] = b < nb ? F16TOF32(sz[2 * b]) : 0.0f;
-					vzb[b] = b < nb ? F16TOF32(sz[2 * b + 1]) : 0.0f;
+					vzb[b] = b < nb ? F16TOF32(sz[2 * b + 1]) - centre * vsb[b] : 0.0f;
 				}
 				for (uint32_t g = 0; g < G; g++) {
 					VA_T zsum = SPLATA(0.0f);

@@ -525,7 +525,7 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 				if (isfinite(mag) && mag > hs->logit_mag)
 					hs->logit_mag = mag;
 			}
-		double sum = 0.0, qv = 0.0; /* qv: Σ_blocks (max w / 131070)·n·(2^vb − 1) */
+		double sum = 0.0, qv = 0.0; /* qv: Σ_blocks (max w / 131070)·n·2^(vb − 1) */
 		i = 0;
 		for (uint32_t s = 0; s < n_segs; s++) {
 			const uint32_t vb = quant_value_bits(sh, &segs[s]);
@@ -545,13 +545,13 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 					block_max = isfinite(ws) && ws > block_max ? ws : block_max;
 					block_n++;
 					if (t % 16 == 15) {
-						qv += block_max / 131070.0 * block_n * (double)((1u << vb) - 1u);
+						qv += block_max / 131070.0 * block_n * (double)(1u << (vb - 1u));
 						block_max = 0.0, block_n = 0;
 					}
 				}
 			}
 			if (block_n)
-				qv += block_max / 131070.0 * block_n * (double)((1u << vb) - 1u);
+				qv += block_max / 131070.0 * block_n * (double)(1u << (vb - 1u));
 		}
 		for (uint32_t c = 0; c < d; c++)
 			o[c] /= sum;

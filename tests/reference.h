@@ -80,9 +80,10 @@
  * be read with the weights rounded too: in each block of 16 consecutive
  * tokens of a segment (from its first token), a head's weights w = p·s (p
  * the softmax weight, s the token's value scale) may be rounded to 16 bits
- * against the block's largest, an error of up to max w / 131070 per token,
- * so a head's outputs may move by up to
- *     qv_err = Σ_blocks (max w / 131070)·n·(2^vb − 1) / Σ p
+ * against the block's largest, an error of up to max w / 131070 per token;
+ * the codes are summed centred (Q − 2^(vb−1), the zero point moved to
+ * match), so a head's outputs may move by up to
+ *     qv_err = Σ_blocks (max w / 131070)·n·2^(vb − 1) / Σ p
  * (n the block's tokens, vb the value bits) on top of the float bound. One
  * code step of a key or a value moves the outputs by more than the bound
  * (the planted-error test checks it at f32).
