@@ -704,6 +704,8 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		/* quantised codes (their format), or plain rows (0): tokens, or
 		 * page estimates whose logits get ln(p) (kernels.h) */
 		const uint32_t fmt = kvr_segment_quantised(seg->format) ? seg->format : 0u;
+		/* this segment's values by integer sums (pv), their codes centred */
+		const int pv_seg = fmt && pv_on && pv_fits(gq[fmt].value_bits, d);
 		const float log_weight = kvr_segment_log_weight(seg->format, sh->page_tokens);
 		const uint64_t seg_tok0 = seg_first_token;
 		seg_first_token += seg->n_tokens;
@@ -858,8 +860,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				/* the integer value sums take the codes centred (Q − c, c
 				 * half the code range: pv_dots), so their zero point is
 				 * z − c·s here */
-				const float centre = pv_on && pv_fits(gq[fmt].value_bits, d)
-							     ? (float)(1u << (gq[fmt].value_bits - 1u)) : 0.0f;
+				const float centre = pv_seg ? (float)(1u << (gq[fmt].value_bits - 1u)) : 0.0f;
 				for (uint32_t b = 0; b < BLOCK; b++) {
 					vsb[b] = b < nb ? F16TOF32(sz[2 * b]) : 0.0f;
 					vzb[b] = b < nb ? F16TOF32(sz[2 * b + 1]) - centre * vsb[b] : 0.0f;
@@ -884,7 +885,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			if (fmt && qk)
 				for (uint32_t b = pf_mid; b < nb; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
-			if (fmt && pv_on && pv_fits(gq[fmt].value_bits, d)) {
+			if (pv_seg) {
 				if (pv_bits != gq[fmt].value_bits) {
 					if (pv_bits)
 						ISA_FN(pv_flush)(acc, vacc, G, d, chunks, pv_bits);
