@@ -11,12 +11,14 @@
  * with the same choice as the conversions (layouts/convert.c). Attention over
  * quantised pages takes its keys by integer dot products (kvquant.h's
  * contract), written here per ISA: AVX-512 VNNI, AVX-512, AVX2 and portable
- * C. Values are float multiply-adds on the unpacked codes, except on AVX-512
- * VNNI for 4- and 2-bit values at d a multiple of 64, where they are integer
+ * C. Values are float multiply-adds on the unpacked codes, except for 4- and
+ * 2-bit values at d a multiple of 64 on AVX-512 VNNI, where they are integer
  * sums with the weights rounded to 16 bits (pv_dots_avx512vnni: the dense
  * step over K4V2 pages 1.7x faster at 32K, K8V4 1.2x; the same with
- * vpdpwssd over token pairs was measured no faster, and on AVX2 slower:
- * docs/history.md). Selection
+ * vpdpwssd over token pairs was measured no faster), and for 2-bit values
+ * on AVX2, where they are byte sums with the weights rounded to 8 bits
+ * (pv_dots_avx2: word products were slower than the floats there, byte
+ * ones are not; docs/history.md). Selection
  * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
  * kernels agree bit for bit on which pages are selected.
  *
@@ -120,15 +122,16 @@ typedef void (*qk_dots_fn)(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, con
 			   uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16]);
 
 /*
- * Quantised values may be read as integer dot products too (kvquant.h's
- * contract for values): a block's weights w_b = p_b·s_b of each query head
- * (p the softmax weight, s the token's value scale) are rounded to 16 bits
- * against the block's largest, r_b = round(65535·w_b / max w), and
- * Σ_b w_b·Q_b becomes (max w / 65535)·Σ_b r_b·Q_b, exact integers. The sums
- * of `bits`-bit value codes land in vacc[g] in the ISA's own channel order
- * for that width (pv_channel maps it back, in attention_impl). Only where
- * the ISA has such a path and the value rows suit it (pv_fits); elsewhere
- * values are float multiply-adds.
+ * Quantised values may be read as integer dot products too (the contract
+ * for values, docs/api.md): a block's weights w_b = p_b·s_b of each query
+ * head (p the softmax weight, s the token's value scale) are rounded to 16
+ * bits against the block's largest, r_b = round(65535·w_b / max w), and
+ * Σ_b w_b·Q_b becomes (max w / 65535)·Σ_b r_b·Q_b, exact integers (8 bits
+ * and 255 for AVX2's 2-bit values, pv_dots_avx2). The sums of `bits`-bit
+ * value codes land in vacc[g] in the ISA's own channel order for that
+ * width (PV_CHANNEL maps it back, in attention_impl). Only where the ISA
+ * has such a path and the value rows suit it (PV_FITS); elsewhere values
+ * are float multiply-adds.
  */
 typedef void (*pv_dots_fn)(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
 			   uint32_t nb, const float (*w)[16], float (*vacc)[256]);
@@ -706,6 +709,29 @@ static inline __attribute__((always_inline)) __m256i codes_bytes32_avx2(const un
 		return _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
 	return _mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)p));
 }
+/* qk_logits_scalar's arithmetic on 8 tokens a vector: the scalar form, a
+ * software f16 conversion and four operations per token and head, was a
+ * tenth of the 8-bit key dots' instructions. Lanes past nb compute on
+ * whatever s holds there; attention_impl overwrites them. */
+static inline __attribute__((always_inline)) void qk_logits_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t nb,
+								 const uint16_t *sz, float (*s)[16])
+{
+	float ks[16] __attribute__((aligned(32))), kz[16] __attribute__((aligned(32)));
+	for (uint32_t b = 0; b < 16; b++) {
+		ks[b] = b < nb ? _cvtsh_ss(sz[2 * b]) : 0.0f;
+		kz[b] = b < nb ? _cvtsh_ss(sz[2 * b + 1]) : 0.0f;
+	}
+	const uint32_t halves = nb > 8 ? 2u : 1u;
+	for (uint32_t g = 0; g < G; g++) {
+		const __m256 cs = _mm256_set1_ps(qq->code_sum_f[g]), sc = _mm256_set1_ps(qq->scale[g]);
+		for (uint32_t h = 0; h < halves; h++) {
+			const __m256 dots = _mm256_loadu_ps(s[g] + 8 * h);
+			const __m256 t = _mm256_sub_ps(_mm256_mul_ps(_mm256_load_ps(ks + 8 * h), dots),
+						       _mm256_mul_ps(_mm256_load_ps(kz + 8 * h), cs));
+			_mm256_storeu_ps(s[g] + 8 * h, _mm256_mul_ps(sc, t));
+		}
+	}
+}
 static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
 			 uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
 {
@@ -751,8 +777,116 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
 				s[g + h][b] = four[h];
 		}
 	}
-	qk_logits_scalar(qq, G, nb, sz, s);
+	qk_logits_avx2(qq, G, nb, sz, s);
 }
+/*
+ * Integer value sums on AVX2 for 2-bit values (pv_dots_fn), with
+ * vpmaddubsw: unsigned bytes (the weights) times signed bytes (the codes,
+ * centred as on VNNI: Q − 2), adjacent pairs summed into 16 bits. The codes
+ * of two tokens are interleaved byte by byte, so one instruction does two
+ * tokens' products for 16 channels, and a block's eight token pairs add up
+ * in 16 bits without overflow: twice the multiply-adds of a float FMA per
+ * instruction, where the float path also pays a conversion per code. AVX2
+ * has no byte product that takes 16-bit weights in one pass (vpmaddwd over
+ * token pairs was measured slower than the floats: docs/history.md), so a
+ * head's weights are rounded to 8 bits against the block's largest, r =
+ * round(255·w / max w): an error of up to max w / 510 per token (the
+ * contract's bound for this path: docs/api.md, tests/reference.h). Only
+ * for K4V2's 2-bit values, whose own rounding (a third of their range)
+ * dwarfs it; on K8V4's 4-bit values the same sums put the model's
+ * perplexity 0.4–0.5% above float value sums, so those stay float here
+ * (docs/history.md). vacc's order (pv_channel_avx2): per sub-piece of 64
+ * channels, crumb plane k's 16 words split into the even words (8 lanes)
+ * and the odd ones.
+ */
+static inline int pv_fits_avx2(uint32_t value_bits, uint32_t d)
+{
+	return value_bits == 2 && pv_fits(value_bits, d);
+}
+static inline uint32_t pv_channel_avx2(uint32_t i, uint32_t bits)
+{
+	(void)bits; /* 2 */
+	const uint32_t s = i / 64u, k = i / 16u % 4u, e = i / 8u % 2u, l = i % 8u;
+	const uint32_t w = 2u * l + e; /* the word of plane k's accumulator */
+	const uint32_t L = w / 8u, kk = w % 8u; /* its 128-bit lane, and its word there */
+	return 64u * s + 4u * (8u * L + kk) + k; /* crumb k of the sub-piece's byte 8L + kk */
+}
+static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
+			 uint32_t nb, const float (*w)[16], float (*vacc)[256])
+{
+	(void)bits; /* 2: pv_fits_avx2 */
+	static const unsigned char zero_row[64] __attribute__((aligned(64))); /* a 2-bit row at d = 256 */
+	/* each head's weights as byte pairs (token 2i low, 2i + 1 high), and
+	 * the scale back: max w / 255 */
+	uint16_t wpair[KVR_MAX_GROUP_CPU][8];
+	float wscale[KVR_MAX_GROUP_CPU];
+	for (uint32_t g = 0; g < G; g++) {
+		const __m256 a = _mm256_loadu_ps(w[g]), b = _mm256_loadu_ps(w[g] + 8);
+		const __m256 ab = _mm256_max_ps(a, b);
+		__m128 h = _mm_max_ps(_mm256_castps256_ps128(ab), _mm256_extractf128_ps(ab, 1));
+		h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+		const float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+		const int live = mx > 0.0f && mx <= 3.4e38f; /* all zero (or not finite: run_sum says NaN) */
+		wscale[g] = live ? mx / 255.0f : 0.0f;
+		const __m256 f = _mm256_set1_ps(live ? 255.0f / mx : 0.0f);
+		const __m256i lo = _mm256_setzero_si256(), hi = _mm256_set1_epi32(255);
+		int32_t r[16];
+		_mm256_storeu_si256((__m256i *)r,
+				    _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, f)), lo), hi));
+		_mm256_storeu_si256((__m256i *)(r + 8),
+				    _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(b, f)), lo), hi));
+		for (uint32_t i = 0; i < 8; i++)
+			wpair[g][i] = (uint16_t)(r[2 * i] | r[2 * i + 1] << 8);
+	}
+	const uint32_t pairs = (nb + 1u) / 2u;
+	const unsigned char *rowp[16];
+	for (uint32_t b = 0; b < 16; b++)
+		rowp[b] = b < nb ? vrow + b * vstride : zero_row;
+	const __m256i low2 = _mm256_set1_epi8(0x03), centre = _mm256_set1_epi8(2);
+	const __m256i even = _mm256_set1_epi32(1), odd = _mm256_set1_epi32(0x10000);
+	for (uint32_t s = 0; s < d / 64u; s++) {
+		/* [token pair][crumb plane]: the pair's 16 code bytes of the
+		 * sub-piece interleaved (byte j of each in word j), one plane a
+		 * vector, centred; rows past nb read as zeros (weight 0) */
+		__m256i x[8][4];
+		for (uint32_t pr = 0; pr < pairs; pr++) {
+			const __m128i a = _mm_loadu_si128((const __m128i *)(rowp[2 * pr] + 16u * s));
+			const __m128i b = _mm_loadu_si128((const __m128i *)(rowp[2 * pr + 1] + 16u * s));
+			const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)),
+								  _mm_unpackhi_epi8(a, b), 1);
+			x[pr][0] = _mm256_sub_epi8(_mm256_and_si256(y, low2), centre);
+			x[pr][1] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(y, 2), low2), centre);
+			x[pr][2] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(y, 4), low2), centre);
+			x[pr][3] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(y, 6), low2), centre);
+		}
+		for (uint32_t g = 0; g < G; g++) {
+			/* |pair sum| ≤ 2·255·2: 8 pairs stay far inside 16 bits */
+			__m256i acc[4];
+			_Pragma("GCC unroll 4")
+			for (uint32_t k = 0; k < 4; k++)
+				acc[k] = _mm256_setzero_si256();
+			for (uint32_t pr = 0; pr < pairs; pr++) {
+				const __m256i wv = _mm256_set1_epi16((short)wpair[g][pr]);
+				_Pragma("GCC unroll 4")
+				for (uint32_t k = 0; k < 4; k++)
+					acc[k] = _mm256_add_epi16(acc[k], _mm256_maddubs_epi16(wv, x[pr][k]));
+			}
+			const __m256 sc = _mm256_set1_ps(wscale[g]);
+			float *dst = vacc[g] + 64u * s;
+			_Pragma("GCC unroll 4")
+			for (uint32_t k = 0; k < 4; k++) {
+				const __m256 ev = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[k], even));
+				const __m256 od = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[k], odd));
+				_mm256_storeu_ps(dst + 16u * k, _mm256_fmadd_ps(ev, sc, _mm256_loadu_ps(dst + 16u * k)));
+				_mm256_storeu_ps(dst + 16u * k + 8u,
+						 _mm256_fmadd_ps(od, sc, _mm256_loadu_ps(dst + 16u * k + 8u)));
+			}
+		}
+	}
+}
+#define PV_CHANNEL(i, bits) pv_channel_avx2(i, bits)
+#define PV_FITS(bits, d) pv_fits_avx2(bits, d)
+#define QK_LOGITS(qq, G, nb, sz, s) qk_logits_avx2(qq, G, nb, sz, s)
 #define ISA avx2
 #define F16TOF32(h) _cvtsh_ss(h)
 #define MAX16(a, b) max16_avx2(a, b)
@@ -1438,7 +1572,8 @@ static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh,
 		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512, NULL);
 		break;
 	case KVR_CONVERT_AVX2:
-		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2, NULL);
+		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2,
+				    float_dots ? NULL : pv_dots_avx2);
 		break;
 	default:
 		attention_head_base(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_base, NULL);

@@ -49,7 +49,8 @@
  * the query rounded to 8 bits) from the including file (cpu_kernels.c), per
  * ISA; NULL reads the key codes as floats (KVR_QUANT_DOTS=float). Value
  * codes likewise take the including file's integer value dots (pv_dots_fn)
- * where it has them and pv_fits; float multiply-adds otherwise.
+ * where it has them and PV_FITS, summed in its own channel order
+ * (PV_CHANNEL); float multiply-adds otherwise.
  */
 
 /* 8-bit key codes by float multiply-adds at d <= 64 (exact: see attention_impl) where
@@ -74,6 +75,20 @@
 #define MAXA MAX16
 #define HMAXA HMAX16
 #define EXPA(x) ISA_FN(exp16)(x)
+#endif
+
+/* the channel of vacc's element i (pv_flush): the including file's order
+ * for its integer value sums, or pv_dots_avx512vnni's */
+#ifndef PV_CHANNEL
+#define PV_CHANNEL(i, bits) pv_channel(i, bits)
+#endif
+/* the value widths and head dimensions the including file's pv takes */
+#ifndef PV_FITS
+#define PV_FITS(bits, d) pv_fits(bits, d)
+#endif
+/* from integer key dots to logits (qk_logits_scalar's arithmetic) */
+#ifndef QK_LOGITS
+#define QK_LOGITS(qq, G, nb, sz, s) qk_logits_scalar(qq, G, nb, sz, s)
 #endif
 
 #define KVR_ISA_FN2(name, isa) name##_##isa
@@ -584,7 +599,7 @@ static void ISA_FN(pv_flush)(VA_T (*acc)[VA_MAX_CHUNKS], float (*vacc)[256], uin
 	for (uint32_t g = 0; g < G; g++) {
 		float row[256];
 		for (uint32_t i = 0; i < d; i++)
-			row[pv_channel(i, bits)] = vacc[g][i];
+			row[PV_CHANNEL(i, bits)] = vacc[g][i];
 		for (uint32_t c = 0; c < chunks; c++) {
 			VA_T v;
 			memcpy(&v, row + c * VA_LANES, sizeof(v));
@@ -655,7 +670,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	/* quantised values with integer dots (pv): their sums in pv's channel
 	 * order for pv_bits-bit codes, rescaled with acc, added into acc when
 	 * a segment of the other width comes and at the end */
-	const int pv_on = pv && any_quantised && (pv_fits(4, d) || pv_fits(2, d));
+	const int pv_on = pv && any_quantised && (PV_FITS(4, d) || PV_FITS(2, d));
 	float vacc[pv_on ? G : 1u][256];
 	uint32_t pv_bits = 0; /* the order vacc holds; 0: nothing yet */
 	if (pv_on)
@@ -705,7 +720,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		 * page estimates whose logits get ln(p) (kernels.h) */
 		const uint32_t fmt = kvr_segment_quantised(seg->format) ? seg->format : 0u;
 		/* this segment's values by integer sums (pv), their codes centred */
-		const int pv_seg = fmt && pv_on && pv_fits(gq[fmt].value_bits, d);
+		const int pv_seg = fmt && pv_on && PV_FITS(gq[fmt].value_bits, d);
 		const float log_weight = kvr_segment_log_weight(seg->format, sh->page_tokens);
 		const uint64_t seg_tok0 = seg_first_token;
 		seg_first_token += seg->n_tokens;
@@ -791,7 +806,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 										   kstride, t, bits, chunks, s, b));
 				}
 				if (qk_floats)
-					qk_logits_scalar(&qq, G, nb, kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
+					QK_LOGITS(&qq, G, nb, kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
 			}
 			if (fmt && qk && !qk_floats)
 				for (uint32_t b = pf_qk; b < pf_mid; b++)
@@ -1194,3 +1209,6 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef QMASK_GET
 #undef QSELECT
 #undef QK8_AS_FLOATS
+#undef PV_CHANNEL
+#undef QK_LOGITS
+#undef PV_FITS

@@ -81,7 +81,8 @@
  *              Within the quantised pages' accuracy contract (docs/api.md,
  *              tests/reference.h) keys may meet the query rounded to 8
  *              bits, and a 16-token block's value weights p·s may be
- *              rounded to 16 bits against the block's largest.
+ *              rounded to 16 bits against the block's largest (8 bits
+ *              for 2-bit values on the cpu's AVX2 path).
  *              With KVR_SHAPE_SEGMENT_LSE, an item whose segment_lse is not
  *              NULL also gets, for query head h and segment s,
  *              segment_lse[h·n_segments + s] = log Σ_t exp(scale · q_h·k_t)

@@ -27,6 +27,17 @@ double ref_attention_tol(uint32_t elem_type)
 	}
 }
 
+/* The value weights' bits of the path under test per value width (index:
+ * value bits; reference.h): set per backend by the test, before its
+ * checks (one thread). */
+static uint32_t value_weight_bits[9] = { 16, 16, 16, 16, 16, 16, 16, 16, 16 };
+
+void ref_set_value_weight_bits(uint32_t value_bits, uint32_t wb)
+{
+	if (value_bits < 9)
+		value_weight_bits[value_bits] = wb >= 1 && wb <= 16 ? wb : 16;
+}
+
 double ref_attention_bound(uint32_t elem_type, const struct ref_head_scale *s)
 {
 	return (ref_attention_tol(elem_type) + REF_LOGIT_ERR * s->logit_mag) * s->v_mag + s->qv_err;
@@ -525,10 +536,11 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 				if (isfinite(mag) && mag > hs->logit_mag)
 					hs->logit_mag = mag;
 			}
-		double sum = 0.0, qv = 0.0; /* qv: Σ_blocks (max w / 131070)·n·2^(vb − 1) */
+		double sum = 0.0, qv = 0.0; /* qv: Σ_blocks (max w / (2·(2^wb − 1)))·(n − 1)·2^(vb − 1) */
 		i = 0;
 		for (uint32_t s = 0; s < n_segs; s++) {
 			const uint32_t vb = quant_value_bits(sh, &segs[s]);
+			const double step = vb ? 2.0 * (double)((1u << value_weight_bits[vb]) - 1u) : 1.0;
 			double block_max = 0.0;
 			uint32_t block_n = 0;
 			for (uint64_t t = 0; t < segs[s].n_tokens && i < visible; t++, i++) {
@@ -545,13 +557,13 @@ static void attend(const struct kvr_shape *sh, const void *q, const struct kvr_k
 					block_max = isfinite(ws) && ws > block_max ? ws : block_max;
 					block_n++;
 					if (t % 16 == 15) {
-						qv += block_max / 131070.0 * block_n * (double)(1u << (vb - 1u));
+						qv += block_max / step * (block_n - 1u) * (double)(1u << (vb - 1u));
 						block_max = 0.0, block_n = 0;
 					}
 				}
 			}
 			if (block_n)
-				qv += block_max / 131070.0 * block_n * (double)(1u << (vb - 1u));
+				qv += block_max / step * (block_n - 1u) * (double)(1u << (vb - 1u));
 		}
 		for (uint32_t c = 0; c < d; c++)
 			o[c] /= sum;

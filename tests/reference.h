@@ -79,15 +79,21 @@
  * s_q·s·Σ r·Q and s_q·z·Σ r as well (they may cancel). Their values may
  * be read with the weights rounded too: in each block of 16 consecutive
  * tokens of a segment (from its first token), a head's weights w = p·s (p
- * the softmax weight, s the token's value scale) may be rounded to 16 bits
- * against the block's largest, an error of up to max w / 131070 per token;
- * the codes are summed centred (Q − 2^(vb−1), the zero point moved to
- * match), so a head's outputs may move by up to
- *     qv_err = Σ_blocks (max w / 131070)·n·2^(vb − 1) / Σ p
- * (n the block's tokens, vb the value bits) on top of the float bound. One
- * code step of a key or a value moves the outputs by more than the bound
- * (the planted-error test checks it at f32).
+ * the softmax weight, s the token's value scale) may be rounded to wb bits
+ * against the block's largest, an error of up to max w / (2·(2^wb − 1)) per
+ * token (none for the largest, which rounds to itself); the codes are
+ * summed centred (Q − 2^(vb−1), the zero point moved to match), so a
+ * head's outputs may move by up to
+ *     qv_err = Σ_blocks (max w / (2·(2^wb − 1)))·(n − 1)·2^(vb − 1) / Σ p
+ * (n the block's tokens, vb the value bits) on top of the float bound. wb
+ * is the path's, per value width: 16 where the ISA multiplies 16-bit
+ * weights into bytes (AVX-512 VNNI; the float paths are inside that too),
+ * 8 for 2-bit values on AVX2, whose byte multiply-adds take 8-bit weights
+ * (ref_set_value_weight_bits; 16 until set). One code step of a key or a
+ * value moves the outputs by more than the bound (the planted-error test
+ * checks it at f32).
  */
+void ref_set_value_weight_bits(uint32_t value_bits, uint32_t wb);
 double ref_attention_tol(uint32_t elem_type);
 
 /* What a head's bound scales with (computed by the reference). */
