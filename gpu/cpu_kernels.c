@@ -16,7 +16,7 @@
  * sums with the weights rounded to 16 bits (pv_dots_avx512vnni: the dense
  * step over K4V2 pages 1.7x faster at 32K, K8V4 1.2x; the same with
  * vpdpwssd over token pairs was measured no faster), and for 2-bit values
- * on AVX2, where they are byte sums with the weights rounded to 8 bits
+ * at such d on AVX2, where they are byte sums with the weights rounded to 8 bits
  * (pv_dots_avx2: word products were slower than the floats there, byte
  * ones are not; docs/history.md). Selection
  * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
@@ -117,7 +117,7 @@ struct kvr_qk8 {
 /* The logits s[g][b] = s_q·(s_b·Σ_c q8[g][c]·Q_b[c] − z_b·Σ_c q8[g][c]) of
  * query heads 0..G−1 against a block of nb ≤ 16 key code rows krow +
  * b·kstride of `bits` (8 or 4) bits, whose (s, z) pairs are sz[2b], sz[2b + 1]
- * (f16). */
+ * (f16). s[g][nb..15] may be written too (with anything). */
 typedef void (*qk_dots_fn)(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
 			   uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16]);
 
@@ -792,8 +792,8 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
  * head's weights are rounded to 8 bits against the block's largest, r =
  * round(255·w / max w): an error of up to max w / 510 per token (the
  * contract's bound for this path: docs/api.md, tests/reference.h). Only
- * for K4V2's 2-bit values, whose own rounding (a third of their range)
- * dwarfs it; on K8V4's 4-bit values the same sums put the model's
+ * for K4V2's 2-bit values, whose own rounding (up to half a step, a
+ * sixth of their range) dwarfs it; on K8V4's 4-bit values the same sums put the model's
  * perplexity 0.4–0.5% above float value sums, so those stay float here
  * (docs/history.md). vacc's order (pv_channel_avx2): per sub-piece of 64
  * channels, crumb plane k's 16 words split into the even words (8 lanes)

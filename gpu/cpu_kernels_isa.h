@@ -591,7 +591,7 @@ ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *
 }
 
 /* acc[g] += the integer value sums vacc[g] of `bits`-bit codes (in
- * pv_channel's order), and vacc back to zeros: when the value width of
+ * PV_CHANNEL's order), and vacc back to zeros: when the value width of
  * the segments changes (mixed pages), and at the end. */
 static void ISA_FN(pv_flush)(VA_T (*acc)[VA_MAX_CHUNKS], float (*vacc)[256], uint32_t G, uint32_t d,
 			     uint32_t chunks, uint32_t bits)

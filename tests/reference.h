@@ -81,7 +81,8 @@
  * tokens of a segment (from its first token), a head's weights w = p·s (p
  * the softmax weight, s the token's value scale) may be rounded to wb bits
  * against the block's largest, an error of up to max w / (2·(2^wb − 1)) per
- * token (none for the largest, which rounds to itself); the codes are
+ * token (none for the largest, whose rounded integer is exact: the float
+ * error of its scale back is inside tol(dtype)); the codes are
  * summed centred (Q − 2^(vb−1), the zero point moved to match), so a
  * head's outputs may move by up to
  *     qv_err = Σ_blocks (max w / (2·(2^wb − 1)))·(n − 1)·2^(vb − 1) / Σ p
