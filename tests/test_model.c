@@ -330,7 +330,12 @@ Test(model, eval_quantised_pages, .init = open_model, .fini = close_model, .time
 	cr_assert(dm && strstr(dm, "\"pages_demoted\": "), "%s", buf);
 	cr_expect_gt(strtoull(strstr(dm, "\"pages_demoted\": ") + 17, NULL, 10), 0, "mixed demoted no page: %s", buf);
 	cr_expect(k8 > 0.95 * f16 && k8 < 1.05 * f16, "dense over K8V4 pages: perplexity %g, f16 %g", k8, f16);
-	cr_expect(k4 > 1.2 * k8, "dense over K4V2 pages: perplexity %g, not worse than K8V4's %g", k4, k8);
+	/* over 384 tokens K4V2's perplexity swings with the arithmetic (2-bit
+	 * values flip with any rounding, and the model's activations after
+	 * them): 1.24x K8V4's with float dots, 1.38x on AVX-512 VNNI, 1.13x on
+	 * AVX2 (1.18x before its byte sums); a format that did not reach
+	 * attention would be within a percent */
+	cr_expect(k4 > 1.1 * k8, "dense over K4V2 pages: perplexity %g, not worse than K8V4's %g", k4, k8);
 	cr_expect(isfinite(fk8) && fk8 < 1.2 * f16 && isfinite(fk4), "freekv: K8V4 %g, K4V2 %g, f16 dense %g",
 		  fk8, fk4, f16);
 }
