@@ -822,10 +822,7 @@ static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned c
 	float wscale[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
 		const __m256 a = _mm256_loadu_ps(w[g]), b = _mm256_loadu_ps(w[g] + 8);
-		const __m256 ab = _mm256_max_ps(a, b);
-		__m128 h = _mm_max_ps(_mm256_castps256_ps128(ab), _mm256_extractf128_ps(ab, 1));
-		h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-		const float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+		const float mx = hmax8_avx2(_mm256_max_ps(a, b)); /* a NaN lane may win: not live */
 		const int live = mx > 0.0f && mx <= 3.4e38f; /* all zero (or not finite: run_sum says NaN) */
 		wscale[g] = live ? mx / 255.0f : 0.0f;
 		const __m256 f = _mm256_set1_ps(live ? 255.0f / mx : 0.0f);
