@@ -10,8 +10,9 @@
  * here for AVX-512, AVX2+FMA+F16C and baseline x86-64, and chosen at run time
  * with the same choice as the conversions (layouts/convert.c). Attention over
  * quantised pages takes its keys by integer dot products (kvquant.h's
- * contract), written here per ISA: AVX-512 VNNI, AVX-512, AVX2 and portable
- * C. Values are float multiply-adds on the unpacked codes, except for 4- and
+ * contract), written here per ISA: AVX-512 VNNI, AVX2 (which AVX-512
+ * without VNNI borrows whole for quantised pages: attention_head) and
+ * portable C. Values are float multiply-adds on the unpacked codes, except for 4- and
  * 2-bit values at d a multiple of 64 on AVX-512 VNNI, where they are integer
  * sums with the weights rounded to 16 bits (pv_dots_avx512vnni: the dense
  * step over K4V2 pages 1.7x faster at 32K, K8V4 1.2x; the same with
@@ -271,57 +272,6 @@ static inline __attribute__((always_inline)) vf fold16x16_avx512(const vf *v)
 static inline __attribute__((always_inline)) vf codes16_avx512(const uint8_t *row, uint32_t bits, uint32_t c)
 {
 	return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes_bytes16(row, bits, c)));
-}
-/* Integer key dots without VNNI: 8-bit codes widened to words against q16
- * (vpmaddwd), 4-bit codes as bytes against q8n (vpmaddubsw: 15·127·2 per
- * word pair, no saturation), four query heads at a time (a group's last
- * block repeats its last head and drops the copies). */
-static void qk_dots_avx512(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
-			   uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
-{
-	const uint32_t row_bytes = d * bits / 8;
-	const __m512i low4 = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
-	for (uint32_t b = 0; b < nb; b++) {
-		const unsigned char *row = krow + b * kstride;
-		for (uint32_t g = 0; g < G; g += 4) {
-			uint32_t hs[4];
-			_Pragma("GCC unroll 4")
-			for (uint32_t h = 0; h < 4; h++)
-				hs[h] = g + h < G ? g + h : G - 1;
-			__m512i acc[4];
-			_Pragma("GCC unroll 4")
-			for (uint32_t h = 0; h < 4; h++)
-				acc[h] = _mm512_setzero_si512();
-			if (bits == 8)
-				for (uint32_t o = 0; o < row_bytes; o += 32) { /* row_bytes: a multiple of 16 */
-					const __mmask32 m = row_bytes - o >= 32 ? 0xffffffffu : 0xffffu;
-					const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, row + o));
-					_Pragma("GCC unroll 4")
-					for (uint32_t h = 0; h < 4; h++)
-						acc[h] = _mm512_add_epi32(acc[h], _mm512_madd_epi16(x, _mm512_loadu_si512(qq->q16[hs[h]] + o)));
-				}
-			else
-				for (uint32_t o = 0; o < row_bytes; o += 64) {
-					const __mmask64 m = row_bytes - o >= 64 ? ~0ull : (1ull << (row_bytes - o)) - 1u;
-					const __m512i x = _mm512_maskz_loadu_epi8(m, row + o);
-					const __m512i lo = _mm512_and_si512(x, low4);
-					const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
-					_Pragma("GCC unroll 4")
-					for (uint32_t h = 0; h < 4; h++) {
-						const __m512i p = _mm512_add_epi16(
-							_mm512_maddubs_epi16(lo, _mm512_loadu_si512(qq->q8n[hs[h]] + o)),
-							_mm512_maddubs_epi16(hi, _mm512_loadu_si512(qq->q8n[hs[h]] + d / 2 + o)));
-						acc[h] = _mm512_add_epi32(acc[h], _mm512_madd_epi16(p, ones));
-					}
-				}
-			float four[4];
-			hsum4_avx512((vf)_mm512_cvtepi32_ps(acc[0]), (vf)_mm512_cvtepi32_ps(acc[1]),
-				     (vf)_mm512_cvtepi32_ps(acc[2]), (vf)_mm512_cvtepi32_ps(acc[3]), four);
-			for (uint32_t h = 0; h < 4 && g + h < G; h++)
-				s[g + h][b] = four[h];
-		}
-	}
-	qk_logits_scalar(qq, G, nb, sz, s);
 }
 /* Four bytes at p in every 32-bit lane: a load-port broadcast, which the
  * multiply-adds may take as their {1to16} operand. */
@@ -700,7 +650,8 @@ static inline __attribute__((always_inline)) void codes16x2_avx2(const uint8_t *
 /* Integer key dots on AVX2: 8-bit codes widened to words against q16
  * (vpmaddwd), 4-bit codes as bytes against q8n (vpmaddubsw, no saturation
  * at 15·127·2), 32, 16 or 8 code bytes a load; four query heads at a time
- * (see qk_dots_avx512). */
+ * (a group's last block repeats its last head and drops the copies). They
+ * also serve the AVX-512 path without VNNI (attention_head). */
 static inline __attribute__((always_inline)) __m256i codes_bytes32_avx2(const unsigned char *p, uint32_t left)
 {
 	if (left >= 32)
@@ -1555,6 +1506,15 @@ void kvr_cpu_quant_dots_force(int float_dots)
 	atomic_store_explicit(&quant_float_dots, float_dots ? 1 : 0, memory_order_relaxed);
 }
 
+/* 1 when any of the segments holds quantised codes. */
+static int segments_quantised(const struct kvr_kv_segment *segs, uint32_t n_segs)
+{
+	for (uint32_t i = 0; i < n_segs; i++)
+		if (kvr_segment_quantised(segs[i].format))
+			return 1;
+	return 0;
+}
+
 static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh, const void *q,
 			   void *out, const struct kvr_kv_segment *segs, uint32_t n_segs, uint32_t m,
 			   float *lse)
@@ -1566,7 +1526,16 @@ static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh,
 				      float_dots ? NULL : pv_dots_avx512vnni);
 		break;
 	case KVR_CONVERT_AVX512:
-		attention_head_avx512(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx512, NULL);
+		/* Quantised pages without VNNI take the AVX2 kernels: their byte
+		 * sums of 2-bit values and key logits on 8 tokens a vector did
+		 * more per instruction than this path's 512-bit float values
+		 * and scalar logits (the dense step over K4V2 at 32K 0.68–0.91×
+		 * f16's speed here against 1.24–1.31× on AVX2, same machine:
+		 * docs/history.md). Plain pages keep the wider loads. */
+		if (!float_dots && segments_quantised(segs, n_segs))
+			attention_head_avx2(sh, q, out, segs, n_segs, m, lse, qk_dots_avx2, pv_dots_avx2);
+		else
+			attention_head_avx512(sh, q, out, segs, n_segs, m, lse, NULL, NULL);
 		break;
 	case KVR_CONVERT_AVX2:
 		attention_head_avx2(sh, q, out, segs, n_segs, m, lse, float_dots ? NULL : qk_dots_avx2,
