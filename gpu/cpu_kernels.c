@@ -1527,11 +1527,12 @@ static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh,
 		break;
 	case KVR_CONVERT_AVX512:
 		/* Quantised pages without VNNI take the AVX2 kernels: their byte
-		 * sums of 2-bit values and key logits on 8 tokens a vector did
-		 * more per instruction than this path's 512-bit float values
-		 * and scalar logits (the dense step over K4V2 at 32K 0.68–0.91×
-		 * f16's speed here against 1.24–1.31× on AVX2, same machine:
-		 * docs/history.md). Plain pages keep the wider loads. */
+		 * sums of 2-bit values and key logits on 8 tokens a vector beat
+		 * this path's own 512-bit float values and scalar logits (its
+		 * attention over K4V2 1.32–1.41× faster that way, K8V4
+		 * 1.13–1.20×: docs/history.md), so for quantised pages this
+		 * path computes what AVX2's does. Plain pages keep the wider
+		 * loads. */
 		if (!float_dots && segments_quantised(segs, n_segs))
 			attention_head_avx2(sh, q, out, segs, n_segs, m, lse, qk_dots_avx2, pv_dots_avx2);
 		else
