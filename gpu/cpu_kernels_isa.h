@@ -396,6 +396,8 @@ struct ISA_FN(token_prefetch) {
 	 * hardware prefetcher follows), fetched a block ahead; NULL otherwise */
 	const unsigned char *ekb, *evb;
 	uint32_t n_own;
+	/* 1: a quantised next run into L2 instead of L1 (kvr_cpu_runs_to_l2) */
+	int run_l2;
 };
 
 static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const struct ISA_FN(token_prefetch) *pf,
@@ -406,11 +408,18 @@ static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const s
 			__builtin_prefetch(pf->nkb + tok * pf->nrow + l, 0, 2);
 			__builtin_prefetch(pf->nvb + tok * pf->nrow + l, 0, 2);
 		}
-	else if (pf->nrun && tok * pf->nrun_step < pf->nrun_bytes)
-		/* into L1: a run is 3-7 KiB, and into L2 its lines were read
-		 * back 6% slower (K8V4, pages from DRAM) */
-		for (uint64_t l = 0; l < pf->nrun_step; l += 64)
-			__builtin_prefetch(pf->nrun + tok * pf->nrun_step + l, 0, 3);
+	else if (pf->nrun && tok * pf->nrun_step < pf->nrun_bytes) {
+		/* into L1 on Intel: a run is 3-7 KiB, and into L2 its lines
+		 * were read back 6% slower there (K8V4, pages from DRAM); into
+		 * L2 on AMD, where L1 prefetches held the key dots' loads up
+		 * (K8V4 from DRAM 1.11-1.14x faster, K4V2 the same) */
+		if (pf->run_l2)
+			for (uint64_t l = 0; l < pf->nrun_step; l += 64)
+				__builtin_prefetch(pf->nrun + tok * pf->nrun_step + l, 0, 2);
+		else
+			for (uint64_t l = 0; l < pf->nrun_step; l += 64)
+				__builtin_prefetch(pf->nrun + tok * pf->nrun_step + l, 0, 3);
+	}
 	/* This token's V row into L1 now, for the V pass after the block's
 	 * softmax: the next-segment prefetch brought it only to L2, and the V
 	 * pass's loads waited on it (on SmolLM2's shape a fifth of the kernel's
@@ -761,6 +770,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			.nkb = nkb, .nvb = nvb, .nrow = nrow, .nrun = nrun, .nrun_bytes = nrun_bytes, .nrun_step = nrun_step,
 			.vb = fmt ? NULL : vb, .row = row, .row_bytes = row_bytes, .n_next = n_next,
 			.ekb = log_weight != 0.0f ? kb : NULL, .evb = vb, .n_own = seg->n_tokens,
+			.run_l2 = nrun ? kvr_cpu_runs_to_l2() : 0,
 		};
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
