@@ -208,7 +208,7 @@ static void qk_dots_base(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
 /* 1 where attention prefetches a quantised page's next run into L2, not
  * L1: on AMD CPUs. Measured on one of each (a Sapphire Rapids and a Zen 4
  * VM, 2 cores, docs/history.md): L1 was 6% faster on the first for K8V4
- * from DRAM, L2 1.11-1.14x faster on the second. Any thread: reads the
+ * from DRAM, L2 1.10-1.14x faster on the second. Any thread: reads the
  * vendor that libgcc's start-up detection recorded. */
 static inline int kvr_cpu_runs_to_l2(void)
 {

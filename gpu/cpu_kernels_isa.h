@@ -412,7 +412,7 @@ static inline __attribute__((always_inline)) void ISA_FN(prefetch_token)(const s
 		/* into L1 on Intel: a run is 3-7 KiB, and into L2 its lines
 		 * were read back 6% slower there (K8V4, pages from DRAM); into
 		 * L2 on AMD, where L1 prefetches held the key dots' loads up
-		 * (K8V4 from DRAM 1.11-1.14x faster, K4V2 the same) */
+		 * (K8V4 from DRAM 1.10-1.14x faster, K4V2 the same) */
 		if (pf->run_l2)
 			for (uint64_t l = 0; l < pf->nrun_step; l += 64)
 				__builtin_prefetch(pf->nrun + tok * pf->nrun_step + l, 0, 2);
