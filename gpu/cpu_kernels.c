@@ -205,6 +205,16 @@ static void qk_dots_base(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
 	qk_logits_scalar(qq, G, nb, sz, s);
 }
 
+/* 1 when any of the segments holds quantised codes (attention_impl, and
+ * attention_head's choice of kernels). */
+static int segments_quantised(const struct kvr_kv_segment *segs, uint32_t n_segs)
+{
+	for (uint32_t i = 0; i < n_segs; i++)
+		if (kvr_segment_quantised(segs[i].format))
+			return 1;
+	return 0;
+}
+
 /* 1 where attention prefetches a quantised page's next run into L2, not
  * L1: on AMD CPUs. Measured on one of each (a Sapphire Rapids and a Zen 4
  * VM, 2 cores, docs/history.md): L1 was 6% faster on the first for K8V4
@@ -1514,15 +1524,6 @@ int kvr_cpu_quant_float_dots(void)
 void kvr_cpu_quant_dots_force(int float_dots)
 {
 	atomic_store_explicit(&quant_float_dots, float_dots ? 1 : 0, memory_order_relaxed);
-}
-
-/* 1 when any of the segments holds quantised codes. */
-static int segments_quantised(const struct kvr_kv_segment *segs, uint32_t n_segs)
-{
-	for (uint32_t i = 0; i < n_segs; i++)
-		if (kvr_segment_quantised(segs[i].format))
-			return 1;
-	return 0;
 }
 
 static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh, const void *q,

@@ -672,9 +672,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	}
 	/* quantised keys with integer dots (qk): the queries rounded to 8 bits
 	 * (kvquant.h, kvr_quant_query_row), once per call */
-	int any_quantised = 0;
-	for (uint32_t si = 0; si < n_segs; si++)
-		any_quantised |= kvr_segment_quantised(segs[si].format);
+	const int any_quantised = segments_quantised(segs, n_segs);
+	/* where a quantised next run is prefetched to (kvr_cpu_runs_to_l2):
+	 * once per call, not per segment */
+	const int run_l2 = any_quantised && kvr_cpu_runs_to_l2();
 	const uint32_t Gq = qk && any_quantised ? G : 1u; /* rows the arrays hold */
 	/* quantised values with integer dots (pv): their sums in pv's channel
 	 * order for pv_bits-bit codes, rescaled with acc, added into acc when
@@ -770,7 +771,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			.nkb = nkb, .nvb = nvb, .nrow = nrow, .nrun = nrun, .nrun_bytes = nrun_bytes, .nrun_step = nrun_step,
 			.vb = fmt ? NULL : vb, .row = row, .row_bytes = row_bytes, .n_next = n_next,
 			.ekb = log_weight != 0.0f ? kb : NULL, .evb = vb, .n_own = seg->n_tokens,
-			.run_l2 = nrun ? kvr_cpu_runs_to_l2() : 0,
+			.run_l2 = run_l2,
 		};
 		for (uint32_t t0 = 0; t0 < seg->n_tokens; t0 += BLOCK) {
 			const uint32_t nb = seg->n_tokens - t0 < BLOCK ? seg->n_tokens - t0 : BLOCK;
