@@ -17,6 +17,11 @@
  * corrections, correction waits, hit rate and bytes recalled; the engine
  * thread's host waits for the device per layer (kvr_stats.host_waits).
  *
+ * --rounds N repeats attention over B and every row N times, in turn, so that
+ * a shared machine's slow spells fall on both sides of each ratio; a row then
+ * reports its median round (by the ratio to the budget; every field from that
+ * one run) and the ratio's range over the rounds.
+ *
  * --backend cuda runs the same steps on a GPU: q, k, v and out then live in
  * device memory, as an engine's would. They are allocated through the
  * library's device layer (gpu/backend.h), standing in for the engine's own
@@ -398,7 +403,7 @@ static int usage(void)
 	fprintf(stderr,
 		"usage: kvrecall bench decode [--backend cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
 		"         [--kv-heads N --qo-heads N --head-dim D --layers N (default 4) --page-tokens P]\n"
-		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24]\n"
+		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24] [--rounds 1]\n"
 		"         [--max-context 131072] [--mode M] [--recall auto|zero-copy|streamed] [--buffers 1|2]\n"
 		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
 		"         [--kv-format f16|k8v4|k4v2|mixed] [--spilled PCT [--spill-dir DIR]]\n"
@@ -408,6 +413,8 @@ static int usage(void)
 		"  --estimate: the sparse modes without (off, the default) or with (on) the estimate of\n"
 		"             the pages not retrieved, or each row without then with it (both: the second\n"
 		"             row's estimate_cost_ratio is its time over the first's)\n"
+		"  --rounds N: attention over B and every row N times in turn; each row reports the round\n"
+		"             whose ratio to the budget is the median, and the range over the rounds\n"
 		"  --capture (cuda): each row once more, its steps replayed from a CUDA graph (where the\n"
 		"             configuration can be captured: zero-copy recall)\n");
 	return 2;
@@ -418,6 +425,7 @@ int bench_decode(int argc, char **argv)
 	const char *json_path = NULL, *trace_path = NULL;
 	uint64_t trace_context = 32768, max_context = 131072;
 	uint32_t trace_mode = KVR_MODE_FREEKV, steps = 24, only_mode = 0, have_mode = 0, layers_given = 0;
+	uint32_t rounds = 1; /* --rounds: the whole set of rows that many times, alternating */
 	uint32_t batches[8] = { 1 }, n_batches = 1;
 	g.sh = bench_presets[0];
 	for (int i = 0; i < argc; i++) {
@@ -440,6 +448,15 @@ int bench_decode(int argc, char **argv)
 			json_path = val;
 		else if (!strcmp(a, "--steps"))
 			steps = (uint32_t)strtoul(val, NULL, 10);
+		else if (!strcmp(a, "--rounds")) {
+			char *end;
+			const unsigned long r = strtoul(val, &end, 10);
+			if (*end || !*val || r < 1 || r > 99) {
+				fprintf(stderr, "kvrecall bench decode: --rounds takes 1..99 (got '%s')\n", val);
+				return 2;
+			}
+			rounds = (uint32_t)r;
+		}
 		else if (!strcmp(a, "--max-context"))
 			max_context = strtoull(val, NULL, 10);
 		else if (!strcmp(a, "--budget"))
@@ -558,93 +575,160 @@ int bench_decode(int argc, char **argv)
 		return 1;
 	}
 	static const uint32_t modes[] = { KVR_MODE_DENSE, KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE, KVR_MODE_FREEKV };
-	uint32_t n_contexts = 0;
-	for (uint64_t L = 8192; L <= max_context; L *= 2)
+	/* The rows of one batch, in order: each context, then each mode, then
+	 * (--capture) its captured replay, then (--estimate) without and with. */
+	struct row_key {
+		uint64_t L;
+		uint32_t mode;
+		int captured;
+		uint32_t estimate;
+	} *keys = NULL;
+	uint32_t n_keys = 0, n_contexts = 0;
+	for (uint64_t L = 8192; L <= max_context && L; L *= 2)
 		n_contexts++;
-	const uint32_t total = n_batches * (1 + n_contexts * (have_mode ? 1 : 4) * (g.capture ? 2 : 1) *
-						(g.estimate_off + g.estimate_on));
+	keys = calloc((size_t)n_contexts * 16 + 1, sizeof(*keys));
+	if (!keys) {
+		fprintf(stderr, "kvrecall bench decode: out of memory\n");
+		return 1;
+	}
+	for (uint64_t L = 8192; L <= max_context && L; L *= 2)
+		for (size_t x = 0; x < 16; x++) {
+			const size_t mi = x / 4;
+			const int captured = x / 2 % 2;
+			const uint32_t estimate = x % 2, mode = modes[mi];
+			if ((have_mode && mode != only_mode) || (captured && !g.capture) ||
+			    (estimate ? !g.estimate_on : !g.estimate_off))
+				continue;
+			if (estimate && mode == KVR_MODE_DENSE)
+				continue; /* dense attends every page: nothing to estimate */
+			keys[n_keys++] = (struct row_key){ L, mode, captured, estimate };
+		}
+	const uint32_t total = n_batches * rounds * (1 + n_keys);
+	/* per row and round; bases: attention over B per round */
+	struct result *res = calloc((size_t)n_keys * rounds, sizeof(*res));
+	struct result *bases = calloc(rounds, sizeof(*bases));
+	double *ratios = calloc(rounds, sizeof(double)), *sorted = calloc(rounds, sizeof(double));
+	if (!res || !bases || !ratios || !sorted) {
+		fprintf(stderr, "kvrecall bench decode: out of memory\n");
+		return 1;
+	}
 	uint32_t done = 0;
 	bench_json_open(json, "decode", g.backend_name, argc, argv);
 	fprintf(json, "  \"shape\": ");
 	bench_shape_json(json, &g.sh);
 	fprintf(json, ",\n  \"params\": {\"budget_tokens\": %u, \"sink_tokens\": %u, \"window_tokens\": %u, "
-		      "\"steps\": %u, \"tau\": 0.9, \"recall\": \"%s\", \"recall_buffers\": %u, \"chunk_pages\": %u, "
-		      "\"pool_layout\": \"%s\", \"kv_format\": \"%s\", \"spilled_pct\": %d},\n  \"results\": [\n",
-		B, g.sink, g.window, steps, kvr_recall_name(g.recall), g.buffers, g.chunk_pages,
+		      "\"steps\": %u, \"rounds\": %u, \"tau\": 0.9, \"recall\": \"%s\", \"recall_buffers\": %u, "
+		      "\"chunk_pages\": %u, \"pool_layout\": \"%s\", \"kv_format\": \"%s\", \"spilled_pct\": %d},\n"
+		      "  \"results\": [\n",
+		B, g.sink, g.window, steps, rounds, kvr_recall_name(g.recall), g.buffers, g.chunk_pages,
 		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", g.kv_format ? kvr_kv_format_name(g.kv_format) : "f16",
 		g.spilled_pct);
 	int first = 1;
 	for (uint32_t bi = 0; bi < n_batches; bi++) {
 		const uint32_t batch = batches[bi];
-		/* attention over the B tokens alone: a dense decode at L = B */
-		bench_progress("decode", done++, total);
-		const struct result base = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL, 0);
-		bench_progress_clear();
-		fprintf(stderr, "batch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps)\n",
-			batch, B, base.us_per_layer, g.sh.n_layers, steps);
-		for (uint64_t L = 8192; L <= max_context; L *= 2)
-			for (size_t x = 0; x < 16; x++) {
-				/* each mode, then (--capture) the same steps replayed from a
-				 * graph, each without then (--estimate) with the estimate */
-				const size_t mi = x / 4;
-				const int captured = x / 2 % 2;
-				const uint32_t estimate = x % 2, mode = modes[mi];
-				if ((have_mode && mode != only_mode) || (captured && !g.capture) ||
-				    (estimate ? !g.estimate_on : !g.estimate_off))
-					continue;
+		/* Each round: attention over the B tokens alone (a dense decode at
+		 * L = B), then every row; a row's ratio in a round is to that
+		 * round's attention, so a machine that slows down for a while
+		 * moves both sides of it. */
+		for (uint32_t rd = 0; rd < rounds; rd++) {
+			bench_progress("decode", done++, total);
+			bases[rd] = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL, 0);
+			for (uint32_t i = 0; i < n_keys; i++) {
 				bench_progress("decode", done++, total);
-				if (estimate && mode == KVR_MODE_DENSE)
-					continue; /* dense attends every page: nothing to estimate */
-				g.estimate = estimate;
-				const struct result r = run(mode, batch, L, steps, NULL, captured);
-				if (r.not_capturable)
-					continue;
-				/* the estimate's cost: this row over the same row without it */
-				static double us_without;
-				const double cost = estimate && g.estimate_off ? r.us_per_layer / us_without : 0.0;
-				if (!estimate)
-					us_without = r.us_per_layer;
-				const double budget = (1.0 + (double)L / ((double)p * B)) * base.us_per_layer;
-				bench_progress_clear();
-				fprintf(stderr, "L=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
-						"budget; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
-						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
-						"critical share %.2f (handoff %.0f, prepare %.0f, score %.0f, top-k %.0f, recall %.0f us); "
-					"hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
-					(unsigned long long)L, kvr_mode_name(mode), captured ? " (captured)" : "",
-					estimate ? " +estimate" : "", r.us_per_layer,
-					r.us_per_layer / base.us_per_layer, r.us_per_layer / budget, r.mean_us_per_layer,
-					r.critical_us_per_layer,
-					100 * r.corrected_rate, r.correction_waits_per_layer, 100 * r.correction_wait_share,
-					r.controller_us_per_layer, r.critical_share, r.ctl_handoff_us, r.ctl_prepare_us,
-					r.ctl_score_us, r.ctl_topk_us, r.ctl_recall_us, r.hit_rate, r.recalled_kib_per_layer,
-					r.host_waits_per_layer);
-				fprintf(json,
-					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"captured\": %s, \"recall\": \"%s\", "
-					"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "
-					"\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
-					"\"mean_us_per_layer\": %.2f, \"critical_us_per_layer\": %.2f, "
-					"\"corrected_head_rate\": %.4f, \"selections\": %llu, "
-					"\"correction_waits_per_layer\": %.4f, \"correction_wait_share\": %.4f, "
-					"\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
-					"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
-					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
-					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f, "
-					"\"controller_split_us_per_layer\": {\"handoff\": %.2f, \"prepare\": %.2f, "
-					"\"score\": %.2f, \"topk\": %.2f, \"recall\": %.2f}, "
-					"\"estimate\": %s, \"estimate_cost_ratio\": %.4f}",
-					first ? "" : ",\n", batch, (unsigned long long)L, kvr_mode_name(mode), captured ? "true" : "false",
-					kvr_recall_name(g.resolved_recall), kvr_controller_name(g.resolved_controller), r.us_per_layer,
-					base.us_per_layer, r.us_per_layer / base.us_per_layer, r.us_per_layer / budget,
-					r.mean_us_per_layer, r.critical_us_per_layer, r.corrected_rate, (unsigned long long)r.selections,
-					r.correction_waits_per_layer, r.correction_wait_share, r.controller_wait_share,
-					r.recall_wait_share, r.critical_share, r.controller_us_per_layer, r.hit_rate,
-					r.recalled_kib_per_layer, r.host_waits_per_layer, r.host_wait_share, r.ctl_handoff_us,
-					r.ctl_prepare_us, r.ctl_score_us, r.ctl_topk_us, r.ctl_recall_us,
-					estimate ? "true" : "false", cost);
-				first = 0;
+				g.estimate = keys[i].estimate;
+				res[(size_t)i * rounds + rd] =
+					run(keys[i].mode, batch, keys[i].L, steps, NULL, keys[i].captured);
 			}
+		}
+		bench_progress_clear();
+		for (uint32_t rd = 0; rd < rounds; rd++)
+			ratios[rd] = bases[rd].us_per_layer;
+		fprintf(stderr, "batch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps%s)\n",
+			batch, B, bench_median(ratios, rounds), g.sh.n_layers, steps,
+			rounds > 1 ? "; the median of the rounds" : "");
+		uint32_t without = 0; /* the row an estimate row is priced against */
+		for (uint32_t i = 0; i < n_keys; i++) {
+			const struct row_key *k = &keys[i];
+			const double budget_factor = 1.0 + (double)k->L / ((double)p * B);
+			/* The row's round: the one whose ratio to the budget is the
+			 * median (the lower one of an even count), so every field of
+			 * the row comes from one run and they agree with each other. */
+			uint32_t rep = 0, n_ok = 0;
+			double lo = 0, hi = 0;
+			for (uint32_t rd = 0; rd < rounds; rd++) {
+				const struct result *r = &res[(size_t)i * rounds + rd];
+				if (r->not_capturable)
+					continue;
+				const double x = r->us_per_layer / (budget_factor * bases[rd].us_per_layer);
+				ratios[n_ok++] = x;
+				lo = n_ok == 1 || x < lo ? x : lo;
+				hi = n_ok == 1 || x > hi ? x : hi;
+			}
+			if (!n_ok)
+				continue; /* the configuration refuses capture */
+			memcpy(sorted, ratios, n_ok * sizeof(double));
+			qsort(sorted, n_ok, sizeof(double), bench_cmp_double);
+			const double sorted_mid = sorted[(n_ok - 1) / 2];
+			for (uint32_t rd = 0, j = 0; rd < rounds; rd++) {
+				if (res[(size_t)i * rounds + rd].not_capturable)
+					continue;
+				if (ratios[j++] == sorted_mid) {
+					rep = rd;
+					break;
+				}
+			}
+			const struct result *r = &res[(size_t)i * rounds + rep];
+			const struct result *base = &bases[rep];
+			if (!k->estimate)
+				without = i;
+			/* the estimate's cost: this row over the same row without it */
+			const double cost = k->estimate && g.estimate_off
+						    ? r->us_per_layer / res[(size_t)without * rounds + rep].us_per_layer
+						    : 0.0;
+			const double budget = budget_factor * base->us_per_layer;
+			fprintf(stderr, "L=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
+					"budget%s; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
+					"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
+					"critical share %.2f (handoff %.0f, prepare %.0f, score %.0f, top-k %.0f, recall %.0f us); "
+					"hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
+				(unsigned long long)k->L, kvr_mode_name(k->mode), k->captured ? " (captured)" : "",
+				k->estimate ? " +estimate" : "", r->us_per_layer, r->us_per_layer / base->us_per_layer,
+				r->us_per_layer / budget, rounds > 1 ? " (the median round)" : "", r->mean_us_per_layer,
+				r->critical_us_per_layer, 100 * r->corrected_rate, r->correction_waits_per_layer,
+				100 * r->correction_wait_share, r->controller_us_per_layer, r->critical_share,
+				r->ctl_handoff_us, r->ctl_prepare_us, r->ctl_score_us, r->ctl_topk_us, r->ctl_recall_us,
+				r->hit_rate, r->recalled_kib_per_layer, r->host_waits_per_layer);
+			if (rounds > 1)
+				fprintf(stderr, "          over %u rounds: %.2f to %.2f x the budget\n", n_ok, lo, hi);
+			fprintf(json,
+				"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"captured\": %s, \"recall\": \"%s\", "
+				"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "
+				"\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
+				"\"rounds\": %u, \"ratio_to_target_budget_min\": %.4f, \"ratio_to_target_budget_max\": %.4f, "
+				"\"mean_us_per_layer\": %.2f, \"critical_us_per_layer\": %.2f, "
+				"\"corrected_head_rate\": %.4f, \"selections\": %llu, "
+				"\"correction_waits_per_layer\": %.4f, \"correction_wait_share\": %.4f, "
+				"\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
+				"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
+				"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
+				"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f, "
+				"\"controller_split_us_per_layer\": {\"handoff\": %.2f, \"prepare\": %.2f, "
+				"\"score\": %.2f, \"topk\": %.2f, \"recall\": %.2f}, "
+				"\"estimate\": %s, \"estimate_cost_ratio\": %.4f}",
+				first ? "" : ",\n", batch, (unsigned long long)k->L, kvr_mode_name(k->mode),
+				k->captured ? "true" : "false", kvr_recall_name(g.resolved_recall),
+				kvr_controller_name(g.resolved_controller), r->us_per_layer, base->us_per_layer,
+				r->us_per_layer / base->us_per_layer, r->us_per_layer / budget, n_ok, lo, hi,
+				r->mean_us_per_layer, r->critical_us_per_layer, r->corrected_rate,
+				(unsigned long long)r->selections, r->correction_waits_per_layer, r->correction_wait_share,
+				r->controller_wait_share, r->recall_wait_share, r->critical_share, r->controller_us_per_layer,
+				r->hit_rate, r->recalled_kib_per_layer, r->host_waits_per_layer, r->host_wait_share,
+				r->ctl_handoff_us, r->ctl_prepare_us, r->ctl_score_us, r->ctl_topk_us, r->ctl_recall_us,
+				k->estimate ? "true" : "false", cost);
+			first = 0;
+		}
 	}
+	free(res), free(bases), free(ratios), free(sorted), free(keys);
 	bench_progress("decode", total, total);
 	fprintf(json, "\n  ]\n");
 	bench_json_close(json);

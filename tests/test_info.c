@@ -308,6 +308,33 @@ Test(bench, decode_writes_schema_json, .timeout = 300)
 		"    assert (r['selections'] > 0) == (r['mode'] != 'dense'), r");
 }
 
+/* `kvrecall bench decode --rounds`: every row measured that many times in
+ * turn with its own attention over B; the row is its median round, so its
+ * ratio lies in the range reported and its fields agree with one another. */
+Test(bench, decode_rounds_report_the_median_round, .timeout = 300)
+{
+	bench_json_check(
+		"bench decode --backend cpu --preset smollm2-135m --budget 512 --sink 128 --window 128 "
+		"--max-context 16384 --steps 3 --mode freekv --rounds 3",
+		"assert d['params']['rounds'] == 3, d['params']\n"
+		"rows = d['results']\n"
+		"assert [r['context_tokens'] for r in rows] == [8192, 16384], rows\n"
+		"for r in rows:\n"
+		"    assert r['mode'] == 'freekv' and r['rounds'] == 3, r\n"
+		"    lo, mid, hi = r['ratio_to_target_budget_min'], r['ratio_to_target_budget'], r['ratio_to_target_budget_max']\n"
+		"    assert 0 < lo <= mid <= hi, r\n"
+		"    budget = (1 + r['context_tokens'] / (32 * 512)) * r['attention_over_budget_us']\n"
+		"    assert abs(r['us_per_layer'] / budget - mid) < 1e-3 * mid, r");
+	char out[4096];
+	int status;
+	run("bench decode --rounds 0", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--rounds takes 1..99") != NULL, "%s", out);
+	run("bench decode --rounds 3x", out, sizeof(out), &status);
+	cr_expect_neq(status, 0);
+	cr_expect(strstr(out, "--rounds takes 1..99") != NULL, "%s", out);
+}
+
 /* `kvrecall bench decode --spilled`: the spill tier on, streamed recall, and
  * the rows decoded (a step that failed would have stopped the bench). */
 Test(bench, decode_spilled_writes_schema_json, .timeout = 300)
