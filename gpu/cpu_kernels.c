@@ -3,8 +3,9 @@
  * cpu_kernels.c — the cpu backend's kernels (kernels.h has what each
  * computes). They run synchronously inside a stream operation, split into
  * tasks over the device's workers: per item for the page kernels, per
- * (item, KV head) for score, select, similarity and attention, per 4096
- * units for a free-list round's slice copies.
+ * (item, KV head) for score, select and similarity, per (item, KV head,
+ * part of 2,048 tokens) for decode attention, per 4096 units for a
+ * free-list round's slice copies.
  *
  * The hot kernels (score, attention) come from cpu_kernels_isa.h, compiled
  * here for AVX-512, AVX2+FMA+F16C and baseline x86-64, and chosen at run time
@@ -40,6 +41,12 @@
 #include "cpu_backend.h"
 
 #define KVR_MAX_GROUP_CPU 64
+
+/* The cpu backend's own shape flag (beside kernels.h's): attention over a
+ * part of an item's tokens writes, instead of out, G rows of head_dim + 1
+ * floats, each head's output in f32 then its log-sum-exp (kvr_cpu_attention
+ * merges the parts). */
+#define KVR_CPU_SHAPE_PART (1u << 31)
 
 /* 64-byte vectors passed between static functions of this file only: the
  * psABI note about how they would cross a real call boundary does not apply. */
@@ -1099,6 +1106,11 @@ struct head_job {
 	uint32_t n_segments;
 	enum kvr_convert_isa isa;
 	uint32_t parts; /* attention: tasks per (item, KV head); see kvr_cpu_attention */
+	/* attention split over tokens (kvr_cpu_attention): parts > 1 and
+	 * part_rows set; a part's rows at part_rows + ((item·n_kv + m)·parts +
+	 * part)·G·(d + 1), parts_done[item·n_kv + m] counts its finished parts */
+	float *part_rows;
+	_Atomic uint32_t *parts_done;
 };
 
 /* The two phases of a score launch (cpu_kernels_isa.h, "score"): A over
@@ -1442,7 +1454,7 @@ static void select_task(void *arg, uint32_t index)
 void kvr_cpu_select(struct kvr_dev *dev, const struct kvr_shape *shape,
 		    const struct kvr_score_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1, NULL, NULL };
 	kvr_cpu_parallel_for(dev, select_task, &job, n * shape->n_kv_heads);
 }
 
@@ -1490,7 +1502,7 @@ static void similarity_task(void *arg, uint32_t index)
 void kvr_cpu_similarity(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_similarity_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1, NULL, NULL };
 	const uint32_t tasks = n * shape->n_kv_heads;
 	/* One item is a few thousand multiply-adds: handing them to a worker
 	 * (waking it, when it has gone to sleep, costs the caller a system call)
@@ -1559,6 +1571,107 @@ static void attention_head(enum kvr_convert_isa isa, const struct kvr_shape *sh,
 	}
 }
 
+/*
+ * Tokens per part of a split item: a part boundary falls only at a multiple
+ * of it, counted over the item's segments, so a page (p divides it) is never
+ * cut and a part of a long plain segment keeps the segment's 16-token blocks.
+ * An item of T tokens is cut into parts of kvr_attention_part_size(T) tokens:
+ * a function of T alone, so that the result depends on neither the thread
+ * count nor the batch, and at most KVR_ATTENTION_MAX_PARTS of them. Smaller
+ * parts cost more than they balance on few cores: each part starts on a page
+ * nobody prefetched and prepares its queries again (SmolLM2's dense step at
+ * 8K on one core: 654 µs unsplit, 637 with parts of 1,024, 781 of 512 and
+ * 896 of 256; on two cores parts of 2,048 were the fastest).
+ */
+#define KVR_ATTENTION_PART_TOKENS 2048u
+#define KVR_ATTENTION_MAX_PARTS 256u
+
+static uint64_t kvr_attention_part_size(uint64_t tokens)
+{
+	const uint64_t unit = KVR_ATTENTION_PART_TOKENS;
+	const uint64_t per = (tokens + KVR_ATTENTION_MAX_PARTS - 1) / KVR_ATTENTION_MAX_PARTS;
+	return per <= unit ? unit : (per + unit - 1) / unit * unit;
+}
+
+static uint64_t attention_item_tokens(const struct kvr_kv_segment *segs, uint32_t n)
+{
+	uint64_t total = 0;
+	for (uint32_t i = 0; i < n; i++)
+		total += segs[i].n_tokens;
+	return total;
+}
+
+/* Segments [*first, *first + *count) of an item's n that part `part`
+ * attends: those that start inside its token range. A single plain segment
+ * is cut inside instead, into *one. Returns the segment list to use. */
+static const struct kvr_kv_segment *attention_part_segments(const struct kvr_kv_segment *segs, uint32_t n,
+							    uint32_t part, uint32_t *count,
+							    struct kvr_kv_segment *one, uint64_t eb)
+{
+	const uint64_t total = attention_item_tokens(segs, n), size = kvr_attention_part_size(total);
+	const uint64_t lo = (uint64_t)part * size, hi = lo + size;
+	*count = 0;
+	if (n == 1 && !kvr_segment_quantised(segs[0].format)) {
+		if (lo >= total)
+			return segs;
+		*one = segs[0];
+		one->n_tokens = (uint32_t)((hi < total ? hi : total) - lo);
+		const uint64_t skip = lo * segs[0].row_stride * eb;
+		one->k = (const unsigned char *)segs[0].k + skip;
+		one->v = (const unsigned char *)segs[0].v + skip;
+		*count = 1;
+		return one;
+	}
+	uint64_t at = 0;
+	uint32_t first = n;
+	for (uint32_t i = 0; i < n; i++) {
+		if (at >= lo && at < hi) {
+			if (first == n)
+				first = i;
+			++*count;
+		}
+		at += segs[i].n_tokens;
+	}
+	return segs + (first == n ? 0 : first);
+}
+
+/* The parts of (item, KV head m) into its out rows: each head's rows
+ * weighted by exp(lse − max lse), in part order, so the sum does not depend
+ * on which thread finished last. No weight anywhere (no tokens): zeros; a
+ * NaN part: NaN, as an unsplit item would give. */
+static void attention_merge(const struct kvr_shape *sh, const float *rows, uint32_t parts, uint32_t m, void *out)
+{
+	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim;
+	const uint64_t stride = (uint64_t)G * (d + 1u); /* one part's rows */
+	for (uint32_t g = 0; g < G; g++) {
+		float top = -INFINITY, acc[256], w_sum = 0.0f;
+		int nan = 0;
+		for (uint32_t i = 0; i < parts; i++) {
+			const float l = rows[i * stride + (uint64_t)g * (d + 1u) + d];
+			nan |= l != l;
+			top = l > top ? l : top;
+		}
+		for (uint32_t c = 0; c < d; c++)
+			acc[c] = nan ? NAN : 0.0f;
+		if (!nan && top != -INFINITY) {
+			for (uint32_t i = 0; i < parts; i++) {
+				const float *r = rows + i * stride + (uint64_t)g * (d + 1u);
+				if (r[d] == -INFINITY)
+					continue; /* no weight; its row may be anything */
+				const float w = kvr_expf(r[d] - top);
+				w_sum += w;
+				for (uint32_t c = 0; c < d; c++)
+					acc[c] += w * r[c];
+			}
+			const float inv = 1.0f / w_sum;
+			for (uint32_t c = 0; c < d; c++)
+				acc[c] *= inv;
+		}
+		kvr_convert_from_f32((unsigned char *)out + (uint64_t)(m * G + g) * d * kvr_elem_bytes(sh->elem_type), acc,
+				     sh->elem_type, d);
+	}
+}
+
 static void attention_task(void *arg, uint32_t index)
 {
 	const struct head_job *job = arg;
@@ -1575,7 +1688,14 @@ static void attention_task(void *arg, uint32_t index)
 	const void *q = it->q;
 	void *out = it->out;
 	float *lse = sh->flags & KVR_SHAPE_SEGMENT_LSE ? it->segment_lse : NULL;
-	if (job->parts > 1) {
+	const int token_parts = job->part_rows != NULL;
+	float *part_out = NULL;
+	if (token_parts) {
+		part.flags |= KVR_CPU_SHAPE_PART;
+		const uint32_t G = sh->n_qo_heads / sh->n_kv_heads;
+		part_out = job->part_rows + (uint64_t)index * G * (sh->head_dim + 1u);
+		out = part_out;
+	} else if (job->parts > 1) {
 		const uint32_t hq = sh->causal_heads_per_query, n_tok = sh->n_qo_heads / hq;
 		const uint32_t per = (n_tok + job->parts - 1) / job->parts, t0 = index % job->parts * per;
 		const uint32_t t1 = t0 + per < n_tok ? t0 + per : n_tok;
@@ -1601,27 +1721,51 @@ static void attention_task(void *arg, uint32_t index)
 	}
 	if (bad) {
 		const uint32_t G = part.n_qo_heads / part.n_kv_heads;
-		float nan_row[256];
-		for (uint32_t c = 0; c < sh->head_dim; c++)
+		float nan_row[257];
+		for (uint32_t c = 0; c <= sh->head_dim; c++)
 			nan_row[c] = NAN;
 		for (uint32_t g = 0; g < G; g++) {
-			kvr_convert_from_f32((unsigned char *)out + (uint64_t)(m * G + g) * sh->head_dim *
-									kvr_elem_bytes(sh->elem_type),
-					     nan_row, sh->elem_type, sh->head_dim);
+			if (token_parts) /* the row and its lse: the merge makes the output NaN */
+				memcpy(part_out + (uint64_t)g * (sh->head_dim + 1u), nan_row,
+				       (sh->head_dim + 1u) * sizeof(float));
+			else
+				kvr_convert_from_f32((unsigned char *)out + (uint64_t)(m * G + g) * sh->head_dim *
+										kvr_elem_bytes(sh->elem_type),
+						     nan_row, sh->elem_type, sh->head_dim);
 			for (uint32_t si = 0; (sh->flags & KVR_SHAPE_SEGMENT_LSE) && it->segment_lse &&
 					      si < it->n_segments; si++)
 				lse[(uint64_t)(m * G + g) * it->n_segments + si] = NAN;
 		}
+	} else if (token_parts) {
+		struct kvr_kv_segment one;
+		uint32_t count;
+		const struct kvr_kv_segment *segs =
+			attention_part_segments(job->segments + it->first_segment, it->n_segments, index % job->parts,
+						&count, &one, kvr_elem_bytes(sh->elem_type));
+		attention_head(job->isa, &part, q, out, segs, count, m, NULL);
+	} else {
+		attention_head(job->isa, &part, q, out, job->segments + it->first_segment, it->n_segments, m, lse);
 		return;
 	}
-	attention_head(job->isa, &part, q, out, job->segments + it->first_segment, it->n_segments, m, lse);
+	if (!token_parts)
+		return;
+	/* The last part of (item, m) to finish merges them: acq_rel pairs each
+	 * part's release of its rows with the merger's acquire. */
+	const uint32_t head = index / job->parts;
+	if (atomic_fetch_add_explicit(&job->parts_done[head], 1, memory_order_acq_rel) + 1 == job->parts)
+		attention_merge(sh, job->part_rows + (uint64_t)head * job->parts * (sh->n_qo_heads / sh->n_kv_heads) *
+							      (sh->head_dim + 1u),
+				job->parts, m, it->out);
 }
+
+/* Items per call of a split attention: their part rows take at most this. */
+#define KVR_ATTENTION_PART_BYTES (4u << 20)
 
 void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_attention_item *items, uint32_t n,
 		       const struct kvr_kv_segment *segments, uint32_t n_segments)
 {
-	struct head_job job = { shape, items, segments, n_segments, kvr_convert_isa_active(), 1 };
+	struct head_job job = { shape, items, segments, n_segments, kvr_convert_isa_active(), 1, NULL, NULL };
 	/* Causal query blocks (the scheduler's prefill: one KV head per item, as
 	 * many items as the model has KV heads, SmolLM2 3): each item's query
 	 * tokens in parts, about two tasks per thread, so the threads share the
@@ -1634,6 +1778,48 @@ void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		job.parts = want < n_tok ? want : n_tok;
 		if (!job.parts)
 			job.parts = 1;
+	}
+	/* Decode: an item's tokens in parts (kvr_attention_part_size), merged
+	 * by their log-sum-exps — FlashDecoding's split — so that a batch of
+	 * one keeps every thread busy, not one per KV head (SmolLM2's 3 KV heads
+	 * on 2 threads: one thread did two heads, the other one; Llama's 8 on
+	 * 16 cores: half of them idle). Tasks: the most parts any item has,
+	 * the others' surplus parts empty. Items in runs whose part rows fit
+	 * in KVR_ATTENTION_PART_BYTES; without the memory, unsplit. */
+	uint32_t parts = 1;
+	for (uint32_t i = 0; !(shape->flags & (KVR_SHAPE_CAUSAL | KVR_SHAPE_SEGMENT_LSE)) && i < n; i++) {
+		if ((uint64_t)items[i].first_segment + items[i].n_segments > n_segments)
+			continue; /* its tasks poison it */
+		const uint64_t t = attention_item_tokens(segments + items[i].first_segment, items[i].n_segments);
+		const uint64_t k = (t + kvr_attention_part_size(t) - 1) / kvr_attention_part_size(t);
+		parts = k > parts ? (uint32_t)k : parts;
+	}
+	if (parts > 1) {
+		const uint64_t G = shape->n_qo_heads / shape->n_kv_heads;
+		const uint64_t item_bytes = (uint64_t)shape->n_kv_heads * parts * G * (shape->head_dim + 1u) * sizeof(float);
+		const uint32_t run = item_bytes >= KVR_ATTENTION_PART_BYTES ? 1u
+				     : (uint32_t)(KVR_ATTENTION_PART_BYTES / item_bytes) < n
+					     ? (uint32_t)(KVR_ATTENTION_PART_BYTES / item_bytes)
+					     : n;
+		float *rows = malloc((size_t)(item_bytes * run));
+		_Atomic uint32_t *done = calloc((size_t)run * shape->n_kv_heads, sizeof(*done));
+		if (rows && done) {
+			job.parts = parts;
+			job.part_rows = rows;
+			job.parts_done = done;
+			for (uint32_t i0 = 0; i0 < n; i0 += run) {
+				const uint32_t k = n - i0 < run ? n - i0 : run;
+				job.items = items + i0;
+				for (uint32_t h = 0; h < k * shape->n_kv_heads; h++)
+					atomic_store_explicit(&done[h], 0, memory_order_relaxed);
+				kvr_cpu_parallel_for(dev, attention_task, &job, k * shape->n_kv_heads * parts);
+			}
+			free(rows);
+			free(done);
+			return;
+		}
+		free(rows);
+		free(done);
 	}
 	kvr_cpu_parallel_for(dev, attention_task, &job, n * shape->n_kv_heads * job.parts);
 }
@@ -1650,7 +1836,7 @@ static void dense_task(void *arg, uint32_t index)
 void kvr_cpu_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		   const struct kvr_dense_item *items, uint32_t n)
 {
-	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1 };
+	struct head_job job = { shape, items, NULL, 0, kvr_convert_isa_active(), 1, NULL, NULL };
 	kvr_cpu_parallel_for(dev, dense_task, &job, n * shape->n_kv_heads);
 }
 

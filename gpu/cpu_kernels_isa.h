@@ -941,6 +941,15 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			o = o * inv;
 			memcpy(row + c * VA_LANES, &o, sizeof(o));
 		}
+		if (sh->flags & KVR_CPU_SHAPE_PART) {
+			/* a part of the item's tokens (kvr_cpu_attention): head g's
+			 * row in f32 and its log-sum-exp, −inf for no weight (NaN
+			 * stays NaN), for attention_merge */
+			float *part = (float *)out_rows + (uint64_t)g * (d + 1u);
+			memcpy(part, row, (size_t)d * sizeof(float));
+			part[d] = run_sum[g] == 0.0f ? -INFINITY : run_max[g] + logf(run_sum[g]);
+			continue;
+		}
 		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, row, t, d);
 	}
 }

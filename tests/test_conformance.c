@@ -164,12 +164,12 @@ static struct env g_env;
 			     kvr_dev_last_error((c)->dev));                               \
 	} while (0)
 
-static int dctx_open(struct dctx *c, const char *name, uint32_t kind, char *err, size_t err_bytes)
+static int dctx_open_threads(struct dctx *c, const char *name, uint32_t kind, uint32_t threads, char *err,
+			     size_t err_bytes)
 {
 	memset(c, 0, sizeof(*c));
 	c->name = name;
-	/* one worker besides the caller: kernels split across threads, as in use */
-	const struct kvr_dev_params params = { .kind = kind, .threads = 1 };
+	const struct kvr_dev_params params = { .kind = kind, .threads = threads };
 	const int r = kvr_dev_create(&params, &c->dev, err, err_bytes);
 	if (r)
 		return r;
@@ -177,6 +177,12 @@ static int dctx_open(struct dctx *c, const char *name, uint32_t kind, char *err,
 	DEV_OK(c, kvr_dev_stream_create(c->dev, KVR_STREAM_WORKER, &c->worker_s));
 	c->s = c->inline_s;
 	return 0;
+}
+
+/* one worker besides the caller: kernels split across threads, as in use */
+static int dctx_open(struct dctx *c, const char *name, uint32_t kind, char *err, size_t err_bytes)
+{
+	return dctx_open_threads(c, name, kind, 1, err, err_bytes);
 }
 
 static void dctx_close(struct dctx *c)
@@ -2281,6 +2287,104 @@ static void attention_causal_long_case(struct env *e, uint32_t ci, uint32_t ti)
 }
 
 CONFORMANCE_CASES(attention_causal_long, ARRAY_LEN(numeric_shapes))
+
+/*
+ * Decode attention over more tokens than one part of the cpu backend's
+ * split (an item's tokens cut at multiples of 2,048 and the parts merged by
+ * their log-sum-exps, gpu/cpu_kernels.c): 5,000 NHD rows as one segment and
+ * as pages of p (the last partial), the same query. Each is within its
+ * bound of the reference; on the cpu backend the two are equal bit for bit
+ * where p ≥ 16, the kernel's softmax block (no cut falls inside a page), and
+ * equal bit for bit what a device with no
+ * worker and one with three give (the cut does not depend on the threads).
+ * A NaN key in the last part makes its KV head's outputs NaN, and only
+ * those. Shapes with G = 1 and G = 3.
+ */
+static void attention_split_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	CASE_SETUP(numeric_shapes, 0x5b117);
+	if (ci != 0 && ci != 2)
+		return; /* two KV heads each; the lengths are what is checked */
+	enum { T = 5000, ITEMS = 2, NAN_TOKEN = 4500 };
+	const uint32_t p = sh.page_tokens, d = sh.head_dim, row = sh.n_kv_heads * d;
+	const uint32_t G = sh.n_qo_heads / sh.n_kv_heads, n_pages = (T + p - 1) / p;
+	const size_t eb = ebytes(type), kv_bytes = (size_t)T * row * eb;
+	void *kt = halloc(kv_bytes), *vt = halloc(kv_bytes), *kn = halloc(kv_bytes);
+	fill_uniform(&r, kt, type, (uint64_t)T * row, -1.0, 1.0);
+	fill_uniform(&r, vt, type, (uint64_t)T * row, -1.0, 1.0);
+	memcpy(kn, kt, kv_bytes);
+	store_nan(kn, type, (uint64_t)NAN_TOKEN * row + d + 1); /* KV head 1 */
+	put(c, kt, kv_bytes);
+	put(c, vt, kv_bytes);
+	put(c, kn, kv_bytes);
+	/* [0]: the rows as one segment; [1 ..]: as pages; then the same two
+	 * over kn */
+	const uint32_t n_segs = 2 * (1 + n_pages);
+	struct kvr_kv_segment *segs = halloc(n_segs * sizeof(*segs));
+	for (uint32_t h = 0; h < 2; h++) {
+		void *k = h ? kn : kt;
+		struct kvr_kv_segment *sg = segs + h * (1 + n_pages);
+		sg[0] = (struct kvr_kv_segment){ .k = k, .v = vt, .n_tokens = T, .row_stride = row, .head_stride = d };
+		for (uint32_t j = 0; j < n_pages; j++)
+			sg[1 + j] = nhd_segment(&sh, k, vt, 0, j * p, j + 1 < n_pages ? p : T - j * p);
+	}
+	const uint64_t per = (uint64_t)sh.n_qo_heads * d;
+	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
+	memcpy(elem_ptr(q, type, per), q, per * eb);
+	const uint32_t first[ITEMS] = { 0, 1 }, count[ITEMS] = { 1, n_pages };
+	struct kvr_attention_item items[ITEMS];
+	attention_items(items, ITEMS, q, out, type, per, first, count);
+	char what[96];
+	snprintf(what, sizeof(what), "attention over %u tokens, one segment and pages of %u", T, p);
+	attention_and_check(e, c, what, &sh, items, ITEMS, segs, n_segs, q, out);
+	void *got = halloc(ITEMS * per * eb);
+	get(c, got, out, ITEMS * per * eb);
+	if (e->bc->kind == KVR_DEV_CPU) {
+		/* (pages of 8 tokens are softmax blocks of 8, not 16: equal within
+		 * the bound only) */
+		cr_assert(p < 16 || !memcmp(got, elem_ptr(got, type, per), per * eb),
+			  "%s: %s %s config %u: one segment and its pages differ", c->name, what, type_names[ti], ci);
+		static const uint32_t threads[] = { 0, 3 };
+		for (uint32_t k = 0; k < ARRAY_LEN(threads); k++) {
+			struct dctx other;
+			char err[256];
+			cr_assert_eq(dctx_open_threads(&other, "cpu (other threads)", KVR_DEV_CPU, threads[k], err,
+						       sizeof(err)), 0, "%s", err);
+			put(&other, kt, kv_bytes);
+			put(&other, vt, kv_bytes);
+			put(&other, kn, kv_bytes);
+			put(&other, q, ITEMS * per * eb);
+			void *out2 = new_outputs(&sh, ITEMS), *got2 = halloc(ITEMS * per * eb);
+			put(&other, out2, ITEMS * per * eb);
+			struct kvr_attention_item items2[ITEMS];
+			attention_items(items2, ITEMS, q, out2, type, per, first, count);
+			DEV_OK(&other, kvr_dev_attention(other.dev, &sh, dev_attention_items(&other, items2, ITEMS), ITEMS,
+							 dev_segments(&other, segs, n_segs), n_segs, other.s));
+			get(&other, got2, out2, ITEMS * per * eb);
+			cr_assert(!memcmp(got, got2, ITEMS * per * eb), "%s: %s %s config %u: %u workers differ from 1",
+				  c->name, what, type_names[ti], ci, threads[k]);
+			dctx_close(&other);
+		}
+	}
+	/* the same over the rows with a NaN key */
+	void *nout = new_outputs(&sh, ITEMS), *ngot = halloc(ITEMS * per * eb);
+	put(c, q, ITEMS * per * eb);
+	put(c, nout, ITEMS * per * eb);
+	const uint32_t nfirst[ITEMS] = { 1 + n_pages, 2 + n_pages };
+	attention_items(items, ITEMS, q, nout, type, per, nfirst, count);
+	DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, items, ITEMS), ITEMS,
+				    dev_segments(c, segs, n_segs), n_segs, c->s));
+	get(c, ngot, nout, ITEMS * per * eb);
+	for (uint32_t i = 0; i < ITEMS; i++)
+		for (uint32_t h = 0; h < sh.n_qo_heads; h++)
+			for (uint32_t x = 0; x < d; x++)
+				cr_assert(isfinite(ref_load(ngot, type, i * per + h * d + x)) == (h / G != 1),
+					  "%s: NaN key at token %u of %u, %s config %u item %u: head %u dim %u: "
+					  "exactly KV head 1's heads must be non-finite",
+					  c->name, NAN_TOKEN, T, type_names[ti], ci, i, h, x);
+}
+
+CONFORMANCE_CASES(attention_split, ARRAY_LEN(numeric_shapes))
 
 /* The flag's refusals: a group that is no whole number of query tokens, and
  * dense attention; each names its reason and leaves the device usable. */
