@@ -310,7 +310,8 @@ Test(bench, decode_writes_schema_json, .timeout = 300)
 
 /* `kvrecall bench decode --rounds`: every row measured that many times in
  * turn with its own attention over B; the row is its median round, so its
- * ratio lies in the range reported and its fields agree with one another. */
+ * ratio lies in the range reported and its fields agree with one another,
+ * and the fastest of each side is no slower than that round's. */
 Test(bench, decode_rounds_report_the_median_round, .timeout = 300)
 {
 	bench_json_check(
@@ -324,7 +325,12 @@ Test(bench, decode_rounds_report_the_median_round, .timeout = 300)
 		"    lo, mid, hi = r['ratio_to_target_budget_min'], r['ratio_to_target_budget'], r['ratio_to_target_budget_max']\n"
 		"    assert 0 < lo <= mid <= hi, r\n"
 		"    budget = (1 + r['context_tokens'] / (32 * 512)) * r['attention_over_budget_us']\n"
-		"    assert abs(r['us_per_layer'] / budget - mid) < 1e-3 * mid, r");
+		"    assert abs(r['us_per_layer'] / budget - mid) < 1e-3 * mid, r\n"
+		"    # the fastest of each side, whichever rounds they came from\n"
+		"    assert 0 < r['fastest_us_per_layer'] <= r['us_per_layer'], r\n"
+		"    assert 0 < r['fastest_attention_over_budget_us'] <= r['attention_over_budget_us'], r\n"
+		"    f = r['fastest_us_per_layer'] / ((1 + r['context_tokens'] / (32 * 512)) * r['fastest_attention_over_budget_us'])\n"
+		"    assert abs(r['ratio_of_fastest_to_target_budget'] - f) < 1e-3 * f, r");
 	char out[4096];
 	int status;
 	run("bench decode --rounds 0", out, sizeof(out), &status);
