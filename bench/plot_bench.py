@@ -145,10 +145,17 @@ def plot_decode(d, path):
                     ax.bar(x, w, width, bottom=b, color=col, label=lab if (ci == 0 and mi == 0) else None)
                     b += w
                 xs.append(x), total.append(t)
+                # --rounds: the rounds' range of the step, as this round's
+                # time scaled by their ratios to the budget over its own
+                if r.get("rounds", 1) > 1 and r["ratio_to_target_budget"] > 0:
+                    k = t / r["ratio_to_target_budget"]
+                    ax.vlines(x, k * r["ratio_to_target_budget_min"], k * r["ratio_to_target_budget_max"],
+                              color="#222222", lw=0.8)
         # log scale first, then both limits: bars start at 0, which a log
         # axis cannot autoscale to
         ax.set_yscale("log")
-        base = sub[0]["attention_over_budget_us"]
+        bases = sorted(r["attention_over_budget_us"] for r in sub)
+        base = bases[(len(bases) - 1) // 2]  # one per row under --rounds: their median
         ax.set_ylim(bottom=min(min(r["us_per_layer"] for r in sub), base) * 0.5,
                     top=max(r["us_per_layer"] for r in sub) * 1.8)
         ax.axhline(base, color="#444444", lw=0.8, ls=":")
@@ -161,7 +168,8 @@ def plot_decode(d, path):
         ax.legend(fontsize=7, ncol=3)
     axes[-1, 0].set_xlabel("context (tokens)")
     p = d["params"]
-    fig.suptitle(f"kvrecall bench decode — {d['shape']['preset']}, B = {p['budget_tokens']}, recall {p['recall']}\n"
+    rounds = f", median of {p['rounds']} rounds (bars: their range)" if p.get("rounds", 1) > 1 else ""
+    fig.suptitle(f"kvrecall bench decode — {d['shape']['preset']}, B = {p['budget_tokens']}, recall {p['recall']}{rounds}\n"
                  f"{machine_label(d)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -8,7 +8,9 @@
  *    the event and checks the block arrived whole (the controller/engine
  *    hand-off of the decode step);
  *  - two threads call parallel_for on one device at once (one of them runs
- *    inline, by design) while a third enqueues kernels on a worker stream.
+ *    inline, by design) while a third enqueues kernels on a worker stream:
+ *    summaries, and decode attention long enough to run in parts that the
+ *    last one to finish merges.
  * Exit 0 on success; prints "N passed, N failed".
  */
 #include <pthread.h>
@@ -131,9 +133,36 @@ static void *kernel_user(void *arg)
 				break;
 			}
 	}
+	/* decode attention over more tokens than one part (2,048): its parts
+	 * run as tasks on the workers, the last to finish merging them; values
+	 * all 3 make every output 3, whatever the keys' weights */
+	enum { T = 5000, ROW = 2 * 64 };
+	float *keys = malloc((size_t)T * ROW * sizeof(float)), *vals = malloc((size_t)T * ROW * sizeof(float));
+	float *q = malloc(4 * 64 * sizeof(float)), *out = malloc(4 * 64 * sizeof(float));
+	for (int i = 0; i < T * ROW; i++) {
+		keys[i] = (float)(((uint32_t)i * 7919u) % 211u) / 50.0f - 2.0f;
+		vals[i] = 3.0f;
+	}
+	for (int i = 0; i < 4 * 64; i++)
+		q[i] = (float)(i % 13) / 6.0f - 1.0f;
+	const struct kvr_kv_segment seg = { keys, vals, T, { ROW }, 64, 0 };
+	const struct kvr_attention_item att = { q, out, NULL, 0, 1 };
+	for (int round = 0; round < 50; round++) {
+		memset(out, 0, 4 * 64 * sizeof(float));
+		if (kvr_dev_attention(w->dev, &shape, &att, 1, &seg, 1, s) || kvr_dev_stream_synchronize(w->dev, s)) {
+			w->failures++;
+			continue;
+		}
+		for (int i = 0; i < 4 * 64; i++)
+			if (!(out[i] > 2.9999f && out[i] < 3.0001f)) {
+				w->failures++;
+				break;
+			}
+	}
 	kvr_dev_stream_destroy(w->dev, s);
 	free(rows);
 	free(summary);
+	free(keys), free(vals), free(q), free(out);
 	return NULL;
 }
 
