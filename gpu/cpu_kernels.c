@@ -1653,17 +1653,24 @@ static void attention_merge(const struct kvr_shape *sh, const float *rows, uint3
 		}
 		for (uint32_t c = 0; c < d; c++)
 			acc[c] = nan ? NAN : 0.0f;
-		if (!nan && top != -INFINITY) {
+		if (!nan) {
 			for (uint32_t i = 0; i < parts; i++) {
 				const float *r = rows + i * stride + (uint64_t)g * (d + 1u);
-				if (r[d] == -INFINITY)
-					continue; /* no weight; its row may be anything */
+				if (r[d] == -INFINITY) {
+					/* no weight: its row is zeros, or NaN where a
+					 * weight of 0 met an infinite value, which an
+					 * unsplit item would give too */
+					for (uint32_t c = 0; c < d; c++)
+						if (r[c] != r[c])
+							acc[c] = NAN;
+					continue;
+				}
 				const float w = kvr_expf(r[d] - top);
 				w_sum += w;
 				for (uint32_t c = 0; c < d; c++)
 					acc[c] += w * r[c];
 			}
-			const float inv = 1.0f / w_sum;
+			const float inv = w_sum > 0.0f ? 1.0f / w_sum : 0.0f;
 			for (uint32_t c = 0; c < d; c++)
 				acc[c] *= inv;
 		}
@@ -1758,13 +1765,19 @@ static void attention_task(void *arg, uint32_t index)
 				job->parts, m, it->out);
 }
 
-/* Items per call of a split attention: their part rows take at most this. */
+/* Items per call of a split attention: as many as their part rows fit in
+ * this, and at least one (whose rows may take more). */
 #define KVR_ATTENTION_PART_BYTES (4u << 20)
 
 void kvr_cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 		       const struct kvr_attention_item *items, uint32_t n,
 		       const struct kvr_kv_segment *segments, uint32_t n_segments)
 {
+	/* the part flag is this file's own: a caller's stray bit 31 must not
+	 * make the kernel write f32 rows into its outputs */
+	struct kvr_shape own = *shape;
+	own.flags &= ~KVR_CPU_SHAPE_PART;
+	shape = &own;
 	struct head_job job = { shape, items, segments, n_segments, kvr_convert_isa_active(), 1, NULL, NULL };
 	/* Causal query blocks (the scheduler's prefill: one KV head per item, as
 	 * many items as the model has KV heads, SmolLM2 3): each item's query

@@ -852,10 +852,19 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				}
 				const float bmax = HMAXA(vmx);
 				const float new_max = bmax > run_max[g] ? bmax : run_max[g];
-				if (causal && new_max == -INFINITY) { /* nothing seen yet: weight 0, not NaN */
-					for (uint32_t b = 0; b < BLOCK; b++)
-						s[g][b] = 0.0f;
-					continue;
+				if (new_max == -INFINITY) {
+					/* Nothing with weight yet (masked, or keys whose logits
+					 * are −inf, as may open a part of a split item): weight
+					 * 0, not exp(−inf + inf) = NaN. A NaN score still
+					 * propagates (MAXA passed over it). */
+					int nan = 0;
+					for (uint32_t b = 0; !causal && b < nb; b++)
+						nan |= s[g][b] != s[g][b];
+					if (!nan) {
+						for (uint32_t b = 0; b < BLOCK; b++)
+							s[g][b] = 0.0f;
+						continue;
+					}
 				}
 				VA_T vsum = SPLATA(0.0f);
 				_Pragma("GCC unroll 2")

@@ -2292,7 +2292,8 @@ CONFORMANCE_CASES(attention_causal_long, ARRAY_LEN(numeric_shapes))
  * Decode attention over more tokens than one part of the cpu backend's
  * split (an item's tokens cut at multiples of 2,048 and the parts merged by
  * their log-sum-exps, gpu/cpu_kernels.c): 5,000 NHD rows as one segment and
- * as pages of p (the last partial), the same query. Each is within its
+ * as pages of p (the last partial), the same query, batched with an item
+ * of no segment and one of the first page alone. Each is within its
  * bound of the reference; on the cpu backend the two are equal bit for bit
  * where p ≥ 16, the kernel's softmax block (no cut falls inside a page), and
  * equal bit for bit what a device with no
@@ -2305,7 +2306,9 @@ static void attention_split_case(struct env *e, uint32_t ci, uint32_t ti)
 	CASE_SETUP(numeric_shapes, 0x5b117);
 	if (ci != 0 && ci != 2)
 		return; /* two KV heads each; the lengths are what is checked */
-	enum { T = 5000, ITEMS = 2, NAN_TOKEN = 4500 };
+	/* items: the rows as one segment, as pages, no segment at all, and the
+	 * first page alone (short items batched with split ones) */
+	enum { T = 5000, ITEMS = 4, NAN_ITEMS = 2, NAN_TOKEN = 4500 };
 	const uint32_t p = sh.page_tokens, d = sh.head_dim, row = sh.n_kv_heads * d;
 	const uint32_t G = sh.n_qo_heads / sh.n_kv_heads, n_pages = (T + p - 1) / p;
 	const size_t eb = ebytes(type), kv_bytes = (size_t)T * row * eb;
@@ -2331,7 +2334,7 @@ static void attention_split_case(struct env *e, uint32_t ci, uint32_t ti)
 	const uint64_t per = (uint64_t)sh.n_qo_heads * d;
 	void *q = new_queries(&r, &sh, ITEMS, 2.0), *out = new_outputs(&sh, ITEMS);
 	memcpy(elem_ptr(q, type, per), q, per * eb);
-	const uint32_t first[ITEMS] = { 0, 1 }, count[ITEMS] = { 1, n_pages };
+	const uint32_t first[ITEMS] = { 0, 1, 0, 1 }, count[ITEMS] = { 1, n_pages, 0, 1 };
 	struct kvr_attention_item items[ITEMS];
 	attention_items(items, ITEMS, q, out, type, per, first, count);
 	char what[96];
@@ -2367,15 +2370,15 @@ static void attention_split_case(struct env *e, uint32_t ci, uint32_t ti)
 		}
 	}
 	/* the same over the rows with a NaN key */
-	void *nout = new_outputs(&sh, ITEMS), *ngot = halloc(ITEMS * per * eb);
-	put(c, q, ITEMS * per * eb);
-	put(c, nout, ITEMS * per * eb);
-	const uint32_t nfirst[ITEMS] = { 1 + n_pages, 2 + n_pages };
-	attention_items(items, ITEMS, q, nout, type, per, nfirst, count);
-	DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, items, ITEMS), ITEMS,
+	void *nout = new_outputs(&sh, NAN_ITEMS), *ngot = halloc(NAN_ITEMS * per * eb);
+	put(c, q, NAN_ITEMS * per * eb);
+	put(c, nout, NAN_ITEMS * per * eb);
+	const uint32_t nfirst[NAN_ITEMS] = { 1 + n_pages, 2 + n_pages }, ncount[NAN_ITEMS] = { 1, n_pages };
+	attention_items(items, NAN_ITEMS, q, nout, type, per, nfirst, ncount);
+	DEV_OK(c, kvr_dev_attention(c->dev, &sh, dev_attention_items(c, items, NAN_ITEMS), NAN_ITEMS,
 				    dev_segments(c, segs, n_segs), n_segs, c->s));
-	get(c, ngot, nout, ITEMS * per * eb);
-	for (uint32_t i = 0; i < ITEMS; i++)
+	get(c, ngot, nout, NAN_ITEMS * per * eb);
+	for (uint32_t i = 0; i < NAN_ITEMS; i++)
 		for (uint32_t h = 0; h < sh.n_qo_heads; h++)
 			for (uint32_t x = 0; x < d; x++)
 				cr_assert(isfinite(ref_load(ngot, type, i * per + h * d + x)) == (h / G != 1),
