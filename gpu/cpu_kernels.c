@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) __m128i codes_bytes16(const uint8_t
 /*
  * Quantised keys are read as integer dot products (kvquant.h's contract):
  * each query row of the group is rounded to 8 bits once per attention call
- * (kvr_qk8_prepare), and a block's dots Σ_c q8_c·Q_c come from the ISA's
+ * (qk8_prepare, per ISA), and a block's dots Σ_c q8_c·Q_c come from the ISA's
  * byte or word multiply-adds (qk_dots_*), exact integers. The query codes
  * are kept in the orders the key rows are read in:
  *   q8:  natural order (8-bit keys: byte c is element c);
@@ -175,21 +175,6 @@ static inline __attribute__((always_inline)) void qk_logits_scalar(const struct 
 	}
 }
 
-/* Head g's row (d floats, already scaled) into qq. */
-static void kvr_qk8_prepare(struct kvr_qk8 *qq, uint32_t g, const float *x, uint32_t d)
-{
-	int32_t sum;
-	memset(qq->q8[g], 0, sizeof(qq->q8[g]));
-	memset(qq->q8n[g], 0, sizeof(qq->q8n[g]));
-	qq->scale[g] = kvr_quant_query_row(x, d, qq->q8[g], &sum);
-	qq->code_sum_f[g] = (float)sum;
-	for (uint32_t j = 0; j < d / 2; j++) {
-		qq->q8n[g][j] = qq->q8[g][2 * j];
-		qq->q8n[g][d / 2 + j] = qq->q8[g][2 * j + 1];
-	}
-	for (uint32_t c = 0; c < 256; c++)
-		qq->q16[g][c] = qq->q8[g][c];
-}
 
 /* The portable path: plain integer loops (SSE2 by the compiler at best). */
 static void qk_dots_base(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
@@ -307,8 +292,46 @@ static inline __attribute__((always_inline)) __m512i bcast32_avx512(const void *
 	return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
 }
 
+/* Attention's exp (ATT_EXPA): kvr_expf's reduction and polynomial, its
+ * power of two applied by one vscalefps instead of two multiplies and the
+ * range blends, so equal to kvr_expf wherever the result is normal (a
+ * subnormal one is rounded once, not twice). maxps keeps its second operand
+ * when either is NaN, so a NaN stays NaN; below −110 (−inf too) the
+ * result is exactly 0. */
+static inline __attribute__((always_inline)) vf exp16_scalef_avx512(vf xv)
+{
+	const __m512 x = _mm512_max_ps(_mm512_set1_ps(-110.0f), (__m512)xv);
+	const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269502f)),
+					      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+	__m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+	r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+	__m512 p = _mm512_set1_ps(1.38888894e-03f);
+	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333377e-03f));
+	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666679e-02f));
+	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666672e-01f));
+	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+	return (vf)_mm512_scalef_ps(p, n);
+}
+
+/* VALUE_SZ16 in vectors: the pairs by one masked load, deinterleaved */
+static inline __attribute__((always_inline)) void value_sz16_avx512(const uint16_t *sz, uint32_t nb, float centre,
+								    float *vs, float *vz)
+{
+	const __m512i pairs = _mm512_maskz_loadu_epi16(nb >= 16 ? 0xffffffffu : (1u << (2 * nb)) - 1u, sz);
+	const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(pairs));
+	const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1));
+	const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+	const __m512 s = _mm512_permutex2var_ps(lo, even, hi);
+	const __m512 z = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+	_mm512_storeu_ps(vs, s);
+	_mm512_storeu_ps(vz, _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(centre), s)));
+}
+
 #define ISA avx512
 #define CODES16(row, bits, c) codes16_avx512(row, bits, c)
+#define VALUE_SZ16(sz, nb, centre, vs, vz) value_sz16_avx512(sz, nb, centre, vs, vz)
 #define F16TOF32(h) _cvtsh_ss(h)
 #define LOAD16(row, t, i) load16_avx512(row, t, i)
 #define MAX16(a, b) ((vf)_mm512_max_ps((__m512)(a), (__m512)(b)))
@@ -323,6 +346,8 @@ static inline __attribute__((always_inline)) __m512i bcast32_avx512(const void *
 #define FOLD16(v) fold16_avx512(v)
 #define HSUM4(a, b, c, d, out) hsum4_avx512(a, b, c, d, out)
 #define HMAX16(v) _mm512_reduce_max_ps((__m512)(v))
+#define ANYGTA(a, b) (_mm512_cmp_ps_mask((__m512)(a), (__m512)(b), _CMP_GT_OQ) != 0)
+#define ATT_EXPA(x) exp16_scalef_avx512(x)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -665,6 +690,30 @@ static inline __attribute__((always_inline)) __m256 exp8_avx2(__m256 x)
 	p = _mm256_blendv_ps(p, _mm256_set1_ps(INFINITY), big);
 	return _mm256_blendv_ps(p, x, is_nan);
 }
+/* Attention's exp on 8 lanes (ATT_EXPA): exp8_avx2's reduction and
+ * polynomial with the argument clamped to [−87, 88], where 2^n is one
+ * normal power of two, and 0 below −87 (the weights there are under 2^−125
+ * of the largest), in place of the range blends. min and max keep their
+ * second operand when either is NaN, so a NaN stays NaN. */
+static inline __attribute__((always_inline)) __m256 exp8_att_avx2(__m256 x)
+{
+	const __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+	const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+	const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269502f)),
+					 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+	__m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), xc);
+	r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+	__m256 p = _mm256_set1_ps(1.38888894e-03f);
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333377e-03f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666679e-02f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666672e-01f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+	p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+	return _mm256_andnot_ps(below, p);
+}
 /* Codes 16c..16c+15 of a packed quantised row as two 8-float vectors, each
  * group of 16 unpacked once. */
 static inline __attribute__((always_inline)) void codes16x2_avx2(const uint8_t *row, uint32_t bits, uint32_t c,
@@ -859,6 +908,32 @@ static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned c
 		}
 	}
 }
+/* VALUE_SZ16 in vectors: eight pairs a masked load (vpmaskmovd does not
+ * touch the lanes it skips), the s and z halves packed apart */
+static inline __attribute__((always_inline)) void value_sz16_avx2(const uint16_t *sz, uint32_t nb, float centre,
+								  float *vs, float *vz)
+{
+	const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+	const __m256i n = _mm256_set1_epi32((int)nb);
+	const __m256i a = _mm256_maskload_epi32((const int *)sz, _mm256_cmpgt_epi32(n, lane));
+	const __m256i b = _mm256_maskload_epi32((const int *)sz + 8,
+						_mm256_cmpgt_epi32(n, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+	const __m256i low = _mm256_set1_epi32(0xffff);
+	/* packus interleaves the 128-bit halves: [a0-3 b0-3 | a4-7 b4-7] */
+	const __m256i s16 = _mm256_permute4x64_epi64(
+		_mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low)), 0xd8);
+	const __m256i z16 = _mm256_permute4x64_epi64(
+		_mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16)), 0xd8);
+	const __m256 c = _mm256_set1_ps(centre);
+	_Pragma("GCC unroll 2")
+	for (int h = 0; h < 2; h++) {
+		const __m256 sv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(s16, 1) : _mm256_castsi256_si128(s16));
+		const __m256 zv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(z16, 1) : _mm256_castsi256_si128(z16));
+		_mm256_storeu_ps(vs + 8 * h, sv);
+		_mm256_storeu_ps(vz + 8 * h, _mm256_sub_ps(zv, _mm256_mul_ps(c, sv)));
+	}
+}
+
 #define PV_CHANNEL(i, bits) pv_channel_avx2(i, bits)
 #define PV_FITS(bits, d) pv_fits_avx2(bits, d)
 #define QK_LOGITS(qq, G, nb, sz, s) qk_logits_avx2(qq, G, nb, sz, s)
@@ -886,6 +961,9 @@ static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned c
 #define MAXA(a, b) _mm256_max_ps(a, b)
 #define HMAXA(v) hmax8_avx2(v)
 #define EXPA(x) exp8_avx2(x)
+#define ATT_EXPA(x) exp8_att_avx2(x)
+#define ANYGTA(a, b) (_mm256_movemask_ps(_mm256_cmp_ps((a), (b), _CMP_GT_OQ)) != 0)
+#define VALUE_SZ16(sz, nb, centre, vs, vz) value_sz16_avx2(sz, nb, centre, vs, vz)
 /* 8-bit keys at d <= 64: vpmaddwd on widened codes does no fewer operations
  * than the float multiply-adds and adds a horizontal sum per token (the
  * dense K8V4 step on SmolLM2's shape 10-16% faster as floats) */

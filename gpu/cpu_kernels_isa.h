@@ -28,6 +28,11 @@
  *                         4·VA_V_STRIP accumulators stay in registers)
  *   LOADA, FMAA, SPLATA, HSUMA, HSUM4A, MAXA, HMAXA, EXPA  the operations
  *                         above on VA_T (EXPA: kvr_expf's formula)
+ *   ANYGTA(a, b)          whether any lane of a exceeds b's (optional)
+ *   ATT_EXPA(x)           attention's exp, accurate but not bound to
+ *                         kvr_expf's bits (optional; EXPA by default)
+ *   VALUE_SZ16(sz, nb, centre, vs, vz)  a block's value scales and zero
+ *                         points as floats (optional; a scalar loop)
  *   CODES16A(row, bits, c16, out)  codes 16c16..16c16+15 as 16 / VA_LANES
  *                         vectors into out
  *   QMASK_T, QMASK_MAKE(q), QMASK_GET(masks, i, q), QSELECT(k, a, b)  the
@@ -126,6 +131,66 @@ static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 	p = blend(big, SPLAT16(INFINITY), p);
 	return blend(is_nan, x, p);
 }
+#endif
+
+#ifndef ATT_EXPA /* attention's exp: accurate, need not be kvr_expf's bits (the score's EXPA must) */
+#define ATT_EXPA(x) EXPA(x)
+#endif
+
+#ifndef KVR_ATT_CONSTANTS /* once for the three inclusions */
+#define KVR_ATT_CONSTANTS
+/* how far a block's scores may exceed decode attention's running max before
+ * it moves (attention_impl; attention_causal's CA_LAZY_MAX likewise) */
+#define ATT_LAZY_MAX 8.0f
+#endif
+
+#ifndef ANYGTA /* whether any lane of a exceeds b's (NaN: no), without an ISA's mask */
+static inline __attribute__((always_inline)) int ISA_FN(any_gt)(VA_T a, VA_T b)
+{
+	typedef int32_t va_int __attribute__((vector_size(sizeof(VA_T))));
+	const va_int m = a > b;
+	int32_t lanes[VA_LANES];
+	memcpy(lanes, &m, sizeof(lanes));
+	int32_t any = 0;
+	for (uint32_t l = 0; l < VA_LANES; l++)
+		any |= lanes[l];
+	return any != 0;
+}
+#define ANYGTA(a, b) ISA_FN(any_gt)(a, b)
+#endif
+
+/* Head g's query row (d floats, already scaled) into qq, rounded to 8 bits
+ * (kvr_quant_query_row) in the orders the key dots read. Compiled per ISA:
+ * in portable code its loops took about 5% of quantised attention. */
+static void ISA_FN(qk8_prepare)(struct kvr_qk8 *qq, uint32_t g, const float *x, uint32_t d)
+{
+	int32_t sum;
+	memset(qq->q8[g], 0, sizeof(qq->q8[g]));
+	memset(qq->q8n[g], 0, sizeof(qq->q8n[g]));
+	memset(qq->q16[g], 0, sizeof(qq->q16[g]));
+	qq->scale[g] = kvr_quant_query_row(x, d, qq->q8[g], &sum);
+	qq->code_sum_f[g] = (float)sum;
+	for (uint32_t j = 0; j < d / 2; j++) {
+		qq->q8n[g][j] = qq->q8[g][2 * j];
+		qq->q8n[g][d / 2 + j] = qq->q8[g][2 * j + 1];
+	}
+	for (uint32_t c = 0; c < d; c++)
+		qq->q16[g][c] = qq->q8[g][c];
+}
+
+#ifndef VALUE_SZ16
+/* A block's value (s, z) pairs (nb of them, f16) as vs[b] = s and vz[b] =
+ * z − centre·s, zeros from nb to 16; an ISA may bring a vector form that
+ * computes the same. */
+static inline __attribute__((always_inline)) void ISA_FN(value_sz16)(const uint16_t *sz, uint32_t nb, float centre,
+								     float *vs, float *vz)
+{
+	for (uint32_t b = 0; b < 16; b++) {
+		vs[b] = b < nb ? F16TOF32(sz[2 * b]) : 0.0f;
+		vz[b] = b < nb ? F16TOF32(sz[2 * b + 1]) - centre * vs[b] : 0.0f;
+	}
+}
+#define VALUE_SZ16(sz, nb, centre, vs, vz) ISA_FN(value_sz16)(sz, nb, centre, vs, vz)
 #endif
 
 static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
@@ -650,7 +715,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, t = sh->elem_type;
 	const uint64_t eb = kvr_elem_bytes(t);
 	VA_T q[KVR_MAX_GROUP_CPU][VA_MAX_CHUNKS], acc[KVR_MAX_GROUP_CPU][VA_MAX_CHUNKS];
-	float run_max[KVR_MAX_GROUP_CPU], run_sum[KVR_MAX_GROUP_CPU];
+	/* run_sum: the softmax's running sums, per lane until the end */
+	float run_max[KVR_MAX_GROUP_CPU];
+	VA_T run_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
 		_Pragma("GCC unroll 32")
 		for (uint32_t c = 0; c < chunks; c++) {
@@ -658,17 +725,18 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			acc[g][c] = SPLATA(0.0f);
 		}
 		run_max[g] = -INFINITY;
-		run_sum[g] = 0.0f;
+		run_sum[g] = SPLATA(0.0f);
 	}
 	/* quantised segments: Σ_c q_c per head (keys), and Σ_t p_t·z_t per
-	 * head, rescaled with acc (values; subtracted at the end) */
-	float q_sum[KVR_MAX_GROUP_CPU], z_acc[KVR_MAX_GROUP_CPU];
+	 * head, per lane, rescaled with acc (values; subtracted at the end) */
+	float q_sum[KVR_MAX_GROUP_CPU];
+	VA_T z_acc[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
 		VA_T t16 = q[g][0];
 		for (uint32_t c = 1; c < chunks; c++)
 			t16 = t16 + q[g][c];
 		q_sum[g] = HSUMA(t16);
-		z_acc[g] = 0.0f;
+		z_acc[g] = SPLATA(0.0f);
 	}
 	/* quantised keys with integer dots (qk): the queries rounded to 8 bits
 	 * (kvquant.h, kvr_quant_query_row), once per call */
@@ -701,7 +769,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		for (uint32_t g = 0; g < G; g++) {
 			float row[256];
 			memcpy(row, q[g], (size_t)d * sizeof(float));
-			kvr_qk8_prepare(&qq, g, row, d);
+			ISA_FN(qk8_prepare)(&qq, g, row, d);
 			if (q8_floats) {
 				for (uint32_t c = 0; c < d; c++)
 					row[c] = (float)q8_rows[g][c];
@@ -723,7 +791,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	const uint64_t pos0 = sh->causal_first_position, last_pos = pos0 + G / hq - 1;
 	uint64_t seg_first_token = 0;
 	/* lse: each segment's sum of exp(logit − run_max), rescaled with run_sum */
-	float seg_sum[KVR_MAX_GROUP_CPU];
+	VA_T seg_sum[KVR_MAX_GROUP_CPU];
 	for (uint32_t si = 0; si < n_segs; si++) {
 		const struct kvr_kv_segment *seg = &segs[si];
 		/* quantised codes (their format), or plain rows (0): tokens, or
@@ -740,7 +808,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			continue;
 		}
 		for (uint32_t g = 0; g < G; g++)
-			seg_sum[g] = 0.0f;
+			seg_sum[g] = SPLATA(0.0f);
 		/* plain: element offsets; quantised: the head's run, byte offsets */
 		const uint64_t head_off = (uint64_t)m * seg->head_stride * (fmt ? 1u : eb);
 		const unsigned char *kb = (const unsigned char *)seg->k + head_off;
@@ -844,50 +912,73 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				/* the block's BLOCK scores as VA_T parts, past nb at -inf */
 				for (uint32_t b = nb; b < BLOCK; b++)
 					s[g][b] = -INFINITY;
-				VA_T x[BLOCK / VA_LANES], vmx = SPLATA(-INFINITY);
+				VA_T x[BLOCK / VA_LANES];
 				_Pragma("GCC unroll 2")
-				for (uint32_t h = 0; h < BLOCK / VA_LANES; h++) {
+				for (uint32_t h = 0; h < BLOCK / VA_LANES; h++)
 					memcpy(&x[h], s[g] + h * VA_LANES, sizeof(x[h]));
-					vmx = MAXA(x[h], vmx); /* a NaN score is passed over */
+				/* The running max moves only when a score of the block exceeds
+				 * it by more than ATT_LAZY_MAX (or nothing was seen yet), as in
+				 * attention_causal: weights then stay below e^8 ≈ 3000, and most
+				 * blocks skip the block max (a horizontal reduction), the
+				 * rescale factor (a scalar exp) and the rescale of the outputs,
+				 * which on the decode path had cost about a third of the
+				 * quantised kernels' time. The softmax is the same: every weight
+				 * and sum is relative to one max. A NaN score compares false
+				 * here and propagates through its weight. */
+				int raise = run_max[g] == -INFINITY;
+				if (!raise) {
+					const VA_T lim = SPLATA(run_max[g] + ATT_LAZY_MAX);
+					_Pragma("GCC unroll 2")
+					for (uint32_t h = 0; h < BLOCK / VA_LANES; h++)
+						raise |= ANYGTA(x[h], lim);
 				}
-				const float bmax = HMAXA(vmx);
-				const float new_max = bmax > run_max[g] ? bmax : run_max[g];
-				if (new_max == -INFINITY) {
-					/* Nothing with weight yet (masked, or keys whose logits
-					 * are −inf, as may open a part of a split item): weight
-					 * 0, not exp(−inf + inf) = NaN. A NaN score still
-					 * propagates (MAXA passed over it). */
-					int nan = 0;
-					for (uint32_t b = 0; !causal && b < nb; b++)
-						nan |= s[g][b] != s[g][b];
-					if (!nan) {
-						for (uint32_t b = 0; b < BLOCK; b++)
-							s[g][b] = 0.0f;
-						continue;
+				float alpha = 1.0f;
+				if (raise) {
+					VA_T vmx = SPLATA(-INFINITY);
+					_Pragma("GCC unroll 2")
+					for (uint32_t h = 0; h < BLOCK / VA_LANES; h++)
+						vmx = MAXA(x[h], vmx); /* a NaN score is passed over */
+					const float bmax = HMAXA(vmx);
+					const float new_max = bmax > run_max[g] ? bmax : run_max[g];
+					if (new_max == -INFINITY) {
+						/* Nothing with weight yet (masked, or keys whose
+						 * logits are −inf, as may open a part of a split
+						 * item): weight 0, not exp(−inf + inf) = NaN. A NaN
+						 * score still propagates (MAXA passed over it). */
+						int nan = 0;
+						for (uint32_t b = 0; !causal && b < nb; b++)
+							nan |= s[g][b] != s[g][b];
+						if (!nan) {
+							for (uint32_t b = 0; b < BLOCK; b++)
+								s[g][b] = 0.0f;
+							continue;
+						}
 					}
+					alpha = kvr_softmax_rescale(run_max[g], new_max);
+					run_max[g] = new_max;
 				}
+				const VA_T mx = SPLATA(run_max[g]);
 				VA_T vsum = SPLATA(0.0f);
 				_Pragma("GCC unroll 2")
 				for (uint32_t h = 0; h < BLOCK / VA_LANES; h++) {
 					/* padded lanes are exp(-inf) = 0; a NaN score stays NaN here */
-					x[h] = EXPA(x[h] - new_max);
+					x[h] = ATT_EXPA(x[h] - mx);
 					memcpy(s[g] + h * VA_LANES, &x[h], sizeof(x[h]));
 					vsum = vsum + x[h];
 				}
-				const float psum = HSUMA(vsum);
-				const float alpha = kvr_softmax_rescale(run_max[g], new_max);
 				if (alpha != 1.0f) {
 					_Pragma("GCC unroll 32")
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
-					z_acc[g] *= alpha;
+					z_acc[g] = z_acc[g] * alpha;
 					if (pv_on)
 						for (uint32_t c = 0; c < d; c++)
 							vacc[g][c] *= alpha;
+					run_sum[g] = run_sum[g] * alpha;
+					seg_sum[g] = seg_sum[g] * alpha;
 				}
-				run_sum[g] = run_sum[g] * alpha + psum;
-				seg_sum[g] = seg_sum[g] * alpha + psum;
-				run_max[g] = new_max;
+				run_sum[g] = run_sum[g] + vsum;
+				seg_sum[g] = seg_sum[g] + vsum;
 			}
 			if (fmt) { /* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
 				float vsb[BLOCK] __attribute__((aligned(64))), vzb[BLOCK] __attribute__((aligned(64)));
@@ -896,12 +987,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				 * half the code range: pv_dots), so their zero point is
 				 * z − c·s here */
 				const float centre = pv_seg ? (float)(1u << (gq[fmt].value_bits - 1u)) : 0.0f;
-				for (uint32_t b = 0; b < BLOCK; b++) {
-					vsb[b] = b < nb ? F16TOF32(sz[2 * b]) : 0.0f;
-					vzb[b] = b < nb ? F16TOF32(sz[2 * b + 1]) - centre * vsb[b] : 0.0f;
-				}
+				VALUE_SZ16(sz, nb, centre, vsb, vzb);
 				for (uint32_t g = 0; g < G; g++) {
-					VA_T zsum = SPLATA(0.0f);
+					VA_T zsum = z_acc[g];
 					_Pragma("GCC unroll 2")
 					for (uint32_t h = 0; h < BLOCK / VA_LANES; h++) {
 						VA_T x, vs, vz;
@@ -912,7 +1000,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 						x = x * vs;
 						memcpy(s[g] + h * VA_LANES, &x, sizeof(x));
 					}
-					z_acc[g] += HSUMA(zsum);
+					z_acc[g] = zsum;
 				}
 			}
 			/* V: each value vector read once and used by every head of a
@@ -934,7 +1022,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		if (lse) /* log(0) = −inf for an empty segment */
 			for (uint32_t g = 0; g < G; g++)
 				lse[(uint64_t)(m * G + g) * n_segs + si] =
-					seg->n_tokens ? run_max[g] + logf(seg_sum[g]) : -INFINITY;
+					seg->n_tokens ? run_max[g] + logf(HSUMA(seg_sum[g])) : -INFINITY;
 	}
 
 	if (pv_bits)
@@ -942,8 +1030,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	for (uint32_t g = 0; g < G; g++) {
 		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
 		float row[256];
-		const float inv = run_sum[g] == 0.0f ? 0.0f : 1.0f / run_sum[g];
-		const VA_T zv = SPLATA(z_acc[g]);
+		const float sum = HSUMA(run_sum[g]);
+		const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
+		const VA_T zv = SPLATA(HSUMA(z_acc[g]));
 		_Pragma("GCC unroll 32")
 		for (uint32_t c = 0; c < chunks; c++) {
 			VA_T o = acc[g][c] - zv;
@@ -956,7 +1045,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			 * stays NaN), for attention_merge */
 			float *part = (float *)out_rows + (uint64_t)g * (d + 1u);
 			memcpy(part, row, (size_t)d * sizeof(float));
-			part[d] = run_sum[g] == 0.0f ? -INFINITY : run_max[g] + logf(run_sum[g]);
+			part[d] = sum == 0.0f ? -INFINITY : run_max[g] + logf(sum);
 			continue;
 		}
 		kvr_convert_from_f32((unsigned char *)out_rows + (uint64_t)(m * G + g) * d * eb, row, t, d);
@@ -1148,14 +1237,14 @@ static void ISA_FN(attention_causal)(const struct kvr_shape *sh, const void *q_r
 					rescale |= raised[l];
 				VA_T psum = SPLATA(0.0f);
 				for (uint32_t b = 0; b < nb; b++) {
-					x[b] = EXPA(x[b] - e);
+					x[b] = ATT_EXPA(x[b] - e);
 					CA_V(st + b * GP + j * VA_LANES) = x[b];
 					psum = psum + x[b];
 				}
 				if (rescale) {
 					/* kvr_softmax_rescale: exp(old − new), 0 when old is −inf;
 					 * 1 in the lanes whose max stays */
-					const VA_T alpha = EXPA(run_max[j] - e);
+					const VA_T alpha = ATT_EXPA(run_max[j] - e);
 					for (uint32_t c = 0; c < d; c++)
 						CA_V(ot + c * GP + j * VA_LANES) = CA_V(ot + c * GP + j * VA_LANES) * alpha;
 					run_sum[j] = run_sum[j] * alpha;
@@ -1233,6 +1322,9 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef MAXA
 #undef HMAXA
 #undef EXPA
+#undef ANYGTA
+#undef ATT_EXPA
+#undef VALUE_SZ16
 #undef QMASK_T
 #undef QMASK_MAKE
 #undef QMASK_GET

@@ -2389,6 +2389,72 @@ static void attention_split_case(struct env *e, uint32_t ci, uint32_t ti)
 
 CONFORMANCE_CASES(attention_split, ARRAY_LEN(numeric_shapes))
 
+/*
+ * Decode attention's running max over logits that climb and fall: the cpu
+ * kernel moves its max only when a block's scores exceed it by more than
+ * 8, so between moves the weights grow above 1, and at a move every sum and
+ * output rescales. Each item is one segment of T rows whose keys are the
+ * item's head-0 query times c_t (plus noise), so head 0's logits follow a
+ * profile and the group's other heads some multiple of it: a slow climb
+ * (+4 a block of 16: moves every other block), a steep one (+48 a block:
+ * every block), a fall (the max stays at the first token), a saw that
+ * jumps by just under 8 every other block, and a flat run with one spike
+ * of +30 at its last token. Each within its bound of the reference.
+ */
+static void attention_ramp_case(struct env *e, uint32_t ci, uint32_t ti)
+{
+	CASE_SETUP(numeric_shapes, 0x4a3b);
+	if (ci != 1 && ci != 2)
+		return; /* G = 8 and G = 3: the profiles are what is checked */
+	enum { T = 300, ITEMS = 5 };
+	const uint32_t d = sh.head_dim, row = sh.n_kv_heads * d;
+	const uint64_t per = (uint64_t)sh.n_qo_heads * d;
+	const size_t eb = ebytes(type), kv_bytes = (size_t)T * row * eb;
+	void *q = new_queries(&r, &sh, ITEMS, 1.0), *out = new_outputs(&sh, ITEMS);
+	struct kvr_kv_segment segs[ITEMS];
+	uint32_t first[ITEMS], count[ITEMS];
+	for (uint32_t i = 0; i < ITEMS; i++) {
+		void *k = halloc(kv_bytes), *v = halloc(kv_bytes);
+		fill_uniform(&r, k, type, (uint64_t)T * row, -0.05, 0.05);
+		fill_uniform(&r, v, type, (uint64_t)T * row, -1.0, 1.0);
+		for (uint32_t m = 0; m < sh.n_kv_heads; m++) {
+			/* head 0 of KV head m's group: logit_t = c_t·scale·|q|² */
+			const uint64_t q0 = i * per + (uint64_t)m * (sh.n_qo_heads / sh.n_kv_heads) * d;
+			double qq = 0.0;
+			for (uint32_t x = 0; x < d; x++)
+				qq += ref_load(q, type, q0 + x) * ref_load(q, type, q0 + x);
+			const double unit = 1.0 / (sh.scale * qq); /* c_t of logit 1 */
+			for (uint32_t t = 0; t < T; t++) {
+				double logit;
+				switch (i) {
+				case 0: logit = 0.25 * t; break;
+				case 1: logit = 3.0 * t; break;
+				case 2: logit = 40.0 - 0.5 * t; break;
+				case 3: logit = 7.9 * (double)((t / 16u) % 2u); break;
+				default: logit = t + 1 == T ? 30.0 : 0.0; break;
+				}
+				for (uint32_t x = 0; x < d; x++) {
+					const uint64_t at = (uint64_t)t * row + (uint64_t)m * d + x;
+					ref_store(k, type, at,
+						  ref_load(k, type, at) + logit * unit * ref_load(q, type, q0 + x));
+				}
+			}
+		}
+		put(c, k, kv_bytes);
+		put(c, v, kv_bytes);
+		segs[i] = (struct kvr_kv_segment){ .k = k, .v = v, .n_tokens = T, .row_stride = row, .head_stride = d };
+		first[i] = i;
+		count[i] = 1;
+	}
+	struct kvr_attention_item items[ITEMS];
+	attention_items(items, ITEMS, q, out, type, per, first, count);
+	char what[96];
+	snprintf(what, sizeof(what), "attention over logits that climb and fall, config %u", ci);
+	attention_and_check(e, c, what, &sh, items, ITEMS, segs, ITEMS, q, out);
+}
+
+CONFORMANCE_CASES(attention_ramp, ARRAY_LEN(numeric_shapes))
+
 /* The flag's refusals: a group that is no whole number of query tokens, and
  * dense attention; each names its reason and leaves the device usable. */
 static void attention_causal_errors_case(struct env *e, uint32_t ci, uint32_t ti)
