@@ -471,7 +471,7 @@ static void qk_dots_avx512vnni(const struct kvr_qk8 *qq, uint32_t G, uint32_t d,
  * multiplies unsigned bytes, the weights', by signed ones, the codes'): the
  * high bytes' sums first, shifted left by 8, then the low bytes' added in
  * the same accumulator, exact since 16 tokens · 65535 · 8 < 2^24 (also
- * exactly a float). For 2-bit values a weight has 8 bits, one pass. The codes are taken centred, Q − 2^(bits−1) (−8..7,
+ * exactly a float). The codes are taken centred, Q − 2^(bits−1) (−8..7,
  * −2..1), and attention_impl moves the zero point to match (z − c·s):
  * Σ p·s·Q and Σ p·z nearly cancel for values near the middle of their
  * range, so the weights' rounding, relative to the first, was a large share
@@ -485,24 +485,18 @@ static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsi
 {
 	static const unsigned char zero_row[128] __attribute__((aligned(64))); /* a 4-bit row at d = 256 */
 	/* each head's 16 weights as high and low bytes (a dword per four
-	 * tokens), and the scale back: max w / 65535. 2-bit values take one
-	 * byte (max w / 255) and one pass: their own rounding, a third of
-	 * their range, dwarfs the weights' (on the model the 8-bit weights
-	 * moved K4V2's perplexity by under 0.1%, docs/benchmarks.md), and
-	 * half the multiply-adds made K4V2's attention about 1.1× faster. */
-	const int one_byte = bits == 2;
-	const float wmax = one_byte ? 255.0f : 65535.0f;
+	 * tokens), and the scale back: max w / 65535 */
 	uint32_t whi[KVR_MAX_GROUP_CPU][4], wlo[KVR_MAX_GROUP_CPU][4];
 	float wscale[KVR_MAX_GROUP_CPU];
 	for (uint32_t g = 0; g < G; g++) {
 		const __m512 x = _mm512_loadu_ps(w[g]);
 		const float mx = _mm512_reduce_max_ps(x);
 		const int live = mx > 0.0f && mx <= 3.4e38f; /* all zero (or not finite: run_sum says NaN) */
-		wscale[g] = live ? mx / wmax : 0.0f;
+		wscale[g] = live ? mx / 65535.0f : 0.0f;
 		const __m512i r = _mm512_min_epi32(
-			_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(live ? wmax / mx : 0.0f))),
+			_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(live ? 65535.0f / mx : 0.0f))),
 					 _mm512_setzero_si512()),
-			_mm512_set1_epi32((int)wmax));
+			_mm512_set1_epi32(65535));
 		_mm_storeu_si128((__m128i *)whi[g], _mm512_cvtepi32_epi8(_mm512_srli_epi32(r, 8)));
 		_mm_storeu_si128((__m128i *)wlo[g], _mm512_cvtepi32_epi8(r));
 	}
@@ -544,8 +538,8 @@ static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsi
 			for (uint32_t k = 0; k < 4; k++)
 				acc[k] = _mm512_setzero_si512();
 			_Pragma("GCC unroll 2")
-			for (uint32_t pass = one_byte; pass < 2; pass++) { /* high bytes, then low */
-				if (pass && !one_byte) {
+			for (uint32_t pass = 0; pass < 2; pass++) { /* high bytes, then low */
+				if (pass) {
 					_Pragma("GCC unroll 4")
 					for (uint32_t k = 0; k < 4; k++)
 						acc[k] = _mm512_slli_epi32(acc[k], 8);

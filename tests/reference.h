@@ -88,9 +88,8 @@
  *     qv_err = Σ_blocks (max w / (2·(2^wb − 1)))·(n − 1)·2^(vb − 1) / Σ p
  * (n the block's tokens, vb the value bits) on top of the float bound. wb
  * is the path's, per value width: 16 where the ISA multiplies 16-bit
- * weights into bytes (4-bit values on AVX-512 VNNI; the float paths are
- * inside that too), 8 for 2-bit values on the cpu's vector paths, whose
- * byte multiply-adds take 8-bit weights in one pass
+ * weights into bytes (AVX-512 VNNI; the float paths are inside that too),
+ * 8 for 2-bit values on AVX2, whose byte multiply-adds take 8-bit weights
  * (ref_set_value_weight_bits; 16 until set). One code step of a key or a
  * value moves the outputs by more than the bound (the planted-error test
  * checks it at f32).

@@ -346,13 +346,11 @@ static void run_case(unsigned idx, void (*body)(struct env *e))
 		}
 	}
 	/* quantised values' weights: 8 bits for 2-bit values where the cpu
-	 * backend sums them as bytes (AVX2's byte multiply-adds, on its AVX2
-	 * path and on AVX-512 without VNNI, which borrows AVX2's kernels for
-	 * quantised pages; one vpdpbusd pass on AVX-512 VNNI), 16 elsewhere
-	 * (reference.h) */
+	 * backend runs AVX2's byte multiply-adds (its AVX2 path, and AVX-512
+	 * without VNNI, which borrows AVX2's kernels for quantised pages), 16
+	 * elsewhere (reference.h) */
 	const enum kvr_convert_isa isa = kvr_convert_isa_active();
-	const int byte_sums = e->bc->kind == KVR_DEV_CPU && (isa == KVR_CONVERT_AVX2 || isa == KVR_CONVERT_AVX512 ||
-							     isa == KVR_CONVERT_AVX512_VNNI);
+	const int byte_sums = e->bc->kind == KVR_DEV_CPU && (isa == KVR_CONVERT_AVX2 || isa == KVR_CONVERT_AVX512);
 	ref_set_value_weight_bits(2, byte_sums ? 8 : 16);
 	body(e);
 	fresh(e);
