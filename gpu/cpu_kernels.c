@@ -693,8 +693,10 @@ static inline __attribute__((always_inline)) __m256 exp8_avx2(__m256 x)
 /* Attention's exp on 8 lanes (ATT_EXPA): exp8_avx2's reduction and
  * polynomial with the argument clamped to [−87, 88], where 2^n is one
  * normal power of two, and 0 below −87 (the weights there are under 2^−125
- * of the largest), in place of the range blends. min and max keep their
- * second operand when either is NaN, so a NaN stays NaN. */
+ * of the largest; a segment whose scores all lie that far below the
+ * running max gets log-sum-exp −inf), in place of the range blends. min
+ * and max keep their second operand when either is NaN, so a NaN stays
+ * NaN. */
 static inline __attribute__((always_inline)) __m256 exp8_att_avx2(__m256 x)
 {
 	const __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);

@@ -133,7 +133,9 @@ static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 }
 #endif
 
-#ifndef ATT_EXPA /* attention's exp: accurate, need not be kvr_expf's bits (the score's EXPA must) */
+/* attention's exp: accurate for arguments up to 88 (attention's are at most
+ * ATT_LAZY_MAX), need not be kvr_expf's bits (the score's EXPA must) */
+#ifndef ATT_EXPA
 #define ATT_EXPA(x) EXPA(x)
 #endif
 

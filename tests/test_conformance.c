@@ -2396,7 +2396,7 @@ CONFORMANCE_CASES(attention_split, ARRAY_LEN(numeric_shapes))
  * output rescales. Each item is one segment of T rows whose keys are the
  * item's head-0 query times c_t (plus noise), so head 0's logits follow a
  * profile and the group's other heads some multiple of it: a slow climb
- * (+4 a block of 16: moves every other block), a steep one (+48 a block:
+ * (+4 a block of 16: moves every two or three blocks), a steep one (+48 a block:
  * every block), a fall (the max stays at the first token), a saw that
  * jumps by just under 8 every other block, and a flat run with one spike
  * of +30 at its last token. Each within its bound of the reference.
