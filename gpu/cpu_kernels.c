@@ -336,6 +336,9 @@ static inline __attribute__((always_inline)) void value_sz16_avx512(const uint16
 #define LOAD16(row, t, i) load16_avx512(row, t, i)
 #define MAX16(a, b) ((vf)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define FOLD16X16(v) fold16x16_avx512(v)
+/* the score: 4 pages x 4 query heads, 16 accumulators of 32 registers */
+#define SCORE_PAGE_BLOCK 4u
+#define SCORE_HEAD_BLOCK 4u
 #define QMASK_T __mmask16
 #define QMASK_MAKE(q) _mm512_movepi32_mask(_mm512_castps_si512((__m512)(q)))
 #define QMASK_GET(masks, i, q) ((masks)[i])
@@ -943,6 +946,10 @@ static inline __attribute__((always_inline)) void value_sz16_avx2(const uint16_t
 #define F16TOF32(h) _cvtsh_ss(h)
 #define MAX16(a, b) max16_avx2(a, b)
 #define FOLD16X16(v) fold16x16_avx2(v)
+/* the score: 2 pages x 2 query heads x 2 halves, 8 accumulators of 16
+ * registers (4 x 4 spilled) */
+#define SCORE_PAGE_BLOCK 2u
+#define SCORE_HEAD_BLOCK 2u
 #define QMASK_T unsigned char /* unused: vblendvps reads the query's sign bits */
 #define QMASK_MAKE(q) 0
 #define QMASK_GET(masks, i, q) ((void)(masks), (q))
@@ -1041,6 +1048,8 @@ static inline __attribute__((always_inline)) vf codes16_base(const uint8_t *row,
 #define SPLAT16(x) ((vf){ 0 } + (x)) /* lane-wise x + 0: fine here, -0 never reaches it */
 #define FOLD16(v) fold16_base(v)
 #define HSUM4(a, b, c, d, out) hsum4_generic(a, b, c, d, out, hsum16_base)
+#define SCORE_PAGE_BLOCK 1u
+#define SCORE_HEAD_BLOCK 4u
 #define HMAX16(v) hmax16_generic(v)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 

@@ -41,6 +41,11 @@
  *                         mask of vector i (stored, or made from q itself
  *                         where the blend reads sign bits), and per lane
  *                         "sign bit set ? a : b"
+ *   SCORE_PAGE_BLOCK, SCORE_HEAD_BLOCK  the score's register block: pages
+ *                         and query heads whose accumulators stay in
+ *                         registers together (each query vector and mask
+ *                         is then loaded once per page block, each bound
+ *                         row once per head block)
  *                         left undefined, they are the 16-float ones (so an
  *                         ISA that defines them needs no LOAD16, FMA16,
  *                         HSUM16, HSUM4, HMAX16 or CODES16)
@@ -202,70 +207,90 @@ static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
 
 /* ------------------------------------------------------------------ score */
 
-/* Bytes ahead of the page being scored whose summaries are prefetched (into
- * L2: into L1 they evict the rows in use). A page's summaries, all KV heads,
- * are one contiguous run (4 KiB for 8 heads of 128 f16 dimensions), which the
- * hardware prefetcher follows inside a 4 KiB page but not across one. */
-#define KVR_SCORE_PREFETCH_BYTES 4096u
-
-/* Query heads of a group scored together against one page's rows: their
- * accumulators (2 native vectors each on AVX2) and the page's two rows stay in
- * registers, the queries are read from L1. */
-#define KVR_SCORE_HEAD_BLOCK 4u
-
 /* The raw canonical accumulators of `n` query heads (q: their rows, each
  * d / VA_LANES vectors; qm: the rows' sign masks, QMASK_GET's first
- * argument) against one page's min and max rows (`sum`), parked in
- * park[h * 16]. Lane l of the canonical 16-lane accumulator takes the terms
+ * argument) against the min and max rows of `np` pages (`sum`, the next
+ * page's rows page_bytes further), parked in park[h * 16 + p]. Lane l of the canonical 16-lane accumulator takes the terms
  * of dimensions l, 16 + l, 32 + l, ... in that order (kmath.h's
  * kvr_quest_acc: one fused multiply-add of q by the bound its sign selects);
  * with 8-lane vectors it is kept as two halves, dimensions 16c..16c+7 and
  * 16c+8..16c+15. */
 static inline __attribute__((always_inline)) void
-ISA_FN(score_page_heads)(const unsigned char *sum, uint32_t t, uint32_t d, const VA_T *q, const QMASK_T *qm,
-			 vf *park, const uint32_t n)
+ISA_FN(score_page_heads)(const unsigned char *sum, uint64_t page_bytes, uint32_t t, uint32_t d, const VA_T *q,
+			 const QMASK_T *qm, vf *park, const uint32_t n, const uint32_t np)
 {
 	enum { per16 = 16 / VA_LANES };
 	const uint32_t dv = d / VA_LANES;
-	VA_T acc[KVR_SCORE_HEAD_BLOCK][per16];
+	VA_T acc[SCORE_PAGE_BLOCK][SCORE_HEAD_BLOCK][per16];
 	_Pragma("GCC unroll 4")
-	for (uint32_t h = 0; h < n; h++)
-		for (uint32_t k = 0; k < per16; k++)
-			acc[h][k] = SPLATA(0.0f);
+	for (uint32_t p = 0; p < np; p++)
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++)
+			for (uint32_t k = 0; k < per16; k++)
+				acc[p][h][k] = SPLATA(0.0f);
 	for (uint32_t c = 0; c < dv; c += per16) {
 		_Pragma("GCC unroll 2")
 		for (uint32_t k = 0; k < per16; k++) {
-			const VA_T mn = LOADA(sum, t, (c + k) * VA_LANES);
-			const VA_T mx = LOADA(sum, t, d + (c + k) * VA_LANES);
+			VA_T mn[SCORE_PAGE_BLOCK], mx[SCORE_PAGE_BLOCK];
+			_Pragma("GCC unroll 4")
+			for (uint32_t p = 0; p < np; p++) {
+				mn[p] = LOADA(sum + p * page_bytes, t, (c + k) * VA_LANES);
+				mx[p] = LOADA(sum + p * page_bytes, t, d + (c + k) * VA_LANES);
+			}
 			_Pragma("GCC unroll 4")
 			for (uint32_t h = 0; h < n; h++) {
 				const VA_T qv = q[h * dv + c + k];
-				const VA_T bound = QSELECT(QMASK_GET(qm, h * dv + c + k, qv), mn, mx);
-				acc[h][k] = FMAA(qv, bound, acc[h][k]);
+				const __auto_type mask = QMASK_GET(qm, h * dv + c + k, qv);
+				_Pragma("GCC unroll 4")
+				for (uint32_t p = 0; p < np; p++)
+					acc[p][h][k] = FMAA(qv, QSELECT(mask, mn[p], mx[p]), acc[p][h][k]);
 			}
 		}
 	}
 	_Pragma("GCC unroll 4")
-	for (uint32_t h = 0; h < n; h++)
-		memcpy(&park[h * 16], acc[h], sizeof(vf));
+	for (uint32_t p = 0; p < np; p++)
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++)
+			memcpy(&park[h * 16 + p], acc[p][h], sizeof(vf));
+}
+
+/* score_page_heads with the head count n (1..SCORE_HEAD_BLOCK) made a
+ * constant, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void
+ISA_FN(score_block)(const unsigned char *sum, uint64_t page_bytes, uint32_t t, uint32_t d, const VA_T *q,
+		    const QMASK_T *qm, vf *park, uint32_t n, const uint32_t np)
+{
+	enum { two = SCORE_HEAD_BLOCK < 2 ? SCORE_HEAD_BLOCK : 2, three = SCORE_HEAD_BLOCK < 3 ? SCORE_HEAD_BLOCK : 3 };
+	switch (n) {
+	case 1: ISA_FN(score_page_heads)(sum, page_bytes, t, d, q, qm, park, 1, np); break;
+	case 2: ISA_FN(score_page_heads)(sum, page_bytes, t, d, q, qm, park, two, np); break;
+	case 3: ISA_FN(score_page_heads)(sum, page_bytes, t, d, q, qm, park, three, np); break;
+	default: ISA_FN(score_page_heads)(sum, page_bytes, t, d, q, qm, park, SCORE_HEAD_BLOCK, np); break;
+	}
 }
 
 /*
  * Scores of one item (kernels.h, "score"), bit for bit as kmath.h's canonical
  * orders give them, in two phases that kvr_cpu_score runs as two parallel
  * loops:
- *  A. raw scores (score_raw), a run of pages at a time for every KV head: a
- *     page's summaries, all heads, are read front to back (one contiguous
- *     run, so the hardware prefetcher streams it; one head's rows of
- *     successive pages lie a page's summaries apart, a stride that from DRAM
- *     ran at half attention's bytes per second). Each head's min and max rows
- *     are scored against the query heads of its group, a block of
- *     KVR_SCORE_HEAD_BLOCK heads at a time with the rows in registers
- *     (score_page_heads); each query head's 16-lane accumulator is parked,
- *     and 16 pages' accumulators are folded together (FOLD16X16: lane-wise
- *     adds of shuffled halves, each page's canonical order, a fifth of the
- *     work of 16 single folds). A page's raw score does not depend on the
- *     run it was scored in, so the split into runs changes no bit.
+ *  A. raw scores (score_raw), a run of pages at a time, in batches of 16
+ *     pages, each batch KV head by KV head: head m's min and max rows of
+ *     SCORE_PAGE_BLOCK pages are scored against the query heads of its
+ *     group, SCORE_HEAD_BLOCK heads at a time, with every accumulator in
+ *     registers (score_page_heads); each query head's 16-lane accumulator is
+ *     parked, and the batch's 16 accumulators of a head are folded together
+ *     (FOLD16X16: lane-wise adds of shuffled halves, each page's canonical
+ *     order, a fifth of the work of 16 single folds). Head by head keeps
+ *     what the loop touches in L1 (the group's queries and G x 16 parked
+ *     vectors, where page by page it was every query and 16 x n_qo parked
+ *     vectors, 48 KiB for Llama-3.1-8B against a 32 KiB L1), and shares a
+ *     query vector and its mask among the block's pages. A page's summaries,
+ *     all heads, are one contiguous run, so a batch's are 16 runs front to
+ *     back; while a batch is scored the next one is prefetched into L2 (a
+ *     head's rows of its pages at each step), which the hardware prefetcher
+ *     does not do across 4 KiB pages. A page's raw score does not depend on
+ *     the run, batch or block it was scored in, so none of this changes a
+ *     bit.
  *  B. per KV head (score_finish): for each query head, the max over the
  *     domain, kvr_expf of (score - max) in place, summed in the canonical
  *     256 lanes and folded; then one pass writing the group mean. It runs on
@@ -305,46 +330,50 @@ static void ISA_FN(score_load_q)(const struct kvr_shape *sh, const struct kvr_sc
  * the exp. park: n_qo x 16 vectors. */
 static inline __attribute__((always_inline)) void
 ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_t j_begin, uint32_t j_end,
-		  uint32_t n_pad, const VA_T *qbuf, const QMASK_T *qm, vf *park, float *raw, const uint32_t t)
+		  uint32_t n_pad, const VA_T *qbuf, const QMASK_T *qm, vf *park, float *raw, const uint32_t t,
+		  const uint32_t d)
 {
-	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, d = sh->head_dim, dv = d / VA_LANES;
+	const uint32_t G = sh->n_qo_heads / sh->n_kv_heads, dv = d / VA_LANES;
 	const uint32_t n_kv = sh->n_kv_heads;
 	const uint64_t page_bytes = kvr_summary_page_elems(n_kv, d, (sh->flags & KVR_SHAPE_ESTIMATES) != 0) *
 				    kvr_elem_bytes(t);
-	const uint64_t head_bytes = 2ull * d * kvr_elem_bytes(t), run_bytes = n_kv * head_bytes;
-	const uint32_t ahead = (uint32_t)((KVR_SCORE_PREFETCH_BYTES + run_bytes - 1) / run_bytes);
+	const uint64_t head_bytes = 2ull * d * kvr_elem_bytes(t);
 	const vf scale = SPLAT16(sh->scale);
 	for (uint32_t j0 = j_begin; j0 < j_end; j0 += 16) {
 		const uint32_t nb = j_end - j0 < 16 ? j_end - j0 : 16;
-		for (uint32_t b = 0; b < nb; b++) {
-			const uint32_t j = j0 + b;
-			const unsigned char *page = base + (uint64_t)j * page_bytes;
-			if (j + ahead < j_end)
-				for (uint64_t l = 0; l < run_bytes; l += 64)
-					__builtin_prefetch(page + ahead * page_bytes + l, 0, 2);
-			for (uint32_t m = 0; m < n_kv; m++) {
-				const unsigned char *sum = page + m * head_bytes;
-				for (uint32_t g = 0; g < G; g += KVR_SCORE_HEAD_BLOCK) {
+		const uint32_t nb_next = j0 + 16 < j_end ? (j_end - j0 - 16 < 16 ? j_end - j0 - 16 : 16) : 0;
+		for (uint32_t m = 0; m < n_kv; m++) {
+			for (uint32_t b = 0; b < nb; b += SCORE_PAGE_BLOCK) {
+				const uint32_t np = nb - b < SCORE_PAGE_BLOCK ? nb - b : SCORE_PAGE_BLOCK;
+				const unsigned char *sum = base + (uint64_t)(j0 + b) * page_bytes + m * head_bytes;
+				/* the next batch's pages b.., head m: the whole next
+				 * batch over this one's steps, into L2 */
+				for (uint32_t p = 0; p < np && b + p < nb_next; p++)
+					for (uint64_t l = 0; l < head_bytes; l += 64)
+						__builtin_prefetch(sum + (16 + p) * page_bytes + l, 0, 2);
+				for (uint32_t g = 0; g < G; g += SCORE_HEAD_BLOCK) {
 					const VA_T *qg = qbuf + (m * G + g) * dv;
 					const QMASK_T *mg = qm + (m * G + g) * dv;
-					vf *pg = park + (m * G + g) * 16 + b;
-					switch (G - g) { /* a constant block size: accumulators in registers */
-					case 1: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, 1); break;
-					case 2: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, 2); break;
-					case 3: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, 3); break;
-					default: ISA_FN(score_page_heads)(sum, t, d, qg, mg, pg, KVR_SCORE_HEAD_BLOCK); break;
-					}
+					const uint32_t n = G - g < SCORE_HEAD_BLOCK ? G - g : SCORE_HEAD_BLOCK;
+					if (np == SCORE_PAGE_BLOCK)
+						ISA_FN(score_block)(sum, page_bytes, t, d, qg, mg, park + g * 16 + b, n,
+								    SCORE_PAGE_BLOCK);
+					else
+						for (uint32_t p = 0; p < np; p++)
+							ISA_FN(score_block)(sum + p * page_bytes, page_bytes, t, d, qg, mg,
+									    park + g * 16 + b + p, n, 1);
 				}
 			}
-		}
-		for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past the run */
-			for (uint32_t h = 0; h < sh->n_qo_heads; h++)
-				park[h * 16 + b] = SPLAT16(0.0f);
-		for (uint32_t h = 0; h < sh->n_qo_heads; h++) {
-			vf s = scale * FOLD16X16(park + h * 16);
-			if (nb < 16)
-				s = blend(ISA_FN(lane_index)() < (int32_t)nb, s, SPLAT16(-INFINITY));
-			memcpy(raw + (uint64_t)h * n_pad + j0, &s, sizeof(s));
+			for (uint32_t b = nb; b < 16; b++) /* the last batch: lanes past the run */
+				for (uint32_t g = 0; g < G; g++)
+					park[g * 16 + b] = SPLAT16(0.0f);
+			for (uint32_t g = 0; g < G; g++) {
+				const uint32_t h = m * G + g;
+				vf s = scale * FOLD16X16(park + g * 16);
+				if (nb < 16)
+					s = blend(ISA_FN(lane_index)() < (int32_t)nb, s, SPLAT16(-INFINITY));
+				memcpy(raw + (uint64_t)h * n_pad + j0, &s, sizeof(s));
+			}
 		}
 	}
 }
@@ -364,10 +393,19 @@ static void ISA_FN(score_pages)(const struct kvr_shape *sh, const struct kvr_sco
 	ISA_FN(score_load_q)(sh, it, qbuf, qm);
 	const unsigned char *base = (const unsigned char *)it->summaries +
 				    (uint64_t)dom_begin * page_elems * kvr_elem_bytes(t);
+	const uint32_t d = sh->head_dim;
 	switch (t) { /* the element type as a constant: its loads compile straight */
-	case KVR_ELEM_F16: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F16); break;
-	case KVR_ELEM_BF16: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_BF16); break;
-	default: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F32); break;
+	case KVR_ELEM_F16:
+		/* the common head sizes as constants: the dimension loop unrolls */
+		if (d == 128)
+			ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F16, 128);
+		else if (d == 64)
+			ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F16, 64);
+		else
+			ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F16, d);
+		break;
+	case KVR_ELEM_BF16: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_BF16, d); break;
+	default: ISA_FN(score_raw)(sh, base, j_begin, j_end, n_pad, qbuf, qm, park, raw, KVR_ELEM_F32, d); break;
 	}
 }
 
@@ -1315,6 +1353,8 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef VA_LANES
 #undef VA_MAX_CHUNKS
 #undef VA_V_STRIP
+#undef SCORE_PAGE_BLOCK
+#undef SCORE_HEAD_BLOCK
 #undef LOADA
 #undef FMAA
 #undef SPLATA
