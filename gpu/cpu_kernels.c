@@ -1236,9 +1236,9 @@ static void score_pages_task(void *arg, uint32_t index)
 	const uint32_t j_begin = (index - job->a_first[i]) * job->run_pages;
 	const uint32_t j_end = dom_end - dom_begin - j_begin < job->run_pages ? dom_end - dom_begin
 									     : j_begin + job->run_pages;
-	/* scratch: n_qo x 16 parked accumulators, the queries as floats, their
-	 * sign masks (at most a byte per element) */
-	const size_t park_bytes = (size_t)sh->n_qo_heads * 16 * sizeof(vf);
+	/* scratch: G x 16 parked accumulators (one KV head's group at a time),
+	 * the queries as floats, their sign masks (at most a byte per element) */
+	const size_t park_bytes = (size_t)(sh->n_qo_heads / sh->n_kv_heads) * 16 * sizeof(vf);
 	const size_t q_bytes = ((size_t)sh->n_qo_heads * sh->head_dim * sizeof(float) + 63) & ~(size_t)63;
 	const size_t m_bytes = ((size_t)sh->n_qo_heads * sh->head_dim + 63) & ~(size_t)63;
 	unsigned char *tmp = aligned_alloc(64, park_bytes + q_bytes + m_bytes);

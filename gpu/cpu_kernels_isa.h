@@ -327,7 +327,7 @@ static void ISA_FN(score_load_q)(const struct kvr_shape *sh, const struct kvr_sc
  * loads compile straight): the raw scores of domain pages [j_begin, j_end)
  * (j_begin a multiple of 16) into raw, for every KV head. Lanes past j_end in
  * the last batch of the domain are stored as -inf (no max) and zeroed after
- * the exp. park: n_qo x 16 vectors. */
+ * the exp. park: G x 16 vectors, a KV head's group at a time. */
 static inline __attribute__((always_inline)) void
 ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_t j_begin, uint32_t j_end,
 		  uint32_t n_pad, const VA_T *qbuf, const QMASK_T *qm, vf *park, float *raw, const uint32_t t,
@@ -379,7 +379,7 @@ ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_
 }
 
 /* Phase A of one item over domain pages [j_begin, j_end): raw as above;
- * qbuf: n_qo·d floats, park: n_qo x 16 vectors, both 64-byte aligned; qm:
+ * qbuf: n_qo·d floats, park: G x 16 vectors, both 64-byte aligned; qm:
  * n_qo·d / VA_LANES masks (at most n_qo·d bytes). */
 static void ISA_FN(score_pages)(const struct kvr_shape *sh, const struct kvr_score_item *it, uint32_t j_begin,
 				uint32_t j_end, float *raw, vf *park, VA_T *qbuf, QMASK_T *qm)
