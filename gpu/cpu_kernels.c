@@ -301,17 +301,10 @@ static inline __attribute__((always_inline)) __m512i bcast32_avx512(const void *
 static inline __attribute__((always_inline)) vf exp16_scalef_avx512(vf xv)
 {
 	const __m512 x = _mm512_max_ps(_mm512_set1_ps(-110.0f), (__m512)xv);
-	const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269502f)),
+	const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(KVR_EXP_LOG2E)),
 					      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-	__m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-	r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
-	__m512 p = _mm512_set1_ps(1.38888894e-03f);
-	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333377e-03f));
-	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666679e-02f));
-	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666672e-01f));
-	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-	p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+	__m512 r, p;
+	KVR_EXP_POLY(_mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_set1_ps, n, x, r, p);
 	return (vf)_mm512_scalef_ps(p, n);
 }
 
@@ -673,17 +666,10 @@ static inline __attribute__((always_inline)) __m256 exp8_avx2(__m256 x)
 	const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228317f), _CMP_GT_OQ);
 	const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-103.972084f), _CMP_LT_OQ);
 	const __m256 xc = _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_or_ps(_mm256_or_ps(big, small), is_nan));
-	const __m256 t = _mm256_mul_ps(xc, _mm256_set1_ps(1.44269502f));
+	const __m256 t = _mm256_mul_ps(xc, _mm256_set1_ps(KVR_EXP_LOG2E));
 	const __m256 n = _mm256_sub_ps(_mm256_add_ps(t, _mm256_set1_ps(12582912.0f)), _mm256_set1_ps(12582912.0f));
-	__m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), xc);
-	r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
-	__m256 p = _mm256_set1_ps(1.38888894e-03f);
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333377e-03f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666679e-02f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666672e-01f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	__m256 r, p;
+	KVR_EXP_POLY(_mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_set1_ps, n, xc, r, p);
 	const __m256i e = _mm256_cvttps_epi32(n);
 	const __m256i e1 = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(-126)), _mm256_set1_epi32(127));
 	const __m256i bias = _mm256_set1_epi32(127);
@@ -704,17 +690,10 @@ static inline __attribute__((always_inline)) __m256 exp8_att_avx2(__m256 x)
 {
 	const __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
 	const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-	const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269502f)),
+	const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(KVR_EXP_LOG2E)),
 					 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-	__m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), xc);
-	r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
-	__m256 p = _mm256_set1_ps(1.38888894e-03f);
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333377e-03f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666679e-02f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666672e-01f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+	__m256 r, p;
+	KVR_EXP_POLY(_mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_set1_ps, n, xc, r, p);
 	const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
 	p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 	return _mm256_andnot_ps(below, p);

@@ -116,17 +116,12 @@ static inline __attribute__((always_inline)) vf ISA_FN(exp16)(vf x)
 	const vi big = x > 88.7228317f;
 	const vi small = x < -103.972084f;
 	const vf xc = blend(big | small | is_nan, SPLAT16(0.0f), x);
-	const vf t = xc * 1.44269502f;
+	const vf t = xc * KVR_EXP_LOG2E;
 	const vf n = (t + 12582912.0f) - 12582912.0f;
-	vf r = FMA16(-n, SPLAT16(0.693145752f), xc);
-	r = FMA16(-n, SPLAT16(1.42860677e-06f), r);
-	vf p = SPLAT16(1.38888894e-03f);
-	p = FMA16(p, r, SPLAT16(8.33333377e-03f));
-	p = FMA16(p, r, SPLAT16(4.16666679e-02f));
-	p = FMA16(p, r, SPLAT16(1.66666672e-01f));
-	p = FMA16(p, r, SPLAT16(0.5f));
-	p = FMA16(p, r, SPLAT16(1.0f));
-	p = FMA16(p, r, SPLAT16(1.0f));
+	vf r, p;
+#define EXP16_FNMA(a, b, c) FMA16(-(a), (b), (c))
+	KVR_EXP_POLY(FMA16, EXP16_FNMA, SPLAT16, n, xc, r, p);
+#undef EXP16_FNMA
 	const vi e = __builtin_convertvector(n, vi);
 	const vi lo = e < -126, hi = e > 127;
 	const vi e1 = (lo & -126) | (hi & 127) | (~(lo | hi) & e);

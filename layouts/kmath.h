@@ -32,6 +32,30 @@
 #define KVR_SUM_LANES 256u /* lanes of a canonical sum over pages */
 
 /*
+ * kvr_expf's reduction and polynomial, written once for the scalar function
+ * and every vector form of it (the cpu kernels' exp16, exp8_avx2 and
+ * attention's exps), so that they cannot drift apart: with n = rint(x·log2e),
+ * r = x − n·ln2 in two exact-product steps, then p(r) ≈ e^r by Horner's rule.
+ * FMA(a, b, c) is a fused a·b + c, FNMA(a, b, c) a fused c − a·b, SPLAT(c) the
+ * constant in the vector type; r and p are the caller's variables.
+ */
+#define KVR_EXP_LOG2E 1.44269502f
+#define KVR_EXP_POLY(FMA, FNMA, SPLAT, n, x, r, p)                                        \
+	do {                                                                              \
+		(r) = FNMA((n), SPLAT(0.693145752f), (x));   /* ln2 high part (exact) */   \
+		(r) = FNMA((n), SPLAT(1.42860677e-06f), (r)); /* ln2 low part */           \
+		(p) = SPLAT(1.38888894e-03f);                  /* 1/720 */                 \
+		(p) = FMA((p), (r), SPLAT(8.33333377e-03f));   /* 1/120 */                 \
+		(p) = FMA((p), (r), SPLAT(4.16666679e-02f));   /* 1/24 */                  \
+		(p) = FMA((p), (r), SPLAT(1.66666672e-01f));   /* 1/6 */                   \
+		(p) = FMA((p), (r), SPLAT(0.5f));                                          \
+		(p) = FMA((p), (r), SPLAT(1.0f));                                          \
+		(p) = FMA((p), (r), SPLAT(1.0f));                                          \
+	} while (0)
+#define KVR_EXP_FNMAF(a, b, c) fmaf(-(a), (b), (c)) /* negation is exact */
+#define KVR_EXP_SCALAR(c) (c)
+
+/*
  * exp(x) in float, max error ~2 ulp over the range used (softmax arguments
  * are <= 0). Overflow gives +inf, underflow 0, NaN propagates. Cody-Waite
  * reduction x = n·ln2 + r, |r| <= ln2/2, then a degree-6 polynomial.
@@ -44,16 +68,9 @@ static inline KVR_HD float kvr_expf(float x)
 		return INFINITY;
 	if (x < -103.972084f)
 		return 0.0f;
-	const float n = rintf(x * 1.44269502f); /* round to nearest even */
-	float r = fmaf(-n, 0.693145752f, x);     /* ln2 high part (exact product) */
-	r = fmaf(-n, 1.42860677e-06f, r);        /* ln2 low part */
-	float p = 1.38888894e-03f;               /* 1/720 */
-	p = fmaf(p, r, 8.33333377e-03f);         /* 1/120 */
-	p = fmaf(p, r, 4.16666679e-02f);         /* 1/24 */
-	p = fmaf(p, r, 1.66666672e-01f);         /* 1/6 */
-	p = fmaf(p, r, 0.5f);
-	p = fmaf(p, r, 1.0f);
-	p = fmaf(p, r, 1.0f);
+	const float n = rintf(x * KVR_EXP_LOG2E); /* round to nearest even */
+	float r, p;
+	KVR_EXP_POLY(fmaf, KVR_EXP_FNMAF, KVR_EXP_SCALAR, n, x, r, p);
 	/* scale by 2^n in two steps: n spans [-150, 128], one float exponent
 	 * spans [-126, 127] */
 	int32_t e = (int32_t)n;
