@@ -41,14 +41,15 @@
  *                         mask of vector i (stored, or made from q itself
  *                         where the blend reads sign bits), and per lane
  *                         "sign bit set ? a : b"
- *   SCORE_PAGE_BLOCK, SCORE_HEAD_BLOCK  the score's register block: pages
- *                         and query heads whose accumulators stay in
+ *                         (the VA_ and QMASK operations left undefined
+ *                         are the 16-float ones, so an ISA that defines
+ *                         them needs no LOAD16, FMA16, HSUM16, HSUM4,
+ *                         HMAX16 or CODES16)
+ *   SCORE_PAGE_BLOCK, SCORE_HEAD_BLOCK  the score's register block, required:
+ *                         pages and query heads whose accumulators stay in
  *                         registers together (each query vector and mask
  *                         is then loaded once per page block, each bound
  *                         row once per head block)
- *                         left undefined, they are the 16-float ones (so an
- *                         ISA that defines them needs no LOAD16, FMA16,
- *                         HSUM16, HSUM4, HMAX16 or CODES16)
  * and, before the first inclusion, vf/vi (16 x float/int32) and blend.
  *
  * Scores follow kmath.h's canonical orders exactly (a vector's lane l is the
@@ -205,8 +206,9 @@ static inline __attribute__((always_inline)) vi ISA_FN(lane_index)(void)
 /* The raw canonical accumulators of `n` query heads (q: their rows, each
  * d / VA_LANES vectors; qm: the rows' sign masks, QMASK_GET's first
  * argument) against the min and max rows of `np` pages (`sum`, the next
- * page's rows page_bytes further), parked in park[h * 16 + p]. Lane l of the canonical 16-lane accumulator takes the terms
- * of dimensions l, 16 + l, 32 + l, ... in that order (kmath.h's
+ * page's rows page_bytes further), parked in park[h * 16 + p]. Lane l of the
+ * canonical 16-lane accumulator takes the terms of dimensions l, 16 + l,
+ * 32 + l, ... in that order (kmath.h's
  * kvr_quest_acc: one fused multiply-add of q by the bound its sign selects);
  * with 8-lane vectors it is kept as two halves, dimensions 16c..16c+7 and
  * 16c+8..16c+15. */
@@ -280,10 +282,13 @@ ISA_FN(score_block)(const unsigned char *sum, uint64_t page_bytes, uint32_t t, u
  *     vectors, where page by page it was every query and 16 x n_qo parked
  *     vectors, 48 KiB for Llama-3.1-8B against a 32 KiB L1), and shares a
  *     query vector and its mask among the block's pages. A page's summaries,
- *     all heads, are one contiguous run, so a batch's are 16 runs front to
- *     back; while a batch is scored the next one is prefetched into L2 (a
- *     head's rows of its pages at each step), which the hardware prefetcher
- *     does not do across 4 KiB pages. A page's raw score does not depend on
+ *     all heads, are one contiguous run, and head by head reads one head's
+ *     rows of 16 runs, a run apart: a stride that the hardware prefetcher
+ *     does not follow across 4 KiB pages, and that from DRAM ran at half
+ *     attention's bytes per second. So while a batch is scored the next one
+ *     is prefetched into L2, at each step the same head's rows of the next
+ *     batch's pages (a run's first batch is read unprefetched: a run is at
+ *     least 64 pages). A page's raw score does not depend on
  *     the run, batch or block it was scored in, so none of this changes a
  *     bit.
  *  B. per KV head (score_finish): for each query head, the max over the

@@ -35,7 +35,8 @@
  * kvr_expf's reduction and polynomial, written once for the scalar function
  * and every vector form of it (the cpu kernels' exp16, exp8_avx2 and
  * attention's exps), so that they cannot drift apart: with n = rint(x·log2e),
- * r = x − n·ln2 in two exact-product steps, then p(r) ≈ e^r by Horner's rule.
+ * r = x − n·ln2 in two fused steps (the high part's product exact), then
+ * p(r) ≈ e^r by Horner's rule.
  * FMA(a, b, c) is a fused a·b + c, FNMA(a, b, c) a fused c − a·b, SPLAT(c) the
  * constant in the vector type; r and p are the caller's variables.
  */
