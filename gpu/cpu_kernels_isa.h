@@ -287,8 +287,8 @@ ISA_FN(score_block)(const unsigned char *sum, uint64_t page_bytes, uint32_t t, u
  *     does not follow across 4 KiB pages, and that from DRAM ran at half
  *     attention's bytes per second. So while a batch is scored the next one
  *     is prefetched into L2, at each step the same head's rows of the next
- *     batch's pages (a run's first batch is read unprefetched: a run is at
- *     least 64 pages). A page's raw score does not depend on
+ *     batch's pages, and the run's first batch before it starts. A page's
+ *     raw score does not depend on
  *     the run, batch or block it was scored in, so none of this changes a
  *     bit.
  *  B. per KV head (score_finish): for each query head, the max over the
@@ -339,6 +339,11 @@ ISA_FN(score_raw)(const struct kvr_shape *sh, const unsigned char *base, uint32_
 				    kvr_elem_bytes(t);
 	const uint64_t head_bytes = 2ull * d * kvr_elem_bytes(t);
 	const vf scale = SPLAT16(sh->scale);
+	/* the run's first batch, which no earlier batch prefetches (the score
+	 * 8-16% faster at 8K-32K in bench decode) */
+	for (uint32_t j = j_begin; j < j_end && j < j_begin + 16; j++)
+		for (uint64_t l = 0; l < n_kv * head_bytes; l += 64)
+			__builtin_prefetch(base + (uint64_t)j * page_bytes + l, 0, 2);
 	for (uint32_t j0 = j_begin; j0 < j_end; j0 += 16) {
 		const uint32_t nb = j_end - j0 < 16 ? j_end - j0 : 16;
 		const uint32_t nb_next = j0 + 16 < j_end ? (j_end - j0 - 16 < 16 ? j_end - j0 - 16 : 16) : 0;
