@@ -288,9 +288,8 @@ ISA_FN(score_block)(const unsigned char *sum, uint64_t page_bytes, uint32_t t, u
  *     attention's bytes per second. So while a batch is scored the next one
  *     is prefetched into L2, at each step the same head's rows of the next
  *     batch's pages, and the run's first batch before it starts. A page's
- *     raw score does not depend on
- *     the run, batch or block it was scored in, so none of this changes a
- *     bit.
+ *     raw score does not depend on the run, batch or block it was scored
+ *     in, so none of this changes a bit.
  *  B. per KV head (score_finish): for each query head, the max over the
  *     domain, kvr_expf of (score - max) in place, summed in the canonical
  *     256 lanes and folded; then one pass writing the group mean. It runs on
