@@ -20,7 +20,9 @@
  * vpdpwssd over token pairs was measured no faster), and for 2-bit values
  * at such d on AVX2, where they are byte sums with the weights rounded to 8 bits
  * (pv_dots_avx2: word products were slower than the floats there, byte
- * ones are not; docs/history.md). Selection
+ * ones are not; docs/history.md). AVX2's 4-bit values stay float
+ * multiply-adds, but through the same pv path, in an order that unpacks
+ * each row with one widening (pv4_heads_avx2). Selection
  * and similarity follow kmath.h's canonical orders, so all ISAs and the CUDA
  * kernels agree bit for bit on which pages are selected.
  *
@@ -139,7 +141,8 @@ typedef void (*qk_dots_fn)(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, con
  * value codes land in vacc[g] in the ISA's own channel order for that
  * width (PV_CHANNEL maps it back, in attention_impl). Only where the ISA
  * has such a path and the value rows suit it (PV_FITS); elsewhere values
- * are float multiply-adds.
+ * are float multiply-adds (AVX2's 4-bit values too, in pv's own order:
+ * pv4_heads_avx2).
  */
 typedef void (*pv_dots_fn)(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
 			   uint32_t nb, const float (*w)[16], float (*vacc)[256]);
@@ -812,20 +815,78 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
  */
 static inline int pv_fits_avx2(uint32_t value_bits, uint32_t d)
 {
-	return value_bits == 2 && pv_fits(value_bits, d);
+	return (value_bits == 2 && pv_fits(value_bits, d)) || (value_bits == 4 && d % 16u == 0 && d <= 256u);
 }
+/* The 4-bit sums take the codes uncentred (pv4_heads_avx2: float sums lose
+ * nothing to the zero point); the 2-bit byte sums centred. */
+#define PV_CENTRE(bits) ((bits) == 2 ? 2.0f : 0.0f)
 static inline uint32_t pv_channel_avx2(uint32_t i, uint32_t bits)
 {
-	(void)bits; /* 2 */
+	if (bits == 4) /* per 16 channels: the 8 even ones, then the 8 odd */
+		return 16u * (i / 16u) + 2u * (i % 8u) + i / 8u % 2u;
 	const uint32_t s = i / 64u, k = i / 16u % 4u, e = i / 8u % 2u, l = i % 8u;
 	const uint32_t w = 2u * l + e; /* the word of plane k's accumulator */
 	const uint32_t L = w / 8u, kk = w % 8u; /* its 128-bit lane, and its word there */
 	return 64u * s + 4u * (8u * L + kk) + k; /* crumb k of the sub-piece's byte 8L + kk */
 }
+/*
+ * 4-bit value sums on AVX2 (K8V4's values), still float multiply-adds on
+ * the exact codes, so under the float contract: what changes is the
+ * unpacking. In channel order a row's 16 codes took five shuffles and two
+ * masks per token (codes_bytes16, two widenings, a byte shift); here one
+ * widening of the row's 8 bytes gives their low nibbles (the even channels)
+ * by a mask and their high nibbles (the odd ones) by a shift, so vacc holds
+ * each 16 channels as [8 even | 8 odd] (pv_channel_avx2) and pv_flush puts
+ * them back in order once per run, not per token. Heads g..g+n−1 (n ≤ 4, a
+ * constant): each converted code vector feeds n multiply-adds, and the 2n
+ * accumulators stay in registers over the block.
+ */
+static inline __attribute__((always_inline)) void pv4_heads_avx2(uint32_t g, const uint32_t n, uint32_t d,
+								  const unsigned char *vrow, uint64_t vstride,
+								  uint32_t nb, const float (*w)[16], float (*vacc)[256])
+{
+	const __m256i low4 = _mm256_set1_epi32(0x0f);
+	for (uint32_t j = 0; j < d / 16u; j++) {
+		__m256 a[4][2];
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++) {
+			a[h][0] = _mm256_loadu_ps(vacc[g + h] + 16u * j);
+			a[h][1] = _mm256_loadu_ps(vacc[g + h] + 16u * j + 8u);
+		}
+		const unsigned char *row = vrow + 8u * j;
+		for (uint32_t b = 0; b < nb; b++, row += vstride) {
+			const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)row));
+			const __m256 ev = _mm256_cvtepi32_ps(_mm256_and_si256(x, low4));
+			const __m256 od = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < n; h++) {
+				const __m256 wv = _mm256_broadcast_ss(&w[g + h][b]);
+				a[h][0] = _mm256_fmadd_ps(wv, ev, a[h][0]);
+				a[h][1] = _mm256_fmadd_ps(wv, od, a[h][1]);
+			}
+		}
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++) {
+			_mm256_storeu_ps(vacc[g + h] + 16u * j, a[h][0]);
+			_mm256_storeu_ps(vacc[g + h] + 16u * j + 8u, a[h][1]);
+		}
+	}
+}
 static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
 			 uint32_t nb, const float (*w)[16], float (*vacc)[256])
 {
-	(void)bits; /* 2: pv_fits_avx2 */
+	if (bits == 4) {
+		uint32_t g = 0;
+		for (; g + 4 <= G; g += 4)
+			pv4_heads_avx2(g, 4, d, vrow, vstride, nb, w, vacc);
+		switch (G - g) {
+		case 1: pv4_heads_avx2(g, 1, d, vrow, vstride, nb, w, vacc); break;
+		case 2: pv4_heads_avx2(g, 2, d, vrow, vstride, nb, w, vacc); break;
+		case 3: pv4_heads_avx2(g, 3, d, vrow, vstride, nb, w, vacc); break;
+		default: break;
+		}
+		return;
+	}
 	static const unsigned char zero_row[64] __attribute__((aligned(64))); /* a 2-bit row at d = 256 */
 	/* each head's weights as byte pairs (token 2i low, 2i + 1 high), and
 	 * the scale back: max w / 255 */

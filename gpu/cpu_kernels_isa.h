@@ -97,6 +97,11 @@
 #ifndef PV_FITS
 #define PV_FITS(bits, d) pv_fits(bits, d)
 #endif
+/* the code the value sums (pv) take as zero: attention_impl moves each
+ * token's zero point to match (z − c·s); integer sums are centred (pv_dots) */
+#ifndef PV_CENTRE
+#define PV_CENTRE(bits) ((float)(1u << ((bits) - 1u)))
+#endif
 /* from integer key dots to logits (qk_logits_scalar's arithmetic) */
 #ifndef QK_LOGITS
 #define QK_LOGITS(qq, G, nb, sz, s) qk_logits_scalar(qq, G, nb, sz, s)
@@ -1030,7 +1035,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				/* the integer value sums take the codes centred (Q − c, c
 				 * half the code range: pv_dots), so their zero point is
 				 * z − c·s here */
-				const float centre = pv_seg ? (float)(1u << (gq[fmt].value_bits - 1u)) : 0.0f;
+				const float centre = pv_seg ? PV_CENTRE(gq[fmt].value_bits) : 0.0f;
 				VALUE_SZ16(sz, nb, centre, vsb, vzb);
 				for (uint32_t g = 0; g < G; g++) {
 					VA_T zsum = z_acc[g];
@@ -1379,3 +1384,4 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef PV_CHANNEL
 #undef QK_LOGITS
 #undef PV_FITS
+#undef PV_CENTRE
