@@ -746,9 +746,76 @@ static inline __attribute__((always_inline)) void qk_logits_avx2(const struct kv
 		}
 	}
 }
+/*
+ * 8-bit keys, two tokens at a time: each query vector loaded serves both
+ * tokens, and the 2·n accumulators fold into one vector (vphaddd, exact)
+ * whose lanes are [token b: heads 0..3 | token b + 1: heads 0..3], one
+ * conversion for eight dots. Token by token the fold, four conversions and
+ * the scalar stores had taken as long as the multiply-adds at d = 128. d a
+ * constant (64, 128) unrolls the row; n ≤ 4 heads from g, a constant.
+ */
+static inline __attribute__((always_inline)) void qk8_heads_avx2(const struct kvr_qk8 *qq, uint32_t g,
+								  const uint32_t n, const uint32_t d,
+								  const unsigned char *krow, uint64_t kstride,
+								  uint32_t nb, float (*s)[16])
+{
+	for (uint32_t b = 0; b < nb; b += 2) {
+		/* an odd last token pairs with itself; its copy is not stored */
+		const unsigned char *r0 = krow + b * kstride, *r1 = b + 1 < nb ? r0 + kstride : r0;
+		__m256i a0[4], a1[4];
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < 4; h++)
+			a0[h] = a1[h] = _mm256_setzero_si256();
+		_Pragma("GCC unroll 1") /* unrolled, GCC hoisted all of q16 and spilled it */
+		for (uint32_t o = 0; o < d; o += 16) {
+			const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r0 + o)));
+			const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r1 + o)));
+			_Pragma("GCC unroll 4")
+			for (uint32_t h = 0; h < n; h++) {
+				const __m256i qv = _mm256_loadu_si256((const __m256i *)(qq->q16[g + h] + o));
+				a0[h] = _mm256_add_epi32(a0[h], _mm256_madd_epi16(x0, qv));
+				a1[h] = _mm256_add_epi32(a1[h], _mm256_madd_epi16(x1, qv));
+			}
+		}
+		/* lanes: per 128-bit half, the partial sums of heads 0..3 */
+		const __m256i f0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0[0], a0[1]), _mm256_hadd_epi32(a0[2], a0[3]));
+		const __m256i f1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a1[0], a1[1]), _mm256_hadd_epi32(a1[2], a1[3]));
+		const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(f0, f1, 0x20),
+						     _mm256_permute2x128_si256(f0, f1, 0x31));
+		float dots[8] __attribute__((aligned(32)));
+		_mm256_store_ps(dots, _mm256_cvtepi32_ps(sum));
+		_Pragma("GCC unroll 4")
+		for (uint32_t h = 0; h < n; h++) {
+			s[g + h][b] = dots[h];
+			s[g + h][b + 1] = dots[4 + h]; /* b + 1 = nb: a lane qk_logits ignores */
+		}
+	}
+}
+static inline __attribute__((always_inline)) void qk8_dots_avx2(const struct kvr_qk8 *qq, uint32_t G,
+								 const uint32_t d, const unsigned char *krow,
+								 uint64_t kstride, uint32_t nb, float (*s)[16])
+{
+	uint32_t g = 0;
+	for (; g + 4 <= G; g += 4)
+		qk8_heads_avx2(qq, g, 4, d, krow, kstride, nb, s);
+	switch (G - g) {
+	case 1: qk8_heads_avx2(qq, g, 1, d, krow, kstride, nb, s); break;
+	case 2: qk8_heads_avx2(qq, g, 2, d, krow, kstride, nb, s); break;
+	case 3: qk8_heads_avx2(qq, g, 3, d, krow, kstride, nb, s); break;
+	default: break;
+	}
+}
 static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
 			 uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
 {
+	if (bits == 8 && (d == 128 || d == 64)) {
+		if (d == 128)
+			qk8_dots_avx2(qq, G, 128, krow, kstride, nb, s);
+		else
+			qk8_dots_avx2(qq, G, 64, krow, kstride, nb, s);
+		qk_logits_avx2(qq, G, nb, sz, s);
+		return;
+	}
 	const uint32_t row_bytes = d * bits / 8;
 	const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
 	for (uint32_t b = 0; b < nb; b++) {
@@ -981,7 +1048,6 @@ static inline __attribute__((always_inline)) void value_sz16_avx2(const uint16_t
 
 #define PV_CHANNEL(i, bits) pv_channel_avx2(i, bits)
 #define PV_FITS(bits, d) pv_fits_avx2(bits, d)
-#define QK_LOGITS(qq, G, nb, sz, s) qk_logits_avx2(qq, G, nb, sz, s)
 #define ISA avx2
 #define F16TOF32(h) _cvtsh_ss(h)
 #define MAX16(a, b) max16_avx2(a, b)
@@ -1013,10 +1079,6 @@ static inline __attribute__((always_inline)) void value_sz16_avx2(const uint16_t
 #define ATT_EXPA(x) exp8_att_avx2(x)
 #define ANYGTA(a, b) (_mm256_movemask_ps(_mm256_cmp_ps((a), (b), _CMP_GT_OQ)) != 0)
 #define VALUE_SZ16(sz, nb, centre, vs, vz) value_sz16_avx2(sz, nb, centre, vs, vz)
-/* 8-bit keys at d <= 64: vpmaddwd on widened codes does no fewer operations
- * than the float multiply-adds and adds a horizontal sum per token (the
- * dense K8V4 step on SmolLM2's shape 10-16% faster as floats) */
-#define QK8_AS_FLOATS 1
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
 #pragma GCC diagnostic ignored "-Wpsabi"

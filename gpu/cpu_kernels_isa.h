@@ -64,12 +64,6 @@
  * (PV_CHANNEL); float multiply-adds otherwise.
  */
 
-/* 8-bit key codes by float multiply-adds at d <= 64 (exact: see attention_impl) where
- * the ISA's integer dots are no faster: AVX2 (cpu_kernels.c) */
-#ifndef QK8_AS_FLOATS
-#define QK8_AS_FLOATS 0
-#endif
-
 /* attention's vectors: the 16-float ones unless the including file chose */
 #ifndef VA_T
 #define KVR_VA_DEFAULT 1
@@ -101,10 +95,6 @@
  * token's zero point to match (z − c·s); integer sums are centred (pv_dots) */
 #ifndef PV_CENTRE
 #define PV_CENTRE(bits) ((float)(1u << ((bits) - 1u)))
-#endif
-/* from integer key dots to logits (qk_logits_scalar's arithmetic) */
-#ifndef QK_LOGITS
-#define QK_LOGITS(qq, G, nb, sz, s) qk_logits_scalar(qq, G, nb, sz, s)
 #endif
 
 #define KVR_ISA_FN2(name, isa) name##_##isa
@@ -806,24 +796,11 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	int16_t q16_rows[Gq][256];
 	float q_scale[Gq], q_code_sum[Gq];
 	struct kvr_qk8 qq = { q8_rows, q8n_rows, q16_rows, q_scale, q_code_sum };
-	/* QK8_AS_FLOATS: 8-bit key codes against the rounded query's codes as
-	 * floats (q8f), by the float multiply-adds of plain keys; every
-	 * product and partial sum is an integer below 2^24, so the dots are
-	 * the integer ones exactly. Only at d <= 64, where the integer path's
-	 * horizontal sum per token weighs most: at d = 128 the float form made
-	 * the dense K8V4 step from DRAM 6% slower (docs/benchmarks.md). */
-	const int q8_floats = QK8_AS_FLOATS && qk && any_quantised && d <= 64;
-	VA_T q8f[q8_floats ? G : 1u][VA_MAX_CHUNKS];
 	if (qk && any_quantised)
 		for (uint32_t g = 0; g < G; g++) {
 			float row[256];
 			memcpy(row, q[g], (size_t)d * sizeof(float));
 			ISA_FN(qk8_prepare)(&qq, g, row, d);
-			if (q8_floats) {
-				for (uint32_t c = 0; c < d; c++)
-					row[c] = (float)q8_rows[g][c];
-				memcpy(q8f[g], row, (size_t)d * sizeof(float));
-			}
 		}
 
 	const uint64_t row_bytes = (uint64_t)d * eb;
@@ -903,40 +880,29 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			 * dots' loads behind it (K8V4 from DRAM 15% slower, K4V2 5%:
 			 * docs/history.md). */
 			const uint32_t pf_qk = nb / 4u, pf_mid = nb / 2u;
-			/* 8-bit key codes by float multiply-adds (q8_floats): the
-			 * integer dots, on the rounded query's codes */
-			const int qk_floats = q8_floats && fmt && gq[fmt].key_bits == 8;
-			if (fmt && qk && !qk_floats) { /* integer dots on the key codes */
+			if (fmt && qk) { /* integer dots on the key codes */
 				for (uint32_t b = 0; b < pf_qk; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 				qk(&qq, G, d, krow0 + t0 * kstride, kstride, gq[fmt].key_bits, nb,
 				   kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
 			} else {
 				/* K, two tokens at a time (prefetching the next segment's
-				 * rows as we go, half the block's share with qk_floats):
-				 * each query vector read serves two keys */
-				const VA_T (*kq)[VA_MAX_CHUNKS] = qk_floats ? (const VA_T (*)[VA_MAX_CHUNKS])q8f
-									    : (const VA_T (*)[VA_MAX_CHUNKS])q;
-				const uint32_t pf_end = qk_floats ? pf_mid : nb;
+				 * rows as we go): each query vector read serves two keys */
+				const VA_T (*kq)[VA_MAX_CHUNKS] = (const VA_T (*)[VA_MAX_CHUNKS])q;
 				uint32_t b = 0;
 				for (; b + 2 <= nb; b += 2) {
-					if (b < pf_end) {
-						ISA_FN(prefetch_token)(&pf, t0 + b);
-						ISA_FN(prefetch_token)(&pf, t0 + b + 1);
-					}
+					ISA_FN(prefetch_token)(&pf, t0 + b);
+					ISA_FN(prefetch_token)(&pf, t0 + b + 1);
 					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(kq, G, 2, krow0 + (t0 + b) * kstride,
 										   kstride, t, bits, chunks, s, b));
 				}
 				if (b < nb) {
-					if (b < pf_end)
-						ISA_FN(prefetch_token)(&pf, t0 + b);
+					ISA_FN(prefetch_token)(&pf, t0 + b);
 					ATT_BITS_CASES(fmt, 'K', ISA_FN(key_dots)(kq, G, 1, krow0 + (t0 + b) * kstride,
 										   kstride, t, bits, chunks, s, b));
 				}
-				if (qk_floats)
-					QK_LOGITS(&qq, G, nb, kvr_quant_key_sz(&gq[fmt], run, first + t0), s);
 			}
-			if (fmt && qk && !qk_floats)
+			if (fmt && qk)
 				for (uint32_t b = pf_qk; b < pf_mid; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 			if (fmt && !qk) /* float dots over codes: s·(q·Q) − z·Σq */
@@ -1380,8 +1346,6 @@ static void ISA_FN(attention_head)(const struct kvr_shape *sh, const void *q_row
 #undef QMASK_MAKE
 #undef QMASK_GET
 #undef QSELECT
-#undef QK8_AS_FLOATS
 #undef PV_CHANNEL
-#undef QK_LOGITS
 #undef PV_FITS
 #undef PV_CENTRE
