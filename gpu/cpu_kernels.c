@@ -747,18 +747,20 @@ static inline __attribute__((always_inline)) void qk_logits_avx2(const struct kv
 	}
 }
 /*
- * 8-bit keys, two tokens at a time: each query vector loaded serves both
- * tokens, and the 2·n accumulators fold into one vector (vphaddd, exact)
- * whose lanes are [token b: heads 0..3 | token b + 1: heads 0..3], one
- * conversion for eight dots. Token by token the fold, four conversions and
- * the scalar stores had taken as long as the multiply-adds at d = 128. d a
- * constant (64, 128) unrolls the row; n ≤ 4 heads from g, a constant.
+ * Key dots two tokens at a time (8-bit codes as words against q16, 4-bit
+ * ones as bytes against q8n, as below): each query vector loaded serves
+ * both tokens, and the 2·n accumulators fold into one vector (vphaddd,
+ * exact) whose lanes are [token b: heads 0..3 | token b + 1: heads 0..3],
+ * one conversion for eight dots. Token by token the fold, four conversions
+ * and the scalar stores had taken as long as the multiply-adds at d = 128.
+ * bits, d (64, 128) and n ≤ 4 heads from g are constants.
  */
-static inline __attribute__((always_inline)) void qk8_heads_avx2(const struct kvr_qk8 *qq, uint32_t g,
-								  const uint32_t n, const uint32_t d,
-								  const unsigned char *krow, uint64_t kstride,
-								  uint32_t nb, float (*s)[16])
+static inline __attribute__((always_inline)) void qk_pair_heads_avx2(const struct kvr_qk8 *qq, uint32_t g,
+								      const uint32_t n, const uint32_t d,
+								      const uint32_t bits, const unsigned char *krow,
+								      uint64_t kstride, uint32_t nb, float (*s)[16])
 {
+	const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
 	for (uint32_t b = 0; b < nb; b += 2) {
 		/* an odd last token pairs with itself; its copy is not stored */
 		const unsigned char *r0 = krow + b * kstride, *r1 = b + 1 < nb ? r0 + kstride : r0;
@@ -766,15 +768,38 @@ static inline __attribute__((always_inline)) void qk8_heads_avx2(const struct kv
 		_Pragma("GCC unroll 4")
 		for (uint32_t h = 0; h < 4; h++)
 			a0[h] = a1[h] = _mm256_setzero_si256();
-		_Pragma("GCC unroll 1") /* unrolled, GCC hoisted all of q16 and spilled it */
-		for (uint32_t o = 0; o < d; o += 16) {
-			const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r0 + o)));
-			const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r1 + o)));
-			_Pragma("GCC unroll 4")
-			for (uint32_t h = 0; h < n; h++) {
-				const __m256i qv = _mm256_loadu_si256((const __m256i *)(qq->q16[g + h] + o));
-				a0[h] = _mm256_add_epi32(a0[h], _mm256_madd_epi16(x0, qv));
-				a1[h] = _mm256_add_epi32(a1[h], _mm256_madd_epi16(x1, qv));
+		if (bits == 8) {
+			_Pragma("GCC unroll 1") /* unrolled, GCC hoisted all of q16 and spilled it */
+			for (uint32_t o = 0; o < d; o += 16) {
+				const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r0 + o)));
+				const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r1 + o)));
+				_Pragma("GCC unroll 4")
+				for (uint32_t h = 0; h < n; h++) {
+					const __m256i qv = _mm256_loadu_si256((const __m256i *)(qq->q16[g + h] + o));
+					a0[h] = _mm256_add_epi32(a0[h], _mm256_madd_epi16(x0, qv));
+					a1[h] = _mm256_add_epi32(a1[h], _mm256_madd_epi16(x1, qv));
+				}
+			}
+		} else {
+			_Pragma("GCC unroll 1")
+			for (uint32_t o = 0; o < d / 2u; o += 32) {
+				const __m256i x0 = _mm256_loadu_si256((const __m256i *)(r0 + o));
+				const __m256i x1 = _mm256_loadu_si256((const __m256i *)(r1 + o));
+				const __m256i lo0 = _mm256_and_si256(x0, low4);
+				const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), low4);
+				const __m256i lo1 = _mm256_and_si256(x1, low4);
+				const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), low4);
+				_Pragma("GCC unroll 4")
+				for (uint32_t h = 0; h < n; h++) {
+					const __m256i qe = _mm256_loadu_si256((const __m256i *)(qq->q8n[g + h] + o));
+					const __m256i qo = _mm256_loadu_si256((const __m256i *)(qq->q8n[g + h] + d / 2u + o));
+					a0[h] = _mm256_add_epi32(a0[h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo0, qe),
+													   _mm256_maddubs_epi16(hi0, qo)),
+											  ones));
+					a1[h] = _mm256_add_epi32(a1[h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo1, qe),
+													   _mm256_maddubs_epi16(hi1, qo)),
+											  ones));
+				}
 			}
 		}
 		/* lanes: per 128-bit half, the partial sums of heads 0..3 */
@@ -791,28 +816,33 @@ static inline __attribute__((always_inline)) void qk8_heads_avx2(const struct kv
 		}
 	}
 }
-static inline __attribute__((always_inline)) void qk8_dots_avx2(const struct kvr_qk8 *qq, uint32_t G,
-								 const uint32_t d, const unsigned char *krow,
-								 uint64_t kstride, uint32_t nb, float (*s)[16])
+static inline __attribute__((always_inline)) void qk_pair_dots_avx2(const struct kvr_qk8 *qq, uint32_t G,
+								     const uint32_t d, const uint32_t bits,
+								     const unsigned char *krow, uint64_t kstride,
+								     uint32_t nb, float (*s)[16])
 {
 	uint32_t g = 0;
 	for (; g + 4 <= G; g += 4)
-		qk8_heads_avx2(qq, g, 4, d, krow, kstride, nb, s);
+		qk_pair_heads_avx2(qq, g, 4, d, bits, krow, kstride, nb, s);
 	switch (G - g) {
-	case 1: qk8_heads_avx2(qq, g, 1, d, krow, kstride, nb, s); break;
-	case 2: qk8_heads_avx2(qq, g, 2, d, krow, kstride, nb, s); break;
-	case 3: qk8_heads_avx2(qq, g, 3, d, krow, kstride, nb, s); break;
+	case 1: qk_pair_heads_avx2(qq, g, 1, d, bits, krow, kstride, nb, s); break;
+	case 2: qk_pair_heads_avx2(qq, g, 2, d, bits, krow, kstride, nb, s); break;
+	case 3: qk_pair_heads_avx2(qq, g, 3, d, bits, krow, kstride, nb, s); break;
 	default: break;
 	}
 }
 static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
 			 uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
 {
-	if (bits == 8 && (d == 128 || d == 64)) {
-		if (d == 128)
-			qk8_dots_avx2(qq, G, 128, krow, kstride, nb, s);
+	if (d == 128 || d == 64) {
+		if (bits == 8 && d == 128)
+			qk_pair_dots_avx2(qq, G, 128, 8, krow, kstride, nb, s);
+		else if (bits == 8)
+			qk_pair_dots_avx2(qq, G, 64, 8, krow, kstride, nb, s);
+		else if (d == 128)
+			qk_pair_dots_avx2(qq, G, 128, 4, krow, kstride, nb, s);
 		else
-			qk8_dots_avx2(qq, G, 64, krow, kstride, nb, s);
+			qk_pair_dots_avx2(qq, G, 64, 4, krow, kstride, nb, s);
 		qk_logits_avx2(qq, G, nb, sz, s);
 		return;
 	}
