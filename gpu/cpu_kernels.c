@@ -995,14 +995,14 @@ static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned c
 		const int live = mx > 0.0f && mx <= 3.4e38f; /* all zero (or not finite: run_sum says NaN) */
 		wscale[g] = live ? mx / 255.0f : 0.0f;
 		const __m256 f = _mm256_set1_ps(live ? 255.0f / mx : 0.0f);
-		const __m256i lo = _mm256_setzero_si256(), hi = _mm256_set1_epi32(255);
-		int32_t r[16];
-		_mm256_storeu_si256((__m256i *)r,
-				    _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, f)), lo), hi));
-		_mm256_storeu_si256((__m256i *)(r + 8),
-				    _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(b, f)), lo), hi));
-		for (uint32_t i = 0; i < 8; i++)
-			wpair[g][i] = (uint16_t)(r[2 * i] | r[2 * i + 1] << 8);
+		/* the saturating packs clamp to 0..255 (a NaN converts to
+		 * INT_MIN: 0) and leave the 16 bytes in token order, token 2i
+		 * the low byte of pair i, once the dwords are put back in order */
+		const __m256i r16 = _mm256_packus_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, f)),
+							_mm256_cvtps_epi32(_mm256_mul_ps(b, f)));
+		const __m256i r8 = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(r16, r16),
+							       _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5));
+		_mm_storeu_si128((__m128i *)wpair[g], _mm256_castsi256_si128(r8));
 	}
 	const uint32_t pairs = (nb + 1u) / 2u;
 	const unsigned char *rowp[16];
