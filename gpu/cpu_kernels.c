@@ -141,8 +141,9 @@ typedef void (*qk_dots_fn)(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, con
  * value codes land in vacc[g] in the ISA's own channel order for that
  * width (PV_CHANNEL maps it back, in attention_impl). Only where the ISA
  * has such a path and the value rows suit it (PV_FITS); elsewhere values
- * are float multiply-adds (AVX2's 4-bit values too, in pv's own order:
- * pv4_heads_avx2).
+ * are float multiply-adds (value_dots). AVX2's pv takes its 4-bit values
+ * by float multiply-adds too, uncentred, only in an order of its own
+ * (pv4_heads_avx2).
  */
 typedef void (*pv_dots_fn)(uint32_t G, uint32_t d, uint32_t bits, const unsigned char *vrow, uint64_t vstride,
 			   uint32_t nb, const float (*w)[16], float (*vacc)[256]);
@@ -712,9 +713,10 @@ static inline __attribute__((always_inline)) void codes16x2_avx2(const uint8_t *
 }
 /* Integer key dots on AVX2: 8-bit codes widened to words against q16
  * (vpmaddwd), 4-bit codes as bytes against q8n (vpmaddubsw, no saturation
- * at 15·127·2), 32, 16 or 8 code bytes a load; four query heads at a time
- * (a group's last block repeats its last head and drops the copies). They
- * also serve the AVX-512 path without VNNI (attention_head). */
+ * at 15·127·2), 32, 16 or 8 code bytes a load; at d = 64 and 128 two
+ * tokens at a time (qk_pair_heads_avx2), otherwise four query heads at a
+ * time (a group's last block repeats its last head and drops the copies).
+ * They also serve the AVX-512 path without VNNI (attention_head). */
 static inline __attribute__((always_inline)) __m256i codes_bytes32_avx2(const unsigned char *p, uint32_t left)
 {
 	if (left >= 32)
@@ -812,7 +814,7 @@ static inline __attribute__((always_inline)) void qk_pair_heads_avx2(const struc
 		_Pragma("GCC unroll 4")
 		for (uint32_t h = 0; h < n; h++) {
 			s[g + h][b] = dots[h];
-			s[g + h][b + 1] = dots[4 + h]; /* b + 1 = nb: a lane qk_logits ignores */
+			s[g + h][b + 1] = dots[4 + h]; /* b + 1 = nb ≤ 15: a lane attention_impl overwrites */
 		}
 	}
 }
@@ -891,7 +893,8 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
 	qk_logits_avx2(qq, G, nb, sz, s);
 }
 /*
- * Integer value sums on AVX2 for 2-bit values (pv_dots_fn), with
+ * Value sums on AVX2 (pv_dots_fn): float ones for 4-bit values
+ * (pv4_heads_avx2, above), integer ones for 2-bit values, with
  * vpmaddubsw: unsigned bytes (the weights) times signed bytes (the codes,
  * centred as on VNNI: Q − 2), adjacent pairs summed into 16 bits. The codes
  * of two tokens are interleaved byte by byte, so one instruction does two
@@ -906,9 +909,10 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
  * for K4V2's 2-bit values, whose own rounding (up to half a step, a
  * sixth of their range) dwarfs it; on K8V4's 4-bit values the same sums put the model's
  * perplexity 0.4–0.5% above float value sums, so those stay float here
- * (docs/history.md). vacc's order (pv_channel_avx2): per sub-piece of 64
- * channels, crumb plane k's 16 words split into the even words (8 lanes)
- * and the odd ones.
+ * (docs/history.md). vacc's order (pv_channel_avx2): 2-bit, per sub-piece
+ * of 64 channels, crumb plane k's 16 words split into the even words (8
+ * lanes) and the odd ones; 4-bit, per 16 channels, the 8 even then the 8
+ * odd.
  */
 static inline int pv_fits_avx2(uint32_t value_bits, uint32_t d)
 {
@@ -995,11 +999,14 @@ static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned c
 		const int live = mx > 0.0f && mx <= 3.4e38f; /* all zero (or not finite: run_sum says NaN) */
 		wscale[g] = live ? mx / 255.0f : 0.0f;
 		const __m256 f = _mm256_set1_ps(live ? 255.0f / mx : 0.0f);
-		/* the saturating packs clamp to 0..255 (a NaN converts to
-		 * INT_MIN: 0) and leave the 16 bytes in token order, token 2i
-		 * the low byte of pair i, once the dwords are put back in order */
-		const __m256i r16 = _mm256_packus_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, f)),
-							_mm256_cvtps_epi32(_mm256_mul_ps(b, f)));
+		/* clamped to 255 (a lane above it: max w was not the largest,
+		 * a NaN lane having won), then the saturating packs clamp below
+		 * at 0 (a NaN converts to INT_MIN) and leave the 16 bytes in
+		 * token order, token 2i the low byte of pair i, once the dwords
+		 * are put back in order */
+		const __m256i top = _mm256_set1_epi32(255);
+		const __m256i r16 = _mm256_packus_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, f)), top),
+							_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(b, f)), top));
 		const __m256i r8 = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(r16, r16),
 							       _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5));
 		_mm_storeu_si128((__m128i *)wpair[g], _mm256_castsi256_si128(r8));

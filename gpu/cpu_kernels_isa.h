@@ -59,9 +59,10 @@
  * Attention over quantised pages takes the integer key dots (qk_dots_fn, on
  * the query rounded to 8 bits) from the including file (cpu_kernels.c), per
  * ISA; NULL reads the key codes as floats (KVR_QUANT_DOTS=float). Value
- * codes likewise take the including file's integer value dots (pv_dots_fn)
- * where it has them and PV_FITS, summed in its own channel order
- * (PV_CHANNEL); float multiply-adds otherwise.
+ * codes likewise take the including file's value dots (pv_dots_fn: integer
+ * sums, or AVX2's float ones for 4-bit codes) where it has them and
+ * PV_FITS, summed in its own channel order (PV_CHANNEL); float multiply-adds
+ * otherwise.
  */
 
 /* attention's vectors: the 16-float ones unless the including file chose */
@@ -83,7 +84,7 @@
 #endif
 
 /* the channel of vacc's element i (pv_flush): the including file's order
- * for its integer value sums, or pv_dots_avx512vnni's */
+ * for its value sums (pv), or pv_dots_avx512vnni's */
 #ifndef PV_CHANNEL
 #define PV_CHANNEL(i, bits) pv_channel(i, bits)
 #endif
@@ -703,9 +704,9 @@ ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *
 	}
 }
 
-/* acc[g] += the integer value sums vacc[g] of `bits`-bit codes (in
- * PV_CHANNEL's order), and vacc back to zeros: when the value width of
- * the segments changes (mixed pages), and at the end. */
+/* acc[g] += the value sums vacc[g] of `bits`-bit codes (in
+ * PV_CHANNEL's order), and vacc back to zeros: at the end of the call,
+ * once per value width that had sums. */
 static void ISA_FN(pv_flush)(VA_T (*acc)[VA_MAX_CHUNKS], float (*vacc)[256], uint32_t G, uint32_t d,
 			     uint32_t chunks, uint32_t bits)
 {
@@ -784,12 +785,13 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	 * once per call, not per segment */
 	const int run_l2 = any_quantised && kvr_cpu_runs_to_l2();
 	const uint32_t Gq = qk && any_quantised ? G : 1u; /* rows the arrays hold */
-	/* quantised values with integer dots (pv): their sums in pv's channel
-	 * order for pv_bits-bit codes, rescaled with acc, added into acc when
-	 * a segment of the other width comes and at the end */
+	/* quantised values by the ISA's value dots (pv): their sums in pv's channel
+	 * order, one set per value width (vacc[0]: 4-bit codes, vacc[1]: 2-bit),
+	 * rescaled with acc and added into acc at the end, so that a mixed
+	 * run's alternating K8V4 and K4V2 pages never flush between them */
 	const int pv_on = pv && any_quantised && (PV_FITS(4, d) || PV_FITS(2, d));
-	float vacc[pv_on ? G : 1u][256];
-	uint32_t pv_bits = 0; /* the order vacc holds; 0: nothing yet */
+	float vacc[pv_on ? 2u : 1u][pv_on ? G : 1u][256];
+	uint32_t pv_used = 0; /* bit w: vacc[w] holds sums */
 	if (pv_on)
 		memset(vacc, 0, sizeof(vacc));
 	int8_t q8_rows[Gq][256], q8n_rows[Gq][256];
@@ -823,7 +825,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 		/* quantised codes (their format), or plain rows (0): tokens, or
 		 * page estimates whose logits get ln(p) (kernels.h) */
 		const uint32_t fmt = kvr_segment_quantised(seg->format) ? seg->format : 0u;
-		/* this segment's values by integer sums (pv), their codes centred */
+		/* this segment's values by pv, their codes centred by PV_CENTRE */
 		const int pv_seg = fmt && pv_on && PV_FITS(gq[fmt].value_bits, d);
 		const float log_weight = kvr_segment_log_weight(seg->format, sh->page_tokens);
 		const uint64_t seg_tok0 = seg_first_token;
@@ -986,9 +988,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					for (uint32_t c = 0; c < chunks; c++)
 						acc[g][c] = acc[g][c] * alpha;
 					z_acc[g] = z_acc[g] * alpha;
-					if (pv_on)
-						for (uint32_t c = 0; c < d; c++)
-							vacc[g][c] *= alpha;
+					for (uint32_t w = 0; w < 2; w++)
+						if (pv_used >> w & 1u)
+							for (uint32_t c = 0; c < d; c++)
+								vacc[w][g][c] *= alpha;
 					run_sum[g] = run_sum[g] * alpha;
 					seg_sum[g] = seg_sum[g] * alpha;
 				}
@@ -998,9 +1001,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 			if (fmt) { /* Σ p·(s·Q − z): p·s per token on the codes, p·z apart */
 				float vsb[BLOCK] __attribute__((aligned(64))), vzb[BLOCK] __attribute__((aligned(64)));
 				const uint16_t *sz = kvr_quant_value_sz(&gq[fmt], run, first + t0);
-				/* the integer value sums take the codes centred (Q − c, c
-				 * half the code range: pv_dots), so their zero point is
-				 * z − c·s here */
+				/* the value sums (pv) take the codes centred (Q − c, c =
+				 * PV_CENTRE: half the code range for integer sums, 0 for
+				 * AVX2's float 4-bit ones), so their zero point is z − c·s
+				 * here */
 				const float centre = pv_seg ? PV_CENTRE(gq[fmt].value_bits) : 0.0f;
 				VALUE_SZ16(sz, nb, centre, vsb, vzb);
 				for (uint32_t g = 0; g < G; g++) {
@@ -1024,12 +1028,10 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 				for (uint32_t b = pf_mid; b < nb; b++)
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 			if (pv_seg) {
-				if (pv_bits != gq[fmt].value_bits) {
-					if (pv_bits)
-						ISA_FN(pv_flush)(acc, vacc, G, d, chunks, pv_bits);
-					pv_bits = gq[fmt].value_bits;
-				}
-				pv(G, d, pv_bits, vrow0 + t0 * vstride, vstride, nb, (const float (*)[16])s, vacc);
+				const uint32_t w = gq[fmt].value_bits == 4 ? 0u : 1u;
+				pv_used |= 1u << w;
+				pv(G, d, gq[fmt].value_bits, vrow0 + t0 * vstride, vstride, nb, (const float (*)[16])s,
+				   vacc[w]);
 			} else
 				ATT_BITS_CASES(fmt, 'V', ISA_FN(value_dots)(acc, G, vrow0 + t0 * vstride, vstride, t,
 									      bits, (const float (*)[16])s, nb, chunks));
@@ -1040,8 +1042,9 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					seg->n_tokens ? run_max[g] + logf(HSUMA(seg_sum[g])) : -INFINITY;
 	}
 
-	if (pv_bits)
-		ISA_FN(pv_flush)(acc, vacc, G, d, chunks, pv_bits);
+	for (uint32_t w = 0; w < 2; w++)
+		if (pv_used >> w & 1u)
+			ISA_FN(pv_flush)(acc, vacc[w], G, d, chunks, w ? 2u : 4u);
 	for (uint32_t g = 0; g < G; g++) {
 		/* No tokens: zeros. A NaN anywhere made run_sum NaN: it propagates. */
 		float row[256];
