@@ -71,6 +71,22 @@ static inline __attribute__((always_inline)) vf blend(vi mask, vf a, vf b)
 		(out)[3] = hsum(d);               \
 	} while (0)
 
+/* call(g, n) over a group's G query heads: blocks of four, then the one to
+ * three left with n a constant too, so that each instance of a head-blocked
+ * kernel keeps its accumulators in registers (SmolLM2: G = 3). */
+#define HEADS_BY_FOUR(G, call)                   \
+	do {                                     \
+		uint32_t g_ = 0;                 \
+		for (; g_ + 4 <= (G); g_ += 4)   \
+			call(g_, 4);             \
+		switch ((G) - g_) {              \
+		case 1: call(g_, 1); break;      \
+		case 2: call(g_, 2); break;      \
+		case 3: call(g_, 3); break;      \
+		default: break;                  \
+		}                                \
+	} while (0)
+
 static inline __attribute__((always_inline)) float hmax16_generic(vf v)
 {
 	float m = v[0];
@@ -823,15 +839,9 @@ static inline __attribute__((always_inline)) void qk_pair_dots_avx2(const struct
 								     const unsigned char *krow, uint64_t kstride,
 								     uint32_t nb, float (*s)[16])
 {
-	uint32_t g = 0;
-	for (; g + 4 <= G; g += 4)
-		qk_pair_heads_avx2(qq, g, 4, d, bits, krow, kstride, nb, s);
-	switch (G - g) {
-	case 1: qk_pair_heads_avx2(qq, g, 1, d, bits, krow, kstride, nb, s); break;
-	case 2: qk_pair_heads_avx2(qq, g, 2, d, bits, krow, kstride, nb, s); break;
-	case 3: qk_pair_heads_avx2(qq, g, 3, d, bits, krow, kstride, nb, s); break;
-	default: break;
-	}
+#define QK_PAIR_HEADS(g, n) qk_pair_heads_avx2(qq, g, n, d, bits, krow, kstride, nb, s)
+	HEADS_BY_FOUR(G, QK_PAIR_HEADS);
+#undef QK_PAIR_HEADS
 }
 static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const unsigned char *krow,
 			 uint64_t kstride, uint32_t bits, uint32_t nb, const uint16_t *sz, float (*s)[16])
@@ -977,15 +987,9 @@ static void pv_dots_avx2(uint32_t G, uint32_t d, uint32_t bits, const unsigned c
 			 uint32_t nb, const float (*w)[16], float (*vacc)[256])
 {
 	if (bits == 4) {
-		uint32_t g = 0;
-		for (; g + 4 <= G; g += 4)
-			pv4_heads_avx2(g, 4, d, vrow, vstride, nb, w, vacc);
-		switch (G - g) {
-		case 1: pv4_heads_avx2(g, 1, d, vrow, vstride, nb, w, vacc); break;
-		case 2: pv4_heads_avx2(g, 2, d, vrow, vstride, nb, w, vacc); break;
-		case 3: pv4_heads_avx2(g, 3, d, vrow, vstride, nb, w, vacc); break;
-		default: break;
-		}
+#define PV4_HEADS(g, n) pv4_heads_avx2(g, n, d, vrow, vstride, nb, w, vacc)
+		HEADS_BY_FOUR(G, PV4_HEADS);
+#undef PV4_HEADS
 		return;
 	}
 	static const unsigned char zero_row[64] __attribute__((aligned(64))); /* a 2-bit row at d = 256 */

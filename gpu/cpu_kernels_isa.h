@@ -625,15 +625,9 @@ static inline __attribute__((always_inline)) void
 ISA_FN(key_dots)(const VA_T (*q)[VA_MAX_CHUNKS], uint32_t G, const uint32_t n_keys, const unsigned char *krow,
 		 uint64_t stride, uint32_t t, const uint32_t bits, const uint32_t chunks, float (*s)[16], uint32_t b)
 {
-	uint32_t g = 0;
-	for (; g + 4 <= G; g += 4)
-		ISA_FN(key_heads)(q, g, 4, n_keys, krow, stride, t, bits, chunks, s, b);
-	switch (G - g) {
-	case 1: ISA_FN(key_heads)(q, g, 1, n_keys, krow, stride, t, bits, chunks, s, b); break;
-	case 2: ISA_FN(key_heads)(q, g, 2, n_keys, krow, stride, t, bits, chunks, s, b); break;
-	case 3: ISA_FN(key_heads)(q, g, 3, n_keys, krow, stride, t, bits, chunks, s, b); break;
-	default: break;
-	}
+#define KEY_HEADS(g, n) ISA_FN(key_heads)(q, g, n, n_keys, krow, stride, t, bits, chunks, s, b)
+	HEADS_BY_FOUR(G, KEY_HEADS);
+#undef KEY_HEADS
 }
 
 /* acc[g + h][c0 .. c0 + n_c) += Σ_b p[g + h][b]·V_b for heads g..g+n−1 (n ≤ 4,
@@ -693,20 +687,14 @@ static inline __attribute__((always_inline)) void
 ISA_FN(value_dots)(VA_T (*acc)[VA_MAX_CHUNKS], uint32_t G, const unsigned char *vrow, uint64_t stride, uint32_t t,
 		   const uint32_t bits, const float (*p)[16], uint32_t nb, const uint32_t chunks)
 {
-	uint32_t g = 0;
-	for (; g + 4 <= G; g += 4)
-		ISA_FN(value_heads)(acc, g, 4, vrow, stride, t, bits, p, nb, chunks);
-	switch (G - g) {
-	case 1: ISA_FN(value_heads)(acc, g, 1, vrow, stride, t, bits, p, nb, chunks); break;
-	case 2: ISA_FN(value_heads)(acc, g, 2, vrow, stride, t, bits, p, nb, chunks); break;
-	case 3: ISA_FN(value_heads)(acc, g, 3, vrow, stride, t, bits, p, nb, chunks); break;
-	default: break;
-	}
+#define VALUE_HEADS(g, n) ISA_FN(value_heads)(acc, g, n, vrow, stride, t, bits, p, nb, chunks)
+	HEADS_BY_FOUR(G, VALUE_HEADS);
+#undef VALUE_HEADS
 }
 
 /* acc[g] += the value sums vacc[g] of `bits`-bit codes (in
- * PV_CHANNEL's order), and vacc back to zeros: at the end of the call,
- * once per value width that had sums. */
+ * PV_CHANNEL's order): at the end of the call, once per value width that
+ * had sums. */
 static void ISA_FN(pv_flush)(VA_T (*acc)[VA_MAX_CHUNKS], float (*vacc)[256], uint32_t G, uint32_t d,
 			     uint32_t chunks, uint32_t bits)
 {
@@ -719,7 +707,6 @@ static void ISA_FN(pv_flush)(VA_T (*acc)[VA_MAX_CHUNKS], float (*vacc)[256], uin
 			memcpy(&v, row + c * VA_LANES, sizeof(v));
 			acc[g][c] = acc[g][c] + v;
 		}
-		memset(vacc[g], 0, (size_t)d * sizeof(float));
 	}
 }
 
@@ -791,9 +778,7 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 	 * run's alternating K8V4 and K4V2 pages never flush between them */
 	const int pv_on = pv && any_quantised && (PV_FITS(4, d) || PV_FITS(2, d));
 	float vacc[pv_on ? 2u : 1u][pv_on ? G : 1u][256];
-	uint32_t pv_used = 0; /* bit w: vacc[w] holds sums */
-	if (pv_on)
-		memset(vacc, 0, sizeof(vacc));
+	uint32_t pv_used = 0; /* bit w: vacc[w] holds sums (zeroed at its first page) */
 	int8_t q8_rows[Gq][256], q8n_rows[Gq][256];
 	int16_t q16_rows[Gq][256];
 	float q_scale[Gq], q_code_sum[Gq];
@@ -1029,6 +1014,8 @@ ISA_FN(attention_impl)(const struct kvr_shape *sh, const void *q_rows, void *out
 					ISA_FN(prefetch_token)(&pf, t0 + b);
 			if (pv_seg) {
 				const uint32_t w = gq[fmt].value_bits == 4 ? 0u : 1u;
+				if (!(pv_used >> w & 1u))
+					memset(vacc[w], 0, sizeof(vacc[w]));
 				pv_used |= 1u << w;
 				pv(G, d, gq[fmt].value_bits, vrow0 + t0 * vstride, vstride, nb, (const float (*)[16])s,
 				   vacc[w]);
