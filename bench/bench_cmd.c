@@ -34,6 +34,7 @@
 #include "bench_cmd.h"
 #include "bench_common.h"
 #include "../gpu/backend.h"
+#include "../layouts/convert.h"
 #include "git_revision.h"
 
 #ifndef KVR_BUILD_TYPE
@@ -154,6 +155,10 @@ void bench_json_open(FILE *f, const char *benchmark, const char *backend, int ar
 	}
 	fprintf(f, ", \"gpu_reason\": ");
 	bench_json_string(f, s.gpu_reason);
+	/* the cpu kernels' path (KVR_CPU_ISA may force one below the best), so
+	 * that results from several paths on one machine tell themselves apart */
+	fprintf(f, ", \"cpu_kernels\": ");
+	bench_json_string(f, kvr_convert_isa_name(kvr_convert_isa_active()));
 	fprintf(f, "},\n  \"build\": {\"version\": ");
 	bench_json_string(f, kvr_version_string());
 	fprintf(f, ", \"git_revision\": ");

@@ -236,6 +236,7 @@ static const char envelope_check[] =
 	"assert d['command'].startswith(prefix), d['command']\n"
 	"assert d['machine']['cores'] >= 1 and d['machine']['memory_bytes'] > 0\n"
 	"assert d['build']['version'] and d['build']['git_revision'] and d['build']['build_type']\n"
+	"assert d['machine']['cpu_kernels'] in ('scalar', 'avx2', 'avx512', 'avx512vnni'), d['machine']\n"
 	"%s";
 
 static void bench_json_check(const char *args, const char *python_check)
@@ -364,6 +365,15 @@ Test(bench, freelist_writes_schema_json, .timeout = 120)
 
 /* `kvrecall bench cache`: the shared cache of quantised pages holds the
  * sparse sequences' units only, and reopening the mix does not grow it. */
+/* The JSON names the cpu kernels' path that ran, KVR_CPU_ISA's where it
+ * forces one, so that one machine's results per path tell themselves apart. */
+Test(bench, json_names_the_forced_cpu_kernels, .timeout = 120)
+{
+	cr_assert_eq(setenv("KVR_CPU_ISA", "scalar", 1), 0);
+	bench_json_check("bench freelist --units 32 --reps 1",
+			 "assert d['machine']['cpu_kernels'] == 'scalar', d['machine']");
+}
+
 Test(bench, cache_writes_schema_json, .timeout = 120)
 {
 	bench_json_check("bench cache --quick",
