@@ -24,6 +24,12 @@
  * step to the budget of the fastest attention over B (each side at its least
  * disturbed, the usual estimate on a machine shared with others).
  *
+ * --kv-format F1,F2,... measures each format in every round, each with its
+ * own attention over B, so that formats compare within one run: each row
+ * also carries its speed over the first format's same row, the median over
+ * the rounds of the two steps' ratio in the same round (a slow spell moves
+ * both sides, where medians taken apart let it fall on one side only).
+ *
  * --backend cuda runs the same steps on a GPU: q, k, v and out then live in
  * device memory, as an engine's would. They are allocated through the
  * library's device layer (gpu/backend.h), standing in for the engine's own
@@ -66,7 +72,9 @@ static float frand(void) /* uniform in [-1, 1) */
 /* The run's settings (main thread only). */
 static struct {
 	struct bench_shape sh;
-	uint32_t recall, buffers, pool_layout, chunk_pages, controller, backend, kv_format;
+	uint32_t recall, buffers, pool_layout, chunk_pages, controller, backend;
+	uint32_t kv_format;           /* the format contexts are made with now */
+	uint32_t kv_formats[8], n_kv_formats; /* --kv-format's list; [0] f16 unless given */
 	uint32_t budget, sink, window;
 	int32_t spilled_pct;          /* the spill tier: % of the KV in the file; -1 = no tier */
 	const char *spill_dir;
@@ -400,6 +408,12 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 	return r;
 }
 
+/* A format's name in reports: plain pages are the shape's dtype, f16 */
+static const char *kv_format_label(uint32_t kv_format)
+{
+	return kv_format ? kvr_kv_format_name(kv_format) : "f16";
+}
+
 static int usage(void)
 {
 	fprintf(stderr,
@@ -408,13 +422,16 @@ static int usage(void)
 		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24] [--rounds 1]\n"
 		"         [--max-context 131072] [--mode M] [--recall auto|zero-copy|streamed] [--buffers 1|2]\n"
 		"         [--chunk-pages 8] [--pool-layout hnd|nhd] [--controller auto|thread|inline]\n"
-		"         [--kv-format f16|k8v4|k4v2|mixed] [--spilled PCT [--spill-dir DIR]]\n"
+		"         [--kv-format f16|k8v4|k4v2|mixed[,...]] [--spilled PCT [--spill-dir DIR]]\n"
 		"         [--quick] [--capture] [--estimate off|on|both] [--json FILE]\n"
 		"         [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
 		"  --trace: only trace 4 steps at --trace-context tokens and exit\n"
 		"  --estimate: the sparse modes without (off, the default) or with (on) the estimate of\n"
 		"             the pages not retrieved, or each row without then with it (both: the second\n"
 		"             row's estimate_cost_ratio is its time over the first's)\n"
+		"  --kv-format A,B,...: every row for each format, in every round; each row's\n"
+		"             speed_over_first_kv_format is the median over the rounds of the first\n"
+		"             format's step over its own, both from the same round\n"
 		"  --rounds N: attention over B and every row N times in turn; each row reports the round\n"
 		"             whose ratio to the budget is the median, the range over the rounds, and the\n"
 		"             fastest step over the budget of the fastest attention over B\n"
@@ -503,10 +520,26 @@ int bench_decode(int argc, char **argv)
 		else if (!strcmp(a, "--chunk-pages"))
 			g.chunk_pages = (uint32_t)strtoul(val, NULL, 10);
 		else if (!strcmp(a, "--kv-format")) {
-			if (kvr_kv_format_parse(val, &g.kv_format)) {
-				fprintf(stderr, "kvrecall bench decode: unknown KV format '%s'\n", val);
+			char list[128];
+			snprintf(list, sizeof(list), "%s", val);
+			g.n_kv_formats = 0;
+			for (char *save = NULL, *name = strtok_r(list, ",", &save); name;
+			     name = strtok_r(NULL, ",", &save)) {
+				if (g.n_kv_formats == sizeof(g.kv_formats) / sizeof(g.kv_formats[0])) {
+					fprintf(stderr, "kvrecall bench decode: --kv-format takes up to %zu formats\n",
+						sizeof(g.kv_formats) / sizeof(g.kv_formats[0]));
+					return 2;
+				}
+				if (kvr_kv_format_parse(name, &g.kv_formats[g.n_kv_formats++])) {
+					fprintf(stderr, "kvrecall bench decode: unknown KV format '%s'\n", name);
+					return 2;
+				}
+			}
+			if (!g.n_kv_formats) {
+				fprintf(stderr, "kvrecall bench decode: --kv-format needs a format\n");
 				return 2;
 			}
+			g.kv_format = g.kv_formats[0];
 		} else if (!strcmp(a, "--spilled")) {
 			char *end;
 			const long pct = strtol(val, &end, 10);
@@ -560,6 +593,9 @@ int bench_decode(int argc, char **argv)
 		fprintf(stderr, "kvrecall bench decode: --capture needs --backend cuda (CUDA graphs)\n");
 		return 2;
 	}
+	if (!g.n_kv_formats)
+		g.kv_formats[g.n_kv_formats++] = g.kv_format;
+	const uint32_t n_fmt = g.n_kv_formats;
 	uint32_t max_batch = 0;
 	for (uint32_t bi = 0; bi < n_batches; bi++)
 		max_batch = batches[bi] > max_batch ? batches[bi] : max_batch;
@@ -606,11 +642,14 @@ int bench_decode(int argc, char **argv)
 				continue; /* dense attends every page: nothing to estimate */
 			keys[n_keys++] = (struct row_key){ L, mode, captured, estimate };
 		}
-	const uint32_t total = n_batches * rounds * (1 + n_keys);
-	/* per row and round; bases: attention over B per round */
-	struct result *res = calloc((size_t)n_keys * rounds, sizeof(*res));
-	struct result *bases = calloc(rounds, sizeof(*bases));
+	const uint32_t total = n_batches * rounds * n_fmt * (1 + n_keys);
+	/* per format, row and round (RES); bases: attention over B per format
+	 * and round (BASE) */
+	struct result *res = calloc((size_t)n_fmt * n_keys * rounds, sizeof(*res));
+	struct result *bases = calloc((size_t)n_fmt * rounds, sizeof(*bases));
 	double *ratios = calloc(rounds, sizeof(double)), *sorted = calloc(rounds, sizeof(double));
+#define RES(f, i, rd) res[((size_t)(f) * n_keys + (i)) * rounds + (rd)]
+#define BASE(f, rd) bases[(size_t)(f) * rounds + (rd)]
 	if (!res || !bases || !ratios || !sorted) {
 		fprintf(stderr, "kvrecall bench decode: out of memory\n");
 		return 1;
@@ -621,11 +660,13 @@ int bench_decode(int argc, char **argv)
 	bench_shape_json(json, &g.sh);
 	fprintf(json, ",\n  \"params\": {\"budget_tokens\": %u, \"sink_tokens\": %u, \"window_tokens\": %u, "
 		      "\"steps\": %u, \"rounds\": %u, \"tau\": 0.9, \"recall\": \"%s\", \"recall_buffers\": %u, "
-		      "\"chunk_pages\": %u, \"pool_layout\": \"%s\", \"kv_format\": \"%s\", \"spilled_pct\": %d},\n"
-		      "  \"results\": [\n",
+		      "\"chunk_pages\": %u, \"pool_layout\": \"%s\", \"kv_format\": \"%s\", \"spilled_pct\": %d, "
+		      "\"kv_formats\": [",
 		B, g.sink, g.window, steps, rounds, kvr_recall_name(g.recall), g.buffers, g.chunk_pages,
-		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", g.kv_format ? kvr_kv_format_name(g.kv_format) : "f16",
-		g.spilled_pct);
+		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", kv_format_label(g.kv_formats[0]), g.spilled_pct);
+	for (uint32_t f = 0; f < n_fmt; f++)
+		fprintf(json, "%s\"%s\"", f ? ", " : "", kv_format_label(g.kv_formats[f]));
+	fprintf(json, "]},\n  \"results\": [\n");
 	int first = 1;
 	for (uint32_t bi = 0; bi < n_batches; bi++) {
 		const uint32_t batch = batches[bi];
@@ -633,116 +674,137 @@ int bench_decode(int argc, char **argv)
 		 * L = B), then every row; a row's ratio in a round is to that
 		 * round's attention, so a machine that slows down for a while
 		 * moves both sides of it. */
-		for (uint32_t rd = 0; rd < rounds; rd++) {
-			bench_progress("decode", done++, total);
-			bases[rd] = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL, 0);
-			for (uint32_t i = 0; i < n_keys; i++) {
-				bench_progress("decode", done++, total);
-				g.estimate = keys[i].estimate;
-				res[(size_t)i * rounds + rd] =
-					run(keys[i].mode, batch, keys[i].L, steps, NULL, keys[i].captured);
-			}
-		}
-		bench_progress_clear();
 		for (uint32_t rd = 0; rd < rounds; rd++)
-			ratios[rd] = bases[rd].us_per_layer;
-		/* the lower middle of an even count, as the rows take theirs */
-		qsort(ratios, rounds, sizeof(double), bench_cmp_double);
-		fprintf(stderr, "batch %u: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps%s)\n",
-			batch, B, ratios[(rounds - 1) / 2], g.sh.n_layers, steps,
-			rounds > 1 ? "; the median of the rounds" : "");
-		uint32_t without = 0; /* the row an estimate row is priced against */
-		for (uint32_t i = 0; i < n_keys; i++) {
-			const struct row_key *k = &keys[i];
-			const double budget_factor = 1.0 + (double)k->L / ((double)p * B);
-			/* The row's round: the one whose ratio to the budget is the
-			 * median (the lower one of an even count), so every field of
-			 * the row comes from one run and they agree with each other. */
-			uint32_t rep = 0, n_ok = 0;
-			double lo = 0, hi = 0, fastest = 0, fastest_base = 0;
-			for (uint32_t rd = 0; rd < rounds; rd++) {
-				const struct result *r = &res[(size_t)i * rounds + rd];
-				if (r->not_capturable)
-					continue;
-				const double x = r->us_per_layer / (budget_factor * bases[rd].us_per_layer);
-				ratios[n_ok++] = x;
-				lo = n_ok == 1 || x < lo ? x : lo;
-				hi = n_ok == 1 || x > hi ? x : hi;
-				/* each side at its least disturbed, whichever round */
-				fastest = n_ok == 1 || r->us_per_layer < fastest ? r->us_per_layer : fastest;
-				fastest_base = n_ok == 1 || bases[rd].us_per_layer < fastest_base ? bases[rd].us_per_layer
-												  : fastest_base;
-			}
-			if (!n_ok)
-				continue; /* the configuration refuses capture */
-			memcpy(sorted, ratios, n_ok * sizeof(double));
-			qsort(sorted, n_ok, sizeof(double), bench_cmp_double);
-			const double sorted_mid = sorted[(n_ok - 1) / 2];
-			for (uint32_t rd = 0, j = 0; rd < rounds; rd++) {
-				if (res[(size_t)i * rounds + rd].not_capturable)
-					continue;
-				if (ratios[j++] == sorted_mid) {
-					rep = rd;
-					break;
+			for (uint32_t f = 0; f < n_fmt; f++) {
+				g.kv_format = g.kv_formats[f];
+				bench_progress("decode", done++, total);
+				BASE(f, rd) = run(KVR_MODE_DENSE, batch, B - 1, steps, NULL, 0);
+				for (uint32_t i = 0; i < n_keys; i++) {
+					bench_progress("decode", done++, total);
+					g.estimate = keys[i].estimate;
+					RES(f, i, rd) = run(keys[i].mode, batch, keys[i].L, steps, NULL, keys[i].captured);
 				}
 			}
-			const struct result *r = &res[(size_t)i * rounds + rep];
-			const struct result *base = &bases[rep];
-			if (!k->estimate)
-				without = i;
-			/* the estimate's cost: this row over the same row without it */
-			const double cost = k->estimate && g.estimate_off
-						    ? r->us_per_layer / res[(size_t)without * rounds + rep].us_per_layer
-						    : 0.0;
-			const double budget = budget_factor * base->us_per_layer;
-			fprintf(stderr, "L=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
-					"budget%s; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
-					"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
-					"critical share %.2f (handoff %.0f, prepare %.0f, score %.0f, top-k %.0f, recall %.0f us); "
-					"hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
-				(unsigned long long)k->L, kvr_mode_name(k->mode), k->captured ? " (captured)" : "",
-				k->estimate ? " +estimate" : "", r->us_per_layer, r->us_per_layer / base->us_per_layer,
-				r->us_per_layer / budget, rounds > 1 ? " (the median round)" : "", r->mean_us_per_layer,
-				r->critical_us_per_layer, 100 * r->corrected_rate, r->correction_waits_per_layer,
-				100 * r->correction_wait_share, r->controller_us_per_layer, r->critical_share,
-				r->ctl_handoff_us, r->ctl_prepare_us, r->ctl_score_us, r->ctl_topk_us, r->ctl_recall_us,
-				r->hit_rate, r->recalled_kib_per_layer, r->host_waits_per_layer);
-			const double of_minima = fastest / (budget_factor * fastest_base);
-			if (rounds > 1)
-				fprintf(stderr, "          over %u rounds: %.2f to %.2f x the budget; fastest step %.1f us/layer, "
-						"%.2f x the budget from the fastest attention over B\n",
-					n_ok, lo, hi, fastest, of_minima);
-			fprintf(json,
-				"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"captured\": %s, \"recall\": \"%s\", "
-				"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "
-				"\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
-				"\"rounds\": %u, \"ratio_to_target_budget_min\": %.4f, \"ratio_to_target_budget_max\": %.4f, "
-				"\"fastest_us_per_layer\": %.2f, \"fastest_attention_over_budget_us\": %.2f, "
-				"\"ratio_of_fastest_to_target_budget\": %.4f, "
-				"\"mean_us_per_layer\": %.2f, \"critical_us_per_layer\": %.2f, "
-				"\"corrected_head_rate\": %.4f, \"selections\": %llu, "
-				"\"correction_waits_per_layer\": %.4f, \"correction_wait_share\": %.4f, "
-				"\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
-				"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
-				"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
-				"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f, "
-				"\"controller_split_us_per_layer\": {\"handoff\": %.2f, \"prepare\": %.2f, "
-				"\"score\": %.2f, \"topk\": %.2f, \"recall\": %.2f}, "
-				"\"estimate\": %s, \"estimate_cost_ratio\": %.4f}",
-				first ? "" : ",\n", batch, (unsigned long long)k->L, kvr_mode_name(k->mode),
-				k->captured ? "true" : "false", kvr_recall_name(g.resolved_recall),
-				kvr_controller_name(g.resolved_controller), r->us_per_layer, base->us_per_layer,
-				r->us_per_layer / base->us_per_layer, r->us_per_layer / budget, n_ok, lo, hi, fastest,
-				fastest_base, of_minima,
-				r->mean_us_per_layer, r->critical_us_per_layer, r->corrected_rate,
-				(unsigned long long)r->selections, r->correction_waits_per_layer, r->correction_wait_share,
-				r->controller_wait_share, r->recall_wait_share, r->critical_share, r->controller_us_per_layer,
-				r->hit_rate, r->recalled_kib_per_layer, r->host_waits_per_layer, r->host_wait_share,
-				r->ctl_handoff_us, r->ctl_prepare_us, r->ctl_score_us, r->ctl_topk_us, r->ctl_recall_us,
-				k->estimate ? "true" : "false", cost);
-			first = 0;
+		bench_progress_clear();
+		for (uint32_t f = 0; f < n_fmt; f++) {
+			const char *fmt_name = kv_format_label(g.kv_formats[f]);
+			for (uint32_t rd = 0; rd < rounds; rd++)
+				ratios[rd] = BASE(f, rd).us_per_layer;
+			/* the lower middle of an even count, as the rows take theirs */
+			qsort(ratios, rounds, sizeof(double), bench_cmp_double);
+			fprintf(stderr, "batch %u, %s: attention over B = %u tokens: %.1f us per layer (%u layers, %u steps%s)\n",
+				batch, fmt_name, B, ratios[(rounds - 1) / 2], g.sh.n_layers, steps,
+				rounds > 1 ? "; the median of the rounds" : "");
+			uint32_t without = 0; /* the row an estimate row is priced against */
+			for (uint32_t i = 0; i < n_keys; i++) {
+				const struct row_key *k = &keys[i];
+				const double budget_factor = 1.0 + (double)k->L / ((double)p * B);
+				/* The row's round: the one whose ratio to the budget is the
+				 * median (the lower one of an even count), so every field of
+				 * the row comes from one run and they agree with each other. */
+				uint32_t rep = 0, n_ok = 0;
+				double lo = 0, hi = 0, fastest = 0, fastest_base = 0;
+				for (uint32_t rd = 0; rd < rounds; rd++) {
+					const struct result *r = &RES(f, i, rd);
+					if (r->not_capturable)
+						continue;
+					const double x = r->us_per_layer / (budget_factor * BASE(f, rd).us_per_layer);
+					ratios[n_ok++] = x;
+					lo = n_ok == 1 || x < lo ? x : lo;
+					hi = n_ok == 1 || x > hi ? x : hi;
+					/* each side at its least disturbed, whichever round */
+					fastest = n_ok == 1 || r->us_per_layer < fastest ? r->us_per_layer : fastest;
+					fastest_base = n_ok == 1 || BASE(f, rd).us_per_layer < fastest_base ? BASE(f, rd).us_per_layer
+													    : fastest_base;
+				}
+				if (!n_ok)
+					continue; /* the configuration refuses capture */
+				memcpy(sorted, ratios, n_ok * sizeof(double));
+				qsort(sorted, n_ok, sizeof(double), bench_cmp_double);
+				const double sorted_mid = sorted[(n_ok - 1) / 2];
+				for (uint32_t rd = 0, j = 0; rd < rounds; rd++) {
+					if (RES(f, i, rd).not_capturable)
+						continue;
+					if (ratios[j++] == sorted_mid) {
+						rep = rd;
+						break;
+					}
+				}
+				const struct result *r = &RES(f, i, rep);
+				const struct result *base = &BASE(f, rep);
+				if (!k->estimate)
+					without = i;
+				/* the estimate's cost: this row over the same row without it */
+				const double cost = k->estimate && g.estimate_off
+							    ? r->us_per_layer / RES(f, without, rep).us_per_layer
+							    : 0.0;
+				/* over the first format: per round, its step over this
+				 * one, both of that round; the median of those (ratios is
+				 * free again: the row's round is chosen) */
+				uint32_t n_pair = 0;
+				for (uint32_t rd = 0; rd < rounds; rd++)
+					if (!RES(f, i, rd).not_capturable && !RES(0, i, rd).not_capturable)
+						sorted[n_pair++] = RES(0, i, rd).us_per_layer / RES(f, i, rd).us_per_layer;
+				qsort(sorted, n_pair, sizeof(double), bench_cmp_double);
+				const double speed_over_first = n_pair ? sorted[(n_pair - 1) / 2] : 0.0;
+				const double budget = budget_factor * base->us_per_layer;
+				if (n_fmt > 1)
+					fprintf(stderr, "%s: ", fmt_name);
+				fprintf(stderr, "L=%7llu %-11s%s%s %9.1f us/layer = %5.2f x attention-over-B, %5.2f x (1+L/(pB)) "
+						"budget%s; mean %.1f, critical path %.1f us/layer; corrected %.1f%% of heads; correction "
+						"waits %.2f/layer (%.0f%% of engine time); controller %.0f us/layer beside, "
+						"critical share %.2f (handoff %.0f, prepare %.0f, score %.0f, top-k %.0f, recall %.0f us); "
+						"hit rate %.2f, %.0f KiB recalled/layer; %.2f host waits/layer\n",
+					(unsigned long long)k->L, kvr_mode_name(k->mode), k->captured ? " (captured)" : "",
+					k->estimate ? " +estimate" : "", r->us_per_layer, r->us_per_layer / base->us_per_layer,
+					r->us_per_layer / budget, rounds > 1 ? " (the median round)" : "", r->mean_us_per_layer,
+					r->critical_us_per_layer, 100 * r->corrected_rate, r->correction_waits_per_layer,
+					100 * r->correction_wait_share, r->controller_us_per_layer, r->critical_share,
+					r->ctl_handoff_us, r->ctl_prepare_us, r->ctl_score_us, r->ctl_topk_us, r->ctl_recall_us,
+					r->hit_rate, r->recalled_kib_per_layer, r->host_waits_per_layer);
+				const double of_minima = fastest / (budget_factor * fastest_base);
+				if (rounds > 1)
+					fprintf(stderr, "          over %u rounds: %.2f to %.2f x the budget; fastest step %.1f us/layer, "
+							"%.2f x the budget from the fastest attention over B\n",
+						n_ok, lo, hi, fastest, of_minima);
+				if (f)
+					fprintf(stderr, "          %.2f x %s's speed (the median over %u rounds of the same round's ratio)\n",
+						speed_over_first, kv_format_label(g.kv_formats[0]), n_pair);
+				fprintf(json,
+					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"captured\": %s, \"recall\": \"%s\", "
+					"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "
+					"\"ratio_to_attention_over_budget\": %.4f, \"ratio_to_target_budget\": %.4f, "
+					"\"rounds\": %u, \"ratio_to_target_budget_min\": %.4f, \"ratio_to_target_budget_max\": %.4f, "
+					"\"fastest_us_per_layer\": %.2f, \"fastest_attention_over_budget_us\": %.2f, "
+					"\"ratio_of_fastest_to_target_budget\": %.4f, "
+					"\"mean_us_per_layer\": %.2f, \"critical_us_per_layer\": %.2f, "
+					"\"corrected_head_rate\": %.4f, \"selections\": %llu, "
+					"\"correction_waits_per_layer\": %.4f, \"correction_wait_share\": %.4f, "
+					"\"controller_wait_share\": %.4f, \"recall_wait_share\": %.4f, "
+					"\"critical_share\": %.4f, \"controller_us_per_layer\": %.2f, "
+					"\"hit_rate\": %.4f, \"recalled_kib_per_layer\": %.2f, "
+					"\"host_waits_per_layer\": %.4f, \"host_wait_share\": %.4f, "
+					"\"controller_split_us_per_layer\": {\"handoff\": %.2f, \"prepare\": %.2f, "
+					"\"score\": %.2f, \"topk\": %.2f, \"recall\": %.2f}, "
+					"\"estimate\": %s, \"estimate_cost_ratio\": %.4f, \"kv_format\": \"%s\", "
+					"\"speed_over_first_kv_format\": %.4f}",
+					first ? "" : ",\n", batch, (unsigned long long)k->L, kvr_mode_name(k->mode),
+					k->captured ? "true" : "false", kvr_recall_name(g.resolved_recall),
+					kvr_controller_name(g.resolved_controller), r->us_per_layer, base->us_per_layer,
+					r->us_per_layer / base->us_per_layer, r->us_per_layer / budget, n_ok, lo, hi, fastest,
+					fastest_base, of_minima,
+					r->mean_us_per_layer, r->critical_us_per_layer, r->corrected_rate,
+					(unsigned long long)r->selections, r->correction_waits_per_layer, r->correction_wait_share,
+					r->controller_wait_share, r->recall_wait_share, r->critical_share, r->controller_us_per_layer,
+					r->hit_rate, r->recalled_kib_per_layer, r->host_waits_per_layer, r->host_wait_share,
+					r->ctl_handoff_us, r->ctl_prepare_us, r->ctl_score_us, r->ctl_topk_us, r->ctl_recall_us,
+					k->estimate ? "true" : "false", cost, fmt_name, speed_over_first);
+				first = 0;
+			}
 		}
 	}
+#undef RES
+#undef BASE
 	free(res), free(bases), free(ratios), free(sorted), free(keys);
 	bench_progress("decode", total, total);
 	fprintf(json, "\n  ]\n");

@@ -10,8 +10,12 @@ path and context.
     done; done; done
     python3 bench/plot_quant.py --out docs/plots/quant-dense-zen4.png *.json
 
-Each format's step time is the median over the files (runs) of the same shape,
-path, format and context; the speed over f16 divides f16's median by it. The
+Rows of a run that measured several formats in its rounds (`--kv-format
+f16,k8v4,k4v2 --rounds N`) bring their own speed over f16, each the median
+of the same round's ratio, and the plot takes the median of those over the
+files. Otherwise each format's step time is the median over the files (runs)
+of the same shape, path, format and context, and the speed over f16 divides
+f16's median by it. The
 path is the JSON's machine.cpu_kernels, or, in files written before it existed,
 the path named in the file name (avx2, avx512, avx512vnni, scalar). Dashed
 lines mark f16's speed (1x) and the targets K8V4 1.6x, K4V2 2.2x. Prints the
@@ -42,6 +46,7 @@ def path_of(d, name):
 
 def load(files):
     steps = {}  # (preset, path, context) -> format -> [us per layer]
+    paired = {}  # the same -> format -> [speed over f16, paired by round]
     machine = None
     for name in files:
         with open(name) as f:
@@ -50,13 +55,16 @@ def load(files):
             continue
         machine = machine or d["machine"].get("cpu_model")
         preset = d["shape"].get("preset", "custom")
-        fmt = d["params"].get("kv_format", "f16")
+        first = (d["params"].get("kv_formats") or ["f16"])[0]
         for r in d["results"]:
             if r["mode"] != "dense" or r.get("batch", 1) != 1:
                 continue
+            fmt = r.get("kv_format") or d["params"].get("kv_format", "f16")
             key = (preset, path_of(d, name), r["context_tokens"])
             steps.setdefault(key, {}).setdefault(fmt, []).append(r["us_per_layer"])
-    return steps, machine
+            if first == "f16" and "speed_over_first_kv_format" in r:
+                paired.setdefault(key, {}).setdefault(fmt, []).append(r["speed_over_first_kv_format"])
+    return steps, paired, machine
 
 
 def main():
@@ -72,22 +80,21 @@ def main():
     except ImportError:
         sys.exit("plot_quant.py needs matplotlib: apt install python3-matplotlib (or pip install matplotlib)")
 
-    steps, machine = load(args.files)
+    steps, paired, machine = load(args.files)
     speed = {}  # (preset, path, context) -> format -> speed over f16
     for key, by_fmt in sorted(steps.items()):
-        if "f16" not in by_fmt:
-            continue
-        f16 = statistics.median(by_fmt["f16"])
         for fmt in FORMATS:
-            if fmt in by_fmt:
-                speed.setdefault(key, {})[fmt] = f16 / statistics.median(by_fmt[fmt])
+            if fmt in paired.get(key, {}):
+                speed.setdefault(key, {})[fmt] = statistics.median(paired[key][fmt])
+            elif fmt in by_fmt and "f16" in by_fmt:
+                speed.setdefault(key, {})[fmt] = statistics.median(by_fmt["f16"]) / statistics.median(by_fmt[fmt])
     if not speed:
         sys.exit("no dense rows with f16 and a quantised format to compare")
 
     presets = sorted({k[0] for k in speed})
     print("shape path context: " + ", ".join(f"{f} over f16" for f in FORMATS) + " (runs)")
     for key in sorted(speed, key=lambda k: (k[0], ISAS.index(k[1]) if k[1] in ISAS else 9, k[2])):
-        runs = len(steps[key]["f16"])
+        runs = len(steps[key].get("f16", []))
         cells = ", ".join(f"{speed[key][f]:.2f}x" if f in speed[key] else "-" for f in FORMATS)
         print(f"{key[0]} {key[1]} {key[2]}: {cells} ({runs})")
 

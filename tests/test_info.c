@@ -309,6 +309,24 @@ Test(bench, decode_writes_schema_json, .timeout = 300)
 		"    assert (r['selections'] > 0) == (r['mode'] != 'dense'), r");
 }
 
+/* `kvrecall bench decode --kv-format A,B`: every row once per format, each
+ * format with its own attention over B, and each row's speed over the first
+ * format's same row (1 for the first format's own rows). */
+Test(bench, decode_compares_kv_formats_in_one_run, .timeout = 300)
+{
+	bench_json_check(
+		"bench decode --backend cpu --preset smollm2-135m --budget 512 --sink 128 --window 128 "
+		"--max-context 8192 --steps 3 --mode dense --rounds 3 --kv-format f16,k8v4",
+		"assert d['params']['kv_formats'] == ['f16', 'k8v4'] and d['params']['kv_format'] == 'f16', d['params']\n"
+		"rows = d['results']\n"
+		"assert [r['kv_format'] for r in rows] == ['f16', 'k8v4'], rows\n"
+		"assert rows[0]['speed_over_first_kv_format'] == 1.0, rows[0]\n"
+		"assert 0.1 < rows[1]['speed_over_first_kv_format'] < 10, rows[1]\n"
+		"assert rows[0]['attention_over_budget_us'] != rows[1]['attention_over_budget_us'], rows\n"
+		"for r in rows:\n"
+		"    assert r['mode'] == 'dense' and r['context_tokens'] == 8192 and r['rounds'] == 3, r");
+}
+
 /* `kvrecall bench decode --rounds`: every row measured that many times in
  * turn with its own attention over B; the row is its median round, so its
  * ratio lies in the range reported and its fields agree with one another,
