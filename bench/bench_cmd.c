@@ -34,7 +34,6 @@
 #include "bench_cmd.h"
 #include "bench_common.h"
 #include "../gpu/backend.h"
-#include "../layouts/convert.h"
 #include "git_revision.h"
 
 #ifndef KVR_BUILD_TYPE
@@ -158,7 +157,7 @@ void bench_json_open(FILE *f, const char *benchmark, const char *backend, int ar
 	/* the cpu kernels' path (KVR_CPU_ISA may force one below the best), so
 	 * that results from several paths on one machine tell themselves apart */
 	fprintf(f, ", \"cpu_kernels\": ");
-	bench_json_string(f, kvr_convert_isa_name(kvr_convert_isa_active()));
+	bench_json_string(f, s.cpu_kernels);
 	fprintf(f, "},\n  \"build\": {\"version\": ");
 	bench_json_string(f, kvr_version_string());
 	fprintf(f, ", \"git_revision\": ");

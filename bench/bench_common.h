@@ -2,8 +2,9 @@
 /*
  * bench_common.h — what the benchmark drivers share: a monotonic clock, the
  * median of repeated timings, 2 MiB-aligned huge-page buffers, parsing of
- * comma-separated number lists from the command line, and the xorshift
- * generator their synthetic data comes from. Header-only, host-only.
+ * comma-separated number lists from the command line, the xorshift
+ * generator their synthetic data comes from, and a KV format's name in
+ * reports. Header-only, host-only.
  */
 #ifndef KVR_BENCH_COMMON_H
 #define KVR_BENCH_COMMON_H
@@ -14,6 +15,14 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+
+#include "kvrecall.h"
+
+/* A KV format's name in reports: plain pages are the benchmarks' dtype, f16 */
+static inline const char *bench_kv_format_label(uint32_t kv_format)
+{
+	return kv_format ? kvr_kv_format_name(kv_format) : "f16";
+}
 
 static inline double bench_now_s(void)
 {

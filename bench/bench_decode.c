@@ -408,12 +408,6 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 	return r;
 }
 
-/* A format's name in reports: plain pages are the shape's dtype, f16 */
-static const char *kv_format_label(uint32_t kv_format)
-{
-	return kv_format ? kvr_kv_format_name(kv_format) : "f16";
-}
-
 static int usage(void)
 {
 	fprintf(stderr,
@@ -663,9 +657,9 @@ int bench_decode(int argc, char **argv)
 		      "\"chunk_pages\": %u, \"pool_layout\": \"%s\", \"kv_format\": \"%s\", \"spilled_pct\": %d, "
 		      "\"kv_formats\": [",
 		B, g.sink, g.window, steps, rounds, kvr_recall_name(g.recall), g.buffers, g.chunk_pages,
-		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", kv_format_label(g.kv_formats[0]), g.spilled_pct);
+		g.pool_layout == KVR_POOL_NHD ? "nhd" : "hnd", bench_kv_format_label(g.kv_formats[0]), g.spilled_pct);
 	for (uint32_t f = 0; f < n_fmt; f++)
-		fprintf(json, "%s\"%s\"", f ? ", " : "", kv_format_label(g.kv_formats[f]));
+		fprintf(json, "%s\"%s\"", f ? ", " : "", bench_kv_format_label(g.kv_formats[f]));
 	fprintf(json, "]},\n  \"results\": [\n");
 	int first = 1;
 	for (uint32_t bi = 0; bi < n_batches; bi++) {
@@ -687,7 +681,7 @@ int bench_decode(int argc, char **argv)
 			}
 		bench_progress_clear();
 		for (uint32_t f = 0; f < n_fmt; f++) {
-			const char *fmt_name = kv_format_label(g.kv_formats[f]);
+			const char *fmt_name = bench_kv_format_label(g.kv_formats[f]);
 			for (uint32_t rd = 0; rd < rounds; rd++)
 				ratios[rd] = BASE(f, rd).us_per_layer;
 			/* the lower middle of an even count, as the rows take theirs */
@@ -769,7 +763,7 @@ int bench_decode(int argc, char **argv)
 						n_ok, lo, hi, fastest, of_minima);
 				if (f)
 					fprintf(stderr, "          %.2f x %s's speed (the median over %u rounds of the same round's ratio)\n",
-						speed_over_first, kv_format_label(g.kv_formats[0]), n_pair);
+						speed_over_first, bench_kv_format_label(g.kv_formats[0]), n_pair);
 				fprintf(json,
 					"%s    {\"batch\": %u, \"context_tokens\": %llu, \"mode\": \"%s\", \"captured\": %s, \"recall\": \"%s\", "
 					"\"controller\": \"%s\", \"us_per_layer\": %.2f, \"attention_over_budget_us\": %.2f, "

@@ -467,7 +467,7 @@ static void write_json(FILE *f, const struct recall_opts *o, const char *backend
 	for (uint32_t bi = 0; bi < o->n_budgets; bi++)
 		for (uint32_t fmt = KVR_KV_FORMAT_PLAIN; fmt <= KVR_KV_FORMAT_K4V2; fmt++)
 			fprintf(f, "    {\"budget_tokens\": %u, \"kv_format\": \"%s\", \"per_sequence_bytes\": %llu}%s\n",
-				o->budgets[bi], fmt ? kvr_kv_format_name(fmt) : "f16",
+				o->budgets[bi], bench_kv_format_label(fmt),
 				(unsigned long long)cache_bytes(&o->sh, o->budgets[bi], o->sink, o->window, fmt),
 				bi + 1 < o->n_budgets || fmt < KVR_KV_FORMAT_K4V2 ? "," : "");
 	fprintf(f, "  ],\n  \"summary\": {\"peak_h2d_pinned_gbps\": %.4f}\n", peak);

@@ -381,8 +381,6 @@ Test(bench, freelist_writes_schema_json, .timeout = 120)
 			 "assert all(r[k] > 0 for r in rows for k in keys), rows");
 }
 
-/* `kvrecall bench cache`: the shared cache of quantised pages holds the
- * sparse sequences' units only, and reopening the mix does not grow it. */
 /* The JSON names the cpu kernels' path that ran, KVR_CPU_ISA's where it
  * forces one, so that one machine's results per path tell themselves apart. */
 Test(bench, json_names_the_forced_cpu_kernels, .timeout = 120)
@@ -392,6 +390,8 @@ Test(bench, json_names_the_forced_cpu_kernels, .timeout = 120)
 			 "assert d['machine']['cpu_kernels'] == 'scalar', d['machine']");
 }
 
+/* `kvrecall bench cache`: the shared cache of quantised pages holds the
+ * sparse sequences' units only, and reopening the mix does not grow it. */
 Test(bench, cache_writes_schema_json, .timeout = 120)
 {
 	bench_json_check("bench cache --quick",
