@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+#
+# test_gpu_check.sh — the device check's own logic (bench/gpu_check.sh run),
+# on stand-in executables, no build needed: a stage past --time-limit is cut
+# with its whole process tree (Criterion's workers leave the process group)
+# and the later stages are skipped with the summary still written; a test
+# filter that matches nothing fails its stage; a stage the machine cannot run
+# is skipped with the reason; bad flags are refused before anything runs.
+# The real stages on cudaemu run in .ci/run (`gpu_check.sh run --emu --quick`).
+#
+#   bash tests/test_gpu_check.sh bench/gpu_check.sh
+set -uo pipefail
+check=${1:?usage: test_gpu_check.sh PATH/TO/gpu_check.sh}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fails=0
+expect() { # expect DESCRIPTION CONDITION...
+	local what=$1
+	shift
+	if "$@"; then
+		echo "ok   $what"
+	else
+		echo "FAIL $what"
+		fails=$((fails + 1))
+	fi
+}
+
+# a stand-in build: test_conformance per $FAKE_CONFORMANCE, test_scheduler
+# runs no test, kvrecall stands still
+fake="$work/build"
+mkdir -p "$fake/tests" "$fake/bench"
+cat >"$fake/tests/test_conformance" <<'SH'
+#!/usr/bin/env bash
+case ${FAKE_CONFORMANCE:-pass} in
+pass) echo "[====] Synthesis: Tested: 2 | Passing: 2 | Failing: 0 | Crashing: 0" ;;
+hang) # a child in a session of its own, as Criterion's workers are, and a grandchild
+	setsid bash -c 'sleep 300 & echo $! >"$FAKE_PIDS/grandchild"; echo $$ >"$FAKE_PIDS/child"; wait' &
+	sleep 300 ;;
+esac
+SH
+cat >"$fake/tests/test_scheduler" <<'SH'
+#!/usr/bin/env bash
+echo "[====] Synthesis: Tested: 0 | Passing: 0 | Failing: 0 | Crashing: 0"
+SH
+printf '#!/bin/sh\nexit 0\n' >"$fake/bench/kvrecall"
+chmod +x "$fake"/tests/* "$fake"/bench/*
+export FAKE_PIDS="$work/pids"
+mkdir -p "$FAKE_PIDS"
+
+# 1. cut at the time limit
+out="$work/cut"
+start=$SECONDS
+FAKE_CONFORMANCE=hang bash "$check" run --emu --build "$fake" --out "$out" --time-limit 12 \
+	--skip python,selftest,decode >"$work/cut.txt" 2>&1
+rc=$?
+took=$((SECONDS - start))
+cat "$work/cut.txt"
+expect "a run cut short exits 1" [ $rc = 1 ]
+expect "it ends within its time limit (took ${took} s)" [ $took -le 14 ]
+expect "the stage past its time is reported CUT" grep -q "^conformance  CUT" "$out/summary.txt"
+expect "the next stage is skipped for the time limit" \
+	grep -q "^scheduler    skipped (--time-limit reached)" "$out/summary.txt"
+expect "the summary is written to the end" grep -q "^gpu_check: FAILED" "$out/summary.txt"
+sleep 1
+for p in child grandchild; do
+	pid=$(cat "$FAKE_PIDS/$p" 2>/dev/null || echo "")
+	alive=0
+	# a zombie counts as dead: its parent was killed too, and who reaps
+	# orphans (a container's init) may be slow to
+	state=""
+	[ -n "$pid" ] && read -r line 2>/dev/null <"/proc/$pid/stat" && state=${line##*) }
+	[ -n "$state" ] && [[ $state != Z* ]] && alive=1 && kill -KILL "$pid"
+	killed=0
+	[ -n "$pid" ] && [ $alive = 0 ] && killed=1
+	expect "the cut stage's $p (its own session) is killed" [ $killed = 1 ]
+done
+
+# 2. a filter that matches no test fails; what the machine cannot run is skipped
+out="$work/plain"
+bash "$check" run --emu --build "$fake" --out "$out" --skip selftest,decode >"$work/plain.txt" 2>&1
+rc=$?
+cat "$work/plain.txt"
+expect "a failing stage makes the run exit 1" [ $rc = 1 ]
+expect "the conformance stage passes" grep -q "^conformance  ok" "$out/summary.txt"
+expect "a filter that ran no test fails its stage" grep -q "^scheduler    FAILED" "$out/summary.txt"
+expect "no test matched is said in the stage's log" grep -q "no test matched" "$out/scheduler.log"
+expect "no Python package: skipped with the reason" \
+	grep -q "^python       skipped (no Python package in" "$out/summary.txt"
+expect "no GPU: the timeline is skipped" grep -q "^timeline     skipped (no GPU)" "$out/summary.txt"
+expect "no GPU: memcheck is skipped" grep -q "^memcheck     skipped (no GPU" "$out/summary.txt"
+
+# 3. bad flags: refused before anything runs
+for bad in "--skip bogus" "--time-limit soon" "--frobnicate"; do
+	# shellcheck disable=SC2086
+	bash "$check" run --emu --build "$fake" --out "$work/bad" $bad >"$work/bad.txt" 2>&1
+	expect "'$bad' is refused (exit 2)" [ $? = 2 ]
+done
+expect "the refused runs ran no stage" [ ! -e "$work/bad/conformance.log" ]
+bash "$check" run --emu --build "$work/nowhere" >/dev/null 2>&1
+expect "a missing build folder is refused (exit 2)" [ $? = 2 ]
+
+echo "$fails failed"
+[ $fails = 0 ]
