@@ -40,8 +40,8 @@
  * --capture (cuda) adds, after each row, the same steps replayed from a CUDA
  * graph captured once (kvr_decode_reserve, kvr_decode_replay; docs/api.md,
  * "Decode steps in a CUDA graph"), on a stream of the engine's own: rows
- * with "captured": true. A configuration that cannot be captured (streamed
- * recall, say) gets none, with the reason on stderr.
+ * with "captured": true. A configuration that cannot be captured (quantised
+ * pages with streamed recall, say) gets none, with the reason on stderr.
  *
  * --trace FILE traces 4 steps at --trace-context tokens (Chrome trace-event
  * JSON, kvr_trace_write) and exits.
@@ -430,7 +430,8 @@ static int usage(void)
 		"             whose ratio to the budget is the median, the range over the rounds, and the\n"
 		"             fastest step over the budget of the fastest attention over B\n"
 		"  --capture (cuda): each row once more, its steps replayed from a CUDA graph (where the\n"
-		"             configuration can be captured: zero-copy recall)\n");
+		"             configuration can be captured: not quantised pages with streamed recall,\n"
+		"             nor the estimate or a spill tier)\n");
 	return 2;
 }
 

@@ -347,7 +347,7 @@ else
 		"$root/bench/kvrecall" bench decode --backend cuda --preset llama-3.1-8b --batch 1,8 \
 			--max-context 32768 --recall zero-copy --capture --json "$out/decode.json" &&
 			"$root/bench/kvrecall" bench decode --backend cuda --preset llama-3.1-8b --batch 1,8 \
-				--max-context 32768 --recall streamed --json "$out/decode-streamed.json"
+				--max-context 32768 --recall streamed --capture --json "$out/decode-streamed.json"
 	}
 fi
 stage decode decode

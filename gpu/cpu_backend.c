@@ -469,6 +469,16 @@ int kvr_cpu_stream_runs_later(const struct kvr_stream *s)
 	return (s->flags & KVR_STREAM_WORKER) || s->capture;
 }
 
+int kvr_cpu_capture_refuses(struct kvr_dev *dev, struct kvr_stream *s, const char *op, int capturable)
+{
+	if (!s || !s->capture || capturable)
+		return 0;
+	char why[160];
+	snprintf(why, sizeof(why), "%s: cannot be captured into a CUDA graph (not an operation of a captured decode step)",
+		 op);
+	return capture_refuse(dev, s->capture, why);
+}
+
 static int cpu_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *s)
 {
 	if (s->capture)
@@ -711,7 +721,8 @@ struct kernel_op {
 			      const item_type *items, uint32_t n, struct kvr_stream *s) \
 	{                                                                              \
 		const struct kernel_op op = { *shape, items, n, NULL, 0 };             \
-		return kvr_cpu_enqueue(dev, s, run_##name, &op, sizeof(op));           \
+		const int refused = kvr_cpu_capture_refuses(dev, s, #name, KVR_CAPTURABLE_##name); \
+		return refused ? refused : kvr_cpu_enqueue(dev, s, run_##name, &op, sizeof(op)); \
 	}
 
 KERNEL_OP(scatter, struct kvr_scatter_item)
@@ -736,7 +747,8 @@ static int cpu_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			 struct kvr_stream *s)
 {
 	const struct kernel_op op = { *shape, items, n, segments, n_segments };
-	return kvr_cpu_enqueue(dev, s, run_attention, &op, sizeof(op));
+	const int refused = kvr_cpu_capture_refuses(dev, s, "attention", KVR_CAPTURABLE_attention);
+	return refused ? refused : kvr_cpu_enqueue(dev, s, run_attention, &op, sizeof(op));
 }
 
 struct freelist_op {
@@ -754,7 +766,8 @@ static int cpu_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *ite
 			struct kvr_stream *s)
 {
 	const struct freelist_op op = { items, n };
-	return kvr_cpu_enqueue(dev, s, run_freelist, &op, sizeof(op));
+	const int refused = kvr_cpu_capture_refuses(dev, s, "freelist", KVR_CAPTURABLE_freelist);
+	return refused ? refused : kvr_cpu_enqueue(dev, s, run_freelist, &op, sizeof(op));
 }
 
 /* ------------------------------------------------------------------ host functions */

@@ -748,17 +748,19 @@ static int kernel_result(struct kvr_dev *dev, int rc)
 		});                                                                         \
 	}
 
-KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter), false)
-KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload), false)
-KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize), false)
-KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity), true)
-KERNEL_OP(plan, kvr_plan_item, KVR_KERNEL_SYMBOL(launch_plan), true)
-KERNEL_OP(append, kvr_append_item, KVR_KERNEL_SYMBOL(launch_append), true)
+/* capturable: kernels.h's table (KVR_CAPTURABLE_*), which the cpu backend's
+ * capture emulation follows too */
+KERNEL_OP(scatter, kvr_scatter_item, KVR_KERNEL_SYMBOL(launch_scatter), KVR_CAPTURABLE_scatter)
+KERNEL_OP(offload, kvr_page_item, KVR_KERNEL_SYMBOL(launch_offload), KVR_CAPTURABLE_offload)
+KERNEL_OP(summarize, kvr_page_item, KVR_KERNEL_SYMBOL(launch_summarize), KVR_CAPTURABLE_summarize)
+KERNEL_OP(similarity, kvr_similarity_item, KVR_KERNEL_SYMBOL(launch_similarity), KVR_CAPTURABLE_similarity)
+KERNEL_OP(plan, kvr_plan_item, KVR_KERNEL_SYMBOL(launch_plan), KVR_CAPTURABLE_plan)
+KERNEL_OP(append, kvr_append_item, KVR_KERNEL_SYMBOL(launch_append), KVR_CAPTURABLE_append)
 
 static int op_freelist(struct kvr_dev *dev, const struct kvr_freelist_item *items, uint32_t n,
 		       struct kvr_stream *stream)
 {
-	return enqueue_on(dev, stream, "freelist", [&](struct cuda_stream *cs, struct cuda_dev *) {
+	return enqueue_on(dev, stream, "freelist", KVR_CAPTURABLE_freelist, [&](struct cuda_stream *cs, struct cuda_dev *) {
 		return kernel_result(dev, KVR_KERNEL_SYMBOL(launch_freelist)(items, n, cs->s));
 	});
 }
@@ -803,7 +805,7 @@ static int op_score(struct kvr_dev *dev, const struct kvr_shape *shape,
 	struct cuda_stream *cs = as_stream(stream);
 	struct cuda_dev *cd = impl(dev);
 	device_scope scope(cd->device);
-	int rc = enqueue_begin(dev, scope, cs->s, "score", true, &cs->capturing);
+	int rc = enqueue_begin(dev, scope, cs->s, "score", KVR_CAPTURABLE_score, &cs->capturing);
 	if (rc)
 		return rc;
 	if (cs->capturing) /* the scratch only reservations change (capture_reserve) */
@@ -867,7 +869,7 @@ static int op_capture_reserve(struct kvr_dev *dev, struct kvr_stream *stream, co
 static int op_dense(struct kvr_dev *dev, const struct kvr_shape *shape,
 		    const struct kvr_dense_item *items, uint32_t n, struct kvr_stream *stream)
 {
-	return enqueue_on(dev, stream, "dense", [&](struct cuda_stream *cs, struct cuda_dev *cd) {
+	return enqueue_on(dev, stream, "dense", KVR_CAPTURABLE_dense, [&](struct cuda_stream *cs, struct cuda_dev *cd) {
 		const int rc = attention_scratch(dev, cs, shape, n);
 		if (rc)
 			return rc;
@@ -884,7 +886,8 @@ static int select_on(struct kvr_dev *dev, const struct kvr_shape *shape, const s
 		     const char *what)
 {
 	/* the hand-written twin (no host items) is one kernel: capturable */
-	return enqueue_on(dev, stream, what, items_host == NULL, [&](struct cuda_stream *cs, struct cuda_dev *) {
+	return enqueue_on(dev, stream, what, KVR_CAPTURABLE_select && items_host == NULL,
+			  [&](struct cuda_stream *cs, struct cuda_dev *) {
 		char msg[KVR_DEV_MESSAGE_BYTES];
 		const int rc = kvr_cuda_select_topk(shape, items, items_host, n, cs->topk, cs->s, msg,
 						    sizeof(msg));
@@ -920,7 +923,8 @@ static int op_attention(struct kvr_dev *dev, const struct kvr_shape *shape,
 			const struct kvr_kv_segment *segments, uint32_t n_segments,
 			struct kvr_stream *stream)
 {
-	return enqueue_on(dev, stream, "attention", true, [&](struct cuda_stream *cs, struct cuda_dev *cd) {
+	return enqueue_on(dev, stream, "attention", KVR_CAPTURABLE_attention,
+			  [&](struct cuda_stream *cs, struct cuda_dev *cd) {
 		const int rc = attention_scratch(dev, cs, shape, n);
 		if (rc)
 			return rc;

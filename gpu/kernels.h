@@ -530,6 +530,25 @@ struct kvr_freelist_item { /* freelist: one list's round */
 	S(kvr_kv_segment) S(kvr_attention_item) S(kvr_dense_item) S(kvr_freelist_item)          \
 	S(kvr_plan_item) S(kvr_append_item)
 
+/*
+ * The kernels a stream being captured into a CUDA graph accepts: those a
+ * captured decode step launches (scheduler/capture.c). The cuda backend
+ * refuses the others on a capturing stream, and the cpu backend's capture
+ * emulation (so cudaemu) refuses them alike, so a capture that works on
+ * cudaemu uses only what CUDA takes.
+ */
+#define KVR_CAPTURABLE_scatter 1 /* streamed recall's misses, into the slots */
+#define KVR_CAPTURABLE_offload 0
+#define KVR_CAPTURABLE_summarize 0
+#define KVR_CAPTURABLE_score 1
+#define KVR_CAPTURABLE_select 1
+#define KVR_CAPTURABLE_similarity 1
+#define KVR_CAPTURABLE_dense 0
+#define KVR_CAPTURABLE_plan 1
+#define KVR_CAPTURABLE_append 1
+#define KVR_CAPTURABLE_attention 1
+#define KVR_CAPTURABLE_freelist 0
+
 /* Shape of a call, common to the kernels. */
 struct kvr_shape {
 	uint32_t n_qo_heads;

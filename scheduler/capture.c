@@ -16,9 +16,13 @@
  * (mapped memory the graph's upload reads at launch), every entry's items:
  *   uploaded: append [batch], similarity [batch], this step's score items
  *     [batch], the next step's [batch], plan [batch][n_kv], attention
- *     [batch][n_kv], segments [batch][n_kv][seg_cap];
+ *     [batch][n_kv], segments [batch][n_kv][seg_cap]; streamed, the
+ *     prefetch's plan items [batch][n_kv] and a selection of no page [k];
  *   read in place: the correction flags [batch][n_kv], cosines, and the
- *     flags of the similarity items nobody reads.
+ *     flags of the similarity items nobody reads; streamed, the plans' and
+ *     the prefetch's recall counts [batch][n_kv][2];
+ *   the kernels' own (streamed): the plans' and the prefetch's scatter
+ *     items [batch][n_kv][k] each, and spare slot tables [batch][n_kv][k].
  * Every entry has all of them every step, each able to do nothing, since
  * which entries are dense, checked (freekv), selecting afresh (blocking, a
  * lane's first sparse step) or failed changes from step to step:
@@ -34,17 +38,23 @@
  *    plan kernel kept;
  *  - plan: a dense entry's item takes no page (k = 0) and keeps the
  *    segments the host built (every page); a failed entry's has none, and
- *    its attention items then write zeros.
+ *    its attention items then write zeros;
+ *  - streamed, the scatters after this step's plan and after the prefetch's
+ *    run over every entry's k items per head: an entry that recalls nothing
+ *    has plan items that select no page into a spare slot table (all k
+ *    scatter items skip) and leave its attention item's count, the host's,
+ *    as it is; the prefetch (the next step's pages into the slots, on the
+ *    fork after the next step's selection, as the controller does
+ *    uncaptured: recall.c) has the same for an entry that did not select.
  * An entry past the replayed batch (a replay may run fewer sequences than
  * it captured) is a failed one.
  *
  * What can be captured: mode dense on a device with memory of its own and
  * the device append (an HND pool of plain or K8V4/K4V2 pages), and the
- * sparse modes on the device plan with zero-copy recall and a window of at
- * least a page (the next step's candidates then never include the page a
- * step completes, whose summary the graph writes after the host part ran);
- * no spill tier. Streamed recall would also need the prefetch's plan and
- * scatter in the fork, not built yet.
+ * sparse modes on the device plan (zero-copy recall, or streamed of plain
+ * pages) with a window of at least a page (the next step's candidates then
+ * never include the page a step completes, whose summary the graph writes
+ * after the host part ran); no spill tier.
  *
  * Device copies the host part queues before the graph, on the compute
  * stream, which the launch stream waits for: a layer's resident pages not
@@ -60,17 +70,25 @@
 
 #include "sched_impl.h"
 
-/* What step_end tallies of a replayed entry (its correction flags). */
+/* What step_end tallies of a replayed entry (its correction flags, and
+ * streamed its plans' recall counts). */
 struct fixed_tally {
 	uint32_t seq;
-	uint32_t checked; /* freekv: the similarity kernel flagged its heads */
+	uint8_t checked;       /* freekv: the similarity kernel flagged its heads */
+	uint8_t planned;       /* streamed: this step's plan planned its slots */
+	uint8_t all_corrected; /* ... for every head (a selection afresh) */
+	uint8_t prefetched;    /* streamed: the fork prefetched its next selection */
 };
 
 /* Byte offsets of a layer scratch's fixed-shape regions. */
 struct fixed_regions {
 	size_t appends, sims, now, next, plans, items, segs;
+	size_t prefetch, no_pages; /* streamed */
 	size_t upload; /* bytes from 0 the graph uploads */
 	size_t corr, cosine, unread, tally;
+	/* streamed: the plans' counts (read in place), then what only the
+	 * kernels read and write: the misses' scatter items, spare slot tables */
+	size_t plan_counts, prefetch_counts, plan_scatter, prefetch_scatter, spare_slots;
 	size_t total;
 };
 
@@ -81,7 +99,15 @@ static size_t region(size_t *at, size_t bytes)
 	return here;
 }
 
-static void fixed_layout(const struct kvr_sched *s, uint32_t batch, uint32_t seg_cap, struct fixed_regions *r)
+/* 1 where a layer's captured step recalls through the slots: a sparse layer
+ * with streamed recall (the regions and kernels marked streamed). */
+static int streamed_layer(const struct kvr_sched *s, uint32_t layer)
+{
+	return s->recall == KVR_RECALL_STREAMED && !kvr_layer_dense(s, layer);
+}
+
+static void fixed_layout(const struct kvr_sched *s, uint32_t layer, uint32_t batch, uint32_t seg_cap,
+			 struct fixed_regions *r)
 {
 	const uint64_t n_items = (uint64_t)batch * s->c.n_kv_heads;
 	size_t at = 0;
@@ -92,11 +118,19 @@ static void fixed_layout(const struct kvr_sched *s, uint32_t batch, uint32_t seg
 	r->plans = region(&at, n_items * sizeof(struct kvr_plan_item));
 	r->items = region(&at, n_items * sizeof(struct kvr_attention_item));
 	r->segs = region(&at, n_items * seg_cap * sizeof(struct kvr_kv_segment));
+	const uint64_t streamed = (uint64_t)streamed_layer(s, layer), slots = streamed * n_items * s->k;
+	r->prefetch = region(&at, streamed * n_items * sizeof(struct kvr_plan_item));
+	r->no_pages = region(&at, streamed * s->k * sizeof(int32_t));
 	r->upload = at;
 	r->corr = region(&at, n_items);
 	r->cosine = region(&at, n_items * sizeof(float));
 	r->unread = region(&at, n_items);
 	r->tally = region(&at, batch * sizeof(struct fixed_tally));
+	r->plan_counts = region(&at, streamed * n_items * 2 * sizeof(uint32_t));
+	r->prefetch_counts = region(&at, streamed * n_items * 2 * sizeof(uint32_t));
+	r->plan_scatter = region(&at, slots * sizeof(struct kvr_scatter_item));
+	r->prefetch_scatter = region(&at, slots * sizeof(struct kvr_scatter_item));
+	r->spare_slots = region(&at, slots * sizeof(int32_t));
 	r->total = at;
 }
 
@@ -127,11 +161,11 @@ int kvr_sched_capturable(const struct kvr_sched *s, const char **why)
 		*why = "the estimate (config estimate) builds its segments on the host, around the "
 		       "selection it reads: turn it off to capture a sparse mode";
 	else if (!s->device_plan)
-		*why = "this configuration plans recall on the host (budget, sink and window leave "
-		       "no page to select, or more than the device plan takes)";
-	else if (s->recall != KVR_RECALL_ZERO_COPY)
-		*why = "streamed recall cannot be captured in this version (its prefetch would have to "
-		       "move into the graph): use zero-copy recall";
+		*why = s->recall == KVR_RECALL_STREAMED && s->kv_format
+			       ? "streamed recall of quantised pages is planned on the host: use zero-copy "
+				 "recall, or f16, bf16 or f32 pages"
+			       : "this configuration plans recall on the host (budget, sink and window leave "
+				 "no page to select, or more than the device plan takes)";
 	else if (s->c.window_tokens < s->c.page_tokens)
 		*why = "a window shorter than a page lets the next step select the page a step "
 		       "completes, whose summary a replay cannot copy in time";
@@ -194,7 +228,7 @@ int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_
 	for (uint32_t l = 0; l < s->c.n_layers && !err; l++) {
 		const uint32_t seg_cap = seg_cap_of(s, l, max_tokens);
 		struct fixed_regions r;
-		fixed_layout(s, batch, seg_cap, &r);
+		fixed_layout(s, l, batch, seg_cap, &r);
 		/* and for uncaptured steps within the reservation, which would
 		 * otherwise regrow the buffers under the graph */
 		const size_t uncaptured = kvr_sched_layer_scratch_bytes(s, batch, (uint32_t)(pages - 1));
@@ -248,7 +282,7 @@ int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	struct layer_scratch *ls = &s->eng.scratch[layer];
 	struct fixed_layer *fl = &s->eng.fixed.layers[layer];
 	struct fixed_regions r;
-	fixed_layout(s, batch, fl->seg_cap, &r);
+	fixed_layout(s, layer, batch, fl->seg_cap, &r);
 	if (!s->eng.fixed.batch || batch > s->eng.fixed.batch || ls->m.bytes < r.total) {
 		snprintf(s->last_error, sizeof(s->last_error),
 			 "a capture allocates nothing: reserve the step's buffers for %u sequences first "
@@ -261,7 +295,7 @@ int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			s->eng.fixed.layers[l].batch = 0;
 		s->eng.fixed.fork_used = 0;
 	}
-	const int sparse = !kvr_layer_dense(s, layer);
+	const int sparse = !kvr_layer_dense(s, layer), streamed = streamed_layer(s, layer);
 	const uint32_t n_items = batch * s->c.n_kv_heads;
 	unsigned char *dev = ls->m.dev;
 	const struct kvr_score_item *now = (const void *)(dev + r.now), *next = (const void *)(dev + r.next);
@@ -286,6 +320,9 @@ int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 	if (!err && sparse)
 		err = kvr_dev_plan(s->dev, &s->shape, (const struct kvr_plan_item *)(dev + r.plans), n_items,
 				   s->compute);
+	if (!err && sparse && streamed) /* this step's misses (corrected heads, first steps), pool -> slots */
+		err = kvr_dev_scatter(s->dev, &s->shape, (const struct kvr_scatter_item *)(dev + r.plan_scatter),
+				      n_items * s->k, s->compute);
 	if (!err)
 		err = kvr_dev_attention(s->dev, &s->head_shape, (const struct kvr_attention_item *)(dev + r.items),
 					n_items, (const struct kvr_kv_segment *)(dev + r.segs), n_items * fl->seg_cap,
@@ -301,6 +338,15 @@ int kvr_sched_capture_layer(struct kvr_sched *s, uint32_t layer, uint32_t batch,
 			err = kvr_dev_score(s->dev, &s->shape, next, batch, s->eng.fixed.fork);
 		if (!err)
 			err = kvr_dev_select(s->dev, &s->shape, next, batch, s->eng.fixed.fork);
+		/* streamed: the prefetch of what it selected into the slots,
+		 * which the controller does uncaptured (recall.c) */
+		if (!err && streamed)
+			err = kvr_dev_plan(s->dev, &s->shape, (const struct kvr_plan_item *)(dev + r.prefetch),
+					   n_items, s->eng.fixed.fork);
+		if (!err && streamed)
+			err = kvr_dev_scatter(s->dev, &s->shape,
+					      (const struct kvr_scatter_item *)(dev + r.prefetch_scatter),
+					      n_items * s->k, s->eng.fixed.fork);
 	}
 	if (!err)
 		err = kvr_dev_event_record(s->dev, s->eng.layer_done, s->compute);
@@ -337,7 +383,36 @@ struct fixed_view {
 	uint8_t *corr, *unread;
 	float *cosine;
 	struct fixed_tally *tally;
+	/* streamed (host views; the kernels' through dev_at) */
+	struct kvr_plan_item *prefetch;
+	int32_t *no_pages, *spare_slots;
+	uint32_t *plan_counts, *prefetch_counts;
+	struct kvr_scatter_item *plan_scatter, *prefetch_scatter;
 };
+
+/* The kernels' view of a pointer into a replayed layer's scratch. */
+static void *dev_at(struct kvr_sched *s, const struct fixed_view *fv, const void *host)
+{
+	return kvr_mirror_dev_at(&s->eng.scratch[fv->layer].m, host);
+}
+
+/* Streamed: item j's plan item (this step's, or `for_next` the prefetch's)
+ * that selects no page: it plans a spare slot table, so its k scatter items
+ * all skip, and the scatter that follows over every entry's items moves
+ * nothing of it. No segments: the attention item keeps the host's count. */
+static struct kvr_plan_item plan_no_page(struct kvr_sched *s, const struct fixed_view *fv, uint64_t j, int for_next)
+{
+	const uint32_t kk = s->k;
+	return (struct kvr_plan_item){
+		.selected = dev_at(s, fv, fv->no_pages),
+		.k = kk,
+		.seg_tokens = s->c.page_tokens,
+		.slot_page = dev_at(s, fv, fv->spare_slots + j * kk),
+		.scatter = dev_at(s, fv, (for_next ? fv->prefetch_scatter : fv->plan_scatter) + j * kk),
+		.recall_count = (for_next ? fv->prefetch_counts : fv->plan_counts) + 2 * j,
+		.kv_head = UINT32_MAX,
+	};
+}
 
 /* Entry i doing nothing (failed, or past the replayed batch): its append
  * skipped, its similarity unread, no selection, its items without segments
@@ -354,11 +429,17 @@ static void entry_empty(struct kvr_sched *s, const struct fixed_view *fv, uint32
 	fv->now[i] = (struct kvr_score_item){ 0 };
 	fv->next[i] = (struct kvr_score_item){ 0 };
 	memset(fv->corr + (uint64_t)i * n_kv, 0, n_kv);
-	fv->tally[i] = (struct fixed_tally){ 0, 0 };
+	fv->tally[i] = (struct fixed_tally){ 0 };
+	const int streamed = streamed_layer(s, fv->layer);
 	for (uint32_t m = 0; m < n_kv; m++) {
 		const uint64_t j = (uint64_t)i * n_kv + m;
 		fv->items[j] = (struct kvr_attention_item){ q + m * head_q, out + m * head_q, NULL,
 							    (uint32_t)(j * fv->seg_cap), 0 };
+		if (streamed) { /* n_segments stays the host's (0; a dense entry's, all) */
+			fv->plans[j] = plan_no_page(s, fv, j, 0);
+			fv->prefetch[j] = plan_no_page(s, fv, j, 1);
+			continue;
+		}
 		/* k = 0: takes no page; n_segments = n_head + n_tail = 0 */
 		fv->plans[j] = (struct kvr_plan_item){ .attention = kvr_mirror_dev_at(&s->eng.scratch[fv->layer].m,
 										      &fv->items[j]),
@@ -403,6 +484,7 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 {
 	const uint32_t n_kv = fv->n_kv, layer = fv->layer, kk = s->k, p = s->c.page_tokens;
 	const uint64_t head_q = (uint64_t)s->G * s->c.head_dim * s->eb;
+	const int streamed = streamed_layer(s, layer);
 	struct kvr_lane *lane = lane_of(s, seq, layer);
 	entry_empty(s, fv, i);
 	const uint64_t waited = kvr_lane_acquire(s, lane);
@@ -459,9 +541,10 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 		check = !all && s->c.mode == KVR_MODE_FREEKV;
 
 		memset(corr, all, n_kv); /* a checked entry's: the similarity kernel's */
+		fv->tally[i] = (struct fixed_tally){ .seq = seq, .checked = (uint8_t)check, .planned = streamed,
+						     .all_corrected = (uint8_t)all };
 		if (check) {
 			fv->sims[i] = (struct kvr_similarity_item){ qi, lane->prev_q, fv->cosine + (uint64_t)i * n_kv, corr };
-			fv->tally[i] = (struct fixed_tally){ seq, 1 };
 			count(s, seq, KVR_C_CHECKED_HEADS, n_kv);
 		}
 		if (all || check) {
@@ -478,10 +561,13 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 			err = -ENOMEM;
 		if (!err && lane->sel_unwaited) {
 			/* an uncaptured step's controller job wrote the selection this
-			 * step attends: the graph's launch waits for it */
+			 * step attends (streamed: and prefetched it into the slots):
+			 * the graph's launch waits for it */
 			err = kvr_dev_stream_wait_event(s->dev, s->compute, lane->sel_done);
 			lane->sel_unwaited = 0;
 		}
+		if (!err && streamed) /* any recall of the lane's slots, as uncaptured */
+			err = kvr_step_wait_recall(s, lane, 0);
 		if (err) {
 			kvr_sched_mark_failed(s, seq, layer, position, err,
 					      err == -ENOMEM ? "out of memory for the selection or its page table"
@@ -500,8 +586,14 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 						&seg_err);
 			struct kvr_plan_item *pl = &fv->plans[j];
 			/* the lane keeps q_i for the next step */
-			*pl = kvr_sched_plan_item(s, lane, m, n_tokens, pl->attention, pl->segments, n_head, n_tail, now,
+			/* streamed: no_page left attention and segments out */
+			struct kvr_attention_item *att = dev_at(s, fv, &fv->items[j]);
+			struct kvr_kv_segment *segs = dev_at(s, fv, fv->segs + j * fv->seg_cap);
+			*pl = kvr_sched_plan_item(s, lane, m, n_tokens, att, segs, n_head, n_tail, now,
 						  check ? corr : NULL, addrs, n_addrs, qi + m * head_q);
+			if (streamed)
+				kvr_sched_plan_item_slots(s, lane, m, pl, dev_at(s, fv, fv->plan_scatter + j * kk),
+							  fv->plan_counts + 2 * j);
 		}
 		lane->has_prev = 1;
 		if (selects_next(s)) { /* from the query the plan kernel keeps */
@@ -510,6 +602,16 @@ static void entry_fill(struct kvr_sched *s, const struct fixed_view *fv, uint32_
 				count(s, seq, KVR_C_SELECTIONS, 1);
 			else /* its next step selects afresh */
 				lane->has_prev = 0;
+			if (!err && streamed) { /* ... and the prefetch of its pages */
+				lane->job_n_tokens = n_tokens;
+				for (uint32_t m = 0; m < n_kv; m++) {
+					const uint64_t j = (uint64_t)i * n_kv + m;
+					fv->prefetch[j] = kvr_recall_prefetch_item(
+						s, lane, m, dev_at(s, fv, fv->prefetch_scatter + j * kk),
+						fv->prefetch_counts + 2 * j);
+				}
+				fv->tally[i].prefetched = 1;
+			}
 		}
 	}
 	s->eng.fixed.unwritten_from = UINT32_MAX;
@@ -560,15 +662,20 @@ int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *s
 	for (uint32_t l = 0; l < s->c.n_layers; l++) {
 		const struct fixed_layer *fl = &s->eng.fixed.layers[l];
 		struct fixed_regions r;
-		fixed_layout(s, captured, fl->seg_cap, &r);
+		fixed_layout(s, l, captured, fl->seg_cap, &r);
 		unsigned char *host = s->eng.scratch[l].m.host;
 		const struct fixed_view fv = {
 			fl, l, fl->seg_cap, s->c.n_kv_heads,
 			(void *)(host + r.appends), (void *)(host + r.sims), (void *)(host + r.now),
 			(void *)(host + r.next), (void *)(host + r.plans), (void *)(host + r.items),
 			(void *)(host + r.segs), host + r.corr, host + r.unread, (void *)(host + r.cosine),
-			(void *)(host + r.tally),
+			(void *)(host + r.tally), (void *)(host + r.prefetch), (void *)(host + r.no_pages),
+			(void *)(host + r.spare_slots), (void *)(host + r.plan_counts),
+			(void *)(host + r.prefetch_counts), (void *)(host + r.plan_scatter),
+			(void *)(host + r.prefetch_scatter),
 		};
+		for (uint32_t x = 0; streamed_layer(s, l) && x < s->k; x++)
+			fv.no_pages[x] = -1;
 		for (uint32_t i = 0; i < captured; i++) {
 			if (i < batch)
 				entry_fill(s, &fv, i, seqs[i], positions[i]);
@@ -612,10 +719,33 @@ void kvr_sched_replay_tally(struct kvr_sched *s)
 	const uint32_t n_kv = s->c.n_kv_heads, batch = s->eng.fixed.layers[0].batch;
 	for (uint32_t l = 0; l < s->c.n_layers; l++) {
 		struct fixed_regions r;
-		fixed_layout(s, batch, s->eng.fixed.layers[l].seg_cap, &r);
+		fixed_layout(s, l, batch, s->eng.fixed.layers[l].seg_cap, &r);
 		const unsigned char *host = s->eng.scratch[l].m.host;
 		const struct fixed_tally *t = (const void *)(host + r.tally);
+		const uint32_t *plan_counts = (const void *)(host + r.plan_counts);
+		const uint32_t *prefetch_counts = (const void *)(host + r.prefetch_counts);
 		for (uint32_t i = 0; i < batch; i++) {
+			/* streamed, as uncaptured (kvr_step_tally_plans, the prefetch's
+			 * settle): this step's misses of every head, its hits of the
+			 * heads it recalled for; the prefetch's misses and hits */
+			uint64_t misses = 0, hits = 0;
+			for (uint32_t m = 0; m < n_kv && (t[i].planned || t[i].prefetched); m++) {
+				const uint64_t j = (uint64_t)i * n_kv + m;
+				const int recalled = t[i].all_corrected || (t[i].checked && host[r.corr + j]);
+				if (t[i].planned) {
+					misses += plan_counts[2 * j];
+					hits += recalled ? plan_counts[2 * j + 1] : 0;
+				}
+				if (t[i].prefetched) {
+					misses += prefetch_counts[2 * j];
+					hits += prefetch_counts[2 * j + 1];
+				}
+			}
+			if (t[i].planned || t[i].prefetched) {
+				count(s, t[i].seq, KVR_C_PAGES_RECALLED, misses);
+				count(s, t[i].seq, KVR_C_PAGES_HIT, hits);
+				count(s, t[i].seq, KVR_C_BYTES_RECALLED, misses * s->head_bytes);
+			}
 			if (!t[i].checked)
 				continue;
 			const uint8_t *corr = host + r.corr + (uint64_t)i * n_kv;

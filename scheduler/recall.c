@@ -689,33 +689,30 @@ void kvr_recall_prefetch_settle(struct kvr_sched *s, struct kvr_lane *lane)
 	lane->prefetch_pending = 0;
 }
 
-/* Lane `lane`'s n_kv prefetch plan items into `items`, its misses' scatter
- * items into `scatter` ([n_kv][k]). */
-static void prefetch_items(struct kvr_sched *s, struct kvr_lane *lane, struct kvr_plan_item *items,
-			   struct kvr_scatter_item *scatter)
+struct kvr_plan_item kvr_recall_prefetch_item(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
+					      struct kvr_scatter_item *scatter, uint32_t *counts)
 {
-	const uint32_t n_kv = s->c.n_kv_heads, kk = s->k;
+	const uint32_t kk = s->k;
 	/* the pages the selection may name (the next step's candidates),
 	 * as far as this step's plan looked them up */
 	uint32_t n_addrs = kvr_window_first(&s->c, lane->job_n_tokens + 1);
 	if (n_addrs > lane->addr_valid)
 		n_addrs = lane->addr_valid;
-	for (uint32_t m = 0; m < n_kv; m++)
-		items[m] = (struct kvr_plan_item){
-			.selected = lane->selected + (uint64_t)m * kk,
-			.page_addr = lane->page_addr,
-			.addr_end = lane->page_addr ? n_addrs : 0,
-			.k_offset = (uint64_t)m * s->head_bytes,
-			.v_offset = UINT64_MAX, /* the run's keys and values: the scatter's */
-			.k = kk,
-			.slot_page = lane->slot_page + (uint64_t)m * kk,
-			.scatter = scatter + (uint64_t)m * kk,
-			.recall_count = lane->prefetch_counts + 2 * m,
-			.slot_k = lane->slot_k,
-			.slot_v = lane->slot_v,
-			.tile_bytes = s->tile_bytes,
-			.kv_head = m,
-		};
+	return (struct kvr_plan_item){
+		.selected = lane->selected + (uint64_t)m * kk,
+		.page_addr = lane->page_addr,
+		.addr_end = lane->page_addr ? n_addrs : 0,
+		.k_offset = (uint64_t)m * s->head_bytes,
+		.v_offset = UINT64_MAX, /* the run's keys and values: the scatter's */
+		.k = kk,
+		.slot_page = lane->slot_page + (uint64_t)m * kk,
+		.scatter = scatter,
+		.recall_count = counts,
+		.slot_k = lane->slot_k,
+		.slot_v = lane->slot_v,
+		.tile_bytes = s->tile_bytes,
+		.kv_head = m,
+	};
 }
 
 int kvr_recall_prefetch_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n,
@@ -725,7 +722,10 @@ int kvr_recall_prefetch_batch(struct kvr_sched *s, struct kvr_lane *const *lanes
 	struct kvr_stream *stream = sel->stream;
 	struct kvr_plan_item *items = (struct kvr_plan_item *)sel->prefetch.host + (size_t)slot * sel->batch_cap * n_kv;
 	for (uint32_t i = 0; i < n; i++)
-		prefetch_items(s, lanes[i], items + (size_t)i * n_kv, sel->prefetch_scatter + (size_t)i * n_kv * kk);
+		for (uint32_t m = 0; m < n_kv; m++)
+			items[(size_t)i * n_kv + m] = kvr_recall_prefetch_item(
+				s, lanes[i], m, sel->prefetch_scatter + ((size_t)i * n_kv + m) * kk,
+				lanes[i]->prefetch_counts + 2 * m);
 	const uint64_t t0 = kvr_now_ns();
 	/* the plan decides the copies and the scatter converts: the hook sites
 	 * of the staged path's copy and conversion, on the controller's stream */

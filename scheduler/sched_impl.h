@@ -370,6 +370,19 @@ struct kvr_plan_item kvr_sched_plan_item(const struct kvr_sched *s, const struct
 					 const int32_t *now, const uint8_t *corr, const uint64_t *addrs,
 					 uint32_t n_addrs, const unsigned char *q_head);
 
+/* step.c: streamed, the compute stream after the lane's latest recall
+ * (a host wait first where compute runs on the host: counted as a recall
+ * wait unless `correction`); engine thread, uncaptured or in a replay's
+ * host part. */
+int kvr_step_wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correction);
+
+/* step_device.c: the streamed fields of head m's plan item `pl` (from
+ * kvr_sched_plan_item): its segments read the lane's slot tiles, the kernel
+ * plans the lane's slots and writes the misses' k scatter items to
+ * `scatter` (the kernels' view) and [misses, hits] to `counts`. */
+void kvr_sched_plan_item_slots(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
+			       struct kvr_plan_item *pl, struct kvr_scatter_item *scatter, uint32_t *counts);
+
 /* step.c: the bytes of a layer scratch for an (uncaptured) layer call of
  * `batch` sequences of up to max_pages full pages each. */
 size_t kvr_sched_layer_scratch_bytes(const struct kvr_sched *s, uint32_t batch, uint32_t max_pages);
@@ -448,6 +461,13 @@ int kvr_recall_issue(struct kvr_sched *s, struct kvr_lane *lane, const uint8_t *
  * thread, holding the lanes. */
 int kvr_recall_prefetch_batch(struct kvr_sched *s, struct kvr_lane *const *lanes, uint32_t n,
 			      struct kvr_selector *sel, uint32_t slot);
+/* Head m's prefetch plan item of a lane whose next selection is in
+ * lane->selected (its step held lane->job_n_tokens): the plan kernel plans
+ * its slots (no segments) and writes the misses' k scatter items to
+ * `scatter` and its [misses, hits] to `counts`. The controller's batches
+ * and a captured step's fork (capture.c) build theirs with it. */
+struct kvr_plan_item kvr_recall_prefetch_item(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
+					      struct kvr_scatter_item *scatter, uint32_t *counts);
 /* Tally the lane's last prefetch's counts (waiting for it, rare); whoever
  * holds the lane. */
 void kvr_recall_prefetch_settle(struct kvr_sched *s, struct kvr_lane *lane);

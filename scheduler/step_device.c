@@ -69,6 +69,21 @@ struct kvr_plan_item kvr_sched_plan_item(const struct kvr_sched *s, const struct
 	};
 }
 
+void kvr_sched_plan_item_slots(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
+			       struct kvr_plan_item *pl, struct kvr_scatter_item *scatter, uint32_t *counts)
+{
+	pl->seg_row = s->c.n_kv_heads * s->c.head_dim;
+	pl->v_offset = UINT64_MAX; /* the run's keys and values: the scatter's */
+	pl->slot_col = m * s->c.head_dim * s->eb;
+	pl->slot_page = lane->slot_page + (uint64_t)m * s->k;
+	pl->scatter = scatter;
+	pl->recall_count = counts;
+	pl->slot_k = lane->slot_k;
+	pl->slot_v = lane->slot_v;
+	pl->tile_bytes = s->tile_bytes;
+	pl->kv_head = m;
+}
+
 /* Entry i's attention items on the device plan, one per KV head: the
  * segments around the selected pages built here, the selected pages' by the
  * plan kernel from the lane's selection, or from `now` (this step's) where
@@ -100,18 +115,10 @@ static void queue_planned(struct layer_call *lc, uint32_t i, struct kvr_lane *la
 			kvr_mirror_dev_at(&lc->ls->m, lc->segs + first), n_head, n_tail, now, corr, addrs, n_addrs,
 			kk && lc->device_append ? qi + m * lc->head_q_bytes : NULL);
 		if (streamed) { /* the slots: planned, and the misses moved, on the device */
-			struct kvr_plan_item *pl = &lc->plans[lc->n_plans - 1];
 			const uint64_t at = (uint64_t)(lc->n_plans - 1);
-			pl->seg_row = lc->n_kv * s->c.head_dim;
-			pl->v_offset = UINT64_MAX; /* the run's keys and values: the scatter's */
-			pl->slot_col = m * s->c.head_dim * s->eb;
-			pl->slot_page = lane->slot_page + (uint64_t)m * kk;
-			pl->scatter = kvr_mirror_dev_at(&lc->ls->m, lc->plan_scatter + at * kk);
-			pl->recall_count = lc->recall_counts + 2 * at;
-			pl->slot_k = lane->slot_k;
-			pl->slot_v = lane->slot_v;
-			pl->tile_bytes = s->tile_bytes;
-			pl->kv_head = m;
+			kvr_sched_plan_item_slots(s, lane, m, &lc->plans[at],
+						  kvr_mirror_dev_at(&lc->ls->m, lc->plan_scatter + at * kk),
+						  lc->recall_counts + 2 * at);
 		}
 	}
 	lc->att_lanes[lc->n_att++] = lane;

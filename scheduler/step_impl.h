@@ -79,7 +79,6 @@ void kvr_step_zero_output(struct kvr_sched *s, void *out_row);
 /* The entry's kind (enum seq_kind) for this layer, with what it selects. */
 uint32_t kvr_step_start_entry(struct layer_call *lc, uint32_t i, struct kvr_lane *lane, int *select_all,
 			      int *check);
-int kvr_step_wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correction);
 int kvr_step_run_attention(struct kvr_sched *s, uint32_t layer, struct layer_scratch *ls,
 			   const struct kvr_attention_item *items, uint32_t n_items,
 			   const struct kvr_kv_segment *segs, uint32_t seg_begin, uint32_t n_segs,

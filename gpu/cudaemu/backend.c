@@ -70,6 +70,13 @@ static const char *const kernel_names[] = { "scatter", "offload", "summarize", "
 					    "select", "similarity", "attention", "dense",
 					    "freelist", "plan", "append" };
 
+/* What a capturing stream accepts, as on CUDA (kernels.h). */
+static const int kernel_capturable[] = {
+	KVR_CAPTURABLE_scatter,	   KVR_CAPTURABLE_offload,   KVR_CAPTURABLE_summarize, KVR_CAPTURABLE_score,
+	KVR_CAPTURABLE_select,	   KVR_CAPTURABLE_similarity, KVR_CAPTURABLE_attention, KVR_CAPTURABLE_dense,
+	KVR_CAPTURABLE_freelist,   KVR_CAPTURABLE_plan,	     KVR_CAPTURABLE_append,
+};
+
 static const size_t item_bytes[] = {
 	sizeof(struct kvr_scatter_item), sizeof(struct kvr_page_item),
 	sizeof(struct kvr_page_item),    sizeof(struct kvr_score_item),
@@ -768,6 +775,9 @@ static int enqueue(struct kvr_dev *dev, struct kvr_stream *s, const struct kvr_s
 		   const struct kvr_kv_segment *segments, uint32_t n_segments)
 {
 	struct emu_op op = { *shape, items, n, kernel, segments, n_segments, 0 };
+	const int refused = kvr_cpu_capture_refuses(dev, s, kernel_names[kernel], kernel_capturable[kernel]);
+	if (refused)
+		return refused;
 	struct strict_map *m = map_of(dev);
 	if (m) {
 		const int when_run = kvr_cpu_stream_runs_later(s);
