@@ -6,8 +6,11 @@
 # with its whole process tree (Criterion's workers leave the process group)
 # and the later stages are skipped with the summary still written; a test
 # filter that matches nothing fails its stage; a stage the machine cannot run
-# is skipped with the reason; bad flags are refused before anything runs.
-# The real stages on cudaemu run in .ci/run (`gpu_check.sh run --emu --quick`).
+# is skipped with the reason; bad flags are refused before anything runs;
+# and the GPU branch, which only a lent machine runs for real, runs its
+# stages with the commands it should (stand-ins for nvidia-smi,
+# compute-sanitizer and the bundle's executables). The real stages on cudaemu
+# run in .ci/run (`gpu_check.sh run --emu --quick`).
 #
 #   bash tests/test_gpu_check.sh bench/gpu_check.sh
 set -uo pipefail
@@ -41,9 +44,22 @@ esac
 SH
 cat >"$fake/tests/test_scheduler" <<'SH'
 #!/usr/bin/env bash
-echo "[====] Synthesis: Tested: 0 | Passing: 0 | Failing: 0 | Crashing: 0"
+echo "[====] Synthesis: Tested: ${FAKE_SCHEDULER_TESTED:-0} | Passing: 0 | Failing: 0 | Crashing: 0"
 SH
-printf '#!/bin/sh\nexit 0\n' >"$fake/bench/kvrecall"
+# kvrecall: its arguments noted, a result row where it is given --json
+cat >"$fake/bench/kvrecall" <<'SH'
+#!/usr/bin/env bash
+echo "$*" >>"$FAKE_PIDS/kvrecall.args"
+json="" prev=""
+for a in "$@"; do
+	[ "$prev" = --json ] && json=$a
+	prev=$a
+done
+[ -n "$json" ] && printf '%s\n' '{"backend": "cuda", "results": [{"batch": 1, "context_tokens": 32768,
+ "mode": "freekv", "recall": "streamed", "captured": true, "us_per_layer": 123.4,
+ "ratio_to_target_budget": 1.05}]}' >"$json"
+exit 0
+SH
 chmod +x "$fake"/tests/* "$fake"/bench/*
 export FAKE_PIDS="$work/pids"
 mkdir -p "$FAKE_PIDS"
@@ -99,6 +115,49 @@ done
 expect "the refused runs ran no stage" [ ! -e "$work/bad/conformance.log" ]
 bash "$check" run --emu --build "$work/nowhere" >/dev/null 2>&1
 expect "a missing build folder is refused (exit 2)" [ $? = 2 ]
+
+# 4. the GPU branch, from a bundle, with stand-ins for the machine's tools:
+# a GPU that nvidia-smi names, a compute-sanitizer the driver refuses (as on
+# the gVisor H200s), no Python package and no timeline library in the bundle
+bin="$work/bin"
+mkdir -p "$bin"
+cat >"$bin/nvidia-smi" <<'SH'
+#!/bin/sh
+case "$*" in
+*-L*) echo "GPU 0: NVIDIA H200 (UUID: GPU-stand-in)" ;;
+*) echo "NVIDIA H200, 143771 MiB, 580.159.03, 9.0" ;;
+esac
+SH
+cat >"$bin/compute-sanitizer" <<'SH'
+#!/bin/sh
+echo "========= COMPUTE-SANITIZER"
+echo "========= Error: Device not supported"
+exit 1
+SH
+chmod +x "$bin"/*
+rm -f "$FAKE_PIDS/kvrecall.args"
+out="$work/gpu"
+PATH="$bin:$PATH" FAKE_SCHEDULER_TESTED=3 bash "$check" run --bundle "$fake" --out "$out" >"$work/gpu.txt" 2>&1
+rc=$?
+cat "$work/gpu.txt"
+expect "the GPU run passes (exit 0, got $rc)" [ $rc = 0 ]
+expect "the summary names the card" grep -q "^gpu: NVIDIA H200, 143771 MiB" "$out/summary.txt"
+expect "conformance runs the cuda suite" grep -q -- "--filter=cuda/\*" "$out/conformance.log"
+expect "scheduler runs the _cuda tests" grep -q -- "--filter=scheduler/\*_cuda " "$out/scheduler.log"
+expect "no Python package in the bundle: skipped with the reason" \
+	grep -q "^python       skipped (no Python package in $fake/python" "$out/summary.txt"
+expect "selftest runs on the cuda backend" grep -q "^selftest --backend cuda --json" "$FAKE_PIDS/kvrecall.args"
+decodes=$(grep -c "^bench decode --backend cuda --preset llama-3.1-8b --batch 1,8 --max-context 32768" \
+	"$FAKE_PIDS/kvrecall.args")
+expect "decode runs twice at batch 1 and 8 to 32K (ran $decodes)" [ "$decodes" = 2 ]
+expect "zero-copy rows, captured" grep -q -- "--recall zero-copy --capture" "$FAKE_PIDS/kvrecall.args"
+expect "streamed rows, captured" grep -q -- "--recall streamed --capture" "$FAKE_PIDS/kvrecall.args"
+expect "the decode rows are summarised" grep -q "32768  freekv       streamed   yes          123.4      1.05" \
+	"$out/summary.txt"
+expect "no timeline library: skipped with the reason" \
+	grep -q "^timeline     skipped (no bench/libcupti_timeline.so" "$out/summary.txt"
+expect "a refused sanitizer: memcheck skipped, not failed" \
+	grep -q "^memcheck     skipped (compute-sanitizer: 'Device not supported'" "$out/summary.txt"
 
 echo "$fails failed"
 [ $fails = 0 ]
