@@ -473,10 +473,12 @@ int kvr_cpu_capture_refuses(struct kvr_dev *dev, struct kvr_stream *s, const cha
 {
 	if (!s || !s->capture || capturable)
 		return 0;
-	char why[160];
-	snprintf(why, sizeof(why), "%s: cannot be captured into a CUDA graph (not an operation of a captured decode step)",
-		 op);
-	return capture_refuse(dev, s->capture, why);
+	/* as the cuda backend: refused before anything is recorded, so the
+	 * capture stays valid */
+	return kvr_dev_fail(dev, -ENOTSUP,
+			    "%s: cannot be captured into a CUDA graph (only a captured decode step's operations "
+			    "can: docs/architecture.md, \"Capturing a step in a CUDA graph\")",
+			    op);
 }
 
 static int cpu_stream_synchronize(struct kvr_dev *dev, struct kvr_stream *s)

@@ -28,8 +28,8 @@ int kvr_cpu_enqueue(struct kvr_dev *dev, struct kvr_stream *stream, kvr_cpu_op_f
  * when it is enqueued. */
 int kvr_cpu_stream_runs_later(const struct kvr_stream *stream);
 
-/* A kernel enqueued on a stream being captured: refused (-EINVAL, the
- * capture invalidated) unless `capturable` (kernels.h, KVR_CAPTURABLE_*),
+/* A kernel enqueued on a stream being captured: refused (-ENOTSUP, the
+ * capture left valid) unless `capturable` (kernels.h, KVR_CAPTURABLE_*),
  * as the cuda backend refuses it; 0 on a stream not captured. The cpu
  * backend's kernel ops and cudaemu's call it. */
 int kvr_cpu_capture_refuses(struct kvr_dev *dev, struct kvr_stream *stream, const char *op, int capturable);

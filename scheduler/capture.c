@@ -234,6 +234,15 @@ int kvr_sched_capture_reserve(struct kvr_sched *s, uint32_t batch, uint64_t max_
 		const size_t uncaptured = kvr_sched_layer_scratch_bytes(s, batch, (uint32_t)(pages - 1));
 		err = kvr_mirror_grow(s->dev, &s->eng.scratch[l].m, uncaptured > r.total ? uncaptured : r.total);
 		s->eng.fixed.layers[l].seg_cap = seg_cap;
+		if (!err && streamed_layer(s, l)) {
+			/* the spare slot tables are read before any write (their
+			 * values do not matter: no page is selected into them); set
+			 * once, so a device's initcheck finds nothing uninitialised */
+			unsigned char *spare = (unsigned char *)s->eng.scratch[l].m.host + r.spare_slots;
+			const size_t bytes = (size_t)batch * s->c.n_kv_heads * s->k * sizeof(int32_t);
+			memset(spare, 0xff, bytes);
+			err = kvr_mirror_to_device(s->dev, &s->eng.scratch[l].m, spare, bytes, s->compute);
+		}
 	}
 	if (err) {
 		snprintf(s->last_error, sizeof(s->last_error), "reserve: out of memory for the step's buffers");
