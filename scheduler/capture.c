@@ -450,10 +450,8 @@ static void entry_empty(struct kvr_sched *s, const struct fixed_view *fv, uint32
 			continue;
 		}
 		/* k = 0: takes no page; n_segments = n_head + n_tail = 0 */
-		fv->plans[j] = (struct kvr_plan_item){ .attention = kvr_mirror_dev_at(&s->eng.scratch[fv->layer].m,
-										      &fv->items[j]),
-						       .segments = kvr_mirror_dev_at(&s->eng.scratch[fv->layer].m,
-										     fv->segs + j * fv->seg_cap),
+		fv->plans[j] = (struct kvr_plan_item){ .attention = dev_at(s, fv, &fv->items[j]),
+						       .segments = dev_at(s, fv, fv->segs + j * fv->seg_cap),
 						       .selected = NULL,
 						       .seg_tokens = s->c.page_tokens };
 	}
@@ -683,8 +681,9 @@ int kvr_sched_replay_step(struct kvr_sched *s, uint32_t batch, const uint32_t *s
 			(void *)(host + r.prefetch_counts), (void *)(host + r.plan_scatter),
 			(void *)(host + r.prefetch_scatter),
 		};
-		for (uint32_t x = 0; streamed_layer(s, l) && x < s->k; x++)
-			fv.no_pages[x] = -1;
+		if (streamed_layer(s, l))
+			for (uint32_t x = 0; x < s->k; x++)
+				fv.no_pages[x] = -1;
 		for (uint32_t i = 0; i < captured; i++) {
 			if (i < batch)
 				entry_fill(s, &fv, i, seqs[i], positions[i]);
@@ -733,43 +732,9 @@ void kvr_sched_replay_tally(struct kvr_sched *s)
 		const struct fixed_tally *t = (const void *)(host + r.tally);
 		const uint32_t *plan_counts = (const void *)(host + r.plan_counts);
 		const uint32_t *prefetch_counts = (const void *)(host + r.prefetch_counts);
-		for (uint32_t i = 0; i < batch; i++) {
-			/* streamed, as uncaptured (kvr_step_tally_plans, the prefetch's
-			 * settle): this step's misses of every head, its hits of the
-			 * heads it recalled for; the prefetch's misses and hits */
-			uint64_t misses = 0, hits = 0;
-			for (uint32_t m = 0; m < n_kv && (t[i].planned || t[i].prefetched); m++) {
-				const uint64_t j = (uint64_t)i * n_kv + m;
-				const int recalled = t[i].all_corrected || (t[i].checked && host[r.corr + j]);
-				if (t[i].planned) {
-					misses += plan_counts[2 * j];
-					hits += recalled ? plan_counts[2 * j + 1] : 0;
-				}
-				if (t[i].prefetched) {
-					misses += prefetch_counts[2 * j];
-					hits += prefetch_counts[2 * j + 1];
-				}
-			}
-			if (t[i].planned || t[i].prefetched) {
-				count(s, t[i].seq, KVR_C_PAGES_RECALLED, misses);
-				count(s, t[i].seq, KVR_C_PAGES_HIT, hits);
-				count(s, t[i].seq, KVR_C_BYTES_RECALLED, misses * s->head_bytes);
-			}
-			if (!t[i].checked)
-				continue;
-			const uint8_t *corr = host + r.corr + (uint64_t)i * n_kv;
-			uint32_t n_corr = 0;
-			for (uint32_t m = 0; m < n_kv; m++) {
-				n_corr += corr[m] != 0;
-				if (corr[m]) /* a statistic read by kvr_get_head_corrections: relaxed */
-					atomic_fetch_add_explicit(&s->head_corrections[(uint64_t)t[i].seq * n_kv + m], 1,
-								  memory_order_relaxed);
-			}
-			count(s, t[i].seq, KVR_C_CORRECTED_HEADS, n_corr);
-			if (n_corr) {
-				count(s, t[i].seq, KVR_C_SELECTIONS, 1);
-				count(s, t[i].seq, KVR_C_CORRECTION_WAITS, 1);
-			}
-		}
+		for (uint32_t i = 0; i < batch; i++) /* as uncaptured steps count */
+			kvr_sched_tally_entry(s, t[i].seq, t[i].planned ? plan_counts + 2 * (uint64_t)i * n_kv : NULL,
+					      t[i].prefetched ? prefetch_counts + 2 * (uint64_t)i * n_kv : NULL,
+					      host + r.corr + (uint64_t)i * n_kv, t[i].checked, t[i].all_corrected);
 	}
 }

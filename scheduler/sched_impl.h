@@ -383,6 +383,16 @@ int kvr_step_wait_recall(struct kvr_sched *s, struct kvr_lane *lane, int correct
 void kvr_sched_plan_item_slots(const struct kvr_sched *s, const struct kvr_lane *lane, uint32_t m,
 			       struct kvr_plan_item *pl, struct kvr_scatter_item *scatter, uint32_t *counts);
 
+/* step_device.c: one entry's statistics on the device plan once its step's
+ * work is done, alike for uncaptured steps (kvr_step_tally_plans) and
+ * replayed ones (capture.c). Streamed: plan_counts ([n_kv][2] misses, hits
+ * of this step's plan, or NULL) count every head's misses and the hits of
+ * the heads it recalled for (every head where all_corrected, else those
+ * `corr` flags); prefetch_counts (the prefetch's, or NULL) count all.
+ * checked (freekv): the corrections `corr` ([n_kv]) flags. */
+void kvr_sched_tally_entry(struct kvr_sched *s, uint32_t seq, const uint32_t *plan_counts,
+			   const uint32_t *prefetch_counts, const uint8_t *corr, int checked, int all_corrected);
+
 /* step.c: the bytes of a layer scratch for an (uncaptured) layer call of
  * `batch` sequences of up to max_pages full pages each. */
 size_t kvr_sched_layer_scratch_bytes(const struct kvr_sched *s, uint32_t batch, uint32_t max_pages);

@@ -274,46 +274,59 @@ int kvr_step_attend_on_device(struct layer_call *lc)
 	return err;
 }
 
+void kvr_sched_tally_entry(struct kvr_sched *s, uint32_t seq, const uint32_t *plan_counts,
+			   const uint32_t *prefetch_counts, const uint8_t *corr, int checked, int all_corrected)
+{
+	const uint32_t n_kv = s->c.n_kv_heads;
+	if (plan_counts || prefetch_counts) {
+		/* this step's hits only of the heads it recalled for: the others
+		 * re-plan what the prefetch moved and counted already */
+		uint64_t misses = 0, hits = 0;
+		for (uint32_t m = 0; m < n_kv; m++) {
+			if (plan_counts) {
+				misses += plan_counts[2 * m];
+				if (all_corrected || (checked && corr[m]))
+					hits += plan_counts[2 * m + 1];
+			}
+			if (prefetch_counts) {
+				misses += prefetch_counts[2 * m];
+				hits += prefetch_counts[2 * m + 1];
+			}
+		}
+		count(s, seq, KVR_C_PAGES_RECALLED, misses);
+		count(s, seq, KVR_C_PAGES_HIT, hits);
+		count(s, seq, KVR_C_BYTES_RECALLED, misses * s->head_bytes);
+	}
+	if (!checked)
+		return;
+	uint32_t n_corr = 0;
+	for (uint32_t m = 0; m < n_kv; m++) {
+		n_corr += corr[m] != 0;
+		if (corr[m]) /* a statistic read by kvr_get_head_corrections: relaxed */
+			atomic_fetch_add_explicit(&s->head_corrections[(uint64_t)seq * n_kv + m], 1,
+						  memory_order_relaxed);
+	}
+	count(s, seq, KVR_C_CORRECTED_HEADS, n_corr);
+	if (n_corr) {
+		count(s, seq, KVR_C_SELECTIONS, 1);
+		count(s, seq, KVR_C_CORRECTION_WAITS, 1);
+	}
+}
+
 /* The device plan's flags of every layer of the step, now that its work is
  * done: the corrections' statistics the host path counts as it goes. */
 void kvr_step_tally_plans(struct kvr_sched *s)
 {
 	const uint32_t n_kv = s->c.n_kv_heads;
+	const int streamed = s->recall == KVR_RECALL_STREAMED;
 	for (uint32_t l = 0; l < s->c.n_layers; l++) {
 		struct plan_tally *t = &s->eng.tally[l];
 		for (uint32_t i = 0; i < t->batch; i++) {
 			const struct entry *e = &t->e[i];
-			if (e->planned && s->recall == KVR_RECALL_STREAMED) {
-				/* hits of the heads this step recalled for (the corrected
-				 * ones); the others re-plan what the controller recalled
-				 * and counted already */
-				uint64_t misses = 0, hits = 0;
-				for (uint32_t m = 0; m < n_kv; m++) {
-					const int recalled = e->all_corrected ||
-							     (e->checked && t->corrected[(uint64_t)i * n_kv + m]);
-					misses += t->recall_counts[2 * ((uint64_t)e->first_plan + m)];
-					if (recalled)
-						hits += t->recall_counts[2 * ((uint64_t)e->first_plan + m) + 1];
-				}
-				count(s, e->seq, KVR_C_PAGES_RECALLED, misses);
-				count(s, e->seq, KVR_C_PAGES_HIT, hits);
-				count(s, e->seq, KVR_C_BYTES_RECALLED, misses * s->head_bytes);
-			}
-			if (!e->checked)
-				continue;
-			const uint8_t *corr = t->corrected + (uint64_t)i * n_kv;
-			uint32_t n_corr = 0;
-			for (uint32_t m = 0; m < n_kv; m++) {
-				n_corr += corr[m] != 0;
-				if (corr[m]) /* a statistic read by kvr_get_head_corrections: relaxed */
-					atomic_fetch_add_explicit(&s->head_corrections[(uint64_t)e->seq * n_kv + m], 1,
-								  memory_order_relaxed);
-			}
-			count(s, e->seq, KVR_C_CORRECTED_HEADS, n_corr);
-			if (n_corr) {
-				count(s, e->seq, KVR_C_SELECTIONS, 1);
-				count(s, e->seq, KVR_C_CORRECTION_WAITS, 1);
-			}
+			kvr_sched_tally_entry(s, e->seq,
+					      e->planned && streamed ? t->recall_counts + 2 * (uint64_t)e->first_plan
+								     : NULL,
+					      NULL, t->corrected + (uint64_t)i * n_kv, e->checked, e->all_corrected);
 		}
 		t->batch = 0;
 	}
