@@ -142,7 +142,7 @@ longgen)
 	"$KVRECALL" generate --chat "Tell me a very long story about a lighthouse keeper who finds a map." \
 		--max-tokens 8000 --ignore-eos --compare dense,freekv --budget 1024 --timeline 500 \
 		--json "$out.json" "$@"
-	python3 bench/plot_longgen.py "$out.json" "$out.svg"
+	python3 bench/plots/plot_longgen.py "$out.json" "$out.svg"
 	echo "record: $out.json; plot: $out.svg"
 	;;
 *)

@@ -13,7 +13,7 @@
 #       is) and copy the test and bench executables, stripped, the Python
 #       package (its extension is on the limited API: any CPython >= 3.11
 #       imports it) and, where CUPTI's headers are, the timeline library
-#       (bench/cupti_timeline.c) with CUPTI itself, with every shared library
+#       (bench/micro/cupti_timeline.c) with CUPTI itself, with every shared library
 #       they need beyond the C runtime and the driver, into DIR.
 #   bench/gpu_check.sh run --bundle DIR [--out OUT] [flags]
 #       on the GPU machine: run the stages from the bundle.
@@ -35,7 +35,7 @@
 # Stages in order (memcheck last, the slowest, so that a run cut short keeps
 # the others): conformance, scheduler, python, selftest, decode, timeline,
 # memcheck. The timeline (GPU only) is one freekv step at 8K, batch 1,
-# streamed, taken apart by bench/timeline_summary.py.
+# streamed, taken apart by bench/plots/timeline_summary.py.
 # shellcheck disable=SC2317 # the stages are functions called through stage()
 set -uo pipefail
 
@@ -110,7 +110,7 @@ print(" ".join(os.path.relpath(f, build) for t in json.load(sys.stdin) for f in 
 		[ -e "$d/libcupti.so" ] && { cupti_lib=$d; break; }
 	done
 	if [ -n "$cupti_inc" ] && [ -n "$cupti_lib" ]; then
-		cc -O2 -shared -fPIC -I"$cupti_inc" bench/cupti_timeline.c -L"$cupti_lib" -lcupti -lpthread \
+		cc -O2 -shared -fPIC -I"$cupti_inc" bench/micro/cupti_timeline.c -L"$cupti_lib" -lcupti -lpthread \
 			-o "$dest/bench/libcupti_timeline.so" || exit 1
 	else
 		echo "gpu_check: no CUPTI beside nvcc: the timeline stage will skip"
@@ -364,7 +364,7 @@ timeline() {
 		"$root/bench/kvrecall" bench decode --backend cuda --preset llama-3.1-8b --max-context 8192 \
 		--steps 12 --mode freekv --batch 1 --recall streamed --json "$out/timeline-decode.json" || return 1
 	[ -s "$out/timeline.txt" ] || { echo "CUPTI wrote no records (the injection library did not load?)"; return 77; }
-	python3 "$repo/bench/timeline_summary.py" "$out/timeline.txt" --q-bytes 8192 --ops --steps 1
+	python3 "$repo/bench/plots/timeline_summary.py" "$out/timeline.txt" --q-bytes 8192 --ops --steps 1
 }
 stage timeline timeline
 

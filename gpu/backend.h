@@ -2,7 +2,7 @@
 /*
  * backend.h — the device interface the runtime drives: memory, streams,
  * events, copies and the kernels of kernels.h. Three implementations sit
- * behind it: `cpu` (gpu/cpu_*.c: device memory is host memory, kernels are
+ * behind it: `cpu` (gpu/cpu/: device memory is host memory, kernels are
  * vectorised C), `cuda` (the cuda_ .cu files) and `cudaemu` (tests: the CUDA kernel
  * bodies executed on the CPU, also as the checking `cudaemu-strict` device).
  * Valid C11; no CUDA types cross it.

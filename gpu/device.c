@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "backend_impl.h"
-#include "fault.h"
+#include "../layouts/base/fault.h"
 
 /* The calling thread's latest device failure (any device: it is read right
  * after the failing call, by the same thread). */

@@ -79,7 +79,7 @@
  *              as s·Q − z (f16 s and z, fp32 arithmetic), dequantised on
  *              the fly: quantised and plain segments mix in one item.
  *              Within the quantised pages' accuracy contract (docs/api.md,
- *              tests/reference.h) keys may meet the query rounded to 8
+ *              gpu/reference/reference.h) keys may meet the query rounded to 8
  *              bits, and a 16-token block's value weights p·s may be
  *              rounded to 16 bits against the block's largest (8 bits
  *              for 2-bit values on the cpu's AVX2 path).

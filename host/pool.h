@@ -45,7 +45,7 @@
 #include <stdint.h>
 
 #include "../layouts/page.h"
-#include "log.h"
+#include "../layouts/base/log.h"
 
 enum kvr_pool_layout {
 	KVR_POOL_LAYOUT_HND = 0, /* one contiguous run per KV head: one copy per recall */

@@ -53,7 +53,7 @@
 #include <sys/mman.h>
 
 #include "../gpu/gpu.h"
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "../layouts/convert.h"
 #include "../layouts/copy.h"
 #include "../layouts/kvquant.h"

@@ -33,7 +33,7 @@
 #include <liburing.h>
 #endif
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "crc32c.h"
 
 #define SPILL_DEFAULT_ALIGN 4096u     /* when statx does not say */
@@ -423,7 +423,7 @@ static void engine_complete(struct kvr_spill *sp, struct io_req *q, int32_t res)
 	unsigned char *buf = sp->staging[q->buffer] + q->buf_off;
 	const uint32_t kind = sp->fault.kind; /* fault_hits may clear it */
 	if (kvr_fault_hit(KVR_FAULT_SPILL_IO)) {
-		res = -EIO; /* the process-wide hook (gpu/fault.h): any read or write */
+		res = -EIO; /* the process-wide hook (layouts/base/fault.h): any read or write */
 	} else if (q->write) {
 		if (fault_hits(sp, KVR_SPILL_FAULT_WRITE_EIO, KVR_SPILL_FAULT_WRITE_SHORT, q->slot))
 			res = kind == KVR_SPILL_FAULT_WRITE_EIO || res < 0 ? -EIO : (int32_t)(q->len / 2);

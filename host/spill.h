@@ -39,7 +39,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "log.h"
+#include "../layouts/base/log.h"
 
 #define KVR_SPILL_NO_SLOT UINT32_MAX
 #define KVR_SPILL_DEFAULT_QUEUE_DEPTH 32u

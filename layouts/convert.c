@@ -21,7 +21,7 @@
 
 #include "convert.h"
 #include "half.h"
-#include "isa.h"
+#include "base/isa.h"
 #include "summary.h"
 
 /* -1 = not chosen yet. Relaxed: the value is self-contained (no data published

@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "../gpu/backend.h"
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "../gpu/gpu.h"
 #include "../host/pool.h"
 #include "../host/topology.h"

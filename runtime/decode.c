@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "../gpu/backend.h"
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "../scheduler/scheduler.h"
 #include "../scheduler/trace.h"
 #include "internal.h"

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #include "../gpu/backend.h"
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "../gpu/memory.h"
 #include "../host/pool.h"
 #include "../layouts/kvquant.h"

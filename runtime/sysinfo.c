@@ -13,7 +13,7 @@
 #include "../host/spill.h"
 #include "../host/topology.h"
 #include "../layouts/convert.h"
-#include "../layouts/isa.h"
+#include "../layouts/base/isa.h"
 #include "internal.h"
 
 KVR_API int kvr_system_query(struct kvr_system_info *info)

@@ -1,18 +1,18 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * thread_pool.c — the public thread pool (kvrecall.h, "Thread pool"): the cpu
- * backend's fork-join workers (gpu/cpu_threads.c) behind the public API, so
+ * backend's fork-join workers (gpu/cpu/cpu_threads.c) behind the public API, so
  * an engine can run its own work on them and hand them to a context through
  * kvr_config.parallel_for; one pool of cores − 1 threads instead of two.
  *
  * Threads: create and destroy on the owner's thread; parallel_for from any
- * (gpu/cpu_threads.h: a second concurrent caller runs its tasks alone).
+ * (gpu/cpu/cpu_threads.h: a second concurrent caller runs its tasks alone).
  */
 #include <errno.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "../gpu/cpu_threads.h"
+#include "../gpu/cpu/cpu_threads.h"
 #include "internal.h"
 
 /* The pool is the workers object itself; the public name only hides it. */

@@ -25,7 +25,7 @@
  */
 #include <stdio.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "sched_impl.h"
 
 #define ACQUIRE_SPINS 2000 /* pauses before the engine sleeps on a lane */

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "sched_impl.h"
 
 void kvr_sched_lane_forget(struct kvr_sched *s, struct kvr_lane *lane)

@@ -55,7 +55,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "sched_impl.h"
 
 struct miss {

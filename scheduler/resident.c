@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "sched_impl.h"
 
 enum { RES_CHUNK_PAGES = 16 };

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "sched_impl.h"
 
 int kvr_sched_create(const struct kvr_sched_params *params, struct kvr_sched **out, char *err,

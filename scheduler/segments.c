@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "sched_impl.h"
 
 /* Spill tier: pin a pool page attention reads in place until the step's

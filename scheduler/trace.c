@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "trace.h"
 
 uint64_t kvr_now_ns(void)

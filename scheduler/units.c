@@ -56,7 +56,7 @@
 #include <string.h>
 
 #include "../layouts/freelist.h"
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "sched_impl.h"
 
 struct kvr_units {

@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "backend.h"
-#include "cpu_backend.h"
+#include "../gpu/cpu/cpu_backend.h"
 
 #define BLOCKS 400
 #define BLOCK_BYTES 4096

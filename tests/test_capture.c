@@ -3,7 +3,7 @@
  * test_capture.c — capturing stream work into a graph and launching it
  * (gpu/backend.h: kvr_dev_stream_begin_capture ... kvr_dev_graph_launch) on
  * the cpu backend and cudaemu-strict, which emulate CUDA graphs with CUDA's
- * rules (gpu/cpu_backend.c; the cuda backend's graph ops come with a
+ * rules (gpu/cpu/cpu_backend.c; the cuda backend's graph ops come with a
  * capturable step, when a GPU can check them):
  *  - nothing captured runs at capture; each launch runs the copies and the
  *    kernel again, reading host memory and item arrays as they are at the

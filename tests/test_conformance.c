@@ -35,7 +35,7 @@
 #include "convert.h" /* kvr_convert_isa_force: the cpu score must match across ISAs */
 #include "freelist.h"
 #include "half.h"
-#include "reference.h"
+#include "../gpu/reference/reference.h"
 #include "helpers.h"
 
 /* cudaemu's test hooks (gpu/cudaemu/cudaemu.h), weak so that the suite links
@@ -2291,7 +2291,7 @@ CONFORMANCE_CASES(attention_causal_long, ARRAY_LEN(numeric_shapes))
 /*
  * Decode attention over more tokens than one part of the cpu backend's
  * split (an item's tokens cut at multiples of 2,048 and the parts merged by
- * their log-sum-exps, gpu/cpu_kernels.c): 5,000 NHD rows as one segment and
+ * their log-sum-exps, gpu/cpu/cpu_kernels.c): 5,000 NHD rows as one segment and
  * as pages of p (the last partial), the same query, batched with an item
  * of no segment and one of the first page alone. Each is within its
  * bound of the reference; on the cpu backend the two are equal bit for bit

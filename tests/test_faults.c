@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * test_faults.c — the fault-injection sweep (gpu/fault.h). A decode workload
+ * test_faults.c — the fault-injection sweep (layouts/base/fault.h). A decode workload
  * (context creation, three sequences, chunked prefill, decode steps, a fork,
  * a truncate, a free) runs once clean, counting each class's operations (host
  * allocations, device allocations, copies, stream/event creations, thread
@@ -46,7 +46,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../gpu/fault.h"
+#include "../layouts/base/fault.h"
 #include "../scheduler/scheduler.h"
 #include "backend.h"
 #include "internal.h"

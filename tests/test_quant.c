@@ -21,7 +21,7 @@
  *    untouched), errors;
  *  - the real model's Q4_1 and Q8_0 tensors when the file is there.
  *
- * The speed of each path is bench/quant_bench.c's to measure.
+ * The speed of each path is bench/micro/quant_bench.c's to measure.
  */
 #include <criterion/criterion.h>
 #include <errno.h>

@@ -27,7 +27,7 @@
 
 #include "backend.h"
 #include "convert.h"
-#include "cpu_backend.h"
+#include "../gpu/cpu/cpu_backend.h"
 #include "half.h"
 #include "kmath.h"
 #include "helpers.h"

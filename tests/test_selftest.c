@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * test_selftest.c — `kvrecall selftest`'s checks (bench/selftest.c) pass on
+ * test_selftest.c — `kvrecall selftest`'s checks (bench/cli/selftest.c) pass on
  * the cpu backend and on cudaemu and cudaemu-strict, where the CUDA kernel
  * bodies run on the CPU (the strict one holding them to a GPU's memory
  * rules: every item and buffer the checks hand a kernel must be device
@@ -12,7 +12,7 @@
 
 #include "backend.h"
 #include "cudaemu.h"
-#include "selftest.h"
+#include "../bench/cli/selftest.h"
 
 static void expect_all_ok(const struct selftest_report *r, const char *backend, uint32_t want_checks)
 {

@@ -22,10 +22,10 @@
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
-#include "bench_common.h"
-#include "bench_shape.h"
-#include "../layouts/half.h"
-#include "../layouts/kvquant.h"
+#include "../bench_common.h"
+#include "../bench_shape.h"
+#include "../../layouts/half.h"
+#include "../../layouts/kvquant.h"
 
 struct cache_opts {
 	struct bench_shape sh;

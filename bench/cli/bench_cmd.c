@@ -32,8 +32,8 @@
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
-#include "bench_common.h"
-#include "../gpu/backend.h"
+#include "../bench_common.h"
+#include "../../gpu/backend.h"
 #include "git_revision.h"
 
 #ifndef KVR_BUILD_TYPE

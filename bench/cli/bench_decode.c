@@ -57,11 +57,11 @@
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
-#include "bench_common.h"
-#include "bench_shape.h"
-#include "../gpu/backend.h"
-#include "../layouts/kvquant.h"
-#include "../layouts/half.h"
+#include "../bench_common.h"
+#include "../bench_shape.h"
+#include "../../gpu/backend.h"
+#include "../../layouts/kvquant.h"
+#include "../../layouts/half.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static float frand(void) /* uniform in [-1, 1) */

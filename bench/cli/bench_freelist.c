@@ -22,9 +22,9 @@
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
-#include "bench_common.h"
-#include "../gpu/backend.h"
-#include "../layouts/freelist.h"
+#include "../bench_common.h"
+#include "../../gpu/backend.h"
+#include "../../layouts/freelist.h"
 
 /* The device side of one unit count: the list, the counts and the packed
  * page ids in device memory, and the two items (alloc, free). */

@@ -41,14 +41,14 @@
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
-#include "bench_common.h"
-#include "bench_shape.h"
-#include "../gpu/backend.h"
-#include "../host/pool.h"
-#include "../layouts/half.h"
-#include "../layouts/kvquant.h"
-#include "../runtime/internal.h"
-#include "../scheduler/sched_impl.h"
+#include "../bench_common.h"
+#include "../bench_shape.h"
+#include "../../gpu/backend.h"
+#include "../../host/pool.h"
+#include "../../layouts/half.h"
+#include "../../layouts/kvquant.h"
+#include "../../runtime/internal.h"
+#include "../../scheduler/sched_impl.h"
 
 enum { POOL_HND, POOL_NHD, POOL_K8V4, POOL_K4V2, N_POOLS };
 

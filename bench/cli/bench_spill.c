@@ -37,9 +37,9 @@
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
-#include "bench_common.h"
-#include "../host/pool.h"
-#include "../host/spill.h"
+#include "../bench_common.h"
+#include "../../host/pool.h"
+#include "../../host/spill.h"
 
 #define MAX_SIZES 8
 #define MAX_DEPTHS 8

@@ -7,7 +7,7 @@
  *   copies      host->device, device->device and batched device->host copies
  *               come back byte-exact;
  *   kernels     the conformance suite's checks against its scalar reference
- *               (tests/reference.c, compiled in): offload (NHD rows -> HND
+ *               (gpu/reference/reference.c, compiled in): offload (NHD rows -> HND
  *               page) and scatter (HND run -> NHD slot) byte-exact, key
  *               summaries exact, attention over HND pages within
  *               reference.h's bound, scores within its tolerance and the
@@ -34,11 +34,11 @@
 
 #include "kvrecall.h"
 #include "bench_cmd.h"
-#include "bench_common.h"
+#include "../bench_common.h"
 #include "selftest.h"
-#include "../gpu/backend.h"
-#include "../layouts/half.h"
-#include "../tests/reference.h"
+#include "../../gpu/backend.h"
+#include "../../layouts/half.h"
+#include "../../gpu/reference/reference.h"
 
 /* ------------------------------------------------------------------ report */
 

@@ -42,10 +42,10 @@
 #include <string.h>
 
 #include "kvrecall.h"
-#include "bench_common.h"
-#include "../gpu/backend.h"
-#include "../gpu/gpu.h"
-#include "../layouts/half.h"
+#include "../bench_common.h"
+#include "../../gpu/backend.h"
+#include "../../gpu/gpu.h"
+#include "../../layouts/half.h"
 
 /* ------------------------------------------------------------------ set-up */
 

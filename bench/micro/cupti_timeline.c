@@ -8,7 +8,7 @@
  * "The GPU path"), on machines without Nsight Systems. Not part of
  * the library; built by hand where CUPTI's headers are:
  *
- *   cc -O2 -shared -fPIC -I$CUDA/include bench/cupti_timeline.c \
+ *   cc -O2 -shared -fPIC -I$CUDA/include bench/micro/cupti_timeline.c \
  *      -L$CUDA/lib -lcupti -o libcupti_timeline.so
  *   CUDA_INJECTION64_PATH=$PWD/libcupti_timeline.so KVR_TIMELINE=out.txt \
  *      LD_LIBRARY_PATH=$CUDA/lib ./kvrecall bench decode --backend cuda ...

@@ -33,12 +33,12 @@
 #include <time.h>
 
 #include "kvrecall.h"
-#include "bench_common.h"
-#include "bench_shape.h"
-#include "../gpu/backend.h"
-#include "../gpu/cpu_backend.h"
-#include "../layouts/convert.h"
-#include "../layouts/half.h"
+#include "../bench_common.h"
+#include "../bench_shape.h"
+#include "../../gpu/backend.h"
+#include "../../gpu/cpu/cpu_backend.h"
+#include "../../layouts/convert.h"
+#include "../../layouts/half.h"
 
 
 static uint64_t rng_state = 0x853c49e6748fea9bull;

@@ -31,10 +31,10 @@
 #include <unistd.h>
 
 #include "kvrecall.h"
-#include "bench_common.h"
-#include "../host/pool.h"
-#include "../host/topology.h"
-#include "../layouts/convert.h"
+#include "../bench_common.h"
+#include "../../host/pool.h"
+#include "../../host/topology.h"
+#include "../../layouts/convert.h"
 
 #define MAX_THREADS 16
 

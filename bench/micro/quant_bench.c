@@ -20,8 +20,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "../layouts/half.h"
-#include "model/quant.h"
+#include "../../layouts/half.h"
+#include "../model/quant.h"
 
 /* xorshift64*: the same weights on every run */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;

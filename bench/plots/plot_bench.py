@@ -5,7 +5,7 @@
     kvrecall bench copy   --json copy.json
     kvrecall bench recall --json recall.json
     kvrecall bench decode --json decode.json
-    python3 bench/plot_bench.py --out docs/plots copy.json recall.json decode.json
+    python3 bench/plots/plot_bench.py --out docs/plots copy.json recall.json decode.json
 
 One PNG per input file, named after its benchmark, backend and machine
 (e.g. copy-cuda-h100.png, or --name to choose the stem):

@@ -4,7 +4,7 @@
 redrawn on any machine that ran the benchmark).
 
     ./build/bench/decode_bench --json decode.json
-    python3 bench/plot_decode.py decode.json docs/decode-step.svg
+    python3 bench/plots/plot_decode.py decode.json docs/decode-step.svg
 
 One panel: microseconds per layer against context length (both axes log2) for
 each mode, with the cpu target drawn as a dashed line:

@@ -6,7 +6,7 @@ per mode, with the share of corrected heads of the sparse modes beneath.
 
     kvrecall generate --prompt "..." --max-tokens 8000 --ignore-eos --quiet \\
         --compare dense,freekv --budget 1024 --json longgen.json
-    python3 bench/plot_longgen.py longgen.json docs/plots/longgen-cpu.svg \\
+    python3 bench/plots/plot_longgen.py longgen.json docs/plots/longgen-cpu.svg \\
         [--peer "llama.cpp (fa on)=54"]
 
 --peer LABEL=TOKENS_PER_S draws another engine's average over the same run

@@ -8,7 +8,7 @@ path and context.
       KVR_CPU_ISA=$isa kvrecall bench decode --mode dense --kv-format $f \\
           --max-context 32768 --json $run-$isa-$f.json
     done; done; done
-    python3 bench/plot_quant.py --out docs/plots/quant-dense-zen4.png *.json
+    python3 bench/plots/plot_quant.py --out docs/plots/quant-dense-zen4.png *.json
 
 Rows of a run that measured several formats in its rounds (`--kv-format
 f16,k8v4,k4v2 --rounds N`) bring their own speed over f16, each the median

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Summarise a CUDA timeline written by bench/cupti_timeline.c for `kvrecall
+"""Summarise a CUDA timeline written by bench/micro/cupti_timeline.c for `kvrecall
 bench decode` runs: per decode step (steps are found by the bench's upload of
 q, one host-to-device copy of --q-bytes), the engine thread's time in CUDA
 calls by call, the GPU's time by kernel and copy kind, how much of the step
 the GPU was busy, and (with --ops) each GPU operation of the step in order
 with the idle gap before it.
 
-    python3 bench/timeline_summary.py timeline.txt --q-bytes 8192 [--ops] [--steps 2]
+    python3 bench/plots/timeline_summary.py timeline.txt --q-bytes 8192 [--ops] [--steps 2]
 
 q bytes = batch x query heads x head_dim x 2 (f16): 8192 for Llama-3.1-8B at
 batch 1. The last --steps complete steps are shown.

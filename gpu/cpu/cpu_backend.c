@@ -53,7 +53,7 @@
 
 #include "cpu_backend.h"
 #include "cpu_threads.h"
-#include "fault.h"
+#include "../../layouts/base/fault.h"
 
 #define RING_OPS 256         /* operations a worker stream can hold */
 #define EVENT_SPINS 4000     /* pauses before an event wait sleeps */

@@ -9,7 +9,7 @@
 
 #include <stddef.h>
 
-#include "backend_impl.h"
+#include "../backend_impl.h"
 
 /* The cpu ops table (cudaemu copies it and swaps the kernel entries). */
 const struct kvr_dev_ops *kvr_cpu_ops(void);

@@ -35,11 +35,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../layouts/convert.h"
-#include "../layouts/freelist.h"
-#include "../layouts/kmath.h"
-#include "../layouts/summary.h"
-#include "../layouts/transpose.h"
+#include "../../layouts/convert.h"
+#include "../../layouts/freelist.h"
+#include "../../layouts/kmath.h"
+#include "../../layouts/summary.h"
+#include "../../layouts/transpose.h"
 #include "cpu_backend.h"
 
 #define KVR_MAX_GROUP_CPU 64
@@ -915,7 +915,7 @@ static void qk_dots_avx2(const struct kvr_qk8 *qq, uint32_t G, uint32_t d, const
  * token pairs was measured slower than the floats: docs/history.md), so a
  * head's weights are rounded to 8 bits against the block's largest, r =
  * round(255·w / max w): an error of up to max w / 510 per token (the
- * contract's bound for this path: docs/api.md, tests/reference.h). Only
+ * contract's bound for this path: docs/api.md, gpu/reference/reference.h). Only
  * for K4V2's 2-bit values, whose own rounding (up to half a step, a
  * sixth of their range) dwarfs it; on K8V4's 4-bit values the same sums put the model's
  * perplexity 0.4–0.5% above float value sums, so those stay float here

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 
 #include "cpu_threads.h"
-#include "fault.h"
+#include "../../layouts/base/fault.h"
 
 /* Pauses before sleeping: a few tens of µs, about one layer of decode, so
  * workers stay awake between the kernels of a step but not across idle time. */

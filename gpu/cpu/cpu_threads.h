@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#include "backend.h"
+#include "../backend.h"
 
 struct kvr_workers;
 

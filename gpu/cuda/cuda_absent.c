@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpu.h"
+#include "../gpu.h"
 
 void kvr_gpu_probe(struct kvr_gpu_probe *out)
 {
@@ -37,7 +37,7 @@ int kvr_gpu_host_unregister(void *ptr)
 }
 
 /* Without CUDA compiled in, the cuda device kind does not exist. */
-#include "backend_impl.h"
+#include "../backend_impl.h"
 
 int kvr_cuda_dev_init(struct kvr_dev *dev, const struct kvr_dev_params *params, char *err,
 		      size_t err_bytes)

@@ -51,8 +51,8 @@
 #include <new>
 
 extern "C" {
-#include "backend_impl.h"
-#include "gpu.h"
+#include "../backend_impl.h"
+#include "../gpu.h"
 }
 #include "cuda_compat.h"
 
@@ -60,7 +60,7 @@ extern "C" {
 #define KVR_GPU_ARCHS ""
 #endif
 
-#include "kernel_launchers.h" /* the kernel files' launchers */
+#include "../kernel_launchers.h" /* the kernel files' launchers */
 
 /* cuda_topk.cu */
 struct kvr_cuda_topk;

@@ -39,13 +39,13 @@
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
 #endif
-#include "kernels.h"
-#include "../layouts/freelist.h"
-#include "../layouts/half.h"
-#include "../layouts/kmath.h"
-#include "../layouts/page.h"
-#include "../layouts/summary.h"
-#include "kernel_launchers.h"
+#include "../kernels.h"
+#include "../../layouts/freelist.h"
+#include "../../layouts/half.h"
+#include "../../layouts/kmath.h"
+#include "../../layouts/page.h"
+#include "../../layouts/summary.h"
+#include "../kernel_launchers.h"
 
 /* Register budget hints exist only for nvcc; cudaemu has no registers. */
 #if defined(__CUDACC__)

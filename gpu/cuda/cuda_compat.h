@@ -30,7 +30,7 @@
 #define KVR_CAT(a, b) KVR_CAT2(a, b)
 
 #if defined(KVR_CUDAEMU)
-#include "cudaemu/shim.h"
+#include "../cudaemu/shim.h"
 #define KVR_KERNEL_SYMBOL(name) KVR_CAT(kvr_emu_, name)
 #else
 #include <cuda_runtime.h>

@@ -14,7 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpu.h"
+#include "../gpu.h"
 
 #ifndef KVR_GPU_ARCHS
 #define KVR_GPU_ARCHS ""

@@ -30,7 +30,7 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 
 #include "cuda_compat.h"
-#include "kernels.h"
+#include "../kernels.h"
 
 extern "C" {
 int KVR_KERNEL_SYMBOL(launch_select)(const struct kvr_shape *shape,

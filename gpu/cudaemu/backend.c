@@ -2,7 +2,7 @@
 /*
  * backend.c — the cudaemu devices: the cpu backend's memory, streams, events
  * and copies, with every kernel replaced by the CUDA kernel bodies of
- * the CUDA kernel files (gpu/cuda_{copy,score,attention}.cu) compiled for the CPU against the SIMT shim
+ * the CUDA kernel files (gpu/cuda/cuda_{copy,score,attention}.cu) compiled for the CPU against the SIMT shim
  * (gpu/cudaemu/kernels.cc). Tests only: it is the way the CUDA kernels execute
  * on machines without a GPU, so the conformance suite can check them.
  *
@@ -33,7 +33,7 @@
  * When the checks run: array placement and copies on the enqueueing thread,
  * before anything is queued. Item *contents* are read on the enqueueing thread
  * for an inline stream, where everything before the kernel has already run;
- * on a worker stream, or in a capture (gpu/cpu_backend.c: the kernel runs at
+ * on a worker stream, or in a capture (gpu/cpu/cpu_backend.c: the kernel runs at
  * each launch of the graph), the items may still be on their way (an H2D copy
  * queued just ahead of the kernel fills them, as on a GPU), so reading them at
  * enqueue would judge what was there before the copy. There the contents (and
@@ -55,7 +55,7 @@
 #include <string.h>
 
 #include "../../layouts/summary.h"
-#include "../cpu_backend.h"
+#include "../cpu/cpu_backend.h"
 #include "cudaemu.h"
 
 /* The emulated launchers: the CUDA kernel files built with -DKVR_CUDAEMU
@@ -402,7 +402,7 @@ static int check_arrays(struct check *c, const struct emu_op *op)
 
 /*
  * The pointers inside the items, each over the extent the CUDA kernel
- * (gpu/cuda_*.cu) indexes, in bytes (eb per element; d, p, n_kv, n_qo
+ * (gpu/cuda/cuda_*.cu) indexes, in bytes (eb per element; d, p, n_kv, n_qo
  * from the shape). Fields a kernel does not touch are not looked at, so they
  * may be NULL or anything.
  *  scatter    (an item with kv_head >= n_kv is skipped whole by the kernel)

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * shim.h — the CUDA programming model for kernels compiled by the host C++
- * compiler (cudaemu). gpu/cuda_compat.h includes it when KVR_CUDAEMU is
+ * compiler (cudaemu). gpu/cuda/cuda_compat.h includes it when KVR_CUDAEMU is
  * defined; the gpu/ .cu files are then built as C++17 and every KVR_LAUNCH runs
  * synchronously on the calling OS thread (gpu/cudaemu/shim.cc): the blocks of
  * the grid one after another, the threads of a block as fibers on that OS

@@ -3,9 +3,9 @@
  * fault.h — test-only fault injection: make the n-th operation of a class
  * fail (host allocation, device allocation, copies, stream and event
  * creation, thread start, spill-file I/O), so that tests can walk every
- * error path of a workload (tests/test_faults.c). It lives in gpu/, the
- * lowest folder with code, because gpu/, host/, scheduler/ and runtime/ all
- * call it (DESIGN.md's dependency table).
+ * error path of a workload (tests/test_faults.c). It lives in layouts/base/,
+ * the lowest folder, because gpu/, host/, scheduler/ and runtime/ all call it
+ * (docs/design.md, "Components").
  *
  * Compiled into the library but inert until a test arms it through
  * kvr_fault_arm(), which the shared library does not export (tests reach it by
@@ -19,8 +19,8 @@
  * Threads: any; the counters are process-wide. Tests arm and read them while
  * no library call runs.
  */
-#ifndef KVR_GPU_FAULT_H
-#define KVR_GPU_FAULT_H
+#ifndef KVR_BASE_FAULT_H
+#define KVR_BASE_FAULT_H
 
 #include <errno.h>
 #include <pthread.h>
@@ -74,7 +74,7 @@ uint64_t kvr_fault_fired(void);
 const char *kvr_fault_class_name(enum kvr_fault_class c);
 
 /* The library's host allocation entry points (host/pool.c, scheduler/,
- * runtime/, gpu/cpu_*.c): the libc call unless the hook fails it. */
+ * runtime/, gpu/cpu/): the libc call unless the hook fails it. */
 static inline void *kvr_malloc(size_t bytes)
 {
 	if (kvr_fault_hit(KVR_FAULT_HOST_ALLOC)) {
@@ -134,4 +134,4 @@ static inline int kvr_pthread_create(pthread_t *thread, const pthread_attr_t *at
 }
 #endif
 
-#endif /* KVR_GPU_FAULT_H */
+#endif /* KVR_BASE_FAULT_H */

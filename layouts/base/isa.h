@@ -3,8 +3,8 @@
  * isa.h — run-time detection of the x86 vector extensions the cpu kernels and
  * conversions choose between (AVX2+FMA, AVX-512 F/BW/VL and VNNI, F16C). Host-only.
  */
-#ifndef KVR_LAYOUTS_ISA_H
-#define KVR_LAYOUTS_ISA_H
+#ifndef KVR_BASE_ISA_H
+#define KVR_BASE_ISA_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -22,4 +22,4 @@ const struct kvr_isa *kvr_isa_get(void);
 /* Processor brand string into buf (NUL-terminated, "" when unavailable). */
 void kvr_isa_cpu_model(char *buf, size_t buf_bytes);
 
-#endif /* KVR_LAYOUTS_ISA_H */
+#endif /* KVR_BASE_ISA_H */

@@ -6,8 +6,8 @@
  *
  * Threads: whichever thread logs; the callback must be safe to call from it.
  */
-#ifndef KVR_HOST_LOG_H
-#define KVR_HOST_LOG_H
+#ifndef KVR_BASE_LOG_H
+#define KVR_BASE_LOG_H
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -25,4 +25,4 @@ static inline void kvr_host_vlog(kvr_host_log_fn fn, void *user, int level, cons
 	fn(user, level, line);
 }
 
-#endif /* KVR_HOST_LOG_H */
+#endif /* KVR_BASE_LOG_H */
