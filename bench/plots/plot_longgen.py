@@ -13,6 +13,7 @@ per mode, with the share of corrected heads of the sparse modes beneath.
 as a dashed line (llama-bench reports an average, not a curve).
 """
 import json
+import math
 import sys
 
 COLORS = {"dense": "#888888", "blocking": "#1f77b4", "speculative": "#2ca02c", "freekv": "#d62728"}
@@ -22,13 +23,15 @@ LEFT, RIGHT, TOP, BOTTOM = 70, 190, 40, 150
 CORR_H = 70  # the corrections panel under the speed panel
 
 
-def nice_max(v):
-    for step in (1, 2, 5):
-        for mag in range(0, 7):
-            top = step * 10 ** mag
-            if top >= v:
-                return top
-    return v
+def nice_axis(v, divisions=5):
+    """The smallest axis top >= v whose `divisions` equal steps are round
+    numbers (1, 2, 2.5 or 5 times a power of ten), and that step."""
+    if v <= 0:
+        return 1.0, 0.2
+    raw = v / divisions
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
+    return step * divisions, step
 
 
 def main():
@@ -45,7 +48,7 @@ def main():
         data = json.load(f)
     runs = data.get("runs") or [data]
     x_max = max(p["position"] for r in runs for p in r["timeline"])
-    y_top = nice_max(max([p["tokens_per_s"] for r in runs for p in r["timeline"]] + [v for _, v in peers]) * 1.1)
+    y_top, _ = nice_axis(max([p["tokens_per_s"] for r in runs for p in r["timeline"]] + [v for _, v in peers]) * 1.05)
     pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
 
     def X(pos):

@@ -50,9 +50,8 @@
  * merges the parts). */
 #define KVR_CPU_SHAPE_PART (1u << 31)
 
-/* 64-byte vectors passed between static functions of this file only: the
- * psABI note about how they would cross a real call boundary does not apply. */
-#pragma GCC diagnostic ignored "-Wpsabi"
+/* 64-byte vectors pass between static functions of this file only, so the
+ * build turns GCC's psABI note about them off (meson.build). */
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -366,7 +365,6 @@ static inline __attribute__((always_inline)) void value_sz16_avx512(const uint16
 #define ATT_EXPA(x) exp16_scalef_avx512(x)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 /* ------------------------------------------------------------------ AVX-512 VNNI */
 #pragma GCC push_options
@@ -578,7 +576,6 @@ static void pv_dots_avx512vnni(uint32_t G, uint32_t d, uint32_t bits, const unsi
 	}
 }
 #pragma GCC pop_options
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 /* ------------------------------------------------------------------ AVX2 */
 #pragma GCC push_options
@@ -1122,7 +1119,6 @@ static inline __attribute__((always_inline)) void value_sz16_avx2(const uint16_t
 #define VALUE_SZ16(sz, nb, centre, vs, vz) value_sz16_avx2(sz, nb, centre, vs, vz)
 #include "cpu_kernels_isa.h" /* undefines ISA and the primitives */
 #pragma GCC pop_options
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 /* ------------------------------------------------------------------ baseline */
 static inline __attribute__((always_inline)) vf load16_base(const void *row, uint32_t t, uint64_t i)

@@ -16,8 +16,8 @@
  * The tolerances the suite applies are defined here, in one place, with the
  * reasoning behind each.
  */
-#ifndef KVR_TESTS_REFERENCE_H
-#define KVR_TESTS_REFERENCE_H
+#ifndef KVR_GPU_REFERENCE_H
+#define KVR_GPU_REFERENCE_H
 
 #include <stdint.h>
 
@@ -145,4 +145,4 @@ void ref_attention_lse(const struct kvr_shape *sh, const struct kvr_attention_it
 void ref_dense(const struct kvr_shape *sh, const struct kvr_dense_item *item, double *out,
 	       struct ref_head_scale *scale);
 
-#endif /* KVR_TESTS_REFERENCE_H */
+#endif /* KVR_GPU_REFERENCE_H */
