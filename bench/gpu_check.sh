@@ -5,8 +5,8 @@
 # memcheck, `kvrecall selftest` and `kvrecall bench decode` in one command,
 # every log and JSON into one folder, and a one-screen summary at the end.
 #
-# GPU machines lent for a few minutes are often bare (no Criterion, hwloc,
-# liburing or libnuma), so the check runs in two halves:
+# A GPU machine often lacks the build's dependencies (Criterion, hwloc,
+# liburing, libnuma), so the check runs in two halves:
 #
 #   bench/gpu_check.sh pack DIR [--build BUILD] [--arch 90]
 #       here: build with CUDA (release, the card's arch; or take BUILD as it

@@ -2,7 +2,7 @@
 /*
  * resident.c — on a device with memory of its own (cuda), device copies of the pages
  * every step attends: each sparse lane's sink and window pages, and every page
- * of a dense layer (DESIGN.md: "their KV stays resident"). Without them
+ * of a dense layer (docs/design.md, "Glossary": dense layers). Without them
  * attention would read those pages from the pinned pool over the bus at every
  * step — S + W tokens per KV head and layer, the largest share of the step.
  *
@@ -18,7 +18,7 @@
  *
  * Pool layout NHD (an ablation) keeps reading the pool in place.
  *
- * Key summaries likewise (DESIGN.md: "summaries stay on the device"): a lane's
+ * Key summaries likewise (docs/design.md, "Glossary": summary): a lane's
  * selection scores every candidate page's summary, L/p of them, so reading
  * them over the bus would cost more than the attention. Each lane keeps a
  * device copy of its leading pages' summaries, extended before a selection by

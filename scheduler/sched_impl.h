@@ -413,11 +413,12 @@ static inline void count(struct kvr_sched *s, uint32_t seq, enum kvr_counter c, 
 }
 
 /*
- * The first page of the window of a layer that holds n_tokens (DESIGN.md:
- * the W/p newest full pages plus the partial tail). With W = 0 the page the
- * newest token completed is the window's (its "partial tail" just filled):
- * it has no summary before this step, so no selection can have named it,
- * and without this it would be attended by nobody at the step completing it.
+ * The first page of the window of a layer that holds n_tokens
+ * (docs/design.md, "Glossary": the W/p newest full pages plus the partial
+ * tail). With W = 0 the page the newest token completed is the window's
+ * (its "partial tail" just filled): it has no summary before this step, so
+ * no selection can have named it, and without this it would be attended by
+ * nobody at the step completing it.
  * For W >= p this is n_full - W/p (or 0), which never exceeds that page.
  * Pages below it and at or above sink are what selection must cover.
  */

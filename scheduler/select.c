@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * select.c — DESIGN.md step 5 for one lane: the candidates of the step a
- * selection serves, each head's softmax domain, the summaries on the device,
- * then the score and select kernels. Called by the engine (a correction, a
+ * select.c — step 5 of docs/design.md ("The decode step") for one lane: the
+ * candidates of the step a selection serves, each head's softmax domain, the
+ * summaries on the device, then the score and select kernels. Called by the engine (a correction, a
  * lane's first sparse step, blocking mode: step.c) and by the controller (the
  * speculative selection for the next step: controller.c), so it lives apart
  * from both.

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * step.c — the decode step of DESIGN.md per (sequence, layer), on the
+ * step.c — docs/design.md, "The decode step", per (sequence, layer), on the
  * engine's thread: one layer call for a batch and its host path, failed
  * sequences' bookkeeping, and the step's end. The append of the tokens is
  * step_append.c, the device plan step_device.c (what they share with this

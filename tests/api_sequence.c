@@ -583,10 +583,11 @@ static double excess(const struct part *ref, const void *out, uint32_t m, double
 	return worst;
 }
 
-/* The sparse path's attended pages (DESIGN.md, "Invariant"): sink pages,
- * the window — W/p newest full pages, and with W = 0 the page the newest
- * token just completed, which no selection could have named — and the tail;
- * candidates are the pages between sink and window. */
+/* The sparse path's attended pages (docs/design.md, "The decode step": the
+ * invariant): sink pages, the window — W/p newest full pages, and with
+ * W = 0 the page the newest token just completed, which no selection could
+ * have named — and the tail; candidates are the pages between sink and
+ * window. */
 static uint32_t window_first(uint64_t n)
 {
 	const uint32_t full = (uint32_t)(n / M.p), w = M.W / M.p;

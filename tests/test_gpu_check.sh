@@ -7,7 +7,7 @@
 # and the later stages are skipped with the summary still written; a test
 # filter that matches nothing fails its stage; a stage the machine cannot run
 # is skipped with the reason; bad flags are refused before anything runs;
-# and the GPU branch, which only a lent machine runs for real, runs its
+# and the GPU branch, which only a machine with a GPU runs for real, runs its
 # stages with the commands it should (stand-ins for nvidia-smi,
 # compute-sanitizer and the bundle's executables). The real stages on cudaemu
 # run in .ci/run (`gpu_check.sh run --emu --quick`).

@@ -14,7 +14,7 @@ Test(layouts, geometry_sizes)
 {
 	struct kvr_page_geometry g;
 	cr_assert_eq(kvr_page_geometry_init(&g, 32, 128, 8, KVR_ELEM_F16), 0);
-	cr_expect_eq(g.head_bytes, 16384u, "DESIGN.md: 16 KiB at p=32, d=128, f16");
+	cr_expect_eq(g.head_bytes, 16384u, "docs/design.md, Glossary: 16 KiB at p=32, d=128, f16");
 	cr_expect_eq(g.page_bytes, 8u * 16384u);
 	cr_assert_eq(kvr_page_geometry_init(&g, 32, 64, 3, KVR_ELEM_BF16), 0);
 	cr_expect_eq(g.head_bytes, 8192u, "8 KiB for d=64");

@@ -103,8 +103,8 @@ Test(model, completes_the_capital_of_france, .init = open_model, .fini = close_m
 	free(logits);
 }
 
-/* DESIGN.md: while a sequence holds at most B tokens attention is dense, so
- * every mode gives dense's logits exactly. */
+/* docs/design.md, "The decode step": while a sequence holds at most B
+ * tokens attention is dense, so every mode gives dense's logits exactly. */
 Test(model, freekv_equals_dense_within_budget, .init = open_model, .fini = close_model,
      .timeout = 240)
 {

@@ -7,13 +7,13 @@
  *    and convert streams, an asynchronous compute stream) change no output bit,
  *    so no slot write races an attention and no attention reads a partial
  *    recall; streamed recall equals zero-copy bit for bit;
- *  - each mode attends to what DESIGN.md ("Decode step") says, checked against
- *    an independent model of the state machine with a scalar Quest score,
- *    softmax-mean and top-k and a double-precision attention: speculative uses
- *    exactly step i−1's page sets (selected against step i's window), blocking
- *    selects with q_i, freekv corrects exactly the KV heads whose group-mean
- *    cosine is below tau, and a page leaving the window is a candidate the
- *    step it leaves;
+ *  - each mode attends to what docs/design.md ("The decode step") says, checked
+ *    against an independent model of the state machine with a scalar Quest
+ *    score, softmax-mean and top-k and a double-precision attention:
+ *    speculative uses exactly step i−1's page sets (selected against step i's
+ *    window), blocking selects with q_i, freekv corrects exactly the KV heads
+ *    whose group-mean cosine is below tau, and a page leaving the window is a
+ *    candidate the step it leaves;
  *  - streamed recall moves only misses (hits + misses = selected pages);
  *  - batches: each sequence's output equals the sequence decoded alone, a
  *    failing sequence leaves the others intact, fork and truncate mid-run;
@@ -510,10 +510,10 @@ static void page_summary(const struct tseq *t, uint32_t l, uint32_t pg, uint32_t
 	}
 }
 
-/* DESIGN.md's window of a layer holding n tokens: the W/P newest full pages
- * and the partial tail. With W = 0 the tail page the newest token just
- * completed is still the window's: nothing else can cover it (it had no
- * summary when the serving selection was made). */
+/* The window of a layer holding n tokens (docs/design.md, "Glossary"): the
+ * W/P newest full pages and the partial tail. With W = 0 the tail page the
+ * newest token just completed is still the window's: nothing else can cover
+ * it (it had no summary when the serving selection was made). */
 static uint32_t win_first_of(uint64_t n)
 {
 	const uint32_t n_full = (uint32_t)(n / P), window = WIN / P;
@@ -535,7 +535,8 @@ static uint32_t cand_end_of(uint64_t n, int next)
 
 /* The pages each head's softmax spans at that selection: every page whose
  * summary is certainly written — all full pages but the one the newest token
- * completed (DESIGN.md step 5, FreeKV's P^h over all pages). */
+ * completed (docs/design.md, "The decode step", step 5: FreeKV's P^h over
+ * all pages). */
 static uint32_t norm_end_of(uint64_t n, uint32_t cand_end)
 {
 	const uint32_t with_summary = n ? (uint32_t)((n - 1) / P) : 0;
@@ -543,12 +544,12 @@ static uint32_t norm_end_of(uint64_t n, uint32_t cand_end)
 }
 
 /*
- * DESIGN.md step 5, independently: for KV head m, the Quest bound of every
- * page with a summary per query head, softmax over those pages per query
- * head, mean over the group for each candidate, top-k with ties to the lower
- * page. Writes the pages
- * in ascending order (-1 after the last), returns how many; *ambiguous is set
- * when the k-th and (k+1)-th scores are too close for float to call.
+ * Step 5 of docs/design.md ("The decode step"), independently: for KV head
+ * m, the Quest bound of every page with a summary per query head, softmax
+ * over those pages per query head, mean over the group for each candidate,
+ * top-k with ties to the lower page. Writes the pages in ascending order (-1
+ * after the last), returns how many; *ambiguous is set when the k-th and
+ * (k+1)-th scores are too close for float to call.
  */
 static uint32_t ref_select(const struct tseq *t, uint32_t l, const float *q, uint64_t n, int next,
 			   uint32_t m, int32_t sel[K_SEL], int *ambiguous, double *scores_out)
@@ -756,10 +757,11 @@ struct check {
 static struct kvr_stats ctx_stats(struct kvr_context *ctx);
 
 /*
- * The model of one (sequence, layer) decode step (DESIGN.md "Decode step"),
- * t->n already counting the new token: which heads are corrected, which
- * pages each head attends; compares `out` with the reference attention over
- * them within tol, then updates the model's speculative state.
+ * The model of one (sequence, layer) decode step (docs/design.md, "The
+ * decode step"), t->n already counting the new token: which heads are
+ * corrected, which pages each head attends; compares `out` with the
+ * reference attention over them within tol, then updates the model's
+ * speculative state.
  */
 static void model_step(struct tseq *t, uint32_t l, const float *q, const float *out, uint32_t mode,
 		       float tau, double tol, struct check *ck, const char *what, uint32_t step)
@@ -806,8 +808,9 @@ static void model_step(struct tseq *t, uint32_t l, const float *q, const float *
 	for (uint32_t m = 0; m < N_KV; m++) {
 		int32_t now[K_SEL], prev[K_SEL];
 		int amb_now = 0, amb_prev = 0;
-		/* DESIGN.md's invariant: every page outside sink and window(i) was
-		 * a candidate of the selection that serves step i */
+		/* The invariant (docs/design.md, "The decode step"): every page
+		 * outside sink and window(i) was a candidate of the selection that
+		 * serves step i */
 		const uint64_t serving_n = corr[m] ? n : t->prev_n[l];
 		const int serving_next = corr[m] ? next_now : t->prev_next[l];
 		if (corr[m] || t->has_prev[l]) {
@@ -1402,13 +1405,13 @@ Test(scheduler, speculative_uses_previous_steps_pages_cuda, .timeout = 120)
 }
 
 /*
- * DESIGN.md's invariant of every decode step: attended = sink ∪ window(i) ∪
- * selected, every page outside sink and window(i) a candidate of the
- * selection serving step i. model_step asserts it (and the outputs match the
- * model); these runs make sure windows cross pages right after corrected
- * steps as well as uncorrected ones, in every mode and recall kind, with a
- * window of two pages and with none (W = 0: the page a token completes is
- * the window's at that step).
+ * The invariant of every decode step (docs/design.md, "The decode step"):
+ * attended = sink ∪ window(i) ∪ selected, every page outside sink and
+ * window(i) a candidate of the selection serving step i. model_step asserts it
+ * (and the outputs match the model); these runs make sure windows cross pages
+ * right after corrected steps as well as uncorrected ones, in every mode and
+ * recall kind, with a window of two pages and with none (W = 0: the page a
+ * token completes is the window's at that step).
  */
 Test(scheduler, attended_set_invariant_across_window_moves, .timeout = 240)
 {

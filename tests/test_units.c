@@ -1,15 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * test_units.c — the device page cache of quantised pages (scheduler/units.c)
- * against the ordering rule of DESIGN.md: a device slot is rewritten only
- * after the last attention that reads it. Units are shared by every lane, so
- * the rule reaches across lanes: a unit one lane gives back (a mixed-pool
- * slot going from K8V4, two half-units, to K4V2, one) must not reach another
- * lane's allocation round, whose copy is ordered after that other lane's
- * attention only, while the first lane's attention may still read it. And
- * rounds are few (LeanKV runs memory management once per step): a sequence's
- * first fill takes unit 0 of every slot of all its sparse lanes in one
- * round, a lane's given-back units serve its own next fill with no round,
+ * against the ordering rule of docs/design.md ("The decode step", step 6): a
+ * device slot is rewritten only after the last attention that reads it. Units
+ * are shared by every lane, so the rule reaches across lanes: a unit one lane
+ * gives back (a mixed-pool slot going from K8V4, two half-units, to K4V2, one)
+ * must not reach another lane's allocation round, whose copy is ordered after
+ * that other lane's attention only, while the first lane's attention may still
+ * read it. And rounds are few (LeanKV runs memory management once per step): a
+ * sequence's first fill takes unit 0 of every slot of all its sparse lanes in
+ * one round, a lane's given-back units serve its own next fill with no round,
  * and the rest go back in one round at the step's end.
  *
  * White-box: the test drives kvr_units_fill and kvr_units_release on lanes of
