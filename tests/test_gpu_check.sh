@@ -37,7 +37,7 @@ cat >"$fake/tests/test_conformance" <<'SH'
 #!/usr/bin/env bash
 case ${FAKE_CONFORMANCE:-pass} in
 pass) echo "[====] Synthesis: Tested: 2 | Passing: 2 | Failing: 0 | Crashing: 0" ;;
-hang) # a child in a session of its own, as Criterion's workers are, and a grandchild
+hang) # a child in its own process session, as Criterion's workers are, and a grandchild
 	setsid bash -c 'sleep 300 & echo $! >"$FAKE_PIDS/grandchild"; echo $$ >"$FAKE_PIDS/child"; wait' &
 	sleep 300 ;;
 esac

@@ -130,7 +130,7 @@ typedef struct {
 	pthread_mutex_t lock;
 	struct kvr_config cfg; /* the resolved configuration */
 	uint32_t elem_bytes;
-	PyObject *pool;        /* the ThreadPool object lent to the context, or NULL */
+	PyObject *pool;        /* the ThreadPool object the context uses, or NULL */
 	StepObject *open_step; /* borrowed: the step holds the context, not the reverse */
 	struct log_queue *log;
 	/* Time inside kvr_decode_layer as the binding sees it (under `lock`),
