@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # kvrecall.sh — set up, build and run kvrecall from a fresh clone in one step.
 #
-#   ./kvrecall.sh demo    install what is missing, build the library and the
+#   ./kvrecall.sh demo    install what the demo needs, build the library and the
 #                         `kvrecall` command only (release, in build-demo; no
-#                         tests, and no CUDA backend unless a GPU is usable),
+#                         tests, no CUDA backend, no Python package),
 #                         fetch the model, run the main job: SmolLM2-135M answers
 #                         a question about the GPL-3 (7.7K tokens of context)
 #                         with freekv retrieval (B = 1024) on the CPU backend;
@@ -16,11 +16,11 @@
 #                         record (JSON) and its plot (SVG) go to the cache
 #                         (~/.cache/kvrecall/longgen.*); extra arguments go to
 #                         `kvrecall generate` (e.g. --max-tokens 2000)
-#   ./kvrecall.sh test    install what is missing (with a Python virtual
-#                         environment holding torch and transformers for the
-#                         transformers backend's tests), build everything, run
-#                         every test suite (C and Python)
-#   ./kvrecall.sh deps    install the Debian packages only
+#   ./kvrecall.sh test    install what is missing (the test packages too, and a
+#                         Python virtual environment holding torch and
+#                         transformers for the transformers backend's tests),
+#                         build everything, run every test suite (C and Python)
+#   ./kvrecall.sh deps    install the Debian packages of the demo and the tests
 #   ./kvrecall.sh build   configure and build only
 #
 # Environment: BUILD_DIR (default build; the demo's is DEMO_BUILD_DIR,
@@ -40,9 +40,15 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 	export PATH="/usr/local/cuda/bin:$PATH"
 fi
 
-debian_packages=(gcc g++ meson ninja-build pkg-config libhwloc-dev hwloc-nox liburing-dev
-	libnuma-dev numactl libcriterion-dev python3 python3-pip base-files
-	python3-dev python3-venv python3-numpy python3-pytest libpcre2-dev)
+# Debian packages. The demo needs only what builds the library and the
+# command and fetches the model (python3-pip: fetch_model.sh; base-files: the
+# GPL-3 text the demo reads); the tests add Criterion, C++ (cudaemu), Python's
+# headers and test modules, PCRE2 (the pre-tokenizer benchmark) and the
+# command-line tools of hwloc and numactl.
+demo_packages=(gcc meson ninja-build pkg-config libhwloc-dev liburing-dev libnuma-dev
+	python3 python3-pip base-files)
+test_packages=(g++ libcriterion-dev hwloc-nox numactl python3-dev python3-venv
+	python3-numpy python3-pytest libpcre2-dev)
 
 # The transformers backend's tests run in a virtual environment of their own
 # (Debian's python3 refuses pip outside one): torch and transformers from
@@ -51,9 +57,10 @@ debian_packages=(gcc g++ meson ninja-build pkg-config libhwloc-dev hwloc-nox lib
 # KVRECALL_VENV=none skips it (those tests then skip, saying why).
 venv_packages=(numpy pytest torch 'transformers>=5.0,<6' 'accelerate>=1.0' 'gguf>=0.10')
 
+# Install whichever of the given Debian packages are missing.
 deps() {
 	local missing=()
-	for p in "${debian_packages[@]}"; do
+	for p in "$@"; do
 		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
 			missing+=("$p")
 	done
@@ -93,15 +100,12 @@ build() {
 }
 
 # The demo's build: what the first command needs and nothing more, so a new
-# user waits for the library and one program (about a minute on 2 cores), not
-# for every test suite and the CUDA backend (about four). CUDA is compiled
-# only when nvcc is there and nvidia-smi lists a GPU that the demo could use.
+# user waits for the library and one program, not for every test suite. The
+# runner drives the cpu backend, so neither the CUDA backend nor the Python
+# package is compiled.
 demo_build() {
-	local dir=${DEMO_BUILD_DIR:-build-demo} cuda=disabled
-	if command -v nvcc >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-		cuda=auto
-	fi
-	local args=(-Dbuildtype=release -Dtests=disabled -Dfuzz=disabled -Dcuda=$cuda)
+	local dir=${DEMO_BUILD_DIR:-build-demo}
+	local args=(-Dbuildtype=release -Dtests=disabled -Dfuzz=disabled -Dcuda=disabled -Dpython=disabled)
 	# shellcheck disable=SC2206 # MESON_ARGS is a list of options on purpose
 	args+=($MESON_ARGS)
 	if [ -f "$dir/build.ninja" ]; then
@@ -113,19 +117,24 @@ demo_build() {
 	KVRECALL="$dir/bench/kvrecall"
 }
 
+# the comment block at the top of this file
+usage() {
+	awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
-deps) deps ;;
-build) deps && build ;;
+deps) deps "${demo_packages[@]}" "${test_packages[@]}" ;;
+build) deps "${demo_packages[@]}" "${test_packages[@]}" && build ;;
 test)
-	deps
+	deps "${demo_packages[@]}" "${test_packages[@]}"
 	python_venv
 	build
 	meson test -C "$BUILD_DIR" -v --print-errorlogs "$@"
 	;;
 demo)
-	deps
+	deps "${demo_packages[@]}"
 	demo_build
 	bench/model/fetch_model.sh >/dev/null
 	"$KVRECALL" info
@@ -135,7 +144,7 @@ demo)
 		--mode freekv --budget 1024 --max-tokens 300 "$@"
 	;;
 longgen)
-	deps
+	deps "${demo_packages[@]}"
 	demo_build
 	bench/model/fetch_model.sh >/dev/null
 	out=${XDG_CACHE_HOME:-$HOME/.cache}/kvrecall/longgen
@@ -145,8 +154,10 @@ longgen)
 	python3 bench/plots/plot_longgen.py "$out.json" "$out.svg"
 	echo "record: $out.json; plot: $out.svg"
 	;;
+-h | --help | help) usage ;;
 *)
-	sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+	[ -n "$cmd" ] && echo "kvrecall.sh: unknown command '$cmd'" >&2
+	usage >&2
 	exit 2
 	;;
 esac
