@@ -157,22 +157,10 @@ int main(int argc, char **argv)
 	}
 	const char *cmd = argv[1];
 #ifdef KVR_HAVE_RUNNER
-	if (!strcmp(cmd, "generate")) {
-		for (int i = 2; i < argc; i++)
-			if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-				runner_generate_usage();
-				return 0;
-			}
+	if (!strcmp(cmd, "generate")) /* --help is theirs: usage on stdout */
 		return runner_generate(argc - 2, argv + 2);
-	}
-	if (!strcmp(cmd, "eval")) {
-		for (int i = 2; i < argc; i++)
-			if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-				runner_eval_usage();
-				return 0;
-			}
+	if (!strcmp(cmd, "eval"))
 		return runner_eval(argc - 2, argv + 2);
-	}
 #endif
 	if (!strcmp(cmd, "info"))
 		return cmd_info(argc - 2, argv + 2);
