@@ -4,7 +4,7 @@
  * median of repeated timings, 2 MiB-aligned huge-page buffers, parsing of
  * comma-separated number lists from the command line, the xorshift
  * generator their synthetic data comes from, and a KV format's name in
- * reports. Header-only, host-only.
+ * reports (command-line values: cli_args.h). Header-only, host-only.
  */
 #ifndef KVR_BENCH_COMMON_H
 #define KVR_BENCH_COMMON_H
@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "kvrecall.h"
+#include "cli_args.h"
 
 /* A KV format's name in reports: plain pages are the benchmarks' dtype, f16 */
 static inline const char *bench_kv_format_label(uint32_t kv_format)
@@ -67,17 +68,18 @@ static inline void *bench_huge_alloc(const char *who, size_t bytes)
 	return p;
 }
 
-/* "1,2,4" -> out[0..n); each value >= 1. Returns 0, or -1 when malformed. */
+/* "1,2,4" -> out[0..n); each value from 1 to 2^32 - 1, at most max of them.
+ * Returns 0, or -1 when malformed, without a message: the micro-benchmarks
+ * print their usage (the command's benchmarks use cli_parse_u32_list,
+ * which says what is wrong). */
 static inline int bench_parse_list(const char *s, uint32_t *out, uint32_t max, uint32_t *n)
 {
-	char buf[128];
+	char item[32];
+	const char *at = s;
 	*n = 0;
-	snprintf(buf, sizeof(buf), "%s", s);
-	for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
-	     tok = strtok_r(NULL, ",", &save)) {
-		char *end;
-		const unsigned long v = strtoul(tok, &end, 10);
-		if (*n == max || *end || v == 0 || v > UINT32_MAX)
+	for (int r; (r = cli_list_next(&at, item, sizeof(item)));) {
+		uint64_t v = 0;
+		if (r < 0 || *n == max || cli_u64_whole(item, &v) || v == 0 || v > UINT32_MAX)
 			return -1;
 		out[(*n)++] = (uint32_t)v;
 	}

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli_args.h"
+
 struct bench_shape {
 	const char *preset;  /* the preset's name, or "custom" */
 	uint32_t n_kv_heads, n_qo_heads, head_dim, n_layers, page_tokens;
@@ -25,28 +27,27 @@ static const struct bench_shape bench_presets[] = {
 	{ "smollm2-135m", 3, 9, 64, 30, 32 },
 };
 
-static inline int bench_shape_preset(const char *name, struct bench_shape *out)
+/* The presets' names, for errors that list them. */
+static const char *const bench_preset_names[] = { "llama-3.1-8b", "qwen-2.5-7b", "smollm2-135m", NULL };
+
+static inline int bench_shape_preset(const char *cmd, const char *name, struct bench_shape *out)
 {
-	for (size_t i = 0; i < sizeof(bench_presets) / sizeof(bench_presets[0]); i++)
-		if (!strcmp(name, bench_presets[i].preset)) {
-			*out = bench_presets[i];
-			return 0;
-		}
-	fprintf(stderr, "kvrecall bench: unknown preset '%s' (llama-3.1-8b, qwen-2.5-7b, smollm2-135m)\n", name);
-	return -1;
+	uint32_t i;
+	if (cli_parse_choice(cmd, "--preset", name, bench_preset_names, &i))
+		return -1;
+	*out = bench_presets[i];
+	return 0;
 }
 
 /* Consume argv[*i] when it is a shape flag (--preset, --kv-heads, --qo-heads,
  * --head-dim, --layers, --page-tokens); 1 when consumed, 0 when not a shape
- * flag, -1 on a bad value (after a message). */
-static inline int bench_shape_flag(int argc, char **argv, int *i, struct bench_shape *s)
+ * flag, -1 on a missing or bad value (after a message naming cmd). */
+static inline int bench_shape_flag(const char *cmd, int argc, char **argv, int *i, struct bench_shape *s)
 {
 	const char *a = argv[*i];
-	if (*i + 1 >= argc)
-		return 0;
 	if (!strcmp(a, "--preset")) {
-		++*i;
-		return bench_shape_preset(argv[*i], s) ? -1 : 1;
+		const char *v = cli_value_of(cmd, argc, argv, i);
+		return v && !bench_shape_preset(cmd, v, s) ? 1 : -1;
 	}
 	uint32_t *field = !strcmp(a, "--kv-heads")      ? &s->n_kv_heads
 			  : !strcmp(a, "--qo-heads")    ? &s->n_qo_heads
@@ -56,27 +57,15 @@ static inline int bench_shape_flag(int argc, char **argv, int *i, struct bench_s
 							: NULL;
 	if (!field)
 		return 0;
-	char *end;
-	const unsigned long v = strtoul(argv[++*i], &end, 10);
-	if (*end || v == 0 || v > 65536) {
-		fprintf(stderr, "kvrecall bench: %s takes a positive integer, not '%s'\n", a, argv[*i]);
-		return -1;
-	}
-	*field = (uint32_t)v;
-	s->preset = "custom";
-	return 1;
+	const int taken = cli_opt_u32(cmd, argc, argv, i, a, 1, 65536, field);
+	if (taken > 0)
+		s->preset = "custom";
+	return taken;
 }
 
 /* In a command's argument loop: a shape flag is consumed (continue), a bad
- * one ends the command (return 2). */
-#define BENCH_TAKE_SHAPE_FLAG(argc, argv, i, shape)                                            \
-	{                                                                                    \
-		const int taken = bench_shape_flag(argc, argv, &(i), shape);                 \
-		if (taken < 0)                                                               \
-			return 2;                                                            \
-		if (taken)                                                                   \
-			continue;                                                            \
-	}
+ * one ends the command (return CLI_EXIT_USAGE). */
+#define BENCH_TAKE_SHAPE_FLAG(cmd, argc, argv, i, shape) CLI_TAKE(bench_shape_flag(cmd, argc, argv, &(i), shape))
 
 static inline void bench_shape_json(FILE *f, const struct bench_shape *s)
 {

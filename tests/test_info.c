@@ -2,7 +2,10 @@
 /*
  * test_info.c — kvr_system_query and `kvrecall info` tell the truth: build
  * features match how this build was configured, the GPU line gives the exact
- * reason when there is none, and CPU/topology facts match the OS's.
+ * reason when there is none, and CPU/topology facts match the OS's. Then the
+ * command as a program: its benchmarks' JSON, and its command line (help on
+ * stdout, --version, errors that name their command, option and range, exit
+ * statuses).
  */
 #include <criterion/criterion.h>
 #include <stddef.h>
@@ -12,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "kvrecall.h"
@@ -365,7 +369,7 @@ Test(bench, decode_spilled_writes_schema_json, .timeout = 300)
 	int status;
 	run("bench decode --spilled 100", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--spilled takes 0..99") != NULL, "%s", out);
+	cr_expect(strstr(out, "--spilled '100': expected an integer from 0 to 99") != NULL, "%s", out);
 }
 
 /* `kvrecall bench freelist`: one row per unit count, host and device rounds
@@ -479,46 +483,47 @@ Test(bench, bad_arguments_are_refused_clearly)
 	int status;
 	run("bench copy --reps 0", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--reps must be 1 to 15") != NULL, "%s", out);
+	cr_expect(strstr(out, "--reps '0': expected an integer from 1 to 15") != NULL, "%s", out);
 	run("bench copy --backend tpu", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--backend auto|cpu|cuda") != NULL, "%s", out);
+	cr_expect(strstr(out, "--backend 'tpu': expected one of auto, cpu, cuda") != NULL, "%s", out);
 	run("bench copy --frobnicate", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "usage: kvrecall bench copy") != NULL, "%s", out);
+	cr_expect(strstr(out, "unknown option '--frobnicate'") != NULL, "%s", out);
 	run("bench recall --miss-rate 0", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "0 < --miss-rate <= 1") != NULL, "%s", out);
+	cr_expect(strstr(out, "--miss-rate '0': expected a number above 0 and at most 1") != NULL, "%s", out);
 	run("bench recall --budget 1000", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "must be a multiple of p = 32") != NULL, "%s", out);
 	run("bench recall --preset gpt-5", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "unknown preset 'gpt-5'") != NULL, "%s", out);
+	cr_expect(strstr(out, "--preset 'gpt-5': expected one of llama-3.1-8b,") != NULL, "%s", out);
 	run("bench recall --head-dim x", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--head-dim takes a positive integer") != NULL, "%s", out);
+	cr_expect(strstr(out, "--head-dim 'x': expected an integer from 1 to 65536") != NULL, "%s", out);
 	run("bench decode --budget 100", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "budget") != NULL, "%s", out);
 	run("bench decode --backend tpu", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--backend cpu|cuda") != NULL, "%s", out);
+	cr_expect(strstr(out, "--backend 'tpu': expected one of cpu, cuda") != NULL, "%s", out);
 	run("bench decode --rounds 0", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--rounds takes 1..99") != NULL, "%s", out);
+	cr_expect(strstr(out, "--rounds '0': expected an integer from 1 to 99") != NULL, "%s", out);
 	run("bench decode --rounds 3x", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--rounds takes 1..99") != NULL, "%s", out);
+	cr_expect(strstr(out, "--rounds '3x': expected an integer from 1 to 99") != NULL, "%s", out);
 	run("bench freelist --reps 0", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--reps must be 1 to 63") != NULL, "%s", out);
+	cr_expect(strstr(out, "--reps '0': expected an integer from 1 to 63") != NULL, "%s", out);
 	run("bench cache --short-context 4096", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "--short-context must be <= --budget") != NULL, "%s", out);
 	run("bench spill --queue-depths 5000", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
-	cr_expect(strstr(out, "--queue-depths values 1..4096") != NULL, "%s", out);
+	cr_expect(strstr(out, "--queue-depths '5000': expected comma-separated integers from 1 to 4096") != NULL,
+		  "%s", out);
 	run("bench spill --dir /nonexistent-kvrecall-dir --quick", out, sizeof(out), &status);
 	cr_expect_neq(status, 0);
 	cr_expect(strstr(out, "/nonexistent-kvrecall-dir") != NULL, "%s", out);
@@ -532,4 +537,303 @@ Test(bench, bad_arguments_are_refused_clearly)
 		cr_expect_neq(status, 0);
 		cr_expect(strstr(out, "--backend cuda: ") != NULL, "%s", out);
 	}
+}
+
+/* ------------------------------------------------------------------ the command line */
+
+/* Runs `kvrecall <args>` with stdout and stderr kept apart (stderr through a
+ * temporary file); returns its exit status, or -1 when it did not exit. */
+static int run_apart(const char *args, char *out, size_t out_bytes, char *err, size_t err_bytes)
+{
+	char err_path[] = "/tmp/kvr_cli_err_XXXXXX";
+	const int fd = mkstemp(err_path);
+	cr_assert_geq(fd, 0);
+	char cmd[2048];
+	snprintf(cmd, sizeof(cmd), "'%s' %s 2>'%s'", KVR_EXE_PATH, args, err_path);
+	FILE *f = popen(cmd, "r");
+	cr_assert_not_null(f);
+	const size_t n = fread(out, 1, out_bytes - 1, f);
+	out[n] = '\0';
+	const int status = pclose(f);
+	const ssize_t e = read(fd, err, err_bytes - 1);
+	err[e > 0 ? e : 0] = '\0';
+	close(fd);
+	unlink(err_path);
+	return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* A refused command line: exit status 2, nothing on stdout, and exactly
+ * `want` on stderr. */
+static void expect_usage_error(const char *args, const char *want)
+{
+	char out[16384], err[4096];
+	const int rc = run_apart(args, out, sizeof(out), err, sizeof(err));
+	cr_expect_eq(rc, 2, "kvrecall %s: exit status %d, not 2\nstderr: %s", args, rc, err);
+	cr_expect_str_empty(out, "kvrecall %s: wrote to stdout:\n%s", args, out);
+	cr_expect_str_eq(err, want, "kvrecall %s:\nstderr:\n%s\nwanted:\n%s", args, err, want);
+}
+
+/* --help and -h on the command, every command and every benchmark print the
+ * usage on stdout, nothing on stderr, and exit 0 — also after other options,
+ * without running anything. */
+Test(cli, help_goes_to_stdout_and_exits_0)
+{
+	static const struct {
+		const char *args, *usage;
+	} cases[] = {
+		{ "--help", "usage: kvrecall <command>" },
+		{ "-h", "usage: kvrecall <command>" },
+		{ "help", "usage: kvrecall <command>" },
+		{ "info --help", "usage: kvrecall info" },
+		{ "info -h", "usage: kvrecall info" },
+		{ "version --help", "usage: kvrecall version" },
+		{ "generate --help", "usage: kvrecall generate" },
+		{ "generate -h", "usage: kvrecall generate" },
+		{ "generate --prompt hi --mode dense --help", "usage: kvrecall generate" },
+		{ "eval --help", "usage: kvrecall eval" },
+		{ "eval --context 4096 -h", "usage: kvrecall eval" },
+		{ "bench --help", "usage: kvrecall bench <benchmark>" },
+		{ "bench -h", "usage: kvrecall bench <benchmark>" },
+		{ "bench copy --help", "usage: kvrecall bench copy" },
+		{ "bench recall --help", "usage: kvrecall bench recall" },
+		{ "bench decode --help", "usage: kvrecall bench decode" },
+		{ "bench decode --quick -h", "usage: kvrecall bench decode" },
+		{ "bench freelist --help", "usage: kvrecall bench freelist" },
+		{ "bench cache --help", "usage: kvrecall bench cache" },
+		{ "bench spill --help", "usage: kvrecall bench spill" },
+		{ "selftest --help", "usage: kvrecall selftest" },
+		{ "help generate", "usage: kvrecall generate" },
+		{ "help bench", "usage: kvrecall bench <benchmark>" },
+	};
+	char out[16384], err[4096];
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+		const int rc = run_apart(cases[c].args, out, sizeof(out), err, sizeof(err));
+		cr_expect_eq(rc, 0, "kvrecall %s: exit status %d\nstderr: %s", cases[c].args, rc, err);
+		cr_expect(!strncmp(out, cases[c].usage, strlen(cases[c].usage)), "kvrecall %s: stdout is not '%s...':\n%s",
+			  cases[c].args, cases[c].usage, out);
+		cr_expect_str_empty(err, "kvrecall %s: wrote to stderr:\n%s", cases[c].args, err);
+	}
+	/* the command's usage says what the exit statuses mean */
+	run_apart("--help", out, sizeof(out), err, sizeof(err));
+	cr_expect(strstr(out, "Exit status: 0 success; 1 a failure while running") &&
+			  strstr(out, "2 a wrong command line"),
+		  "%s", out);
+	/* without a command: the usage, on stderr, as a wrong command line */
+	cr_expect_eq(run_apart("", out, sizeof(out), err, sizeof(err)), 2);
+	cr_expect_str_empty(out);
+	cr_expect(!strncmp(err, "usage: kvrecall <command>", 25), "%s", err);
+}
+
+/* --version, -V and `version`: one line on stdout naming the program, the
+ * library version, the git revision and the build type; exit 0. */
+Test(cli, version_is_one_line_on_stdout)
+{
+	static const char *const spellings[] = { "--version", "-V", "version" };
+	char out[4096], err[4096], want[256];
+	snprintf(want, sizeof(want), "kvrecall %s (git ", kvr_version_string());
+	for (size_t s = 0; s < sizeof(spellings) / sizeof(spellings[0]); s++) {
+		const int rc = run_apart(spellings[s], out, sizeof(out), err, sizeof(err));
+		cr_expect_eq(rc, 0, "%s: exit status %d: %s", spellings[s], rc, err);
+		cr_expect_str_empty(err, "%s: %s", spellings[s], err);
+		cr_expect(!strncmp(out, want, strlen(want)), "%s: '%s' is not '%s...'", spellings[s], out, want);
+		const char *revision = out + strlen(want), *comma = strchr(revision, ',');
+		cr_expect(comma && comma > revision, "%s: no git revision in '%s'", spellings[s], out);
+		char tail[128];
+		snprintf(tail, sizeof(tail), ", %s build)\n", KVR_TEST_BUILD_TYPE);
+		cr_expect(comma && !strcmp(comma, tail), "%s: '%s' does not end with '%s'", spellings[s], out, tail);
+	}
+	cr_expect_eq(run_apart("version --bogus", out, sizeof(out), err, sizeof(err)), 2);
+}
+
+/* Every error names the command it comes from (eval's are eval's, not the
+ * generate it shares options with); the command line's errors exit 2, a
+ * failure while running exits 1. */
+Test(cli, errors_name_their_command_and_exit_status_says_which_kind)
+{
+	static const struct {
+		const char *args, *prefix;
+		int status;
+	} cases[] = {
+		{ "eval", "kvrecall eval: --file is required\n", 2 },
+		{ "eval --budget 12x --file /dev/null", "kvrecall eval: --budget '12x'", 2 },
+		{ "eval --model /nonexistent-kvrecall.gguf --file /dev/null", "kvrecall eval: ", 1 },
+		{ "generate", "kvrecall generate: give --prompt, --chat or --file\n", 2 },
+		{ "generate --model /nonexistent-kvrecall.gguf --prompt hi", "kvrecall generate: ", 1 },
+		{ "info --spill-dir", "kvrecall info: ", 2 },
+		{ "version extra", "kvrecall version: ", 2 },
+		{ "selftest --json", "kvrecall selftest: ", 2 },
+		{ "bench", "usage: kvrecall bench <benchmark>", 2 },
+		{ "bench nosuch", "kvrecall bench: ", 2 },
+		{ "bench copy --reps 0", "kvrecall bench copy: ", 2 },
+		{ "bench recall --batch 0", "kvrecall bench recall: ", 2 },
+		{ "bench recall --budget 1000", "kvrecall bench recall: --budget 1000 must be", 2 },
+		{ "bench decode --steps x", "kvrecall bench decode: ", 2 },
+		{ "bench freelist --units x", "kvrecall bench freelist: ", 2 },
+		{ "bench cache --preset x", "kvrecall bench cache: ", 2 },
+		{ "bench spill --batch 0", "kvrecall bench spill: ", 2 },
+		{ "bench spill --dir /nonexistent-kvrecall-dir --quick", "kvrecall bench spill: ", 1 },
+		{ "frobnicate", "kvrecall: unknown command 'frobnicate'\n", 2 },
+	};
+	char out[16384], err[4096];
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+		const int rc = run_apart(cases[c].args, out, sizeof(out), err, sizeof(err));
+		cr_expect_eq(rc, cases[c].status, "kvrecall %s: exit status %d, not %d\nstderr: %s", cases[c].args, rc,
+			     cases[c].status, err);
+		cr_expect(!strncmp(err, cases[c].prefix, strlen(cases[c].prefix)),
+			  "kvrecall %s: stderr does not start with '%s':\n%s", cases[c].args, cases[c].prefix, err);
+		cr_expect(!strstr(cases[c].args, "eval") || !strstr(err, "generate"), "kvrecall %s:\n%s", cases[c].args,
+			  err);
+		cr_expect(rc != 2 || !out[0], "kvrecall %s: a refused command line wrote to stdout:\n%s", cases[c].args,
+			  out);
+	}
+}
+
+/* A name outside an option's set is refused with the set listed. */
+Test(cli, enum_errors_list_the_valid_values)
+{
+	static const struct {
+		const char *args, *err;
+	} cases[] = {
+		{ "generate --prompt hi --mode fast",
+		  "kvrecall generate: --mode 'fast': expected one of dense, blocking, speculative, freekv\n" },
+		{ "generate --prompt hi --mode auto",
+		  "kvrecall generate: --mode 'auto': expected one of dense, blocking, speculative, freekv\n" },
+		{ "generate --prompt hi --kv-format q8",
+		  "kvrecall generate: --kv-format 'q8': expected one of f16, k8v4, k4v2, mixed\n" },
+		{ "generate --prompt hi --recall sometimes",
+		  "kvrecall generate: --recall 'sometimes': expected one of auto, zero-copy, streamed\n" },
+		{ "generate --prompt hi --think maybe", "kvrecall generate: --think 'maybe': expected one of off, on\n" },
+		{ "generate --prompt hi --estimate yes", "kvrecall generate: --estimate 'yes': expected one of off, on\n" },
+		{ "generate --prompt hi --compare dense,fast",
+		  "kvrecall generate: --compare 'dense,fast': expected a comma-separated list of dense, blocking, "
+		  "speculative, freekv (not 'fast')\n" },
+		{ "eval --file /dev/null --modes freekv,fast",
+		  "kvrecall eval: --modes 'freekv,fast': expected a comma-separated list of dense, blocking, "
+		  "speculative, freekv (not 'fast')\n" },
+		{ "eval --file /dev/null --kv-formats k8v4,q4",
+		  "kvrecall eval: --kv-formats 'k8v4,q4': expected a comma-separated list of f16, k8v4, k4v2, mixed "
+		  "(not 'q4')\n" },
+		{ "eval --file /dev/null --estimate sometimes",
+		  "kvrecall eval: --estimate 'sometimes': expected one of off, on, both\n" },
+		{ "eval --file /dev/null --recall x", "kvrecall eval: --recall 'x': expected one of auto, zero-copy, streamed\n" },
+		{ "bench decode --mode fast",
+		  "kvrecall bench decode: --mode 'fast': expected one of dense, blocking, speculative, freekv\n" },
+		{ "bench decode --trace-mode fast",
+		  "kvrecall bench decode: --trace-mode 'fast': expected one of auto, dense, blocking, speculative, freekv\n" },
+		{ "bench decode --recall x", "kvrecall bench decode: --recall 'x': expected one of auto, zero-copy, streamed\n" },
+		{ "bench decode --controller x", "kvrecall bench decode: --controller 'x': expected one of auto, thread, inline\n" },
+		{ "bench decode --pool-layout x", "kvrecall bench decode: --pool-layout 'x': expected one of hnd, nhd\n" },
+		{ "bench decode --estimate x", "kvrecall bench decode: --estimate 'x': expected one of off, on, both\n" },
+		{ "bench decode --backend tpu", "kvrecall bench decode: --backend 'tpu': expected one of cpu, cuda\n" },
+		{ "bench decode --kv-format f16,q8",
+		  "kvrecall bench decode: --kv-format 'f16,q8': expected a comma-separated list of f16, k8v4, k4v2, mixed "
+		  "(not 'q8')\n" },
+		{ "bench copy --backend tpu", "kvrecall bench copy: --backend 'tpu': expected one of auto, cpu, cuda\n" },
+		{ "bench recall --backend tpu", "kvrecall bench recall: --backend 'tpu': expected one of auto, cpu, cuda\n" },
+		{ "bench freelist --backend tpu", "kvrecall bench freelist: --backend 'tpu': expected one of auto, cpu, cuda\n" },
+		{ "bench recall --preset gpt-5",
+		  "kvrecall bench recall: --preset 'gpt-5': expected one of llama-3.1-8b, qwen-2.5-7b, smollm2-135m\n" },
+		{ "selftest --backend tpu", "kvrecall selftest: --backend 'tpu': expected one of cpu, cuda\n" },
+	};
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
+		expect_usage_error(cases[c].args, cases[c].err);
+}
+
+/* Numbers are parsed whole: trailing junk, empty strings, signs where none
+ * belongs, hexadecimal, nan, overflow and values out of range are refused,
+ * naming the option and its range; lists check each element. */
+Test(cli, numbers_are_parsed_whole_and_in_range)
+{
+	static const struct {
+		const char *args, *err;
+	} cases[] = {
+		{ "generate --prompt hi --tau abc", "kvrecall generate: --tau 'abc': expected a number from -1 to 1\n" },
+		{ "generate --prompt hi --tau 0.5x", "kvrecall generate: --tau '0.5x': expected a number from -1 to 1\n" },
+		{ "generate --prompt hi --tau 1.5", "kvrecall generate: --tau '1.5': expected a number from -1 to 1\n" },
+		{ "generate --prompt hi --tau nan", "kvrecall generate: --tau 'nan': expected a number from -1 to 1\n" },
+		{ "generate --prompt hi --max-tokens 12x",
+		  "kvrecall generate: --max-tokens '12x': expected an integer from 1 to 4294967295\n" },
+		{ "generate --prompt hi --max-tokens ''",
+		  "kvrecall generate: --max-tokens '': expected an integer from 1 to 4294967295\n" },
+		{ "generate --prompt hi --max-tokens 0",
+		  "kvrecall generate: --max-tokens '0': expected an integer from 1 to 4294967295\n" },
+		{ "generate --prompt hi --budget 4294967296",
+		  "kvrecall generate: --budget '4294967296': expected an integer from 1 to 4294967295\n" },
+		{ "generate --prompt hi --seed 18446744073709551616",
+		  "kvrecall generate: --seed '18446744073709551616': expected an integer from 0 to 18446744073709551615\n" },
+		{ "generate --prompt hi --threads -1", "kvrecall generate: --threads '-1': expected an integer from 0 to 1024\n" },
+		{ "generate --prompt hi --threads ' 2'", "kvrecall generate: --threads ' 2': expected an integer from 0 to 1024\n" },
+		{ "generate --prompt hi --top-p 0",
+		  "kvrecall generate: --top-p '0': expected a number above 0 and at most 1\n" },
+		{ "generate --prompt hi --temperature -0.5",
+		  "kvrecall generate: --temperature '-0.5': expected a number of at least 0\n" },
+		{ "generate --prompt hi --temperature 0x10",
+		  "kvrecall generate: --temperature '0x10': expected a number of at least 0\n" },
+		{ "eval --file /dev/null --context 8k", "kvrecall eval: --context '8k': expected an integer from 2 to 4294967295\n" },
+		{ "eval --file /dev/null --prefill ''", "kvrecall eval: --prefill '': expected an integer from 1 to 4294967294\n" },
+		{ "eval --file /dev/null --sink 1e3", "kvrecall eval: --sink '1e3': expected an integer from 0 to 4294967295\n" },
+		{ "bench decode --budget 12x", "kvrecall bench decode: --budget '12x': expected an integer from 1 to 4294967295\n" },
+		{ "bench decode --steps 2", "kvrecall bench decode: --steps '2': expected an integer from 3 to 100000\n" },
+		{ "bench decode --max-context 8192,16384",
+		  "kvrecall bench decode: --max-context '8192,16384': expected an integer from 8192 to 1073741824\n" },
+		{ "bench decode --batch 1,,4",
+		  "kvrecall bench decode: --batch '1,,4': expected comma-separated integers from 1 to 4096 (not '')\n" },
+		{ "bench decode --batch 1,2,3,4,5,6,7,8,9",
+		  "kvrecall bench decode: --batch '1,2,3,4,5,6,7,8,9': expected at most 8 values\n" },
+		{ "bench decode --buffers 3", "kvrecall bench decode: --buffers '3': expected an integer from 1 to 2\n" },
+		{ "bench recall --budget 1024,2048x",
+		  "kvrecall bench recall: --budget '1024,2048x': expected comma-separated integers from 1 to 4294967295 "
+		  "(not '2048x')\n" },
+		{ "bench recall --kv-heads 65537", "kvrecall bench recall: --kv-heads '65537': expected an integer from 1 to 65536\n" },
+		{ "bench cache --long-share 1.01",
+		  "kvrecall bench cache: --long-share '1.01': expected a number from 0 to 1\n" },
+		{ "bench spill --run-kib 4,99999999999999999999",
+		  "kvrecall bench spill: --run-kib '4,99999999999999999999': expected comma-separated integers from 1 to "
+		  "1024 (not '99999999999999999999')\n" },
+		{ "bench spill --spilled 50,100",
+		  "kvrecall bench spill: --spilled '50,100': expected comma-separated integers from 0 to 99 (not '100')\n" },
+		{ "bench freelist --units 0",
+		  "kvrecall bench freelist: --units '0': expected comma-separated integers from 1 to 4194304 (not '0')\n" },
+		{ "bench copy --reps 16", "kvrecall bench copy: --reps '16': expected an integer from 1 to 15\n" },
+	};
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
+		expect_usage_error(cases[c].args, cases[c].err);
+	/* the ends of each range are accepted (--help after them: nothing runs) */
+	static const char *const edges[] = {
+		"generate --prompt hi --tau -1 --temperature 0 --top-p 1 --seed 18446744073709551615 --threads 0 "
+		"--max-tokens 4294967295 --budget 4294967295 --sink 0 --help",
+		"eval --file /dev/null --context 2 --prefill 1 --tau 1 --threads 1024 --help",
+		"bench decode --steps 3 --batch 1,2,3,4,5,6,7,8 --max-context 1073741824 --buffers 1 --help",
+		"bench recall --miss-rate 1 --batch 256 --reps 31 --kv-heads 65536 --help",
+		"bench spill --spilled 0,99 --run-kib 1,1024 --help",
+		"bench copy --reps 15 --help",
+	};
+	char out[16384], err[4096];
+	for (size_t e = 0; e < sizeof(edges) / sizeof(edges[0]); e++)
+		cr_expect_eq(run_apart(edges[e], out, sizeof(out), err, sizeof(err)), 0, "kvrecall %s:\n%s", edges[e], err);
+}
+
+/* An unknown option or a missing value is named in one line that points to
+ * the command's --help, without the whole usage. */
+Test(cli, unknown_options_are_named_with_a_pointer_to_help)
+{
+	static const char *const commands[] = {
+		"info", "version", "generate", "eval", "selftest", "bench copy", "bench recall", "bench decode",
+		"bench freelist", "bench cache", "bench spill",
+	};
+	char args[256], want[512];
+	for (size_t c = 0; c < sizeof(commands) / sizeof(commands[0]); c++) {
+		snprintf(args, sizeof(args), "%s --foo", commands[c]);
+		snprintf(want, sizeof(want), "kvrecall %s: unknown option '--foo'\nTry 'kvrecall %s --help'.\n", commands[c],
+			 commands[c]);
+		expect_usage_error(args, want);
+	}
+	expect_usage_error("bench decode --budget", "kvrecall bench decode: option '--budget' needs a value\n"
+						  "Try 'kvrecall bench decode --help'.\n");
+	expect_usage_error("generate --prompt", "kvrecall generate: option '--prompt' needs a value\n"
+					       "Try 'kvrecall generate --help'.\n");
+	expect_usage_error("eval --file", "kvrecall eval: option '--file' needs a value\nTry 'kvrecall eval --help'.\n");
+	expect_usage_error("bench nosuch", "kvrecall bench: unknown benchmark 'nosuch' (copy, recall, decode, freelist, "
+					   "cache, spill)\nTry 'kvrecall bench --help'.\n");
+	expect_usage_error("--frobnicate", "kvrecall: unknown option '--frobnicate'\nTry 'kvrecall --help'.\n");
 }

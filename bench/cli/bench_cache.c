@@ -24,6 +24,7 @@
 #include "bench_cmd.h"
 #include "../bench_common.h"
 #include "../bench_shape.h"
+#include "../cli_args.h"
 #include "../../layouts/half.h"
 #include "../../layouts/kvquant.h"
 
@@ -162,13 +163,16 @@ static int run_format(const struct cache_opts *o, uint32_t kv_format, struct cac
 	return err;
 }
 
-static int usage(void)
+#define CACHE_CMD "kvrecall bench cache"
+
+static void cache_usage(FILE *f)
 {
-	fprintf(stderr,
+	fprintf(f,
 		"usage: kvrecall bench cache [--preset smollm2-135m|llama-3.1-8b|qwen-2.5-7b] [--layers N]\n"
 		"         [--budget 2048] [--sink 128] [--window 128] [--sequences 16] [--long-share 0.25]\n"
-		"         [--short-context 1024] [--long-context 8192] [--steps 4] [--quick] [--json FILE]\n");
-	return 2;
+		"         [--short-context 1024] [--long-context 8192] [--steps 4] [--quick] [--json FILE]\n"
+		"  --sequences 1 to 256; --long-share 0 to 1 (the sparse sequences' share); --steps 1 to 64\n"
+		"  --short-context at most --budget (dense); --long-context above it (sparse), up to 2^30\n");
 }
 
 int bench_cache(int argc, char **argv)
@@ -176,48 +180,34 @@ int bench_cache(int argc, char **argv)
 	const char *json_path = NULL;
 	struct cache_opts o = { .budget = 2048, .sink = 128, .window = 128, .sequences = 16, .steps = 4,
 				.short_context = 1024, .long_context = 8192, .long_share = 0.25 };
-	if (bench_shape_preset("smollm2-135m", &o.sh))
-		return 2;
+	if (bench_shape_preset(CACHE_CMD, "smollm2-135m", &o.sh))
+		return CLI_EXIT_FAILURE;
 	for (int i = 0; i < argc; i++) {
-		BENCH_TAKE_SHAPE_FLAG(argc, argv, i, &o.sh)
-		const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+		const char *a = argv[i];
+		if (cli_is_help(a)) {
+			cache_usage(stdout);
+			return CLI_EXIT_OK;
+		}
 		if (!strcmp(a, "--quick")) {
 			o.sequences = 4, o.long_context = 4096, o.short_context = 512, o.steps = 2, o.sh.n_layers = 4;
 			continue;
 		}
-		if (!val)
-			return usage();
-		i++;
-		if (!strcmp(a, "--json"))
-			json_path = val;
-		else if (!strcmp(a, "--budget"))
-			o.budget = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--sink"))
-			o.sink = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--window"))
-			o.window = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--sequences"))
-			o.sequences = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--long-share"))
-			o.long_share = strtod(val, NULL);
-		else if (!strcmp(a, "--short-context"))
-			o.short_context = strtoull(val, NULL, 10);
-		else if (!strcmp(a, "--long-context"))
-			o.long_context = strtoull(val, NULL, 10);
-		else if (!strcmp(a, "--steps"))
-			o.steps = (uint32_t)strtoul(val, NULL, 10);
-		else
-			return usage();
-	}
-	if (o.sequences < 1 || o.sequences > 256 || !(o.long_share >= 0 && o.long_share <= 1) || o.steps < 1 ||
-	    o.steps > 64) {
-		fprintf(stderr, "kvrecall bench cache: --sequences 1..256, --long-share 0..1, --steps 1..64\n");
-		return 2;
+		BENCH_TAKE_SHAPE_FLAG(CACHE_CMD, argc, argv, i, &o.sh)
+		CLI_TAKE(cli_opt_str(CACHE_CMD, argc, argv, &i, "--json", &json_path))
+		CLI_TAKE(cli_opt_u32(CACHE_CMD, argc, argv, &i, "--budget", 1, UINT32_MAX, &o.budget))
+		CLI_TAKE(cli_opt_u32(CACHE_CMD, argc, argv, &i, "--sink", 0, UINT32_MAX, &o.sink))
+		CLI_TAKE(cli_opt_u32(CACHE_CMD, argc, argv, &i, "--window", 0, UINT32_MAX, &o.window))
+		CLI_TAKE(cli_opt_u32(CACHE_CMD, argc, argv, &i, "--sequences", 1, 256, &o.sequences))
+		CLI_TAKE(cli_opt_double(CACHE_CMD, argc, argv, &i, "--long-share", 0, 1, 0, &o.long_share))
+		CLI_TAKE(cli_opt_u64(CACHE_CMD, argc, argv, &i, "--short-context", 1, 1u << 30, &o.short_context))
+		CLI_TAKE(cli_opt_u64(CACHE_CMD, argc, argv, &i, "--long-context", 1, 1u << 30, &o.long_context))
+		CLI_TAKE(cli_opt_u32(CACHE_CMD, argc, argv, &i, "--steps", 1, 64, &o.steps))
+		return cli_usage_error(CACHE_CMD, "unknown option '%s'", a);
 	}
 	if (o.short_context > o.budget || o.long_context <= o.budget) {
 		fprintf(stderr, "kvrecall bench cache: --short-context must be <= --budget (dense) and "
 				"--long-context > --budget (sparse)\n");
-		return 2;
+		return CLI_EXIT_USAGE;
 	}
 	static const uint32_t formats[] = { KVR_KV_FORMAT_PLAIN, KVR_KV_FORMAT_K8V4, KVR_KV_FORMAT_K4V2 };
 	struct cache_row rows[3];

@@ -33,6 +33,7 @@
 #include "kvrecall.h"
 #include "bench_cmd.h"
 #include "../bench_common.h"
+#include "../cli_args.h"
 #include "../../gpu/backend.h"
 #include "git_revision.h"
 
@@ -43,12 +44,12 @@
 /* ------------------------------------------------------------------ shared */
 
 /* Open the device for --backend (auto: cuda when a GPU is usable). */
-int bench_open_device(const char *backend, struct kvr_dev **dev, const char **name)
+int bench_open_device(const char *cmd, const char *backend, struct kvr_dev **dev, const char **name)
 {
 	char err[256] = "";
 	const int want_cuda = !strcmp(backend, "cuda"), auto_pick = !strcmp(backend, "auto");
 	if (!want_cuda && !auto_pick && strcmp(backend, "cpu")) {
-		fprintf(stderr, "kvrecall bench: --backend auto|cpu|cuda, not '%s'\n", backend);
+		cli_bad_choice(cmd, "--backend", backend, cli_backend_names);
 		return -EINVAL;
 	}
 	if (want_cuda || auto_pick) {
@@ -59,7 +60,7 @@ int bench_open_device(const char *backend, struct kvr_dev **dev, const char **na
 			return 0;
 		}
 		if (want_cuda) {
-			fprintf(stderr, "kvrecall bench: --backend cuda: %s\n", err);
+			fprintf(stderr, "%s: --backend cuda: %s\n", cmd, err);
 			return r;
 		}
 	}
@@ -67,7 +68,7 @@ int bench_open_device(const char *backend, struct kvr_dev **dev, const char **na
 	const struct kvr_dev_params p = { .kind = KVR_DEV_CPU, .threads = cores > 1 ? (uint32_t)cores - 1 : 0 };
 	const int r = kvr_dev_create(&p, dev, err, sizeof(err));
 	if (r)
-		fprintf(stderr, "kvrecall bench: cpu backend: %s\n", err);
+		fprintf(stderr, "%s: cpu backend: %s\n", cmd, err);
 	*name = "cpu";
 	return r;
 }
@@ -286,34 +287,41 @@ static const char *dir_name(uint32_t d)
 	return d == DIR_H2D ? "h2d" : "d2h";
 }
 
+#define COPY_CMD "kvrecall bench copy"
+
+static void copy_usage(FILE *f)
+{
+	fprintf(f, "usage: kvrecall bench copy [--backend auto|cpu|cuda] [--json FILE] [--quick] [--reps N]\n"
+		   "  --backend B   the device (default auto: cuda when a GPU is usable, else cpu)\n"
+		   "  --reps N      timed runs per figure, 1 to 15 (default 5; --quick: at most 3)\n"
+		   "  --quick       fewer and smaller transfers\n"
+		   "  --json FILE   the results as JSON (default: stdout)\n");
+}
+
 int bench_copy(int argc, char **argv)
 {
-	const char *backend = "auto", *json_path = NULL;
-	uint32_t reps = 5, quick = 0;
+	const char *json_path = NULL;
+	uint32_t reps = 5, quick = 0, backend_index = 0; /* auto */
 	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--backend") && i + 1 < argc)
-			backend = argv[++i];
-		else if (!strcmp(argv[i], "--json") && i + 1 < argc)
-			json_path = argv[++i];
-		else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-			reps = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--quick"))
-			quick = 1;
-		else {
-			fprintf(stderr, "usage: kvrecall bench copy [--backend auto|cpu|cuda] [--json FILE] "
-					"[--quick] [--reps N (1-15, default 5)]\n");
-			return 2;
+		if (cli_is_help(argv[i])) {
+			copy_usage(stdout);
+			return CLI_EXIT_OK;
 		}
+		if (!strcmp(argv[i], "--quick")) {
+			quick = 1;
+			continue;
+		}
+		CLI_TAKE(cli_opt_choice(COPY_CMD, argc, argv, &i, "--backend", cli_backend_names, &backend_index))
+		CLI_TAKE(cli_opt_str(COPY_CMD, argc, argv, &i, "--json", &json_path))
+		CLI_TAKE(cli_opt_u32(COPY_CMD, argc, argv, &i, "--reps", 1, 15, &reps))
+		return cli_usage_error(COPY_CMD, "unknown option '%s'", argv[i]);
 	}
-	if (reps < 1 || reps > 15) {
-		fprintf(stderr, "kvrecall bench copy: --reps must be 1 to 15\n");
-		return 2;
-	}
+	const char *backend = cli_backend_names[backend_index];
 	if (quick)
 		reps = reps < 3 ? reps : 3;
 	struct copy_env e = { .reps = reps };
 	const char *backend_name;
-	if (bench_open_device(backend, &e.dev, &backend_name))
+	if (bench_open_device(COPY_CMD, backend, &e.dev, &backend_name))
 		return 1;
 	/* Each timed run moves `floor` bytes, in 16 to max_transfers transfers
 	 * (small sizes: fewer bytes, since one call per transfer is then what is
@@ -448,29 +456,34 @@ static void bench_usage(FILE *f)
 		   "  spill    the spill tier's file: spill and recall throughput against queue depth\n"
 		   "           and run size, beside raw O_DIRECT reads of the same file\n"
 		   "\n"
+		   "\n"
 		   "Each writes a table to stderr and JSON (schema kvrecall-bench/1, with the\n"
-		   "machine and build) to --json FILE or stdout. See docs/benchmarks.md.\n");
+		   "machine and build) to --json FILE or stdout. 'kvrecall bench <benchmark> --help'\n"
+		   "lists a benchmark's options; docs/benchmarks.md describes the results.\n");
 }
 
 int bench_main(int argc, char **argv)
 {
-	if (argc < 1 || !strcmp(argv[0], "--help") || !strcmp(argv[0], "-h") || !strcmp(argv[0], "help")) {
-		bench_usage(argc < 1 ? stderr : stdout);
-		return argc < 1 ? 2 : 0;
+	static const struct {
+		const char *name;
+		int (*run)(int argc, char **argv);
+	} benchmarks[] = {
+		{ "copy", bench_copy },     { "recall", bench_recall }, { "decode", bench_decode },
+		{ "freelist", bench_freelist }, { "cache", bench_cache },   { "spill", bench_spill },
+	};
+	if (argc < 1) {
+		bench_usage(stderr);
+		return CLI_EXIT_USAGE;
 	}
-	if (!strcmp(argv[0], "copy"))
-		return bench_copy(argc - 1, argv + 1);
-	if (!strcmp(argv[0], "recall"))
-		return bench_recall(argc - 1, argv + 1);
-	if (!strcmp(argv[0], "decode"))
-		return bench_decode(argc - 1, argv + 1);
-	if (!strcmp(argv[0], "freelist"))
-		return bench_freelist(argc - 1, argv + 1);
-	if (!strcmp(argv[0], "cache"))
-		return bench_cache(argc - 1, argv + 1);
-	if (!strcmp(argv[0], "spill"))
-		return bench_spill(argc - 1, argv + 1);
-	fprintf(stderr, "kvrecall bench: unknown benchmark '%s'\n\n", argv[0]);
-	bench_usage(stderr);
-	return 2;
+	if (cli_is_help(argv[0]) || !strcmp(argv[0], "help")) {
+		bench_usage(stdout);
+		return CLI_EXIT_OK;
+	}
+	for (size_t b = 0; b < sizeof(benchmarks) / sizeof(benchmarks[0]); b++)
+		if (!strcmp(argv[0], benchmarks[b].name))
+			return benchmarks[b].run(argc - 1, argv + 1);
+	if (argv[0][0] == '-')
+		return cli_usage_error("kvrecall bench", "unknown option '%s'", argv[0]);
+	return cli_usage_error("kvrecall bench",
+			       "unknown benchmark '%s' (copy, recall, decode, freelist, cache, spill)", argv[0]);
 }

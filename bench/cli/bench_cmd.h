@@ -22,8 +22,9 @@ int bench_cache(int argc, char **argv); /* bench_cache.c */
 int bench_spill(int argc, char **argv); /* bench_spill.c */
 
 /* --backend auto|cpu|cuda -> an open device (auto: cuda when a GPU is usable).
- * 0, or a negative errno after a message on stderr. */
-int bench_open_device(const char *backend, struct kvr_dev **dev, const char **name);
+ * 0, or a negative errno after a message on stderr that names cmd (e.g.
+ * "kvrecall bench copy"). */
+int bench_open_device(const char *cmd, const char *backend, struct kvr_dev **dev, const char **name);
 
 /* JSON: a quoted, escaped string; the envelope's opening (schema, benchmark,
  * command, time, machine, build, backend) and its closing brace. */

@@ -59,6 +59,7 @@
 #include "bench_cmd.h"
 #include "../bench_common.h"
 #include "../bench_shape.h"
+#include "../cli_args.h"
 #include "../../gpu/backend.h"
 #include "../../layouts/kvquant.h"
 #include "../../layouts/half.h"
@@ -408,9 +409,11 @@ static struct result run(uint32_t mode, uint32_t batch, uint64_t L, uint32_t ste
 	return r;
 }
 
-static int usage(void)
+#define DECODE_CMD "kvrecall bench decode"
+
+static void decode_usage(FILE *f)
 {
-	fprintf(stderr,
+	fprintf(f,
 		"usage: kvrecall bench decode [--backend cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
 		"         [--kv-heads N --qo-heads N --head-dim D --layers N (default 4) --page-tokens P]\n"
 		"         [--budget 2048] [--sink 512] [--window 512] [--batch 1[,4,...]] [--steps 24] [--rounds 1]\n"
@@ -419,7 +422,11 @@ static int usage(void)
 		"         [--kv-format f16|k8v4|k4v2|mixed[,...]] [--spilled PCT [--spill-dir DIR]]\n"
 		"         [--quick] [--capture] [--estimate off|on|both] [--json FILE]\n"
 		"         [--trace FILE [--trace-context 32768] [--trace-mode freekv]]\n"
-		"  --trace: only trace 4 steps at --trace-context tokens and exit\n"
+		"  --mode M: dense, blocking, speculative or freekv (default: each in turn)\n"
+		"  --batch LIST: up to 8 batch sizes, 1 to 4096; --steps 3 to 100000; --rounds 1 to 99\n"
+		"  --max-context L: contexts 8192, 16384, ... up to L (8192 to 2^30 tokens)\n"
+		"  --chunk-pages 1 to 4096; --spilled 0 to 99 (percent of the KV in the spill file)\n"
+		"  --trace: only trace 4 steps at --trace-context tokens (1 to 2^30) and exit\n"
 		"  --estimate: the sparse modes without (off, the default) or with (on) the estimate of\n"
 		"             the pages not retrieved, or each row without then with it (both: the second\n"
 		"             row's estimate_cost_ratio is its time over the first's)\n"
@@ -432,24 +439,56 @@ static int usage(void)
 		"  --capture (cuda): each row once more, its steps replayed from a CUDA graph (where the\n"
 		"             configuration can be captured: not quantised pages with streamed recall,\n"
 		"             nor the estimate or a spill tier)\n");
-	return 2;
+}
+
+/* --mode (not auto) and --trace-mode (auto too): a mode by its name. The
+ * cli_opt_* convention: 1 taken, 0 another option, -1 after a message. */
+static int opt_mode(int argc, char **argv, int *i, const char *name, int allow_auto, uint32_t *mode)
+{
+	static const char *const with_auto[] = { "auto", "dense", "blocking", "speculative", "freekv", NULL };
+	if (strcmp(argv[*i], name))
+		return 0;
+	const char *v = cli_value_of(DECODE_CMD, argc, argv, i);
+	if (!v)
+		return -1;
+	if (allow_auto ? kvr_mode_parse(v, mode) : cli_mode_parse(v, mode))
+		return cli_bad_choice(DECODE_CMD, name, v, allow_auto ? with_auto : cli_mode_names);
+	return 1;
+}
+
+/* --kv-format A,B,...: up to 8 page formats into g.kv_formats (the same
+ * convention). */
+static int opt_kv_formats(int argc, char **argv, int *i)
+{
+	if (strcmp(argv[*i], "--kv-format"))
+		return 0;
+	const char *v = cli_value_of(DECODE_CMD, argc, argv, i);
+	if (!v || cli_parse_name_list(DECODE_CMD, "--kv-format", v, kvr_kv_format_parse, cli_kv_format_names,
+				      g.kv_formats, sizeof(g.kv_formats) / sizeof(g.kv_formats[0]), &g.n_kv_formats))
+		return -1;
+	g.kv_format = g.kv_formats[0];
+	return 1;
 }
 
 int bench_decode(int argc, char **argv)
 {
+	static const char *const controller_names[] = { "auto", "thread", "inline", NULL };
+	static const char *const pool_layout_names[] = { "hnd", "nhd", NULL }; /* KVR_POOL_HND, _NHD */
+	static const char *const estimate_names[] = { "off", "on", "both", NULL };
+	static const char *const backend_names[] = { "cpu", "cuda", NULL };
 	const char *json_path = NULL, *trace_path = NULL;
 	uint64_t trace_context = 32768, max_context = 131072;
-	uint32_t trace_mode = KVR_MODE_FREEKV, steps = 24, only_mode = 0, have_mode = 0, layers_given = 0;
+	uint32_t trace_mode = KVR_MODE_FREEKV, steps = 24, only_mode = KVR_MODE_AUTO, layers_given = 0;
 	uint32_t rounds = 1; /* --rounds: the whole set of rows that many times, alternating */
 	uint32_t batches[8] = { 1 }, n_batches = 1;
+	uint32_t estimate = 0, backend = 0, spilled = UINT32_MAX; /* off, cpu, no spill tier */
 	g.sh = bench_presets[0];
 	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--layers"))
-			layers_given = 1;
-		BENCH_TAKE_SHAPE_FLAG(argc, argv, i, &g.sh)
-		const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
-		if (!val && strcmp(a, "--quick") && strcmp(a, "--capture"))
-			return usage();
+		const char *a = argv[i];
+		if (cli_is_help(a)) {
+			decode_usage(stdout);
+			return CLI_EXIT_OK;
+		}
 		if (!strcmp(a, "--quick")) {
 			steps = 8, max_context = 16384;
 			continue;
@@ -458,118 +497,41 @@ int bench_decode(int argc, char **argv)
 			g.capture = 1;
 			continue;
 		}
-		i++;
-		if (!strcmp(a, "--json"))
-			json_path = val;
-		else if (!strcmp(a, "--steps"))
-			steps = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--rounds")) {
-			char *end;
-			const unsigned long r = strtoul(val, &end, 10);
-			if (*end || !*val || r < 1 || r > 99) {
-				fprintf(stderr, "kvrecall bench decode: --rounds takes 1..99 (got '%s')\n", val);
-				return 2;
-			}
-			rounds = (uint32_t)r;
-		}
-		else if (!strcmp(a, "--max-context"))
-			max_context = strtoull(val, NULL, 10);
-		else if (!strcmp(a, "--budget"))
-			g.budget = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--sink"))
-			g.sink = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--window"))
-			g.window = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--batch")) {
-			if (bench_parse_list(val, batches, 8, &n_batches))
-				return usage();
-		} else if (!strcmp(a, "--recall")) {
-			if (!strcmp(val, "streamed"))
-				g.recall = KVR_RECALL_STREAMED;
-			else if (!strcmp(val, "zero-copy"))
-				g.recall = KVR_RECALL_ZERO_COPY;
-			else if (!strcmp(val, "auto"))
-				g.recall = KVR_RECALL_AUTO;
-			else
-				return usage();
-		} else if (!strcmp(a, "--controller")) {
-			g.controller = !strcmp(val, "thread")   ? KVR_CONTROLLER_THREAD
-				       : !strcmp(val, "inline") ? KVR_CONTROLLER_INLINE
-								: KVR_CONTROLLER_AUTO;
-			if (g.controller == KVR_CONTROLLER_AUTO && strcmp(val, "auto"))
-				return usage();
-		} else if (!strcmp(a, "--estimate")) {
-			if (strcmp(val, "off") && strcmp(val, "on") && strcmp(val, "both"))
-				return usage();
-			g.estimate_off = strcmp(val, "on") != 0;
-			g.estimate_on = strcmp(val, "off") != 0;
-		} else if (!strcmp(a, "--backend")) {
-			g.backend = !strcmp(val, "cuda") ? KVR_BACKEND_CUDA : !strcmp(val, "cpu") ? KVR_BACKEND_CPU : 0;
-			if (!g.backend) {
-				fprintf(stderr, "kvrecall bench decode: --backend cpu|cuda, not '%s'\n", val);
-				return 2;
-			}
-			g.backend_name = val;
-		} else if (!strcmp(a, "--buffers"))
-			g.buffers = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--chunk-pages"))
-			g.chunk_pages = (uint32_t)strtoul(val, NULL, 10);
-		else if (!strcmp(a, "--kv-format")) {
-			char list[128];
-			snprintf(list, sizeof(list), "%s", val);
-			g.n_kv_formats = 0;
-			for (char *save = NULL, *name = strtok_r(list, ",", &save); name;
-			     name = strtok_r(NULL, ",", &save)) {
-				if (g.n_kv_formats == sizeof(g.kv_formats) / sizeof(g.kv_formats[0])) {
-					fprintf(stderr, "kvrecall bench decode: --kv-format takes up to %zu formats\n",
-						sizeof(g.kv_formats) / sizeof(g.kv_formats[0]));
-					return 2;
-				}
-				if (kvr_kv_format_parse(name, &g.kv_formats[g.n_kv_formats++])) {
-					fprintf(stderr, "kvrecall bench decode: unknown KV format '%s'\n", name);
-					return 2;
-				}
-			}
-			if (!g.n_kv_formats) {
-				fprintf(stderr, "kvrecall bench decode: --kv-format needs a format\n");
-				return 2;
-			}
-			g.kv_format = g.kv_formats[0];
-		} else if (!strcmp(a, "--spilled")) {
-			char *end;
-			const long pct = strtol(val, &end, 10);
-			if (*end || pct < 0 || pct > 99) {
-				fprintf(stderr, "kvrecall bench decode: --spilled takes 0..99 (percent of the KV in the spill file)\n");
-				return 2;
-			}
-			g.spilled_pct = (int32_t)pct;
-			g.recall = KVR_RECALL_STREAMED;
-		} else if (!strcmp(a, "--spill-dir"))
-			g.spill_dir = val;
-		else if (!strcmp(a, "--pool-layout"))
-			g.pool_layout = !strcmp(val, "nhd") ? KVR_POOL_NHD : KVR_POOL_HND;
-		else if (!strcmp(a, "--mode")) {
-			if (kvr_mode_parse(val, &only_mode) || only_mode == KVR_MODE_AUTO) {
-				fprintf(stderr, "kvrecall bench decode: unknown mode '%s'\n", val);
-				return 2;
-			}
-			have_mode = 1;
-		} else if (!strcmp(a, "--trace"))
-			trace_path = val;
-		else if (!strcmp(a, "--trace-context"))
-			trace_context = strtoull(val, NULL, 10);
-		else if (!strcmp(a, "--trace-mode")) {
-			if (kvr_mode_parse(val, &trace_mode)) {
-				fprintf(stderr, "kvrecall bench decode: unknown mode '%s'\n", val);
-				return 2;
-			}
-		} else
-			return usage();
+		if (!strcmp(a, "--layers"))
+			layers_given = 1;
+		BENCH_TAKE_SHAPE_FLAG(DECODE_CMD, argc, argv, i, &g.sh)
+		CLI_TAKE(cli_opt_str(DECODE_CMD, argc, argv, &i, "--json", &json_path))
+		CLI_TAKE(cli_opt_str(DECODE_CMD, argc, argv, &i, "--trace", &trace_path))
+		CLI_TAKE(cli_opt_str(DECODE_CMD, argc, argv, &i, "--spill-dir", &g.spill_dir))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--steps", 3, 100000, &steps))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--rounds", 1, 99, &rounds))
+		CLI_TAKE(cli_opt_u64(DECODE_CMD, argc, argv, &i, "--max-context", 8192, 1u << 30, &max_context))
+		CLI_TAKE(cli_opt_u64(DECODE_CMD, argc, argv, &i, "--trace-context", 1, 1u << 30, &trace_context))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--budget", 1, UINT32_MAX, &g.budget))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--sink", 0, UINT32_MAX, &g.sink))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--window", 0, UINT32_MAX, &g.window))
+		CLI_TAKE(cli_opt_u32_list(DECODE_CMD, argc, argv, &i, "--batch", 1, 4096, batches, 8, &n_batches))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--buffers", 1, 2, &g.buffers))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--chunk-pages", 1, 4096, &g.chunk_pages))
+		CLI_TAKE(cli_opt_u32(DECODE_CMD, argc, argv, &i, "--spilled", 0, 99, &spilled))
+		CLI_TAKE(cli_opt_choice(DECODE_CMD, argc, argv, &i, "--recall", cli_recall_names, &g.recall))
+		CLI_TAKE(cli_opt_choice(DECODE_CMD, argc, argv, &i, "--controller", controller_names, &g.controller))
+		CLI_TAKE(cli_opt_choice(DECODE_CMD, argc, argv, &i, "--pool-layout", pool_layout_names,
+					&g.pool_layout))
+		CLI_TAKE(cli_opt_choice(DECODE_CMD, argc, argv, &i, "--estimate", estimate_names, &estimate))
+		CLI_TAKE(cli_opt_choice(DECODE_CMD, argc, argv, &i, "--backend", backend_names, &backend))
+		CLI_TAKE(opt_kv_formats(argc, argv, &i))
+		CLI_TAKE(opt_mode(argc, argv, &i, "--mode", 0, &only_mode))
+		CLI_TAKE(opt_mode(argc, argv, &i, "--trace-mode", 1, &trace_mode))
+		return cli_usage_error(DECODE_CMD, "unknown option '%s'", a);
 	}
+	const uint32_t have_mode = only_mode != KVR_MODE_AUTO;
+	g.estimate_off = estimate != 1, g.estimate_on = estimate != 0;
+	g.backend = backend ? KVR_BACKEND_CUDA : KVR_BACKEND_CPU, g.backend_name = backend_names[backend];
+	if (spilled != UINT32_MAX) /* the spill tier reads pages back through streamed recall */
+		g.spilled_pct = (int32_t)spilled, g.recall = KVR_RECALL_STREAMED;
 	if (!layers_given)
 		g.sh.n_layers = 4;
-	if (steps < 3)
-		steps = 3;
 	const uint32_t B = g.budget, p = g.sh.page_tokens;
 	/* the configuration is checked by the library; a bad one stops here */
 	{

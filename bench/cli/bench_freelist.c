@@ -23,6 +23,7 @@
 #include "kvrecall.h"
 #include "bench_cmd.h"
 #include "../bench_common.h"
+#include "../cli_args.h"
 #include "../../gpu/backend.h"
 #include "../../layouts/freelist.h"
 
@@ -116,36 +117,42 @@ static int time_device(struct kvr_dev *dev, struct kvr_stream *st, const uint32_
 	return err;
 }
 
+#define FREELIST_CMD "kvrecall bench freelist"
+
+static void freelist_usage(FILE *f)
+{
+	fprintf(f, "usage: kvrecall bench freelist [--backend cpu|cuda|auto] [--units 32,256,2048,16384,131072] "
+		   "[--reps 15] [--quick] [--json FILE]\n"
+		   "  --backend B   the device of the device rounds (default cpu)\n"
+		   "  --units LIST  up to 8 unit counts, 1 to 4194304\n"
+		   "  --reps N      timed rounds per figure, 1 to 63\n");
+}
+
 int bench_freelist(int argc, char **argv)
 {
-	const char *json_path = NULL, *backend = "cpu";
+	const char *json_path = NULL;
 	uint32_t units_list[8] = { 32, 256, 2048, 16384, 131072 }, n_units = 5, reps = 15;
+	uint32_t backend_index = 1; /* cpu */
 	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--json") && i + 1 < argc)
-			json_path = argv[++i];
-		else if (!strcmp(argv[i], "--units") && i + 1 < argc) {
-			if (bench_parse_list(argv[++i], units_list, 8, &n_units))
-				goto usage;
-		} else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-			reps = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--quick"))
-			reps = 3, n_units = 2;
-		else
-			goto usage;
-	}
-	if (reps < 1 || reps > 63) {
-		fprintf(stderr, "kvrecall bench freelist: --reps must be 1 to 63\n");
-		return 2;
-	}
-	for (uint32_t i = 0; i < n_units; i++)
-		if (units_list[i] > (1u << 22)) {
-			fprintf(stderr, "kvrecall bench freelist: at most %u units\n", 1u << 22);
-			return 2;
+		if (cli_is_help(argv[i])) {
+			freelist_usage(stdout);
+			return CLI_EXIT_OK;
 		}
+		if (!strcmp(argv[i], "--quick")) {
+			reps = 3, n_units = n_units < 2 ? n_units : 2;
+			continue;
+		}
+		CLI_TAKE(cli_opt_choice(FREELIST_CMD, argc, argv, &i, "--backend", cli_backend_names, &backend_index))
+		CLI_TAKE(cli_opt_str(FREELIST_CMD, argc, argv, &i, "--json", &json_path))
+		CLI_TAKE(cli_opt_u32_list(FREELIST_CMD, argc, argv, &i, "--units", 1, 1u << 22, units_list, 8, &n_units))
+		CLI_TAKE(cli_opt_u32(FREELIST_CMD, argc, argv, &i, "--reps", 1, 63, &reps))
+		return cli_usage_error(FREELIST_CMD, "unknown option '%s'", argv[i]);
+	}
+	const char *backend = cli_backend_names[backend_index];
 	struct kvr_dev *dev = NULL;
 	struct kvr_stream *st = NULL;
 	const char *dev_name = "";
-	if (bench_open_device(backend, &dev, &dev_name))
+	if (bench_open_device(FREELIST_CMD, backend, &dev, &dev_name))
 		return 1;
 	if (kvr_dev_stream_create(dev, KVR_STREAM_INLINE, &st)) {
 		fprintf(stderr, "kvrecall bench freelist: %s\n", kvr_dev_last_error(dev));
@@ -238,8 +245,4 @@ int bench_freelist(int argc, char **argv)
 	fprintf(f, "  ]\n");
 	bench_json_close(f);
 	return 0;
-usage:
-	fprintf(stderr, "usage: kvrecall bench freelist [--backend cpu|cuda|auto] [--units 32,256,2048,16384,131072] "
-			"[--reps 15] [--quick] [--json FILE]\n");
-	return 2;
 }

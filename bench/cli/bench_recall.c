@@ -43,12 +43,15 @@
 #include "bench_cmd.h"
 #include "../bench_common.h"
 #include "../bench_shape.h"
+#include "../cli_args.h"
 #include "../../gpu/backend.h"
 #include "../../host/pool.h"
 #include "../../layouts/half.h"
 #include "../../layouts/kvquant.h"
 #include "../../runtime/internal.h"
 #include "../../scheduler/sched_impl.h"
+
+#define RECALL_CMD "kvrecall bench recall"
 
 enum { POOL_HND, POOL_NHD, POOL_K8V4, POOL_K4V2, N_POOLS };
 
@@ -121,7 +124,7 @@ static int format_open(struct format_env *f, const char *backend, const struct b
 	c.dense_layers[0] = 0; /* the one layer is sparse: it has a page cache */
 	c.backend = !strcmp(backend, "cpu") ? KVR_BACKEND_CPU : !strcmp(backend, "cuda") ? KVR_BACKEND_CUDA : KVR_BACKEND_AUTO;
 	if (c.backend == KVR_BACKEND_AUTO && strcmp(backend, "auto")) {
-		fprintf(stderr, "kvrecall bench recall: unknown backend '%s' (auto, cpu, cuda)\n", backend);
+		cli_bad_choice(RECALL_CMD, "--backend", backend, cli_backend_names);
 		return -EINVAL;
 	}
 	const uint64_t token_bytes = 2ull * sh->n_kv_heads * sh->head_dim * 2;
@@ -314,7 +317,7 @@ static double copy_peak_gbps(const char *backend, uint32_t reps)
 {
 	struct kvr_dev *dev;
 	const char *name;
-	if (bench_open_device(backend, &dev, &name))
+	if (bench_open_device(RECALL_CMD, backend, &dev, &name))
 		return 0;
 	const uint64_t src_bytes = 256ull << 20, dst_bytes = 64ull << 20;
 	unsigned char *src = bench_huge_alloc("kvrecall bench recall", src_bytes), *dst = NULL;
@@ -474,54 +477,61 @@ static void write_json(FILE *f, const struct recall_opts *o, const char *backend
 	bench_json_close(f);
 }
 
+static void recall_usage(FILE *f)
+{
+	fprintf(f,
+		"usage: kvrecall bench recall [--backend auto|cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
+		"         [--kv-heads N --qo-heads N --head-dim D --layers N --page-tokens P]\n"
+		"         [--budget 1024,2048,4096] [--sink S] [--window W] [--batch 1] [--miss-rate 0.25]\n"
+		"         [--chunk-pages 8,32] [--pool-mib 512] [--reps 7] [--quick] [--json FILE] [--trace FILE]\n"
+		"  --budget LIST       up to 8 budgets, each a multiple of the page size that\n"
+		"                      holds sink + window + one page\n"
+		"  --batch N           sequences, 1 to 256\n"
+		"  --miss-rate R       the share of each selection recalled, above 0 and at most 1\n"
+		"  --chunk-pages LIST  up to 8 chunk sizes, 1 to 4096 pages\n"
+		"  --pool-mib N        the pool's size, 1 to 1048576\n"
+		"  --reps N            timed rounds per variant, 1 to 31\n"
+		"  --kv-heads ... --page-tokens   the shape, each 1 to 65536\n");
+}
+
 int bench_recall(int argc, char **argv)
 {
 	struct recall_opts o = { .backend = "auto", .sh = bench_presets[0], .budgets = { 1024, 2048, 4096 },
 				 .n_budgets = 3, .chunks = { 8, 32 }, .n_chunks = 2, .batch = 1, .reps = 7,
 				 .pool_mib = 512, .miss_rate = 0.25 };
+	uint32_t backend_index = 0; /* auto */
 	for (int i = 0; i < argc; i++) {
-		BENCH_TAKE_SHAPE_FLAG(argc, argv, i, &o.sh)
-		if (!strcmp(argv[i], "--backend") && i + 1 < argc)
-			o.backend = argv[++i];
-		else if (!strcmp(argv[i], "--json") && i + 1 < argc)
-			o.json_path = argv[++i];
-		else if (!strcmp(argv[i], "--trace") && i + 1 < argc)
-			o.trace_path = argv[++i];
-		else if (!strcmp(argv[i], "--budget") && i + 1 < argc) {
-			if (bench_parse_list(argv[++i], o.budgets, 8, &o.n_budgets))
-				goto usage;
-		} else if (!strcmp(argv[i], "--chunk-pages") && i + 1 < argc) {
-			if (bench_parse_list(argv[++i], o.chunks, 8, &o.n_chunks))
-				goto usage;
-		} else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
-			o.batch = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--miss-rate") && i + 1 < argc)
-			o.miss_rate = strtod(argv[++i], NULL);
-		else if (!strcmp(argv[i], "--sink") && i + 1 < argc)
-			o.sink = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--window") && i + 1 < argc)
-			o.window = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-			o.reps = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--pool-mib") && i + 1 < argc)
-			o.pool_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--quick"))
+		if (cli_is_help(argv[i])) {
+			recall_usage(stdout);
+			return CLI_EXIT_OK;
+		}
+		if (!strcmp(argv[i], "--quick")) {
 			o.reps = 3, o.n_chunks = 1, o.chunks[0] = 8, o.n_budgets = 1, o.budgets[0] = 1024,
 			o.pool_mib = 64;
-		else
-			goto usage;
+			continue;
+		}
+		BENCH_TAKE_SHAPE_FLAG(RECALL_CMD, argc, argv, i, &o.sh)
+		CLI_TAKE(cli_opt_choice(RECALL_CMD, argc, argv, &i, "--backend", cli_backend_names, &backend_index))
+		CLI_TAKE(cli_opt_str(RECALL_CMD, argc, argv, &i, "--json", &o.json_path))
+		CLI_TAKE(cli_opt_str(RECALL_CMD, argc, argv, &i, "--trace", &o.trace_path))
+		CLI_TAKE(cli_opt_u32_list(RECALL_CMD, argc, argv, &i, "--budget", 1, UINT32_MAX, o.budgets, 8,
+					  &o.n_budgets))
+		CLI_TAKE(cli_opt_u32_list(RECALL_CMD, argc, argv, &i, "--chunk-pages", 1, 4096, o.chunks, 8,
+					  &o.n_chunks))
+		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--batch", 1, 256, &o.batch))
+		CLI_TAKE(cli_opt_double(RECALL_CMD, argc, argv, &i, "--miss-rate", 0, 1, 1, &o.miss_rate))
+		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--sink", 0, UINT32_MAX, &o.sink))
+		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--window", 0, UINT32_MAX, &o.window))
+		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--reps", 1, 31, &o.reps))
+		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--pool-mib", 1, 1u << 20, &o.pool_mib))
+		return cli_usage_error(RECALL_CMD, "unknown option '%s'", argv[i]);
 	}
-	if (o.batch < 1 || o.batch > 256 || o.reps < 1 || o.reps > 31 || !(o.miss_rate > 0 && o.miss_rate <= 1) ||
-	    o.pool_mib < 1 || o.pool_mib > (1u << 20)) {
-		fprintf(stderr, "kvrecall bench recall: need 1 <= --batch <= 256, 1 <= --reps <= 31, "
-				"0 < --miss-rate <= 1, 1 <= --pool-mib <= 1048576\n");
-		return 2;
-	}
+	o.backend = cli_backend_names[backend_index];
 	const uint32_t p = o.sh.page_tokens;
 	uint32_t max_budget = 0;
 	for (uint32_t b = 0; b < o.n_budgets; b++) {
 		if (o.budgets[b] % p || o.budgets[b] < o.sink + o.window + p) {
-			fprintf(stderr, "kvrecall bench recall: budget %u must be a multiple of p = %u and hold "
+			fprintf(stderr, "kvrecall bench recall: --budget %u must be a multiple of p = %u and hold "
 					"sink + window + one page\n", o.budgets[b], p);
 			return 2;
 		}
@@ -588,11 +598,4 @@ int bench_recall(int argc, char **argv)
 	}
 	write_json(f, &o, device_name, argc, argv, rows, n_rows, pool_bytes, peak);
 	return 0;
-usage:
-	fprintf(stderr,
-		"usage: kvrecall bench recall [--backend auto|cpu|cuda] [--preset llama-3.1-8b|qwen-2.5-7b|smollm2-135m]\n"
-		"         [--kv-heads N --qo-heads N --head-dim D --layers N --page-tokens P]\n"
-		"         [--budget 1024,2048,4096] [--sink S] [--window W] [--batch 1] [--miss-rate 0.25]\n"
-		"         [--chunk-pages 8,32] [--pool-mib 512] [--reps 7] [--quick] [--json FILE] [--trace FILE]\n");
-	return 2;
 }

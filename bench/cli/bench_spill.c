@@ -38,6 +38,7 @@
 #include "kvrecall.h"
 #include "bench_cmd.h"
 #include "../bench_common.h"
+#include "../cli_args.h"
 #include "../../host/pool.h"
 #include "../../host/spill.h"
 
@@ -299,6 +300,21 @@ out:
 	return rc;
 }
 
+#define SPILL_CMD "kvrecall bench spill"
+
+static void spill_usage(FILE *f)
+{
+	fprintf(f, "usage: kvrecall bench spill [--dir DIR] [--run-kib 4,16,64] [--queue-depths 1,4,16,64] "
+		   "[--runs-per-page 8] [--batch 256] [--staging-mib 4] [--file-mib 256] [--no-sync] [--spilled 0,50,90] "
+		   "[--pool-context 32768] [--quick] [--json FILE]\n"
+		   "  --run-kib LIST       up to %d run sizes, 1 to 1024 KiB\n"
+		   "  --queue-depths LIST  up to %d depths, 1 to 4096\n"
+		   "  --runs-per-page 1 to 64; --batch 1 to 4096; --staging-mib 1 to 1024;\n"
+		   "  --file-mib 1 to 1048576; --spilled up to 4 percentages, 0 to 99;\n"
+		   "  --pool-context a multiple of 32 from twice the pool's budget to 2^24\n",
+		MAX_SIZES, MAX_DEPTHS);
+}
+
 int bench_spill(int argc, char **argv)
 {
 	const char *json_path = NULL, *dir = NULL;
@@ -308,67 +324,38 @@ int bench_spill(int argc, char **argv)
 	uint32_t spilled[4] = { 0, 50, 90 }, n_spilled = 3, pool_context = 32768, pool_budget = 2048,
 		 pool_steps = 30;
 	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--json") && i + 1 < argc)
-			json_path = argv[++i];
-		else if (!strcmp(argv[i], "--dir") && i + 1 < argc)
-			dir = argv[++i];
-		else if (!strcmp(argv[i], "--run-kib") && i + 1 < argc) {
-			if (bench_parse_list(argv[++i], sizes, MAX_SIZES, &n_sizes))
-				goto usage;
-		} else if (!strcmp(argv[i], "--queue-depths") && i + 1 < argc) {
-			if (bench_parse_list(argv[++i], depths, MAX_DEPTHS, &n_depths))
-				goto usage;
-		} else if (!strcmp(argv[i], "--runs-per-page") && i + 1 < argc)
-			rpp = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
-			batch = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--staging-mib") && i + 1 < argc)
-			staging_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--file-mib") && i + 1 < argc)
-			file_mib = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--spilled") && i + 1 < argc) {
-			/* 0 is allowed here: parse by hand */
-			n_spilled = 0;
-			for (char *s = argv[++i], *end; *s && n_spilled < 4; s = *end ? end + 1 : end) {
-				spilled[n_spilled++] = (uint32_t)strtoul(s, &end, 10);
-				if (end == s || (*end && *end != ','))
-					goto usage;
-			}
-		} else if (!strcmp(argv[i], "--pool-context") && i + 1 < argc)
-			pool_context = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--no-sync"))
+		const char *a = argv[i];
+		if (cli_is_help(a)) {
+			spill_usage(stdout);
+			return CLI_EXIT_OK;
+		}
+		if (!strcmp(a, "--no-sync")) {
 			with_sync = 0;
-		else if (!strcmp(argv[i], "--quick"))
-			file_mib = 16, n_sizes = 2, n_depths = 2, pool_context = 4096, pool_budget = 1024, pool_steps = 5;
-		else
-			goto usage;
-	}
-	if (!rpp || rpp > 64 || !batch || batch > 4096 || !file_mib || file_mib > (1u << 20) || !staging_mib ||
-	    staging_mib > 1024) {
-		fprintf(stderr, "kvrecall bench spill: --runs-per-page 1..64, --batch 1..4096, --file-mib 1..2^20, "
-				"--staging-mib 1..1024\n");
-		return 2;
-	}
-	for (uint32_t i = 0; i < n_sizes; i++)
-		if (!sizes[i] || sizes[i] > 1024) {
-			fprintf(stderr, "kvrecall bench spill: --run-kib values 1..1024\n");
-			return 2;
+			continue;
 		}
-	for (uint32_t i = 0; i < n_spilled; i++)
-		if (spilled[i] > 99) {
-			fprintf(stderr, "kvrecall bench spill: --spilled values 0..99 (percent of the pool)\n");
-			return 2;
+		if (!strcmp(a, "--quick")) {
+			file_mib = 16, pool_context = 4096, pool_budget = 1024, pool_steps = 5;
+			n_sizes = n_sizes < 2 ? n_sizes : 2, n_depths = n_depths < 2 ? n_depths : 2;
+			continue;
 		}
+		CLI_TAKE(cli_opt_str(SPILL_CMD, argc, argv, &i, "--json", &json_path))
+		CLI_TAKE(cli_opt_str(SPILL_CMD, argc, argv, &i, "--dir", &dir))
+		CLI_TAKE(cli_opt_u32_list(SPILL_CMD, argc, argv, &i, "--run-kib", 1, 1024, sizes, MAX_SIZES, &n_sizes))
+		CLI_TAKE(cli_opt_u32_list(SPILL_CMD, argc, argv, &i, "--queue-depths", 1, 4096, depths, MAX_DEPTHS,
+					  &n_depths))
+		CLI_TAKE(cli_opt_u32_list(SPILL_CMD, argc, argv, &i, "--spilled", 0, 99, spilled, 4, &n_spilled))
+		CLI_TAKE(cli_opt_u32(SPILL_CMD, argc, argv, &i, "--runs-per-page", 1, 64, &rpp))
+		CLI_TAKE(cli_opt_u32(SPILL_CMD, argc, argv, &i, "--batch", 1, 4096, &batch))
+		CLI_TAKE(cli_opt_u32(SPILL_CMD, argc, argv, &i, "--staging-mib", 1, 1024, &staging_mib))
+		CLI_TAKE(cli_opt_u32(SPILL_CMD, argc, argv, &i, "--file-mib", 1, 1u << 20, &file_mib))
+		CLI_TAKE(cli_opt_u32(SPILL_CMD, argc, argv, &i, "--pool-context", 1, 1u << 24, &pool_context))
+		return cli_usage_error(SPILL_CMD, "unknown option '%s'", a);
+	}
 	if (pool_context < 2 * pool_budget || pool_context % 32 || pool_context > (1u << 24)) {
-		fprintf(stderr, "kvrecall bench spill: --pool-context a multiple of 32, at least 2 x %u\n",
-			pool_budget);
-		return 2;
+		fprintf(stderr, "%s: --pool-context '%u': expected a multiple of 32 from %u to %u\n", SPILL_CMD,
+			pool_context, 2 * pool_budget, 1u << 24);
+		return CLI_EXIT_USAGE;
 	}
-	for (uint32_t i = 0; i < n_depths; i++)
-		if (!depths[i] || depths[i] > 4096) {
-			fprintf(stderr, "kvrecall bench spill: --queue-depths values 1..4096\n");
-			return 2;
-		}
 	struct kvr_spill_dir_info di = { .size = sizeof(di) };
 	if (kvr_spill_dir_query(dir, &di)) {
 		fprintf(stderr, "kvrecall bench spill: %s\n", di.reason);
@@ -450,9 +437,4 @@ int bench_spill(int argc, char **argv)
 	fprintf(f, "  ]}\n");
 	bench_json_close(f);
 	return 0;
-usage:
-	fprintf(stderr, "usage: kvrecall bench spill [--dir DIR] [--run-kib 4,16,64] [--queue-depths 1,4,16,64] "
-			"[--runs-per-page 8] [--batch 256] [--staging-mib 4] [--file-mib 256] [--no-sync] [--spilled 0,50,90] "
-			"[--pool-context 32768] [--quick] [--json FILE]\n");
-	return 2;
 }

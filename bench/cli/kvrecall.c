@@ -2,7 +2,7 @@
 /*
  * kvrecall.c — the `kvrecall` command: the front door for users. Subcommands:
  *   info      what this build and machine offer (the first thing to run)
- *   version   the library version
+ *   version   the library version, git revision and build type (also --version)
  *   generate, eval   the real-model runner (bench/model/runner.c)
  *   bench     benchmarks of this machine (bench_cmd.c)
  *   selftest  does kvrecall work here (selftest.c)
@@ -16,27 +16,43 @@
 #include <unistd.h>
 
 #include "kvrecall.h"
+#include "../cli_args.h"
 #include "bench_cmd.h"
+#include "git_revision.h"
 #include "selftest.h"
 #ifdef KVR_HAVE_RUNNER
 #include "runner.h"
 #endif
 
+#ifndef KVR_BUILD_TYPE
+#define KVR_BUILD_TYPE "unknown"
+#endif
+
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: kvrecall <command> [options]\n"
+		   "       kvrecall <command> --help   a command's options\n"
+		   "       kvrecall --version\n"
 		   "\n"
 		   "commands:\n"
 		   "  info [--json] [--spill-dir DIR]   build features, GPU, CPU, NUMA, memory, io_uring\n"
 		   "                  and the spill directory's O_DIRECT support on this machine\n"
-		   "  version         print the library version\n"
+		   "  version         the library version, git revision and build type\n"
 		   "  generate        run a GGUF model with its attention through kvrecall\n"
-		   "                  (kvrecall generate --help)\n"
 		   "  eval            perplexity and agreement with dense over a long text, per mode\n"
-		   "                  (kvrecall eval --help)\n"
-		   "  bench           benchmarks of this machine: copy, recall, decode (kvrecall bench --help)\n"
+		   "  bench           benchmarks of this machine: copy, recall, decode, freelist, cache,\n"
+		   "                  spill\n"
 		   "  selftest [--json FILE]   does kvrecall work here? every backend present, one verdict\n"
-		   "  help            this text\n");
+		   "  help [COMMAND]  this text, or a command's\n"
+		   "\n"
+		   "Errors go to stderr. Exit status: 0 success; 1 a failure while running (or a\n"
+		   "selftest check that failed); 2 a wrong command line (an unknown command or option,\n"
+		   "a missing, malformed or out-of-range value), with nothing run.\n");
+}
+
+static void version_line(void)
+{
+	printf("kvrecall %s (git %s, %s build)\n", kvr_version_string(), KVR_GIT_REVISION, KVR_BUILD_TYPE);
 }
 
 static void json_string(FILE *f, const char *key, const char *value, int last)
@@ -46,19 +62,32 @@ static void json_string(FILE *f, const char *key, const char *value, int last)
 	fprintf(f, "%s\n", last ? "" : ",");
 }
 
+#define INFO_CMD "kvrecall info"
+
+static void info_usage(FILE *f)
+{
+	fprintf(f, "usage: kvrecall info [--json] [--spill-dir DIR]\n"
+		   "  What this build and machine offer: build features, GPU, CPU and its kernels,\n"
+		   "  NUMA, memory, io_uring, and the spill directory's O_DIRECT support.\n"
+		   "  --json           the same as JSON\n"
+		   "  --spill-dir DIR  the spill directory to check (default: the library's)\n");
+}
+
 static int cmd_info(int argc, char **argv)
 {
 	int json = 0;
 	const char *spill_dir = NULL;
 	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--json"))
-			json = 1;
-		else if (!strcmp(argv[i], "--spill-dir") && i + 1 < argc)
-			spill_dir = argv[++i];
-		else {
-			fprintf(stderr, "kvrecall info: unknown option '%s'\n", argv[i]);
-			return 2;
+		if (cli_is_help(argv[i])) {
+			info_usage(stdout);
+			return CLI_EXIT_OK;
 		}
+		if (!strcmp(argv[i], "--json")) {
+			json = 1;
+			continue;
+		}
+		CLI_TAKE(cli_opt_str(INFO_CMD, argc, argv, &i, "--spill-dir", &spill_dir))
+		return cli_usage_error(INFO_CMD, "unknown option '%s'", argv[i]);
 	}
 	struct kvr_system_info s = { .size = sizeof(s) };
 	int err = kvr_system_query(&s);
@@ -149,55 +178,68 @@ static int cmd_info(int argc, char **argv)
 	return err ? 1 : 0;
 }
 
+static int cmd_version(int argc, char **argv)
+{
+	if (argc > 0 && cli_is_help(argv[0])) {
+		printf("usage: kvrecall version (or kvrecall --version)\n"
+		       "  One line: the library version, the git revision built and the build type.\n");
+		return CLI_EXIT_OK;
+	}
+	if (argc > 0)
+		return cli_usage_error("kvrecall version", "unknown option '%s'", argv[0]);
+	version_line();
+	return CLI_EXIT_OK;
+}
+
+static int cmd_selftest(int argc, char **argv)
+{
+	/* selftest runs this executable again (recall, compute-sanitizer) */
+	char self[4096];
+	const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+	if (n <= 0) {
+		fprintf(stderr, "kvrecall selftest: cannot find this executable (/proc/self/exe)\n");
+		return CLI_EXIT_FAILURE;
+	}
+	self[n] = 0;
+	return selftest_main(argc, argv, self);
+}
+
+/* The command's argv without its name; returns the exit status. */
+static int dispatch(const char *cmd, int argc, char **argv)
+{
+#ifdef KVR_HAVE_RUNNER
+	if (!strcmp(cmd, "generate"))
+		return runner_generate(argc, argv);
+	if (!strcmp(cmd, "eval"))
+		return runner_eval(argc, argv);
+#endif
+	if (!strcmp(cmd, "info"))
+		return cmd_info(argc, argv);
+	if (!strcmp(cmd, "bench"))
+		return bench_main(argc, argv);
+	if (!strcmp(cmd, "selftest"))
+		return cmd_selftest(argc, argv);
+	if (!strcmp(cmd, "version") || !strcmp(cmd, "--version") || !strcmp(cmd, "-V"))
+		return cmd_version(argc, argv);
+	if (!strcmp(cmd, "help") && argc > 0) { /* help COMMAND: that command's --help */
+		char help[] = "--help";
+		char *help_argv[] = { help, NULL };
+		return dispatch(argv[0], 1, help_argv);
+	}
+	if (!strcmp(cmd, "help") || cli_is_help(cmd)) {
+		usage(stdout);
+		return CLI_EXIT_OK;
+	}
+	if (cmd[0] == '-')
+		return cli_usage_error("kvrecall", "unknown option '%s'", cmd);
+	return cli_usage_error("kvrecall", "unknown command '%s'", cmd);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 2) {
 		usage(stderr);
-		return 2;
+		return CLI_EXIT_USAGE;
 	}
-	const char *cmd = argv[1];
-#ifdef KVR_HAVE_RUNNER
-	if (!strcmp(cmd, "generate")) {
-		for (int i = 2; i < argc; i++)
-			if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-				runner_generate_usage();
-				return 0;
-			}
-		return runner_generate(argc - 2, argv + 2);
-	}
-	if (!strcmp(cmd, "eval")) {
-		for (int i = 2; i < argc; i++)
-			if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-				runner_eval_usage();
-				return 0;
-			}
-		return runner_eval(argc - 2, argv + 2);
-	}
-#endif
-	if (!strcmp(cmd, "info"))
-		return cmd_info(argc - 2, argv + 2);
-	if (!strcmp(cmd, "bench"))
-		return bench_main(argc - 2, argv + 2);
-	if (!strcmp(cmd, "selftest")) {
-		/* selftest runs this executable again (recall, compute-sanitizer) */
-		char self[4096];
-		const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-		if (n <= 0) {
-			fprintf(stderr, "kvrecall selftest: cannot find this executable (/proc/self/exe)\n");
-			return 1;
-		}
-		self[n] = 0;
-		return selftest_main(argc - 2, argv + 2, self);
-	}
-	if (!strcmp(cmd, "version")) {
-		printf("kvrecall %s\n", kvr_version_string());
-		return 0;
-	}
-	if (!strcmp(cmd, "help") || !strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
-		usage(stdout);
-		return 0;
-	}
-	fprintf(stderr, "kvrecall: unknown command '%s'\n\n", cmd);
-	usage(stderr);
-	return 2;
+	return dispatch(argv[1], argc - 2, argv + 2);
 }

@@ -35,6 +35,7 @@
 #include "kvrecall.h"
 #include "bench_cmd.h"
 #include "../bench_common.h"
+#include "../cli_args.h"
 #include "selftest.h"
 #include "../../gpu/backend.h"
 #include "../../layouts/half.h"
@@ -533,25 +534,38 @@ static int run_quiet(const char *self, const char *args, char *tail, size_t tail
 	return pclose(f);
 }
 
+#define SELFTEST_CMD "kvrecall selftest"
+
+static void selftest_usage(FILE *f)
+{
+	fprintf(f, "usage: kvrecall selftest [--backend cpu|cuda] [--no-sanitizer] [--json FILE]\n"
+		   "  Does kvrecall work here? Every backend present (or only --backend's) is\n"
+		   "  checked: copies, kernels, decode and recall, and on cuda compute-sanitizer's\n"
+		   "  memcheck unless --no-sanitizer. One verdict; exit status 1 when a check fails.\n"
+		   "  --json FILE   the verdict and every check as JSON (default: stdout)\n");
+}
+
 int selftest_main(int argc, char **argv, const char *self)
 {
+	static const char *const backend_names[] = { "cpu", "cuda", NULL };
 	const char *json_path = NULL, *only = NULL;
 	int sanitizer = 1;
+	uint32_t backend_index = 0;
 	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--json") && i + 1 < argc)
-			json_path = argv[++i];
-		else if (!strcmp(argv[i], "--backend") && i + 1 < argc)
-			only = argv[++i];
-		else if (!strcmp(argv[i], "--no-sanitizer"))
-			sanitizer = 0;
-		else {
-			fprintf(stderr, "usage: kvrecall selftest [--backend cpu|cuda] [--no-sanitizer] [--json FILE]\n");
-			return 2;
+		if (cli_is_help(argv[i])) {
+			selftest_usage(stdout);
+			return CLI_EXIT_OK;
 		}
-	}
-	if (only && strcmp(only, "cpu") && strcmp(only, "cuda")) {
-		fprintf(stderr, "kvrecall selftest: --backend cpu|cuda, not '%s'\n", only);
-		return 2;
+		if (!strcmp(argv[i], "--no-sanitizer")) {
+			sanitizer = 0;
+			continue;
+		}
+		CLI_TAKE(cli_opt_str(SELFTEST_CMD, argc, argv, &i, "--json", &json_path))
+		const int taken = cli_opt_choice(SELFTEST_CMD, argc, argv, &i, "--backend", backend_names, &backend_index);
+		if (taken > 0)
+			only = backend_names[backend_index];
+		CLI_TAKE(taken)
+		return cli_usage_error(SELFTEST_CMD, "unknown option '%s'", argv[i]);
 	}
 	static struct selftest_report r;
 	memset(&r, 0, sizeof(r));

@@ -196,7 +196,7 @@ int main(int argc, char **argv)
 			       .isa = -1, .sh = bench_presets[0] };
 	opt.threads[0] = 1, opt.threads[1] = 2, opt.n_threads = 2;
 	for (int i = 1; i < argc; i++) {
-		const int shape_flag = bench_shape_flag(argc, argv, &i, &opt.sh);
+		const int shape_flag = bench_shape_flag("kernels_bench", argc, argv, &i, &opt.sh);
 		if (shape_flag < 0)
 			return usage(), 2;
 		if (shape_flag)

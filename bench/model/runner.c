@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../cli_args.h"
 #include "chat.h"
 #include "gguf.h"
 #include "kvrecall.h"
@@ -29,6 +30,7 @@
 #include "tokenizer.h"
 
 struct opts {
+	const char *cmd; /* "kvrecall generate" or "kvrecall eval": what errors name */
 	const char *model, *prompt, *chat, *file, *question, *json;
 	uint32_t max_tokens, threads, budget, sink, window, mode, kv_format, recall;
 	uint32_t estimate; /* config estimate: the pages not retrieved, estimated (sparse modes) */
@@ -42,9 +44,12 @@ struct opts {
 	uint32_t timeline;       /* tokens per point of the speed-against-position record */
 };
 
-void runner_generate_usage(void)
+#define GENERATE_CMD "kvrecall generate"
+#define EVAL_CMD "kvrecall eval"
+
+static void generate_usage(FILE *f)
 {
-	fprintf(stderr,
+	fprintf(f,
 		"usage: kvrecall generate [options]\n"
 		"  --model PATH        a GGUF of architecture llama (Llama 1-3, SmolLM2), qwen2\n"
 		"                      (Qwen2.5, DeepSeek-R1-Distill-Qwen) or qwen3 (default:\n"
@@ -65,11 +70,12 @@ void runner_generate_usage(void)
 		"  --recall R          auto | zero-copy | streamed (default auto: zero-copy on the\n"
 		"                      cpu; streamed keeps a device page cache, as on a GPU)\n"
 		"  --budget B --sink S --window W --tau T   kvrecall's selection (defaults: B 2048,\n"
-		"                      S = W = 512 or B/4 when smaller, tau 0.9)\n"
+		"                      S = W = 512 or B/4 when smaller, tau 0.9; tau from -1 to 1)\n"
 		"  --estimate on|off   add the estimate of the pages not retrieved (their mean key\n"
 		"                      and value, p tokens each) to sparse attention (default off)\n"
-		"  --temperature T --top-p P --seed N      sampling (default greedy)\n"
-		"  --threads N         workers besides the main thread (default: cores - 1)\n"
+		"  --temperature T --top-p P --seed N      sampling (default greedy: T 0; T >= 0,\n"
+		"                      P above 0 and at most 1)\n"
+		"  --threads N         workers besides the main thread, 0 to 1024 (default: cores - 1)\n"
 		"  --compare [LIST]    also generate densely (f16 pages) and report where the\n"
 		"                      outputs diverge; with a LIST (dense,freekv) run exactly those\n"
 		"                      modes in turn, the first streamed, and print tokens/s against\n"
@@ -133,20 +139,14 @@ static void progress_end(struct progress *p)
 	p->shown = 0;
 }
 
-/* An on|off option's value into *out (1 or 0); 0, or 2 (usage) after a message. */
-static int on_off(const char *name, const char *v, int *out)
-{
-	if (strcmp(v, "on") && strcmp(v, "off")) {
-		fprintf(stderr, "kvrecall generate: %s on|off, not '%s'\n", name, v);
-		return 2;
-	}
-	*out = !strcmp(v, "on");
-	return 0;
-}
+/* parse_*'s answer when the command is to run; any other is the exit status
+ * to stop with (CLI_EXIT_OK after --help). */
+#define PARSE_RUN (-1)
 
-static int parse(int argc, char **argv, struct opts *o)
+static void opts_init(struct opts *o, const char *cmd)
 {
 	memset(o, 0, sizeof(*o));
+	o->cmd = cmd;
 	o->max_tokens = 256;
 	o->mode = KVR_MODE_FREEKV;
 	o->top_p = 1.0f;
@@ -155,134 +155,146 @@ static int parse(int argc, char **argv, struct opts *o)
 	o->timeline = 256;
 	const long cores = sysconf(_SC_NPROCESSORS_ONLN);
 	o->threads = cores > 1 ? (uint32_t)(cores - 1) : 0;
+}
+
+/* The options generate and eval share: the model, its threads, kvrecall's
+ * selection and recall, the JSON file, quiet. The cli_opt_* convention: 1
+ * taken, 0 another option, -1 after a message. */
+static int shared_option(int argc, char **argv, int *i, struct opts *o)
+{
+	const char *cmd = o->cmd;
+	int r;
+	if (!strcmp(argv[*i], "--quiet")) {
+		o->quiet = 1;
+		return 1;
+	}
+	if ((r = cli_opt_str(cmd, argc, argv, i, "--model", &o->model)) ||
+	    (r = cli_opt_str(cmd, argc, argv, i, "--json", &o->json)) ||
+	    (r = cli_opt_u32(cmd, argc, argv, i, "--threads", 0, 1024, &o->threads)) ||
+	    /* the names' order is KVR_RECALL_AUTO, _ZERO_COPY, _STREAMED */
+	    (r = cli_opt_choice(cmd, argc, argv, i, "--recall", cli_recall_names, &o->recall)))
+		return r;
+	if ((r = cli_opt_u32(cmd, argc, argv, i, "--budget", 1, UINT32_MAX, &o->budget)))
+		o->have_budget = 1;
+	else if ((r = cli_opt_u32(cmd, argc, argv, i, "--sink", 0, UINT32_MAX, &o->sink)))
+		o->have_sink = 1;
+	else if ((r = cli_opt_u32(cmd, argc, argv, i, "--window", 0, UINT32_MAX, &o->window)))
+		o->have_window = 1;
+	else if ((r = cli_opt_float(cmd, argc, argv, i, "--tau", -1, 1, 0, &o->tau)))
+		o->have_tau = 1;
+	return r;
+}
+
+/* --mode M, or --compare's list: a mode other than auto. */
+static int opt_mode(int argc, char **argv, int *i, struct opts *o)
+{
+	if (strcmp(argv[*i], "--mode"))
+		return 0;
+	const char *v = cli_value_of(o->cmd, argc, argv, i);
+	if (!v)
+		return -1;
+	if (cli_mode_parse(v, &o->mode))
+		return cli_bad_choice(o->cmd, "--mode", v, cli_mode_names);
+	return 1;
+}
+
+static int opt_kv_format(int argc, char **argv, int *i, struct opts *o)
+{
+	if (strcmp(argv[*i], "--kv-format"))
+		return 0;
+	const char *v = cli_value_of(o->cmd, argc, argv, i);
+	if (!v)
+		return -1;
+	if (kvr_kv_format_parse(v, &o->kv_format))
+		return cli_bad_choice(o->cmd, "--kv-format", v, cli_kv_format_names);
+	return 1;
+}
+
+/* --compare [LIST]: a list follows unless the next argument is an option. */
+static int opt_compare(int argc, char **argv, int *i, struct opts *o)
+{
+	if (strcmp(argv[*i], "--compare"))
+		return 0;
+	o->compare = 1;
+	if (*i + 1 >= argc || argv[*i + 1][0] == '-')
+		return 1;
+	++*i;
+	if (cli_parse_name_list(o->cmd, "--compare", argv[*i], cli_mode_parse, cli_mode_names, o->modes, 4,
+				&o->n_modes))
+		return -1;
+	return 1;
+}
+
+/* --estimate and --think: off or on. */
+static int opt_off_on(int argc, char **argv, int *i, struct opts *o, const char *name, int *out)
+{
+	uint32_t on;
+	const int r = cli_opt_choice(o->cmd, argc, argv, i, name, cli_off_on_names, &on);
+	if (r > 0)
+		*out = (int)on;
+	return r;
+}
+
+/* Generate's own options (beside shared_option's), the same convention. */
+static int generate_option(int argc, char **argv, int *i, struct opts *o)
+{
+	const char *cmd = o->cmd, *a = argv[*i];
+	int r, estimate;
+	if (!strcmp(a, "--ignore-eos")) {
+		o->ignore_eos = 1;
+		return 1;
+	}
+	if (!strcmp(a, "--beyond-context")) {
+		o->beyond_context = 1;
+		return 1;
+	}
+	if ((r = cli_opt_str(cmd, argc, argv, i, "--prompt", &o->prompt)) ||
+	    (r = cli_opt_str(cmd, argc, argv, i, "--chat", &o->chat)) ||
+	    (r = cli_opt_str(cmd, argc, argv, i, "--file", &o->file)) ||
+	    (r = cli_opt_str(cmd, argc, argv, i, "--question", &o->question)) ||
+	    (r = cli_opt_u32(cmd, argc, argv, i, "--max-tokens", 1, UINT32_MAX, &o->max_tokens)) ||
+	    (r = cli_opt_u32(cmd, argc, argv, i, "--timeline", 1, UINT32_MAX, &o->timeline)) ||
+	    (r = cli_opt_float(cmd, argc, argv, i, "--temperature", 0, INFINITY, 0, &o->temperature)) ||
+	    (r = cli_opt_float(cmd, argc, argv, i, "--top-p", 0, 1, 1, &o->top_p)) ||
+	    (r = cli_opt_u64(cmd, argc, argv, i, "--seed", 0, UINT64_MAX, &o->seed)) ||
+	    (r = opt_mode(argc, argv, i, o)) || (r = opt_kv_format(argc, argv, i, o)) ||
+	    (r = opt_compare(argc, argv, i, o)) || (r = opt_off_on(argc, argv, i, o, "--think", &o->think)))
+		return r;
+	if ((r = opt_off_on(argc, argv, i, o, "--estimate", &estimate)) > 0)
+		o->estimate = (uint32_t)estimate;
+	return r;
+}
+
+static int parse_generate(int argc, char **argv, struct opts *o)
+{
+	opts_init(o, GENERATE_CMD);
 	for (int i = 0; i < argc; i++) {
-		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define STR(name, field)                                  \
-	if (!strcmp(a, name) && v) {                      \
-		o->field = v;                             \
-		i++;                                      \
-		continue;                                 \
-	}
-#define NUM(name, field, have)                            \
-	if (!strcmp(a, name) && v) {                      \
-		o->field = (uint32_t)strtoul(v, NULL, 10); \
-		have;                                     \
-		i++;                                      \
-		continue;                                 \
-	}
-		STR("--model", model)
-		STR("--prompt", prompt)
-		STR("--chat", chat)
-		STR("--file", file)
-		STR("--question", question)
-		STR("--json", json)
-		NUM("--max-tokens", max_tokens, (void)0)
-		NUM("--threads", threads, (void)0)
-		NUM("--budget", budget, o->have_budget = 1)
-		NUM("--sink", sink, o->have_sink = 1)
-		NUM("--window", window, o->have_window = 1)
-		NUM("--timeline", timeline, (void)0)
-#undef STR
-#undef NUM
-		if (!strcmp(a, "--mode") && v) {
-			if (kvr_mode_parse(v, &o->mode) || o->mode == KVR_MODE_AUTO) {
-				fprintf(stderr, "kvrecall generate: unknown mode '%s'\n", v);
-				return 2;
-			}
-			i++;
-		} else if (!strcmp(a, "--kv-format") && v) {
-			if (kvr_kv_format_parse(v, &o->kv_format)) {
-				fprintf(stderr, "kvrecall generate: unknown KV format '%s' (f16, k8v4, k4v2, mixed)\n", v);
-				return 2;
-			}
-			i++;
-		} else if (!strcmp(a, "--recall") && v) {
-			o->recall = !strcmp(v, "streamed")    ? KVR_RECALL_STREAMED
-				    : !strcmp(v, "zero-copy") ? KVR_RECALL_ZERO_COPY
-				    : !strcmp(v, "auto")      ? KVR_RECALL_AUTO
-							      : UINT32_MAX;
-			if (o->recall == UINT32_MAX) {
-				fprintf(stderr, "kvrecall generate: --recall auto|zero-copy|streamed, not '%s'\n", v);
-				return 2;
-			}
-			i++;
-		} else if (!strcmp(a, "--estimate") && v) {
-			int on;
-			if (on_off(a, v, &on))
-				return 2;
-			o->estimate = (uint32_t)on;
-			i++;
-		} else if (!strcmp(a, "--tau") && v) {
-			o->tau = strtof(v, NULL);
-			o->have_tau = 1;
-			i++;
-		} else if (!strcmp(a, "--temperature") && v) {
-			o->temperature = strtof(v, NULL);
-			i++;
-		} else if (!strcmp(a, "--top-p") && v) {
-			o->top_p = strtof(v, NULL);
-			i++;
-		} else if (!strcmp(a, "--seed") && v) {
-			o->seed = strtoull(v, NULL, 10);
-			i++;
-		} else if (!strcmp(a, "--ignore-eos")) {
-			o->ignore_eos = 1;
-		} else if (!strcmp(a, "--compare")) {
-			o->compare = 1;
-			if (v && v[0] != '-') { /* a list of modes: run each in turn */
-				char list[128];
-				snprintf(list, sizeof(list), "%s", v);
-				for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok;
-				     tok = strtok_r(NULL, ",", &save)) {
-					uint32_t mode;
-					if (kvr_mode_parse(tok, &mode) || mode == KVR_MODE_AUTO || o->n_modes == 4) {
-						fprintf(stderr, "kvrecall generate: --compare takes up to 4 modes "
-								"(dense, blocking, speculative, freekv), not '%s'\n",
-							v);
-						return 2;
-					}
-					o->modes[o->n_modes++] = mode;
-				}
-				i++;
-			}
-		} else if (!strcmp(a, "--think") && v) {
-			if (on_off(a, v, &o->think))
-				return 2;
-			i++;
-		} else if (!strcmp(a, "--beyond-context")) {
-			o->beyond_context = 1;
-		} else if (!strcmp(a, "--quiet")) {
-			o->quiet = 1;
-		} else {
-			fprintf(stderr, "kvrecall generate: unknown or incomplete option '%s'\n", a);
-			runner_generate_usage();
-			return 2;
+		if (cli_is_help(argv[i])) {
+			generate_usage(stdout);
+			return CLI_EXIT_OK;
 		}
+		int r = shared_option(argc, argv, &i, o);
+		if (!r)
+			r = generate_option(argc, argv, &i, o);
+		if (r < 0)
+			return CLI_EXIT_USAGE;
+		if (!r)
+			return cli_usage_error(GENERATE_CMD, "unknown option '%s'", argv[i]);
 	}
-	if (!o->prompt && !o->chat && !o->file) {
-		fprintf(stderr, "kvrecall generate: give --prompt, --chat or --file\n");
-		return 2;
-	}
-	if (!o->max_tokens) {
-		fprintf(stderr, "kvrecall generate: --max-tokens must be at least 1\n");
-		return 2;
-	}
-	if (!o->timeline) {
-		fprintf(stderr, "kvrecall generate: --timeline must be at least 1 token\n");
-		return 2;
-	}
+	if (!o->prompt && !o->chat && !o->file)
+		return cli_usage_error(GENERATE_CMD, "give --prompt, --chat or --file");
 	if (!o->n_modes) { /* --mode, then dense when --compare asks for it */
 		o->modes[o->n_modes++] = o->mode;
 		if (o->compare && o->mode != KVR_MODE_DENSE)
 			o->modes[o->n_modes++] = KVR_MODE_DENSE;
 	}
-	return 0;
+	return PARSE_RUN;
 }
 
 /* ------------------------------------------------------------------ model file */
 
 /* The default model, fetched with bench/model/fetch_model.sh when missing. */
-static int find_model(char *path, size_t bytes)
+static int find_model(const char *cmd, char *path, size_t bytes)
 {
 	if (!gguf_default_model_path(path, bytes))
 		return 0;
@@ -294,17 +306,17 @@ static int find_model(char *path, size_t bytes)
 	struct stat st;
 	if (!script || stat(script, &st)) {
 		fprintf(stderr,
-			"kvrecall generate: the model is not in the cache and the fetch script is not "
+			"%s: the model is not in the cache and the fetch script is not "
 			"found.\nRun bench/model/fetch_model.sh from the source tree (or pass --model "
-			"PATH).\n");
+			"PATH).\n", cmd);
 		return -ENOENT;
 	}
-	fprintf(stderr, "kvrecall generate: fetching the model (%s) ...\n", script);
-	char cmd[4200];
-	snprintf(cmd, sizeof(cmd), "'%s' >/dev/null", script);
-	const int status = system(cmd);
+	fprintf(stderr, "%s: fetching the model (%s) ...\n", cmd, script);
+	char fetch[4200];
+	snprintf(fetch, sizeof(fetch), "'%s' >/dev/null", script);
+	const int status = system(fetch);
 	if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status)) {
-		fprintf(stderr, "kvrecall generate: the fetch failed (see above)\n");
+		fprintf(stderr, "%s: the fetch failed (see above)\n", cmd);
 		return -EIO;
 	}
 	return gguf_default_model_path(path, bytes) ? -ENOENT : 0;
@@ -578,7 +590,7 @@ static int make_context(const struct model *m, const struct opts *o, uint32_t mo
 	const uint64_t page_bytes = 2ull * c.page_tokens * c.head_dim * c.n_kv_heads * 2;
 	c.pool_bytes = ((tokens + 2 * c.page_tokens) / c.page_tokens + 4) * c.n_layers * page_bytes * 2;
 	if (kvr_context_create(&c, ctx)) {
-		fprintf(stderr, "kvrecall generate: %s\n", kvr_last_error(NULL));
+		fprintf(stderr, "%s: %s\n", o->cmd, kvr_last_error(NULL));
 		return -EINVAL;
 	}
 	return 0;
@@ -600,7 +612,7 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 	if (!logits || sampler_init(&smp, o->temperature, o->top_p, o->seed)) {
 		free(logits);
 		kvr_context_destroy(ctx);
-		fprintf(stderr, "kvrecall generate: bad sampling options or out of memory\n");
+		fprintf(stderr, "%s: bad sampling options or out of memory\n", o->cmd);
 		return -EINVAL;
 	}
 	char err[512] = "";
@@ -792,14 +804,14 @@ static void print_timeline(FILE *f, const struct run_stats *runs, size_t n_runs)
 int runner_generate(int argc, char **argv)
 {
 	struct opts o;
-	int rc = parse(argc, argv, &o);
-	if (rc)
+	int rc = parse_generate(argc, argv, &o);
+	if (rc != PARSE_RUN)
 		return rc;
 	char path[4096];
 	if (o.model)
 		snprintf(path, sizeof(path), "%s", o.model);
-	else if (find_model(path, sizeof(path)))
-		return 1;
+	else if (find_model(GENERATE_CMD, path, sizeof(path)))
+		return CLI_EXIT_FAILURE;
 	char err[512];
 	struct model *m;
 	if ((rc = model_open(path, o.threads, &m, err, sizeof(err)))) {
@@ -925,17 +937,18 @@ out:
 
 /* ------------------------------------------------------------------ eval */
 
-void runner_eval_usage(void)
+static void eval_usage(FILE *f)
 {
-	fprintf(stderr,
+	fprintf(f,
 		"usage: kvrecall eval --file PATH [options]\n"
 		"  Teacher-forced over the file's first --context tokens: prefill the first\n"
 		"  --prefill tokens (default: the budget), then decode token by token; report\n"
 		"  perplexity over the decoded positions and top-1 agreement with dense.\n"
 		"  --file PATH         a text; repeat to join several (blank line between)\n"
 		"  --model PATH        GGUF (default: the cached SmolLM2-135M-Instruct)\n"
-		"  --context N         tokens (default 8192)\n"
-		"  --prefill N         tokens prefilled before decoding (default: the budget)\n"
+		"  --context N         tokens, 2 to 4294967295 (default 8192)\n"
+		"  --prefill N         tokens prefilled before decoding, fewer than --context\n"
+		"                      (default: the budget)\n"
 		"  --modes LIST        comma-separated, from dense,blocking,speculative,freekv\n"
 		"                      (default all four; dense always runs first)\n"
 		"  --kv-formats LIST   comma-separated page formats, from f16,k8v4,k4v2,mixed: each\n"
@@ -943,10 +956,12 @@ void runner_eval_usage(void)
 		"                      runs first and is the reference, and dense also runs\n"
 		"                      with each other format (quantisation alone)\n"
 		"  --budget B --sink S --window W --tau T   as for generate\n"
+		"  --recall R          auto | zero-copy | streamed, as for generate\n"
 		"  --estimate off|on|both   the sparse modes without (default) or with the estimate\n"
 		"                      of the pages not retrieved, or each without then with it,\n"
 		"                      side by side (and how much of the gap over dense it closes)\n"
-		"  --threads N         workers besides the main thread\n"
+		"  --threads N         workers besides the main thread, 0 to 1024\n"
+		"  --quiet             no progress lines\n"
 		"  --json FILE         results as JSON\n");
 }
 
@@ -1027,97 +1042,96 @@ static int eval_mode(struct model *m, const struct opts *o, uint32_t mode, uint3
 	return rc;
 }
 
+/* Eval's settings beside the shared options. */
+struct eval_opts {
+	const char **files; /* --file may repeat: the texts are read in order and joined by a
+			     * blank line, so that 8K tokens can come from Debian's own shorter texts */
+	uint32_t n_files;
+	uint32_t context, prefill, modes[4], n_modes, formats[4], n_formats;
+	int estimate_off, estimate_on; /* --estimate off|on|both */
+};
+
+static int parse_eval(int argc, char **argv, struct opts *o, struct eval_opts *e)
+{
+	static const char *const estimate_names[] = { "off", "on", "both", NULL };
+	opts_init(o, EVAL_CMD);
+	for (int i = 0; i < argc; i++) {
+		if (cli_is_help(argv[i])) {
+			eval_usage(stdout);
+			return CLI_EXIT_OK;
+		}
+		const char *text;
+		uint32_t estimate;
+		int r = shared_option(argc, argv, &i, o);
+		if (!r && (r = cli_opt_str(EVAL_CMD, argc, argv, &i, "--file", &text)) > 0)
+			e->files[e->n_files++] = text;
+		if (!r)
+			r = cli_opt_u32(EVAL_CMD, argc, argv, &i, "--context", 2, UINT32_MAX, &e->context);
+		if (!r)
+			r = cli_opt_u32(EVAL_CMD, argc, argv, &i, "--prefill", 1, UINT32_MAX - 1, &e->prefill);
+		if (!r && (r = cli_opt_choice(EVAL_CMD, argc, argv, &i, "--estimate", estimate_names, &estimate)) > 0)
+			e->estimate_off = estimate != 1, e->estimate_on = estimate != 0;
+		if (!r && (r = cli_opt_str(EVAL_CMD, argc, argv, &i, "--kv-formats", &text)) > 0 &&
+		    cli_parse_name_list(EVAL_CMD, "--kv-formats", text, kvr_kv_format_parse, cli_kv_format_names,
+					e->formats, 4, &e->n_formats))
+			r = -1;
+		if (!r && (r = cli_opt_str(EVAL_CMD, argc, argv, &i, "--modes", &text)) > 0) {
+			uint32_t modes[4], n = 0;
+			if (cli_parse_name_list(EVAL_CMD, "--modes", text, cli_mode_parse, cli_mode_names, modes, 4, &n))
+				r = -1;
+			e->n_modes = 0; /* dense always runs first, as the reference */
+			for (uint32_t m = 0; r > 0 && m < n; m++)
+				if (modes[m] != KVR_MODE_DENSE)
+					e->modes[e->n_modes++] = modes[m];
+		}
+		if (r < 0)
+			return CLI_EXIT_USAGE;
+		if (!r)
+			return cli_usage_error(EVAL_CMD, "unknown option '%s'", argv[i]);
+	}
+	if (!e->n_files)
+		return cli_usage_error(EVAL_CMD, "--file is required");
+	o->file = e->files[0];
+	if (!e->n_formats)
+		e->formats[e->n_formats++] = KVR_KV_FORMAT_PLAIN;
+	if (!e->n_modes) {
+		e->modes[e->n_modes++] = KVR_MODE_BLOCKING;
+		e->modes[e->n_modes++] = KVR_MODE_SPECULATIVE;
+		e->modes[e->n_modes++] = KVR_MODE_FREEKV;
+	}
+	return PARSE_RUN;
+}
+
 int runner_eval(int argc, char **argv)
 {
-	/* eval's own options first; the rest are generate's */
-	uint32_t context = 8192, prefill = 0, modes[4], n_modes = 0;
-	uint32_t formats[4] = { KVR_KV_FORMAT_PLAIN }, n_formats = 0;
-	int estimate_off = 1, estimate_on = 0; /* --estimate off|on|both */
-	char **rest = calloc((size_t)argc + 6, sizeof(*rest));
-	/* --file may repeat: the texts are read in order and joined by a blank
-	 * line, so that 8K tokens can come from Debian's own shorter texts */
-	const char **files = calloc((size_t)argc + 1, sizeof(*files));
-	int n_rest = 0, n_files = 0;
-	if (!rest || !files) {
-		free(rest), free(files);
-		return 1;
-	}
-	for (int i = 0; i < argc; i++) {
-		if (!strcmp(argv[i], "--file") && i + 1 < argc) {
-			files[n_files++] = argv[++i];
-		} else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
-			context = (uint32_t)strtoul(argv[++i], NULL, 10);
-		} else if (!strcmp(argv[i], "--estimate") && i + 1 < argc) {
-			const char *v = argv[++i];
-			if (strcmp(v, "off") && strcmp(v, "on") && strcmp(v, "both")) {
-				fprintf(stderr, "kvrecall eval: --estimate off|on|both, not '%s'\n", v);
-				free(rest), free(files);
-				return 2;
-			}
-			estimate_off = strcmp(v, "on") != 0;
-			estimate_on = strcmp(v, "off") != 0;
-		} else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) {
-			prefill = (uint32_t)strtoul(argv[++i], NULL, 10);
-		} else if (!strcmp(argv[i], "--kv-formats") && i + 1 < argc) {
-			char *list = argv[++i], *save = NULL;
-			for (char *tk = strtok_r(list, ",", &save); tk; tk = strtok_r(NULL, ",", &save)) {
-				uint32_t f;
-				if (kvr_kv_format_parse(tk, &f) || n_formats == 4) {
-					fprintf(stderr, "kvrecall eval: unknown or repeated KV format '%s' "
-							"(f16, k8v4, k4v2, mixed)\n", tk);
-					free(rest), free(files);
-					return 2;
-				}
-				formats[n_formats++] = f;
-			}
-		} else if (!strcmp(argv[i], "--modes") && i + 1 < argc) {
-			char *list = argv[++i], *save = NULL;
-			for (char *tk = strtok_r(list, ",", &save); tk && n_modes < 4;
-			     tk = strtok_r(NULL, ",", &save)) {
-				uint32_t md;
-				if (kvr_mode_parse(tk, &md) || md == KVR_MODE_AUTO) {
-					fprintf(stderr, "kvrecall eval: unknown mode '%s'\n", tk);
-					free(rest), free(files);
-					return 2;
-				}
-				if (md != KVR_MODE_DENSE)
-					modes[n_modes++] = md;
-			}
-		} else {
-			rest[n_rest++] = argv[i];
-		}
-	}
-	if (!n_formats)
-		n_formats = 1; /* f16 */
-	if (!n_modes) {
-		modes[n_modes++] = KVR_MODE_BLOCKING;
-		modes[n_modes++] = KVR_MODE_SPECULATIVE;
-		modes[n_modes++] = KVR_MODE_FREEKV;
-	}
-	rest[n_rest++] = "--max-tokens";
-	rest[n_rest++] = "1";
-	if (n_files) {
-		rest[n_rest++] = "--file";
-		rest[n_rest++] = (char *)files[0];
-	}
 	struct opts o;
-	int rc = parse(n_rest, rest, &o);
-	free(rest);
-	if (rc || !n_files) {
-		if (!rc)
-			fprintf(stderr, "kvrecall eval: --file is required\n");
-		free(files);
-		return rc ? rc : 2;
+	struct eval_opts eo = { .context = 8192, .estimate_off = 1, .files = calloc((size_t)argc + 1, sizeof(char *)) };
+	if (!eo.files) {
+		fprintf(stderr, "%s: out of memory\n", EVAL_CMD);
+		return CLI_EXIT_FAILURE;
 	}
+	int rc = parse_eval(argc, argv, &o, &eo);
+	if (rc != PARSE_RUN) {
+		free(eo.files);
+		return rc;
+	}
+	const uint32_t context = eo.context, n_files = eo.n_files, n_formats = eo.n_formats, n_modes = eo.n_modes;
+	const uint32_t *formats = eo.formats, *modes = eo.modes;
+	const int estimate_off = eo.estimate_off, estimate_on = eo.estimate_on;
+	const char **files = eo.files;
+	uint32_t prefill = eo.prefill;
 	char path[4096], err[512];
 	if (o.model)
 		snprintf(path, sizeof(path), "%s", o.model);
-	else if (find_model(path, sizeof(path)))
-		return 1;
+	else if (find_model(EVAL_CMD, path, sizeof(path))) {
+		free(files);
+		return CLI_EXIT_FAILURE;
+	}
 	struct model *m;
 	if ((rc = model_open(path, o.threads, &m, err, sizeof(err)))) {
-		fprintf(stderr, "kvrecall eval: %s\n", err);
-		return 1;
+		fprintf(stderr, "%s: %s\n", EVAL_CMD, err);
+		free(files);
+		return CLI_EXIT_FAILURE;
 	}
 	struct tok *t = NULL;
 	size_t len = 0, n_ids = 0;
@@ -1125,7 +1139,7 @@ int runner_eval(int argc, char **argv)
 	int32_t *ids = NULL, *dense_top = NULL;
 	if ((rc = runner_tokenizer(model_gguf(m), &t, err, sizeof(err))))
 		fprintf(stderr, "kvrecall eval: %s\n", err);
-	for (int f = 0; !rc && f < n_files; f++) {
+	for (uint32_t f = 0; !rc && f < n_files; f++) {
 		size_t part_len = 0;
 		char *part = read_file(files[f], &part_len), *joined = NULL;
 		if (part)

@@ -13,12 +13,10 @@
 #include <stddef.h>
 
 /* argv without the subcommand's name; returns the process exit status
- * (0 ok, 1 failure, 2 usage). */
+ * (0 ok or --help shown on stdout, 1 failure, 2 usage). */
 int runner_generate(int argc, char **argv);
-void runner_generate_usage(void);
 /* `kvrecall eval`: teacher-forced perplexity and top-1 agreement with dense. */
 int runner_eval(int argc, char **argv);
-void runner_eval_usage(void);
 
 struct gguf;
 struct tok;
