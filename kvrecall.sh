@@ -6,7 +6,8 @@
 #                         tests, no CUDA backend, no Python package),
 #                         fetch the model, run the main job: SmolLM2-135M answers
 #                         a question about the GPL-3 (7.7K tokens of context)
-#                         with freekv retrieval (B = 1024) on the CPU backend;
+#                         with freekv retrieval (B = 1024) on the CPU backend,
+#                         sampling as the model's card recommends, seed 42;
 #                         extra arguments go to `kvrecall generate` (e.g.
 #                         --mode dense --max-tokens 100)
 #   ./kvrecall.sh longgen after the demo's set-up, the long-generation demo:
@@ -139,9 +140,14 @@ demo)
 	bench/model/fetch_model.sh >/dev/null
 	"$KVRECALL" info
 	echo
+	# The answer sits in section 8, about 4,800 tokens into the document, far
+	# outside the sink and window: only page selection reaches it. Sampling is
+	# what the model's card recommends (temperature 0.2, top-p 0.9), with a
+	# fixed seed so every run prints the same answer; greedy decoding of this
+	# 135M model repeats itself.
 	"$KVRECALL" generate --file /usr/share/common-licenses/GPL-3 \
-		--question "What does this license require from someone who distributes modified versions of the program?" \
-		--mode freekv --budget 1024 --max-tokens 300 "$@"
+		--question "How many days after receiving notice of a violation does a licensee have to cure it?" \
+		--mode freekv --budget 1024 --max-tokens 300 --temperature 0.2 --top-p 0.9 --seed 42 "$@"
 	;;
 longgen)
 	deps "${demo_packages[@]}"

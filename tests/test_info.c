@@ -765,6 +765,8 @@ Test(cli, numbers_are_parsed_whole_and_in_range)
 		{ "generate --prompt hi --threads ' 2'", "kvrecall generate: --threads ' 2': expected an integer from 0 to 1024\n" },
 		{ "generate --prompt hi --top-p 0",
 		  "kvrecall generate: --top-p '0': expected a number above 0 and at most 1\n" },
+		{ "generate --prompt hi --top-k 5x",
+		  "kvrecall generate: --top-k '5x': expected an integer from 0 to 4294967295\n" },
 		{ "generate --prompt hi --temperature -0.5",
 		  "kvrecall generate: --temperature '-0.5': expected a number of at least 0\n" },
 		{ "generate --prompt hi --temperature 0x10",
@@ -800,7 +802,7 @@ Test(cli, numbers_are_parsed_whole_and_in_range)
 		expect_usage_error(cases[c].args, cases[c].err);
 	/* the ends of each range are accepted (--help after them: nothing runs) */
 	static const char *const edges[] = {
-		"generate --prompt hi --tau -1 --temperature 0 --top-p 1 --seed 18446744073709551615 --threads 0 "
+		"generate --prompt hi --tau -1 --temperature 0 --top-p 1 --top-k 0 --seed 18446744073709551615 --threads 0 "
 		"--max-tokens 4294967295 --budget 4294967295 --sink 0 --help",
 		"eval --file /dev/null --context 2 --prefill 1 --tau 1 --threads 1024 --help",
 		"bench decode --steps 3 --batch 1,2,3,4,5,6,7,8 --max-context 1073741824 --buffers 1 --help",

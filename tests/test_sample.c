@@ -120,3 +120,55 @@ Test(sample, temperature_follows_softmax)
 	}
 	sampler_free(&s);
 }
+
+/* probabilities 1/7, 2/7, 4/7 (logits 0, ln 2, ln 4) plus a fourth token of
+ * 1/7: top_k = 2 keeps tokens 2 and 1 only, in proportion 2 : 1 */
+Test(sample, top_k_keeps_the_most_probable)
+{
+	const float l[4] = { 0.0f, logf(2.0f), logf(4.0f), 0.0f };
+	struct sampler s;
+	cr_assert_eq(sampler_init(&s, 1.0f, 1.0f, 3), 0);
+	s.top_k = 2;
+	int count[4] = { 0 };
+	const int N = 30000;
+	for (int i = 0; i < N; i++) {
+		uint32_t t;
+		cr_assert_eq(sample_next(&s, l, 4, &t), 0);
+		count[t]++;
+	}
+	cr_expect_eq(count[0] + count[3], 0, "tokens 0 and 3 are outside the top 2");
+	const double share = count[2] / (double)N;
+	cr_expect(fabs(share - 2.0 / 3.0) < 0.015, "token 2 drawn %.4f of the time, want 2/3", share);
+	s.top_k = 1; /* one token: the argmax at any temperature */
+	for (int i = 0; i < 200; i++) {
+		uint32_t t;
+		cr_assert_eq(sample_next(&s, l, 4, &t), 0);
+		cr_assert_eq(t, 2);
+	}
+	sampler_free(&s);
+}
+
+/* top-p after top-k is measured against the top k's mass: of 1/7, 2/7, 4/7,
+ * top_k = 2 leaves 6/7, so top_p = 0.6 wants 0.51, which token 2 (4/7 = 0.57)
+ * reaches alone; over all tokens the same top_p wants 0.6 and keeps two */
+Test(sample, top_p_after_top_k_takes_the_kept_mass)
+{
+	const float l[3] = { 0.0f, logf(2.0f), logf(4.0f) };
+	struct sampler s;
+	cr_assert_eq(sampler_init(&s, 1.0f, 0.6f, 11), 0);
+	s.top_k = 2;
+	for (int i = 0; i < 500; i++) {
+		uint32_t t;
+		cr_assert_eq(sample_next(&s, l, 3, &t), 0);
+		cr_assert_eq(t, 2);
+	}
+	s.top_k = 0;
+	int count[3] = { 0 };
+	for (int i = 0; i < 2000; i++) {
+		uint32_t t;
+		cr_assert_eq(sample_next(&s, l, 3, &t), 0);
+		count[t]++;
+	}
+	cr_expect_gt(count[1], 0, "without top-k the nucleus holds token 1 too");
+	sampler_free(&s);
+}

@@ -35,6 +35,7 @@ struct opts {
 	uint32_t max_tokens, threads, budget, sink, window, mode, kv_format, recall;
 	uint32_t estimate; /* config estimate: the pages not retrieved, estimated (sparse modes) */
 	float tau, temperature, top_p;
+	uint32_t top_k; /* 0: off */
 	uint64_t seed;
 	int ignore_eos, compare, quiet, have_tau, have_budget, have_sink, have_window;
 	int think;               /* -1: the chat template's default, 0 off, 1 on */
@@ -73,8 +74,9 @@ static void generate_usage(FILE *f)
 		"                      S = W = 512 or B/4 when smaller, tau 0.9; tau from -1 to 1)\n"
 		"  --estimate on|off   add the estimate of the pages not retrieved (their mean key\n"
 		"                      and value, p tokens each) to sparse attention (default off)\n"
-		"  --temperature T --top-p P --seed N      sampling (default greedy: T 0; T >= 0,\n"
-		"                      P above 0 and at most 1)\n"
+		"  --temperature T --top-k K --top-p P --seed N   sampling (default greedy: T 0;\n"
+		"                      T >= 0; K most probable tokens, 0 for all (default);\n"
+		"                      P above 0 and at most 1, of the top K's mass; seed 42)\n"
 		"  --threads N         workers besides the main thread, 0 to 1024 (default: cores - 1)\n"
 		"  --compare [LIST]    also generate densely (f16 pages) and report where the\n"
 		"                      outputs diverge; with a LIST (dense,freekv) run exactly those\n"
@@ -256,6 +258,7 @@ static int generate_option(int argc, char **argv, int *i, struct opts *o)
 	    (r = cli_opt_u32(cmd, argc, argv, i, "--timeline", 1, UINT32_MAX, &o->timeline)) ||
 	    (r = cli_opt_float(cmd, argc, argv, i, "--temperature", 0, INFINITY, 0, &o->temperature)) ||
 	    (r = cli_opt_float(cmd, argc, argv, i, "--top-p", 0, 1, 1, &o->top_p)) ||
+	    (r = cli_opt_u32(cmd, argc, argv, i, "--top-k", 0, UINT32_MAX, &o->top_k)) ||
 	    (r = cli_opt_u64(cmd, argc, argv, i, "--seed", 0, UINT64_MAX, &o->seed)) ||
 	    (r = opt_mode(argc, argv, i, o)) || (r = opt_kv_format(argc, argv, i, o)) ||
 	    (r = opt_compare(argc, argv, i, o)) || (r = opt_off_on(argc, argv, i, o, "--think", &o->think)))
@@ -615,6 +618,7 @@ static int generate(struct model *m, const struct tok *t, const struct opts *o, 
 		fprintf(stderr, "%s: bad sampling options or out of memory\n", o->cmd);
 		return -EINVAL;
 	}
+	smp.top_k = o->top_k;
 	char err[512] = "";
 	uint32_t seq;
 	memset(st, 0, sizeof(*st));

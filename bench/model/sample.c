@@ -2,10 +2,12 @@
 /*
  * sample.c — greedy and temperature/top-p sampling (sample.h).
  *
- * Top-p sorts only what it must: candidates above a probability floor are
- * gathered first (a token below 1e-4 of the maximum can matter only when the
- * nucleus needs almost all of the mass), then sorted by probability, ties to
- * the lower id, so a seed reproduces the same choice on every machine.
+ * Top-k and top-p sort only what they must: candidates above a probability
+ * floor are gathered first (a token below 1e-4 of the maximum can matter only
+ * when the nucleus needs almost all of the mass, or when fewer than top_k
+ * tokens are above it), then sorted by probability, ties to the lower id, so a
+ * seed reproduces the same choice on every machine. Top-k keeps the first
+ * top_k candidates; the nucleus is then taken over their mass.
  *
  * Threads: one thread per sampler.
  */
@@ -96,20 +98,29 @@ int sample_next(struct sampler *s, const float *logits, size_t n, uint32_t *toke
 		s->probs[i] = (float)e;
 		sum += e;
 	}
-	/* candidates: every token when top_p = 1, else those above a floor */
-	const float floor_p = s->top_p < 1.0f ? 1e-4f : 0.0f; /* relative to the maximum (1) */
+	/* candidates: every token when neither filter is on, else those above a floor */
+	const int filtered = s->top_p < 1.0f || s->top_k;
+	const float floor_p = filtered ? 1e-4f : 0.0f; /* relative to the maximum (1) */
 	struct sample_cand *cands = s->cands;
 	size_t m = 0;
 	for (size_t i = 0; i < n; i++)
 		if (s->probs[i] > floor_p || i == best)
 			cands[m++] = (struct sample_cand){ s->probs[i], (uint32_t)i };
-	if (s->top_p < 1.0f)
+	if (filtered)
 		qsort(cands, m, sizeof(*cands), by_prob_desc);
+	/* top-k: the mass the nucleus is measured against becomes theirs */
+	double mass = sum;
+	if (s->top_k && m > s->top_k) {
+		m = s->top_k;
+		mass = 0.0;
+		for (size_t i = 0; i < m; i++)
+			mass += cands[i].p;
+	}
 	/* the nucleus: the shortest prefix whose mass reaches top_p */
 	size_t keep = m;
 	double kept = 0.0;
 	if (s->top_p < 1.0f) {
-		const double want = s->top_p * sum;
+		const double want = s->top_p * mass;
 		for (size_t i = 0; i < m; i++) {
 			kept += cands[i].p;
 			if (kept >= want) {
@@ -118,9 +129,9 @@ int sample_next(struct sampler *s, const float *logits, size_t n, uint32_t *toke
 			}
 		}
 	} else {
-		kept = sum;
+		kept = mass;
 	}
-	if (keep == m && s->top_p < 1.0f) {
+	if (keep == m && filtered) {
 		kept = 0.0;
 		for (size_t i = 0; i < m; i++)
 			kept += cands[i].p;
