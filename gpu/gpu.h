@@ -4,8 +4,8 @@
  * backend. Valid C11; no CUDA types cross it. Entries implemented in .cu files
  * have C linkage.
  *
- * This first part is device discovery; memory, streams, events, copies and
- * kernels join it as the backends grow (docs/architecture.md).
+ * It holds device discovery and host-memory registration; memory, streams,
+ * events, copies and kernels are backend.h's.
  */
 #ifndef KVR_GPU_GPU_H
 #define KVR_GPU_GPU_H

@@ -102,9 +102,11 @@
  *              p·exp(scale · q_h·k̄)·v̄ to the numerator and p·exp(...) to
  *              the denominator: the estimate of an unselected page.
  * dense        Attention over one contiguous run per item: token t of KV head
- *              m at k + t·row_stride + m·d elements (NHD rows). The `dense`
- *              mode and dense layers use it; it is also the reference the
- *              sparse path is compared with when B ≥ L.
+ *              m at k + t·row_stride + m·d elements (NHD rows). The decode
+ *              step does not launch it (dense mode and dense layers attend
+ *              through `attention` over all of a sequence's pages); it is
+ *              kept as a backend primitive over contiguous rows, checked by
+ *              the conformance suite on every backend.
  * plan         For each item (one attention item: a KV head of a sequence):
  *              the pages it attends are corrected_sel when that is not NULL
  *              and (corrected is NULL or *corrected != 0), else selected. The
