@@ -150,6 +150,11 @@ enum kvr_backend {
 #define KVR_MAX_KV_HEADS 256u     /* bound on n_kv_heads */
 #define KVR_MAX_GROUP 64u         /* bound on n_qo_heads / n_kv_heads */
 #define KVR_THREADS_AUTO UINT32_MAX /* threads: one worker per core beyond the caller's */
+/* sink_tokens, window_tokens: each min(512, budget_tokens / 4) rounded down
+ * to whole pages, resolved at context creation (kvr_context_get_config
+ * reports the value) and by kvr_config_validate and kvr_device_bytes_needed
+ * alike; it leaves at least half the budget to selected pages. */
+#define KVR_TOKENS_AUTO UINT32_MAX
 #define KVR_NUMA_NODE_AUTO (-1)   /* numa_node: nearest the GPU, else the caller's node */
 
 /*
@@ -188,11 +193,18 @@ struct kvr_config {
 	uint32_t head_dim;    /* d, elements: a multiple of 32 in 32..256. Default 128. */
 	uint32_t dtype;       /* enum kvr_dtype of q/k/v and of KV pages. Default F16. */
 
-	/* Paging and selection (DESIGN.md vocabulary). */
+	/* Paging and selection (docs/design.md, "Glossary"). S + W + k·p = B, where k
+	 * is the pages the sparse modes select per KV head and step. */
 	uint32_t page_tokens;   /* p: tokens per page, a power of two in 8..256. Default 32. */
-	uint32_t budget_tokens; /* B: tokens attended per KV head per step. Default 2048. */
-	uint32_t sink_tokens;   /* S: first tokens always attended, a multiple of p. Default 512. */
-	uint32_t window_tokens; /* W: newest tokens always attended, a multiple of p. Default 512. */
+	uint32_t budget_tokens; /* B: tokens attended per KV head per step, a multiple of p,
+	                           >= S + W. Default 2048. */
+	uint32_t sink_tokens;   /* S: first tokens always attended, a multiple of p, or
+	                           KVR_TOKENS_AUTO. Default AUTO (512 at B = 2048). */
+	uint32_t window_tokens; /* W: newest tokens always attended, a multiple of p, or
+	                           KVR_TOKENS_AUTO. Default AUTO (512 at B = 2048). Set
+	                           explicitly so that S + W = B, a sparse mode selects no
+	                           pages (k = 0): allowed, as a sink-plus-window ablation,
+	                           and logged as a warning at context creation. */
 	float tau;              /* correction threshold on the group-mean cosine, [-1, 1]. Default 0.9. */
 	uint32_t mode;          /* enum kvr_mode. Default AUTO. */
 	uint32_t backend;       /* enum kvr_backend. Default AUTO. */
@@ -323,10 +335,13 @@ KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixe
 struct kvr_context;
 
 /*
- * Validate `cfg`, resolve its automatic fields (backend, mode, threads, pool and
- * device sizes, NUMA node) and create a context. On success *out is set. On failure
- * nothing is left allocated, *out is untouched, the message is sent to cfg->log_fn
- * and is readable from the calling thread with kvr_last_error(NULL).
+ * Validate `cfg`, resolve its automatic fields (backend, mode, recall,
+ * controller, sink and window, threads, pool and device sizes, NUMA node) and
+ * create a context. On success *out is set. On failure nothing is left
+ * allocated, *out is untouched, the message is sent to cfg->log_fn and is
+ * readable from the calling thread with kvr_last_error(NULL). A sparse mode
+ * whose explicit sink and window fill the budget (k = 0) is created, with a
+ * warning to cfg->log_fn that it selects no pages.
  * Errors: -EINVAL / -EOVERFLOW / -ENOTSUP (config, see kvr_config_validate),
  * -ENODEV (backend CUDA asked for but no usable GPU), -ENOMEM.
  * Blocks while memory is set up; thread-safe (contexts are independent).
