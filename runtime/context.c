@@ -105,9 +105,10 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	if (c->backend == KVR_BACKEND_CUDA && probe.n_devices == 0)
 		return kvr_fail_config(c, -ENODEV, "backend: cuda requested but no GPU is usable: %s",
 				       probe.reason);
-	/* The cuda backend's decode runtime has been checked only under
-	 * cudaemu-strict so far, never on a GPU (docs/architecture.md, "Status"):
-	 * it is opt-in, and auto means cpu even with a GPU present. */
+	/* Auto is the cpu backend, GPU or not: the backend decides whether the
+	 * engine's q, k, v and out are host or device memory and what `stream`
+	 * is, so a GPU appearing must not change what the engine's pointers
+	 * mean. An engine on a GPU asks for cuda. */
 	if (c->backend == KVR_BACKEND_AUTO)
 		c->backend = KVR_BACKEND_CPU;
 

@@ -139,9 +139,13 @@ enum kvr_kv_format_kind {
 	                            the window as K4V2 (opt-in; docs/architecture.md) */
 };
 
-/* Where attention runs. */
+/* Where attention runs. The backend also decides what the engine hands to
+ * kvr_decode_layer: host memory and no stream on cpu, device memory and a
+ * cudaStream_t on cuda. So AUTO never switches to cuda when a GPU appears,
+ * which would change what the engine's pointers mean: an engine on a GPU
+ * chooses KVR_BACKEND_CUDA explicitly. */
 enum kvr_backend {
-	KVR_BACKEND_AUTO = 0, /* cuda when compiled in and a GPU is present, else cpu */
+	KVR_BACKEND_AUTO = 0, /* the cpu backend, with or without a GPU: the embedded default */
 	KVR_BACKEND_CPU = 1,  /* vectorised C on the host; always available */
 	KVR_BACKEND_CUDA = 2, /* an NVIDIA GPU; -ENODEV when none is usable */
 };
