@@ -88,7 +88,8 @@ enum kvr_dtype {
 	KVR_DTYPE_F32 = 2,
 };
 
-/* How each decode step chooses the pages it attends to (DESIGN.md, "Modes"). */
+/* How each decode step chooses the pages it attends to (docs/design.md,
+ * "The decode step"). */
 enum kvr_mode {
 	KVR_MODE_AUTO = 0,        /* the backend's default, chosen by benchmark */
 	KVR_MODE_DENSE = 1,       /* attend to every token; the reference */
@@ -97,7 +98,7 @@ enum kvr_mode {
 	KVR_MODE_FREEKV = 4,      /* speculative plus per-head correction below tau */
 };
 
-/* How the pages a step attends to reach attention (DESIGN.md, "Recall"). */
+/* How the pages a step attends to reach attention (docs/design.md, "Recall"). */
 enum kvr_recall {
 	KVR_RECALL_AUTO = 0,      /* the backend's default, chosen by benchmark: zero-copy on cpu;
 	                             on cuda streamed for plain pages of an HND pool in a
@@ -455,7 +456,7 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
  * position of each one's new token; then, layer by layer, kvr_decode_layer
  * takes that layer's q, k, v for the whole batch, stores k and v, and writes
  * the attention output; kvr_decode_end closes the step. Which tokens each query
- * attends to follows the context's mode (DESIGN.md, "Decode step"):
+ * attends to follows the context's mode (docs/design.md, "The decode step"):
  *   dense        every token;
  *   blocking     sink + the k pages selected with this step's query + window;
  *   speculative  the pages selected with the previous step's query (the first
