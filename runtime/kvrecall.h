@@ -517,10 +517,13 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  * status; a sequence that failed in one layer fails in the step's later layers
  * too, and kvr_decode_end takes back what its earlier layers stored), or
  * -EINVAL (no open step, layer out of range, NULL buffers, a stream on the cpu
- * backend, a layer already decoded in this step: refused alone, the step
- * unchanged), -ENOTSUP (a captured stream). A call that fails as a whole
- * after checking its arguments (-ENOMEM, a device error) fails the step of
- * every sequence in the batch. */
+ * backend, a layer already decoded in this step, a replayed step; on a
+ * capturing stream also no reservation for the step's batch, or a step
+ * whose earlier layers were not captured, or the reverse: refused alone, the
+ * step unchanged), -ENOTSUP (a capturing stream where the configuration
+ * cannot be captured: "Decode steps in a CUDA graph" below). A call that
+ * fails as a whole after checking its arguments (-ENOMEM, a device error)
+ * fails the step of every sequence in the batch. */
 KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
 			     const void *k, const void *v, void *out, int32_t *status, void *stream);
 
@@ -555,14 +558,22 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx);
  * positions may change from step to step; a sequence that fails gets zeros
  * and its status, as with kvr_decode_layer.
  *
- * What can be captured, on the cuda backend with pool layout HND,
- * kv_format plain, K8V4 or K4V2 and no spill tier: every mode with
- * zero-copy recall, the sparse ones where window_tokens >= page_tokens (a
- * captured sparse step selects the next step's pages inside the graph,
- * not on the controller thread). Elsewhere kvr_decode_reserve,
- * kvr_decode_layer on a capturing stream and kvr_decode_replay return
- * -ENOTSUP saying why (docs/architecture.md, "Capturing a step in a CUDA
- * graph").
+ * What can be captured: on the cuda backend, with pool layout HND,
+ * kv_format plain, K8V4 or K4V2 and no spill tier,
+ *  - dense mode, with either recall;
+ *  - the sparse modes (blocking, speculative, freekv) with zero-copy
+ *    recall, or with streamed recall of plain pages (f16, bf16, f32),
+ *    where window_tokens >= page_tokens and the budget leaves 1..1024
+ *    pages to select per KV head. A captured sparse step selects the next
+ *    step's pages inside the graph (and, streamed, prefetches them into
+ *    the device page cache there), not on the controller thread.
+ * Refused, each with -ENOTSUP and a message saying why, by
+ * kvr_decode_reserve, by kvr_decode_layer on a capturing stream and by
+ * kvr_decode_replay: the cpu backend, the NHD pool, mixed pages, a spill
+ * tier, and in the sparse modes streamed recall of quantised pages (K8V4,
+ * K4V2: planned on the host), the estimate, k = 0 or k > 1024, and a
+ * window shorter than a page (docs/architecture.md, "Capturing a step in
+ * a CUDA graph").
  */
 /* Size the step's buffers for steps of up to `batch` sequences of up to
  * max_tokens tokens each, which a capture needs (it may not allocate);
