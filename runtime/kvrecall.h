@@ -441,7 +441,9 @@ KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
  * and the tail), so prompts larger than device memory work. Call it after
  * kvr_prefill has stored those positions (first_position + n_tokens must not
  * exceed kvr_seq_length). q and out are [n_tokens][n_qo][d] host arrays of the
- * config's dtype, queries rotated. Blocks until out is written (cpu backend).
+ * config's dtype, queries rotated. The softmax scale is 1/sqrt(head_dim), as
+ * in decode: a model with another scale multiplies q by scale·sqrt(head_dim).
+ * Blocks until out is written.
  * Errors: -EINVAL (unknown ids, positions beyond the stored tokens, NULL
  * buffers), -EBUSY (a decode step is open), -ENOMEM.
  */
@@ -473,6 +475,10 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
  * errno for sequence i: a sequence that fails (e.g. its pool page cannot be
  * reserved) gets zeros for its output and leaves the others' outputs and state
  * intact.
+ *
+ * Attention's softmax scale is 1/sqrt(head_dim), fixed, in decode and
+ * prefill attention alike. A model whose attention uses another scale
+ * folds it into q: multiply q by scale·sqrt(head_dim) before the call.
  * -------------------------------------------------------------------------
  */
 
@@ -484,9 +490,10 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
 KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 			     const uint64_t *positions, uint32_t batch);
 
-/* Decode one layer of the open step (see above). `stream` is the engine's
- * stream handle: NULL on the cpu backend (work runs on the calling thread and
- * `out` is complete when the call returns); on cuda the engine's cudaStream_t
+/* Decode one layer of the open step (see above; the softmax scale is
+ * 1/sqrt(head_dim)). `stream` is the engine's stream handle: NULL on the cpu
+ * backend (work runs on the calling thread and `out` is complete when the
+ * call returns); on cuda the engine's cudaStream_t
  * (NULL: the legacy default stream), q, k, v and out are device memory, the
  * layer starts after the work the engine queued on the stream, and the
  * engine's later work on it waits for `out` (the call may return first;
