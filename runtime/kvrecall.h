@@ -514,7 +514,8 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  * next step (and, with streamed recall, the recall of its missing pages) is
  * queued to the controller and overlaps the engine's next layers.
  * On cuda with an HND pool (plain pages, or K8V4/K4V2 with zero-copy recall;
- * streamed recall without a spill tier) the layer does not wait at all:
+ * streamed recall without a spill tier), 1..1024 pages to select per KV head
+ * and no estimate, the layer does not wait at all:
  * append, correction check, the correction's selection and recall, and
  * attention are all queued on the device, and (a) becomes a wait of the
  * device's, not the thread's (kvr_stats.host_waits counts what remains;
