@@ -367,12 +367,14 @@ KVR_API int kvr_context_get_config(const struct kvr_context *ctx, struct kvr_con
 
 /*
  * The message of the most recent failed call on `ctx`, or "" if none: one
- * sentence, "<call>: <what>: <why>". With ctx == NULL: the most recent failure on
- * the calling thread of a call that had no context (kvr_context_create,
- * kvr_system_query, kvr_config_validate, kvr_config_init, kvr_mode_parse,
- * kvr_kv_format_parse, or any call given ctx == NULL). Safe from any thread while others use the context: the
- * result is a copy in the calling thread's own buffer, valid until that thread's
- * next kvr_last_error call.
+ * sentence, "<call>: <what>: <why>" (a config at fault: "<field>: <rule>").
+ * With ctx == NULL: the most recent failure on the calling thread of a call
+ * that had no context (kvr_context_create, kvr_config_validate,
+ * kvr_config_init, kvr_device_bytes_needed, kvr_mode_parse,
+ * kvr_kv_format_parse, kvr_system_query, kvr_spill_dir_query,
+ * kvr_thread_pool_create, or any call given ctx == NULL). Safe from any
+ * thread while others use the context: the result is a copy in the calling
+ * thread's own buffer, valid until that thread's next kvr_last_error call.
  */
 KVR_API const char *kvr_last_error(const struct kvr_context *ctx);
 
