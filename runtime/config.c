@@ -44,8 +44,8 @@ KVR_API int kvr_config_init(struct kvr_config *cfg)
 	cfg->dtype = KVR_DTYPE_F16;
 	cfg->page_tokens = 32;
 	cfg->budget_tokens = 2048;
-	cfg->sink_tokens = 512;
-	cfg->window_tokens = 512;
+	cfg->sink_tokens = KVR_TOKENS_AUTO;
+	cfg->window_tokens = KVR_TOKENS_AUTO;
 	cfg->tau = 0.9f;
 	cfg->mode = KVR_MODE_AUTO;
 	cfg->backend = KVR_BACKEND_AUTO;
@@ -58,6 +58,24 @@ KVR_API int kvr_config_init(struct kvr_config *cfg)
 	cfg->recall_chunk_pages = 8;
 	cfg->log_level = KVR_LOG_WARN;
 	return 0;
+}
+
+/* The sink and window a config leaves to the library (KVR_TOKENS_AUTO):
+ * min(512, budget_tokens / 4), rounded down to whole pages, each. A quarter
+ * of B each leaves at least half of it to the selected pages, so the sparse
+ * modes always select some (k >= 1). Pure: validation, the device-bytes
+ * estimate and context creation all see the same values. A page_tokens of
+ * 0 leaves them unresolved (validation then names page_tokens). */
+void kvr_config_resolve_tokens(struct kvr_config *c)
+{
+	const uint32_t p = c->page_tokens;
+	if (!p)
+		return;
+	const uint32_t quarter = c->budget_tokens / 4 < 512 ? c->budget_tokens / 4 : 512;
+	if (c->sink_tokens == KVR_TOKENS_AUTO)
+		c->sink_tokens = quarter / p * p;
+	if (c->window_tokens == KVR_TOKENS_AUTO)
+		c->window_tokens = quarter / p * p;
 }
 
 /* Device bytes of one admitted sequence (tail tiles of every layer plus its
@@ -169,8 +187,13 @@ static bool mul_ok(uint64_t *a, uint64_t b)
 	return !__builtin_mul_overflow(*a, b, a);
 }
 
-static int validate(const struct kvr_config *c, char *m, size_t mb)
+static int validate(const struct kvr_config *in, char *m, size_t mb)
 {
+	/* the rules below hold for the sink and window the context would use */
+	struct kvr_config resolved = *in;
+	kvr_config_resolve_tokens(&resolved);
+	const struct kvr_config *c = &resolved;
+
 	/* Shape. */
 	if (c->n_layers == 0)
 		return say(m, mb, -EINVAL, "n_layers: must be at least 1 (got 0)");
@@ -225,8 +248,11 @@ static int validate(const struct kvr_config *c, char *m, size_t mb)
 			   c->budget_tokens);
 	if ((uint64_t)c->budget_tokens < (uint64_t)c->sink_tokens + c->window_tokens)
 		return say(m, mb, -EINVAL,
-			   "budget_tokens: must be at least sink_tokens + window_tokens = %llu (got %u)",
-			   (unsigned long long)c->sink_tokens + c->window_tokens, c->budget_tokens);
+			   "budget_tokens: must be at least sink_tokens + window_tokens = %llu (got %u)%s",
+			   (unsigned long long)c->sink_tokens + c->window_tokens, c->budget_tokens,
+			   in->sink_tokens == KVR_TOKENS_AUTO || in->window_tokens == KVR_TOKENS_AUTO
+				   ? " (KVR_TOKENS_AUTO is min(512, budget_tokens / 4) in whole pages)"
+				   : "");
 	if (!(c->tau >= -1.0f && c->tau <= 1.0f)) /* also rejects NaN */
 		return say(m, mb, -EINVAL, "tau: must be in [-1, 1] (got %g)", (double)c->tau);
 	if (c->mode > KVR_MODE_FREEKV)

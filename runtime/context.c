@@ -44,6 +44,7 @@ KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixe
 		err = kvr_config_validate(&c, message, sizeof(message));
 	if (err)
 		return kvr_fail_config(cfg, err, "%s", message);
+	kvr_config_resolve_tokens(&c);
 	uint64_t fixed, per_seq;
 	kvr_config_device_bytes(&c, kvr_config_recall(&c), &fixed, &per_seq);
 	if (fixed_bytes)
@@ -76,6 +77,25 @@ static void sched_log(void *user, int level, const char *message)
 	kvr_log((const struct kvr_context *)user, (enum kvr_log_level)level, "%s", message);
 }
 
+/* A sparse mode whose budget the sink and window fill selects no page
+ * (k = 0): valid, a sink-plus-window ablation, but more likely a budget set
+ * without its sink and window, so it is said once. */
+static void warn_no_pages(const struct kvr_context *ctx)
+{
+	const struct kvr_config *c = &ctx->config;
+	uint32_t sparse = 0;
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		sparse += !(c->dense_layers[l / 64] >> (l % 64) & 1);
+	if (c->mode == KVR_MODE_DENSE || !sparse ||
+	    (uint64_t)c->budget_tokens - c->sink_tokens - c->window_tokens >= c->page_tokens)
+		return;
+	kvr_log(ctx, KVR_LOG_WARN,
+		"config: budget_tokens %u leaves no page beyond sink_tokens %u and window_tokens %u: "
+		"mode %s selects no pages (k = 0) and attends to the sink and window alone; raise "
+		"budget_tokens or leave sink_tokens and window_tokens at KVR_TOKENS_AUTO",
+		c->budget_tokens, c->sink_tokens, c->window_tokens, kvr_mode_name(c->mode));
+}
+
 static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_bytes)
 {
 	struct kvr_gpu_probe probe;
@@ -85,9 +105,10 @@ static int resolve(struct kvr_config *c, char *gpu_reason, size_t gpu_reason_byt
 	if (c->backend == KVR_BACKEND_CUDA && probe.n_devices == 0)
 		return kvr_fail_config(c, -ENODEV, "backend: cuda requested but no GPU is usable: %s",
 				       probe.reason);
-	/* The cuda backend's decode runtime has been checked only under
-	 * cudaemu-strict so far, never on a GPU (docs/architecture.md, "Status"):
-	 * it is opt-in, and auto means cpu even with a GPU present. */
+	/* Auto is the cpu backend, GPU or not: the backend decides whether the
+	 * engine's q, k, v and out are host or device memory and what `stream`
+	 * is, so a GPU appearing must not change what the engine's pointers
+	 * mean. An engine on a GPU asks for cuda. */
 	if (c->backend == KVR_BACKEND_AUTO)
 		c->backend = KVR_BACKEND_CPU;
 
@@ -169,6 +190,7 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		err = kvr_config_validate(&c, message, sizeof(message));
 	if (err)
 		return kvr_fail_config(cfg, err, "%s", message);
+	kvr_config_resolve_tokens(&c);
 
 	struct kvr_context *ctx = kvr_calloc(1, sizeof(*ctx));
 	if (!ctx)
@@ -259,6 +281,7 @@ int kvr_context_create_internal(const struct kvr_config *cfg, uint32_t dev_kind,
 		kvr_backend_name(c.backend), kvr_mode_name(c.mode), kvr_recall_name(c.recall), kvr_controller_name(c.controller), c.n_layers, c.n_qo_heads,
 		c.n_kv_heads, c.head_dim, kvr_dtype_name(c.dtype), kvr_kv_format_name(c.kv_format), c.page_tokens, c.budget_tokens,
 		c.sink_tokens, c.window_tokens, (double)c.tau, c.threads, c.numa_node);
+	warn_no_pages(ctx);
 	*out = ctx;
 	return 0;
 }

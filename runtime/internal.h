@@ -125,9 +125,12 @@ void kvr_sequences_destroy(struct kvr_context *ctx);
  * size is no config at all, and scanning it would read past the caller's. */
 #define KVR_CONFIG_MAX_GROWTH 4096u
 
-/* The recall kind a config resolves to (auto: zero-copy, streamed with a
- * spill tier). */
+/* The recall kind a config resolves to (auto: config.c says which). */
 uint32_t kvr_config_recall(const struct kvr_config *c);
+
+/* Replace sink_tokens and window_tokens left at KVR_TOKENS_AUTO by what the
+ * context uses (config.c). Every path that reads them after import calls it. */
+void kvr_config_resolve_tokens(struct kvr_config *c);
 
 /* Device bytes a context of config c needs: its fixed share (staging) and
  * each admitted sequence's (tail tiles, page cache), for recall kind

@@ -88,7 +88,8 @@ enum kvr_dtype {
 	KVR_DTYPE_F32 = 2,
 };
 
-/* How each decode step chooses the pages it attends to (DESIGN.md, "Modes"). */
+/* How each decode step chooses the pages it attends to (docs/design.md,
+ * "The decode step"). */
 enum kvr_mode {
 	KVR_MODE_AUTO = 0,        /* the backend's default, chosen by benchmark */
 	KVR_MODE_DENSE = 1,       /* attend to every token; the reference */
@@ -97,7 +98,7 @@ enum kvr_mode {
 	KVR_MODE_FREEKV = 4,      /* speculative plus per-head correction below tau */
 };
 
-/* How the pages a step attends to reach attention (DESIGN.md, "Recall"). */
+/* How the pages a step attends to reach attention (docs/design.md, "Recall"). */
 enum kvr_recall {
 	KVR_RECALL_AUTO = 0,      /* the backend's default, chosen by benchmark: zero-copy on cpu;
 	                             on cuda streamed for plain pages of an HND pool in a
@@ -139,9 +140,13 @@ enum kvr_kv_format_kind {
 	                            the window as K4V2 (opt-in; docs/architecture.md) */
 };
 
-/* Where attention runs. */
+/* Where attention runs. The backend also decides what the engine hands to
+ * kvr_decode_layer: host memory and no stream on cpu, device memory and a
+ * cudaStream_t on cuda. So AUTO never switches to cuda when a GPU appears,
+ * which would change what the engine's pointers mean: an engine on a GPU
+ * chooses KVR_BACKEND_CUDA explicitly. */
 enum kvr_backend {
-	KVR_BACKEND_AUTO = 0, /* cuda when compiled in and a GPU is present, else cpu */
+	KVR_BACKEND_AUTO = 0, /* the cpu backend, with or without a GPU: the embedded default */
 	KVR_BACKEND_CPU = 1,  /* vectorised C on the host; always available */
 	KVR_BACKEND_CUDA = 2, /* an NVIDIA GPU; -ENODEV when none is usable */
 };
@@ -150,6 +155,11 @@ enum kvr_backend {
 #define KVR_MAX_KV_HEADS 256u     /* bound on n_kv_heads */
 #define KVR_MAX_GROUP 64u         /* bound on n_qo_heads / n_kv_heads */
 #define KVR_THREADS_AUTO UINT32_MAX /* threads: one worker per core beyond the caller's */
+/* sink_tokens, window_tokens: each min(512, budget_tokens / 4) rounded down
+ * to whole pages, resolved at context creation (kvr_context_get_config
+ * reports the value) and by kvr_config_validate and kvr_device_bytes_needed
+ * alike; it leaves at least half the budget to selected pages. */
+#define KVR_TOKENS_AUTO UINT32_MAX
 #define KVR_NUMA_NODE_AUTO (-1)   /* numa_node: nearest the GPU, else the caller's node */
 
 /*
@@ -188,11 +198,18 @@ struct kvr_config {
 	uint32_t head_dim;    /* d, elements: a multiple of 32 in 32..256. Default 128. */
 	uint32_t dtype;       /* enum kvr_dtype of q/k/v and of KV pages. Default F16. */
 
-	/* Paging and selection (DESIGN.md vocabulary). */
+	/* Paging and selection (docs/design.md, "Glossary"). S + W + k·p = B, where k
+	 * is the pages the sparse modes select per KV head and step. */
 	uint32_t page_tokens;   /* p: tokens per page, a power of two in 8..256. Default 32. */
-	uint32_t budget_tokens; /* B: tokens attended per KV head per step. Default 2048. */
-	uint32_t sink_tokens;   /* S: first tokens always attended, a multiple of p. Default 512. */
-	uint32_t window_tokens; /* W: newest tokens always attended, a multiple of p. Default 512. */
+	uint32_t budget_tokens; /* B: tokens attended per KV head per step, a multiple of p,
+	                           >= S + W. Default 2048. */
+	uint32_t sink_tokens;   /* S: first tokens always attended, a multiple of p, or
+	                           KVR_TOKENS_AUTO. Default AUTO (512 at B = 2048). */
+	uint32_t window_tokens; /* W: newest tokens always attended, a multiple of p, or
+	                           KVR_TOKENS_AUTO. Default AUTO (512 at B = 2048). Set
+	                           explicitly so that S + W = B, a sparse mode selects no
+	                           pages (k = 0): allowed, as a sink-plus-window ablation,
+	                           and logged as a warning at context creation. */
 	float tau;              /* correction threshold on the group-mean cosine, [-1, 1]. Default 0.9. */
 	uint32_t mode;          /* enum kvr_mode. Default AUTO. */
 	uint32_t backend;       /* enum kvr_backend. Default AUTO. */
@@ -323,10 +340,13 @@ KVR_API int kvr_device_bytes_needed(const struct kvr_config *cfg, uint64_t *fixe
 struct kvr_context;
 
 /*
- * Validate `cfg`, resolve its automatic fields (backend, mode, threads, pool and
- * device sizes, NUMA node) and create a context. On success *out is set. On failure
- * nothing is left allocated, *out is untouched, the message is sent to cfg->log_fn
- * and is readable from the calling thread with kvr_last_error(NULL).
+ * Validate `cfg`, resolve its automatic fields (backend, mode, recall,
+ * controller, sink and window, threads, pool and device sizes, NUMA node) and
+ * create a context. On success *out is set. On failure nothing is left
+ * allocated, *out is untouched, the message is sent to cfg->log_fn and is
+ * readable from the calling thread with kvr_last_error(NULL). A sparse mode
+ * whose explicit sink and window fill the budget (k = 0) is created, with a
+ * warning to cfg->log_fn that it selects no pages.
  * Errors: -EINVAL / -EOVERFLOW / -ENOTSUP (config, see kvr_config_validate),
  * -ENODEV (backend CUDA asked for but no usable GPU), -ENOMEM.
  * Blocks while memory is set up; thread-safe (contexts are independent).
@@ -347,12 +367,14 @@ KVR_API int kvr_context_get_config(const struct kvr_context *ctx, struct kvr_con
 
 /*
  * The message of the most recent failed call on `ctx`, or "" if none: one
- * sentence, "<call>: <what>: <why>". With ctx == NULL: the most recent failure on
- * the calling thread of a call that had no context (kvr_context_create,
- * kvr_system_query, kvr_config_validate, kvr_config_init, kvr_mode_parse,
- * kvr_kv_format_parse, or any call given ctx == NULL). Safe from any thread while others use the context: the
- * result is a copy in the calling thread's own buffer, valid until that thread's
- * next kvr_last_error call.
+ * sentence, "<call>: <what>: <why>" (a config at fault: "<field>: <rule>").
+ * With ctx == NULL: the most recent failure on the calling thread of a call
+ * that had no context (kvr_context_create, kvr_config_validate,
+ * kvr_config_init, kvr_device_bytes_needed, kvr_mode_parse,
+ * kvr_kv_format_parse, kvr_system_query, kvr_spill_dir_query,
+ * kvr_thread_pool_create, or any call given ctx == NULL). Safe from any
+ * thread while others use the context: the result is a copy in the calling
+ * thread's own buffer, valid until that thread's next kvr_last_error call.
  */
 KVR_API const char *kvr_last_error(const struct kvr_context *ctx);
 
@@ -421,7 +443,9 @@ KVR_API int kvr_prefill(struct kvr_context *ctx, uint32_t seq, uint32_t layer,
  * and the tail), so prompts larger than device memory work. Call it after
  * kvr_prefill has stored those positions (first_position + n_tokens must not
  * exceed kvr_seq_length). q and out are [n_tokens][n_qo][d] host arrays of the
- * config's dtype, queries rotated. Blocks until out is written (cpu backend).
+ * config's dtype, queries rotated. The softmax scale is 1/sqrt(head_dim), as
+ * in decode: a model with another scale multiplies q by scale·sqrt(head_dim).
+ * Blocks until out is written.
  * Errors: -EINVAL (unknown ids, positions beyond the stored tokens, NULL
  * buffers), -EBUSY (a decode step is open), -ENOMEM.
  */
@@ -436,7 +460,7 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
  * position of each one's new token; then, layer by layer, kvr_decode_layer
  * takes that layer's q, k, v for the whole batch, stores k and v, and writes
  * the attention output; kvr_decode_end closes the step. Which tokens each query
- * attends to follows the context's mode (DESIGN.md, "Decode step"):
+ * attends to follows the context's mode (docs/design.md, "The decode step"):
  *   dense        every token;
  *   blocking     sink + the k pages selected with this step's query + window;
  *   speculative  the pages selected with the previous step's query (the first
@@ -453,6 +477,10 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
  * errno for sequence i: a sequence that fails (e.g. its pool page cannot be
  * reserved) gets zeros for its output and leaves the others' outputs and state
  * intact.
+ *
+ * Attention's softmax scale is 1/sqrt(head_dim), fixed, in decode and
+ * prefill attention alike. A model whose attention uses another scale
+ * folds it into q: multiply q by scale·sqrt(head_dim) before the call.
  * -------------------------------------------------------------------------
  */
 
@@ -464,9 +492,10 @@ KVR_API int kvr_prefill_attention(struct kvr_context *ctx, uint32_t seq, uint32_
 KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
 			     const uint64_t *positions, uint32_t batch);
 
-/* Decode one layer of the open step (see above). `stream` is the engine's
- * stream handle: NULL on the cpu backend (work runs on the calling thread and
- * `out` is complete when the call returns); on cuda the engine's cudaStream_t
+/* Decode one layer of the open step (see above; the softmax scale is
+ * 1/sqrt(head_dim)). `stream` is the engine's stream handle: NULL on the cpu
+ * backend (work runs on the calling thread and `out` is complete when the
+ * call returns); on cuda the engine's cudaStream_t
  * (NULL: the legacy default stream), q, k, v and out are device memory, the
  * layer starts after the work the engine queued on the stream, and the
  * engine's later work on it waits for `out` (the call may return first;
@@ -487,7 +516,8 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  * next step (and, with streamed recall, the recall of its missing pages) is
  * queued to the controller and overlaps the engine's next layers.
  * On cuda with an HND pool (plain pages, or K8V4/K4V2 with zero-copy recall;
- * streamed recall without a spill tier) the layer does not wait at all:
+ * streamed recall without a spill tier), 1..1024 pages to select per KV head
+ * and no estimate, the layer does not wait at all:
  * append, correction check, the correction's selection and recall, and
  * attention are all queued on the device, and (a) becomes a wait of the
  * device's, not the thread's (kvr_stats.host_waits counts what remains;
@@ -497,10 +527,13 @@ KVR_API int kvr_decode_begin(struct kvr_context *ctx, const uint32_t *seqs,
  * status; a sequence that failed in one layer fails in the step's later layers
  * too, and kvr_decode_end takes back what its earlier layers stored), or
  * -EINVAL (no open step, layer out of range, NULL buffers, a stream on the cpu
- * backend, a layer already decoded in this step: refused alone, the step
- * unchanged), -ENOTSUP (a captured stream). A call that fails as a whole
- * after checking its arguments (-ENOMEM, a device error) fails the step of
- * every sequence in the batch. */
+ * backend, a layer already decoded in this step, a replayed step; on a
+ * capturing stream also no reservation for the step's batch, or a step
+ * whose earlier layers were not captured, or the reverse: refused alone, the
+ * step unchanged), -ENOTSUP (a capturing stream where the configuration
+ * cannot be captured: "Decode steps in a CUDA graph" below). A call that
+ * fails as a whole after checking its arguments (-ENOMEM, a device error)
+ * fails the step of every sequence in the batch. */
 KVR_API int kvr_decode_layer(struct kvr_context *ctx, uint32_t layer, const void *q,
 			     const void *k, const void *v, void *out, int32_t *status, void *stream);
 
@@ -535,14 +568,22 @@ KVR_API int kvr_decode_end(struct kvr_context *ctx);
  * positions may change from step to step; a sequence that fails gets zeros
  * and its status, as with kvr_decode_layer.
  *
- * What can be captured, on the cuda backend with pool layout HND,
- * kv_format plain, K8V4 or K4V2 and no spill tier: every mode with
- * zero-copy recall, the sparse ones where window_tokens >= page_tokens (a
- * captured sparse step selects the next step's pages inside the graph,
- * not on the controller thread). Elsewhere kvr_decode_reserve,
- * kvr_decode_layer on a capturing stream and kvr_decode_replay return
- * -ENOTSUP saying why (docs/architecture.md, "Capturing a step in a CUDA
- * graph").
+ * What can be captured: on the cuda backend, with pool layout HND,
+ * kv_format plain, K8V4 or K4V2 and no spill tier,
+ *  - dense mode, with either recall;
+ *  - the sparse modes (blocking, speculative, freekv) with zero-copy
+ *    recall, or with streamed recall of plain pages (f16, bf16, f32),
+ *    where window_tokens >= page_tokens and the budget leaves 1..1024
+ *    pages to select per KV head. A captured sparse step selects the next
+ *    step's pages inside the graph (and, streamed, prefetches them into
+ *    the device page cache there), not on the controller thread.
+ * Refused, each with -ENOTSUP and a message saying why, by
+ * kvr_decode_reserve, by kvr_decode_layer on a capturing stream and by
+ * kvr_decode_replay: the cpu backend, the NHD pool, mixed pages, a spill
+ * tier, and in the sparse modes streamed recall of quantised pages (K8V4,
+ * K4V2: planned on the host), the estimate, k = 0 or k > 1024, and a
+ * window shorter than a page (docs/architecture.md, "Capturing a step in
+ * a CUDA graph").
  */
 /* Size the step's buffers for steps of up to `batch` sequences of up to
  * max_tokens tokens each, which a capture needs (it may not allocate);

@@ -35,8 +35,8 @@ Test(config, defaults_are_documented_values)
 	cr_expect_eq(c.dtype, KVR_DTYPE_F16);
 	cr_expect_eq(c.page_tokens, 32);
 	cr_expect_eq(c.budget_tokens, 2048);
-	cr_expect_eq(c.sink_tokens, 512);
-	cr_expect_eq(c.window_tokens, 512);
+	cr_expect_eq(c.sink_tokens, KVR_TOKENS_AUTO);
+	cr_expect_eq(c.window_tokens, KVR_TOKENS_AUTO);
 	cr_expect_float_eq(c.tau, 0.9f, 1e-7);
 	cr_expect_eq(c.mode, KVR_MODE_AUTO);
 	cr_expect_eq(c.backend, KVR_BACKEND_AUTO);
@@ -105,6 +105,8 @@ MUT(window_not_multiple, c->window_tokens = 33)
 MUT(budget_zero, c->budget_tokens = 0)
 MUT(budget_not_multiple, c->budget_tokens = 2050)
 MUT(budget_below_sink_window, c->budget_tokens = 1024; c->window_tokens = 1024)
+/* an explicit sink beside an automatic window (min(512, B/4) = 256) */
+MUT(budget_below_auto_window, c->budget_tokens = 1024; c->sink_tokens = 960)
 MUT(tau_high, c->tau = 1.5f)
 MUT(tau_low, c->tau = -1.01f)
 MUT(tau_nan, c->tau = NAN)
@@ -160,6 +162,8 @@ static const struct bad_case bad_cases[] = {
 	  "multiple of page_tokens" },
 	{ "budget_below_sink_window", budget_below_sink_window, -EINVAL, "budget_tokens",
 	  "sink_tokens + window_tokens" },
+	{ "budget_below_auto_window", budget_below_auto_window, -EINVAL, "budget_tokens",
+	  "KVR_TOKENS_AUTO is min(512, budget_tokens / 4)" },
 	{ "tau_high", tau_high, -EINVAL, "tau", "[-1, 1]" },
 	{ "tau_low", tau_low, -EINVAL, "tau", "[-1, 1]" },
 	{ "tau_nan", tau_nan, -EINVAL, "tau", "[-1, 1]" },
@@ -229,6 +233,7 @@ Test(config, boundaries_accepted)
 	struct kvr_config c = base();
 	char msg[256];
 
+	c.sink_tokens = c.window_tokens = 512;
 	c.budget_tokens = c.sink_tokens + c.window_tokens; /* k = 0: sink and window only */
 	cr_expect_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
 	c = base();
@@ -394,6 +399,7 @@ static uint64_t per_sequence_needed(struct kvr_config c, uint32_t backend, uint3
 Test(config, recall_auto_is_per_backend)
 {
 	struct kvr_config c = base();
+	c.sink_tokens = c.window_tokens = 512; /* explicit: k follows the budget below */
 	enum { AUTO = KVR_RECALL_AUTO, ZC = KVR_RECALL_ZERO_COPY, ST = KVR_RECALL_STREAMED };
 	const uint32_t cpu = KVR_BACKEND_CPU, cuda = KVR_BACKEND_CUDA;
 	cr_assert_gt(per_sequence_needed(c, cuda, ST), per_sequence_needed(c, cuda, ZC),
@@ -433,6 +439,171 @@ Test(config, recall_auto_is_per_backend)
 	other.budget_tokens = other.sink_tokens + other.window_tokens;
 	cr_expect_eq(per_sequence_needed(other, cuda, AUTO), per_sequence_needed(other, cuda, ZC),
 		     "cuda, k = 0: zero-copy");
+}
+
+/* ---- sink and window left to the library follow the budget ---- */
+
+/* What KVR_TOKENS_AUTO stands for, written out: a quarter of the budget, at
+ * most 512, rounded down to whole pages. */
+static uint32_t auto_tokens(uint32_t budget, uint32_t page)
+{
+	const uint32_t quarter = budget / 4 < 512 ? budget / 4 : 512;
+	return quarter - quarter % page;
+}
+
+/* A small config that creates quickly (a few MiB of pool, one thread). */
+static struct kvr_config small(uint32_t page, uint32_t budget)
+{
+	struct kvr_config c;
+	cr_assert_eq(kvr_config_init(&c), 0);
+	c.n_layers = 2;
+	c.n_qo_heads = 4;
+	c.n_kv_heads = 2;
+	c.head_dim = 32;
+	c.page_tokens = page;
+	c.budget_tokens = budget;
+	c.max_sequences = c.max_batch = 1;
+	c.threads = 0;
+	c.pool_bytes = 8u << 20;
+	c.backend = KVR_BACKEND_CPU;
+	return c;
+}
+
+/* The context's resolved config. */
+static struct kvr_config created(const struct kvr_config *in)
+{
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(in, &ctx), 0, "p=%u B=%u: %s", in->page_tokens, in->budget_tokens,
+		     kvr_last_error(NULL));
+	struct kvr_config out;
+	kvr_config_init(&out);
+	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
+	kvr_context_destroy(ctx);
+	return out;
+}
+
+Test(config, unset_sink_and_window_follow_the_budget)
+{
+	/* (page, budget): B/4 above 512, at 512, below it, not a page multiple
+	 * (1040/4 = 260 at p 16, 1216/4 = 304 at p 64, 160/4 = 40 at p 32),
+	 * smaller than a page (96/4 = 24 at p 32: no sink or window at all) */
+	static const uint32_t cases[][2] = {
+		{ 32, 4096 }, { 32, 2048 }, { 32, 1024 }, { 16, 1040 }, { 64, 1216 }, { 32, 160 },
+		{ 32, 96 },   { 8, 40 },    { 256, 256 }, { 256, 4096 }, { 128, 640 }, { 32, 32 },
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		const uint32_t p = cases[i][0], b = cases[i][1], want = auto_tokens(b, p);
+		struct kvr_config in = small(p, b);
+		cr_assert_eq(in.sink_tokens, KVR_TOKENS_AUTO);
+		cr_assert_eq(in.window_tokens, KVR_TOKENS_AUTO);
+		char msg[256];
+		cr_assert_eq(kvr_config_validate(&in, msg, sizeof(msg)), 0, "p=%u B=%u: %s", p, b, msg);
+		const struct kvr_config out = created(&in);
+		cr_expect_eq(out.sink_tokens, want, "p=%u B=%u: sink %u, want %u", p, b, out.sink_tokens, want);
+		cr_expect_eq(out.window_tokens, want, "p=%u B=%u: window %u, want %u", p, b, out.window_tokens,
+			     want);
+		/* leaving them unset always leaves pages to select */
+		cr_expect_geq((b - out.sink_tokens - out.window_tokens) / p, 1, "p=%u B=%u", p, b);
+		/* the estimate of device bytes resolves them the same way */
+		struct kvr_config expl = in;
+		expl.sink_tokens = expl.window_tokens = want;
+		uint64_t fa = 0, pa = 0, fe = 1, pe = 1;
+		cr_assert_eq(kvr_device_bytes_needed(&in, &fa, &pa), 0, "%s", kvr_last_error(NULL));
+		cr_assert_eq(kvr_device_bytes_needed(&expl, &fe, &pe), 0, "%s", kvr_last_error(NULL));
+		cr_expect(fa == fe && pa == pe, "p=%u B=%u: device bytes differ from the explicit values'", p, b);
+	}
+	/* one left unset, the other explicit: each on its own */
+	struct kvr_config in = small(32, 1024);
+	in.sink_tokens = 64;
+	struct kvr_config out = created(&in);
+	cr_expect_eq(out.sink_tokens, 64);
+	cr_expect_eq(out.window_tokens, 256);
+	in = small(32, 1024);
+	in.window_tokens = 0;
+	out = created(&in);
+	cr_expect_eq(out.sink_tokens, 256);
+	cr_expect_eq(out.window_tokens, 0);
+	/* dense mode resolves them alike */
+	in = small(16, 1040);
+	in.mode = KVR_MODE_DENSE;
+	out = created(&in);
+	cr_expect_eq(out.sink_tokens, 256);
+	cr_expect_eq(out.window_tokens, 256);
+}
+
+Test(config, explicit_sink_and_window_are_kept)
+{
+	static const uint32_t values[][3] = { /* page, sink, window; budget 1024 */
+		{ 32, 512, 512 }, { 32, 0, 0 }, { 32, 32, 96 }, { 16, 496, 16 }, { 64, 0, 1024 },
+	};
+	for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+		struct kvr_config in = small(values[i][0], 1024);
+		in.sink_tokens = values[i][1];
+		in.window_tokens = values[i][2];
+		const struct kvr_config out = created(&in);
+		cr_expect_eq(out.sink_tokens, values[i][1], "case %zu: sink %u", i, out.sink_tokens);
+		cr_expect_eq(out.window_tokens, values[i][2], "case %zu: window %u", i, out.window_tokens);
+	}
+}
+
+/* The log callback's warnings, joined. */
+static char warnings[4096];
+
+static void keep_warnings(void *user, enum kvr_log_level level, const char *message)
+{
+	(void)user;
+	if (level == KVR_LOG_WARN && strlen(warnings) + strlen(message) + 2 < sizeof(warnings)) {
+		strcat(warnings, message);
+		strcat(warnings, "\n");
+	}
+}
+
+/* Warned at creation: "selects no pages", or nothing. */
+static int warned_no_pages(struct kvr_config c)
+{
+	warnings[0] = '\0';
+	c.log_fn = keep_warnings;
+	c.log_level = KVR_LOG_WARN;
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&c, &ctx), 0, "%s", kvr_last_error(NULL));
+	kvr_context_destroy(ctx);
+	return strstr(warnings, "selects no pages") != NULL;
+}
+
+Test(config, explicit_sink_and_window_that_fill_the_budget_warn)
+{
+	/* k = (B - S - W) / p = 0 in a sparse mode: valid, and said */
+	static const uint32_t modes[] = { KVR_MODE_AUTO, KVR_MODE_BLOCKING, KVR_MODE_SPECULATIVE,
+					  KVR_MODE_FREEKV };
+	for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
+		struct kvr_config c = small(32, 1024);
+		c.mode = modes[i];
+		c.sink_tokens = c.window_tokens = 512;
+		char msg[256];
+		cr_assert_eq(kvr_config_validate(&c, msg, sizeof(msg)), 0, "%s", msg);
+		cr_expect(warned_no_pages(c), "mode %s: no warning in: %s", kvr_mode_name(modes[i]), warnings);
+		cr_expect(strstr(warnings, "budget_tokens 1024") != NULL, "%s", warnings);
+	}
+	/* one page left over (k = 1) is not warned; none is, at any page size */
+	struct kvr_config c = small(32, 1024);
+	c.mode = KVR_MODE_FREEKV;
+	c.sink_tokens = 512;
+	c.window_tokens = 480;
+	cr_expect(!warned_no_pages(c), "k = 1 warned: %s", warnings);
+	c.budget_tokens = 1008;
+	c.page_tokens = 16;
+	c.window_tokens = 496;
+	cr_expect(warned_no_pages(c), "k = 0 at p 16 not warned: %s", warnings);
+	/* not warned: left unset (k >= 1), dense mode, every layer dense */
+	c = small(32, 1024);
+	c.mode = KVR_MODE_FREEKV;
+	cr_expect(!warned_no_pages(c), "%s", warnings);
+	c.sink_tokens = c.window_tokens = 512;
+	c.mode = KVR_MODE_DENSE;
+	cr_expect(!warned_no_pages(c), "%s", warnings);
+	c.mode = KVR_MODE_FREEKV;
+	c.dense_layers[0] = 3;
+	cr_expect(!warned_no_pages(c), "%s", warnings);
 }
 
 /* Calls without a context leave their reason in kvr_last_error(NULL) too:

@@ -142,10 +142,62 @@ Test(context, cuda_without_gpu_is_enodev)
 			  "%s", kvr_last_error(NULL));
 		cr_expect(strstr(kvr_last_error(NULL), s.gpu_reason) != NULL,
 			  "the reason is the probe's: %s", kvr_last_error(NULL));
+		cr_expect_null(ctx);
 	} else {
-		cr_expect_eq(err, -ENOTSUP, "cuda runtime not wired in yet");
+		cr_expect_eq(err, 0, "a usable GPU: %s", kvr_last_error(NULL));
+		kvr_context_destroy(ctx);
 	}
-	cr_expect_null(ctx);
+}
+
+/* Backend auto is the cpu backend whether or not a GPU is usable, so an
+ * engine's buffers mean host memory and no stream is taken; the device
+ * bytes of a config count it as cpu too (they cannot probe the machine). */
+Test(context, backend_auto_is_the_cpu_backend)
+{
+	struct kvr_system_info s = { .size = sizeof(s) };
+	cr_assert_geq(kvr_system_query(&s), -EIO);
+	struct kvr_config in;
+	kvr_config_init(&in);
+	in.n_layers = 2, in.n_qo_heads = 4, in.n_kv_heads = 2, in.head_dim = 32;
+	in.dtype = KVR_DTYPE_F32, in.threads = 0, in.pool_bytes = 8u << 20;
+	in.max_sequences = in.max_batch = 1;
+	cr_assert_eq(in.backend, KVR_BACKEND_AUTO);
+	struct kvr_context *ctx = NULL;
+	cr_assert_eq(kvr_context_create(&in, &ctx), 0, "%u GPUs: %s", s.n_gpus, kvr_last_error(NULL));
+	struct kvr_config out;
+	kvr_config_init(&out);
+	cr_assert_eq(kvr_context_get_config(ctx, &out), 0);
+	cr_expect_eq(out.backend, KVR_BACKEND_CPU, "%u GPUs: auto resolved to %s", s.n_gpus,
+		     kvr_backend_name(out.backend));
+	/* one decode step with host buffers and no stream */
+	uint32_t seq;
+	cr_assert_eq(kvr_seq_create(ctx, &seq), 0, "%s", kvr_last_error(ctx));
+	static float q[4 * 32], k[2 * 32], v[2 * 32], o[4 * 32];
+	for (int i = 0; i < 2 * 32; i++)
+		q[i] = q[i + 64] = k[i] = v[i] = (float)(i % 7) / 7.0f;
+	int32_t status = 1;
+	const uint64_t pos = 0;
+	cr_assert_eq(kvr_decode_begin(ctx, &seq, &pos, 1), 0, "%s", kvr_last_error(ctx));
+	int stream_stand_in;
+	cr_expect_eq(kvr_decode_layer(ctx, 0, q, k, v, o, &status, &stream_stand_in), -EINVAL,
+		     "the cpu backend takes no stream");
+	for (uint32_t l = 0; l < 2; l++) {
+		cr_assert_eq(kvr_decode_layer(ctx, l, q, k, v, o, &status, NULL), 0, "%s", kvr_last_error(ctx));
+		cr_expect_eq(status, 0);
+	}
+	cr_assert_eq(kvr_decode_end(ctx), 0, "%s", kvr_last_error(ctx));
+	cr_expect_float_eq(o[0], v[0], 1e-6f, "one token: attention returns its value");
+	kvr_context_destroy(ctx);
+	/* as a config: auto's device bytes are the cpu backend's */
+	uint64_t fixed[3], per_seq[3];
+	const uint32_t backends[3] = { KVR_BACKEND_AUTO, KVR_BACKEND_CPU, KVR_BACKEND_CUDA };
+	in.mode = KVR_MODE_FREEKV;
+	for (int i = 0; i < 3; i++) {
+		in.backend = backends[i];
+		cr_assert_eq(kvr_device_bytes_needed(&in, &fixed[i], &per_seq[i]), 0, "%s", kvr_last_error(NULL));
+	}
+	cr_expect(fixed[0] == fixed[1] && per_seq[0] == per_seq[1], "auto counted as cpu");
+	cr_expect(per_seq[0] != per_seq[2], "cuda's per-sequence bytes differ (device page cache)");
 }
 
 Test(context, device_budget_too_small)

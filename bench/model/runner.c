@@ -580,9 +580,11 @@ static int make_context(const struct model *m, const struct opts *o, uint32_t mo
 	c.max_batch = 1;
 	if (o->have_budget)
 		c.budget_tokens = o->budget;
-	const uint32_t quarter = (c.budget_tokens / 4) / c.page_tokens * c.page_tokens;
-	c.sink_tokens = o->have_sink ? o->sink : (quarter < 512 ? quarter : 512);
-	c.window_tokens = o->have_window ? o->window : (quarter < 512 ? quarter : 512);
+	/* unset, the library makes each min(512, B/4) in whole pages */
+	if (o->have_sink)
+		c.sink_tokens = o->sink;
+	if (o->have_window)
+		c.window_tokens = o->window;
 	if (o->have_tau)
 		c.tau = o->tau;
 	/* kvrecall's cpu kernels run on the model's workers: one pool, not two */

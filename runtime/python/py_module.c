@@ -350,6 +350,7 @@ PyMODINIT_FUNC PyInit__kvrecall(void)
 	if (PyModule_AddIntConstant(m, "VERSION_NUMBER", KVR_VERSION_NUMBER) ||
 	    PyModule_AddIntConstant(m, "MAX_LAYERS", KVR_MAX_LAYERS) ||
 	    PyModule_AddIntConstant(m, "THREADS_AUTO", (long)KVR_THREADS_AUTO) ||
+	    PyModule_AddIntConstant(m, "TOKENS_AUTO", (long)KVR_TOKENS_AUTO) ||
 	    PyModule_AddIntConstant(m, "NUMA_NODE_AUTO", KVR_NUMA_NODE_AUTO))
 		goto fail;
 	return m;

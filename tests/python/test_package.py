@@ -52,11 +52,50 @@ def test_version_and_system_info():
 
 def test_config_defaults_are_the_c_defaults():
     c = kvrecall.Config(**SHAPE)
-    assert (c.page_tokens, c.budget_tokens, c.sink_tokens, c.window_tokens) == (32, 2048, 512, 512)
+    assert (c.page_tokens, c.budget_tokens, c.sink_tokens, c.window_tokens) == (32, 2048, None, None)
     assert c.dtype == "f16" and c.mode == "auto" and c.kv_format == "plain"
     assert c.threads is None and c.numa_node is None
     assert c.dense_layers == frozenset({0})
     assert pytest.approx(c.tau) == 0.9
+
+
+TINY = dict(SHAPE, pool_bytes=8 << 20, threads=0, max_sequences=1, max_batch=1)
+
+
+def test_sink_and_window_left_unset_follow_the_budget():
+    # unset (None, the default): min(512, B/4) in whole pages, as the context reports it
+    for page, budget, want in ((32, 2048, 512), (32, 4096, 512), (32, 1024, 256), (16, 1040, 256),
+                               (64, 1216, 256), (32, 160, 32), (32, 96, 0)):
+        cfg = kvrecall.Config(**TINY, page_tokens=page, budget_tokens=budget)
+        assert (cfg.sink_tokens, cfg.window_tokens) == (None, None)
+        with kvrecall.Context(cfg) as ctx:
+            assert (ctx.config.sink_tokens, ctx.config.window_tokens) == (want, want), (page, budget)
+    # explicit values are kept, each on its own
+    with kvrecall.Context(**TINY, budget_tokens=1024, sink_tokens=64, window_tokens=0) as ctx:
+        assert (ctx.config.sink_tokens, ctx.config.window_tokens) == (64, 0)
+    with kvrecall.Context(**TINY, budget_tokens=1024, window_tokens=32) as ctx:
+        assert (ctx.config.sink_tokens, ctx.config.window_tokens) == (256, 32)
+    c = kvrecall.Config(**TINY, budget_tokens=1024, sink_tokens=64)
+    assert c.replace(budget_tokens=512).sink_tokens == 64 and c.replace(sink_tokens=None).sink_tokens is None
+    # an explicit sink that the automatic window pushes past the budget is named
+    with pytest.raises(kvrecall.InvalidArgument, match="KVR_TOKENS_AUTO"):
+        kvrecall.Config(**TINY, budget_tokens=1024, sink_tokens=960)
+
+
+def test_explicit_sink_and_window_filling_the_budget_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvrecall"):
+        with kvrecall.Context(**TINY, mode="freekv", budget_tokens=1024, sink_tokens=512,
+                              window_tokens=512) as ctx:
+            ctx.sequence()
+        with kvrecall.Context(**TINY, mode="freekv", budget_tokens=1024) as ctx:
+            ctx.sequence()
+    warned = [r.getMessage() for r in caplog.records if r.name == "kvrecall" and r.levelno == logging.WARNING]
+    assert sum("selects no pages" in m for m in warned) == 1, warned
+
+
+def test_backend_auto_is_the_cpu_backend_with_or_without_a_gpu():
+    with kvrecall.Context(**TINY) as ctx:
+        assert ctx.config.backend == "cpu", kvrecall.system_info()["n_gpus"]
 
 
 def test_config_names_and_dtypes():

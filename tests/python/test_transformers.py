@@ -153,6 +153,8 @@ def test_kv_dtype_follows_the_model(dtype, tol):
     cache = KVRecallCache.for_model(model, mode="dense", budget=256, **KV)
     _, scores = generate(model, ids, cache, tokens=4)
     assert cache.context.config.dtype == {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    # sink and window not given: a quarter of the budget each, from the library
+    assert (cache.context.config.sink_tokens, cache.context.config.window_tokens) == (64, 64)
     # logits within the dtype's rounding (kvrecall accumulates in float32, torch's sdpa in its own way)
     finite = torch.isfinite(ref_scores)  # min_new_tokens masks the end-of-text token to -inf
     assert torch.equal(finite, torch.isfinite(scores))

@@ -85,6 +85,8 @@ _DTYPE_ALIASES = {
     "float32": "f32", "float": "f32", "torch.float32": "f32",
 }
 _THREADS_AUTO = _kvrecall.THREADS_AUTO
+_TOKENS_AUTO = _kvrecall.TOKENS_AUTO
+_TOKENS_FIELDS = ("sink_tokens", "window_tokens")
 _NUMA_AUTO = _kvrecall.NUMA_NODE_AUTO
 
 
@@ -113,7 +115,10 @@ class Config:
     docs/api.md has the table); ``n_layers``, ``n_qo_heads`` and ``n_kv_heads``
     have none. Enums are names (``mode="freekv"``, ``dtype="bf16"`` or a torch
     or numpy dtype, ``kv_format="k8v4"``). ``threads=None`` is one worker per
-    core minus one, ``numa_node=None`` the GPU's node or the caller's.
+    core minus one, ``numa_node=None`` the GPU's node or the caller's,
+    ``sink_tokens=None`` and ``window_tokens=None`` (the defaults) each
+    min(512, budget_tokens / 4) in whole pages. A :class:`Context`'s
+    ``config`` holds what these resolved to.
     ``dense_layers`` is a set of layer indices. ``thread_pool`` shares a
     :class:`ThreadPool`'s workers. The configuration is validated on creation:
     a field outside its rule raises :class:`InvalidArgument` (a ``ValueError``)
@@ -177,6 +182,8 @@ class Config:
             return bool(raw)
         if name == "threads":
             return None if raw == _THREADS_AUTO else int(raw)
+        if name in _TOKENS_FIELDS and raw == _TOKENS_AUTO:
+            return None
         if name == "numa_node":
             return None if raw == _NUMA_AUTO else int(raw)
         if name == "tau":
@@ -201,6 +208,8 @@ class Config:
                 value = _ENUM_NAMES[name].index(value)
             elif name == "threads":
                 value = _THREADS_AUTO if value is None else value
+            elif name in _TOKENS_FIELDS:
+                value = _TOKENS_AUTO if value is None else value
             elif name == "numa_node":
                 value = _NUMA_AUTO if value is None else value
             elif name == "estimate":

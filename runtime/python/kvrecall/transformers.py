@@ -168,9 +168,9 @@ class KVRecallCache(Cache):
         any other :class:`kvrecall.Config` field may be given (``sink_tokens``,
         ``window_tokens``, ``tau``, ``kv_format``, ``threads``, ...). Unless
         given, the sink and window are each a quarter of the budget, at most 512
-        tokens. The model's attention implementation is switched to
-        ``"kvrecall"`` when it is not already (switch back with
-        ``model.set_attn_implementation("sdpa")``)."""
+        tokens, in whole pages (the library's default). The model's attention
+        implementation is switched to ``"kvrecall"`` when it is not already
+        (switch back with ``model.set_attn_implementation("sdpa")``)."""
         text = _text_config(model.config)
         _check_layer_types(text)
         n_qo = text.num_attention_heads
@@ -186,11 +186,6 @@ class KVRecallCache(Cache):
 
     # -- the configuration -------------------------------------------------
     def _complete(self, fields: dict) -> Config:
-        budget = fields.get("budget_tokens", 2048)
-        page = fields.get("page_tokens", 32)
-        quarter = min(512, (budget // 4) // page * page)
-        fields.setdefault("sink_tokens", quarter)
-        fields.setdefault("window_tokens", quarter)
         fields.setdefault("backend", "cpu")
         return Config(**fields)
 
