@@ -117,6 +117,23 @@ static inline int cli_parse_u32(const char *cmd, const char *opt, const char *te
 /* A finite decimal number in [min, max], or in (min, max] when min_excluded;
  * max = INFINITY for no upper bound. Not hexadecimal, inf or nan (which
  * strtod takes). 0, or -1 after a message. */
+/* Whether v is finite and within [min, max] (above min when min_excluded). */
+static inline int cli_number_in_range(double v, double min, double max, int min_excluded)
+{
+	return isfinite(v) && (min_excluded ? v > min : v >= min) && v <= max;
+}
+
+/* The error of a number outside its range (or not a number); -1. */
+static inline int cli_bad_number(const char *cmd, const char *opt, const char *text, double min, double max,
+				 int min_excluded)
+{
+	if (isinf(max))
+		return cli_bad_value(cmd, opt, text, "a number %s %g", min_excluded ? "above" : "of at least", min);
+	if (min_excluded)
+		return cli_bad_value(cmd, opt, text, "a number above %g and at most %g", min, max);
+	return cli_bad_value(cmd, opt, text, "a number from %g to %g", min, max);
+}
+
 static inline int cli_parse_double(const char *cmd, const char *opt, const char *text, double min, double max,
 				   int min_excluded, double *out)
 {
@@ -124,14 +141,8 @@ static inline int cli_parse_double(const char *cmd, const char *opt, const char 
 			    !strpbrk(text, "xXpP");
 	char *end = NULL;
 	const double v = decimal ? strtod(text, &end) : NAN;
-	if (!decimal || *end || !isfinite(v) || (min_excluded ? !(v > min) : !(v >= min)) || !(v <= max)) {
-		if (isinf(max))
-			return cli_bad_value(cmd, opt, text, "a number %s %g", min_excluded ? "above" : "of at least",
-					     min);
-		if (min_excluded)
-			return cli_bad_value(cmd, opt, text, "a number above %g and at most %g", min, max);
-		return cli_bad_value(cmd, opt, text, "a number from %g to %g", min, max);
-	}
+	if (!decimal || *end || !cli_number_in_range(v, min, max, min_excluded))
+		return cli_bad_number(cmd, opt, text, min, max, min_excluded);
 	*out = v;
 	return 0;
 }
@@ -284,15 +295,20 @@ static inline int cli_opt_double(const char *cmd, int argc, char **argv, int *i,
 }
 
 /* As cli_opt_double, into a float read with strtof (the value a float
- * literal of the same text would have). */
+ * literal of the same text would have), whose range is checked too. */
 static inline int cli_opt_float(const char *cmd, int argc, char **argv, int *i, const char *name, double min,
 				double max, int min_excluded, float *out)
 {
 	double checked = 0;
 	const int r = cli_opt_double(cmd, argc, argv, i, name, min, max, min_excluded, &checked);
-	if (r > 0)
-		*out = strtof(argv[*i], NULL);
-	return r;
+	if (r <= 0)
+		return r;
+	/* the range again on the float: 1e39 overflows to inf, 1e-320 underflows to 0 */
+	const float f = strtof(argv[*i], NULL);
+	if (!cli_number_in_range(f, min, max, min_excluded))
+		return cli_bad_number(cmd, name, argv[*i], min, max, min_excluded);
+	*out = f;
+	return 1;
 }
 
 static inline int cli_opt_u32_list(const char *cmd, int argc, char **argv, int *i, const char *name, uint32_t min,

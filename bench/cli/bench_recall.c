@@ -312,13 +312,15 @@ static int check_slots(struct format_env *f, uint32_t k_b)
 
 /* The peak pinned host->device rate in this run: batched copies of 16 KiB to
  * 4 MiB transfers out of 256 MiB of registered memory, as `bench copy`
- * measures it. */
-static double copy_peak_gbps(const char *backend, uint32_t reps)
+ * measures it. *chosen becomes the backend --backend resolved to ("cpu" or
+ * "cuda"), so that the recall rows run on the device the peak was taken on. */
+static double copy_peak_gbps(const char *backend, uint32_t reps, const char **chosen)
 {
 	struct kvr_dev *dev;
 	const char *name;
 	if (bench_open_device(RECALL_CMD, backend, &dev, &name))
 		return 0;
+	*chosen = name;
 	const uint64_t src_bytes = 256ull << 20, dst_bytes = 64ull << 20;
 	unsigned char *src = bench_huge_alloc("kvrecall bench recall", src_bytes), *dst = NULL;
 	struct kvr_stream *stream = NULL;
@@ -520,8 +522,8 @@ int bench_recall(int argc, char **argv)
 					  &o.n_chunks))
 		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--batch", 1, 256, &o.batch))
 		CLI_TAKE(cli_opt_double(RECALL_CMD, argc, argv, &i, "--miss-rate", 0, 1, 1, &o.miss_rate))
-		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--sink", 0, UINT32_MAX, &o.sink))
-		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--window", 0, UINT32_MAX, &o.window))
+		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--sink", 0, UINT32_MAX - 1, &o.sink))
+		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--window", 0, UINT32_MAX - 1, &o.window))
 		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--reps", 1, 31, &o.reps))
 		CLI_TAKE(cli_opt_u32(RECALL_CMD, argc, argv, &i, "--pool-mib", 1, 1u << 20, &o.pool_mib))
 		return cli_usage_error(RECALL_CMD, "unknown option '%s'", argv[i]);
@@ -530,7 +532,7 @@ int bench_recall(int argc, char **argv)
 	const uint32_t p = o.sh.page_tokens;
 	uint32_t max_budget = 0;
 	for (uint32_t b = 0; b < o.n_budgets; b++) {
-		if (o.budgets[b] % p || o.budgets[b] < o.sink + o.window + p) {
+		if (o.budgets[b] % p || o.budgets[b] < (uint64_t)o.sink + o.window + p) {
 			fprintf(stderr, "kvrecall bench recall: --budget %u must be a multiple of p = %u and hold "
 					"sink + window + one page\n", o.budgets[b], p);
 			return 2;
@@ -553,7 +555,8 @@ int bench_recall(int argc, char **argv)
 		return 2;
 	}
 	const uint64_t pool_bytes = n_pages * o.batch * page_bytes;
-	const double peak = copy_peak_gbps(o.backend, o.reps);
+	const char *run_backend = o.backend; /* auto resolved as the peak's device */
+	const double peak = copy_peak_gbps(o.backend, o.reps, &run_backend);
 	struct recall_row rows[N_POOLS * 8 * 8 * 2];
 	uint32_t n_rows = 0;
 	const uint32_t total = o.n_budgets * o.n_chunks * (2 * 2 + 2);
@@ -561,7 +564,7 @@ int bench_recall(int argc, char **argv)
 	const char *device_name = "?"; /* "cpu", "cuda" */
 	for (uint32_t pool = 0; !rc && pool < N_POOLS; pool++) {
 		struct format_env f = { .pool = pool };
-		rc = format_open(&f, o.backend, &o.sh, o.batch, max_budget, o.sink, o.window, (uint32_t)n_pages);
+		rc = format_open(&f, run_backend, &o.sh, o.batch, max_budget, o.sink, o.window, (uint32_t)n_pages);
 		if (!rc) {
 			device_name = kvr_dev_name(f.s->dev);
 			rc = run_format(&f, &o, rows, &n_rows, total, &traced);

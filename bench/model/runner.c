@@ -178,9 +178,9 @@ static int shared_option(int argc, char **argv, int *i, struct opts *o)
 		return r;
 	if ((r = cli_opt_u32(cmd, argc, argv, i, "--budget", 1, UINT32_MAX, &o->budget)))
 		o->have_budget = 1;
-	else if ((r = cli_opt_u32(cmd, argc, argv, i, "--sink", 0, UINT32_MAX, &o->sink)))
+	else if ((r = cli_opt_u32(cmd, argc, argv, i, "--sink", 0, UINT32_MAX - 1, &o->sink)))
 		o->have_sink = 1;
-	else if ((r = cli_opt_u32(cmd, argc, argv, i, "--window", 0, UINT32_MAX, &o->window)))
+	else if ((r = cli_opt_u32(cmd, argc, argv, i, "--window", 0, UINT32_MAX - 1, &o->window)))
 		o->have_window = 1;
 	else if ((r = cli_opt_float(cmd, argc, argv, i, "--tau", -1, 1, 0, &o->tau)))
 		o->have_tau = 1;
@@ -1054,6 +1054,7 @@ struct eval_opts {
 			     * blank line, so that 8K tokens can come from Debian's own shorter texts */
 	uint32_t n_files;
 	uint32_t context, prefill, modes[4], n_modes, formats[4], n_formats;
+	int modes_given;               /* --modes seen: its sparse modes, none when it named dense alone */
 	int estimate_off, estimate_on; /* --estimate off|on|both */
 };
 
@@ -1085,7 +1086,7 @@ static int parse_eval(int argc, char **argv, struct opts *o, struct eval_opts *e
 			uint32_t modes[4], n = 0;
 			if (cli_parse_name_list(EVAL_CMD, "--modes", text, cli_mode_parse, cli_mode_names, modes, 4, &n))
 				r = -1;
-			e->n_modes = 0; /* dense always runs first, as the reference */
+			e->n_modes = 0, e->modes_given = 1; /* dense always runs first, as the reference */
 			for (uint32_t m = 0; r > 0 && m < n; m++)
 				if (modes[m] != KVR_MODE_DENSE)
 					e->modes[e->n_modes++] = modes[m];
@@ -1100,7 +1101,7 @@ static int parse_eval(int argc, char **argv, struct opts *o, struct eval_opts *e
 	o->file = e->files[0];
 	if (!e->n_formats)
 		e->formats[e->n_formats++] = KVR_KV_FORMAT_PLAIN;
-	if (!e->n_modes) {
+	if (!e->modes_given) {
 		e->modes[e->n_modes++] = KVR_MODE_BLOCKING;
 		e->modes[e->n_modes++] = KVR_MODE_SPECULATIVE;
 		e->modes[e->n_modes++] = KVR_MODE_FREEKV;
