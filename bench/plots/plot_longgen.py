@@ -18,8 +18,8 @@ import sys
 
 COLORS = {"dense": "#888888", "blocking": "#1f77b4", "speculative": "#2ca02c", "freekv": "#d62728"}
 PEER_COLORS = ["#9467bd", "#8c564b", "#e377c2"]
-W, H = 760, 470
-LEFT, RIGHT, TOP, BOTTOM = 70, 190, 40, 150
+W, H = 830, 470
+LEFT, RIGHT, TOP, BOTTOM = 70, 260, 40, 150
 CORR_H = 70  # the corrections panel under the speed panel
 
 
@@ -69,9 +69,10 @@ def main():
         v = y_top * i / 5
         out.append(f'<line x1="{LEFT}" x2="{LEFT + pw}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" stroke="#eee"/>')
         out.append(f'<text x="{LEFT - 6}" y="{Y(v) + 4:.1f}" text-anchor="end">{v:g}</text>')
-    for i in range(6):
-        pos = x_max * i / 5
-        out.append(f'<text x="{X(pos):.1f}" y="{TOP + ph + 16}" text-anchor="middle">{pos:.0f}</text>')
+    _, x_step = nice_axis(x_max)  # ticks at round positions within the run
+    for i in range(int(x_max // x_step) + 1):
+        pos = x_step * i
+        out.append(f'<text x="{X(pos):.1f}" y="{TOP + ph + 16}" text-anchor="middle">{pos:,.0f}</text>')
     out.append(f'<text x="{LEFT + pw / 2}" y="{TOP + ph + 32}" text-anchor="middle">position (tokens in the '
                f'context)</text>')
     out.append(f'<text x="18" y="{TOP + ph / 2}" transform="rotate(-90 18 {TOP + ph / 2})" '
